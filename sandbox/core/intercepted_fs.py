@@ -1,0 +1,214 @@
+"""InterceptedFS: POSIX-like primitive operations on paths relative to the working root.
+
+Each mutation runs the interceptor's pre-hook and then the host call through the
+narrow host-filesystem interface, both under the interceptor's lock, so the WAL record
+and the mutation it protects are never interleaved with another operation. This is the
+object the protocol servers and the simulated client both call (SPEC §3).
+
+Paths: every argument is normalised (``..``, absolute paths and NUL bytes are
+refused with :class:`~sandbox.hostfs.PathError` before anything is touched); symlinks
+are never followed on the host — a path routed through one fails with ``ELOOP``.
+Symlink *targets* are data and are stored as given.
+
+Safeguards: if a pre-hook says *hold*, the optional ``decide(hold) -> "allow"|"deny"``
+callback is asked synchronously; without one, :class:`HoldRequired` propagates to the
+caller (servers hold the reply, resolve, and retry). A deny rolls the step back and the
+operation fails with :class:`SafeguardDenied` (``EIO``).
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Callable
+
+from ..hostfs import DIR, NAME_LEN_MAX, PATH_LEN_MAX, HostFS, PathError, Stat, join, normalize
+from .errors import HoldRequired, SafeguardDenied
+from .interceptor import UndoInterceptor
+from .safeguard import Hold
+
+Decide = Callable[[Hold], str]
+
+
+def _entry(path: str, what: str) -> str:
+    p = normalize(path)
+    if p == "":
+        raise PathError(errno.EBUSY, f"cannot {what} the working root itself")
+    return p
+
+
+class InterceptedFS:
+    def __init__(self, host: HostFS, interceptor: UndoInterceptor, decide: Decide | None = None):
+        self.host = host
+        self.interceptor = interceptor
+        self.decide = decide
+
+    # ------------------------------------------------------------------ machinery
+
+    def _run(self, hook: Callable[[], None], call: Callable[[], object]):
+        i = self.interceptor
+        with i.lock:
+            while True:
+                try:
+                    hook()
+                    break
+                except HoldRequired as held:
+                    if self.decide is None:
+                        raise
+                    action = self.decide(held.hold)
+                    i.resolve_hold(held.hold.id, "allow" if action == "allow" else "deny")
+                    if action != "allow":
+                        raise SafeguardDenied(f"{held.hold.message} Denied: step {held.hold.step_id} was rolled back.") from None
+            try:
+                return call()
+            except Exception:
+                i.op_failed()
+                raise
+
+    # ------------------------------------------------------------------ reads (no hooks)
+
+    def lstat(self, path: str) -> Stat:
+        return self.host.lstat(normalize(path))
+
+    def exists(self, path: str) -> bool:
+        return self.host.exists(normalize(path))
+
+    def listdir(self, path: str = "") -> list[str]:
+        return self.host.listdir(normalize(path))
+
+    def read(self, path: str, offset: int = 0, length: int = 1 << 30) -> bytes:
+        return self.host.read(normalize(path), offset, length)
+
+    def read_file(self, path: str) -> bytes:
+        return self.host.read_all(normalize(path))
+
+    def readlink(self, path: str) -> str:
+        return self.host.readlink(normalize(path))
+
+    def xattrs(self, path: str) -> dict[str, bytes]:
+        return self.host.xattrs(normalize(path))
+
+    # ------------------------------------------------------------------ primitives
+
+    def create(self, path: str, mode: int = 0o644) -> None:
+        p = _entry(path, "create")
+        i = self.interceptor
+        self._run(lambda: i.pre_create(p), lambda: self.host.create(p, mode))
+        i.post_create(p)
+
+    def open_trunc(self, path: str) -> None:
+        p = _entry(path, "truncate")
+        self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0))
+
+    def write(self, path: str, offset: int, data: bytes) -> int:
+        p = _entry(path, "write")
+        if offset < 0:
+            raise OSError(errno.EINVAL, "negative offset", path)
+        self._run(lambda: self.interceptor.pre_write(p), lambda: self.host.write_all(p, offset, bytes(data)))
+        return len(data)
+
+    def truncate(self, path: str, size: int) -> None:
+        p = _entry(path, "truncate")
+        if size < 0:
+            raise OSError(errno.EINVAL, "negative size", path)
+        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: self.host.truncate(p, size))
+
+    def unlink(self, path: str) -> None:
+        p = _entry(path, "unlink")
+        self._run(lambda: self.interceptor.pre_unlink(p, False), lambda: self.host.unlink(p))
+
+    def rmdir(self, path: str) -> None:
+        p = _entry(path, "remove")
+        self._run(lambda: self.interceptor.pre_unlink(p, True), lambda: self.host.rmdir(p))
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        p = _entry(path, "create")
+        i = self.interceptor
+        self._run(lambda: i.pre_create(p), lambda: self.host.mkdir(p, mode))
+        i.post_mkdir(p)
+
+    def rename(self, src: str, dst: str) -> None:
+        s, d = _entry(src, "rename"), _entry(dst, "replace")
+        self._run(lambda: self.interceptor.pre_rename(s, d), lambda: self.host.rename(s, d))
+
+    def symlink(self, target: str, path: str) -> None:
+        p = _entry(path, "create")
+        if not isinstance(target, str) or not target or "\0" in target or len(target.encode("utf-8", "surrogateescape")) > PATH_LEN_MAX:
+            raise PathError(errno.EINVAL, f"invalid symlink target {target!r}")
+        i = self.interceptor
+        self._run(lambda: i.pre_create(p), lambda: self.host.symlink(target, p))
+        i.post_symlink(target, p)
+
+    def link(self, existing: str, new: str) -> None:
+        e, n = _entry(existing, "link"), _entry(new, "create")
+        self._run(lambda: self.interceptor.pre_link(e, n), lambda: self.host.link(e, n))
+
+    def chmod(self, path: str, mode: int) -> None:
+        p = normalize(path)
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.chmod(p, mode))
+
+    def utime(self, path: str, mtime_ns: int) -> None:
+        p = normalize(path)
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns))
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        p = normalize(path)
+        if not name or "\0" in name or len(name) > NAME_LEN_MAX:
+            raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)
+        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.setxattr(p, name, bytes(value)))
+
+    def removexattr(self, path: str, name: str) -> None:
+        p = normalize(path)
+        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.removexattr(p, name))
+
+    def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
+        p = _entry(path, "fallocate")
+        self._run(lambda: self.interceptor.pre_fallocate(p), lambda: self.host.fallocate(p, offset, length, mode))
+
+    def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
+        s, d = normalize(src), _entry(dst, "write")
+        return self._run(lambda: self.interceptor.pre_copy_file_range(d),
+                         lambda: self.host.copy_file_range(s, d, src_offset, dst_offset, length))
+
+    # ------------------------------------------------------------------ conveniences
+
+    def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Replace or create a file the way ``open(O_CREAT|O_TRUNC); write`` does."""
+        p = _entry(path, "write")
+        try:
+            st = self.host.lstat(p)
+        except FileNotFoundError:
+            self.create(p, mode)
+        else:
+            if st.kind == DIR:
+                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+            self.open_trunc(p)
+        if data:
+            self.write(p, 0, data)
+
+    def remove_tree(self, path: str) -> None:
+        """What ``rm -rf`` does: one unlink or rmdir per entry, children first."""
+        p = _entry(path, "remove")
+        try:
+            st = self.host.lstat(p)
+        except FileNotFoundError:
+            return
+        if st.kind == DIR:
+            for name in sorted(self.host.listdir(p)):
+                self.remove_tree(join(p, name))
+            self.rmdir(p)
+        else:
+            self.unlink(p)
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        """What ``mkdir -p`` does."""
+        p = normalize(path)
+        parts = p.split("/") if p else []
+        for k in range(1, len(parts) + 1):
+            sub = "/".join(parts[:k])
+            try:
+                st = self.host.lstat(sub)
+            except FileNotFoundError:
+                self.mkdir(sub, mode)
+            else:
+                if st.kind != DIR:
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", sub)

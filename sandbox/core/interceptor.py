@@ -1,0 +1,361 @@
+"""UndoInterceptor: the hooks every filesystem backend calls around each mutation.
+
+Call protocol (``InterceptedFS`` follows it; servers that apply operations themselves
+must too)::
+
+    with interceptor.lock:
+        interceptor.pre_xxx(...)        # may raise HoldRequired / SafeguardDenied / OSError
+        try:
+            host call
+        except Exception:
+            interceptor.op_failed()     # voids intent records, restores dedup marks
+            raise
+        interceptor.post_xxx(...)       # only for creations
+
+Hook names are the seed's (§4.3.3) plus ``pre_create``: a creation must be journalled
+*before* the host call or a crash right after it would leave an unrecorded file (WAL
+rule 2), so ``post_create``/``post_mkdir``/``post_symlink`` only confirm.
+
+First touch: each path is captured at most once per step at each level — ``META``
+(mode, mtime, xattrs: enough for chmod/utime/xattr of a regular file) or ``FULL``
+(bytes too; directories and symlinks are always FULL since their "content" is their
+metadata/target). Marks follow renames: a subtree renamed in the step keeps its marks
+under the new name (the ``renamed`` record moves it back before older records apply).
+Two undos must never be skipped by marks: the ``pre`` of a directory being removed
+(rmdir, or replaced by a rename) — its children's undos need it to exist first.
+
+Hardlinks are path-based: linking captures the existing file first (writes through
+either name change both); a rollback restores bytes in place, so links that survive
+the step stay links, but a link *deleted* in the step comes back as a separate file.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from typing import Callable
+
+from ..hostfs import DIR, OTHER, REG, HostFS, Stat, parent_of
+from .errors import HoldRequired, SafeguardDenied
+from .preimage import meta_of
+from .safeguard import Hold, Safeguard
+from .steps import AMBIENT, StepTracker
+from .store import UndoLog
+
+META, FULL = 1, 2
+
+
+class UndoInterceptor:
+    def __init__(self, work: HostFS, log: UndoLog, tracker: StepTracker, safeguard: Safeguard,
+                 emit: Callable[[dict], None] | None = None):
+        self.work = work
+        self.log = log
+        self.tracker = tracker
+        self.safeguard = safeguard
+        self._emit = emit or (lambda e: None)
+        self.lock = threading.RLock()
+        self._marks: dict[str, int] = {}
+        self._mark_undo: list[tuple[str, int | None]] | None = None
+        self._op_start = 0
+
+    # ------------------------------------------------------------------ steps
+
+    def current_step(self) -> int | None:
+        """The id writes go to right now (None: the next write opens an ambient step)."""
+        with self.lock:
+            self.poll()
+            a = self.tracker.active
+            return a.id if a is not None else None
+
+    def begin_step(self, step_type: str, command: str, step_id: int | None = None) -> int:
+        """Open a command or API step (closing a draining or ambient one first)."""
+        with self.lock:
+            if self.tracker.active is not None:
+                a = self.tracker.active
+                if a.type != AMBIENT and not a.draining:
+                    raise RuntimeError(f"step {a.id} is still running")
+                self._close_active()
+            if step_id is None:
+                step_id = self.log.allocate_id(ambient=step_type == AMBIENT)
+            self._open(step_id, step_type, command)
+            return step_id
+
+    def complete_step(self, step_id: int, exit_code: int | None) -> None:
+        """The command finished; late writes drain into it until quiescence (see steps.py)."""
+        with self.lock:
+            self.tracker.complete(step_id, exit_code)
+            self.poll()
+
+    def close_now(self) -> None:
+        """Close whatever step is active, without waiting for quiescence."""
+        with self.lock:
+            if self.tracker.active is not None:
+                self._close_active()
+
+    def poll(self) -> None:
+        """Time-driven transitions: expired holds deny; due steps close. Cheap; call often."""
+        with self.lock:
+            hold = self.safeguard.expired()
+            if hold is not None:
+                self._emit({"type": "event.warning", "message": f"safeguard {hold.id} timed out: denied"})
+                self.resolve_hold(hold.id, "deny")
+            if self.tracker.due():
+                self._close_active()
+
+    def _open(self, step_id: int, step_type: str, command: str) -> None:
+        self._marks = {}
+        if self.log.available:
+            self.log.begin(step_id, step_type, command)
+        self.tracker.begin(step_id, step_type, command)
+
+    def _close_active(self) -> None:
+        a = self.tracker.active
+        info = None
+        if self.log.open_step is not None:
+            info = self.log.finish(self.work, a.exit_code)  # if this fails the step stays open; retried later
+        self.tracker.end()
+        self.safeguard.step_ended(a.id)
+        self._marks = {}
+        if info is not None:
+            self._emit({"type": "event.step_completed", "step_id": info.id, "step_type": info.type,
+                        "exit_code": info.exit_code, "paths": len(info.paths), "unprotected": info.unprotected})
+
+    # ------------------------------------------------------------------ safeguard
+
+    def resolve_hold(self, hold_id: str, action: str) -> Hold:
+        """allow: the held operation may be retried. deny: the step is rolled back now."""
+        with self.lock:
+            hold = self.safeguard.resolve(hold_id, action)
+            if action == "deny":
+                a = self.tracker.active
+                if a is not None and a.id == hold.step_id:
+                    a.denied = True
+                    if self.log.open_step is not None:
+                        self.log.deny_open(self.work)
+                    self._marks = {}
+            return hold
+
+    # ------------------------------------------------------------------ entry
+
+    def _enter(self, kind: str | None = None, path: str = "") -> bool:
+        """Common start of every pre-hook. Returns True if captures are to be made."""
+        self.poll()
+        if self.tracker.active is None:
+            self._open(self.log.allocate_id(ambient=True), AMBIENT, "")
+        a = self.tracker.active
+        if a.denied:
+            raise SafeguardDenied(f"step {a.id} was denied by a safeguard and rolled back; further writes fail")
+        if kind is not None:
+            hold = self.safeguard.check(a.id, kind, path)
+            if hold is not None:
+                self._emit({"type": "event.safeguard_triggered", **hold.as_dict()})
+                raise HoldRequired(hold)
+        elif self.safeguard.pending is not None:
+            raise HoldRequired(self.safeguard.pending)
+        self.tracker.touch()
+        self._mark_undo = []
+        step = self.log.open_step
+        if step is None:
+            return False
+        self._op_start = len(step.records)
+        return not step.unprotected
+
+    def op_failed(self) -> None:
+        """The host call after the last pre-hook failed: void its intents, restore marks."""
+        with self.lock:
+            step = self.log.open_step
+            if step is not None and not step.unprotected:
+                void = [i for i in range(self._op_start, len(step.records)) if step.records[i].get("op") in ("created", "renamed")]
+                self.log.void(void)
+            for path, old in reversed(self._mark_undo or []):
+                if old is None:
+                    self._marks.pop(path, None)
+                else:
+                    self._marks[path] = old
+            self._mark_undo = []
+
+    # ------------------------------------------------------------------ marks
+
+    def _set_mark(self, path: str, level: int | None) -> None:
+        old = self._marks.get(path)
+        if old == level:
+            return
+        if self._mark_undo is not None:
+            self._mark_undo.append((path, old))
+        if level is None:
+            self._marks.pop(path, None)
+        else:
+            self._marks[path] = level
+
+    def _drop_subtree(self, path: str) -> list[tuple[str, int]]:
+        if path == "":
+            under = list(self._marks.items())
+        else:
+            pre = path + "/"
+            under = [(p, m) for p, m in self._marks.items() if p == path or p.startswith(pre)]
+        for p, _ in under:
+            self._set_mark(p, None)
+        return under
+
+    # ------------------------------------------------------------------ capture
+
+    def _lstat(self, path: str) -> Stat | None:
+        try:
+            return self.work.lstat(path)
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None
+
+    def _account(self, rec: dict) -> bool:
+        """Charge a record to the step; False (and the step turns unprotected) past the limit."""
+        step = self.log.open_step
+        cost = rec.get("stored", 0) + 256
+        limit = min(self.log.limits.max_single_step_size_bytes, self.log.limits.max_log_size_bytes)
+        if step.size_bytes + cost > limit:
+            self.log.mark_unprotected()
+            return False
+        step.size_bytes += cost
+        if self.log.total_size_bytes() > self.log.limits.max_log_size_bytes:
+            self.log.enforce_limits()
+        return True
+
+    def _capture(self, path: str, level: int, always: bool = False) -> None:
+        step = self.log.open_step
+        if step.unprotected or (not always and self._marks.get(path, 0) >= level):
+            return
+        st = self._lstat(path)
+        if st is None:
+            return  # nothing there: the host call will fail (ENOENT) or create it
+        if st.kind == OTHER:
+            raise OSError(errno.EPERM, "special files (fifo, socket, device) are not supported", path)
+        rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st)}
+        if rec["op"] == "pre" and st.kind == REG:
+            rec.update(self.log.capture_content(self.work, path, st, len(step.records)))
+        if not self._account(rec):
+            return
+        self.log.append(rec)
+        self._set_mark(path, FULL if rec["op"] == "pre" else META)
+
+    def _capture_parent(self, path: str) -> None:
+        self._capture(parent_of(path), FULL)
+
+    def _intent(self, rec: dict) -> bool:
+        if not self._account(rec):
+            return False
+        self.log.append(rec)
+        return True
+
+    # ------------------------------------------------------------------ content hooks
+
+    def _content_hook(self, path: str, gate_overwrite: bool) -> None:
+        with self.lock:
+            st = self._lstat(path) if gate_overwrite else None
+            large = st is not None and st.kind == REG and st.size > self.safeguard.config.overwrite_size_bytes
+            if self._enter("overwrite" if large else None, path):
+                self._capture(path, FULL)
+
+    def pre_write(self, path: str) -> None:
+        self._content_hook(path, gate_overwrite=False)
+
+    def pre_open_trunc(self, path: str) -> None:
+        """An existing file is about to be truncated by open(O_TRUNC) — not post_create."""
+        self._content_hook(path, gate_overwrite=True)
+
+    def pre_fallocate(self, path: str) -> None:
+        self._content_hook(path, gate_overwrite=False)
+
+    def pre_copy_file_range(self, dst_path: str) -> None:
+        self._content_hook(dst_path, gate_overwrite=False)
+
+    def pre_setattr(self, path: str, size: int | None = None) -> None:
+        """chmod/chown/utimes (metadata) or, with ``size``, a truncate (contents)."""
+        with self.lock:
+            if size is not None:
+                st = self._lstat(path)
+                large = st is not None and st.kind == REG and size < st.size and st.size > self.safeguard.config.overwrite_size_bytes
+                if self._enter("overwrite" if large else None, path):
+                    self._capture(path, FULL)
+            elif self._enter():
+                self._capture(path, META)
+
+    def pre_xattr(self, path: str) -> None:
+        with self.lock:
+            if self._enter():
+                self._capture(path, META)
+
+    # ------------------------------------------------------------------ entry hooks
+
+    def pre_unlink(self, path: str, is_dir: bool) -> None:
+        with self.lock:
+            if not self._enter("delete", path):
+                return
+            self._capture_parent(path)
+            if is_dir:
+                self._capture(path, FULL, always=True)
+            else:
+                self._capture(path, FULL)
+            self._set_mark(path, None)  # a directory being removed is empty: no marks below it
+
+    def pre_create(self, path: str) -> None:
+        """Something new (file, directory, symlink) is about to appear at ``path``."""
+        with self.lock:
+            if not self._enter() or self._lstat(path) is not None:
+                return  # something is there: the host call fails with EEXIST; no intent to record
+            self._capture_parent(path)
+            if self._intent({"op": "created", "path": path}):
+                self._set_mark(path, FULL)
+
+    def post_create(self, path: str) -> None:
+        """A new inode was created at ``path`` (its intent was journalled by pre_create)."""
+
+    def post_mkdir(self, path: str) -> None:
+        """A directory was created at ``path`` (its intent was journalled by pre_create)."""
+
+    def post_symlink(self, target: str, link_path: str) -> None:
+        """A symlink was created (its intent was journalled by pre_create)."""
+
+    def pre_link(self, target: str, link_path: str) -> None:
+        with self.lock:
+            if not self._enter() or self._lstat(link_path) is not None:
+                return  # EEXIST follows; nothing to record
+            self._capture(target, FULL)  # writes through the new name change this file too
+            self._capture_parent(link_path)
+            self._intent({"op": "created", "path": link_path})
+
+    def pre_rename(self, src: str, dst: str) -> None:
+        with self.lock:
+            s = self._lstat(src)
+            d = self._lstat(dst)
+            if s is not None and d is not None and s.ino == d.ino:
+                self._enter()
+                return  # same file: rename(2) does nothing
+            if not self._enter("rename_over" if (s is not None and d is not None) else None, dst):
+                return
+            if s is None or self._rename_will_fail(src, dst, s, d):
+                return  # the host call fails; an intent would be a lie
+            self._capture_parent(src)
+            self._capture_parent(dst)
+            if d is not None:
+                self._capture(dst, FULL, always=d.kind == DIR)
+            if not self._intent({"op": "renamed", "src": src, "dst": dst}):
+                return
+            if s.kind == DIR or (d is not None and d.kind == DIR):
+                self._drop_subtree(dst)
+                for p, m in self._drop_subtree(src):
+                    self._set_mark(dst + p[len(src):], m)
+            else:
+                m = self._marks.get(src)
+                self._set_mark(src, None)
+                self._set_mark(dst, m)
+
+    def _rename_will_fail(self, src: str, dst: str, s: Stat, d: Stat | None) -> bool:
+        """The kernel's certain refusals, checked first so no intent is journalled for them."""
+        if s.kind == DIR and (dst + "/").startswith(src + "/"):
+            return True  # EINVAL: into itself
+        if d is None:
+            return False
+        if (s.kind == DIR) != (d.kind == DIR):
+            return True  # ENOTDIR / EISDIR
+        return d.kind == DIR and bool(self.work.listdir(dst))  # ENOTEMPTY

@@ -1,0 +1,179 @@
+"""Preimage capture, preimage restore, and fingerprints of what a step left behind.
+
+A *record* is a JSON-able dict; every record is the undo of one thing that happened:
+
+=========== ==================================== ======================================
+``op``      written                              undone by
+=========== ==================================== ======================================
+``pre``     before the first content change of   making the path that object again:
+            a file/symlink, before any entry     regular file (bytes + meta), symlink
+            change of a directory, before an     (target + mtime) or directory (meta;
+            rmdir                                created if missing)
+``meta``    before a metadata-only change of a   setting mode, xattrs, mtime again
+            regular file (chmod, utime, xattr)
+``created`` before something is created at path  removing whatever is at path
+``renamed`` before ``src`` is renamed to ``dst`` renaming ``dst`` back to ``src`` (a
+                                                 no-op if ``dst`` is gone: a later
+                                                 record already covers it)
+=========== ==================================== ======================================
+
+Undo of every record is idempotent, so an interrupted rollback may redo the record it
+was in the middle of. ``restore`` never follows a symlink: the host filesystem cannot.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+
+from ..hostfs import DIR, LNK, REG, HostFS, Stat, join
+
+CHUNK_BYTES = 1 << 20
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
+    """The metadata part of a preimage record."""
+    rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns}
+    if st.kind in (REG, DIR):
+        rec["xattrs"] = {name: b64(value) for name, value in fs.xattrs(path).items()}
+    elif st.kind == LNK:
+        rec["target"] = fs.readlink(path)
+    return rec
+
+
+def _apply_meta(fs: HostFS, path: str, rec: dict) -> None:
+    kind = rec["kind"]
+    if kind != LNK:
+        wanted = {name: unb64(v) for name, v in rec.get("xattrs", {}).items()}
+        current = fs.xattrs(path)
+        for name in current:
+            if name not in wanted:
+                fs.removexattr(path, name)
+        for name, value in wanted.items():
+            if current.get(name) != value:
+                fs.setxattr(path, name, value)
+        fs.chmod(path, rec["mode"])
+    fs.utime(path, rec["mtime_ns"])
+
+
+def _lstat(fs: HostFS, path: str) -> Stat | None:
+    try:
+        return fs.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def remove_tree(fs: HostFS, path: str) -> None:
+    """Remove whatever is at path, recursively (only used when a rollback is forced)."""
+    st = _lstat(fs, path)
+    if st is None:
+        return
+    if st.kind == DIR:
+        for name in fs.listdir(path):
+            remove_tree(fs, join(path, name))
+        fs.rmdir(path)
+    else:
+        fs.unlink(path)
+
+
+def _clear(fs: HostFS, path: str, st: Stat, force: bool) -> None:
+    if st.kind == DIR:
+        try:
+            fs.rmdir(path)
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY or not force:
+                raise
+            remove_tree(fs, path)
+    else:
+        fs.unlink(path)
+
+
+def restore(fs: HostFS, rec: dict, open_content, force: bool = False) -> None:
+    """Apply the undo of one record to the working filesystem.
+
+    ``open_content(rec)`` yields the preimage bytes of a ``pre`` record of a regular file
+    in chunks. ``force`` lets a rollback remove foreign content that is in the way
+    (otherwise a non-empty directory where a file must go raises ``ENOTEMPTY``).
+    """
+    op = rec["op"]
+    if op == "created":
+        st = _lstat(fs, rec["path"])
+        if st is not None:
+            _clear(fs, rec["path"], st, force)
+        return
+    if op == "renamed":
+        if _lstat(fs, rec["dst"]) is not None:
+            fs.rename(rec["dst"], rec["src"])
+        return
+    path = rec["path"]
+    st = _lstat(fs, path)
+    kind = rec["kind"]
+    if op == "meta":
+        if st is not None and st.kind == kind:
+            _apply_meta(fs, path, rec)
+        return
+    assert op == "pre", op
+    if st is not None and st.kind != kind:
+        _clear(fs, path, st, force)
+        st = None
+    if kind == REG:
+        if st is None:
+            fs.create(path, 0o600)
+        else:
+            fs.truncate(path, 0)
+        offset = 0
+        for chunk in open_content(rec):
+            fs.write_all(path, offset, chunk)
+            offset += len(chunk)
+    elif kind == LNK:
+        if st is not None and fs.readlink(path) != rec["target"]:
+            fs.unlink(path)
+            st = None
+        if st is None:
+            fs.symlink(rec["target"], path)
+    elif kind == DIR:
+        if st is None:
+            fs.mkdir(path, 0o700)
+    else:  # pragma: no cover - capture refuses other kinds
+        raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
+    _apply_meta(fs, path, rec)
+
+
+def content_hash(fs: HostFS, path: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    offset = 0
+    while True:
+        chunk = fs.read(path, offset, CHUNK_BYTES)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+        offset += len(chunk)
+
+
+def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | None:
+    """What a later rollback must find at ``path`` to know nobody else changed it.
+
+    Regular files: type, mode, size, mtime and a content hash (mtimes alone can collide
+    within one timestamp tick). Symlinks: the target. Directories: only the type —
+    unless the step created the directory (a rollback removes it, so any entry added
+    since, which changes its mtime, must stop the rollback).
+    """
+    st = _lstat(fs, path)
+    if st is None:
+        return None
+    if st.kind == REG:
+        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path)]
+    if st.kind == LNK:
+        return [LNK, fs.readlink(path)]
+    if st.kind == DIR:
+        return [DIR, st.mtime_ns] if with_dir_mtime else [DIR]
+    return [st.kind, st.mode]

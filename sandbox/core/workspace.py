@@ -1,0 +1,293 @@
+"""Workspace: the undo core for one working folder, as embedders use it.
+
+    ws = Workspace.open(workdir)            # lock the store, recover; ws.recovery reports it
+    with ws.step("rm -rf build") as step:   # step.id is host-assigned
+        ws.fs.remove_tree("build")          # ws.fs is the InterceptedFS
+    ws.history()                            # newest first
+    ws.rollback(1)
+
+The store lives outside the working folder: by default under the user's state
+directory, keyed by the folder's real path; ``state_dir=`` overrides it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ..hostfs import HostFS, is_within
+from ..hostfs.real import RealHostFS
+from . import preimage
+from .errors import BarrierInTheWay, CorruptStep, ExternalChange, NothingToUndo, StepError, StepUnprotected, UndoUnavailable
+from .intercepted_fs import Decide, InterceptedFS
+from .interceptor import UndoInterceptor
+from .safeguard import Safeguard, SafeguardConfig
+from .steps import AMBIENT, API, COMMAND, StepTracker
+from .store import Limits, UndoLog
+
+EVENTS_MAX = 1000
+
+
+def default_state_dir(workdir: str) -> str:
+    """``$XDG_STATE_HOME/sandbox/undo/<name>-<hash of the real path>`` (``~/.local/state`` default)."""
+    real = os.path.realpath(workdir)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:16]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.path.basename(real))[:40] or "root"
+    return os.path.join(base, "sandbox", "undo", f"{name}-{digest}")
+
+
+@dataclass
+class StepHandle:
+    id: int
+    type: str
+    command: str
+    exit_code: int | None = None
+
+
+class Workspace:
+    def __init__(self, work: HostFS, store: HostFS, *, label: str = "", limits: Limits | None = None,
+                 safeguard: SafeguardConfig | None = None, clock_s: Callable[[], float] | None = None,
+                 clock_ns: Callable[[], int] | None = None, on_event: Callable[[dict], None] | None = None,
+                 decide: Decide | None = None, ambient_idle_s: float = 5.0, quiescence_s: float = 0.1):
+        """Prefer :meth:`open` (real folders) or :meth:`open_on` (any HostFS pair)."""
+        self.events: collections.deque[dict] = collections.deque(maxlen=EVENTS_MAX)
+        self._on_event = on_event
+        self.work = work
+        self.store = store
+        self.log = UndoLog(store, limits, clock_ns=clock_ns, emit=self._emit)
+        self.recovery = self.log.open(work, label)
+        self.tracker = StepTracker(clock_s, ambient_idle_s=ambient_idle_s, quiescence_s=quiescence_s)
+        self.interceptor = UndoInterceptor(work, self.log, self.tracker, Safeguard(safeguard, clock_s), emit=self._emit)
+        self.fs = InterceptedFS(work, self.interceptor, decide)
+        self._closed = False
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, workdir: str, state_dir: str | None = None, **kwargs) -> "Workspace":
+        """Open the working folder ``workdir`` with its undo store (created if needed)."""
+        if not os.path.isdir(workdir):
+            raise FileNotFoundError(f"working folder {workdir!r} does not exist or is not a directory")
+        real = os.path.realpath(workdir)
+        state = os.path.realpath(state_dir or default_state_dir(real))
+        rel = os.path.relpath(state, real)
+        if rel == "." or not (rel == ".." or rel.startswith("../")):
+            raise ValueError(f"the undo store {state!r} must be outside the working folder {real!r} (the guest would see it)")
+        os.makedirs(state, mode=0o700, exist_ok=True)
+        work = RealHostFS(real, name="work")
+        store = RealHostFS(state, name="store")
+        try:
+            return cls(work, store, label=real, **kwargs)
+        except BaseException:
+            work.close()
+            store.close()
+            raise
+
+    @classmethod
+    def open_on(cls, work: HostFS, store: HostFS, **kwargs) -> "Workspace":
+        """Open over any pair of host filesystems (the simulation uses SimHostFS)."""
+        return cls(work, store, **kwargs)
+
+    def close(self) -> None:
+        """Close the active step (if any) and release the store's lock."""
+        if self._closed:
+            return
+        try:
+            self.interceptor.close_now()
+        finally:
+            self._closed = True
+            self.log.close()
+            for fs in (self.work, self.store):
+                if isinstance(fs, RealHostFS):
+                    fs.close()
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _emit(self, event: dict) -> None:
+        self.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
+
+    # ------------------------------------------------------------------ steps
+
+    @contextlib.contextmanager
+    def step(self, command: str, type: str = COMMAND) -> Iterator[StepHandle]:
+        """One step: everything written inside the block is undone together.
+
+        On an exception the step still closes (recording ``exit_code`` 1 unless set).
+        """
+        if type not in (COMMAND, API):
+            raise ValueError("step type must be 'command' or 'api' (ambient steps open by themselves)")
+        step_id = self.interceptor.begin_step(type, command)
+        handle = StepHandle(step_id, type, command)
+        try:
+            yield handle
+        except BaseException:
+            if handle.exit_code is None:
+                handle.exit_code = 1
+            raise
+        finally:
+            with self.interceptor.lock:
+                if self.tracker.active is not None and self.tracker.active.id == step_id:
+                    self.tracker.complete(step_id, handle.exit_code if handle.exit_code is not None else 0)
+                    self.interceptor.close_now()
+
+    def begin_step(self, command: str, type: str = COMMAND) -> int:
+        """For servers: open a command step (the control channel's exec)."""
+        return self.interceptor.begin_step(type, command)
+
+    def complete_step(self, step_id: int, exit_code: int | None) -> None:
+        """For servers: the command ended; the step drains, then closes (see poll)."""
+        self.interceptor.complete_step(step_id, exit_code)
+
+    def poll(self) -> None:
+        """Advance time-driven state: ambient idle close, quiescence, hold timeouts."""
+        self.interceptor.poll()
+
+    # ------------------------------------------------------------------ history
+
+    def history(self) -> list[dict]:
+        """Finished steps, newest first, with the barriers that sit after each."""
+        self.log.require_available()
+        with self.interceptor.lock:
+            barriers = self.log.barriers()
+            out = []
+            for s in reversed(self.log.steps()):
+                entry = {"id": s.id, "seq": s.seq, "type": s.type, "command": s.command, "paths": list(s.paths),
+                         "exit_code": s.exit_code, "outcome": s.outcome, "unprotected": s.unprotected,
+                         "size_bytes": s.size_bytes, "started_ns": s.started_ns, "ended_ns": s.ended_ns,
+                         "barriers": [{"id": b.id, "paths": b.paths, "created_ns": b.created_ns, "reason": b.reason}
+                                      for b in barriers if b.after_seq == s.seq]}
+                if s.corrupt:
+                    entry["corrupt"] = s.corrupt
+                out.append(entry)
+            return out
+
+    def barriers(self) -> list[dict]:
+        return [b.__dict__.copy() for b in self.log.barriers()]
+
+    def record_external_modification(self, paths: list[str], reason: str = "external modification") -> dict:
+        """A change to the folder that did not come through us: place a barrier after the newest step."""
+        with self.interceptor.lock:
+            b = self.log.add_barrier(list(paths), reason)
+            self._emit({"type": "event.external_modification", "paths": b.paths, "barrier_id": b.id})
+            return b.__dict__.copy()
+
+    # ------------------------------------------------------------------ rollback
+
+    def rollback(self, n: int = 1, force: bool = False) -> dict:
+        """Undo the newest ``n`` steps, newest first; they leave history (no redo).
+
+        Refused, before anything is touched, if a barrier or an external change is in
+        the way (unless ``force``), or if a step is unprotected or corrupt.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ValueError("n must be a positive integer")
+        i = self.interceptor
+        with i.lock:
+            self.log.require_available()
+            a = self.tracker.active
+            if a is not None:
+                if a.type != AMBIENT and not a.draining:
+                    raise StepError(f"step {a.id} is still running; undo when it has finished", step_id=a.id)
+                i.close_now()
+            self.log.finish_pending_rollback()
+            steps = self.log.steps()
+            if len(steps) < n:
+                raise NothingToUndo(f"only {len(steps)} step(s) in history, cannot undo {n}", available=len(steps))
+            targets = steps[-n:]
+            for s in reversed(targets):
+                if s.corrupt:
+                    raise CorruptStep(f"cannot undo: {s.corrupt}", seq=s.seq)
+                if s.unprotected:
+                    raise StepUnprotected(f"step {s.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=s.id)
+            records = {s.seq: self.log.records_of(s) for s in targets}
+            for s in targets:
+                self.log.check_content(s, records[s.seq])
+            if not force:
+                self._check_barriers(targets)
+                self._check_unchanged(targets, records)
+            undone, paths = [], set()
+            for s in reversed(targets):
+                self.log.rollback_top(self.work, force=force)
+                undone.append(s.id)
+                paths.update(s.paths)
+            self._emit({"type": "event.rollback", "step_ids": undone, "paths_restored": len(paths)})
+            return {"step_ids": undone, "paths_restored": len(paths)}
+
+    def _check_barriers(self, targets) -> None:
+        oldest = targets[0].seq
+        blocking = [b for b in self.log.barriers() if b.after_seq >= oldest]
+        if blocking:
+            names = sorted({p for b in blocking for p in b.paths})
+            raise BarrierInTheWay(
+                f"undo barrier in the way: {len(blocking)} external modification(s) since step {targets[0].id} "
+                f"({', '.join(names[:5]) or 'paths unknown'}{', …' if len(names) > 5 else ''}); "
+                "rolling back would overwrite them — use force to do it anyway",
+                barrier_ids=[b.id for b in blocking], paths=names)
+
+    def _check_unchanged(self, targets, records) -> None:
+        """Every path the rollback touches is exactly as its newest step left it."""
+        expected: dict[str, list | None] = {}
+        later_renames: list[tuple[str, str]] = []  # chronological, from steps newer than the one in hand
+        for s in reversed(targets):
+            for path, fp in s.fingerprints.items():
+                for src, dst in later_renames:
+                    if is_within(path, src):
+                        path = dst + path[len(src):]
+                expected.setdefault(path, fp)
+            mine = [(r["src"], r["dst"]) for r in records[s.seq] if r.get("op") == "renamed"]
+            later_renames = mine + later_renames
+        changed = []
+        for path, fp in expected.items():
+            try:
+                now = preimage.fingerprint(self.work, path, with_dir_mtime=fp is not None and len(fp) == 2 and fp[0] == "dir")
+            except OSError:
+                now = "unreadable"
+            if now != fp:
+                changed.append(path)
+        if changed:
+            changed.sort()
+            raise ExternalChange(
+                f"{len(changed)} path(s) changed outside the sandbox since the sandbox last wrote them "
+                f"({', '.join(changed[:5])}{', …' if len(changed) > 5 else ''}); rolling back would overwrite "
+                "those changes — use force to do it anyway", paths=changed)
+
+    # ------------------------------------------------------------------ configuration
+
+    def configure_limits(self, **limits) -> None:
+        with self.interceptor.lock:
+            current = self.log.limits.__dict__.copy()
+            current.update(limits)
+            self.log.limits = Limits(**current)
+            self.log.enforce_limits()
+
+    def configure_safeguard(self, **config) -> None:
+        with self.interceptor.lock:
+            current = self.interceptor.safeguard.config.__dict__.copy()
+            current.update(config)
+            self.interceptor.safeguard.config = SafeguardConfig(**current)
+
+    def discard(self) -> None:
+        """Delete all undo history (the way out of a version mismatch)."""
+        with self.interceptor.lock:
+            if self.tracker.active is not None:
+                self.interceptor.close_now()
+            self.log.discard(getattr(self.work, "root", ""))
+
+    @property
+    def undo_available(self) -> bool:
+        return self.log.available
+
+
+__all__ = ["Workspace", "StepHandle", "default_state_dir", "UndoUnavailable"]

@@ -1,0 +1,358 @@
+"""RealHostFS: a host directory reached only through a directory fd, never by joined paths.
+
+Resolution rule: every path is opened with ``openat2(root_fd, path, RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)``. The kernel then guarantees the result is
+below the root and that no symlink was followed on the way (``ELOOP`` otherwise). Entry
+operations (unlink, rename, mkdir, …) open the *parent* that way and act on the final name
+with the ``*at()`` call and no-follow flags.
+
+Special files (fifos, sockets, devices) are never opened for I/O: files are first opened
+``O_PATH`` (which has no side effects), checked with ``fstat``, and only then re-opened
+through ``/proc/self/fd`` — the same inode, no second lookup, no race.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import stat as _stat
+
+from . import DIR, LNK, REG, HostFS, Stat, StoreBusy, parent_of
+
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_FICLONE = 0x40049409
+_XATTR_PROC = "/proc/self/fd/{}"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path or "."), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
+    return fd
+
+
+def _check_openat2() -> None:
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    try:
+        os.close(_openat2(fd, ".", os.O_PATH | os.O_DIRECTORY))
+    except OSError as e:  # pragma: no cover - depends on the host kernel
+        raise OSError(e.errno, "this kernel lacks openat2(2) (Linux >= 5.6 is required)") from e
+    finally:
+        os.close(fd)
+
+
+class _FdLock:
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = -1
+
+
+class RealHostFS(HostFS):
+    """A real directory. The root itself is resolved once, at construction."""
+
+    def __init__(self, root: str, name: str = "work"):
+        _check_openat2()
+        self.name = name
+        self.root = os.path.realpath(root)
+        self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- resolution helpers --
+
+    def _open(self, path: str, flags: int, mode: int = 0) -> int:
+        return _openat2(self._root_fd, path, flags, mode)
+
+    def _parent(self, path: str) -> tuple[int, str]:
+        """(O_PATH fd of the parent directory, final name). Caller closes the fd."""
+        if not path:
+            raise OSError(errno.EBUSY, "operation not permitted on the root itself", path)
+        i = path.rfind("/")
+        name = path[i + 1 :]
+        return self._open(parent_of(path), os.O_PATH | os.O_DIRECTORY), name
+
+    def _open_file(self, path: str, flags: int) -> int:
+        """Open a regular file for I/O without ever opening a special file or a symlink."""
+        pfd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(pfd)
+            if _stat.S_ISLNK(st.st_mode):
+                raise OSError(errno.ELOOP, "is a symlink", path)
+            if _stat.S_ISDIR(st.st_mode):
+                raise OSError(errno.EISDIR, "is a directory", path)
+            if not _stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EPERM, "special files are never opened", path)
+            return os.open(_XATTR_PROC.format(pfd), flags | os.O_CLOEXEC)
+        finally:
+            os.close(pfd)
+
+    # -- queries --
+
+    def lstat(self, path: str) -> Stat:
+        if not path:
+            return Stat.from_os(os.stat(self._root_fd))
+        pfd, name = self._parent(path)
+        try:
+            return Stat.from_os(os.stat(name, dir_fd=pfd, follow_symlinks=False))
+        finally:
+            os.close(pfd)
+
+    def listdir(self, path: str) -> list[str]:
+        fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        fd = self._open_file(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def readlink(self, path: str) -> str:
+        pfd, name = self._parent(path)
+        try:
+            return os.readlink(name, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+
+    # -- mutations --
+
+    def create(self, path: str, mode: int) -> None:
+        pfd, name = self._parent(path)
+        try:
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+            try:
+                os.fchmod(fd, mode & 0o7777)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(pfd)
+
+    def write(self, path: str, offset: int, data: bytes) -> int:
+        fd = self._open_file(path, os.O_WRONLY)
+        try:
+            return os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+
+    def truncate(self, path: str, size: int) -> None:
+        fd = self._open_file(path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+
+    def unlink(self, path: str) -> None:
+        pfd, name = self._parent(path)
+        try:
+            os.unlink(name, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+
+    def rmdir(self, path: str) -> None:
+        pfd, name = self._parent(path)
+        try:
+            os.rmdir(name, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+
+    def mkdir(self, path: str, mode: int) -> None:
+        pfd, name = self._parent(path)
+        try:
+            os.mkdir(name, 0o700, dir_fd=pfd)
+            os.chmod(name, mode & 0o7777, dir_fd=pfd, follow_symlinks=True)  # just made: a dir, not a link
+        finally:
+            os.close(pfd)
+
+    def rename(self, src: str, dst: str) -> None:
+        sfd, sname = self._parent(src)
+        try:
+            dfd, dname = self._parent(dst)
+            try:
+                os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+
+    def symlink(self, target: str, path: str) -> None:
+        pfd, name = self._parent(path)
+        try:
+            os.symlink(target, name, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+
+    def link(self, existing: str, new: str) -> None:
+        sfd, sname = self._parent(existing)
+        try:
+            dfd, dname = self._parent(new)
+            try:
+                os.link(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+
+    def chmod(self, path: str, mode: int) -> None:
+        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        try:
+            if _stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise OSError(errno.EOPNOTSUPP, "cannot chmod a symlink", path)
+            os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)
+        finally:
+            os.close(fd)
+
+    def utime(self, path: str, mtime_ns: int) -> None:
+        if not path:
+            st = os.stat(self._root_fd)
+            os.utime(_XATTR_PROC.format(self._root_fd), ns=(st.st_atime_ns, mtime_ns))
+            return
+        pfd, name = self._parent(path)
+        try:
+            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            os.utime(name, ns=(st.st_atime_ns, mtime_ns), dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
+
+    def _xattr_target(self, path: str) -> tuple[int, bool]:
+        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        return fd, _stat.S_ISLNK(os.fstat(fd).st_mode)
+
+    def listxattr(self, path: str) -> list[str]:
+        fd, is_link = self._xattr_target(path)
+        try:
+            return [] if is_link else os.listxattr(_XATTR_PROC.format(fd))
+        finally:
+            os.close(fd)
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        fd, is_link = self._xattr_target(path)
+        try:
+            if is_link:
+                raise OSError(errno.ENODATA, "symlinks carry no xattrs", path)
+            return os.getxattr(_XATTR_PROC.format(fd), name)
+        finally:
+            os.close(fd)
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        fd, is_link = self._xattr_target(path)
+        try:
+            if is_link:
+                raise OSError(errno.EPERM, "symlinks carry no user xattrs", path)
+            os.setxattr(_XATTR_PROC.format(fd), name, value)
+        finally:
+            os.close(fd)
+
+    def removexattr(self, path: str, name: str) -> None:
+        fd, is_link = self._xattr_target(path)
+        try:
+            if is_link:
+                raise OSError(errno.ENODATA, "symlinks carry no xattrs", path)
+            os.removexattr(_XATTR_PROC.format(fd), name)
+        finally:
+            os.close(fd)
+
+    def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
+        fd = self._open_file(path, os.O_WRONLY)
+        try:
+            if _libc.fallocate(fd, mode, offset, length) != 0:
+                e = ctypes.get_errno()
+                raise OSError(e, os.strerror(e), path)
+        finally:
+            os.close(fd)
+
+    def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
+        sfd = self._open_file(src, os.O_RDONLY)
+        try:
+            dfd = self._open_file(dst, os.O_WRONLY)
+            try:
+                return os.copy_file_range(sfd, dfd, length, src_offset, dst_offset)
+            finally:
+                os.close(dfd)
+        finally:
+            os.close(sfd)
+
+    def fsync(self, path: str) -> None:
+        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if _stat.S_ISLNK(st.st_mode) or not (_stat.S_ISREG(st.st_mode) or _stat.S_ISDIR(st.st_mode)):
+                return
+            rfd = os.open(_XATTR_PROC.format(fd), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(rfd)
+            finally:
+                os.close(rfd)
+        finally:
+            os.close(fd)
+
+    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
+        if not isinstance(dst_fs, RealHostFS):
+            raise OSError(errno.EOPNOTSUPP, "reflink needs two real filesystems")
+        sfd = self._open_file(path, os.O_RDONLY)
+        try:
+            dst_fs.create(dst_path, 0o600)
+            try:
+                dfd = dst_fs._open_file(dst_path, os.O_WRONLY)
+                try:
+                    fcntl.ioctl(dfd, _FICLONE, sfd)
+                finally:
+                    os.close(dfd)
+            except OSError:
+                dst_fs.unlink(dst_path)
+                raise
+        finally:
+            os.close(sfd)
+
+    def lock(self, path: str) -> _FdLock:
+        pfd, name = self._parent(path)
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = int(os.pread(fd, 32, 0).decode().strip() or 0) or None
+            except ValueError:
+                pid = None
+            os.close(fd)
+            raise StoreBusy(os.path.join(self.root, parent_of(path)), pid) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return _FdLock(fd)
+
+
+__all__ = ["RealHostFS", "REG", "DIR", "LNK"]

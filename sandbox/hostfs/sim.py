@@ -1,0 +1,407 @@
+"""SimHostFS: an in-memory filesystem with the semantics and errnos of RealHostFS.
+
+It models what the undo core must get right: file types (regular, directory, symlink,
+plus "other" special files that are never opened), all 12 mode bits, nanosecond
+mtimes and ctimes from a deterministic clock, xattrs, symlink targets, and hardlinks
+(shared inodes with a link count).
+
+Every public operation first calls ``fault_hook(fs, op, path, nbytes)``. The hook may
+raise (a simulated crash, ``ENOSPC``, ``EIO``) or, for ``write``, return a byte count
+smaller than requested: the write is then *torn* — that prefix lands and the hook's
+``after_torn_write`` is called (which normally raises the crash). See ``sim/faults.py``.
+
+A simulated process death (:meth:`crash`) drops the locks the dead process held, as the
+kernel drops ``flock`` locks of a killed process.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from . import DIR, LNK, OTHER, REG, HostFS, Stat, StoreBusy, parent_of
+
+FaultHook = Callable[["SimHostFS", str, str, int], Optional[int]]
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+
+
+class SimClock:
+    """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
+
+    def __init__(self, start_ns: int = 1_700_000_000_000_000_000):
+        self._now = start_ns
+
+    def __call__(self) -> int:
+        self._now += 1_000_001
+        return self._now
+
+
+@dataclass(slots=True)
+class _Inode:
+    ino: int
+    kind: str
+    mode: int
+    mtime_ns: int
+    ctime_ns: int
+    data: bytearray = field(default_factory=bytearray)
+    target: str = ""
+    entries: dict[str, "_Inode"] = field(default_factory=dict)
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    nlink: int = 1
+
+    def stat(self) -> Stat:
+        size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
+        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink)
+
+
+def _err(code: int, path: str) -> OSError:
+    import os
+
+    return OSError(code, os.strerror(code), path)
+
+
+class _SimLock:
+    def __init__(self, fs: "SimHostFS", path: str):
+        self._fs, self._path = fs, path
+
+    def release(self) -> None:
+        self._fs._locks.pop(self._path, None)
+
+
+class SimHostFS(HostFS):
+    """An in-memory directory tree. ``clock`` supplies timestamps (ns)."""
+
+    def __init__(self, name: str = "work", clock: Callable[[], int] | None = None, fault_hook: FaultHook | None = None, pid: int = 4242):
+        self.name = name
+        self.clock = clock or SimClock()
+        self.fault_hook = fault_hook
+        self.pid = pid
+        self._inos = itertools.count(2)
+        now = self.clock()
+        self._root = _Inode(1, DIR, 0o755, now, now)
+        self._locks: dict[str, int] = {}
+
+    # -- simulation controls (not part of HostFS) --
+
+    def crash(self) -> None:
+        """The process using this filesystem died: its locks are gone, data stays."""
+        self._locks.clear()
+
+    def make_special(self, path: str, mode: int = 0o644) -> None:
+        """Place a fifo-like special file (for tests of 'never opened')."""
+        parent, name = self._parent(path)
+        if name in parent.entries:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now)
+        self._touch_dir(parent, now)
+
+    # -- internals --
+
+    def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
+        if self.fault_hook is not None:
+            return self.fault_hook(self, op, path, nbytes)
+        return None
+
+    def _walk(self, path: str) -> _Inode:
+        node = self._root
+        if not path:
+            return node
+        for part in path.split("/"):
+            if node.kind == LNK:
+                raise _err(errno.ELOOP, path)
+            if node.kind != DIR:
+                raise _err(errno.ENOTDIR, path)
+            child = node.entries.get(part)
+            if child is None:
+                raise _err(errno.ENOENT, path)
+            node = child
+        return node
+
+    def _parent(self, path: str) -> tuple[_Inode, str]:
+        if not path:
+            raise _err(errno.EBUSY, path)
+        parent = self._walk(parent_of(path))
+        if parent.kind == LNK:
+            raise _err(errno.ELOOP, path)
+        if parent.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        return parent, path.rsplit("/", 1)[-1]
+
+    def _file(self, path: str) -> _Inode:
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.ELOOP, path)
+        if node.kind == DIR:
+            raise _err(errno.EISDIR, path)
+        if node.kind != REG:
+            raise _err(errno.EPERM, path)
+        return node
+
+    @staticmethod
+    def _touch_dir(d: _Inode, now: int) -> None:
+        d.mtime_ns = now
+        d.ctime_ns = now
+
+    # -- queries --
+
+    def lstat(self, path: str) -> Stat:
+        self._fault("lstat", path)
+        return self._walk(path).stat()
+
+    def listdir(self, path: str) -> list[str]:
+        self._fault("listdir", path)
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.ELOOP, path)
+        if node.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        return list(node.entries)
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        self._fault("read", path)
+        return bytes(self._file(path).data[offset : offset + length])
+
+    def readlink(self, path: str) -> str:
+        self._fault("readlink", path)
+        node = self._walk(path)
+        if node.kind != LNK:
+            raise _err(errno.EINVAL, path)
+        return node.target
+
+    # -- mutations --
+
+    def create(self, path: str, mode: int) -> None:
+        self._fault("create", path)
+        parent, name = self._parent(path)
+        if name in parent.entries:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now)
+        self._touch_dir(parent, now)
+
+    def write(self, path: str, offset: int, data: bytes) -> int:
+        limit = self._fault("write", path, len(data))
+        node = self._file(path)
+        n = len(data) if limit is None else max(0, min(limit, len(data)))
+        if offset > len(node.data):
+            node.data.extend(b"\0" * (offset - len(node.data)))
+        node.data[offset : offset + n] = data[:n]
+        now = self.clock()
+        node.mtime_ns = node.ctime_ns = now
+        if limit is not None and n < len(data) and self.fault_hook is not None:
+            after = getattr(self.fault_hook, "after_torn_write", None)
+            if after is not None:
+                after(self, path, n)
+        return n
+
+    def truncate(self, path: str, size: int) -> None:
+        self._fault("truncate", path)
+        node = self._file(path)
+        if size < 0:
+            raise _err(errno.EINVAL, path)
+        if size < len(node.data):
+            del node.data[size:]
+        else:
+            node.data.extend(b"\0" * (size - len(node.data)))
+        now = self.clock()
+        node.mtime_ns = node.ctime_ns = now
+
+    def unlink(self, path: str) -> None:
+        self._fault("unlink", path)
+        parent, name = self._parent(path)
+        node = parent.entries.get(name)
+        if node is None:
+            raise _err(errno.ENOENT, path)
+        if node.kind == DIR:
+            raise _err(errno.EISDIR, path)
+        del parent.entries[name]
+        now = self.clock()
+        node.nlink -= 1
+        node.ctime_ns = now
+        self._touch_dir(parent, now)
+
+    def rmdir(self, path: str) -> None:
+        self._fault("rmdir", path)
+        parent, name = self._parent(path)
+        node = parent.entries.get(name)
+        if node is None:
+            raise _err(errno.ENOENT, path)
+        if node.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        if node.entries:
+            raise _err(errno.ENOTEMPTY, path)
+        del parent.entries[name]
+        self._touch_dir(parent, self.clock())
+
+    def mkdir(self, path: str, mode: int) -> None:
+        self._fault("mkdir", path)
+        parent, name = self._parent(path)
+        if name in parent.entries:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2)
+        self._touch_dir(parent, now)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._fault("rename", src)
+        sparent, sname = self._parent(src)
+        dparent, dname = self._parent(dst)
+        node = sparent.entries.get(sname)
+        if node is None:
+            raise _err(errno.ENOENT, src)
+        if node.kind == DIR and (dst == src or dst.startswith(src + "/")):
+            if dst == src:
+                return
+            raise _err(errno.EINVAL, dst)
+        existing = dparent.entries.get(dname)
+        if existing is node:
+            return  # same inode (or same path): POSIX says do nothing
+        if existing is not None:
+            if node.kind == DIR and existing.kind != DIR:
+                raise _err(errno.ENOTDIR, dst)
+            if node.kind != DIR and existing.kind == DIR:
+                raise _err(errno.EISDIR, dst)
+            if existing.kind == DIR and existing.entries:
+                raise _err(errno.ENOTEMPTY, dst)
+        now = self.clock()
+        del sparent.entries[sname]
+        if existing is not None:
+            existing.nlink -= 1
+            existing.ctime_ns = now
+        dparent.entries[dname] = node
+        node.ctime_ns = now
+        self._touch_dir(sparent, now)
+        self._touch_dir(dparent, now)
+
+    def symlink(self, target: str, path: str) -> None:
+        self._fault("symlink", path)
+        parent, name = self._parent(path)
+        if name in parent.entries:
+            raise _err(errno.EEXIST, path)
+        if not target or "\0" in target:
+            raise _err(errno.ENOENT if not target else errno.EINVAL, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target)
+        self._touch_dir(parent, now)
+
+    def link(self, existing: str, new: str) -> None:
+        self._fault("link", new)
+        sparent, sname = self._parent(existing)
+        node = sparent.entries.get(sname)
+        if node is None:
+            raise _err(errno.ENOENT, existing)
+        dparent, dname = self._parent(new)
+        if dname in dparent.entries:
+            raise _err(errno.EEXIST, new)
+        if node.kind == DIR:
+            raise _err(errno.EPERM, existing)
+        now = self.clock()
+        dparent.entries[dname] = node
+        node.nlink += 1
+        node.ctime_ns = now
+        self._touch_dir(dparent, now)
+
+    def chmod(self, path: str, mode: int) -> None:
+        self._fault("chmod", path)
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.EOPNOTSUPP, path)
+        node.mode = mode & 0o7777
+        node.ctime_ns = self.clock()
+
+    def utime(self, path: str, mtime_ns: int) -> None:
+        self._fault("utime", path)
+        node = self._walk(path)
+        node.mtime_ns = mtime_ns
+        node.ctime_ns = self.clock()
+
+    def _xattr_node(self, path: str) -> _Inode:
+        return self._walk(path)
+
+    def listxattr(self, path: str) -> list[str]:
+        self._fault("listxattr", path)
+        node = self._xattr_node(path)
+        return [] if node.kind == LNK else list(node.xattrs)
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        self._fault("getxattr", path)
+        node = self._xattr_node(path)
+        if node.kind == LNK or name not in node.xattrs:
+            raise _err(errno.ENODATA, path)
+        return node.xattrs[name]
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        self._fault("setxattr", path, len(value))
+        node = self._xattr_node(path)
+        if node.kind == LNK:
+            raise _err(errno.EPERM, path)
+        if not name.startswith(("user.", "trusted.", "security.")) or len(name) > 255:
+            raise _err(errno.EOPNOTSUPP if "." not in name else errno.ERANGE if len(name) > 255 else errno.EOPNOTSUPP, path)
+        if len(value) > 65536:
+            raise _err(errno.E2BIG, path)
+        node.xattrs[name] = bytes(value)
+        node.ctime_ns = self.clock()
+
+    def removexattr(self, path: str, name: str) -> None:
+        self._fault("removexattr", path)
+        node = self._xattr_node(path)
+        if node.kind == LNK or name not in node.xattrs:
+            raise _err(errno.ENODATA, path)
+        del node.xattrs[name]
+        node.ctime_ns = self.clock()
+
+    def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
+        self._fault("fallocate", path, length)
+        node = self._file(path)
+        if offset < 0 or length <= 0:
+            raise _err(errno.EINVAL, path)
+        end = offset + length
+        if mode & _FALLOC_FL_PUNCH_HOLE:
+            if not mode & _FALLOC_FL_KEEP_SIZE:
+                raise _err(errno.EOPNOTSUPP, path)
+            stop = min(end, len(node.data))
+            if offset < stop:
+                node.data[offset:stop] = b"\0" * (stop - offset)
+        elif mode & ~_FALLOC_FL_KEEP_SIZE:
+            raise _err(errno.EOPNOTSUPP, path)
+        elif not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
+            node.data.extend(b"\0" * (end - len(node.data)))
+        else:
+            return  # KEEP_SIZE preallocation: nothing observable changes
+        now = self.clock()
+        node.mtime_ns = node.ctime_ns = now
+
+    def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
+        self._fault("copy_file_range", dst, length)
+        s = self._file(src)
+        d = self._file(dst)
+        chunk = bytes(s.data[src_offset : src_offset + length])
+        if not chunk:
+            return 0
+        if dst_offset > len(d.data):
+            d.data.extend(b"\0" * (dst_offset - len(d.data)))
+        d.data[dst_offset : dst_offset + len(chunk)] = chunk
+        now = self.clock()
+        d.mtime_ns = d.ctime_ns = now
+        return len(chunk)
+
+    def fsync(self, path: str) -> None:
+        self._fault("fsync", path)
+        self._walk(path)
+
+    def lock(self, path: str) -> _SimLock:
+        self._fault("lock", path)
+        holder = self._locks.get(path)
+        if holder is not None:
+            raise StoreBusy(f"<{self.name}>/{parent_of(path)}", holder)
+        try:
+            self._walk(path)
+        except FileNotFoundError:
+            self.create(path, 0o600)
+        self._locks[path] = self.pid
+        return _SimLock(self, path)
