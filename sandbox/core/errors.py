@@ -67,7 +67,8 @@ class HoldRequired(SandboxError):
     code = "safeguard.hold"
 
     def __init__(self, hold):
-        super().__init__(hold.message, **hold.as_dict())
+        data = hold.as_dict()
+        super().__init__(data.pop("message"), **data)
         self.hold = hold
 
 

@@ -27,7 +27,7 @@ import base64
 import errno
 import hashlib
 
-from ..hostfs import DIR, LNK, REG, HostFS, Stat, join
+from ..hostfs import DIR, LNK, REG, HostFS, Stat, is_within, join
 
 CHUNK_BYTES = 1 << 20
 
@@ -97,8 +97,11 @@ def _clear(fs: HostFS, path: str, st: Stat, force: bool) -> None:
         fs.unlink(path)
 
 
-def restore(fs: HostFS, rec: dict, open_content, force: bool = False) -> None:
+def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True) -> None:
     """Apply the undo of one record to the working filesystem.
+
+    With ``dir_meta=False`` a directory's ``pre`` only makes sure the directory exists;
+    its metadata is left to the second pass (:func:`dir_meta_plan`).
 
     ``open_content(rec)`` yields the preimage bytes of a ``pre`` record of a regular file
     in chunks. ``force`` lets a rollback remove foreign content that is in the way
@@ -143,9 +146,46 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False) -> None:
     elif kind == DIR:
         if st is None:
             fs.mkdir(path, 0o700)
+        if not dir_meta:
+            return
     else:  # pragma: no cover - capture refuses other kinds
         raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
     _apply_meta(fs, path, rec)
+
+
+def apply_dir_meta(fs: HostFS, rec: dict) -> None:
+    """Second pass: set a directory's mode, xattrs and mtime (if it is still a directory)."""
+    st = _lstat(fs, rec["path"])
+    if st is not None and st.kind == DIR:
+        _apply_meta(fs, rec["path"], rec)
+
+
+def dir_meta_plan(records: list[dict]) -> list[dict]:
+    """The directory metadata a rollback must restore, deepest first (pass 2).
+
+    For each path the tree will have after the rollback, the right metadata is the one
+    captured *first* for that path — mapped to where the directory will end up by
+    undoing the renames journalled before the capture — unless a ``created`` record
+    for that path came first (then the directory did not exist before the step).
+    """
+    first: dict[str, dict | None] = {}
+    renames: list[tuple[str, str]] = []
+    for r in records:
+        op = r.get("op")
+        if op == "renamed":
+            renames.append((r["src"], r["dst"]))
+            continue
+        if op not in ("pre", "created") or (op == "pre" and r.get("kind") != DIR):
+            continue
+        path = r["path"]
+        for src, dst in reversed(renames):
+            if is_within(path, dst):
+                path = src + path[len(dst):]
+        if path not in first:
+            first[path] = {**r, "path": path} if op == "pre" else None
+    plan = [rec for rec in first.values() if rec is not None]
+    plan.sort(key=lambda rec: -(rec["path"].count("/") + 1 if rec["path"] else 0))
+    return plan
 
 
 def content_hash(fs: HostFS, path: str) -> str:

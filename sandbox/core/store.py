@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import zstandard
 
-from ..hostfs import DIR, REG, HostFS, Stat, join
+from ..hostfs import DIR, REG, HostFS, Stat, is_within, join
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
@@ -406,6 +406,7 @@ class UndoLog:
 
     @staticmethod
     def touched_paths(records: list[dict]) -> list[str]:
+        """Every path the step's records name, at the moment each was written."""
         seen: dict[str, None] = {}
         for r in records:
             if r.get("op") == "renamed":
@@ -415,10 +416,27 @@ class UndoLog:
                 seen.setdefault(r["path"], None)
         return list(seen)
 
+    @staticmethod
+    def final_paths(records: list[dict]) -> dict[str, bool]:
+        """Where each touched thing is at the end of the step: every recorded path moved
+        forward through the step's later renames. Value: True if it was created in the step."""
+        out: dict[str, bool] = {}
+        later: list[tuple[str, str]] = []  # renames after the record in hand, chronological
+        for r in reversed(records):
+            op = r.get("op")
+            for p in ((r["src"], r["dst"]) if op == "renamed" else (r["path"],) if "path" in r else ()):
+                for src, dst in later:
+                    if is_within(p, src):
+                        p = dst + p[len(src):]
+                out[p] = out.get(p, False) or op == "created"
+            if op == "renamed":
+                later.insert(0, (r["src"], r["dst"]))
+        return out
+
     def _fingerprints(self, work: HostFS, records: list[dict]) -> tuple[list[str], dict]:
-        created_dirs = {r["path"] for r in records if r.get("op") == "created"}
-        paths = self.touched_paths(records)
-        return paths, {p: preimage.fingerprint(work, p, with_dir_mtime=p in created_dirs) for p in paths}
+        final = self.final_paths(records)
+        fps = {p: preimage.fingerprint(work, p, with_dir_mtime=created) for p, created in final.items()}
+        return self.touched_paths(records), fps
 
     def deny_open(self, work: HostFS) -> int:
         """Roll back the open step (a safeguard said deny) and keep it open, empty, as
@@ -538,14 +556,17 @@ class UndoLog:
         return gen
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, force: bool, progress: int | None) -> int:
-        """Apply undos newest first, skipping the ``start`` already done (rule 3)."""
+        """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
+        Pass 2: directory metadata, deepest first (idempotent, so always redone whole)."""
         open_content = self._open_content(where)
         done = start
         for rec in reversed(records[: len(records) - start]):
-            preimage.restore(work, rec, open_content, force=force)
+            preimage.restore(work, rec, open_content, force=force, dir_meta=False)
             done += 1
             if progress is not None:
                 self.fs.write_all(join(where, "progress"), done - 1, b".")
+        for rec in preimage.dir_meta_plan(records):
+            preimage.apply_dir_meta(work, rec)
         return done - start
 
     def _to_trash(self, path: str, name: str) -> None:
@@ -590,10 +611,9 @@ class UndoLog:
         if finished is not None:
             report = {"kind": "rollback_finished", **finished}
         if self.fs.exists(WAL):
-            header, records = self._read_wal(WAL)
-            unprotected = self._wal_unprotected()
+            header, records, unprotected = self._read_wal(WAL)
             if header is None:
-                self._to_trash(WAL, "wal-torn")
+                self._to_trash(WAL, "wal-torn")  # crashed before its first record: nothing happened
             elif unprotected:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
@@ -609,17 +629,15 @@ class UndoLog:
             self._emit({"type": "event.recovery", **report})
         return report
 
-    def _wal_unprotected(self) -> bool:
-        data = self.fs.read_all(join(WAL, "journal.jsonl"))
-        return b'{"op":"unprotected"}\n' in data
-
-    def _read_wal(self, where: str) -> tuple[dict | None, list[dict]]:
+    def _read_wal(self, where: str) -> tuple[dict | None, list[dict], bool]:
+        """(header, live records, unprotected) of a WAL-like directory; no journal = no header."""
         try:
             data = self.fs.read_all(join(where, "journal.jsonl"))
         except FileNotFoundError:
-            return None, []
+            return None, [], False
         header, records = parse_journal(data, where)
-        return header, [r for r in records if r.get("op") != "unprotected"]
+        unprotected = any(r.get("op") == "unprotected" for r in records)
+        return header, [r for r in records if r.get("op") != "unprotected"], unprotected
 
     def finish_pending_rollback(self) -> dict | None:
         """Finish a rollback that was interrupted (crash, ENOSPC, EIO) from its progress count.
@@ -628,7 +646,7 @@ class UndoLog:
         """
         if not self.fs.exists(ROLLBACK):
             return None
-        header, records = self._read_wal(ROLLBACK)
+        header, records, _ = self._read_wal(ROLLBACK)
         try:
             done = self.fs.lstat(join(ROLLBACK, "progress")).size
         except FileNotFoundError:

@@ -225,6 +225,12 @@ class Workspace:
             self._emit({"type": "event.rollback", "step_ids": undone, "paths_restored": len(paths)})
             return {"step_ids": undone, "paths_restored": len(paths)}
 
+    def finish_pending(self) -> dict | None:
+        """Finish a rollback interrupted by an I/O error (also done before the next step,
+        rollback or open). Returns what it restored, or None if nothing was pending."""
+        with self.interceptor.lock:
+            return self.log.finish_pending_rollback()
+
     def _check_barriers(self, targets) -> None:
         oldest = targets[0].seq
         blocking = [b for b in self.log.barriers() if b.after_seq >= oldest]
@@ -237,31 +243,54 @@ class Workspace:
                 barrier_ids=[b.id for b in blocking], paths=names)
 
     def _check_unchanged(self, targets, records) -> None:
-        """Every path the rollback touches is exactly as its newest step left it."""
-        expected: dict[str, list | None] = {}
+        """Every path the rollback touches is exactly as its newest step left it.
+
+        Paths moved by a newer step's rename are followed to where they are now. A file
+        that changed only because a newer step wrote it through another hard link (the
+        same inode, left by that step exactly as fingerprinted) is not an external change.
+        """
+        expected: dict[str, tuple[list | None, int]] = {}
         later_renames: list[tuple[str, str]] = []  # chronological, from steps newer than the one in hand
-        for s in reversed(targets):
+        for age, s in enumerate(reversed(targets)):
             for path, fp in s.fingerprints.items():
                 for src, dst in later_renames:
                     if is_within(path, src):
                         path = dst + path[len(src):]
-                expected.setdefault(path, fp)
+                expected.setdefault(path, (fp, age))
             mine = [(r["src"], r["dst"]) for r in records[s.seq] if r.get("op") == "renamed"]
             later_renames = mine + later_renames
-        changed = []
-        for path, fp in expected.items():
+
+        def current(path: str, fp) -> list | str | None:
             try:
-                now = preimage.fingerprint(self.work, path, with_dir_mtime=fp is not None and len(fp) == 2 and fp[0] == "dir")
+                return preimage.fingerprint(self.work, path, with_dir_mtime=fp is not None and len(fp) == 2 and fp[0] == "dir")
             except OSError:
-                now = "unreadable"
-            if now != fp:
-                changed.append(path)
+                return "unreadable"
+
+        changed = [p for p, (fp, _) in expected.items() if current(p, fp) != fp]
+        changed = [p for p in changed if not self._changed_through_link(p, expected, current)]
         if changed:
             changed.sort()
             raise ExternalChange(
                 f"{len(changed)} path(s) changed outside the sandbox since the sandbox last wrote them "
                 f"({', '.join(changed[:5])}{', …' if len(changed) > 5 else ''}); rolling back would overwrite "
                 "those changes — use force to do it anyway", paths=changed)
+
+    def _changed_through_link(self, path: str, expected: dict, current) -> bool:
+        try:
+            st = self.work.lstat(path)
+        except OSError:
+            return False
+        if st.kind != "reg" or st.nlink < 2:
+            return False
+        age = expected[path][1]
+        for other, (fp, other_age) in expected.items():
+            if other_age < age and fp is not None and fp[0] == "reg":
+                try:
+                    if self.work.lstat(other).ino == st.ino and current(other, fp) == fp:
+                        return True
+                except OSError:
+                    continue
+        return False
 
     # ------------------------------------------------------------------ configuration
 

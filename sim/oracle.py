@@ -1,0 +1,71 @@
+"""Tree snapshots: the oracle every invariant compares against.
+
+A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs)`` where
+content is the bytes of a regular file, the target of a symlink, or ``None`` for a
+directory. atime is deliberately absent (seed §11.3). The root is included (path
+``""``), so the working root's own mode and mtime are checked too.
+"""
+
+from __future__ import annotations
+
+from sandbox.hostfs import DIR, LNK, REG, HostFS, join
+
+Snapshot = dict[str, tuple]
+
+
+def snapshot(fs: HostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:
+    out: Snapshot = {}
+    _walk(fs, path, out, skip)
+    return out
+
+
+def _walk(fs: HostFS, path: str, out: Snapshot, skip) -> None:
+    st = fs.lstat(path)
+    if st.kind == REG:
+        content = fs.read_all(path)
+    elif st.kind == LNK:
+        content = fs.readlink(path)
+    else:
+        content = None
+    xattrs = tuple(sorted(fs.xattrs(path).items())) if st.kind in (REG, DIR) else ()
+    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs)
+    if st.kind == DIR:
+        for name in sorted(fs.listdir(path)):
+            child = join(path, name)
+            if child not in skip:
+                _walk(fs, child, out, skip)
+
+
+def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
+    """Human-readable differences, empty when equal."""
+    lines = []
+    for path in sorted(set(expected) | set(actual)):
+        e, a = expected.get(path), actual.get(path)
+        if e == a:
+            continue
+        name = path or "<root>"
+        if e is None:
+            lines.append(f"+ {name}: unexpected {a[0]}")
+        elif a is None:
+            lines.append(f"- {name}: missing {e[0]}")
+        else:
+            fields = ("kind", "mode", "mtime_ns", "content", "xattrs")
+            bad = [f"{f} {_short(x)} != {_short(y)}" for f, x, y in zip(fields, e, a) if x != y]
+            lines.append(f"~ {name}: " + "; ".join(bad))
+        if len(lines) >= limit:
+            lines.append("…")
+            break
+    return lines
+
+
+def _short(v) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000:
+        return oct(v)
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def assert_same(expected: Snapshot, actual: Snapshot, what: str = "tree") -> None:
+    d = diff(expected, actual)
+    if d:
+        raise AssertionError(f"{what} differs from the expected snapshot:\n  " + "\n  ".join(d))
