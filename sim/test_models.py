@@ -252,7 +252,7 @@ class UndoModel(RuleBasedStateMachine):
     @invariant()
     def limits_hold(self):
         if self.ws is not None:
-            assert len(self.ws.log.steps()) <= self.limits.max_step_count
+            assert len(self.ws.log.steps()) <= self.limits.max_step_count or self.ws.log.eviction_pending
 
 
 class RealUndoModel(UndoModel):

@@ -160,6 +160,7 @@ class UndoLog:
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
+        self.eviction_pending = False
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 
     # ------------------------------------------------------------------ opening
@@ -290,6 +291,8 @@ class UndoLog:
         if self.open_step is not None:
             raise RuntimeError("a step is already open")
         self.finish_pending_rollback()
+        if self.eviction_pending:
+            self.enforce_limits(best_effort=True)
         seq = self._counters["next_seq"]
         self._counters["next_seq"] = seq + 1
         self._save_counters()
@@ -401,7 +404,7 @@ class UndoLog:
         self.fs.rename(WAL, info.dirname)
         self.open_step = None
         self._steps.append(info)
-        self.enforce_limits()
+        self.enforce_limits(best_effort=True)
         return info
 
     @staticmethod
@@ -570,23 +573,37 @@ class UndoLog:
         return done - start
 
     def _to_trash(self, path: str, name: str) -> None:
+        """Atomically retire ``path`` (one rename), then delete it. If the deletion fails
+        the directory is already out of the way; ``open`` empties trash/ again."""
         dst = join("trash", name)
         if self.fs.exists(dst):
             preimage.remove_tree(self.fs, dst)
         self.fs.rename(path, dst)
-        preimage.remove_tree(self.fs, dst)
+        try:
+            preimage.remove_tree(self.fs, dst)
+        except OSError as e:
+            self._emit({"type": "event.warning", "message": f"could not delete {dst} from the undo store ({e}); retried on next open"})
 
     # ------------------------------------------------------------------ limits
 
     def total_size_bytes(self) -> int:
         return sum(s.size_bytes for s in self._steps) + (self.open_step.size_bytes if self.open_step else 0)
 
-    def enforce_limits(self) -> None:
+    def enforce_limits(self, best_effort: bool = False) -> None:
+        """Evict oldest steps until within limits. With ``best_effort`` an I/O error only
+        warns and leaves ``eviction_pending`` set; the next step boundary retries."""
         evicted = []
-        while len(self._steps) > self.limits.max_step_count:
-            evicted.append(self._evict_oldest())
-        while self._steps and self.total_size_bytes() > self.limits.max_log_size_bytes:
-            evicted.append(self._evict_oldest())
+        try:
+            while len(self._steps) > self.limits.max_step_count:
+                evicted.append(self._evict_oldest())
+            while self._steps and self.total_size_bytes() > self.limits.max_log_size_bytes:
+                evicted.append(self._evict_oldest())
+            self.eviction_pending = False
+        except OSError as e:
+            self.eviction_pending = True
+            if not best_effort:
+                raise
+            self._emit({"type": "event.warning", "message": f"evicting old undo steps failed ({e}); retried at the next step"})
         if evicted:
             oldest = self._steps[0].seq if self._steps else self._counters["next_seq"]
             for b in [b for b in self._barriers if b.after_seq < oldest]:
@@ -595,8 +612,9 @@ class UndoLog:
                         f"({', '.join(str(i) for i in evicted)})", "evicted_step_ids": evicted})
 
     def _evict_oldest(self) -> int:
-        info = self._steps.pop(0)
-        self._to_trash(info.dirname, f"ev-{info.seq}")
+        info = self._steps[0]
+        self._to_trash(info.dirname, f"ev-{info.seq}")  # the rename into trash/ is the eviction
+        self._steps.pop(0)
         return info.id
 
     # ------------------------------------------------------------------ recovery
