@@ -62,8 +62,8 @@ class World:
         if kind == "sim":
             clock = SimClock()
             self.clock_ns = clock
-            self.work = SimHostFS("work", clock=clock, fault_hook=self._hook)
-            self.store = SimHostFS("store", clock=clock, fault_hook=self._hook)
+            self.work = SimHostFS("work", clock=clock, fault_hook=self._hook_obj())
+            self.store = SimHostFS("store", clock=clock, fault_hook=self._hook_obj())
             self._work_view, self._store_view = self.work, self.store
         elif kind == "real":
             assert tmp is not None

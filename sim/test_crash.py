@@ -1,0 +1,274 @@
+"""Exhaustive fault injection over a fixed workload, as SQLite fails the N-th I/O for every N.
+
+The workload is one step that exercises every primitive (create, O_TRUNC rewrite, an
+editor's temp-then-rename, chmod, utime, symlink, xattr, fallocate, copy_file_range, a
+directory rename, ``rm -rf``, ``mkdir -p``). For every k, a crash at host call k must
+recover to exactly the tree before the step — or, if the crash came after the step was
+promoted, exactly the tree the step left; and the rest of history must still roll back.
+"""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from sandbox.core.errors import SafeguardDenied
+
+from . import oracle
+from .client import SimClient
+from .faults import FaultInjector, SimulatedCrash
+from .world import World
+
+BASE_TREE_MTIME = 1_600_000_000_000_000_000
+
+
+def seed_fixed(fs) -> None:
+    fs.mkdir("d1", 0o755)
+    fs.mkdir("d1/e", 0o750)
+    fs.mkdir("d2", 0o2775)
+    for path, data, mode in (("d1/a", b"alpha" * 50, 0o644), ("d1/e/c", b"", 0o600), ("d2/b", bytes(range(256)) * 40, 0o4755),
+                             ("top", b"top file\n", 0o444)):
+        fs.create(path, mode)
+        if data:
+            fs.write_all(path, 0, data)
+    fs.symlink("../top", "d2/link")
+    fs.setxattr("d1/a", "user.note", b"keep me")
+    fs.setxattr("d2", "user.dir", b"dir attr")
+    for p in ("d1/a", "d1/e/c", "d2/b", "top", "d1/e", "d1", "d2", ""):
+        fs.utime(p, BASE_TREE_MTIME + len(p))
+
+
+def workload(ws) -> None:
+    fs = ws.fs
+    c = SimClient(fs)
+    c.echo_to("new.txt", b"fresh")
+    c.echo_to("d1/a", b"rewritten")
+    c.editor_save("d2/b", b"saved by the editor")
+    fs.chmod("d1", 0o700)
+    fs.utime("d1/e", 1_500_000_000_000_000_000)
+    fs.symlink("../nowhere", "d1/ln")
+    fs.setxattr("new.txt", "user.k", b"v")
+    fs.removexattr("d1/a", "user.note")
+    fs.fallocate("new.txt", 0, 100)
+    fs.copy_file_range("top", "d1/a", 0, 2, 5)
+    fs.truncate("top", 3)
+    fs.rename("d1", "moved")
+    c.rm_rf("d2")
+    c.mkdir_p("x/y/z")
+    fs.rename("moved/e", "x/y/z/e")
+
+
+def _world(kind: str, tmp_path) -> World:
+    w = World(kind, str(tmp_path) if kind == "real" else None)
+    with w.paused():
+        seed_fixed(w.work)
+    return w
+
+
+def _prepare(kind, tmp_path):
+    """A world with one finished step in history (so recovery must not disturb it)."""
+    w = _world(kind, tmp_path)
+    initial = w.snapshot()
+    ws = w.open()
+    with ws.step("earlier"):
+        ws.fs.write_file("earlier.txt", b"from an earlier step")
+        ws.fs.chmod("top", 0o640)
+    return w, ws, initial
+
+
+def _count_calls(kind, tmp_path, action) -> int:
+    w, ws, _ = _prepare(kind, tmp_path / "count" if kind == "real" else None)
+    w.injector = FaultInjector()
+    action(ws)
+    return w.injector.calls
+
+
+def _ks(total: int, kind: str) -> list[int]:
+    return list(range(total)) if kind == "sim" else list(range(0, total, 11))
+
+
+def _step(ws):
+    with ws.step("workload"):
+        workload(ws)
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_host_call_of_a_step(kind, tmp_path):
+    total = _count_calls(kind, tmp_path, _step)
+    assert total > 100  # the workload really exercises the store and the tree
+    outcomes = {"rolled back": 0, "kept": 0}
+    for k in _ks(total, kind):
+        w, ws, initial = _prepare(kind, tmp_path / str(k))
+        pre = w.snapshot()
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            _step(ws)
+        at_crash = w.snapshot()
+        w.crash(ws)
+        ws2 = w.open()
+        ids = [h["command"] for h in ws2.history()]
+        if ids[0] == "workload":
+            outcomes["kept"] += 1
+            oracle.assert_same(at_crash, w.snapshot(), f"crash at call {k} after promotion")
+            ws2.rollback(1)
+        else:
+            outcomes["rolled back"] += 1
+            assert ws2.recovery is not None or at_crash == pre, f"crash at call {k}: changed tree but no recovery"
+            oracle.assert_same(pre, w.snapshot(), f"crash at call {k} inside the step")
+        ws2.rollback(1)
+        oracle.assert_same(initial, w.snapshot(), f"crash at call {k}: earlier step no longer rolls back")
+        ws2.close()
+    # promotion (one rename) is the step's last host call, so every crash lands before it
+    assert outcomes == {"rolled back": len(_ks(total, kind)), "kept": 0}, outcomes
+
+
+def test_torn_write_at_every_write_of_a_step(tmp_path):
+    total = _count_calls("sim", tmp_path, _step)
+    torn = 0
+    for k in range(total):
+        w, ws, initial = _prepare("sim", None)
+        pre = w.snapshot()
+        w.injector = FaultInjector(torn_at=k, seed=k)
+        try:
+            _step(ws)
+        except SimulatedCrash:
+            torn += 1
+            w.crash(ws)
+            ws = w.open()
+            if ws.history()[0]["command"] != "workload":
+                oracle.assert_same(pre, w.snapshot(), f"torn write at call {k}")
+                ws.rollback(1)
+                oracle.assert_same(initial, w.snapshot(), f"torn write at call {k}: earlier step")
+            continue
+    assert torn > 20
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_store_error_at_every_store_mutation_of_a_step(code, tmp_path):
+    w, ws, _ = _prepare("sim", None)
+    w.injector = FaultInjector()
+    _step(ws)
+    total = w.injector.store_mutations
+    assert total > 20
+    failed_ops = 0
+    for j in range(total):
+        w, ws, initial = _prepare("sim", None)
+        pre = w.snapshot()
+        w.injector = FaultInjector(error_at=(j, code))
+        try:
+            _step(ws)
+        except OSError as e:
+            assert e.errno == code, f"store error {j}: unexpected {e!r}"
+            failed_ops += 1
+            w.injector = FaultInjector()
+            ws.interceptor.close_now()  # the disk recovered: closing is retried
+        w.injector = FaultInjector()
+        if ws.history()[0]["command"] != "workload":
+            # the error hit opening the step: it never started, and nothing was touched
+            oracle.assert_same(pre, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j} (step never opened)")
+        else:
+            ws.rollback(1)
+            oracle.assert_same(pre, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}")
+        ws.rollback(1)
+        oracle.assert_same(initial, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}: earlier step")
+    assert failed_ops == total  # every injected error surfaced to the caller, none was swallowed
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_host_call_of_a_rollback(kind, tmp_path):
+    def setup(w, ws):
+        _step(ws)
+
+    def action(ws):
+        ws.rollback(2)
+
+    w, ws, _ = _prepare(kind, tmp_path / "count" if kind == "real" else None)
+    setup(w, ws)
+    w.injector = FaultInjector()
+    action(ws)
+    total = w.injector.calls
+    for k in _ks(total, kind):
+        w, ws, initial = _prepare(kind, tmp_path / str(k))
+        after_earlier = w.snapshot()
+        setup(w, ws)
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            action(ws)
+        w.crash(ws)
+        ws2 = w.open()
+        left = [h["command"] for h in ws2.history()]
+        expected = {("workload", "earlier"): None, ("earlier",): after_earlier, (): initial}[tuple(left)]
+        if expected is not None:
+            oracle.assert_same(expected, w.snapshot(), f"crash at rollback call {k} (history {left})")
+        ws2.rollback(len(left)) if left else None
+        oracle.assert_same(initial, w.snapshot(), f"crash at rollback call {k}: full rollback after recovery")
+        ws2.close()
+
+
+def _crashed_mid_step():
+    """A world whose process died at host call 100 of the workload step."""
+    w, ws, _ = _prepare("sim", None)
+    pre = w.snapshot()
+    w.injector = FaultInjector(crash_at=100)
+    with pytest.raises(SimulatedCrash):
+        _step(ws)
+    w.crash(ws)
+    assert w.snapshot() != pre
+    return w, pre
+
+
+def test_crash_at_every_host_call_of_recovery_itself():
+    """A second crash while recovering from the first still ends at the pre-step tree."""
+    w, _ = _crashed_mid_step()
+    w.injector = FaultInjector()
+    w.open().close()
+    total = w.injector.calls
+    assert total > 20
+    for k in range(total):
+        w, pre = _crashed_mid_step()
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            w.open()
+        w.crash(None)
+        ws2 = w.open()
+        oracle.assert_same(pre, w.snapshot(), f"crash at recovery call {k}")
+        ws2.close()
+
+
+def test_crash_during_eviction_keeps_history_consistent():
+    for k in range(0, 120):
+        w = _world("sim", None)
+        ws = w.open()
+        posts = []
+        for i in range(3):
+            with ws.step(f"s{i}"):
+                ws.fs.write_file(f"f{i}", b"x" * (i + 1) * 100)
+                ws.fs.remove_tree("d2") if i == 1 else None
+            posts.append(w.snapshot())
+        ws.configure_limits(max_step_count=3)
+        w.injector = FaultInjector(crash_at=k)
+        try:
+            ws.configure_limits(max_step_count=1)  # evicts two steps
+        except SimulatedCrash:
+            w.crash(ws)
+            ws = w.open()
+        w.injector = FaultInjector()
+        oracle.assert_same(posts[-1], w.snapshot(), f"crash at eviction call {k}")
+        left = [h["command"] for h in ws.history()]
+        assert left[0] == "s2" and left == ["s2", "s1", "s0"][: len(left)]
+        ws.rollback(1)
+        oracle.assert_same(posts[-2], w.snapshot(), f"crash at eviction call {k}: rollback after")
+
+
+def test_deny_then_crash_is_consistent():
+    w, ws, _ = _prepare("sim", None)
+    pre = w.snapshot()
+    ws.configure_safeguard(delete_threshold=3)
+    ws.fs.decide = lambda hold: "deny"
+    with pytest.raises(SafeguardDenied):
+        _step(ws)
+    oracle.assert_same(pre, w.snapshot(), "denied step")
+    w.crash(ws)
+    ws2 = w.open()
+    oracle.assert_same(pre, w.snapshot(), "reopened after deny")
