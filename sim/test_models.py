@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from sandbox.core.store import Limits
 
+from .budget import scale
 from .driver import STORE_ERRORS, Driver
 from .world import World
 
@@ -109,6 +110,6 @@ class RealUndoModel(UndoModel):
 
 _health = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 TestUndoModelSim = UndoModel.TestCase
-TestUndoModelSim.settings = settings(max_examples=60, stateful_step_count=25, deadline=None, suppress_health_check=_health)
+TestUndoModelSim.settings = settings(max_examples=scale(60, 600), stateful_step_count=scale(25, 40), deadline=None, suppress_health_check=_health)
 TestUndoModelReal = RealUndoModel.TestCase
-TestUndoModelReal.settings = settings(max_examples=12, stateful_step_count=15, deadline=None, suppress_health_check=_health)
+TestUndoModelReal.settings = settings(max_examples=scale(12, 120), stateful_step_count=scale(15, 30), deadline=None, suppress_health_check=_health)

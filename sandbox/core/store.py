@@ -508,8 +508,7 @@ class UndoLog:
             raise CorruptStep(f"cannot undo: {info.corrupt}", seq=info.seq)
         if info.unprotected:
             raise StepUnprotected(f"step {info.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=info.id)
-        records = self.records_of(info)
-        self.check_content(info, records)
+        records = self.records_of(info)  # the caller has verified content and fingerprints
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
         self.fs.create(join(ROLLBACK, "progress"), 0o600)
@@ -519,11 +518,21 @@ class UndoLog:
         return n
 
     def check_content(self, info: StepInfo, records: list[dict]) -> None:
-        """Every blob a rollback will read is present and decodes (before touching anything)."""
+        """Every preimage a rollback will read is present and decodes to its recorded size —
+        checked before the tree is touched, so a corrupt store refuses instead of half-undoing."""
+        open_content = self._open_content(info.dirname)
         for r in records:
             if r.get("op") == "pre" and r.get("kind") == REG:
                 if "blob" in r and not self.fs.exists(join(info.dirname, r["blob"])):
-                    raise CorruptStep(f"step {info.id}: preimage of {r['path']!r} is missing ({r['blob']})", step_id=info.id)
+                    raise CorruptStep(f"step {info.id}: preimage of {r['path']!r} is missing ({info.dirname}/{r['blob']})",
+                                      step_id=info.id)
+                try:
+                    for _ in open_content(r):
+                        pass
+                except CorruptStep as e:
+                    raise CorruptStep(f"step {info.id}: {e.message}", step_id=info.id) from None
+                except (KeyError, TypeError, ValueError) as e:
+                    raise CorruptStep(f"step {info.id}: record for {r.get('path')!r} is malformed ({e})", step_id=info.id) from None
 
     def _open_content(self, where: str):
         def gen(rec: dict) -> Iterator[bytes]:

@@ -60,6 +60,7 @@ class Workspace:
         self._on_event = on_event
         self.work = work
         self.store = store
+        self.label = label
         self.log = UndoLog(store, limits, clock_ns=clock_ns, emit=self._emit)
         self.recovery = self.log.open(work, label)
         self.tracker = StepTracker(clock_s, ambient_idle_s=ambient_idle_s, quiescence_s=quiescence_s)
@@ -312,7 +313,7 @@ class Workspace:
         with self.interceptor.lock:
             if self.tracker.active is not None:
                 self.interceptor.close_now()
-            self.log.discard(getattr(self.work, "root", ""))
+            self.log.discard(self.label)
 
     @property
     def undo_available(self) -> bool:

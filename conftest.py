@@ -1,0 +1,61 @@
+"""Shared fixtures and markers for sim/ (fast tier) and e2e/ (real kernel and host facilities).
+
+* ``world`` — a :class:`sim.world.World`, parametrised over the simulated disk and a real
+  temp directory, so the same test proves both.
+* ``real_workspace`` — a :class:`sandbox.Workspace` on a real temp folder with its store beside it.
+* ``snapshot`` — the tree oracle (``sim.oracle.snapshot``).
+* marker ``slow``: only in the full run (``./dev test --full`` / ``SANDBOX_TEST_FULL=1``).
+* marker ``e2e``: needs a real kernel client or host facility; skipped with a reason
+  where it is missing (never silently passed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sim import oracle
+from sim.budget import FULL
+from sim.world import World
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL:
+        return
+    skip = pytest.mark.skip(reason="slow: part of the full run (./dev test --full or SANDBOX_TEST_FULL=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    return f"sandbox test budget: {'FULL' if FULL else 'default (fast tier + smoke)'}"
+
+
+@pytest.fixture(params=["sim", "real"])
+def world(request, tmp_path):
+    return World(request.param, str(tmp_path) if request.param == "real" else None)
+
+
+@pytest.fixture
+def real_workspace(tmp_path):
+    import sandbox
+
+    work = tmp_path / "work"
+    work.mkdir()
+    ws = sandbox.Workspace.open(str(work), state_dir=str(tmp_path / "state"))
+    yield ws
+    ws.close()
+
+
+@pytest.fixture
+def snapshot():
+    return oracle.snapshot
+
+
+@pytest.fixture(autouse=True)
+def _isolated_state_home(tmp_path, monkeypatch):
+    """Default undo stores go under a per-test XDG_STATE_HOME, never the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    yield

@@ -1,0 +1,230 @@
+"""The ``sandbox`` command.
+
+Exit codes: 0 success · 1 nothing to undo / the operation failed · 2 bad usage or input
+· 3 refused: an undo barrier or an external change is in the way (``--force``) ·
+4 undo unavailable: format version mismatch (``sandbox discard``), unprotected or
+corrupt step · 5 the undo store is in use by another process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+from . import __version__
+from .core.errors import (BarrierInTheWay, CorruptStep, NothingToUndo, SandboxError, StepError, StepUnprotected,
+                          UndoUnavailable)
+from .core.workspace import Workspace, default_state_dir
+from .hostfs import PathError, StoreBusy
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE, EXIT_BUSY = 0, 1, 2, 3, 4, 5
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _state_dir(args) -> str:
+    return args.state_dir or default_state_dir(args.workdir)
+
+
+def _open(args, must_exist: bool = True) -> Workspace:
+    if not os.path.isdir(args.workdir):
+        raise CliError(f"working folder {args.workdir!r} does not exist or is not a directory", EXIT_USAGE)
+    state = _state_dir(args)
+    if must_exist and not os.path.exists(os.path.join(state, "VERSION")) and not os.path.exists(os.path.join(state, "steps")):
+        raise CliError(f"no undo history for {os.path.realpath(args.workdir)} (looked in {state}); "
+                       "pass --state-dir if the store lives elsewhere", EXIT_FAILED)
+    ws = Workspace.open(args.workdir, state_dir=state)
+    if ws.recovery:
+        r = ws.recovery
+        print(f"recovered: an interrupted step ({r.get('step_id')}) was rolled back, "
+              f"{r.get('paths_restored', 0)} path(s) restored", file=sys.stderr)
+    return ws
+
+
+def _when(ns: int | None) -> str:
+    if not ns:
+        return "-"
+    return _dt.datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def cmd_history(args) -> int:
+    with _open(args) as ws:
+        hist = ws.history()
+        if args.json:
+            json.dump({"workdir": os.path.realpath(args.workdir), "steps": hist}, sys.stdout, indent=2)
+            print()
+            return EXIT_OK
+        if not hist:
+            print("no steps in history")
+            return EXIT_OK
+        print(f"{'id':>5}  {'type':8} {'ended':19}  {'exit':>4}  {'paths':>5}  {'notes':24} command")
+        for h in hist:
+            notes = []
+            if h["unprotected"]:
+                notes.append("UNPROTECTED")
+            if h["outcome"] != "completed":
+                notes.append(h["outcome"])
+            if h.get("corrupt"):
+                notes.append("CORRUPT")
+            for b in h["barriers"]:
+                notes.append(f"barrier#{b['id']}")
+            exit_code = "-" if h["exit_code"] is None else str(h["exit_code"])
+            print(f"{h['id']:>5}  {h['type']:8} {_when(h['ended_ns']):19}  {exit_code:>4}  {len(h['paths']):>5}  "
+                  f"{','.join(notes):24} {h['command']}")
+            for b in h["barriers"]:
+                print(f"{'':7}^ barrier #{b['id']}: {b['reason']} ({', '.join(b['paths'][:5]) or 'paths unknown'}) — "
+                      "undo across it needs --force")
+            if h.get("corrupt"):
+                print(f"{'':7}! {h['corrupt']}")
+        return EXIT_OK
+
+
+def cmd_undo(args) -> int:
+    if args.n < 1:
+        raise CliError("-n must be at least 1", EXIT_USAGE)
+    with _open(args) as ws:
+        hist = ws.history()
+        todo = hist[: args.n]
+        if todo:
+            print(f"undoing {len(todo)} step(s): " + ", ".join(f"{h['id']} ({h['command'] or h['type']})" for h in todo),
+                  file=sys.stderr, flush=True)
+        result = ws.rollback(args.n, force=args.force)
+        print(f"undone: step(s) {', '.join(str(i) for i in result['step_ids'])}; "
+              f"{result['paths_restored']} path(s) restored")
+        return EXIT_OK
+
+
+def cmd_discard(args) -> int:
+    if not args.yes:
+        raise CliError("discarding deletes all undo history for this folder; confirm with --yes", EXIT_USAGE)
+    with _open(args) as ws:
+        ws.discard()
+    print(f"undo history discarded; a fresh store is ready at {_state_dir(args)}")
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    """A sandbox session on the sample project: a destructive step, then its undo."""
+    from .hostfs.real import RealHostFS
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sample = args.sample or os.path.join(here, "fixtures", "sample-project")
+    if not os.path.isdir(sample):
+        raise CliError(f"sample project not found at {sample}", EXIT_USAGE)
+    base = tempfile.mkdtemp(prefix="sandbox-demo-")
+    try:
+        work = os.path.join(base, "project")
+        shutil.copytree(sample, work, symlinks=True)
+        state = os.path.join(base, "undo-store")
+        print(f"working folder: {work}\nundo store:     {state}\n")
+
+        def listing() -> dict:
+            fs = RealHostFS(work)
+            out = {}
+
+            def walk(p):
+                for name in sorted(fs.listdir(p)):
+                    c = f"{p}/{name}" if p else name
+                    st = fs.lstat(c)
+                    out[c] = (st.kind, st.mode, st.mtime_ns, fs.read_all(c) if st.kind == "reg" else None)
+                    if st.kind == "dir":
+                        walk(c)
+            walk("")
+            fs.close()
+            return out
+
+        before = listing()
+        print(f"before: {len(before)} entries — " + ", ".join(sorted(k for k in before if "/" not in k)))
+        with Workspace.open(work, state_dir=state) as ws:
+            with ws.step("rm -rf * && echo 'oops' > README.md"):
+                for name in sorted(os.listdir(work)):
+                    ws.fs.remove_tree(name)
+                ws.fs.write_file("README.md", b"oops\n")
+            print(f"after `rm -rf * && echo 'oops' > README.md`: {sorted(os.listdir(work))}\n")
+        rc = cmd_history(argparse.Namespace(workdir=work, state_dir=state, json=False))
+        print()
+        rc = rc or cmd_undo(argparse.Namespace(workdir=work, state_dir=state, n=1, force=False))
+        after = listing()
+        same = before == after
+        print(f"after undo: {len(after)} entries — tree {'IDENTICAL to the original (bytes, modes, mtimes)' if same else 'DIFFERS'}")
+        return EXIT_OK if same and rc == 0 else EXIT_FAILED
+    finally:
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            print(f"kept {base}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandbox", description="Let an AI coding agent loose on a real project without "
+                                "fear: every write is intercepted and every step can be undone exactly.",
+                                epilog="Exit codes: 0 ok, 1 failed/nothing to undo, 2 bad usage, 3 barrier or external "
+                                "change in the way (use --force), 4 undo unavailable (version mismatch, unprotected or "
+                                "corrupt step), 5 undo store in use by another process.")
+    p.add_argument("--version", action="version", version=f"sandbox {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def with_workdir(sp):
+        sp.add_argument("--workdir", required=True, metavar="DIR", help="the working folder")
+        sp.add_argument("--state-dir", metavar="DIR", help="where its undo store lives (default: under "
+                        "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
+        return sp
+
+    h = with_workdir(sub.add_parser("history", help="list the undoable steps, newest first"))
+    h.add_argument("--json", action="store_true", help="machine-readable output")
+    h.set_defaults(fn=cmd_history)
+    u = with_workdir(sub.add_parser("undo", help="undo the newest step(s) exactly (rollback is pop: no redo)"))
+    u.add_argument("-n", type=int, default=1, metavar="N", help="number of steps to undo (default 1)")
+    u.add_argument("--force", action="store_true", help="undo even across barriers, overwriting changes made outside the sandbox")
+    u.set_defaults(fn=cmd_undo)
+    d = with_workdir(sub.add_parser("discard", help="delete all undo history (e.g. after a format version mismatch)"))
+    d.add_argument("--yes", action="store_true", help="confirm")
+    d.set_defaults(fn=cmd_discard)
+    demo = sub.add_parser("demo", help="run a session on a copy of the sample project: `rm -rf *`, history, undo, verify")
+    demo.add_argument("--sample", metavar="DIR", help="project to copy (default: fixtures/sample-project)")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    demo.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CliError as e:
+        print(f"sandbox: {e}", file=sys.stderr)
+        return e.code
+    except StoreBusy as e:
+        print(f"sandbox: {e}", file=sys.stderr)
+        return EXIT_BUSY
+    except BarrierInTheWay as e:
+        print(f"sandbox: refused: {e.message}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (UndoUnavailable, StepUnprotected, CorruptStep) as e:
+        print(f"sandbox: {e.message}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except (NothingToUndo, StepError) as e:
+        print(f"sandbox: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except (PathError, ValueError) as e:
+        print(f"sandbox: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SandboxError as e:
+        print(f"sandbox: {e.code}: {e.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"sandbox: {e.strerror or e}{': ' + str(e.filename) if e.filename else ''}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,612 @@
+"""Unit tests of the undo core's specific guarantees, on the simulated disk and a real one.
+
+The stateful model (test_models.py) proves the general invariant; these pin down the
+named behaviours: bad input, store corruption and versioning, locking, hardlinks, the
+step tracker, safeguards, barriers, limits, and that a directory rename costs no copy.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import sandbox
+from sandbox import (BarrierInTheWay, CorruptStep, ExternalChange, HoldRequired, Limits, NothingToUndo, PathError,
+                     SafeguardConfig, SafeguardDenied, StepUnprotected, StoreBusy, UndoUnavailable, Workspace)
+from sandbox.core.workspace import default_state_dir
+
+from . import oracle
+
+
+def _open(world, **kw):
+    return world.open(**kw)
+
+
+def _seed(ws, files=("a", "d/b", "d/e/c")):
+    with ws.step("seed"):
+        for f in files:
+            if "/" in f:
+                ws.fs.makedirs(f.rsplit("/", 1)[0])
+            ws.fs.write_file(f, f"content of {f}".encode())
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("bad", ["../x", "/etc/passwd", "a/../../x", "a\0b", "x/" * 3000])
+def test_bad_paths_are_refused_before_anything_is_touched(world, bad):
+    ws = _open(world)
+    before = world.snapshot()
+    with pytest.raises(PathError):
+        ws.fs.write_file(bad, b"x")
+    with pytest.raises(PathError):
+        ws.fs.rename("a" if False else "x", bad)
+    assert world.snapshot() == before
+    assert ws.history() == []  # not even an ambient step was journalled
+
+
+def test_route_through_symlink_out_of_the_root_touches_nothing(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    work = tmp_path / "work"
+    work.mkdir()
+    os.symlink(str(outside), work / "escape")
+    with Workspace.open(str(work), state_dir=str(tmp_path / "state")) as ws:
+        for op in (lambda: ws.fs.write_file("escape/secret", b"pwned"), lambda: ws.fs.unlink("escape/secret"),
+                   lambda: ws.fs.mkdir("escape/new"), lambda: ws.fs.rename("escape/secret", "stolen"),
+                   lambda: ws.fs.remove_tree("escape/secret"), lambda: ws.fs.chmod("escape/secret", 0o777)):
+            with pytest.raises(OSError) as e:
+                op()
+            assert e.value.errno in (errno.ELOOP, errno.ENOTDIR), e.value
+        # the symlink itself is an entry of the root: it may be removed, never followed
+        ws.fs.unlink("escape")
+    assert (outside / "secret").read_bytes() == b"secret"
+    assert sorted(os.listdir(outside)) == ["secret"]
+
+
+def test_symlink_targets_are_data_stored_as_given(world):
+    ws = _open(world)
+    with ws.step("links"):
+        ws.fs.symlink("/etc/passwd", "abs")
+        ws.fs.symlink("../../outside", "rel")
+    assert world.work.readlink("abs") == "/etc/passwd"
+    assert world.work.readlink("rel") == "../../outside"
+    with pytest.raises(PathError):
+        ws.fs.symlink("a\0b", "nul")
+    ws.rollback(1)
+    assert not world.work.exists("abs")
+
+
+def test_state_dir_inside_the_working_folder_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="outside the working folder"):
+        Workspace.open(str(tmp_path), state_dir=str(tmp_path / ".undo"))
+    with pytest.raises(FileNotFoundError):
+        Workspace.open(str(tmp_path / "missing"))
+
+
+def test_default_state_dir_is_keyed_by_real_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    (tmp_path / "proj").mkdir()
+    os.symlink(tmp_path / "proj", tmp_path / "alias")
+    a = default_state_dir(str(tmp_path / "proj"))
+    assert a == default_state_dir(str(tmp_path / "alias"))
+    assert a.startswith(str(tmp_path / "xdg" / "sandbox" / "undo"))
+    (tmp_path / "other").mkdir()
+    assert default_state_dir(str(tmp_path / "other")) != a
+    with Workspace.open(str(tmp_path / "alias")) as ws:
+        ws.fs.write_file("f", b"x")
+    assert os.path.isfile(os.path.join(a, "VERSION"))
+    assert open(os.path.join(a, "WORKDIR")).read().strip() == str(tmp_path / "proj")
+
+
+# ---------------------------------------------------------------------------- store: locking, versions, corruption
+
+
+def test_second_opener_gets_store_busy_with_pid(tmp_path):
+    (tmp_path / "w").mkdir()
+    state = str(tmp_path / "s")
+    ws = Workspace.open(str(tmp_path / "w"), state_dir=state)
+    code = ("import sandbox, sys\n"
+            "try:\n sandbox.Workspace.open(sys.argv[1], state_dir=sys.argv[2])\n"
+            "except sandbox.StoreBusy as e:\n print(e); sys.exit(7)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "w"), state], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 7, r.stderr
+    assert f"in use by pid {os.getpid()}" in r.stdout
+    with pytest.raises(StoreBusy):
+        Workspace.open(str(tmp_path / "w"), state_dir=state)  # a second open in the same process too
+    ws.close()
+    Workspace.open(str(tmp_path / "w"), state_dir=state).close()
+
+
+def test_version_mismatch_makes_undo_unavailable_until_discard(world):
+    ws = _open(world)
+    _seed(ws)
+    ws.close()
+    with world.paused():
+        world.store.truncate("VERSION", 0)
+        world.store.write_all("VERSION", 0, b"999\n")
+    events = []
+    ws = _open(world, on_event=events.append)
+    assert not ws.undo_available
+    assert any(e["type"] == "event.undo_version_mismatch" and "999" in e["message"] for e in events)
+    with pytest.raises(UndoUnavailable, match="999"):
+        ws.history()
+    with pytest.raises(UndoUnavailable):
+        ws.rollback(1)
+    ws.fs.write_file("still-works", b"the session proceeds")  # writes go through, unprotected
+    assert world.work.read_all("still-works") == b"the session proceeds"
+    assert world.store.exists("steps")  # nothing deleted silently
+    ws.discard()
+    assert ws.undo_available and ws.history() == []
+    with ws.step("after discard"):
+        ws.fs.write_file("new", b"n")
+    ws.rollback(1)
+    assert not world.work.exists("new")
+
+
+def test_missing_version_with_history_is_a_mismatch_not_a_reset(world):
+    ws = _open(world)
+    _seed(ws)
+    ws.close()
+    with world.paused():
+        world.store.unlink("VERSION")
+    ws = _open(world)
+    assert not ws.undo_available and "VERSION" in ws.log.version_problem
+    assert world.store.listdir("steps")
+
+
+def test_corrupt_manifest_names_the_step_and_newer_steps_still_undo(world):
+    ws = _open(world)
+    with ws.step("one"):
+        ws.fs.write_file("f1", b"1")
+    with ws.step("two"):
+        ws.fs.write_file("f2", b"2")
+    with ws.step("three"):
+        ws.fs.write_file("f3", b"3")
+    ws.close()
+    two = sorted(world.store.listdir("steps"))[1]
+    with world.paused():
+        world.store.truncate(f"steps/{two}/manifest.json", 7)
+    ws = _open(world)
+    hist = ws.history()
+    assert [h["command"] for h in hist] == ["three", "", "one"]
+    assert "corrupt" in hist[1] and two in hist[1]["corrupt"]
+    ws.rollback(1)  # "three" is fine
+    assert not world.work.exists("f3")
+    before = world.snapshot()
+    with pytest.raises(CorruptStep, match=two):
+        ws.rollback(1)
+    assert world.snapshot() == before
+    assert world.store.exists(f"steps/{two}/journal.jsonl")  # nothing deleted silently
+
+
+@pytest.mark.parametrize("damage", ["truncate_blob", "garbage_blob", "delete_blob", "garbage_inline", "torn_middle_line"])
+def test_corrupt_preimage_refuses_before_touching_the_tree(world, damage):
+    ws = _open(world)
+    with world.paused():
+        world.work.create("big", 0o644)
+        world.work.write_all("big", 0, os.urandom(50_000))
+        world.work.create("small", 0o644)
+        world.work.write_all("small", 0, b"small file")
+    with ws.step("rewrite"):
+        ws.fs.write_file("big", b"new")
+        ws.fs.write_file("small", b"changed")
+        ws.fs.write_file("third", b"created")
+    ws.close()
+    step = "steps/" + world.store.listdir("steps")[0]
+    journal = world.store.read_all(f"{step}/journal.jsonl")
+    with world.paused():
+        if damage == "truncate_blob":
+            world.store.truncate(f"{step}/b1", 100)
+        elif damage == "garbage_blob":
+            world.store.write_all(f"{step}/b1", 0, b"\xff" * 64)
+        elif damage == "delete_blob":
+            world.store.unlink(f"{step}/b1")
+        elif damage == "garbage_inline":
+            lines = journal.split(b"\n")
+            i = next(k for k, line in enumerate(lines) if b'"path":"small"' in line and b'"data"' in line)
+            rec = json.loads(lines[i])
+            rec["data"] = "AAAA" + rec["data"][4:]
+            lines[i] = json.dumps(rec, separators=(",", ":")).encode()
+            world.store.truncate(f"{step}/journal.jsonl", 0)
+            world.store.write_all(f"{step}/journal.jsonl", 0, b"\n".join(lines))
+        else:
+            world.store.write_all(f"{step}/journal.jsonl", 40, b"{{{{")
+    ws = _open(world)
+    before = world.snapshot()
+    with pytest.raises(CorruptStep, match="step 1"):
+        ws.rollback(1)
+    assert world.snapshot() == before
+    assert ws.history()[0]["command"] == "rewrite"
+
+
+# ---------------------------------------------------------------------------- capture semantics
+
+
+def test_create_vs_open_trunc_and_exact_metadata_restore(world):
+    ws = _open(world)
+    with world.paused():
+        world.work.create("old", 0o4755)
+        world.work.write_all("old", 0, b"original bytes")
+        world.work.setxattr("old", "user.tag", b"v1")
+        world.work.utime("old", 1_234_567_890_123_456_789)
+        world.work.mkdir("dir", 0o2750)
+        world.work.utime("dir", 1_111_111_111_111_111_111)
+        world.work.utime("", 1_000_000_000_000_000_001)
+    before = world.snapshot()
+    with ws.step("edit"):
+        ws.fs.write_file("old", b"replaced")  # O_TRUNC of an existing file: pre_open_trunc
+        ws.fs.write_file("dir/new", b"new")  # a new inode: pre_create/post_create
+        ws.fs.chmod("old", 0o600)
+        ws.fs.removexattr("old", "user.tag")
+        ws.fs.setxattr("dir", "user.x", b"y")
+        ws.fs.chmod("dir", 0o700)
+        ws.fs.utime("", 5)
+    recs = ws.log.records_of(ws.log.steps()[-1])
+    assert {r["op"] for r in recs if r.get("path") == "old"} == {"pre"}
+    assert {r["op"] for r in recs if r.get("path") == "dir/new"} == {"created"}
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
+def test_directory_rename_costs_one_record_not_a_copy(world):
+    ws = _open(world)
+    with world.paused():
+        world.work.mkdir("big", 0o755)
+        for i in range(300):
+            world.work.create(f"big/f{i}", 0o644)
+            world.work.write_all(f"big/f{i}", 0, os.urandom(2000))
+    before = world.snapshot()
+    with ws.step("mv big moved"):
+        ws.fs.rename("big", "moved")
+        ws.fs.write_file("moved/f7", b"edited after the move")
+    info = ws.log.steps()[-1]
+    recs = ws.log.records_of(info)
+    assert len(recs) <= 5, recs
+    assert info.size_bytes < 20_000  # one 2 KB preimage (f7) and a few records, not 600 KB
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
+def test_hardlinks_path_based(world):
+    ws = _open(world)
+    with world.paused():
+        world.work.create("a", 0o644)
+        world.work.write_all("a", 0, b"shared")
+        world.work.link("a", "b")
+    before = world.snapshot()
+    with ws.step("write through a link, make another"):
+        ws.fs.write("b", 0, b"SHARED")
+        ws.fs.link("a", "c")
+        ws.fs.write("c", 0, b"thrice")
+    assert world.work.read_all("a") == b"thrice"
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+    assert world.work.lstat("a").ino == world.work.lstat("b").ino  # links that survive stay links
+    # documented limitation: a link deleted in the step comes back as a separate file
+    with ws.step("delete one link"):
+        ws.fs.unlink("b")
+    ws.rollback(1)
+    assert world.work.read_all("b") == b"shared"
+    assert world.work.lstat("a").ino != world.work.lstat("b").ino
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def test_ambient_steps_have_negative_ids_and_close_after_idle(world):
+    ws = _open(world)
+    ws.fs.write_file("x", b"1")
+    assert ws.interceptor.current_step() == -1
+    world.now_s += 4.9
+    ws.poll()
+    ws.fs.write_file("y", b"2")  # still the same ambient step: idle time restarts
+    world.now_s += 4.9
+    assert ws.interceptor.current_step() == -1
+    world.now_s += 0.2
+    assert ws.interceptor.current_step() is None
+    ws.fs.write_file("z", b"3")
+    assert ws.interceptor.current_step() == -2
+    with ws.step("cmd") as s:  # a command step closes the ambient one first
+        assert s.id == 1
+        ws.fs.write_file("w", b"4")
+    hist = ws.history()
+    assert [(h["id"], h["type"]) for h in hist] == [(1, "command"), (-2, "ambient"), (-1, "ambient")]
+    assert sorted(hist[2]["paths"]) == ["", "x", "y"]
+
+
+def test_step_ids_are_never_reused_after_rollback_or_reopen(world):
+    ws = _open(world)
+    for i in range(3):
+        with ws.step(f"s{i}"):
+            ws.fs.write_file(f"f{i}", b"x")
+    ws.rollback(2)
+    with ws.step("after") as s:
+        ws.fs.write_file("g", b"y")
+    assert s.id == 4
+    ws.close()
+    ws = _open(world)
+    with ws.step("reopened") as s:
+        ws.fs.write_file("h", b"z")
+    assert s.id == 5
+
+
+def test_quiescence_drains_late_writes_into_the_finished_step(world):
+    ws = _open(world)
+    step_id = ws.begin_step("make")
+    ws.fs.write_file("early", b"1")
+    ws.tracker.op_started()  # a request still in flight when the command ends
+    ws.complete_step(step_id, 0)
+    ws.fs.write_file("late", b"2")  # the in-flight write lands after step_completed
+    assert ws.interceptor.current_step() == step_id
+    ws.tracker.op_finished()
+    ws.poll()
+    assert ws.interceptor.current_step() is None
+    assert sorted(ws.history()[0]["paths"]) == ["", "early", "late"]
+    # without in-flight requests the window is bounded by time alone
+    step2 = ws.begin_step("again")
+    ws.tracker.op_started()
+    ws.complete_step(step2, 3)
+    world.now_s += 0.2
+    ws.poll()
+    assert ws.interceptor.current_step() is None and ws.history()[0]["exit_code"] == 3
+    ws.tracker.op_finished()
+
+
+def test_recovery_reports_paths_restored(world):
+    from .faults import FaultInjector, SimulatedCrash
+
+    ws = _open(world)
+    _seed(ws)
+    before = world.snapshot()
+    world.injector = FaultInjector(crash_at=60)
+    with pytest.raises(SimulatedCrash):
+        with ws.step("rm -rf d"):
+            ws.fs.remove_tree("d")
+            ws.fs.write_file("a", b"changed" * 100)
+            ws.fs.remove_tree("a")
+    world.crash(ws)
+    events = []
+    ws = _open(world, on_event=events.append)
+    assert ws.recovery["kind"] == "in_progress_rolled_back" and ws.recovery["paths_restored"] >= 2
+    assert any(e["type"] == "event.recovery" for e in events)
+    oracle.assert_same(before, world.snapshot())
+
+
+# ---------------------------------------------------------------------------- safeguards
+
+
+def _big(world, path="big", size=(1 << 20) + 10):
+    with world.paused():
+        world.work.create(path, 0o644)
+        world.work.write_all(path, 0, b"B" * size)
+
+
+def test_hold_is_raised_before_the_crossing_delete_without_a_decider(world):
+    ws = _open(world, safeguard=SafeguardConfig(delete_threshold=3))
+    _seed(ws, files=("f1", "f2", "f3", "f4"))
+    sid = ws.begin_step("rm")
+    ws.fs.unlink("f1")
+    ws.fs.unlink("f2")
+    with pytest.raises(HoldRequired) as held:
+        ws.fs.unlink("f3")
+    hold = held.value.hold
+    assert (hold.kind, hold.count, hold.step_id, hold.path) == ("delete", 3, sid, "f3")
+    assert world.work.exists("f3")  # held before it ran
+    with pytest.raises(HoldRequired):
+        ws.fs.write_file("other", b"queued behind the hold")  # every mutation waits
+    assert ws.fs.read_file("f4") == b"content of f4"  # reads keep working
+    ws.interceptor.resolve_hold(hold.id, "allow")
+    ws.fs.unlink("f3")  # retried: runs
+    ws.fs.unlink("f4")  # allowed for the rest of the step
+    ws.complete_step(sid, 0)
+    ws.poll()
+    assert not world.work.exists("f4")
+
+
+def test_deny_rolls_back_and_fails_further_writes_until_the_step_ends(world):
+    ws = _open(world, safeguard=SafeguardConfig(delete_threshold=2))
+    _seed(ws, files=("f1", "f2", "f3"))
+    before = world.snapshot()
+    sid = ws.begin_step("rm")
+    ws.fs.write_file("new", b"n")
+    ws.fs.unlink("f1")
+    with pytest.raises(HoldRequired) as held:
+        ws.fs.unlink("f2")
+    ws.interceptor.resolve_hold(held.value.hold.id, "deny")
+    oracle.assert_same(before, world.snapshot(), "after deny")
+    with pytest.raises(SafeguardDenied) as e:
+        ws.fs.write_file("more", b"x")
+    assert e.value.errno == errno.EIO
+    ws.complete_step(sid, 1)
+    ws.poll()
+    assert ws.history()[0]["outcome"] == "denied"
+    ws.fs.write_file("later", b"ok")  # the next (ambient) step works again
+
+
+def test_hold_times_out_to_deny(world):
+    events = []
+    ws = _open(world, safeguard=SafeguardConfig(delete_threshold=1, timeout_s=30), on_event=events.append)
+    _seed(ws, files=("f1",))
+    before = world.snapshot()
+    ws.begin_step("rm")
+    with pytest.raises(HoldRequired):
+        ws.fs.unlink("f1")
+    world.now_s += 29
+    ws.poll()
+    assert ws.interceptor.safeguard.pending is not None
+    world.now_s += 1
+    ws.poll()
+    assert ws.interceptor.safeguard.pending is None
+    assert any("timed out" in e.get("message", "") for e in events)
+    oracle.assert_same(before, world.snapshot())
+
+
+def test_overwrite_and_truncate_of_large_files_hold(world):
+    ws = _open(world, safeguard=SafeguardConfig(overwrite_threshold=1))
+    _big(world)
+    _big(world, "small", size=1000)
+    ws.fs.decide = lambda hold: "deny"
+    ws.fs.write_file("small", b"small files never hold")
+    with pytest.raises(SafeguardDenied):
+        ws.fs.write_file("big", b"clobber")  # O_TRUNC of a > 1 MB file
+    assert world.work.lstat("big").size == (1 << 20) + 10
+    seen = []
+    ws.fs.decide = lambda hold: seen.append(hold.kind) or "allow"
+    world.now_s += 10
+    ws.poll()
+    ws.fs.truncate("big", 10)
+    assert seen == ["overwrite"] and world.work.lstat("big").size == 10
+    ws.fs.truncate("small", 100)  # growing or small: no hold
+    assert seen == ["overwrite"]
+
+
+def test_rename_over_existing_holds_at_its_threshold(world):
+    ws = _open(world, safeguard=SafeguardConfig(rename_over_threshold=2))
+    _seed(ws, files=("a", "b", "c", "d"))
+    seen = []
+    ws.fs.decide = lambda hold: seen.append((hold.kind, hold.count, world.work.exists("c"))) or "allow"
+    with ws.step("mv"):
+        ws.fs.rename("a", "new-name")  # not over an existing file: never counts
+        ws.fs.rename("b", "c")
+        ws.fs.rename("c", "d")
+    assert seen == [("rename_over", 2, True)]
+
+
+def test_safeguard_config_is_validated():
+    with pytest.raises(ValueError):
+        SafeguardConfig(delete_threshold=0)
+    with pytest.raises(ValueError):
+        SafeguardConfig(timeout_s=0)
+    with pytest.raises(ValueError):
+        Limits(max_step_count=0)
+
+
+# ---------------------------------------------------------------------------- barriers
+
+
+def test_barrier_refuses_without_force_and_force_crosses_it(world):
+    ws = _open(world)
+    _seed(ws)
+    with ws.step("edit"):
+        ws.fs.write_file("a", b"sandbox wrote this")
+    b = ws.record_external_modification(["notes.txt"])
+    assert ws.history()[0]["barriers"][0]["id"] == b["id"]
+    before = world.snapshot()
+    with pytest.raises(BarrierInTheWay, match="notes.txt"):
+        ws.rollback(1)
+    assert world.snapshot() == before
+    ws.rollback(1, force=True)
+    assert world.work.read_all("a") == b"content of a"
+    assert ws.barriers() == []  # crossed barriers are gone with the steps they guarded
+
+
+def test_external_change_is_never_clobbered_even_without_a_barrier(world):
+    ws = _open(world)
+    _seed(ws)
+    with ws.step("edit"):
+        ws.fs.write_file("a", b"sandbox wrote this")
+        ws.fs.remove_tree("d/e")
+    with world.paused():  # the user edits the same file on the host; nobody told us
+        world.work.truncate("a", 0)
+        world.work.write_all("a", 0, b"the user's edit!!!")
+        world.work.utime("a", world.work.lstat("a").mtime_ns)
+    with pytest.raises(ExternalChange, match="'?a'?") as e:
+        ws.rollback(1)
+    assert e.value.data["paths"] == ["a"]
+    assert world.work.read_all("a") == b"the user's edit!!!"
+    with world.paused():  # a new file where the step deleted one: also refused
+        world.work.truncate("a", 0)
+        world.work.write_all("a", 0, b"sandbox wrote this")
+    ws2 = ws  # content back to what the sandbox left, but the mtime differs: still refused
+    with pytest.raises(ExternalChange):
+        ws2.rollback(1)
+    ws.rollback(1, force=True)
+    assert world.work.read_all("a") == b"content of a"
+
+
+def test_external_change_elsewhere_does_not_block_and_survives(world):
+    ws = _open(world)
+    _seed(ws)
+    with ws.step("edit"):
+        ws.fs.write_file("a", b"sandbox")
+    with world.paused():
+        world.work.create("users-file", 0o644)
+        world.work.write_all("users-file", 0, b"mine")
+    ws.rollback(1)
+    assert world.work.read_all("users-file") == b"mine"
+
+
+def test_user_file_in_a_directory_the_step_created_blocks_its_removal(world):
+    ws = _open(world)
+    with ws.step("mkdir"):
+        ws.fs.makedirs("gen/out")
+    with world.paused():
+        world.work.create("gen/out/users", 0o644)
+    with pytest.raises(ExternalChange):
+        ws.rollback(1)
+    assert world.work.exists("gen/out/users")
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+def test_step_count_limit_evicts_oldest_with_a_warning(world):
+    events = []
+    ws = _open(world, limits=Limits(max_step_count=3), on_event=events.append)
+    for i in range(5):
+        with ws.step(f"s{i}"):
+            ws.fs.write_file(f"f{i}", b"x")
+    assert [h["command"] for h in ws.history()] == ["s4", "s3", "s2"]
+    warnings = [e for e in events if e["type"] == "event.warning"]
+    assert len(warnings) == 2 and warnings[0]["evicted_step_ids"] == [1]
+    ws.rollback(3)
+    with pytest.raises(NothingToUndo):
+        ws.rollback(1)
+    assert world.work.exists("f1") and not world.work.exists("f2")
+
+
+def test_log_size_limit_evicts_oldest(world):
+    ws = _open(world, limits=Limits(max_log_size_bytes=60_000, max_single_step_size_bytes=50_000))
+    for i in range(4):
+        with world.paused():
+            world.work.create(f"f{i}", 0o644)
+            world.work.write_all(f"f{i}", 0, os.urandom(20_000))
+        with ws.step(f"s{i}"):
+            ws.fs.write_file(f"f{i}", b"small")
+    assert ws.log.total_size_bytes() <= 60_000
+    assert [h["command"] for h in ws.history()][-1] != "s0"
+
+
+def test_unprotected_step_cannot_be_undone_but_newer_steps_can(world):
+    events = []
+    ws = _open(world, limits=Limits(max_single_step_size_bytes=10_000), on_event=events.append)
+    with world.paused():
+        world.work.create("huge", 0o644)
+        world.work.write_all("huge", 0, os.urandom(30_000))
+    with ws.step("big rewrite"):
+        ws.fs.write_file("huge", b"gone")
+        ws.fs.write_file("after-limit", b"not captured")
+    with ws.step("small"):
+        ws.fs.write_file("tiny", b"t")
+    assert [h["unprotected"] for h in ws.history()] == [False, True]
+    assert any("unprotected" in e.get("message", "") for e in events)
+    ws.rollback(1)
+    assert not world.work.exists("tiny")
+    before = world.snapshot()
+    with pytest.raises(StepUnprotected, match="step 1"):
+        ws.rollback(1)
+    assert world.snapshot() == before
+
+
+def test_public_api_names():
+    for name in ("Workspace", "Limits", "SafeguardConfig", "BarrierInTheWay", "UndoUnavailable", "StoreBusy"):
+        assert hasattr(sandbox, name)
+    assert sandbox.ExternalChange.code == "undo.external_change"
+    assert issubclass(sandbox.PathError, OSError)
