@@ -89,21 +89,29 @@ def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver |
     return d, -1, None
 
 
-def shrink(config: dict, actions: list[tuple], fail_at: int) -> list[tuple]:
-    """Shortest failing prefix, then drop single actions while it still fails."""
+def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = 300.0) -> list[tuple]:
+    """Delta debugging: from the failing prefix, drop chunks of actions (halves, quarters,
+    … single actions) while the trace still fails. Stops after ``budget_s`` seconds with
+    the smallest failing trace found so far."""
     trace = actions[: fail_at + 1]
+    deadline = time.monotonic() + budget_s
 
     def fails(t: list[tuple]) -> bool:
-        _, i, err = execute(config, t)
+        _, _, err = execute(config, t)
         return err is not None and not isinstance(err, KeyboardInterrupt)
 
-    i = 0
-    while i < len(trace) - 1:
-        candidate = trace[:i] + trace[i + 1 :]
-        if fails(candidate):
-            trace = candidate
-        else:
-            i += 1
+    chunk = max(1, len(trace) // 2)
+    while chunk >= 1 and time.monotonic() < deadline:
+        i = 0
+        removed = False
+        while i < len(trace) - 1 and time.monotonic() < deadline:
+            candidate = trace[:i] + trace[i + chunk:]
+            if candidate and fails(candidate):
+                trace, removed = candidate, True
+            else:
+                i += chunk
+        if not removed:
+            chunk //= 2
     return trace
 
 

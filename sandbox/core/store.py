@@ -183,7 +183,9 @@ class UndoLog:
                     self._unavailable(f"undo log format version {text or '(empty)'!r}, this agent uses {FORMAT_VERSION}")
                     return None
             self._load()
-            return self._recover()
+            report = self._recover()
+            self.enforce_limits(best_effort=True)  # e.g. a crash interrupted an eviction
+            return report
         except BaseException:
             self.close()
             raise
