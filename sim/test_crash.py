@@ -206,11 +206,11 @@ def test_crash_at_every_host_call_of_a_rollback(kind, tmp_path):
         ws2.close()
 
 
-def _crashed_mid_step():
-    """A world whose process died at host call 100 of the workload step."""
+def _crashed_mid_step(at: int = 100):
+    """A world whose process died at host call ``at`` of the workload step."""
     w, ws, _ = _prepare("sim", None)
     pre = w.snapshot()
-    w.injector = FaultInjector(crash_at=100)
+    w.injector = FaultInjector(crash_at=at)
     with pytest.raises(SimulatedCrash):
         _step(ws)
     w.crash(ws)
@@ -218,22 +218,54 @@ def _crashed_mid_step():
     return w, pre
 
 
-def test_crash_at_every_host_call_of_recovery_itself():
-    """A second crash while recovering from the first still ends at the pre-step tree."""
-    w, _ = _crashed_mid_step()
+@pytest.mark.parametrize("first", [45, 75, 100, 120])
+def test_crash_at_every_host_call_of_recovery_itself(first):
+    """A second crash while recovering from the first (and a third) still ends at the pre-step tree."""
+    w, _ = _crashed_mid_step(first)
     w.injector = FaultInjector()
     w.open().close()
     total = w.injector.calls
-    assert total > 20
+    assert total > 10
     for k in range(total):
-        w, pre = _crashed_mid_step()
+        for second in (None, k // 2):
+            w, pre = _crashed_mid_step(first)
+            w.injector = FaultInjector(crash_at=k)
+            with pytest.raises(SimulatedCrash):
+                w.open()
+            w.crash(None)
+            if second is not None:  # and crash the second recovery too
+                w.injector = FaultInjector(crash_at=second)
+                try:
+                    w.open().close()
+                except SimulatedCrash:
+                    w.crash(None)
+            w.injector = FaultInjector()
+            ws2 = w.open()
+            oracle.assert_same(pre, w.snapshot(), f"crash at recovery call {k} (then {second}) after step crash at {first}")
+            ws2.close()
+
+
+def test_rename_then_crash_in_recovery_does_not_move_contents():
+    """The SIGKILL suite's minimal case: rename a over b, die, die again mid-recovery."""
+    for k in range(40):
+        w = World("sim")
+        with w.paused():
+            for name, mode in (("a", 0o644), ("b", 0o600)):
+                w.work.create(name, mode)
+                w.work.write_all(name, 0, f"content of {name}".encode())
+        pre = w.snapshot()
+        ws = w.open()
+        ws.begin_step("mv a b")
+        ws.fs.rename("a", "b")
+        w.crash(ws)
         w.injector = FaultInjector(crash_at=k)
-        with pytest.raises(SimulatedCrash):
-            w.open()
-        w.crash(None)
-        ws2 = w.open()
-        oracle.assert_same(pre, w.snapshot(), f"crash at recovery call {k}")
-        ws2.close()
+        try:
+            w.open().close()
+        except SimulatedCrash:
+            w.crash(None)
+        w.injector = FaultInjector()
+        w.open().close()
+        oracle.assert_same(pre, w.snapshot(), f"recovery crashed at call {k}")
 
 
 def test_crash_during_eviction_keeps_history_consistent():

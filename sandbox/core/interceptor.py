@@ -113,6 +113,8 @@ class UndoInterceptor:
         a = self.tracker.active
         info = None
         if self.log.open_step is not None:
+            if a.denied and self.log.open_step.outcome != "denied":
+                self.log.deny_open(self.work)  # a deny that failed half-way (I/O error): finish it first
             info = self.log.finish(self.work, a.exit_code)  # if this fails the step stays open; retried later
         self.tracker.end()
         self.safeguard.step_ended(a.id)

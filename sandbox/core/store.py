@@ -453,11 +453,11 @@ class UndoLog:
         step = self.open_step
         assert step is not None
         live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
-        self._undo_records(work, WAL, live, start=0, force=True, progress=None)
+        self._undo_resumable(work, WAL, live)
         header = _dumps({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
         self._write_file(join(WAL, "journal.jsonl"), header)
         for name in self.fs.listdir(WAL):
-            if name.startswith("b"):
+            if name.startswith("b") or name == "progress":
                 self.fs.unlink(join(WAL, name))
         step.records, step.journal_offset, step.size_bytes, step.outcome = [], len(header), 0, "denied"
         return len(live)
@@ -513,8 +513,7 @@ class UndoLog:
         records = self.records_of(info)  # the caller has verified content and fingerprints
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
-        self.fs.create(join(ROLLBACK, "progress"), 0o600)
-        n = self._undo_records(work, ROLLBACK, records, start=0, force=force, progress=0)
+        n = self._undo_resumable(work, ROLLBACK, records, force=force)
         self._to_trash(ROLLBACK, f"rb-{info.seq}")
         self._drop_barriers_from(info.seq)
         return n
@@ -568,6 +567,23 @@ class UndoLog:
             if size != rec["size"]:
                 raise CorruptStep(f"{where}: preimage of {rec['path']!r} has {size} bytes, expected {rec['size']}")
         return gen
+
+    def _undo_resumable(self, work: HostFS, where: str, records: list[dict], force: bool = True) -> int:
+        """Undo a journal directory's records, resuming after the ones already undone.
+
+        ``<where>/progress`` grows by one byte per record undone, after the undo; so a crash,
+        ENOSPC or EIO at any point leaves a count that is exact or one short, and redoing
+        one record's undo is harmless (every undo is idempotent on its own). Undoing from
+        the newest again would not be: a ``renamed`` record's inverse must never run twice.
+        Used by rollback, recovery and deny alike.
+        """
+        try:
+            done = self.fs.lstat(join(where, "progress")).size
+        except FileNotFoundError:
+            self.fs.create(join(where, "progress"), 0o600)
+            done = 0
+        done = min(done, len(records))
+        return self._undo_records(work, where, records, start=done, force=force, progress=done)
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, force: bool, progress: int | None) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
@@ -650,7 +666,7 @@ class UndoLog:
                 self.finish(work, None, outcome="recovered")
                 report = {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
             else:
-                self._undo_records(work, WAL, records, start=0, force=True, progress=None)
+                self._undo_resumable(work, WAL, records)
                 self._to_trash(WAL, f"wal-{header['seq']}")
                 report = {"kind": "in_progress_rolled_back", "step_id": header["id"],
                           "paths_restored": len(self.touched_paths(records))}
@@ -676,15 +692,9 @@ class UndoLog:
         if not self.fs.exists(ROLLBACK):
             return None
         header, records, _ = self._read_wal(ROLLBACK)
-        try:
-            done = self.fs.lstat(join(ROLLBACK, "progress")).size
-        except FileNotFoundError:
-            self.fs.create(join(ROLLBACK, "progress"), 0o600)
-            done = 0
-        done = min(done, len(records))
         seq = header["seq"] if header else 0
         self._steps = [s for s in self._steps if s.seq != seq]
-        self._undo_records(self._work, ROLLBACK, records, start=done, force=True, progress=done)
+        self._undo_resumable(self._work, ROLLBACK, records)
         self._to_trash(ROLLBACK, f"rb-{seq}")
         self._drop_barriers_from(seq)
         return {"step_id": header["id"] if header else None, "paths_restored": len(self.touched_paths(records))}
