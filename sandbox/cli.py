@@ -93,10 +93,14 @@ def cmd_undo(args) -> int:
         raise CliError("-n must be at least 1", EXIT_USAGE)
     with _open(args) as ws:
         hist = ws.history()
+        if not hist:
+            raise CliError(f"nothing to undo: no steps in the undo history of {os.path.realpath(args.workdir)}",
+                           EXIT_FAILED)
+        if len(hist) < args.n:
+            raise CliError(f"nothing undone: only {len(hist)} step(s) in history, cannot undo {args.n}", EXIT_FAILED)
         todo = hist[: args.n]
-        if todo:
-            print(f"undoing {len(todo)} step(s): " + ", ".join(f"{h['id']} ({h['command'] or h['type']})" for h in todo),
-                  file=sys.stderr, flush=True)
+        print(f"undoing {len(todo)} step(s): " + ", ".join(f"{h['id']} ({h['command'] or h['type']})" for h in todo),
+              file=sys.stderr, flush=True)
         result = ws.rollback(args.n, force=args.force)
         print(f"undone: step(s) {', '.join(str(i) for i in result['step_ids'])}; "
               f"{result['paths_restored']} path(s) restored")
@@ -165,13 +169,30 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sandbox", description="Let an AI coding agent loose on a real project without "
-                                "fear: every write is intercepted and every step can be undone exactly.",
-                                epilog="Exit codes: 0 ok, 1 failed/nothing to undo, 2 bad usage, 3 barrier or external "
-                                "change in the way (use --force), 4 undo unavailable (version mismatch, unprotected or "
-                                "corrupt step), 5 undo store in use by another process.")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="sandbox", formatter_class=raw,
+        description="Let an AI coding agent loose on a real project without fear: every write is intercepted and\n"
+                    "every step can be undone exactly. These commands work on a working folder (--workdir DIR)\n"
+                    "and its undo store (by default under $XDG_STATE_HOME/sandbox/undo/; --state-dir DIR overrides).",
+        epilog="examples:\n"
+               "  sandbox history --workdir DIR [--json]\n"
+               "  sandbox undo --workdir DIR [-n N] [--force]\n"
+               "  sandbox discard --workdir DIR --yes\n"
+               "  sandbox demo\n\n"
+               "exit codes:\n"
+               "  0  success\n"
+               "  1  failed, nothing to undo, or no undo history for the folder\n"
+               "  2  bad usage or input (e.g. the folder does not exist)\n"
+               "  3  refused: an undo barrier or an external change is in the way (undo --force overrides)\n"
+               "  4  undo unavailable: format version mismatch (sandbox discard), unprotected or corrupt step\n"
+               "  5  the undo store is in use by another process")
     p.add_argument("--version", action="version", version=f"sandbox {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name, help, description, exit_codes):
+        epilog = "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in exit_codes)
+        return sub.add_parser(name, help=help, description=description, epilog=epilog, formatter_class=raw)
 
     def with_workdir(sp):
         sp.add_argument("--workdir", required=True, metavar="DIR", help="the working folder")
@@ -179,21 +200,58 @@ def build_parser() -> argparse.ArgumentParser:
                         "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
         return sp
 
-    h = with_workdir(sub.add_parser("history", help="list the undoable steps, newest first"))
+    no_history = (1, "no undo history for the folder")
+    bad_usage = (2, "bad usage (e.g. --workdir is not a directory)")
+    mismatch = (4, "undo unavailable: the store's format version is not this one's (run `sandbox discard`)")
+    busy = (5, "the undo store is in use by another process")
+
+    h = with_workdir(command(
+        "history", "list the undoable steps, newest first",
+        "List the undoable steps of the working folder --workdir DIR, newest first: id, type, when it\n"
+        "ended, exit code, number of paths touched, notes (UNPROTECTED, barriers) and the command.",
+        [(0, "ok (also when the history is empty)"), no_history, bad_usage, mismatch, busy]))
     h.add_argument("--json", action="store_true", help="machine-readable output")
     h.set_defaults(fn=cmd_history)
-    u = with_workdir(sub.add_parser("undo", help="undo the newest step(s) exactly (rollback is pop: no redo)"))
+    u = with_workdir(command(
+        "undo", "undo the newest step(s) exactly (rollback is pop: no redo)",
+        "Undo the newest -n N steps of the working folder --workdir DIR exactly, newest first\n"
+        "(bytes, modes, mtimes). Undone steps leave the history: there is no redo.\n"
+        "Undo is refused, before anything is touched, if an undo barrier (a recorded external\n"
+        "modification) or a change made outside the sandbox is in the way; --force undoes anyway,\n"
+        "overwriting those changes.",
+        [(0, "undone"), (1, "nothing (or not enough) to undo, no undo history, or the undo failed"),
+         (2, "bad usage (-n below 1, --workdir is not a directory)"),
+         (3, "refused: an undo barrier or an external change is in the way (--force overrides)"),
+         (4, "undo unavailable: format version mismatch (run `sandbox discard`), unprotected or corrupt step"),
+         busy]))
     u.add_argument("-n", type=int, default=1, metavar="N", help="number of steps to undo (default 1)")
     u.add_argument("--force", action="store_true", help="undo even across barriers, overwriting changes made outside the sandbox")
     u.set_defaults(fn=cmd_undo)
-    d = with_workdir(sub.add_parser("discard", help="delete all undo history (e.g. after a format version mismatch)"))
+    d = with_workdir(command(
+        "discard", "delete all undo history (e.g. after a format version mismatch)",
+        "Delete all undo history of the working folder --workdir DIR and start a fresh store; the\n"
+        "way out of a format version mismatch. The working folder itself is not touched. Needs --yes.",
+        [(0, "discarded"), no_history, (2, "bad usage (--yes missing, --workdir is not a directory)"), busy]))
     d.add_argument("--yes", action="store_true", help="confirm")
     d.set_defaults(fn=cmd_discard)
-    demo = sub.add_parser("demo", help="run a session on a copy of the sample project: `rm -rf *`, history, undo, verify")
+    demo = command(
+        "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
+        "Copy the sample project to a temporary folder, run a destructive step on it\n"
+        "(`rm -rf * && echo oops > README.md`), show the history, undo the step and check that\n"
+        "the tree is identical to the original (bytes, modes, mtimes). Needs no --workdir.",
+        [(0, "the tree is identical after undo"), (1, "it is not (a bug)"), (2, "the sample project was not found")])
     demo.add_argument("--sample", metavar="DIR", help="project to copy (default: fixtures/sample-project)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary copy")
     demo.set_defaults(fn=cmd_demo)
     return p
+
+
+def _discard_command(args) -> str:
+    import shlex
+    cmd = f"sandbox discard --workdir {shlex.quote(getattr(args, 'workdir', None) or 'DIR')}"
+    if getattr(args, "state_dir", None):
+        cmd += f" --state-dir {shlex.quote(args.state_dir)}"
+    return cmd
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,12 +262,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sandbox: {e}", file=sys.stderr)
         return e.code
     except StoreBusy as e:
-        print(f"sandbox: {e}", file=sys.stderr)
+        print(f"sandbox: {e.strerror or e}; try again when that process has finished", file=sys.stderr)
         return EXIT_BUSY
     except BarrierInTheWay as e:
-        print(f"sandbox: refused: {e.message}", file=sys.stderr)
+        msg = e.message
+        core_hint = "use force to do it anyway"
+        msg = msg.replace(core_hint, "use --force to do it anyway") if core_hint in msg else f"{msg}; use --force to do it anyway"
+        print(f"sandbox: refused: {msg}", file=sys.stderr)
         return EXIT_REFUSED
-    except (UndoUnavailable, StepUnprotected, CorruptStep) as e:
+    except UndoUnavailable as e:
+        print(f"sandbox: {e.message}", file=sys.stderr)
+        print(f"sandbox: to start a fresh undo history (deleting the old one): {_discard_command(args)}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except (StepUnprotected, CorruptStep) as e:
         print(f"sandbox: {e.message}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except (NothingToUndo, StepError) as e:

@@ -610,3 +610,19 @@ def test_public_api_names():
         assert hasattr(sandbox, name)
     assert sandbox.ExternalChange.code == "undo.external_change"
     assert issubclass(sandbox.PathError, OSError)
+
+
+def test_path_under_a_newer_rename_destination_is_not_an_external_change(world):
+    """Campaign seed 14: an older step's fingerprint for x/sub (absent) must not be checked
+    once a newer step renamed a directory *onto* x — that step's undo moves it away again."""
+    ws = _open(world)
+    with ws.step("mkdir"):
+        ws.fs.makedirs("x/sub")
+        ws.fs.makedirs("z/sub")
+    before = world.snapshot()
+    with ws.step("move sub out"):
+        ws.fs.rename("x/sub", "moved")
+    with ws.step("replace x"):
+        ws.fs.rename("z", "x")  # x is empty now: z replaces it, and x/sub exists again
+    ws.rollback(2)
+    oracle.assert_same(before, world.snapshot())

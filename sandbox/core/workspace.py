@@ -257,7 +257,11 @@ class Workspace:
                 for src, dst in later_renames:
                     if is_within(path, src):
                         path = dst + path[len(src):]
-                expected.setdefault(path, (fp, age))
+                    elif is_within(path, dst):
+                        path = None  # a newer step renamed something over it: that step's undo covers it
+                        break
+                if path is not None:
+                    expected.setdefault(path, (fp, age))
             mine = [(r["src"], r["dst"]) for r in records[s.seq] if r.get("op") == "renamed"]
             later_renames = mine + later_renames
 

@@ -27,6 +27,7 @@ _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 _FICLONE = 0x40049409
 _XATTR_PROC = "/proc/self/fd/{}"
+_SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -140,6 +141,8 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def readlink(self, path: str) -> str:
+        if not path:  # the root is a directory, not a symlink (as readlink(".") says)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         pfd, name = self._parent(path)
         try:
             return os.readlink(name, dir_fd=pfd)
@@ -207,6 +210,14 @@ class RealHostFS(HostFS):
             os.close(sfd)
 
     def symlink(self, target: str, path: str) -> None:
+        # the kernel copies the target in before it looks at the new path; os.symlink
+        # would raise ValueError for a NUL, and errors here are OSErrors
+        if "\0" in target:
+            raise OSError(errno.EINVAL, "symlink target contains a NUL byte", path)
+        if not target:
+            raise OSError(errno.ENOENT, "empty symlink target", path)
+        if len(os.fsencode(target)) > _SYMLINK_MAX:
+            raise OSError(errno.ENAMETOOLONG, "symlink target longer than 4095 bytes", path)
         pfd, name = self._parent(path)
         try:
             os.symlink(target, name, dir_fd=pfd)
@@ -216,6 +227,8 @@ class RealHostFS(HostFS):
     def link(self, existing: str, new: str) -> None:
         sfd, sname = self._parent(existing)
         try:
+            # linkat looks the source up before the new name's parent: same errno order
+            os.stat(sname, dir_fd=sfd, follow_symlinks=False)
             dfd, dname = self._parent(new)
             try:
                 os.link(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
@@ -277,8 +290,8 @@ class RealHostFS(HostFS):
     def removexattr(self, path: str, name: str) -> None:
         fd, is_link = self._xattr_target(path)
         try:
-            if is_link:
-                raise OSError(errno.ENODATA, "symlinks carry no xattrs", path)
+            if is_link:  # the kernel's answer for user.* on a symlink
+                raise OSError(errno.EPERM, "symlinks carry no user xattrs", path)
             os.removexattr(_XATTR_PROC.format(fd), name)
         finally:
             os.close(fd)
@@ -297,6 +310,8 @@ class RealHostFS(HostFS):
         try:
             dfd = self._open_file(dst, os.O_WRONLY)
             try:
+                if length < 0:  # os.copy_file_range would raise ValueError
+                    raise OSError(errno.EINVAL, "negative length", dst)
                 return os.copy_file_range(sfd, dfd, length, src_offset, dst_offset)
             finally:
                 os.close(dfd)
@@ -336,9 +351,25 @@ class RealHostFS(HostFS):
             os.close(sfd)
 
     def lock(self, path: str) -> _FdLock:
+        """flock the regular file ``path`` (created 0600 if missing) and write our pid in it.
+
+        Whatever is already at ``path`` is checked before it is opened: a symlink is
+        ``ELOOP``, a directory ``EISDIR``, a special file ``EPERM`` (never opened).
+        flock belongs to the open file description, so a second ``lock`` of the same
+        file — from another process or from this one — is :class:`StoreBusy`.
+        """
         pfd, name = self._parent(path)
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+            except FileExistsError:
+                fd = self._open_file(path, os.O_RDWR)
+            else:
+                try:
+                    os.fchmod(fd, 0o600)  # exactly, whatever the umask
+                except OSError:
+                    os.close(fd)
+                    raise
         finally:
             os.close(pfd)
         try:

@@ -3,7 +3,9 @@
 It models what the undo core must get right: file types (regular, directory, symlink,
 plus "other" special files that are never opened), all 12 mode bits, nanosecond
 mtimes and ctimes from a deterministic clock, xattrs, symlink targets, and hardlinks
-(shared inodes with a link count).
+(shared inodes with a link count; a directory's count is 2 + its subdirectories, as on
+ext4). Where filesystems differ (timestamps touched by ``fallocate``, xattr rules), the
+reference is Linux on ext4; ``sim/test_hostfs.py`` checks both implementations agree.
 
 Every public operation first calls ``fault_hook(fs, op, path, nbytes)``. The hook may
 raise (a simulated crash, ``ENOSPC``, ``EIO``) or, for ``write``, return a byte count
@@ -27,6 +29,13 @@ FaultHook = Callable[["SimHostFS", str, str, int], Optional[int]]
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
+_FALLOC_FL_ZERO_RANGE = 0x10
+
+_SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
+_PATH_MAX = 4095  # longest path one syscall accepts (PATH_MAX with the NUL)
+_NAME_MAX = 255
+_XATTR_NAME_MAX = 255
+_XATTR_PREFIXES = ("user.", "trusted.", "security.")
 
 
 class SimClock:
@@ -69,7 +78,10 @@ class _SimLock:
         self._fs, self._path = fs, path
 
     def release(self) -> None:
-        self._fs._locks.pop(self._path, None)
+        # like closing the flock'd fd: drops this lock only, and only once
+        held = self._fs._locks.get(self._path)
+        if held is not None and held[1] is self:
+            del self._fs._locks[self._path]
 
 
 class SimHostFS(HostFS):
@@ -82,8 +94,8 @@ class SimHostFS(HostFS):
         self.pid = pid
         self._inos = itertools.count(2)
         now = self.clock()
-        self._root = _Inode(1, DIR, 0o755, now, now)
-        self._locks: dict[str, int] = {}
+        self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
+        self._locks: dict[str, tuple[int, object]] = {}
 
     # -- simulation controls (not part of HostFS) --
 
@@ -94,7 +106,7 @@ class SimHostFS(HostFS):
     def make_special(self, path: str, mode: int = 0o644) -> None:
         """Place a fifo-like special file (for tests of 'never opened')."""
         parent, name = self._parent(path)
-        if name in parent.entries:
+        if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
         parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now)
@@ -107,19 +119,39 @@ class SimHostFS(HostFS):
             return self.fault_hook(self, op, path, nbytes)
         return None
 
+    @staticmethod
+    def _child(d: _Inode, name: str, path: str) -> Optional[_Inode]:
+        """Look ``name`` up in directory ``d``; a name no directory can hold is ENAMETOOLONG."""
+        if len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        return d.entries.get(name)
+
     def _walk(self, path: str) -> _Inode:
+        """Resolve a whole path, as RealHostFS's single openat2 of it does."""
         node = self._root
         if not path:
             return node
+        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
         for part in path.split("/"):
             if node.kind == LNK:
                 raise _err(errno.ELOOP, path)
             if node.kind != DIR:
                 raise _err(errno.ENOTDIR, path)
-            child = node.entries.get(part)
+            child = self._child(node, part, path)
             if child is None:
                 raise _err(errno.ENOENT, path)
             node = child
+        return node
+
+    def _entry(self, path: str) -> _Inode:
+        """Resolve the parent, then the final name, as RealHostFS's ``*at()`` calls do."""
+        if not path:
+            return self._root
+        parent, name = self._parent(path)
+        node = self._child(parent, name, path)
+        if node is None:
+            raise _err(errno.ENOENT, path)
         return node
 
     def _parent(self, path: str) -> tuple[_Inode, str]:
@@ -151,24 +183,27 @@ class SimHostFS(HostFS):
 
     def lstat(self, path: str) -> Stat:
         self._fault("lstat", path)
-        return self._walk(path).stat()
+        return self._entry(path).stat()
 
     def listdir(self, path: str) -> list[str]:
         self._fault("listdir", path)
         node = self._walk(path)
-        if node.kind == LNK:
-            raise _err(errno.ELOOP, path)
+        # a final symlink is not followed, and is not a directory: the kernel checks
+        # O_DIRECTORY before it would refuse to open a symlink (ELOOP)
         if node.kind != DIR:
             raise _err(errno.ENOTDIR, path)
         return list(node.entries)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         self._fault("read", path)
-        return bytes(self._file(path).data[offset : offset + length])
+        node = self._file(path)
+        if offset < 0 or length < 0:
+            raise _err(errno.EINVAL, path)
+        return bytes(node.data[offset : offset + length])
 
     def readlink(self, path: str) -> str:
         self._fault("readlink", path)
-        node = self._walk(path)
+        node = self._entry(path)
         if node.kind != LNK:
             raise _err(errno.EINVAL, path)
         return node.target
@@ -178,7 +213,7 @@ class SimHostFS(HostFS):
     def create(self, path: str, mode: int) -> None:
         self._fault("create", path)
         parent, name = self._parent(path)
-        if name in parent.entries:
+        if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
         parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now)
@@ -187,12 +222,15 @@ class SimHostFS(HostFS):
     def write(self, path: str, offset: int, data: bytes) -> int:
         limit = self._fault("write", path, len(data))
         node = self._file(path)
+        if offset < 0:
+            raise _err(errno.EINVAL, path)
         n = len(data) if limit is None else max(0, min(limit, len(data)))
-        if offset > len(node.data):
-            node.data.extend(b"\0" * (offset - len(node.data)))
-        node.data[offset : offset + n] = data[:n]
-        now = self.clock()
-        node.mtime_ns = node.ctime_ns = now
+        if n:  # a zero-byte write changes nothing: no zero-fill, no timestamps
+            if offset > len(node.data):
+                node.data.extend(b"\0" * (offset - len(node.data)))
+            node.data[offset : offset + n] = data[:n]
+            now = self.clock()
+            node.mtime_ns = node.ctime_ns = now
         if limit is not None and n < len(data) and self.fault_hook is not None:
             after = getattr(self.fault_hook, "after_torn_write", None)
             if after is not None:
@@ -214,7 +252,7 @@ class SimHostFS(HostFS):
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
         parent, name = self._parent(path)
-        node = parent.entries.get(name)
+        node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
         if node.kind == DIR:
@@ -228,7 +266,7 @@ class SimHostFS(HostFS):
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
         parent, name = self._parent(path)
-        node = parent.entries.get(name)
+        node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
         if node.kind != DIR:
@@ -236,29 +274,34 @@ class SimHostFS(HostFS):
         if node.entries:
             raise _err(errno.ENOTEMPTY, path)
         del parent.entries[name]
+        node.nlink = 0
+        parent.nlink -= 1
         self._touch_dir(parent, self.clock())
 
     def mkdir(self, path: str, mode: int) -> None:
         self._fault("mkdir", path)
         parent, name = self._parent(path)
-        if name in parent.entries:
+        if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
         parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2)
+        parent.nlink += 1
         self._touch_dir(parent, now)
 
     def rename(self, src: str, dst: str) -> None:
         self._fault("rename", src)
         sparent, sname = self._parent(src)
         dparent, dname = self._parent(dst)
-        node = sparent.entries.get(sname)
+        node = self._child(sparent, sname, src)
         if node is None:
             raise _err(errno.ENOENT, src)
         if node.kind == DIR and (dst == src or dst.startswith(src + "/")):
             if dst == src:
                 return
-            raise _err(errno.EINVAL, dst)
-        existing = dparent.entries.get(dname)
+            raise _err(errno.EINVAL, dst)  # source is an ancestor of the target
+        if src.startswith(dst + "/"):
+            raise _err(errno.ENOTEMPTY, dst)  # target is an ancestor of the source
+        existing = self._child(dparent, dname, dst)
         if existing is node:
             return  # same inode (or same path): POSIX says do nothing
         if existing is not None:
@@ -271,8 +314,15 @@ class SimHostFS(HostFS):
         now = self.clock()
         del sparent.entries[sname]
         if existing is not None:
-            existing.nlink -= 1
+            if existing.kind == DIR:
+                existing.nlink = 0
+                dparent.nlink -= 1
+            else:
+                existing.nlink -= 1
             existing.ctime_ns = now
+        if node.kind == DIR:
+            sparent.nlink -= 1
+            dparent.nlink += 1
         dparent.entries[dname] = node
         node.ctime_ns = now
         self._touch_dir(sparent, now)
@@ -280,11 +330,16 @@ class SimHostFS(HostFS):
 
     def symlink(self, target: str, path: str) -> None:
         self._fault("symlink", path)
+        # the kernel copies the target in before it looks at the new path
+        if not target:
+            raise _err(errno.ENOENT, path)
+        if "\0" in target:
+            raise _err(errno.EINVAL, path)
+        if len(target.encode("utf-8", "surrogateescape")) > _SYMLINK_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
         parent, name = self._parent(path)
-        if name in parent.entries:
+        if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
-        if not target or "\0" in target:
-            raise _err(errno.ENOENT if not target else errno.EINVAL, path)
         now = self.clock()
         parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target)
         self._touch_dir(parent, now)
@@ -292,11 +347,11 @@ class SimHostFS(HostFS):
     def link(self, existing: str, new: str) -> None:
         self._fault("link", new)
         sparent, sname = self._parent(existing)
-        node = sparent.entries.get(sname)
+        node = self._child(sparent, sname, existing)
         if node is None:
             raise _err(errno.ENOENT, existing)
         dparent, dname = self._parent(new)
-        if dname in dparent.entries:
+        if self._child(dparent, dname, new) is not None:
             raise _err(errno.EEXIST, new)
         if node.kind == DIR:
             raise _err(errno.EPERM, existing)
@@ -316,32 +371,47 @@ class SimHostFS(HostFS):
 
     def utime(self, path: str, mtime_ns: int) -> None:
         self._fault("utime", path)
-        node = self._walk(path)
+        node = self._entry(path)
         node.mtime_ns = mtime_ns
         node.ctime_ns = self.clock()
 
-    def _xattr_node(self, path: str) -> _Inode:
-        return self._walk(path)
+    def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
+        """The inode whose xattr ``name`` is read (``write`` False) or changed.
+
+        The order of checks is RealHostFS's: the lookup, then symlinks (no xattrs at
+        all), then the kernel's name checks, then its rule that ``user.`` names live
+        only on regular files and directories.
+        """
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.EPERM if write else errno.ENODATA, path)
+        size = len(name.encode("utf-8", "surrogateescape"))
+        if size == 0 or size > _XATTR_NAME_MAX:
+            raise _err(errno.ERANGE, path)
+        prefix = next((p for p in _XATTR_PREFIXES if name.startswith(p)), None)
+        if prefix == "user." and node.kind not in (REG, DIR):
+            raise _err(errno.EPERM if write else errno.ENODATA, path)
+        if prefix is None:
+            raise _err(errno.EOPNOTSUPP, path)
+        if name == prefix:
+            raise _err(errno.EINVAL, path)
+        return node
 
     def listxattr(self, path: str) -> list[str]:
         self._fault("listxattr", path)
-        node = self._xattr_node(path)
+        node = self._walk(path)
         return [] if node.kind == LNK else list(node.xattrs)
 
     def getxattr(self, path: str, name: str) -> bytes:
         self._fault("getxattr", path)
-        node = self._xattr_node(path)
-        if node.kind == LNK or name not in node.xattrs:
+        node = self._xattr_node(path, name, write=False)
+        if name not in node.xattrs:
             raise _err(errno.ENODATA, path)
         return node.xattrs[name]
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
         self._fault("setxattr", path, len(value))
-        node = self._xattr_node(path)
-        if node.kind == LNK:
-            raise _err(errno.EPERM, path)
-        if not name.startswith(("user.", "trusted.", "security.")) or len(name) > 255:
-            raise _err(errno.EOPNOTSUPP if "." not in name else errno.ERANGE if len(name) > 255 else errno.EOPNOTSUPP, path)
+        node = self._xattr_node(path, name, write=True)
         if len(value) > 65536:
             raise _err(errno.E2BIG, path)
         node.xattrs[name] = bytes(value)
@@ -349,30 +419,34 @@ class SimHostFS(HostFS):
 
     def removexattr(self, path: str, name: str) -> None:
         self._fault("removexattr", path)
-        node = self._xattr_node(path)
-        if node.kind == LNK or name not in node.xattrs:
+        node = self._xattr_node(path, name, write=True)
+        if name not in node.xattrs:
             raise _err(errno.ENODATA, path)
         del node.xattrs[name]
         node.ctime_ns = self.clock()
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
+        """Modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE[|KEEP_SIZE].
+
+        As on ext4, every successful call sets mtime and ctime, even one that changes
+        no byte (preallocation inside the file, or beyond it with KEEP_SIZE).
+        """
         self._fault("fallocate", path, length)
         node = self._file(path)
         if offset < 0 or length <= 0:
             raise _err(errno.EINVAL, path)
+        kind = mode & ~_FALLOC_FL_KEEP_SIZE
+        if kind not in (0, _FALLOC_FL_PUNCH_HOLE, _FALLOC_FL_ZERO_RANGE):
+            raise _err(errno.EOPNOTSUPP, path)
+        if kind == _FALLOC_FL_PUNCH_HOLE and not mode & _FALLOC_FL_KEEP_SIZE:
+            raise _err(errno.EOPNOTSUPP, path)
         end = offset + length
-        if mode & _FALLOC_FL_PUNCH_HOLE:
-            if not mode & _FALLOC_FL_KEEP_SIZE:
-                raise _err(errno.EOPNOTSUPP, path)
+        if mode & (_FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_ZERO_RANGE):
             stop = min(end, len(node.data))
             if offset < stop:
                 node.data[offset:stop] = b"\0" * (stop - offset)
-        elif mode & ~_FALLOC_FL_KEEP_SIZE:
-            raise _err(errno.EOPNOTSUPP, path)
-        elif not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
+        if not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
             node.data.extend(b"\0" * (end - len(node.data)))
-        else:
-            return  # KEEP_SIZE preallocation: nothing observable changes
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
 
@@ -380,7 +454,13 @@ class SimHostFS(HostFS):
         self._fault("copy_file_range", dst, length)
         s = self._file(src)
         d = self._file(dst)
+        if length < 0:
+            raise _err(errno.EINVAL, dst)
+        if src_offset < 0 or dst_offset < 0:
+            raise _err(errno.EOVERFLOW, dst)
         chunk = bytes(s.data[src_offset : src_offset + length])
+        if s is d and dst_offset + len(chunk) > src_offset and dst_offset < src_offset + len(chunk):
+            raise _err(errno.EINVAL, dst)  # overlapping ranges of one file
         if not chunk:
             return 0
         if dst_offset > len(d.data):
@@ -395,13 +475,22 @@ class SimHostFS(HostFS):
         self._walk(path)
 
     def lock(self, path: str) -> _SimLock:
+        """Lock the regular file ``path`` (created 0600 if missing) and write the pid in it.
+
+        Like RealHostFS: the root is ``EBUSY``, a symlink ``ELOOP``, a directory
+        ``EISDIR``, a special file ``EPERM`` (never opened); a lock held by anyone —
+        including this process through another handle — is :class:`StoreBusy`.
+        """
         self._fault("lock", path)
+        parent, name = self._parent(path)
+        if self._child(parent, name, path) is None:
+            self.create(path, 0o600)
+        node = self._file(path)
         holder = self._locks.get(path)
         if holder is not None:
-            raise StoreBusy(f"<{self.name}>/{parent_of(path)}", holder)
-        try:
-            self._walk(path)
-        except FileNotFoundError:
-            self.create(path, 0o600)
-        self._locks[path] = self.pid
-        return _SimLock(self, path)
+            raise StoreBusy(f"<{self.name}>/{parent_of(path)}", holder[0])
+        lock = _SimLock(self, path)
+        self._locks[path] = (self.pid, lock)
+        node.data[:] = f"{self.pid}\n".encode()
+        node.mtime_ns = node.ctime_ns = self.clock()
+        return lock

@@ -1,0 +1,1705 @@
+"""Parity suite for the HostFS contract: every test runs against SimHostFS *and* RealHostFS.
+
+The real implementation is the reference (it is the Linux kernel behind openat2 and the
+``*at()`` calls); SimHostFS must give the same results and the same errnos. A test that
+passes for "real" and fails for "sim" is a bug in the simulator, and the other way round
+a bug in RealHostFS's resolution rules.
+
+Real-case extras: symlinks that point *outside* the root (a sibling directory of the
+root inside ``tmp_path``, and ``/etc``) are created, and every test that goes through
+them checks afterwards that nothing outside the root was read, written, chmod'ed, …
+(contents, modes, mtimes, ctimes, xattrs and listings are compared).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import sandbox
+from sandbox.hostfs import (
+    DIR,
+    LNK,
+    NAME_LEN_MAX,
+    OTHER,
+    PATH_LEN_MAX,
+    REG,
+    HostFS,
+    PathError,
+    StoreBusy,
+    is_within,
+    join,
+    normalize,
+    parent_of,
+)
+from sandbox.hostfs.real import RealHostFS
+from sandbox.hostfs.sim import SimHostFS
+
+IS_ROOT = os.geteuid() == 0
+KEEP_SIZE = 0x01
+PUNCH_HOLE = 0x02
+ZERO_RANGE = 0x10
+T1 = 1_234_567_890_123_456_789  # an mtime with every nanosecond digit significant
+OUTSIDE_CANARY = "sandbox-hostfs-parity-canary"  # a name that must never appear in /etc
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Env:
+    """One implementation under test plus what the tests need to set the scene."""
+
+    def __init__(self, kind: str, fs: HostFS, root: Path | None, outside: Path):
+        self.kind = kind
+        self.fs = fs
+        self.root = root  # the real root directory (None for the simulator)
+        self.outside = outside  # a directory beside the root (only populated for real)
+
+    @property
+    def real(self) -> bool:
+        return self.kind == "real"
+
+    def special(self, path: str, mode: int = 0o644) -> None:
+        """Put a fifo (real) or a simulated special file at ``path``."""
+        if self.real:
+            full = os.path.join(self.root, path)
+            os.mkfifo(full)
+            os.chmod(full, mode)
+        else:
+            self.fs.make_special(path, mode)
+
+    def tick(self) -> None:
+        """Let the real clock move past the kernel's timestamp granularity."""
+        if self.real:
+            time.sleep(0.02)
+
+    def outside_snapshot(self) -> dict:
+        """Everything observable about the tree beside the root (empty for the simulator)."""
+        if not self.real:
+            return {}
+        snap = {}
+        for dirpath, dirnames, filenames in os.walk(self.outside):
+            for name in [""] + sorted(dirnames) + sorted(filenames):
+                p = os.path.join(dirpath, name) if name else dirpath
+                st = os.lstat(p)
+                entry = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink, st.st_ino)
+                xattrs = {n: os.getxattr(p, n, follow_symlinks=False) for n in sorted(os.listxattr(p, follow_symlinks=False))}
+                content = Path(p).read_bytes() if stat.S_ISREG(st.st_mode) else None
+                listing = sorted(os.listdir(p)) if stat.S_ISDIR(st.st_mode) else None
+                snap[p] = (entry, xattrs, content, listing)
+        return snap
+
+
+@pytest.fixture(params=["sim", "real"])
+def env(request, tmp_path):
+    outside = tmp_path / "outside"
+    if request.param == "sim":
+        yield Env("sim", SimHostFS(), None, outside)
+        return
+    root = tmp_path / "root"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"precious outside data")
+    os.chmod(outside / "victim", 0o640)
+    os.setxattr(outside / "victim", "user.keep", b"outside")
+    (outside / "sub").mkdir()
+    (outside / "sub2").mkdir()
+    (outside / "sub2" / "inner").write_bytes(b"inner")
+    os.utime(outside / "victim", ns=(T1, T1))
+    fs = RealHostFS(str(root))
+    try:
+        yield Env("real", fs, root, outside)
+    finally:
+        fs.close()
+
+
+@pytest.fixture
+def fs(env) -> HostFS:
+    return env.fs
+
+
+def check_errno(code: int, fn, *args, **kwargs) -> OSError:
+    with pytest.raises(OSError) as info:
+        fn(*args, **kwargs)
+    got = info.value.errno
+    assert got == code, f"expected {errno.errorcode[code]}, got {errno.errorcode.get(got, got)}: {info.value!r}"
+    return info.value
+
+
+def mkfile(fs: HostFS, path: str, data: bytes = b"", mode: int = 0o644) -> None:
+    fs.create(path, mode)
+    if data:
+        fs.write_all(path, 0, data)
+
+
+def skip_unless_root_for(mode: int) -> None:
+    if mode & 0o6000 and not IS_ROOT:
+        pytest.skip("setuid/setgid bits are only kept exactly with CAP_FSETID (run as root)")
+
+
+MODES = [0o000, 0o400, 0o600, 0o644, 0o755, 0o777, 0o1777, 0o1000, 0o2755, 0o4755, 0o4000, 0o6777, 0o7777]
+
+
+# --------------------------------------------------------------------------- create / mkdir
+
+
+@pytest.mark.parametrize("mode", MODES, ids=oct)
+def test_create_applies_mode_exactly(fs, mode):
+    skip_unless_root_for(mode)
+    fs.create("f", mode)
+    st = fs.lstat("f")
+    assert (st.kind, st.mode, st.size, st.nlink) == (REG, mode, 0, 1)
+    assert fs.read("f", 0, 10) == b""
+
+
+@pytest.mark.parametrize("mode", MODES, ids=oct)
+def test_mkdir_applies_mode_exactly(fs, mode):
+    skip_unless_root_for(mode)
+    fs.mkdir("d", mode)
+    st = fs.lstat("d")
+    assert (st.kind, st.mode) == (DIR, mode)
+    assert fs.listdir("d") == []
+
+
+def test_create_and_mkdir_ignore_umask(fs):
+    old = os.umask(0o077)
+    try:
+        fs.create("f", 0o666)
+        fs.mkdir("d", 0o777)
+        fs.mkdir("d/e", 0o775)
+    finally:
+        os.umask(old)
+    assert fs.lstat("f").mode == 0o666
+    assert fs.lstat("d").mode == 0o777
+    assert fs.lstat("d/e").mode == 0o775
+
+
+def test_mode_is_masked_to_permission_bits(fs):
+    fs.create("f", stat.S_IFREG | 0o640)
+    fs.mkdir("d", stat.S_IFDIR | 0o750)
+    assert fs.lstat("f").mode == 0o640
+    assert fs.lstat("d").mode == 0o750
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="setgid on a directory needs CAP_FSETID here")
+def test_mkdir_in_setgid_dir_does_not_inherit_setgid(fs):
+    # Linux gives a new subdirectory of a setgid directory the setgid bit; the mode the
+    # guest asked for must win.
+    fs.mkdir("g", 0o2775)
+    fs.mkdir("g/child", 0o755)
+    fs.create("g/file", 0o644)
+    assert fs.lstat("g/child").mode == 0o755
+    assert fs.lstat("g/file").mode == 0o644
+
+
+def test_create_on_existing_path_is_eexist(env, fs):
+    mkfile(fs, "f", b"keep")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    fs.symlink("nowhere", "dangling")
+    env.special("p")
+    for p in ("f", "d", "l", "dangling", "p"):
+        check_errno(errno.EEXIST, fs.create, p, 0o600)
+    assert fs.read_all("f") == b"keep"
+    assert fs.lstat("f").mode == 0o644
+    assert fs.readlink("dangling") == "nowhere"
+    assert not fs.exists("nowhere")
+
+
+def test_mkdir_on_existing_path_is_eexist(env, fs):
+    mkfile(fs, "f", b"keep")
+    fs.mkdir("d", 0o700)
+    mkfile(fs, "d/inner")
+    fs.symlink("d", "l")
+    fs.symlink("nowhere", "dangling")
+    env.special("p")
+    for p in ("f", "d", "l", "dangling", "p"):
+        check_errno(errno.EEXIST, fs.mkdir, p, 0o755)
+    assert fs.lstat("d").mode == 0o700
+    assert fs.listdir("d") == ["inner"]
+    assert not fs.exists("nowhere")
+
+
+def test_create_and_mkdir_missing_or_bad_parent(env, fs):
+    mkfile(fs, "f")
+    env.special("p")
+    check_errno(errno.ENOENT, fs.create, "missing/f", 0o644)
+    check_errno(errno.ENOENT, fs.mkdir, "missing/d", 0o755)
+    check_errno(errno.ENOTDIR, fs.create, "f/x", 0o644)
+    check_errno(errno.ENOTDIR, fs.mkdir, "f/x", 0o755)
+    check_errno(errno.ENOTDIR, fs.create, "p/x", 0o644)
+    assert sorted(fs.listdir("")) == ["f", "p"]
+
+
+def test_create_and_mkdir_update_parent_times(env, fs):
+    fs.mkdir("d", 0o755)
+    fs.utime("d", T1)
+    before = fs.lstat("d")
+    env.tick()
+    fs.create("d/f", 0o644)
+    mid = fs.lstat("d")
+    assert mid.mtime_ns != T1 and mid.ctime_ns > before.ctime_ns
+    fs.utime("d", T1)
+    env.tick()
+    fs.mkdir("d/e", 0o755)
+    assert fs.lstat("d").mtime_ns != T1
+
+
+def test_directory_link_counts(env, fs):
+    if env.real and os.lstat(env.root).st_nlink == 1:
+        pytest.skip("this filesystem does not count subdirectories in a directory's nlink")
+    root0 = fs.lstat("").nlink
+    fs.mkdir("d", 0o755)
+    assert fs.lstat("d").nlink == 2
+    assert fs.lstat("").nlink == root0 + 1
+    fs.mkdir("d/e", 0o755)
+    fs.mkdir("d/f", 0o755)
+    mkfile(fs, "d/file")
+    assert fs.lstat("d").nlink == 4
+    fs.rmdir("d/e")
+    assert fs.lstat("d").nlink == 3
+    fs.rename("d/f", "f")  # a directory changes parent
+    assert fs.lstat("d").nlink == 2
+    assert fs.lstat("").nlink == root0 + 2
+    fs.mkdir("g", 0o755)
+    fs.rename("g", "f")  # over an empty directory: the replaced one's '..' is gone
+    assert fs.lstat("").nlink == root0 + 2
+    fs.rename("d", "f")
+    assert fs.lstat("").nlink == root0 + 1
+    assert fs.lstat("f").nlink == 2
+
+
+# --------------------------------------------------------------------------- read / write / truncate
+
+
+def test_write_returns_count_and_read_back(fs):
+    fs.create("f", 0o644)
+    assert fs.write("f", 0, b"hello world") == 11
+    assert fs.lstat("f").size == 11
+    assert fs.read("f", 0, 100) == b"hello world"
+    assert fs.read("f", 6, 3) == b"wor"
+    assert fs.read("f", 6, 100) == b"world"
+    assert fs.read("f", 11, 10) == b""
+    assert fs.read("f", 1000, 10) == b""
+    assert fs.read("f", 3, 0) == b""
+
+
+def test_write_in_the_middle_overwrites_without_growing(fs):
+    mkfile(fs, "f", b"0123456789")
+    assert fs.write("f", 3, b"abc") == 3
+    assert fs.read_all("f") == b"012abc6789"
+    assert fs.write("f", 8, b"XYZ") == 3  # straddles EOF
+    assert fs.read_all("f") == b"012abc67XYZ"
+    assert fs.lstat("f").size == 11
+
+
+def test_write_past_eof_zero_fills(fs):
+    mkfile(fs, "f", b"ab")
+    assert fs.write("f", 10, b"cd") == 2
+    assert fs.lstat("f").size == 12
+    assert fs.read_all("f") == b"ab" + b"\0" * 8 + b"cd"
+
+
+def test_empty_write_changes_nothing(env, fs):
+    mkfile(fs, "f", b"ab")
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    assert fs.write("f", 100, b"") == 0
+    assert fs.write("f", 0, b"") == 0
+    after = fs.lstat("f")
+    assert after.size == 2 and fs.read_all("f") == b"ab"
+    assert (after.mtime_ns, after.ctime_ns) == (T1, before.ctime_ns)
+
+
+def test_write_updates_mtime_and_ctime(env, fs):
+    mkfile(fs, "f", b"ab")
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    fs.write("f", 0, b"x")
+    after = fs.lstat("f")
+    assert after.mtime_ns != T1
+    assert after.ctime_ns > before.ctime_ns
+
+
+def test_negative_offsets_and_lengths_are_einval(fs):
+    mkfile(fs, "f", b"0123456789")
+    check_errno(errno.EINVAL, fs.read, "f", -1, 3)
+    check_errno(errno.EINVAL, fs.read, "f", 0, -1)
+    check_errno(errno.EINVAL, fs.write, "f", -1, b"x")
+    check_errno(errno.EINVAL, fs.truncate, "f", -1)
+    assert fs.read_all("f") == b"0123456789"
+
+
+def test_truncate_shrinks_and_grows_with_zeros(env, fs):
+    mkfile(fs, "f", b"0123456789")
+    fs.truncate("f", 4)
+    assert fs.read_all("f") == b"0123"
+    fs.truncate("f", 8)
+    assert fs.read_all("f") == b"0123\0\0\0\0"
+    assert fs.lstat("f").size == 8
+    fs.truncate("f", 0)
+    assert fs.read_all("f") == b"" and fs.lstat("f").size == 0
+    fs.utime("f", T1)
+    env.tick()
+    fs.truncate("f", 0)  # same size: still a modification (ftruncate always sets mtime)
+    assert fs.lstat("f").mtime_ns != T1
+
+
+def test_large_read_all_write_all(fs):
+    data = bytes(range(256)) * (10 * 1024 + 7)  # ~2.5 MiB: several chunks
+    fs.create("big", 0o644)
+    fs.write_all("big", 0, data)
+    assert fs.lstat("big").size == len(data)
+    assert fs.read_all("big") == data
+    assert fs.read_all("big", chunk_bytes=4096 * 3 + 1) == data
+
+
+def test_io_on_a_directory_is_eisdir(fs):
+    fs.mkdir("d", 0o755)
+    check_errno(errno.EISDIR, fs.read, "d", 0, 10)
+    check_errno(errno.EISDIR, fs.write, "d", 0, b"x")
+    check_errno(errno.EISDIR, fs.truncate, "d", 0)
+    check_errno(errno.EISDIR, fs.fallocate, "d", 0, 10)
+    mkfile(fs, "f", b"abc")
+    check_errno(errno.EISDIR, fs.copy_file_range, "d", "f", 0, 0, 3)
+    check_errno(errno.EISDIR, fs.copy_file_range, "f", "d", 0, 0, 3)
+
+
+def test_io_on_a_symlink_is_eloop_and_target_untouched(fs):
+    mkfile(fs, "target", b"secret")
+    fs.utime("target", T1)
+    fs.symlink("target", "l")
+    check_errno(errno.ELOOP, fs.read, "l", 0, 10)
+    check_errno(errno.ELOOP, fs.read_all, "l")
+    check_errno(errno.ELOOP, fs.write, "l", 0, b"pwned")
+    check_errno(errno.ELOOP, fs.truncate, "l", 0)
+    check_errno(errno.ELOOP, fs.fallocate, "l", 0, 100)
+    check_errno(errno.ELOOP, fs.copy_file_range, "l", "target", 0, 0, 3)
+    check_errno(errno.ELOOP, fs.copy_file_range, "target", "l", 0, 0, 3)
+    assert fs.read_all("target") == b"secret"
+    assert fs.lstat("target").mtime_ns == T1
+
+
+def test_io_on_missing_or_through_a_file(fs):
+    mkfile(fs, "f", b"abc")
+    check_errno(errno.ENOENT, fs.read, "missing", 0, 1)
+    check_errno(errno.ENOENT, fs.write, "missing", 0, b"x")
+    check_errno(errno.ENOENT, fs.truncate, "missing", 0)
+    check_errno(errno.ENOENT, fs.read, "nodir/f", 0, 1)
+    check_errno(errno.ENOTDIR, fs.read, "f/x", 0, 1)
+    check_errno(errno.ENOTDIR, fs.write, "f/x", 0, b"x")
+    check_errno(errno.ENOTDIR, fs.lstat, "f/x")
+    assert not fs.exists("missing")
+    check_errno(errno.ENOTDIR, fs.exists, "f/x")  # only ENOENT means "does not exist"
+
+
+# --------------------------------------------------------------------------- unlink / rmdir
+
+
+def test_unlink_and_rmdir_remove(env, fs):
+    mkfile(fs, "f", b"x")
+    fs.mkdir("d", 0o755)
+    env.special("p")
+    fs.symlink("d", "l")
+    fs.unlink("f")
+    fs.unlink("p")
+    fs.unlink("l")  # the link, not the directory it names
+    assert fs.listdir("") == ["d"]
+    fs.rmdir("d")
+    assert fs.listdir("") == []
+    check_errno(errno.ENOENT, fs.lstat, "f")
+
+
+def test_unlink_of_a_dir_is_eisdir(fs):
+    fs.mkdir("d", 0o755)
+    check_errno(errno.EISDIR, fs.unlink, "d")
+    assert fs.lstat("d").kind == DIR
+
+
+def test_rmdir_of_non_directories_is_enotdir(env, fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    fs.symlink("d", "l")
+    env.special("p")
+    for p in ("f", "l", "p"):
+        check_errno(errno.ENOTDIR, fs.rmdir, p)
+    assert sorted(fs.listdir("")) == ["d", "f", "l", "p"]
+
+
+def test_rmdir_non_empty_is_enotempty(fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f")
+    check_errno(errno.ENOTEMPTY, fs.rmdir, "d")
+    fs.mkdir("e", 0o755)
+    fs.mkdir("e/sub", 0o755)
+    check_errno(errno.ENOTEMPTY, fs.rmdir, "e")
+    fs.unlink("d/f")
+    fs.rmdir("d")
+    assert fs.listdir("") == ["e"]
+
+
+def test_unlink_rmdir_enoent_and_enotdir(fs):
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.unlink, "missing")
+    check_errno(errno.ENOENT, fs.rmdir, "missing")
+    check_errno(errno.ENOENT, fs.unlink, "missing/x")
+    check_errno(errno.ENOENT, fs.rmdir, "missing/x")
+    check_errno(errno.ENOTDIR, fs.unlink, "f/x")
+    check_errno(errno.ENOTDIR, fs.rmdir, "f/x")
+
+
+def test_unlink_updates_parent_and_remaining_link(env, fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/a", b"shared")
+    fs.link("d/a", "d/b")
+    fs.utime("d", T1)
+    before = fs.lstat("d/b")
+    env.tick()
+    fs.unlink("d/a")
+    after = fs.lstat("d/b")
+    assert after.nlink == 1 and after.ctime_ns > before.ctime_ns
+    assert fs.read_all("d/b") == b"shared"
+    assert fs.lstat("d").mtime_ns != T1
+    fs.utime("d", T1)
+    fs.mkdir("d/e", 0o755)
+    fs.utime("d", T1)
+    env.tick()
+    fs.rmdir("d/e")
+    assert fs.lstat("d").mtime_ns != T1
+
+
+# --------------------------------------------------------------------------- rename
+
+
+def test_rename_file_over_file(env, fs):
+    mkfile(fs, "a", b"new")
+    mkfile(fs, "b", b"old content")
+    ino = fs.lstat("a").ino
+    fs.rename("a", "b")
+    assert fs.listdir("") == ["b"]
+    assert fs.read_all("b") == b"new"
+    assert fs.lstat("b").ino == ino
+
+
+def test_rename_over_a_file_with_other_links(fs):
+    mkfile(fs, "a", b"new")
+    mkfile(fs, "b", b"old")
+    fs.link("b", "b2")
+    fs.rename("a", "b")
+    assert fs.read_all("b") == b"new"
+    assert fs.read_all("b2") == b"old"
+    assert fs.lstat("b2").nlink == 1
+
+
+def test_rename_moves_between_directories_with_contents(fs):
+    fs.mkdir("src", 0o755)
+    fs.mkdir("src/tree", 0o711)
+    mkfile(fs, "src/tree/leaf", b"leaf")
+    fs.setxattr("src/tree/leaf", "user.tag", b"t")
+    fs.mkdir("dst", 0o755)
+    fs.rename("src/tree", "dst/moved")
+    assert fs.listdir("src") == []
+    assert fs.lstat("dst/moved").mode == 0o711
+    assert fs.read_all("dst/moved/leaf") == b"leaf"
+    assert fs.getxattr("dst/moved/leaf", "user.tag") == b"t"
+
+
+def test_rename_updates_times(env, fs):
+    fs.mkdir("s", 0o755)
+    fs.mkdir("t", 0o755)
+    mkfile(fs, "s/f", b"x")
+    for p in ("s", "t", "s/f"):
+        fs.utime(p, T1)
+    before = fs.lstat("s/f")
+    env.tick()
+    fs.rename("s/f", "t/f")
+    moved = fs.lstat("t/f")
+    assert moved.mtime_ns == T1  # contents untouched
+    assert moved.ctime_ns > before.ctime_ns
+    assert fs.lstat("s").mtime_ns != T1
+    assert fs.lstat("t").mtime_ns != T1
+
+
+def test_rename_dir_over_empty_dir(fs):
+    fs.mkdir("a", 0o700)
+    mkfile(fs, "a/inner", b"i")
+    fs.mkdir("b", 0o755)
+    fs.rename("a", "b")
+    assert fs.listdir("") == ["b"]
+    assert fs.lstat("b").mode == 0o700
+    assert fs.read_all("b/inner") == b"i"
+
+
+def test_rename_dir_over_non_empty_dir_is_enotempty(fs):
+    fs.mkdir("a", 0o755)
+    fs.mkdir("b", 0o755)
+    mkfile(fs, "b/keep", b"k")
+    check_errno(errno.ENOTEMPTY, fs.rename, "a", "b")
+    assert fs.read_all("b/keep") == b"k"
+    assert fs.lstat("a").kind == DIR
+
+
+def test_rename_file_over_dir_is_eisdir(fs):
+    mkfile(fs, "f", b"x")
+    fs.mkdir("empty", 0o755)
+    fs.mkdir("full", 0o755)
+    mkfile(fs, "full/x")
+    check_errno(errno.EISDIR, fs.rename, "f", "empty")
+    check_errno(errno.EISDIR, fs.rename, "f", "full")
+    assert fs.read_all("f") == b"x"
+
+
+def test_rename_dir_over_non_dir_is_enotdir(env, fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "f", b"x")
+    fs.symlink("d", "l")
+    env.special("p")
+    for p in ("f", "l", "p"):
+        check_errno(errno.ENOTDIR, fs.rename, "d", p)
+    assert fs.read_all("f") == b"x"
+    assert fs.readlink("l") == "d"
+
+
+def test_rename_dir_into_its_own_subtree_is_einval(fs):
+    fs.mkdir("a", 0o755)
+    fs.mkdir("a/b", 0o755)
+    fs.mkdir("a/b/c", 0o755)
+    check_errno(errno.EINVAL, fs.rename, "a", "a/b/new")
+    check_errno(errno.EINVAL, fs.rename, "a", "a/b/c")
+    check_errno(errno.EINVAL, fs.rename, "a/b", "a/b/c/d")
+    assert fs.listdir("a/b/c") == []
+
+
+def test_rename_onto_an_ancestor_is_enotempty(fs):
+    fs.mkdir("a", 0o755)
+    fs.mkdir("a/sub", 0o755)
+    fs.mkdir("a/sub/deep", 0o755)
+    mkfile(fs, "a/file", b"x")
+    check_errno(errno.ENOTEMPTY, fs.rename, "a/sub", "a")
+    check_errno(errno.ENOTEMPTY, fs.rename, "a/sub/deep", "a")
+    check_errno(errno.ENOTEMPTY, fs.rename, "a/file", "a")  # even for a file: the kernel checks ancestry first
+    assert sorted(fs.listdir("a")) == ["file", "sub"]
+
+
+def test_rename_to_itself_is_a_no_op(fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"x")
+    fs.rename("d", "d")
+    fs.rename("d/f", "d/f")
+    assert fs.read_all("d/f") == b"x"
+
+
+def test_rename_between_hardlinks_is_a_no_op(fs):
+    mkfile(fs, "a", b"same inode")
+    fs.link("a", "b")
+    fs.rename("a", "b")
+    assert sorted(fs.listdir("")) == ["a", "b"]
+    assert fs.lstat("a").nlink == 2 and fs.lstat("a").ino == fs.lstat("b").ino
+    fs.symlink("t", "l1")
+    fs.link("l1", "l2")
+    fs.rename("l2", "l1")
+    assert sorted(fs.listdir("")) == ["a", "b", "l1", "l2"]
+
+
+def test_rename_missing_source_is_enoent(fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.rename, "missing", "x")
+    check_errno(errno.ENOENT, fs.rename, "missing", "f")
+    check_errno(errno.ENOENT, fs.rename, "f", "nodir/x")
+    check_errno(errno.ENOENT, fs.rename, "missing", "nodir/x")
+    check_errno(errno.ENOTDIR, fs.rename, "missing", "f/x")  # the target's parent is looked up first
+    check_errno(errno.ENOTDIR, fs.rename, "d", "f/x")
+    assert sorted(fs.listdir("")) == ["d", "f"]
+
+
+def test_rename_symlinks_and_specials_move_themselves(env, fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/t", b"target")
+    fs.symlink("d/t", "l")
+    env.special("p", 0o600)
+    fs.rename("l", "d/l2")
+    fs.rename("p", "d/p2")
+    assert fs.readlink("d/l2") == "d/t"
+    st = fs.lstat("d/p2")
+    assert (st.kind, st.mode) == (OTHER, 0o600)
+    mkfile(fs, "f", b"replacement")
+    fs.rename("f", "d/l2")  # a file replaces a symlink, not its target
+    assert fs.lstat("d/l2").kind == REG
+    assert fs.read_all("d/t") == b"target"
+
+
+# --------------------------------------------------------------------------- symlinks
+
+
+SYMLINK_TARGETS = ["/etc/passwd", "../../outside", "dangling", "d/f", "a/../b", ".", "/", "x" * 255, "dir/", "sp ace\ttab", "ünïcødé"]
+
+
+@pytest.mark.parametrize("target", SYMLINK_TARGETS)
+def test_symlink_target_stored_verbatim(fs, target):
+    fs.symlink(target, "l")
+    st = fs.lstat("l")
+    assert st.kind == LNK
+    assert st.size == len(target.encode())
+    assert st.mode == 0o777
+    assert st.nlink == 1
+    assert fs.readlink("l") == target
+    assert fs.listxattr("l") == []
+
+
+def test_symlink_long_target(fs):
+    fs.symlink("a/" * 2047 + "b", "ok")  # 4095 bytes: the longest that fits PATH_MAX
+    assert len(fs.readlink("ok")) == 4095
+    check_errno(errno.ENAMETOOLONG, fs.symlink, "x" * 4096, "toolong")
+    assert not fs.exists("toolong")
+
+
+def test_symlink_errors(fs):
+    mkfile(fs, "f")
+    check_errno(errno.EEXIST, fs.symlink, "x", "f")
+    check_errno(errno.ENOENT, fs.symlink, "", "empty")
+    check_errno(errno.ENOENT, fs.symlink, "", "f")  # the target is checked before the name
+    check_errno(errno.EINVAL, fs.symlink, "a\0b", "nul")
+    check_errno(errno.ENOENT, fs.symlink, "x", "missing/l")
+    check_errno(errno.ENOTDIR, fs.symlink, "x", "f/l")
+    check_errno(errno.ENAMETOOLONG, fs.symlink, "x" * 4096, "missing/l")  # target first, then the path
+    check_errno(errno.EINVAL, fs.symlink, "a\0b", "f/l")
+    assert fs.listdir("") == ["f"]
+
+
+def test_readlink_errors(env, fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    env.special("p")
+    for p in ("f", "d", "p", ""):
+        check_errno(errno.EINVAL, fs.readlink, p)
+    check_errno(errno.ENOENT, fs.readlink, "missing")
+    check_errno(errno.ENOTDIR, fs.readlink, "f/x")
+
+
+def test_symlink_updates_parent_mtime(env, fs):
+    fs.mkdir("d", 0o755)
+    fs.utime("d", T1)
+    env.tick()
+    fs.symlink("x", "d/l")
+    assert fs.lstat("d").mtime_ns != T1
+
+
+# Operations that go *through* a symlink in the middle of a path. Each takes (fs, victim
+# name); every one of them must fail with ELOOP. "safe" ones cannot harm /etc even if
+# the implementation were broken; the others only run against scratch targets.
+def _m_lock(fs, v):
+    fs.lock(f"L/{OUTSIDE_CANARY}.lock").release()
+
+
+MIDDLE_OPS = {
+    "lstat": (True, lambda fs, v: fs.lstat(f"L/{v}")),
+    "lstat_missing": (True, lambda fs, v: fs.lstat("L/no-such-entry")),
+    "exists": (True, lambda fs, v: fs.exists(f"L/{v}")),
+    "listdir": (True, lambda fs, v: fs.listdir("L/sub")),
+    "read": (True, lambda fs, v: fs.read(f"L/{v}", 0, 100)),
+    "read_all": (True, lambda fs, v: fs.read_all(f"L/{v}")),
+    "readlink": (True, lambda fs, v: fs.readlink(f"L/{v}")),
+    "listxattr": (True, lambda fs, v: fs.listxattr(f"L/{v}")),
+    "getxattr": (True, lambda fs, v: fs.getxattr(f"L/{v}", "user.keep")),
+    "fsync": (True, lambda fs, v: fs.fsync(f"L/{v}")),
+    "create": (True, lambda fs, v: fs.create(f"L/{OUTSIDE_CANARY}", 0o644)),
+    "mkdir": (True, lambda fs, v: fs.mkdir(f"L/{OUTSIDE_CANARY}", 0o755)),
+    "symlink": (True, lambda fs, v: fs.symlink("x", f"L/{OUTSIDE_CANARY}")),
+    "rename_dst": (True, lambda fs, v: fs.rename("mine", f"L/{OUTSIDE_CANARY}")),
+    "link_dst": (True, lambda fs, v: fs.link("mine", f"L/{OUTSIDE_CANARY}")),
+    "link_src": (True, lambda fs, v: fs.link(f"L/{v}", "stolen")),
+    "copy_src": (True, lambda fs, v: fs.copy_file_range(f"L/{v}", "mine", 0, 0, 100)),
+    "lock": (True, _m_lock),
+    "write": (False, lambda fs, v: fs.write(f"L/{v}", 0, b"pwned")),
+    "write_all": (False, lambda fs, v: fs.write_all(f"L/{v}", 0, b"pwned")),
+    "truncate": (False, lambda fs, v: fs.truncate(f"L/{v}", 0)),
+    "fallocate": (False, lambda fs, v: fs.fallocate(f"L/{v}", 0, 1 << 20)),
+    "punch": (False, lambda fs, v: fs.fallocate(f"L/{v}", 0, 4, PUNCH_HOLE | KEEP_SIZE)),
+    "copy_dst": (False, lambda fs, v: fs.copy_file_range("mine", f"L/{v}", 0, 0, 100)),
+    "unlink": (False, lambda fs, v: fs.unlink(f"L/{v}")),
+    "rmdir": (False, lambda fs, v: fs.rmdir("L/sub")),
+    "rename_src": (False, lambda fs, v: fs.rename(f"L/{v}", "stolen")),
+    "chmod": (False, lambda fs, v: fs.chmod(f"L/{v}", 0o777)),
+    "chmod_dir": (False, lambda fs, v: fs.chmod("L/sub", 0o777)),
+    "utime": (False, lambda fs, v: fs.utime(f"L/{v}", 1)),
+    "setxattr": (False, lambda fs, v: fs.setxattr(f"L/{v}", "user.evil", b"1")),
+    "removexattr": (False, lambda fs, v: fs.removexattr(f"L/{v}", "user.keep")),
+}
+
+# (link target, victim name, destructive ops allowed?)
+LINK_TARGETS = {
+    "inside": ("d", "victim", True),
+    "outside_abs": (None, "victim", True),  # None: the absolute path of the outside dir
+    "outside_rel": ("../outside", "victim", True),
+    "outside_sub": ("../outside/sub2/../", "victim", True),
+    "etc": ("/etc", "passwd", False),
+}
+
+
+def _setup_link(env: Env, where: str) -> tuple[str, str]:
+    fs = env.fs
+    target, victim, _ = LINK_TARGETS[where]
+    if target is None:
+        target = str(env.outside)
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/victim", b"precious inside data", 0o640)
+    fs.setxattr("d/victim", "user.keep", b"inside")
+    fs.mkdir("d/sub", 0o755)
+    fs.utime("d/victim", T1)
+    mkfile(fs, "mine", b"mine")
+    fs.symlink(target, "L")
+    return target, victim
+
+
+def _inside_state(fs: HostFS) -> tuple:
+    return (fs.lstat("d"), fs.lstat("d/victim"), fs.read_all("d/victim"), fs.xattrs("d/victim"),
+            fs.lstat("d/sub"), sorted(fs.listdir("d")), sorted(fs.listdir("")), fs.read_all("mine"))
+
+
+def _etc_untouched() -> None:
+    leaked = [n for n in os.listdir("/etc") if n.startswith(OUTSIDE_CANARY)]
+    for n in leaked:  # clean up before failing
+        p = os.path.join("/etc", n)
+        os.rmdir(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+    assert not leaked, f"created in /etc through a symlink: {leaked}"
+
+
+@pytest.mark.parametrize(
+    "op, where",
+    # destructive operations only go through scratch targets, never through /etc
+    [(op, where) for op in MIDDLE_OPS for where in LINK_TARGETS if MIDDLE_OPS[op][0] or LINK_TARGETS[where][2]],
+)
+def test_symlink_in_the_middle_of_a_path_is_eloop(env, fs, op, where):
+    _, fn = MIDDLE_OPS[op]
+    _, victim = _setup_link(env, where)
+    outside_before = env.outside_snapshot()
+    inside_before = _inside_state(fs)
+    etc_passwd = Path("/etc/passwd").read_bytes() if env.real and where == "etc" else None
+    check_errno(errno.ELOOP, fn, fs, victim)
+    if where == "etc" and env.real:
+        _etc_untouched()
+        assert Path("/etc/passwd").read_bytes() == etc_passwd
+    assert env.outside_snapshot() == outside_before
+    assert _inside_state(fs) == inside_before
+
+
+@pytest.mark.parametrize("where", ["inside", "outside_abs", "outside_rel", "etc"])
+def test_symlink_as_final_component_is_never_followed(env, fs, where):
+    target, victim = _setup_link(env, where)
+    fs.symlink(f"{target.rstrip('/')}/{victim}", "F")  # a link to the victim file itself
+    ftarget = fs.readlink("F")
+    outside_before = env.outside_snapshot()
+    inside_before = _inside_state(fs)
+    for link in ("L", "F"):
+        check_errno(errno.ELOOP, fs.read, link, 0, 100)
+        check_errno(errno.ELOOP, fs.read_all, link)
+        check_errno(errno.ELOOP, fs.copy_file_range, link, "mine", 0, 0, 100)
+        check_errno(errno.ENODATA, fs.getxattr, link, "user.keep")
+        assert fs.listxattr(link) == []
+        assert fs.xattrs(link) == {}
+        check_errno(errno.EEXIST, fs.create, link, 0o644)
+        check_errno(errno.EEXIST, fs.mkdir, link, 0o755)
+        check_errno(errno.EEXIST, fs.symlink, "x", link)
+        check_errno(errno.EEXIST, fs.link, "mine", link)
+        check_errno(errno.ENOTDIR, fs.rmdir, link)
+        fs.fsync(link)
+        assert fs.lstat(link).kind == LNK
+    check_errno(errno.ENOTDIR, fs.listdir, "L")  # not followed, and not a directory
+    if LINK_TARGETS[where][2]:  # operations that would write through a broken resolver
+        for link in ("L", "F"):
+            check_errno(errno.ELOOP, fs.write, link, 0, b"pwned")
+            check_errno(errno.ELOOP, fs.truncate, link, 0)
+            check_errno(errno.ELOOP, fs.fallocate, link, 0, 100)
+            check_errno(errno.ELOOP, fs.copy_file_range, "mine", link, 0, 0, 100)
+            check_errno(errno.ELOOP, fs.lock, link)
+            check_errno(errno.EOPNOTSUPP, fs.chmod, link, 0o600)
+            check_errno(errno.EPERM, fs.setxattr, link, "user.evil", b"1")
+            check_errno(errno.EPERM, fs.removexattr, link, "user.keep")
+            fs.utime(link, 42_000_000_007)
+            assert fs.lstat(link).mtime_ns == 42_000_000_007
+            assert fs.lstat(link).mode == 0o777
+    # the links themselves can be linked, renamed and removed
+    fs.link("F", "F2")
+    assert fs.lstat("F2").kind == LNK and fs.lstat("F").nlink == 2
+    fs.rename("F2", "F3")
+    assert fs.readlink("F3") == ftarget
+    fs.unlink("F3")
+    fs.unlink("F")
+    fs.unlink("L")
+    assert env.outside_snapshot() == outside_before
+    now = _inside_state(fs)
+    assert now[:6] == inside_before[:6] and now[7] == inside_before[7]
+    if where == "etc" and env.real:
+        _etc_untouched()
+
+
+def test_chmod_symlink_is_eopnotsupp(fs):
+    mkfile(fs, "t", b"x", 0o600)
+    fs.symlink("t", "l")
+    check_errno(errno.EOPNOTSUPP, fs.chmod, "l", 0o644)
+    assert fs.lstat("l").mode == 0o777
+    assert fs.lstat("t").mode == 0o600
+
+
+def test_utime_symlink_changes_only_the_link(env, fs):
+    mkfile(fs, "t", b"x")
+    fs.utime("t", T1)
+    fs.symlink("t", "l")
+    t_before = fs.lstat("t")
+    fs.utime("l", 5_000_000_001)
+    assert fs.lstat("l").mtime_ns == 5_000_000_001
+    assert fs.lstat("t") == t_before
+    if env.real:
+        assert os.lstat(env.root / "l").st_mtime_ns == 5_000_000_001
+        assert os.stat(env.root / "t").st_mtime_ns == T1
+
+
+def test_utime_dangling_and_outside_symlink(env, fs):
+    fs.symlink("nowhere", "dangling")
+    fs.symlink(str(env.outside / "victim"), "out")
+    before = env.outside_snapshot()
+    fs.utime("dangling", 7)
+    fs.utime("out", 8)
+    assert fs.lstat("dangling").mtime_ns == 7
+    assert fs.lstat("out").mtime_ns == 8
+    assert not fs.exists("nowhere")
+    assert env.outside_snapshot() == before
+
+
+# --------------------------------------------------------------------------- hardlinks
+
+
+def test_link_shares_content_and_counts(env, fs):
+    mkfile(fs, "a", b"one", 0o640)
+    fs.mkdir("d", 0o755)
+    fs.link("a", "d/b")
+    sa, sb = fs.lstat("a"), fs.lstat("d/b")
+    assert sa.ino == sb.ino and sa.nlink == sb.nlink == 2
+    assert sb.mode == 0o640
+    fs.write("d/b", 3, b" two")
+    assert fs.read_all("a") == b"one two"
+    fs.chmod("a", 0o600)
+    assert fs.lstat("d/b").mode == 0o600
+    fs.setxattr("a", "user.x", b"y")
+    assert fs.getxattr("d/b", "user.x") == b"y"
+    fs.utime("d/b", T1)
+    assert fs.lstat("a").mtime_ns == T1
+    fs.link("d/b", "c")
+    assert fs.lstat("a").nlink == 3
+    fs.unlink("a")
+    assert fs.lstat("c").nlink == 2
+    fs.unlink("d/b")
+    assert fs.lstat("c").nlink == 1
+    assert fs.read_all("c") == b"one two"
+
+
+def test_link_updates_ctime_not_mtime(env, fs):
+    mkfile(fs, "a", b"x")
+    fs.utime("a", T1)
+    before = fs.lstat("a")
+    env.tick()
+    fs.link("a", "b")
+    after = fs.lstat("a")
+    assert after.mtime_ns == T1
+    assert after.ctime_ns > before.ctime_ns
+
+
+def test_link_of_a_dir_is_eperm(fs):
+    fs.mkdir("d", 0o755)
+    check_errno(errno.EPERM, fs.link, "d", "d2")
+    assert fs.listdir("") == ["d"]
+
+
+def test_link_to_an_existing_name_is_eexist(fs):
+    mkfile(fs, "a", b"a")
+    mkfile(fs, "b", b"b")
+    fs.mkdir("d", 0o755)
+    fs.symlink("nowhere", "l")
+    for dst in ("b", "d", "l", "a"):
+        check_errno(errno.EEXIST, fs.link, "a", dst)
+    check_errno(errno.EEXIST, fs.link, "d", "b")  # EEXIST wins over EPERM
+    assert fs.read_all("b") == b"b"
+    assert fs.lstat("a").nlink == 1
+
+
+def test_link_errors(fs):
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.link, "missing", "x")
+    check_errno(errno.ENOENT, fs.link, "f", "nodir/x")
+    check_errno(errno.ENOTDIR, fs.link, "f", "f/x")
+    check_errno(errno.ENOTDIR, fs.link, "f/x", "y")
+    check_errno(errno.ENOENT, fs.link, "missing", "f/x")  # the source is looked up first
+    check_errno(errno.ENOENT, fs.link, "missing", "nodir/x")
+    assert fs.listdir("") == ["f"]
+
+
+def test_link_of_symlinks_and_specials(env, fs):
+    fs.symlink("nowhere", "l")
+    env.special("p", 0o600)
+    fs.link("l", "l2")
+    fs.link("p", "p2")
+    assert fs.lstat("l2").kind == LNK and fs.readlink("l2") == "nowhere"
+    assert fs.lstat("l").nlink == 2
+    assert fs.lstat("p2").kind == OTHER and fs.lstat("p").nlink == 2
+    assert not fs.exists("nowhere")
+
+
+# --------------------------------------------------------------------------- chmod / utime
+
+
+@pytest.mark.parametrize("mode", MODES, ids=oct)
+def test_chmod_exact_bits(fs, mode):
+    skip_unless_root_for(mode)
+    mkfile(fs, "f", b"x", 0o644)
+    fs.mkdir("d", 0o755)
+    fs.chmod("f", mode)
+    fs.chmod("d", mode)
+    assert fs.lstat("f").mode == mode
+    assert fs.lstat("d").mode == mode
+    assert fs.read_all("f") == b"x"  # permissions are not modelled as a barrier for root
+
+
+def test_chmod_changes_ctime_not_mtime(env, fs):
+    mkfile(fs, "f", b"x")
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    fs.chmod("f", 0o600)
+    after = fs.lstat("f")
+    assert after.mode == 0o600
+    assert after.mtime_ns == T1
+    assert after.ctime_ns > before.ctime_ns
+
+
+def test_chmod_and_utime_of_special_files(env, fs):
+    env.special("p", 0o644)
+    fs.chmod("p", 0o4711 if IS_ROOT else 0o711)
+    fs.utime("p", T1)
+    st = fs.lstat("p")
+    assert st.kind == OTHER and st.mode == (0o4711 if IS_ROOT else 0o711) and st.mtime_ns == T1
+
+
+def test_chmod_utime_errors(fs):
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.chmod, "missing", 0o644)
+    check_errno(errno.ENOENT, fs.utime, "missing", 1)
+    check_errno(errno.ENOTDIR, fs.chmod, "f/x", 0o644)
+    check_errno(errno.ENOTDIR, fs.utime, "f/x", 1)
+
+
+@pytest.mark.parametrize("mtime", [0, 1, 999_999_999, 1_000_000_000, T1, 4_102_444_800_000_000_001, -1_000_000_001])
+def test_utime_sets_mtime_ns_exactly(env, fs, mtime):
+    mkfile(fs, "f", b"x")
+    fs.mkdir("d", 0o755)
+    before = fs.lstat("f")
+    env.tick()
+    fs.utime("f", mtime)
+    fs.utime("d", mtime)
+    after = fs.lstat("f")
+    assert after.mtime_ns == mtime
+    assert fs.lstat("d").mtime_ns == mtime
+    assert after.ctime_ns > before.ctime_ns
+    assert fs.read_all("f") == b"x"
+
+
+# --------------------------------------------------------------------------- xattrs
+
+
+@pytest.mark.parametrize("kind", ["file", "dir", "root"])
+def test_xattr_roundtrip(env, fs, kind):
+    path = {"file": "f", "dir": "d", "root": ""}[kind]
+    if kind == "file":
+        mkfile(fs, "f", b"content")
+    elif kind == "dir":
+        fs.mkdir("d", 0o755)
+    base = set(fs.listxattr(path))
+    fs.setxattr(path, "user.a", b"1")
+    fs.setxattr(path, "user.b", b"\0\xffbinary\n")
+    fs.setxattr(path, "user.empty", b"")
+    assert set(fs.listxattr(path)) - base == {"user.a", "user.b", "user.empty"}
+    assert fs.getxattr(path, "user.a") == b"1"
+    assert fs.getxattr(path, "user.b") == b"\0\xffbinary\n"
+    assert fs.getxattr(path, "user.empty") == b""
+    fs.setxattr(path, "user.a", b"replaced value")
+    assert fs.getxattr(path, "user.a") == b"replaced value"
+    fs.removexattr(path, "user.a")
+    check_errno(errno.ENODATA, fs.getxattr, path, "user.a")
+    assert set(fs.listxattr(path)) - base == {"user.b", "user.empty"}
+    assert {k: v for k, v in fs.xattrs(path).items() if k.startswith("user.")} == {"user.b": b"\0\xffbinary\n", "user.empty": b""}
+    if kind == "file":
+        assert fs.read_all("f") == b"content"
+
+
+def test_fresh_entries_have_no_xattrs(fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    assert fs.listxattr("f") == []
+    assert fs.listxattr("d") == []
+    assert fs.xattrs("f") == {}
+
+
+def test_xattr_missing_is_enodata(fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    for p in ("f", "d"):
+        check_errno(errno.ENODATA, fs.getxattr, p, "user.missing")
+        check_errno(errno.ENODATA, fs.removexattr, p, "user.missing")
+
+
+def test_xattr_bad_names(fs):
+    mkfile(fs, "f")
+    check_errno(errno.EOPNOTSUPP, fs.setxattr, "f", "noprefix", b"v")
+    check_errno(errno.EOPNOTSUPP, fs.setxattr, "f", "bogus.name", b"v")
+    check_errno(errno.EOPNOTSUPP, fs.getxattr, "f", "bogus.name")
+    check_errno(errno.EINVAL, fs.setxattr, "f", "user.", b"v")
+    check_errno(errno.EINVAL, fs.getxattr, "f", "user.")
+    check_errno(errno.EINVAL, fs.removexattr, "f", "user.")
+    check_errno(errno.ERANGE, fs.setxattr, "f", "user." + "x" * 251, b"v")
+    check_errno(errno.ERANGE, fs.getxattr, "f", "user." + "x" * 251)
+    check_errno(errno.ERANGE, fs.removexattr, "f", "user." + "x" * 251)
+    check_errno(errno.ERANGE, fs.setxattr, "f", "x" * 300, b"v")
+    check_errno(errno.ERANGE, fs.setxattr, "f", "", b"v")
+    fs.setxattr("f", "user." + "x" * 250, b"longest")  # 255 bytes: allowed
+    assert fs.listxattr("f") == ["user." + "x" * 250]
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="trusted.* xattrs need CAP_SYS_ADMIN")
+def test_trusted_xattrs_as_root(fs):
+    mkfile(fs, "f")
+    fs.setxattr("f", "trusted.t", b"v")
+    assert fs.getxattr("f", "trusted.t") == b"v"
+    assert "trusted.t" in fs.listxattr("f")
+    fs.removexattr("f", "trusted.t")
+    assert fs.listxattr("f") == []
+
+
+def test_xattrs_on_symlinks(fs):
+    mkfile(fs, "t")
+    fs.setxattr("t", "user.t", b"target's")
+    fs.symlink("t", "l")
+    assert fs.listxattr("l") == []
+    check_errno(errno.EPERM, fs.setxattr, "l", "user.a", b"1")
+    check_errno(errno.ENODATA, fs.getxattr, "l", "user.t")
+    check_errno(errno.EPERM, fs.removexattr, "l", "user.t")
+    assert fs.xattrs("t") == {"user.t": b"target's"}
+
+
+def test_user_xattrs_on_special_files(env, fs):
+    env.special("p")
+    assert fs.listxattr("p") == []
+    check_errno(errno.EPERM, fs.setxattr, "p", "user.a", b"1")
+    check_errno(errno.ENODATA, fs.getxattr, "p", "user.a")
+    check_errno(errno.EPERM, fs.removexattr, "p", "user.a")
+    assert fs.listxattr("p") == []
+
+
+def test_xattr_missing_path(fs):
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.listxattr, "missing")
+    check_errno(errno.ENOENT, fs.getxattr, "missing", "user.a")
+    check_errno(errno.ENOENT, fs.setxattr, "missing", "user.a", b"1")
+    check_errno(errno.ENOENT, fs.removexattr, "missing", "user.a")
+    check_errno(errno.ENOTDIR, fs.setxattr, "f/x", "user.a", b"1")
+
+
+def test_setxattr_changes_ctime_not_mtime(env, fs):
+    mkfile(fs, "f", b"x")
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    fs.setxattr("f", "user.a", b"1")
+    mid = fs.lstat("f")
+    assert mid.mtime_ns == T1 and mid.ctime_ns > before.ctime_ns
+    env.tick()
+    fs.removexattr("f", "user.a")
+    after = fs.lstat("f")
+    assert after.mtime_ns == T1 and after.ctime_ns > mid.ctime_ns
+
+
+# --------------------------------------------------------------------------- fallocate
+
+
+def test_fallocate_mode0_extends_with_zeros(fs):
+    mkfile(fs, "f", b"abc")
+    fs.fallocate("f", 0, 10)
+    assert fs.lstat("f").size == 10
+    assert fs.read_all("f") == b"abc" + b"\0" * 7
+    fs.fallocate("f", 20, 5)
+    assert fs.read_all("f") == b"abc" + b"\0" * 22
+    fs.fallocate("f", 0, 4)  # inside the file: nothing visible changes
+    assert fs.read_all("f") == b"abc" + b"\0" * 22
+
+
+def test_fallocate_keep_size(fs):
+    mkfile(fs, "f", b"abc")
+    fs.fallocate("f", 0, 1 << 16, KEEP_SIZE)
+    assert fs.lstat("f").size == 3
+    assert fs.read_all("f") == b"abc"
+    fs.write("f", 5, b"z")  # data written later is not affected by the preallocation
+    assert fs.read_all("f") == b"abc\0\0z"
+
+
+def test_fallocate_punch_hole(fs):
+    data = bytes(range(1, 201)) * 50  # 10000 bytes, no zeros
+    mkfile(fs, "f", data)
+    fs.fallocate("f", 100, 5000, PUNCH_HOLE | KEEP_SIZE)
+    assert fs.lstat("f").size == len(data)
+    assert fs.read_all("f") == data[:100] + b"\0" * 5000 + data[5100:]
+    fs.fallocate("f", 9000, 5000, PUNCH_HOLE | KEEP_SIZE)  # past EOF: still no growth
+    assert fs.lstat("f").size == len(data)
+    assert fs.read_all("f") == data[:100] + b"\0" * 5000 + data[5100:9000] + b"\0" * 1000
+
+
+def test_fallocate_zero_range(fs):
+    mkfile(fs, "f", b"0123456789")
+    fs.fallocate("f", 2, 3, ZERO_RANGE)
+    assert fs.read_all("f") == b"01\0\0\x0056789"
+    fs.fallocate("f", 8, 5, ZERO_RANGE | KEEP_SIZE)
+    assert fs.read_all("f") == b"01\0\0\x00567\0\0"
+    fs.fallocate("f", 8, 5, ZERO_RANGE)
+    assert fs.read_all("f") == b"01\0\0\x00567" + b"\0" * 5
+
+
+@pytest.mark.parametrize("mode", [0, KEEP_SIZE, PUNCH_HOLE | KEEP_SIZE])
+def test_fallocate_sets_mtime_and_ctime(env, fs, mode):
+    mkfile(fs, "f", b"0123456789")
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    fs.fallocate("f", 2, 3, mode)
+    after = fs.lstat("f")
+    assert after.mtime_ns != T1 and after.ctime_ns > before.ctime_ns
+
+
+def test_fallocate_errors(env, fs):
+    mkfile(fs, "f", b"0123456789")
+    check_errno(errno.EINVAL, fs.fallocate, "f", 0, 0)
+    check_errno(errno.EINVAL, fs.fallocate, "f", 0, -5)
+    check_errno(errno.EINVAL, fs.fallocate, "f", -1, 5)
+    check_errno(errno.EOPNOTSUPP, fs.fallocate, "f", 0, 5, PUNCH_HOLE)
+    check_errno(errno.EOPNOTSUPP, fs.fallocate, "f", 0, 5, PUNCH_HOLE | ZERO_RANGE | KEEP_SIZE)
+    check_errno(errno.EOPNOTSUPP, fs.fallocate, "f", 0, 5, 0x04)  # NO_HIDE_STALE
+    check_errno(errno.ENOENT, fs.fallocate, "missing", 0, 5)
+    assert fs.read_all("f") == b"0123456789"
+
+
+# --------------------------------------------------------------------------- copy_file_range
+
+
+def test_copy_file_range_whole_and_offsets(fs):
+    mkfile(fs, "src", b"0123456789")
+    fs.create("dst", 0o644)
+    assert fs.copy_file_range("src", "dst", 0, 0, 10) == 10
+    assert fs.read_all("dst") == b"0123456789"
+    mkfile(fs, "dst2", b"abcdefghij")
+    assert fs.copy_file_range("src", "dst2", 2, 5, 3) == 3
+    assert fs.read_all("dst2") == b"abcde234ij"
+    assert fs.read_all("src") == b"0123456789"
+
+
+def test_copy_file_range_clamps_and_extends(fs):
+    mkfile(fs, "src", b"0123456789")
+    mkfile(fs, "dst", b"ab")
+    assert fs.copy_file_range("src", "dst", 7, 0, 100) == 3  # only what the source has
+    assert fs.read_all("dst") == b"789"
+    assert fs.copy_file_range("src", "dst", 0, 6, 2) == 2  # past the destination's EOF
+    assert fs.read_all("dst") == b"789\0\0\x0001"
+    assert fs.copy_file_range("src", "dst", 10, 0, 5) == 0  # source exhausted
+    assert fs.copy_file_range("src", "dst", 50, 100, 5) == 0  # nothing written, no growth
+    assert fs.copy_file_range("src", "dst", 0, 100, 0) == 0
+    assert fs.read_all("dst") == b"789\0\0\x0001"
+
+
+def test_copy_file_range_within_one_file(fs):
+    mkfile(fs, "f", b"0123456789")
+    fs.link("f", "g")
+    assert fs.copy_file_range("f", "f", 0, 6, 2) == 2
+    assert fs.read_all("f") == b"0123450189"
+    check_errno(errno.EINVAL, fs.copy_file_range, "f", "f", 0, 2, 4)  # overlapping
+    check_errno(errno.EINVAL, fs.copy_file_range, "f", "g", 0, 0, 1)  # same inode through a hardlink
+    assert fs.copy_file_range("f", "f", 9, 8, 5) == 1  # clamped to 1 byte first: no overlap
+    assert fs.read_all("f") == b"0123450199"
+
+
+def test_copy_file_range_errors(env, fs):
+    mkfile(fs, "src", b"abc")
+    mkfile(fs, "dst", b"xyz")
+    check_errno(errno.ENOENT, fs.copy_file_range, "missing", "dst", 0, 0, 1)
+    check_errno(errno.ENOENT, fs.copy_file_range, "src", "missing", 0, 0, 1)
+    check_errno(errno.EOVERFLOW, fs.copy_file_range, "src", "dst", -1, 0, 1)
+    check_errno(errno.EOVERFLOW, fs.copy_file_range, "src", "dst", 0, -1, 1)
+    check_errno(errno.EINVAL, fs.copy_file_range, "src", "dst", 0, 0, -1)
+    assert fs.read_all("dst") == b"xyz"
+
+
+def test_copy_file_range_sets_destination_times(env, fs):
+    mkfile(fs, "src", b"abc")
+    mkfile(fs, "dst", b"")
+    fs.utime("src", T1)
+    fs.utime("dst", T1)
+    env.tick()
+    assert fs.copy_file_range("src", "dst", 0, 0, 3) == 3
+    assert fs.lstat("dst").mtime_ns != T1
+    assert fs.lstat("src").mtime_ns == T1
+
+
+# --------------------------------------------------------------------------- special files
+
+
+@pytest.mark.timeout(10)
+def test_special_file_is_never_opened(env, fs):
+    env.special("p", 0o644)
+    mkfile(fs, "f", b"abc")
+    st = fs.lstat("p")
+    assert (st.kind, st.mode, st.size, st.nlink) == (OTHER, 0o644, 0, 1)
+    check_errno(errno.EPERM, fs.read, "p", 0, 10)
+    check_errno(errno.EPERM, fs.read_all, "p")
+    check_errno(errno.EPERM, fs.write, "p", 0, b"x")
+    check_errno(errno.EPERM, fs.write_all, "p", 0, b"x")
+    check_errno(errno.EPERM, fs.truncate, "p", 0)
+    check_errno(errno.EPERM, fs.fallocate, "p", 0, 10)
+    check_errno(errno.EPERM, fs.copy_file_range, "p", "f", 0, 0, 3)
+    check_errno(errno.EPERM, fs.copy_file_range, "f", "p", 0, 0, 3)
+    check_errno(errno.EPERM, fs.lock, "p")
+    check_errno(errno.ENOTDIR, fs.listdir, "p")
+    check_errno(errno.ENOTDIR, fs.lstat, "p/x")
+    check_errno(errno.ENOTDIR, fs.create, "p/x", 0o644)
+    fs.fsync("p")
+    assert fs.lstat("p").kind == OTHER
+    assert fs.read_all("f") == b"abc"
+    if env.real:
+        assert stat.S_ISFIFO(os.lstat(env.root / "p").st_mode)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mknod of a device needs CAP_MKNOD")
+@pytest.mark.timeout(10)
+def test_real_device_node_is_never_opened(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    try:
+        os.mknod(root / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("no CAP_MKNOD in this container")
+    fs = RealHostFS(str(root))
+    try:
+        assert fs.lstat("null").kind == OTHER
+        check_errno(errno.EPERM, fs.read, "null", 0, 1)
+        check_errno(errno.EPERM, fs.write, "null", 0, b"x")
+        check_errno(errno.EPERM, fs.truncate, "null", 0)
+        check_errno(errno.EPERM, fs.lock, "null")
+        fs.fsync("null")
+    finally:
+        fs.close()
+
+
+# --------------------------------------------------------------------------- names
+
+
+def test_names_are_opaque(env, fs):
+    names = ["sp ace", "tab\tname", "new\nline", "ünïcødé", "bad\udcffbyte", "-dash", ".dot", "...", "x" * 255]
+    for n in names:
+        mkfile(fs, n, n.encode("utf-8", "surrogateescape"))
+    fs.mkdir("dir\udcfe", 0o755)
+    fs.symlink("tgt\udcfd", "dir\udcfe/link")
+    assert sorted(fs.listdir("")) == sorted(names + ["dir\udcfe"])
+    for n in names:
+        assert fs.read_all(n) == n.encode("utf-8", "surrogateescape")
+    assert fs.readlink("dir\udcfe/link") == "tgt\udcfd"
+    assert fs.lstat("dir\udcfe/link").size == len("tgt") + 1
+    check_errno(errno.ENAMETOOLONG, fs.create, "y" * 256, 0o644)
+
+
+def test_name_too_long(fs):
+    long = "y" * (NAME_LEN_MAX + 1)
+    mkfile(fs, "f")
+    for fn, args in [(fs.create, (long, 0o644)), (fs.mkdir, (long, 0o755)), (fs.lstat, (long,)),
+                     (fs.unlink, (long,)), (fs.rmdir, (long,)), (fs.read, (long, 0, 1)),
+                     (fs.symlink, ("x", long)), (fs.link, ("f", long)), (fs.rename, ("f", long)),
+                     (fs.lstat, (f"{long}/x",)), (fs.create, (f"{long}/x", 0o644)), (fs.chmod, (long, 0o644))]:
+        check_errno(errno.ENAMETOOLONG, fn, *args)
+    assert not fs.exists("y" * NAME_LEN_MAX)
+    check_errno(errno.ENOENT, fs.rename, "missing", long)  # the source is looked up first
+    check_errno(errno.ENOENT, fs.lstat, f"missing/{long}")
+    check_errno(errno.ENOTDIR, fs.lstat, f"f/{long}")
+    assert fs.listdir("") == ["f"]
+
+
+def test_path_of_4096_bytes(fs):
+    # normalize() lets a 4096-byte path through; a single syscall takes at most 4095 bytes,
+    # so what works is exactly what RealHostFS resolves in two steps (parent, then name)
+    dirs = ["a" * 255] * 15 + ["b" * 200]
+    for i in range(len(dirs)):
+        fs.mkdir("/".join(dirs[: i + 1]), 0o755)
+    path = "/".join(dirs) + "/" + "c" * 55
+    assert len(path) == 4096 and normalize(path) == path
+    fs.create(path, 0o644)
+    assert fs.lstat(path).kind == REG
+    assert fs.exists(path)
+    fs.utime(path, T1)
+    assert fs.lstat(path).mtime_ns == T1
+    for fn, args in [(fs.read, (path, 0, 1)), (fs.write, (path, 0, b"x")), (fs.truncate, (path, 0)),
+                     (fs.chmod, (path, 0o600)), (fs.listxattr, (path,)), (fs.setxattr, (path, "user.a", b"1")),
+                     (fs.fsync, (path,))]:
+        check_errno(errno.ENAMETOOLONG, fn, *args)
+    fs.rename(path, "short")
+    assert fs.read_all("short") == b""
+    fs.rename("short", path)
+    fs.unlink(path)
+    assert fs.listdir("/".join(dirs)) == []
+
+
+# --------------------------------------------------------------------------- clone_to
+
+
+def test_clone_to_is_all_or_nothing(env, fs):
+    data = b"cloned bytes " * 1000
+    mkfile(fs, "src", data, 0o640)
+    try:
+        fs.clone_to("src", fs, "dst")
+    except OSError as e:  # no reflinks on this filesystem
+        assert e.errno in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL), e
+        assert not fs.exists("dst")
+    else:
+        assert fs.read_all("dst") == data
+    assert fs.read_all("src") == data
+    other = SimHostFS()
+    check_errno(errno.EOPNOTSUPP, fs.clone_to, "src", other, "dst2")
+    assert not other.exists("dst2") and not fs.exists("dst2")
+
+
+# --------------------------------------------------------------------------- lock
+
+
+def _pid_of(env: Env) -> int:
+    return os.getpid() if env.real else env.fs.pid
+
+
+def test_lock_creates_file_with_pid(env, fs):
+    lk = fs.lock("lock")
+    st = fs.lstat("lock")
+    assert (st.kind, st.mode) == (REG, 0o600)
+    assert fs.read_all("lock") == f"{_pid_of(env)}\n".encode()
+    lk.release()
+    assert fs.exists("lock")  # releasing keeps the file
+
+
+def test_lock_overwrites_stale_content(env, fs):
+    mkfile(fs, "lock", b"999999999\nstale stuff that is long", 0o640)
+    lk = fs.lock("lock")
+    assert fs.read_all("lock") == f"{_pid_of(env)}\n".encode()
+    assert fs.lstat("lock").mode == 0o640  # an existing lock file keeps its mode
+    lk.release()
+
+
+def test_second_lock_is_store_busy_until_released(env, fs):
+    fs.mkdir("store", 0o755)
+    lk = fs.lock("store/lock")
+    with pytest.raises(StoreBusy) as info:
+        fs.lock("store/lock")
+    busy = info.value
+    assert isinstance(busy, OSError) and busy.errno == errno.EWOULDBLOCK
+    assert busy.pid == _pid_of(env)
+    assert f"in use by pid {_pid_of(env)}" in str(busy)
+    assert fs.read_all("store/lock") == f"{_pid_of(env)}\n".encode()  # the failed attempt wrote nothing
+    lk.release()
+    lk.release()  # idempotent
+    lk2 = fs.lock("store/lock")
+    with pytest.raises(StoreBusy):
+        fs.lock("store/lock")
+    lk.release()  # a stale handle must not drop the new holder's lock
+    with pytest.raises(StoreBusy):
+        fs.lock("store/lock")
+    lk2.release()
+    fs.lock("store/lock").release()
+
+
+def test_locks_on_different_files_are_independent(fs):
+    a = fs.lock("a.lock")
+    b = fs.lock("b.lock")
+    a.release()
+    b.release()
+
+
+def test_lock_errors(env, fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "f")
+    fs.symlink("f", "l")
+    fs.symlink("d", "ld")
+    check_errno(errno.EISDIR, fs.lock, "d")
+    check_errno(errno.ELOOP, fs.lock, "l")
+    check_errno(errno.ELOOP, fs.lock, "ld/lock")
+    check_errno(errno.EBUSY, fs.lock, "")
+    check_errno(errno.ENOENT, fs.lock, "missing/lock")
+    check_errno(errno.ENOTDIR, fs.lock, "f/lock")
+    assert fs.read_all("f") == b""
+    assert sorted(fs.listdir("")) == ["d", "f", "l", "ld"]
+    assert fs.listdir("d") == []
+
+
+def test_sim_crash_drops_locks():
+    fs = SimHostFS(pid=77)
+    fs.lock("lock")
+    with pytest.raises(StoreBusy, match="in use by pid 77"):
+        fs.lock("lock")
+    fs.crash()
+    fs.lock("lock").release()
+
+
+def test_real_second_instance_conflicts(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    one, two = RealHostFS(str(root)), RealHostFS(str(root))
+    try:
+        lk = one.lock("lock")
+        with pytest.raises(StoreBusy, match=f"in use by pid {os.getpid()}"):
+            two.lock("lock")
+        lk.release()
+        two.lock("lock").release()
+    finally:
+        one.close()
+        two.close()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from sandbox.hostfs import StoreBusy
+    from sandbox.hostfs.real import RealHostFS
+    fs = RealHostFS(sys.argv[1])
+    try:
+        lk = fs.lock(sys.argv[2])
+    except StoreBusy as e:
+        print("busy", e.pid, str(e), flush=True)
+        sys.exit(0)
+    print("locked", os.getpid(), flush=True)
+    sys.stdin.readline()
+    lk.release()
+    print("released", flush=True)
+    """
+)
+
+
+def _child(root: Path, name: str) -> subprocess.Popen:
+    env = dict(os.environ)
+    src = str(Path(sandbox.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(root), name], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.timeout(60)
+def test_real_lock_held_by_another_process(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    child = _child(root, "lock")
+    try:
+        line = child.stdout.readline().split()
+        assert line == ["locked", str(child.pid)]
+        fs = RealHostFS(str(root))
+        with pytest.raises(StoreBusy) as info:
+            fs.lock("lock")
+        assert info.value.pid == child.pid
+        assert f"in use by pid {child.pid}" in str(info.value)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "released"
+        assert child.wait(timeout=30) == 0
+        lk = fs.lock("lock")
+        other = _child(root, "lock")  # and now the other way round
+        out = other.stdout.readline().split()
+        assert other.wait(timeout=30) == 0
+        assert out[:2] == ["busy", str(os.getpid())]
+        assert f"in use by pid {os.getpid()}" in " ".join(out)
+        lk.release()
+        fs.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_real_lock_released_when_holder_dies(tmp_path):
+    root = tmp_path / "store"
+    root.mkdir()
+    child = _child(root, "lock")
+    try:
+        assert child.stdout.readline().split()[0] == "locked"
+        child.kill()
+        child.wait()
+        fs = RealHostFS(str(root))
+        fs.lock("lock").release()
+        fs.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+# --------------------------------------------------------------------------- the root
+
+
+def test_root_queries_and_metadata(env, fs):
+    st = fs.lstat("")
+    assert st.kind == DIR
+    assert fs.exists("")
+    assert fs.listdir("") == []
+    mkfile(fs, "a")
+    fs.mkdir("b", 0o755)
+    assert sorted(fs.listdir("")) == ["a", "b"]
+    fs.chmod("", 0o751)
+    assert fs.lstat("").mode == 0o751
+    before = fs.lstat("")
+    env.tick()
+    fs.utime("", T1)
+    after = fs.lstat("")
+    assert after.mtime_ns == T1 and after.ctime_ns > before.ctime_ns
+    fs.fsync("")
+    fs.setxattr("", "user.root", b"r")
+    assert fs.getxattr("", "user.root") == b"r"
+    fs.removexattr("", "user.root")
+    if env.real:
+        st = os.lstat(env.root)
+        assert stat.S_IMODE(st.st_mode) == 0o751 and st.st_mtime_ns == T1
+
+
+def test_root_entry_operations_are_ebusy(fs):
+    mkfile(fs, "f")
+    check_errno(errno.EBUSY, fs.unlink, "")
+    check_errno(errno.EBUSY, fs.rmdir, "")
+    check_errno(errno.EBUSY, fs.rename, "", "x")
+    check_errno(errno.EBUSY, fs.rename, "f", "")
+    check_errno(errno.EBUSY, fs.create, "", 0o644)
+    check_errno(errno.EBUSY, fs.mkdir, "", 0o755)
+    check_errno(errno.EBUSY, fs.symlink, "x", "")
+    check_errno(errno.EBUSY, fs.link, "", "x")
+    check_errno(errno.EBUSY, fs.link, "f", "")
+    check_errno(errno.EBUSY, fs.lock, "")
+    assert fs.listdir("") == ["f"]
+    assert fs.lstat("").kind == DIR
+
+
+def test_root_io_is_eisdir(fs):
+    check_errno(errno.EISDIR, fs.read, "", 0, 1)
+    check_errno(errno.EISDIR, fs.write, "", 0, b"x")
+    check_errno(errno.EISDIR, fs.truncate, "", 0)
+    check_errno(errno.EISDIR, fs.fallocate, "", 0, 1)
+    check_errno(errno.EINVAL, fs.readlink, "")
+
+
+def test_listdir_errors(env, fs):
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.listdir, "missing")
+    check_errno(errno.ENOTDIR, fs.listdir, "f")
+    fs.mkdir("d", 0o755)
+    fs.symlink("d", "l")
+    check_errno(errno.ENOTDIR, fs.listdir, "l")  # a final symlink is not followed
+
+
+def test_fsync(env, fs):
+    mkfile(fs, "f", b"x")
+    fs.mkdir("d", 0o755)
+    fs.symlink("nowhere", "l")
+    for p in ("f", "d", "l", ""):
+        assert fs.fsync(p) is None
+    check_errno(errno.ENOENT, fs.fsync, "missing")
+
+
+def test_real_root_is_resolved_once(tmp_path):
+    # the root path may itself contain a symlink: it is resolved at construction only
+    (tmp_path / "actual").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "actual")
+    fs = RealHostFS(str(tmp_path / "alias"))
+    try:
+        fs.create("f", 0o644)
+        assert (tmp_path / "actual" / "f").exists()
+        assert fs.root == str((tmp_path / "actual").resolve())
+    finally:
+        fs.close()
+
+
+# --------------------------------------------------------------------------- normalize & path helpers
+
+
+@pytest.mark.parametrize(
+    "raw, want",
+    [
+        ("a//b/./c/", "a/b/c"),
+        (".", ""),
+        ("", ""),
+        ("./", ""),
+        ("./.", ""),
+        ("a", "a"),
+        ("a/./.", "a"),
+        ("a/b", "a/b"),
+        ("...", "..."),
+        ("..a/b..", "..a/b.."),
+        (".hidden", ".hidden"),
+        ("x" * NAME_LEN_MAX, "x" * NAME_LEN_MAX),
+        ("ünï/cødé", "ünï/cødé"),
+    ],
+)
+def test_normalize(raw, want):
+    assert normalize(raw) == want
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        ("/abs", errno.EINVAL),
+        ("/", errno.EINVAL),
+        ("//a", errno.EINVAL),
+        ("..", errno.EINVAL),
+        ("../x", errno.EINVAL),
+        ("a/..", errno.EINVAL),
+        ("a/../b", errno.EINVAL),
+        ("a/./../b", errno.EINVAL),
+        ("a\0b", errno.EINVAL),
+        ("\0", errno.EINVAL),
+        ("x" * (NAME_LEN_MAX + 1), errno.ENAMETOOLONG),
+        ("a/" + "é" * 128, errno.ENAMETOOLONG),  # 256 bytes in UTF-8
+        ("a/" * (PATH_LEN_MAX // 2) + "b", errno.ENAMETOOLONG),
+    ],
+    ids=lambda v: repr(v)[:24] if isinstance(v, str) else str(v),
+)
+def test_normalize_rejects(raw, code):
+    with pytest.raises(PathError) as info:
+        normalize(raw)
+    assert isinstance(info.value, OSError)
+    assert info.value.errno == code
+
+
+def test_normalize_rejects_non_str():
+    for bad in (b"a/b", None, 3):
+        with pytest.raises(PathError) as info:
+            normalize(bad)
+        assert info.value.errno == errno.EINVAL
+
+
+def test_normalize_path_length_boundary():
+    ok = "/".join(["x" * 255] * 16)  # 16*255 + 15 = 4095 bytes
+    assert normalize(ok) == ok
+    assert normalize(ok + "/") == ok  # 4096 raw bytes: still allowed
+    with pytest.raises(PathError):
+        normalize(ok + "/y")  # 4097 bytes
+
+
+def test_path_helpers():
+    assert join("", "a") == "a"
+    assert join("a/b", "c") == "a/b/c"
+    assert parent_of("a/b/c") == "a/b"
+    assert parent_of("a") == ""
+    assert parent_of("") == ""
+    assert is_within("a/b", "a") and is_within("a", "a") and is_within("x", "")
+    assert not is_within("ab", "a") and not is_within("a", "a/b")
