@@ -1,0 +1,171 @@
+"""Hypothesis model of barriers: rollback never silently clobbers what the sandbox did not write.
+
+Sandbox steps interleave with *external* edits made straight on the host (as a user's
+editor would), sometimes reported as a barrier, sometimes not detected at all.
+Invariants, for every rollback without ``force``:
+
+* if a barrier sits after any step being undone, the rollback is refused;
+* a refused rollback leaves the tree exactly as it was;
+* a rollback that goes through leaves every external edit exactly as the user made it.
+
+With ``force`` the rollback goes through, crosses the barriers and removes them.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from sandbox.core.errors import BarrierInTheWay, ExternalChange, StepUnprotected
+from sandbox.hostfs import DIR, REG, is_within, parent_of
+
+from . import oracle
+from .budget import scale
+from .client import SimClient, random_op, seed_tree
+from .world import World
+
+seeds = st.integers(0, 2**32 - 1)
+
+
+class BarrierModel(RuleBasedStateMachine):
+    backend = "sim"
+
+    def __init__(self):
+        super().__init__()
+        self._tmp = tempfile.TemporaryDirectory(prefix="sandbox-barrier-") if self.backend == "real" else None
+        self.world = World(self.backend, self._tmp.name if self._tmp else None)
+        self.ws = None
+        self.external: dict[str, bytes | None] = {}  # path -> what the user left there (None: deleted)
+        self.barrier_seqs: list[int] = []
+
+    def teardown(self):
+        if self.ws is not None:
+            self.ws.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    @initialize(seed=seeds)
+    def setup(self, seed):
+        with self.world.paused():
+            seed_tree(self.world.work, random.Random(seed))
+        self.ws = self.world.open()
+        self.client = SimClient(self.ws.fs)
+
+    def _forget_touched(self, paths: list[str]) -> None:
+        """The sandbox wrote these (or their parents moved): they are its own now."""
+        for p in list(self.external):
+            if any(is_within(p, t) for t in paths if t):
+                del self.external[p]
+
+    @rule(seed=seeds, count=st.integers(1, 5))
+    def step(self, seed, count):
+        rng = random.Random(seed)
+        with self.ws.step(f"ops {seed}"):
+            for _ in range(count):
+                random_op(self.client, rng, 1_700_000_000_000_000_000)
+        self._forget_touched(self.ws.history()[0]["paths"])
+
+    def _candidates(self, touched_only: bool) -> list[str]:
+        """Regular files now in the tree, and paths the newest step deleted (to re-create)."""
+        hist = self.ws.history()
+        touched = set(hist[0]["paths"]) if hist and touched_only else None
+        out = []
+        with self.world.paused():
+            def walk(p):
+                for name in sorted(self.world.work.listdir(p)):
+                    c = f"{p}/{name}" if p else name
+                    kind = self.world.work.lstat(c).kind
+                    if kind == DIR:
+                        walk(c)
+                    elif kind == REG and (touched is None or c in touched):
+                        out.append(c)
+            walk("")
+            for p in sorted(touched or ()):
+                if p and not self.world.work.exists(p) and self.world.work.exists(parent_of(p)) \
+                        and self.world.work.lstat(parent_of(p)).kind == DIR:
+                    out.append(p)
+        return out
+
+    @rule(pick=st.integers(0, 1000), touched_only=st.booleans(), data=st.binary(max_size=40), delete=st.booleans(),
+          report=st.booleans())
+    def external_edit(self, pick, touched_only, data, delete, report):
+        """The user edits, creates or deletes a file on the host, behind the sandbox's back."""
+        candidates = self._candidates(touched_only) or self._candidates(False)
+        if not candidates:
+            return
+        path = candidates[pick % len(candidates)]
+        with self.world.paused():
+            exists = self.world.work.exists(path)
+            if delete and exists:
+                self.world.work.unlink(path)
+                self.external[path] = None
+            else:
+                if not exists:
+                    self.world.work.create(path, 0o644)
+                self.world.work.truncate(path, 0)
+                self.world.work.write_all(path, 0, data)
+                self.external[path] = data
+        if report:
+            b = self.ws.record_external_modification([path])
+            self.barrier_seqs.append(b["after_seq"])
+
+    @precondition(lambda self: self.ws is not None and self.ws.log.steps())
+    @rule(n=st.integers(1, 3))
+    def rollback(self, n):
+        steps = self.ws.log.steps()
+        n = min(n, len(steps))
+        oldest = steps[-n].seq
+        must_refuse = any(seq >= oldest for seq in self.barrier_seqs)
+        before = self.world.snapshot()
+        try:
+            self.ws.rollback(n)
+        except (BarrierInTheWay, ExternalChange) as e:
+            assert must_refuse or isinstance(e, ExternalChange)
+            oracle.assert_same(before, self.world.snapshot(), "a refused rollback changed the tree")
+            return
+        except StepUnprotected:
+            return
+        assert not must_refuse, "rollback crossed a barrier without force"
+        self.barrier_seqs = [s for s in self.barrier_seqs if s < oldest]
+        with self.world.paused():
+            for path, data in self.external.items():
+                try:
+                    now = self.world.work.read_all(path)
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    now = None
+                assert now == data, f"rollback clobbered the user's edit of {path!r}: {data!r} -> {now!r}"
+
+    @precondition(lambda self: self.ws is not None and self.ws.log.steps())
+    @rule()
+    def forced_rollback(self):
+        oldest = self.ws.log.steps()[-1].seq
+        try:
+            self.ws.rollback(1, force=True)
+        except StepUnprotected:
+            return
+        self.barrier_seqs = [s for s in self.barrier_seqs if s < oldest]
+        self.external.clear()  # force may overwrite them: that is what force means
+
+    @invariant()
+    def barriers_are_visible(self):
+        if self.ws is not None:
+            shown = sum(len(h["barriers"]) for h in self.ws.history())
+            live = len([b for b in self.ws.barriers() if any(s.seq == b["after_seq"] for s in self.ws.log.steps())])
+            assert shown == live
+
+
+class RealBarrierModel(BarrierModel):
+    backend = "real"
+
+
+_health = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+TestBarrierModelSim = BarrierModel.TestCase
+TestBarrierModelSim.settings = settings(max_examples=scale(50, 500), stateful_step_count=scale(25, 40), deadline=None,
+                                        suppress_health_check=_health)
+TestBarrierModelReal = RealBarrierModel.TestCase
+TestBarrierModelReal.settings = settings(max_examples=scale(10, 100), stateful_step_count=scale(15, 30), deadline=None,
+                                         suppress_health_check=_health)
