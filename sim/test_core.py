@@ -626,3 +626,185 @@ def test_path_under_a_newer_rename_destination_is_not_an_external_change(world):
         ws.fs.rename("z", "x")  # x is empty now: z replaces it, and x/sub exists again
     ws.rollback(2)
     oracle.assert_same(before, world.snapshot())
+
+
+# ---------------------------------------------------------------------------- edges the model reaches rarely
+
+
+def test_deny_interrupted_by_an_io_error_is_finished_when_the_step_closes(world):
+    from .faults import FaultInjector
+
+    ws = _open(world, safeguard=SafeguardConfig(delete_threshold=3))
+    _seed(ws, files=("f1", "f2", "f3", "f4"))
+    before = world.snapshot()
+    sid = ws.begin_step("rm")
+    ws.fs.write_file("f4", b"rewritten")
+    ws.fs.unlink("f1")
+    ws.fs.unlink("f2")
+    with pytest.raises(HoldRequired) as held:
+        ws.fs.unlink("f3")
+    world.injector = FaultInjector(error_at=(2, errno.EIO))  # the deny's third store write fails
+    with pytest.raises(OSError) as e:
+        ws.interceptor.resolve_hold(held.value.hold.id, "deny")
+    assert e.value.errno == errno.EIO
+    world.injector = FaultInjector()
+    with pytest.raises(SafeguardDenied):
+        ws.fs.write_file("more", b"x")  # still denied: nothing may land
+    ws.complete_step(sid, 1)
+    ws.poll()
+    oracle.assert_same(before, world.snapshot(), "deny finished at close")
+    assert ws.history()[0]["outcome"] == "denied"
+
+
+def test_special_files_are_never_mutated():
+    from .world import World
+
+    w = World("sim")
+    with w.paused():
+        w.work.mkdir("d", 0o755)
+        w.work.make_special("d/fifo")
+    ws = w.open()
+    with pytest.raises(OSError) as e:
+        ws.fs.unlink("d/fifo")
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(OSError):
+        ws.fs.remove_tree("d")
+    assert w.work.lstat("d/fifo").kind == "other"
+
+
+def test_renames_and_links_that_must_fail_record_no_intent(world):
+    ws = _open(world)
+    _seed(ws, files=("f", "d/x"))
+    ws.fs.makedirs("empty")
+    with world.paused():
+        world.work.link("f", "hard")
+    before = world.snapshot()
+    with ws.step("failing ops"):
+        for op, code in ((lambda: ws.fs.rename("d", "f"), errno.ENOTDIR), (lambda: ws.fs.rename("f", "d"), errno.EISDIR),
+                         (lambda: ws.fs.rename("empty", "d"), errno.ENOTEMPTY), (lambda: ws.fs.rename("d", "d/sub"), errno.EINVAL),
+                         (lambda: ws.fs.link("f", "d/x"), errno.EEXIST), (lambda: ws.fs.create("f"), errno.EEXIST)):
+            with pytest.raises(OSError) as e:
+                op()
+            assert e.value.errno == code
+        ws.fs.rename("f", "hard")  # the same inode: rename(2) does nothing
+    recs = ws.log.records_of(ws.log.steps()[-1])
+    assert not [r for r in recs if r["op"] in ("created", "renamed")], recs
+    assert world.snapshot() == before
+    ws.rollback(1)
+    assert world.snapshot() == before
+
+
+def test_unreadable_barrier_file_blocks_every_rollback(world):
+    ws = _open(world)
+    _seed(ws)
+    ws.record_external_modification(["x"])
+    ws.close()
+    name = world.store.listdir("barriers")[0]
+    with world.paused():
+        world.store.truncate(f"barriers/{name}", 3)
+    events = []
+    ws = _open(world, on_event=events.append)
+    assert any("unreadable" in e.get("message", "") for e in events)
+    with pytest.raises(BarrierInTheWay, match="unreadable|x|1 external"):
+        ws.rollback(1)
+    ws.rollback(1, force=True)
+
+
+def test_crash_inside_an_unprotected_step_keeps_it_as_unprotected(world):
+    from .faults import FaultInjector, SimulatedCrash
+
+    ws = _open(world, limits=Limits(max_single_step_size_bytes=5000))
+    with world.paused():
+        world.work.create("big", 0o644)
+        world.work.write_all("big", 0, os.urandom(20_000))
+    world.injector = FaultInjector(crash_at=10**6)
+    with pytest.raises(SimulatedCrash):
+        with ws.step("huge"):
+            ws.fs.write_file("big", b"small now")
+            ws.fs.write_file("other", b"o")
+            world.injector.crash_at = world.injector.calls  # die before the step closes
+            ws.fs.write_file("third", b"t")
+    at_crash = world.snapshot()
+    world.crash(ws)
+    ws = _open(world)
+    assert ws.recovery["kind"] == "unprotected_step_kept"
+    assert ws.history()[0]["unprotected"] and ws.history()[0]["outcome"] == "recovered"
+    assert world.snapshot() == at_crash
+    with pytest.raises(StepUnprotected):
+        ws.rollback(1)
+
+
+def test_rollback_is_refused_while_a_command_runs(world):
+    from sandbox import StepError
+
+    ws = _open(world)
+    _seed(ws)
+    sid = ws.begin_step("long running")
+    ws.fs.write_file("a", b"mid-command")
+    with pytest.raises(StepError, match="still running"):
+        ws.rollback(1)
+    with pytest.raises(RuntimeError):
+        ws.begin_step("another")  # one command at a time
+    ws.complete_step(sid, 0)
+    ws.rollback(1)  # draining steps close first; then it is the newest step
+    assert world.work.read_all("a") == b"content of a"
+
+
+def test_change_through_a_hard_link_made_by_the_sandbox_is_not_external(world):
+    ws = _open(world)
+    _seed(ws, files=("a",))
+    before = world.snapshot()
+    with ws.step("link"):
+        ws.fs.write_file("a", b"step one")
+        ws.fs.link("a", "b")
+    with ws.step("write through the link"):
+        ws.fs.write("b", 0, b"STEP TWO")
+    ws.rollback(2)
+    oracle.assert_same(before, world.snapshot())
+
+
+@pytest.mark.parametrize("call, code", [
+    (lambda fs: fs.unlink(""), errno.EBUSY), (lambda fs: fs.rename("", "x"), errno.EBUSY),
+    (lambda fs: fs.write("a", -1, b"x"), errno.EINVAL), (lambda fs: fs.truncate("a", -1), errno.EINVAL),
+    (lambda fs: fs.setxattr("a", "", b"x"), errno.EINVAL), (lambda fs: fs.write_file("d", b"x"), errno.EISDIR),
+    (lambda fs: fs.makedirs("a/sub"), errno.ENOTDIR),
+])
+def test_intercepted_fs_argument_errors(world, call, code):
+    ws = _open(world)
+    _seed(ws, files=("a", "d/x"))
+    before = world.snapshot()
+    with pytest.raises(OSError) as e:
+        call(ws.fs)
+    assert e.value.errno == code
+    assert world.snapshot() == before
+
+
+def test_reads_through_intercepted_fs_never_journal(world):
+    ws = _open(world)
+    _seed(ws, files=("a",))
+    with world.paused():
+        world.work.symlink("a", "ln")
+    assert ws.fs.read("a", 0, 7) == b"content" and ws.fs.readlink("ln") == "a" and ws.fs.xattrs("a") == {}
+    assert ws.fs.listdir() and ws.fs.exists("a") and ws.fs.lstat("a").size == 12
+    assert ws.interceptor.current_step() is None
+
+
+def test_tracker_and_step_api_validation(world):
+    from sandbox.core.steps import StepTracker
+
+    with pytest.raises(ValueError):
+        StepTracker(ambient_idle_s=0)
+    t = StepTracker(lambda: 0.0)
+    with pytest.raises(ValueError):
+        t.begin(1, "weird", "")
+    t.begin(1, "command", "x")
+    with pytest.raises(RuntimeError):
+        t.begin(2, "command", "y")
+    with pytest.raises(KeyError):
+        t.complete(2, 0)
+    ws = _open(world)
+    with pytest.raises(ValueError):
+        with ws.step("x", type="ambient"):
+            pass
+    with pytest.raises(ValueError):
+        ws.rollback(0)
