@@ -808,3 +808,26 @@ def test_tracker_and_step_api_validation(world):
             pass
     with pytest.raises(ValueError):
         ws.rollback(0)
+
+
+def test_forced_rollback_clears_foreign_objects_in_its_way(world):
+    """Found by the barrier model: a user's file where the step moved a directory away, and
+    a directory the user deleted under a file the step changed. force completes exactly."""
+    ws = _open(world)
+    _seed(ws, files=("d1/a", "d2/b"))
+    before = world.snapshot()
+    with ws.step("mv d1 d3; edit d2/b"):
+        ws.fs.rename("d1", "d3")
+        ws.fs.write_file("d2/b", b"edited")
+    with world.paused():
+        world.work.create("d1", 0o644)  # the user's new file at the old name
+        world.work.unlink("d2/b")
+        world.work.rmdir("d2")  # and the user removed d2
+    with pytest.raises(ExternalChange):
+        ws.rollback(1)
+    ws.rollback(1, force=True)
+    assert world.work.read_all("d1/a") == b"content of d1/a"
+    assert world.work.read_all("d2/b") == b"content of d2/b"
+    assert ws.history()[0]["command"] == "seed" and not world.store.exists("wal/rollback")
+    snap = world.snapshot()
+    assert {p: v for p, v in snap.items() if p != "d2"} == {p: v for p, v in before.items() if p != "d2"}

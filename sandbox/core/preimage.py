@@ -27,7 +27,7 @@ import base64
 import errno
 import hashlib
 
-from ..hostfs import DIR, LNK, REG, HostFS, Stat, is_within, join
+from ..hostfs import DIR, LNK, REG, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
 
@@ -68,7 +68,7 @@ def _apply_meta(fs: HostFS, path: str, rec: dict) -> None:
 def _lstat(fs: HostFS, path: str) -> Stat | None:
     try:
         return fs.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -97,6 +97,29 @@ def _clear(fs: HostFS, path: str, st: Stat, force: bool) -> None:
         fs.unlink(path)
 
 
+def _make_room(fs: HostFS, path: str) -> None:
+    """Forced undo only: whatever someone else put at ``path`` goes, and its parent exists."""
+    _ensure_parent(fs, path)
+    if _lstat(fs, path) is not None:
+        remove_tree(fs, path)
+
+
+def _ensure_parent(fs: HostFS, path: str) -> None:
+    """Forced undo only: the parent chain of ``path`` exists as directories (foreign files in
+    the way are removed; recreated directories get their metadata in pass 2 if the step
+    recorded it)."""
+    parent = parent_of(path)
+    if not parent:
+        return
+    st = _lstat(fs, parent)
+    if st is not None and st.kind == DIR:
+        return
+    _ensure_parent(fs, parent)
+    if st is not None:
+        remove_tree(fs, parent)
+    fs.mkdir(parent, 0o700)
+
+
 def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True) -> None:
     """Apply the undo of one record to the working filesystem.
 
@@ -115,9 +138,13 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
         return
     if op == "renamed":
         if _lstat(fs, rec["dst"]) is not None:
+            if force:
+                _make_room(fs, rec["src"])
             fs.rename(rec["dst"], rec["src"])
         return
     path = rec["path"]
+    if force:
+        _ensure_parent(fs, path)
     st = _lstat(fs, path)
     kind = rec["kind"]
     if op == "meta":

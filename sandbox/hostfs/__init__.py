@@ -153,7 +153,7 @@ class HostFS(ABC):
     def exists(self, path: str) -> bool:
         try:
             self.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # like os.path.exists: a file as a parent means "no"
             return False
         return True
 
