@@ -23,14 +23,14 @@ from sandbox.core.store import Limits
 from .driver import Driver
 from .world import World
 
-FAULTS = ("crash", "enospc", "eio", "torn")
+FAULTS = ("crash", "enospc", "eio", "torn", "power")
 
 
 def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
     """Everything a campaign does, drawn from the seed up front (so it can be replayed)."""
     rng = random.Random(seed)
     tight = rng.random() < 0.3
-    config = {"seed": rng.randrange(2**32), "max_step_count": rng.randint(2, 8), "tight": tight}
+    config = {"seed": rng.randrange(2**32), "max_step_count": rng.randint(2, 8), "tight": tight, "durable": "power" in faults}
     actions: list[tuple] = []
     for _ in range(steps):
         r = rng.random()
@@ -39,6 +39,8 @@ def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
         if r < 0.45:
             if fault == "crash":
                 actions.append(("crash_in_step", s, c, rng.randint(0, 400)))
+            elif fault == "power":
+                actions.append(("power_loss_in_step", s, c, rng.randint(0, 600), rng.random() < 0.5))
             elif fault == "torn":
                 actions.append(("torn_write_in_step", s, c, rng.randint(0, 300)))
             elif fault in ("enospc", "eio"):
@@ -51,6 +53,8 @@ def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
             n = rng.randint(1, 3)
             if fault == "crash":
                 actions.append(("crash_in_rollback", n, rng.randint(0, 200)))
+            elif fault == "power":
+                actions.append(("power_loss_in_rollback", n, rng.randint(0, 300)))
             elif fault in ("enospc", "eio"):
                 actions.append(("store_error_in_rollback", n, rng.randint(0, 40), errno.ENOSPC if fault == "enospc" else errno.EIO))
             else:
@@ -72,11 +76,11 @@ def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver |
     """Run actions; returns (driver, index of the failing action or -1, error)."""
     world = World("sim")
     try:
-        d = Driver(world, config["seed"], _limits(config))
+        d = Driver(world, config["seed"], _limits(config), durable=config.get("durable", False))
     except BaseException as e:  # noqa: BLE001 - a campaign reports every failure
         return None, 0, e
     for i, action in enumerate(actions):
-        if d.history_len() == 0 and action[0] in ("rollback", "crash_in_rollback", "store_error_in_rollback"):
+        if d.history_len() == 0 and action[0] in ("rollback", "crash_in_rollback", "store_error_in_rollback", "power_loss_in_rollback"):
             action = ("rollback_too_far",)
         try:
             d.run(action)
@@ -123,7 +127,7 @@ def cmd_run(args) -> int:
         return 2
     config, actions = plan(args.seed, args.steps, faults)
     print(f"campaign seed={args.seed} steps={args.steps} faults={','.join(sorted(faults)) or 'none'} "
-          f"limits: max_step_count={config['max_step_count']} tight={config['tight']}", flush=True)
+          f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}", flush=True)
     t0 = time.perf_counter()
     every = max(1, args.steps // 10)
 

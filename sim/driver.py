@@ -23,11 +23,15 @@ NOW_NS = 1_700_000_000_000_000_000
 
 
 class Driver:
-    def __init__(self, world: World, seed: int, limits: Limits):
+    def __init__(self, world: World, seed: int, limits: Limits, durable: bool = False):
+        """``durable``: power-loss mode; the power_loss_* actions need it (and a simulated disk)."""
         self.world = world
         self.limits = limits
+        self.durable = durable
         with world.paused():
             seed_tree(world.work, random.Random(seed))
+            if durable:
+                world.work.sync_all()
         self.checker = Checker(world)
         self.ops_done = 0
         self.faults_injected = 0
@@ -42,7 +46,7 @@ class Driver:
     # ------------------------------------------------------------------ helpers
 
     def _open(self) -> None:
-        self.ws = self.world.open(limits=self.limits)
+        self.ws = self.world.open(limits=self.limits, durable=self.durable)
         self.client = SimClient(self.ws.fs)
 
     def _ops(self, seed: int, count: int) -> list[str]:
@@ -62,10 +66,12 @@ class Driver:
             self.faults_injected += len(self.world.injector.injected)
         self.world.injector = FaultInjector()
 
-    def _crash_and_reopen(self, rolled_back=()) -> None:
+    def _crash_and_reopen(self, rolled_back=(), power: bool = False, writeback: bool = False) -> None:
         tree = self.world.snapshot()  # the process is dead: nothing changes after this
         self.faults_injected += len(self.world.injector.injected)
-        self.world.crash(self.ws)
+        if power and writeback:
+            self.world.work.sync_all()  # the kernel had written the working tree back
+        self.world.crash(self.ws, power_loss=power)
         self._open()
         self.recoveries += 1
         self.checker.sync(self.ws, tree=tree, rolled_back=rolled_back)
@@ -119,6 +125,34 @@ class Driver:
 
     def crash_in_step(self, seed: int, count: int, k: int) -> None:
         self._faulty_step(FaultInjector(crash_at=k), seed, count)
+
+    def power_loss_in_step(self, seed: int, count: int, k: int, writeback: bool) -> None:
+        """The machine dies at host call k: only fsynced data survives (durable mode)."""
+        assert self.durable, "power-loss actions need a durable driver"
+        self._arm(FaultInjector(crash_at=k))
+        try:
+            with self.ws.step(f"power {seed}"):
+                self._ops(seed, count)
+        except SimulatedCrash:
+            self._crash_and_reopen(power=True, writeback=writeback)
+            return
+        self._disarm()
+        self.checker.sync(self.ws)
+
+    def power_loss_in_rollback(self, n: int, k: int) -> None:
+        assert self.durable, "power-loss actions need a durable driver"
+        n = max(1, min(n, self.history_len()))
+        top = self._top_seqs(n)
+        self._arm(FaultInjector(crash_at=k))
+        try:
+            self.ws.rollback(n)
+        except SimulatedCrash:
+            self._crash_and_reopen(rolled_back=top, power=True)
+            return
+        except (StepUnprotected, NothingToUndo):
+            pass
+        self._disarm()
+        self.checker.sync(self.ws, rolled_back=top)
 
     def torn_write_in_step(self, seed: int, count: int, k: int) -> None:
         self._faulty_step(FaultInjector(torn_at=k, seed=seed), seed, count)

@@ -105,14 +105,22 @@ class World:
             kwargs.setdefault("clock_ns", self.clock_ns)
         return Workspace.open_on(self._work_view, self._store_view, **kwargs)
 
-    def crash(self, ws: Workspace | None) -> None:
-        """Process death: drop locks, forget the workspace, start the next process fault-free."""
+    def crash(self, ws: Workspace | None, power_loss: bool = False) -> None:
+        """Process death: drop locks, forget the workspace, start the next process fault-free.
+
+        ``power_loss`` (simulated disk only): the machine died too — everything not fsynced
+        is lost (``SimHostFS.power_loss``)."""
         if ws is not None and ws.log._lock is not None:
             ws.log._lock.release()
             ws.log._lock = None
         if self.kind == "sim":
             self.work.crash()
             self.store.crash()
+            if power_loss:
+                self.work.power_loss()
+                self.store.power_loss()
+        elif power_loss:
+            raise ValueError("power loss can only be simulated on the simulated disk")
         self.injector.disarm()
 
     @contextlib.contextmanager

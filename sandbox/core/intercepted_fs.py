@@ -44,7 +44,7 @@ class InterceptedFS:
 
     # ------------------------------------------------------------------ machinery
 
-    def _run(self, hook: Callable[[], None], call: Callable[[], object]):
+    def _run(self, hook: Callable[[], None], call: Callable[[], object], sync: tuple[str, ...] = ()):
         i = self.interceptor
         with i.lock:
             while True:
@@ -59,10 +59,13 @@ class InterceptedFS:
                     if action != "allow":
                         raise SafeguardDenied(f"{held.hold.message} Denied: step {held.hold.step_id} was rolled back.") from None
             try:
-                return call()
+                result = call()
             except Exception:
                 i.op_failed()
                 raise
+            if sync:
+                i.log.sync_work(self.host, *sync)  # power-loss mode: each mutation durable before the next
+            return result
 
     # ------------------------------------------------------------------ reads (no hooks)
 
@@ -92,82 +95,82 @@ class InterceptedFS:
     def create(self, path: str, mode: int = 0o644) -> None:
         p = _entry(path, "create")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.create(p, mode))
+        self._run(lambda: i.pre_create(p), lambda: self.host.create(p, mode), sync=(p,))
         i.post_create(p)
 
     def open_trunc(self, path: str) -> None:
         p = _entry(path, "truncate")
-        self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0))
+        self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0), sync=(p,))
 
     def write(self, path: str, offset: int, data: bytes) -> int:
         p = _entry(path, "write")
         if offset < 0:
             raise OSError(errno.EINVAL, "negative offset", path)
-        self._run(lambda: self.interceptor.pre_write(p), lambda: self.host.write_all(p, offset, bytes(data)))
+        self._run(lambda: self.interceptor.pre_write(p), lambda: self.host.write_all(p, offset, bytes(data)), sync=(p,))
         return len(data)
 
     def truncate(self, path: str, size: int) -> None:
         p = _entry(path, "truncate")
         if size < 0:
             raise OSError(errno.EINVAL, "negative size", path)
-        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: self.host.truncate(p, size))
+        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: self.host.truncate(p, size), sync=(p,))
 
     def unlink(self, path: str) -> None:
         p = _entry(path, "unlink")
-        self._run(lambda: self.interceptor.pre_unlink(p, False), lambda: self.host.unlink(p))
+        self._run(lambda: self.interceptor.pre_unlink(p, False), lambda: self.host.unlink(p), sync=(p,))
 
     def rmdir(self, path: str) -> None:
         p = _entry(path, "remove")
-        self._run(lambda: self.interceptor.pre_unlink(p, True), lambda: self.host.rmdir(p))
+        self._run(lambda: self.interceptor.pre_unlink(p, True), lambda: self.host.rmdir(p), sync=(p,))
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         p = _entry(path, "create")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.mkdir(p, mode))
+        self._run(lambda: i.pre_create(p), lambda: self.host.mkdir(p, mode), sync=(p,))
         i.post_mkdir(p)
 
     def rename(self, src: str, dst: str) -> None:
         s, d = _entry(src, "rename"), _entry(dst, "replace")
-        self._run(lambda: self.interceptor.pre_rename(s, d), lambda: self.host.rename(s, d))
+        self._run(lambda: self.interceptor.pre_rename(s, d), lambda: self.host.rename(s, d), sync=(s, d))
 
     def symlink(self, target: str, path: str) -> None:
         p = _entry(path, "create")
         if not isinstance(target, str) or not target or "\0" in target or len(target.encode("utf-8", "surrogateescape")) > PATH_LEN_MAX:
             raise PathError(errno.EINVAL, f"invalid symlink target {target!r}")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.symlink(target, p))
+        self._run(lambda: i.pre_create(p), lambda: self.host.symlink(target, p), sync=(p,))
         i.post_symlink(target, p)
 
     def link(self, existing: str, new: str) -> None:
         e, n = _entry(existing, "link"), _entry(new, "create")
-        self._run(lambda: self.interceptor.pre_link(e, n), lambda: self.host.link(e, n))
+        self._run(lambda: self.interceptor.pre_link(e, n), lambda: self.host.link(e, n), sync=(e, n))
 
     def chmod(self, path: str, mode: int) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.chmod(p, mode))
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.chmod(p, mode), sync=(p,))
 
     def utime(self, path: str, mtime_ns: int) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns))
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns), sync=(p,))
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
         p = normalize(path)
         if not name or "\0" in name or len(name) > NAME_LEN_MAX:
             raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)
-        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.setxattr(p, name, bytes(value)))
+        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.setxattr(p, name, bytes(value)), sync=(p,))
 
     def removexattr(self, path: str, name: str) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.removexattr(p, name))
+        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.removexattr(p, name), sync=(p,))
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
         p = _entry(path, "fallocate")
-        self._run(lambda: self.interceptor.pre_fallocate(p), lambda: self.host.fallocate(p, offset, length, mode))
+        self._run(lambda: self.interceptor.pre_fallocate(p), lambda: self.host.fallocate(p, offset, length, mode), sync=(p,))
 
     def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
         s, d = normalize(src), _entry(dst, "write")
         return self._run(lambda: self.interceptor.pre_copy_file_range(d),
-                         lambda: self.host.copy_file_range(s, d, src_offset, dst_offset, length))
+                         lambda: self.host.copy_file_range(s, d, src_offset, dst_offset, length), sync=(d,))
 
     # ------------------------------------------------------------------ conveniences
 

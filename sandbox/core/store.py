@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import zstandard
 
-from ..hostfs import DIR, REG, HostFS, Stat, is_within, join
+from ..hostfs import DIR, REG, HostFS, Stat, is_within, join, parent_of
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
@@ -145,9 +145,12 @@ class UndoLog:
     """The undo store of one working folder. Not thread-safe: the interceptor serialises."""
 
     def __init__(self, store: HostFS, limits: Limits | None = None, clock_ns: Callable[[], int] | None = None,
-                 emit: Callable[[dict], None] | None = None):
+                 emit: Callable[[dict], None] | None = None, durable: bool = False):
+        """``durable``: power-loss mode — fsync in WAL order (see :meth:`_sync`). Off by
+        default: the target is an agent crash, which the page cache survives."""
         import time
 
+        self.durable = durable
         self.fs = store
         self.limits = limits or Limits()
         self.clock_ns = clock_ns or time.time_ns
@@ -209,9 +212,27 @@ class UndoLog:
         for d in ("wal", "steps", "barriers", "trash"):
             if not self.fs.exists(d):
                 self.fs.mkdir(d, 0o700)
+        self._sync("")
         if workdir_label:
             self._write_file("WORKDIR", (workdir_label + "\n").encode("utf-8", "surrogateescape"))
         self._write_file("VERSION", f"{FORMAT_VERSION}\n".encode())
+
+    def _sync(self, *paths: str) -> None:
+        """Power-loss mode: make these store paths durable (a directory: its entries)."""
+        if self.durable:
+            for p in paths:
+                self.fs.fsync(p)
+
+    def sync_work(self, work: HostFS, *paths: str) -> None:
+        """Power-loss mode: make these working paths and their directory entries durable."""
+        if not self.durable:
+            return
+        for p in paths:
+            for q in ((p, parent_of(p)) if p else (p,)):
+                try:
+                    work.fsync(q)
+                except (FileNotFoundError, NotADirectoryError):
+                    pass
 
     def _write_file(self, path: str, data: bytes) -> None:
         """Replace ``path`` atomically: write a temp file, then rename over."""
@@ -220,7 +241,9 @@ class UndoLog:
             self.fs.unlink(tmp)
         self.fs.create(tmp, 0o600)
         self.fs.write_all(tmp, 0, data)
+        self._sync(tmp)
         self.fs.rename(tmp, path)
+        self._sync(parent_of(path))
 
     def discard(self, workdir_label: str = "") -> None:
         """Delete all undo history (after a version mismatch, on the user's word)."""
@@ -306,30 +329,38 @@ class UndoLog:
         header = {"seq": seq, "id": step_id, "type": step_type, "command": command, "started_ns": now}
         self.fs.create(join(WAL, "journal.jsonl"), 0o600)
         self._append_line(step, header)
+        self._sync(WAL, "wal")
         self.open_step = step
         return step
 
-    def _append_line(self, step: OpenStep, obj: dict) -> None:
+    def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None) -> None:
+        """Append one journal line. Once the write has succeeded the line exists, so memory
+        is updated (``written``) *before* the fsync: if the fsync fails the caller's operation
+        fails, but memory and file still agree (record indices and offsets never drift)."""
         line = _dumps(obj)
         self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
         step.journal_offset += len(line)
+        if written is not None:
+            written()
+        self._sync(join(WAL, "journal.jsonl"))
 
     def append(self, rec: dict) -> int:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
         step = self.open_step
         assert step is not None
-        self._append_line(step, rec)
-        step.records.append(rec)
+        self._append_line(step, rec, lambda: step.records.append(rec))
         return len(step.records) - 1
 
     def void(self, indices: list[int]) -> None:
         """Cancel records whose host call failed (rule 2)."""
         step = self.open_step
         assert step is not None
-        if indices:
-            self._append_line(step, {"op": "void", "n": indices})
+        def written() -> None:
             for i in indices:
                 step.records[i] = {"op": "void"}
+
+        if indices:
+            self._append_line(step, {"op": "void", "n": indices}, written)
 
     def capture_content(self, work: HostFS, path: str, st: Stat, index: int) -> dict:
         """Store the bytes of regular file ``path``; returns the record fields describing them."""
@@ -341,6 +372,7 @@ class UndoLog:
         if st.size >= REFLINK_MIN_BYTES and self._reflink_ok is not False:
             try:
                 work.clone_to(path, self.fs, blob)
+                self._sync(blob, WAL)
                 self._reflink_ok = True
                 return {"enc": "raw", "blob": name, "size": st.size, "stored": st.size}
             except OSError as e:
@@ -373,6 +405,7 @@ class UndoLog:
         if not in_blob:
             self.fs.create(blob, 0o600)
         self.fs.write_all(blob, stored, bytes(pending))
+        self._sync(blob, WAL)
         stored += len(pending)
         return {"enc": "zstd", "blob": name, "size": size, "stored": stored}
 
@@ -381,8 +414,7 @@ class UndoLog:
         assert step is not None
         if step.unprotected:
             return
-        self._append_line(step, {"op": "unprotected"})
-        step.unprotected = True
+        self._append_line(step, {"op": "unprotected"}, lambda: setattr(step, "unprotected", True))
         for name in self.fs.listdir(WAL):
             if name.startswith("b"):
                 self.fs.unlink(join(WAL, name))
@@ -397,16 +429,20 @@ class UndoLog:
         info = StepInfo(seq=step.seq, id=step.id, type=step.type, command=step.command, started_ns=step.started_ns,
                         ended_ns=self.clock_ns(), exit_code=exit_code, outcome=step.outcome if step.outcome != "completed" else outcome, unprotected=step.unprotected,
                         size_bytes=0 if step.unprotected else step.size_bytes)
+        self.sync_work(work, *self.final_paths(live))  # power-loss mode: the step's effects, then its promotion
         info.paths, info.fingerprints = self._fingerprints(work, live)
         man = {"id": info.id, "type": info.type, "command": info.command, "started_ns": info.started_ns,
                "ended_ns": info.ended_ns, "exit_code": exit_code, "outcome": outcome, "unprotected": info.unprotected,
                "size_bytes": info.size_bytes, "paths": info.paths, "fingerprints": info.fingerprints,
                "format": FORMAT_VERSION}
         self._write_file(join(WAL, "manifest.json"), json.dumps(man, ensure_ascii=True).encode("ascii"))
-        self.fs.rename(WAL, info.dirname)
+        self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
         self._steps.append(info)
-        self.enforce_limits(best_effort=True)
+        try:
+            self._sync("steps", "wal")
+        finally:
+            self.enforce_limits(best_effort=True)
         return info
 
     @staticmethod
@@ -485,6 +521,7 @@ class UndoLog:
         name = f"barriers/{b.id:010d}.json"
         if self.fs.exists(name):
             self.fs.unlink(name)
+            self._sync("barriers")
         self._barriers.remove(b)
 
     def records_of(self, info: StepInfo, where: str | None = None) -> list[dict]:
@@ -513,6 +550,7 @@ class UndoLog:
         records = self.records_of(info)  # the caller has verified content and fingerprints
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
+        self._sync("steps", "wal")
         n = self._undo_resumable(work, ROLLBACK, records, force=force)
         self._to_trash(ROLLBACK, f"rb-{info.seq}")
         self._drop_barriers_from(info.seq)
@@ -581,6 +619,7 @@ class UndoLog:
             done = self.fs.lstat(join(where, "progress")).size
         except FileNotFoundError:
             self.fs.create(join(where, "progress"), 0o600)
+            self._sync(where)
             done = 0
         done = min(done, len(records))
         return self._undo_records(work, where, records, start=done, force=force, progress=done)
@@ -592,11 +631,15 @@ class UndoLog:
         done = start
         for rec in reversed(records[: len(records) - start]):
             preimage.restore(work, rec, open_content, force=force, dir_meta=False)
+            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] == "renamed" else (rec["path"],)))
             done += 1
             if progress is not None:
                 self.fs.write_all(join(where, "progress"), done - 1, b".")
-        for rec in preimage.dir_meta_plan(records):
+                self._sync(join(where, "progress"))
+        plan = preimage.dir_meta_plan(records)
+        for rec in plan:
             preimage.apply_dir_meta(work, rec)
+        self.sync_work(work, *(rec["path"] for rec in plan))
         return done - start
 
     def _to_trash(self, path: str, name: str) -> None:
@@ -606,6 +649,7 @@ class UndoLog:
         if self.fs.exists(dst):
             preimage.remove_tree(self.fs, dst)
         self.fs.rename(path, dst)
+        self._sync(parent_of(path), "trash")
         try:
             preimage.remove_tree(self.fs, dst)
         except OSError as e:

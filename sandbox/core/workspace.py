@@ -54,14 +54,15 @@ class Workspace:
     def __init__(self, work: HostFS, store: HostFS, *, label: str = "", limits: Limits | None = None,
                  safeguard: SafeguardConfig | None = None, clock_s: Callable[[], float] | None = None,
                  clock_ns: Callable[[], int] | None = None, on_event: Callable[[dict], None] | None = None,
-                 decide: Decide | None = None, ambient_idle_s: float = 5.0, quiescence_s: float = 0.1):
+                 decide: Decide | None = None, ambient_idle_s: float = 5.0, quiescence_s: float = 0.1,
+                 durable: bool = False):
         """Prefer :meth:`open` (real folders) or :meth:`open_on` (any HostFS pair)."""
         self.events: collections.deque[dict] = collections.deque(maxlen=EVENTS_MAX)
         self._on_event = on_event
         self.work = work
         self.store = store
         self.label = label
-        self.log = UndoLog(store, limits, clock_ns=clock_ns, emit=self._emit)
+        self.log = UndoLog(store, limits, clock_ns=clock_ns, emit=self._emit, durable=durable)
         self.recovery = self.log.open(work, label)
         self.tracker = StepTracker(clock_s, ambient_idle_s=ambient_idle_s, quiescence_s=quiescence_s)
         self.interceptor = UndoInterceptor(work, self.log, self.tracker, Safeguard(safeguard, clock_s), emit=self._emit)

@@ -61,6 +61,11 @@ class _Inode:
     entries: dict[str, "_Inode"] = field(default_factory=dict)
     xattrs: dict[str, bytes] = field(default_factory=dict)
     nlink: int = 1
+    durable_meta: tuple | None = None  # metadata as of the last journal commit (see power_loss)
+    durable_data: bytes | None = None  # bytes as of this inode's last fsync
+
+    def meta(self) -> tuple:
+        return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink)
 
     def stat(self) -> Stat:
         size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
@@ -471,8 +476,56 @@ class SimHostFS(HostFS):
         return len(chunk)
 
     def fsync(self, path: str) -> None:
+        """This inode's bytes become durable, and so does all metadata so far (one journal)."""
         self._fault("fsync", path)
-        self._walk(path)
+        node = self._walk(path)
+        self._commit_metadata()
+        node.durable_data = bytes(node.data)
+
+    # -- power loss (simulation control, not part of HostFS) --
+    #
+    # The model is a journaling filesystem (ext4 data=ordered, xfs): metadata — directory
+    # entries, modes, times, xattrs, symlink targets — is journaled and committed in order,
+    # so a rename is atomic and any fsync commits every earlier metadata change; file *data*
+    # survives only its own file's fsync. Power loss keeps the last committed metadata, and
+    # per file the last fsynced bytes (none if never fsynced).
+
+    def _reachable(self) -> list[_Inode]:
+        seen: dict[int, _Inode] = {}
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            if node.ino not in seen:
+                seen[node.ino] = node
+                stack.extend(node.entries.values())
+        return list(seen.values())
+
+    def _commit_metadata(self) -> None:
+        for node in self._reachable():
+            node.durable_meta = node.meta()
+
+    def sync_all(self) -> None:
+        """Everything now on the disk is durable (a tree that has been there for a while)."""
+        for node in self._reachable():
+            node.durable_meta = node.meta()
+            node.durable_data = bytes(node.data)
+
+    def power_loss(self) -> None:
+        """The machine lost power: back to the last committed metadata and fsynced data."""
+        if self._root.durable_meta is None:
+            self._root.entries, self._root.xattrs = {}, {}
+        revert_stack, seen = [self._root], set()
+        while revert_stack:
+            node = revert_stack.pop()
+            if node.ino in seen:
+                continue
+            seen.add(node.ino)
+            if node.durable_meta is not None:
+                node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink = node.durable_meta
+                node.entries, node.xattrs = dict(entries), dict(xattrs)
+            node.data = bytearray(node.durable_data or b"")
+            revert_stack.extend(node.entries.values())
+        self._locks.clear()
 
     def lock(self, path: str) -> _SimLock:
         """Lock the regular file ``path`` (created 0600 if missing) and write the pid in it.
