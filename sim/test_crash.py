@@ -304,3 +304,35 @@ def test_deny_then_crash_is_consistent():
     w.crash(ws)
     ws2 = w.open()
     oracle.assert_same(pre, w.snapshot(), "reopened after deny")
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_a_rename_over_an_existing_file(kind, tmp_path):
+    """Campaign seed 30: a crash between a rename's intent and the rename itself, where the
+    source was never captured (untouched) and the destination exists: recovery must see the
+    rename never ran — not move the destination over the user's source file."""
+    def make(k_dir):
+        w = World(kind, str(k_dir) if kind == "real" else None)
+        with w.paused():
+            for name, data, mode in (("src", b"the user's source", 0o640), ("dst", b"destination", 0o644)):
+                w.work.create(name, mode)
+                w.work.write_all(name, 0, data)
+        return w
+
+    w = make(tmp_path / "count")
+    ws = w.open()
+    w.injector = FaultInjector()
+    with ws.step("mv src dst"):
+        ws.fs.rename("src", "dst")
+    total = w.injector.calls
+    for k in range(total):
+        w = make(tmp_path / str(k))
+        pre = w.snapshot()
+        ws = w.open()
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            with ws.step("mv src dst"):
+                ws.fs.rename("src", "dst")
+        w.crash(ws)
+        w.open().close()
+        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of `mv src dst`")

@@ -58,6 +58,9 @@ class InterceptedFS:
                     i.resolve_hold(held.hold.id, "allow" if action == "allow" else "deny")
                     if action != "allow":
                         raise SafeguardDenied(f"{held.hold.message} Denied: step {held.hold.step_id} was rolled back.") from None
+                except (SafeguardDenied, OSError):
+                    i.op_failed()  # e.g. the intent's fsync failed: the host call will not run
+                    raise
             try:
                 result = call()
             except Exception:

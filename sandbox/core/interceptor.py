@@ -57,7 +57,7 @@ class UndoInterceptor:
         self.lock = threading.RLock()
         self._marks: dict[str, int] = {}
         self._mark_undo: list[tuple[str, int | None]] | None = None
-        self._op_start = 0
+        self._op_mark: tuple[int, int] | None = None  # (step seq, first record index) of the operation in hand
 
     # ------------------------------------------------------------------ steps
 
@@ -140,11 +140,20 @@ class UndoInterceptor:
 
     # ------------------------------------------------------------------ entry
 
+    def _mark_op(self) -> None:
+        """Where this operation's records begin — set before anything can fail, so that
+        op_failed never voids an earlier operation's records."""
+        step = self.log.open_step
+        self._op_mark = (step.seq, len(step.records)) if step is not None else None
+        self._mark_undo = []
+
     def _enter(self, kind: str | None = None, path: str = "") -> bool:
         """Common start of every pre-hook. Returns True if captures are to be made."""
+        self._mark_op()
         self.poll()
         if self.tracker.active is None:
             self._open(self.log.allocate_id(ambient=True), AMBIENT, "")
+            self._mark_op()
         a = self.tracker.active
         if a.denied:
             raise SafeguardDenied(f"step {a.id} was denied by a safeguard and rolled back; further writes fail")
@@ -156,19 +165,20 @@ class UndoInterceptor:
         elif self.safeguard.pending is not None:
             raise HoldRequired(self.safeguard.pending)
         self.tracker.touch()
-        self._mark_undo = []
         step = self.log.open_step
         if step is None:
             return False
-        self._op_start = len(step.records)
+        if self._op_mark is None or self._op_mark[0] != step.seq:
+            self._mark_op()  # poll() closed the step this operation began in
         return not step.unprotected
 
     def op_failed(self) -> None:
         """The host call after the last pre-hook failed: void its intents, restore marks."""
         with self.lock:
             step = self.log.open_step
-            if step is not None and not step.unprotected:
-                void = [i for i in range(self._op_start, len(step.records)) if step.records[i].get("op") in ("created", "renamed")]
+            mark, self._op_mark = self._op_mark, None
+            if step is not None and not step.unprotected and mark is not None and mark[0] == step.seq:
+                void = [i for i in range(mark[1], len(step.records)) if step.records[i].get("op") in ("created", "renamed")]
                 self.log.void(void)
             for path, old in reversed(self._mark_undo or []):
                 if old is None:

@@ -120,15 +120,18 @@ def _ensure_parent(fs: HostFS, path: str) -> None:
     fs.mkdir(parent, 0o700)
 
 
-def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True) -> None:
+def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True, user_forced: bool = False) -> None:
     """Apply the undo of one record to the working filesystem.
 
     With ``dir_meta=False`` a directory's ``pre`` only makes sure the directory exists;
     its metadata is left to the second pass (:func:`dir_meta_plan`).
 
     ``open_content(rec)`` yields the preimage bytes of a ``pre`` record of a regular file
-    in chunks. ``force`` lets a rollback remove foreign content that is in the way
+    in chunks. ``force`` lets the undo remove foreign content that is in the way
     (otherwise a non-empty directory where a file must go raises ``ENOTEMPTY``).
+    ``user_forced``: the user asked to overwrite external changes — only then is an object
+    at a rename's source taken for foreign and removed; otherwise it proves the rename
+    never ran (a crash between its intent and the host call) and the record is skipped.
     """
     op = rec["op"]
     if op == "created":
@@ -137,9 +140,14 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             _clear(fs, rec["path"], st, force)
         return
     if op == "renamed":
+        # Every later record is undone by now, so if the rename happened ``src`` is empty.
+        # Something at ``src`` means it never ran (a stale intent) — unless forced, when it
+        # is someone else's object in the way.
         if _lstat(fs, rec["dst"]) is not None:
-            if force:
+            if user_forced:
                 _make_room(fs, rec["src"])
+            elif _lstat(fs, rec["src"]) is not None:
+                return
             fs.rename(rec["dst"], rec["src"])
         return
     path = rec["path"]

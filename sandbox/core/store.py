@@ -551,7 +551,7 @@ class UndoLog:
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
         self._sync("steps", "wal")
-        n = self._undo_resumable(work, ROLLBACK, records, force=force)
+        n = self._undo_resumable(work, ROLLBACK, records, user_forced=force)
         self._to_trash(ROLLBACK, f"rb-{info.seq}")
         self._drop_barriers_from(info.seq)
         return n
@@ -606,7 +606,7 @@ class UndoLog:
                 raise CorruptStep(f"{where}: preimage of {rec['path']!r} has {size} bytes, expected {rec['size']}")
         return gen
 
-    def _undo_resumable(self, work: HostFS, where: str, records: list[dict], force: bool = True) -> int:
+    def _undo_resumable(self, work: HostFS, where: str, records: list[dict], user_forced: bool = False) -> int:
         """Undo a journal directory's records, resuming after the ones already undone.
 
         ``<where>/progress`` grows by one byte per record undone, after the undo; so a crash,
@@ -622,15 +622,18 @@ class UndoLog:
             self._sync(where)
             done = 0
         done = min(done, len(records))
-        return self._undo_records(work, where, records, start=done, force=force, progress=done)
+        return self._undo_records(work, where, records, start=done, progress=done, user_forced=user_forced)
 
-    def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, force: bool, progress: int | None) -> int:
+    def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
+                      user_forced: bool = False) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
         Pass 2: directory metadata, deepest first (idempotent, so always redone whole)."""
         open_content = self._open_content(where)
         done = start
         for rec in reversed(records[: len(records) - start]):
-            preimage.restore(work, rec, open_content, force=force, dir_meta=False)
+            # a rollback that began always completes (force); only the user's force overrides
+            # the evidence that a rename never ran (see preimage.restore)
+            preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced)
             self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] == "renamed" else (rec["path"],)))
             done += 1
             if progress is not None:
@@ -648,9 +651,9 @@ class UndoLog:
         dst = join("trash", name)
         if self.fs.exists(dst):
             preimage.remove_tree(self.fs, dst)
-        self.fs.rename(path, dst)
-        self._sync(parent_of(path), "trash")
+        self.fs.rename(path, dst)  # the retirement: after this the caller's change has happened
         try:
+            self._sync(parent_of(path), "trash")
             preimage.remove_tree(self.fs, dst)
         except OSError as e:
             self._emit({"type": "event.warning", "message": f"could not delete {dst} from the undo store ({e}); retried on next open"})
@@ -701,8 +704,8 @@ class UndoLog:
             report = {"kind": "rollback_finished", **finished}
         if self.fs.exists(WAL):
             header, records, unprotected = self._read_wal(WAL)
-            if header is None:
-                self._to_trash(WAL, "wal-torn")  # crashed before its first record: nothing happened
+            if header is None or (not records and not unprotected):
+                self._to_trash(WAL, "wal-empty")  # died before its first record: nothing happened
             elif unprotected:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
