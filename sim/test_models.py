@@ -28,6 +28,7 @@ has_history = precondition(lambda self: self.d is not None and self.d.history_le
 
 class UndoModel(RuleBasedStateMachine):
     backend = "sim"
+    durable = False
 
     def __init__(self):
         super().__init__()
@@ -49,7 +50,7 @@ class UndoModel(RuleBasedStateMachine):
         # "tight" limits make unprotected steps and size-driven eviction common
         limits = Limits(max_step_count=max_steps, max_single_step_size_bytes=6000 if tight else 200 << 20,
                         max_log_size_bytes=40_000 if tight else 1 << 30)
-        self.d = Driver(self.world, seed, limits)
+        self.d = Driver(self.world, seed, limits, durable=self.durable)
 
     @rule(seed=seeds, count=st.integers(1, 6))
     def step(self, seed, count):
@@ -108,8 +109,26 @@ class RealUndoModel(UndoModel):
     backend = "real"
 
 
+class DurableUndoModel(UndoModel):
+    """Power-loss mode: the same rules, plus the machine dying at any host call."""
+
+    durable = True
+
+    @rule(seed=seeds, count=st.integers(1, 5), k=st.integers(0, 600), writeback=st.booleans())
+    def power_loss_in_step(self, seed, count, k, writeback):
+        self.d.power_loss_in_step(seed, count, k, writeback)
+
+    @has_history
+    @rule(n=st.integers(1, 3), k=st.integers(0, 300))
+    def power_loss_in_rollback(self, n, k):
+        self.d.power_loss_in_rollback(n, k)
+
+
 _health = [HealthCheck.too_slow, HealthCheck.filter_too_much]
 TestUndoModelSim = UndoModel.TestCase
 TestUndoModelSim.settings = settings(max_examples=scale(60, 600), stateful_step_count=scale(25, 40), deadline=None, suppress_health_check=_health)
+TestUndoModelDurable = DurableUndoModel.TestCase
+TestUndoModelDurable.settings = settings(max_examples=scale(40, 400), stateful_step_count=scale(25, 40), deadline=None,
+                                         suppress_health_check=_health)
 TestUndoModelReal = RealUndoModel.TestCase
 TestUndoModelReal.settings = settings(max_examples=scale(12, 120), stateful_step_count=scale(15, 30), deadline=None, suppress_health_check=_health)
