@@ -129,41 +129,23 @@ class Driver:
     def power_loss_in_step(self, seed: int, count: int, k: int, writeback: bool) -> None:
         """The machine dies at host call k: only fsynced data survives (durable mode)."""
         assert self.durable, "power-loss actions need a durable driver"
-        self._arm(FaultInjector(crash_at=k))
-        try:
-            with self.ws.step(f"power {seed}"):
-                self._ops(seed, count)
-        except SimulatedCrash:
-            self._crash_and_reopen(power=True, writeback=writeback)
-            return
-        self._disarm()
-        self.checker.sync(self.ws)
+        self._faulty_step(FaultInjector(crash_at=k), seed, count, power=True, writeback=writeback)
 
     def power_loss_in_rollback(self, n: int, k: int) -> None:
         assert self.durable, "power-loss actions need a durable driver"
-        n = max(1, min(n, self.history_len()))
-        top = self._top_seqs(n)
-        self._arm(FaultInjector(crash_at=k))
-        try:
-            self.ws.rollback(n)
-        except SimulatedCrash:
-            self._crash_and_reopen(rolled_back=top, power=True)
-            return
-        except (StepUnprotected, NothingToUndo):
-            pass
-        self._disarm()
-        self.checker.sync(self.ws, rolled_back=top)
+        self.crash_in_rollback(n, k, power=True)
 
     def torn_write_in_step(self, seed: int, count: int, k: int) -> None:
         self._faulty_step(FaultInjector(torn_at=k, seed=seed), seed, count)
 
-    def _faulty_step(self, injector: FaultInjector, seed: int, count: int) -> None:
+    def _faulty_step(self, injector: FaultInjector, seed: int, count: int, power: bool = False,
+                     writeback: bool = False) -> None:
         self._arm(injector)
         try:
             with self.ws.step(f"faulty {seed}"):
                 self._ops(seed, count)
         except SimulatedCrash:
-            self._crash_and_reopen()
+            self._crash_and_reopen(power=power, writeback=writeback)
             return
         self._disarm()
         self.checker.sync(self.ws)
@@ -181,14 +163,14 @@ class Driver:
         assert self.ws.tracker.active is None
         self.checker.sync(self.ws)
 
-    def crash_in_rollback(self, n: int, k: int) -> None:
+    def crash_in_rollback(self, n: int, k: int, power: bool = False) -> None:
         n = max(1, min(n, self.history_len()))
         top = self._top_seqs(n)
         self._arm(FaultInjector(crash_at=k))
         try:
             self.ws.rollback(n)
         except SimulatedCrash:
-            self._crash_and_reopen(rolled_back=top)
+            self._crash_and_reopen(rolled_back=top, power=power)
             return
         except (StepUnprotected, NothingToUndo):
             pass
