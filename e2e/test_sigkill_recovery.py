@@ -188,14 +188,15 @@ def _assert_recovered(lab, before, *, ops_done: int | None, step_begun: bool, wh
     ws = lab.reopen()
     try:
         rec = ws.recovery
-        if not step_begun:
-            assert rec is None, f"no step was open, yet recovery reports {rec}"
+        if not step_begun or ops_done == 0:
+            # no step, or a step killed before its first record: nothing happened, nothing to report
+            assert rec is None, f"nothing was journalled, yet recovery reports {rec}"
+        elif ops_done is None:  # killed at an unknown point: either is right, the tree decides
+            assert rec is None or rec["kind"] == "in_progress_rolled_back", f"unexpected recovery report {rec}"
         else:
             assert rec is not None and rec["kind"] == "in_progress_rolled_back", f"unexpected recovery report {rec}"
             if ops_done:
                 assert rec["paths_restored"] > 0, f"{ops_done} operation(s) ran, yet recovery restored no path: {rec}"
-            elif ops_done == 0:
-                assert rec["paths_restored"] == 0, f"no operation ran, yet recovery restored paths: {rec}"
         assert_same(before, lab.snap(), f"tree after SIGKILL + recovery {what}".rstrip())
         assert ws.history() == [], "the killed step must not enter history"
         assert not os.path.exists(os.path.join(lab.state, "wal", "in_progress")), "recovery left the WAL behind"
@@ -247,7 +248,9 @@ def test_sigkill_mid_step_recovers_exact_tree(lab, trial):
         c.expect("pause")
     c.sigkill()
     where = f"after exactly {n} of {nops} ops" if mode == "exact" else f"after reading {n} of {nops} progress lines"
-    _assert_recovered(lab, before, ops_done=n, step_begun=True, what=f"(seed {seed}, killed {where})")
+    # "free" kills land wherever the child has got to, which may be past the lines read
+    known = n if mode == "exact" or n > 0 else None
+    _assert_recovered(lab, before, ops_done=known, step_begun=True, what=f"(seed {seed}, killed {where})")
 
 
 @pytest.mark.timeout(60)

@@ -75,6 +75,9 @@ class StoreBusy(OSError):
         holder = f"pid {pid}" if pid else "another process"
         super().__init__(errno.EWOULDBLOCK, f"undo store {path} is in use by {holder}")
 
+    def __str__(self) -> str:
+        return self.strerror
+
 
 def normalize(path: str) -> str:
     """Return the canonical relative form of ``path`` or raise :class:`PathError`.

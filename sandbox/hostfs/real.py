@@ -380,7 +380,7 @@ class RealHostFS(HostFS):
             except ValueError:
                 pid = None
             os.close(fd)
-            raise StoreBusy(os.path.join(self.root, parent_of(path)), pid) from None
+            raise StoreBusy(os.path.join(self.root, parent_of(path)) if parent_of(path) else self.root, pid) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         return _FdLock(fd)
