@@ -831,3 +831,21 @@ def test_forced_rollback_clears_foreign_objects_in_its_way(world):
     assert ws.history()[0]["command"] == "seed" and not world.store.exists("wal/rollback")
     snap = world.snapshot()
     assert {p: v for p, v in snap.items() if p != "d2"} == {p: v for p, v in before.items() if p != "d2"}
+
+
+def test_directory_moved_away_then_its_name_reused_gets_its_own_metadata_back(world):
+    """Campaign seed 125: `mv d1 d2; mkdir d1; chmod 755 d2` — pass 2 must give the
+    original d1 (now back at d1) its metadata, not skip it because a new d1 was created."""
+    ws = _open(world)
+    with ws.step("setup"):
+        ws.fs.mkdir("d1", 0o700)
+        ws.fs.mkdir("d2", 0o750)
+        ws.fs.utime("d1", 1_111_000_000_000_000_000)
+    before = world.snapshot()
+    with ws.step("shuffle"):
+        ws.fs.rename("d1", "d2")
+        ws.fs.mkdir("d1", 0o755)
+        ws.fs.chmod("d2", 0o755)
+        ws.fs.write_file("d2/inside", b"x")
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())

@@ -195,30 +195,63 @@ def apply_dir_meta(fs: HostFS, rec: dict) -> None:
         _apply_meta(fs, rec["path"], rec)
 
 
+class _Origins:
+    """Which object is at a path, as the journal goes: the one that was at some path
+    before the step (its *origin*), or one the step created (``None``)."""
+
+    def __init__(self):
+        self._moves: dict[str, str | None] = {}  # path prefix now -> origin prefix (None: new)
+
+    def of(self, path: str) -> str | None:
+        best = None
+        for k in self._moves:
+            if is_within(path, k) and (best is None or len(k) > len(best)):
+                best = k
+        if best is None:
+            return path  # untouched by any create or rename: still where it always was
+        origin = self._moves[best]
+        return None if origin is None else origin + path[len(best):]
+
+    def created(self, path: str) -> None:
+        self._forget(path)
+        self._moves[path] = None
+
+    def renamed(self, src: str, dst: str) -> None:
+        moved = {k: v for k, v in self._moves.items() if is_within(k, src)}
+        src_origin = self.of(src)
+        self._forget(dst)  # whatever was at dst is replaced
+        for k in moved:
+            del self._moves[k]
+        self._moves[dst] = src_origin
+        for k, v in moved.items():
+            self._moves[dst + k[len(src):]] = v
+        self._moves[src] = None  # vacated: anything there later is new
+
+    def _forget(self, path: str) -> None:
+        for k in [k for k in self._moves if is_within(k, path)]:
+            del self._moves[k]
+
+
 def dir_meta_plan(records: list[dict]) -> list[dict]:
     """The directory metadata a rollback must restore, deepest first (pass 2).
 
-    For each path the tree will have after the rollback, the right metadata is the one
-    captured *first* for that path — mapped to where the directory will end up by
-    undoing the renames journalled before the capture — unless a ``created`` record
-    for that path came first (then the directory did not exist before the step).
+    Every directory that existed before the step gets the metadata captured *first* for
+    it, wherever it was at that moment, applied at the path it had before the step (where
+    pass 1 has put it back). Directories the step created get nothing: they are gone.
     """
-    first: dict[str, dict | None] = {}
-    renames: list[tuple[str, str]] = []
+    origins = _Origins()
+    first: dict[str, dict] = {}
     for r in records:
         op = r.get("op")
         if op == "renamed":
-            renames.append((r["src"], r["dst"]))
-            continue
-        if op not in ("pre", "created") or (op == "pre" and r.get("kind") != DIR):
-            continue
-        path = r["path"]
-        for src, dst in reversed(renames):
-            if is_within(path, dst):
-                path = src + path[len(dst):]
-        if path not in first:
-            first[path] = {**r, "path": path} if op == "pre" else None
-    plan = [rec for rec in first.values() if rec is not None]
+            origins.renamed(r["src"], r["dst"])
+        elif op == "created":
+            origins.created(r["path"])
+        elif op == "pre" and r.get("kind") == DIR:
+            origin = origins.of(r["path"])
+            if origin is not None and origin not in first:
+                first[origin] = {**r, "path": origin}
+    plan = list(first.values())
     plan.sort(key=lambda rec: -(rec["path"].count("/") + 1 if rec["path"] else 0))
     return plan
 
