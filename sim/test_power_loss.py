@@ -126,3 +126,57 @@ def test_power_loss_requires_the_simulated_disk(tmp_path):
     w = World("real", str(tmp_path))
     with pytest.raises(ValueError):
         w.crash(None, power_loss=True)
+
+
+def test_failed_fsync_then_power_loss_in_rollback():
+    """Campaign seed 208: a journal append whose fsync failed must still be durable when the
+    step is promoted — else a power loss mid-rollback finds fewer records than its progress
+    count says were undone, and leaves a file unrestored."""
+    import errno
+
+    def world_with_a(store_error_at):
+        w = World("sim")
+        with w.paused():
+            for name in ("a", "b"):
+                w.work.create(name, 0o644)
+                w.work.write_all(name, 0, f"original {name}".encode())
+            w.work.sync_all()
+        pre = w.snapshot()
+        ws = w.open(durable=True)
+        w.injector = FaultInjector(error_at=(store_error_at, errno.EIO))
+        try:
+            with ws.step("edit"):
+                for op in (lambda: ws.fs.write_file("a", b"changed a" * 50), lambda: ws.fs.chmod("b", 0o600)):
+                    try:
+                        op()
+                    except OSError:
+                        pass  # the operation failed: it did not happen
+        except OSError:  # opening or closing the step failed; closing is retried
+            w.injector = FaultInjector()
+            ws.interceptor.close_now()
+        w.injector = FaultInjector()
+        return w, ws, pre
+
+    w, ws, _ = world_with_a(10**6)
+    w.injector = FaultInjector()
+    ws.rollback(1)
+    calls = w.injector.calls
+    exercised = 0
+    for j in range(30):
+        for k in range(calls):
+            w, ws, pre = world_with_a(j)
+            hist = ws.history()
+            if not hist or hist[0]["command"] != "edit":
+                continue  # the error kept the step from opening: nothing to roll back
+            w.injector = FaultInjector(crash_at=k)
+            try:
+                ws.rollback(1)
+            except SimulatedCrash:
+                exercised += 1
+                w.crash(ws, power_loss=True)
+                ws = w.open(durable=True)
+                if [h["command"] for h in ws.history()] == ["edit"]:
+                    ws.rollback(1)  # the power went before the rollback began: do it now
+            w.injector = FaultInjector()
+            oracle.assert_same(pre, w.snapshot(), f"EIO at store mutation {j}, power loss at rollback call {k}")
+    assert exercised > 300  # EIO then power loss, over the whole grid

@@ -429,7 +429,10 @@ class UndoLog:
         info = StepInfo(seq=step.seq, id=step.id, type=step.type, command=step.command, started_ns=step.started_ns,
                         ended_ns=self.clock_ns(), exit_code=exit_code, outcome=step.outcome if step.outcome != "completed" else outcome, unprotected=step.unprotected,
                         size_bytes=0 if step.unprotected else step.size_bytes)
-        self.sync_work(work, *self.final_paths(live))  # power-loss mode: the step's effects, then its promotion
+        # power-loss mode: the journal (an append's fsync may have failed since), the step's
+        # effects, then its promotion
+        self._sync(join(WAL, "journal.jsonl"))
+        self.sync_work(work, *self.final_paths(live))
         info.paths, info.fingerprints = self._fingerprints(work, live)
         man = {"id": info.id, "type": info.type, "command": info.command, "started_ns": info.started_ns,
                "ended_ns": info.ended_ns, "exit_code": exit_code, "outcome": outcome, "unprotected": info.unprotected,
