@@ -74,6 +74,8 @@ class Driver:
         self.world.crash(self.ws, power_loss=power)
         self._open()
         self.recoveries += 1
+        if power and (self.ws.recovery or {}).get("kind") == "unprotected_step_kept":
+            tree = None  # an unprotected step promises nothing: after a power loss its post-state is what survived
         self.checker.sync(self.ws, tree=tree, rolled_back=rolled_back)
 
     def _top_seqs(self, n: int) -> tuple[int, ...]:
