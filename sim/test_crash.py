@@ -302,7 +302,7 @@ def test_deny_then_crash_is_consistent():
         _step(ws)
     oracle.assert_same(pre, w.snapshot(), "denied step")
     w.crash(ws)
-    ws2 = w.open()
+    w.open()
     oracle.assert_same(pre, w.snapshot(), "reopened after deny")
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import errno
 import threading
-import time
 from typing import Callable
 
 from ..hostfs import DIR, OTHER, REG, HostFS, Stat, parent_of

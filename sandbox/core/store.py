@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import zstandard
 
-from ..hostfs import DIR, REG, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import REG, HostFS, Stat, is_within, join, parent_of
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
@@ -41,7 +40,6 @@ FORMAT_VERSION = 1
 ZSTD_LEVEL = 3
 INLINE_MAX_BYTES = 4096  # compressed preimages up to this size live in the journal line
 REFLINK_MIN_BYTES = 64 * 1024
-EVENTS_MAX = 1000
 
 WAL = "wal/in_progress"
 ROLLBACK = "wal/rollback"

@@ -16,7 +16,6 @@ import collections
 import contextlib
 import hashlib
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
