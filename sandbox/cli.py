@@ -168,6 +168,69 @@ def cmd_demo(args) -> int:
             print(f"kept {base}")
 
 
+def cmd_serve_9p(args) -> int:
+    """Serve a folder over 9P2000.L until SIGTERM/SIGINT; intercepted unless --read-only."""
+    import asyncio
+    import logging
+    import signal
+
+    from .mounts import Provider
+    from .ninep.server import NinePServer, ServerConfig
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not os.path.isdir(args.root):
+        raise CliError(f"--root {args.root!r} does not exist or is not a directory", EXIT_USAGE)
+    if not args.socket and not args.tcp:
+        raise CliError("give --socket PATH (and/or --tcp [HOST:]PORT)", EXIT_USAGE)
+    tcp_host, tcp_port = "127.0.0.1", None
+    if args.tcp:
+        host, _, port = args.tcp.rpartition(":")
+        try:
+            tcp_host, tcp_port = host or tcp_host, int(port)
+        except ValueError:
+            raise CliError(f"--tcp wants [HOST:]PORT, not {args.tcp!r}", EXIT_USAGE) from None
+    config = ServerConfig(msize_max=args.msize_max)
+    ws = None
+    if args.read_only:
+        provider = Provider.read_only_dir(args.root)
+        what = "read-only"
+    else:
+        args.workdir = args.root
+        ws = _open(args, must_exist=False)
+        provider = Provider.intercepted(ws)
+        what = f"intercepted; undo store {_state_dir(args)}"
+
+    async def serve() -> None:
+        server = NinePServer(provider, config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            where = []
+            if args.socket:
+                await server.start_unix(args.socket)
+                where.append(f"unix:{args.socket}")
+            if tcp_port is not None:
+                port = await server.start_tcp(tcp_host, tcp_port)
+                where.append(f"tcp:{tcp_host}:{port}")
+            print(f"sandbox: serving {os.path.realpath(args.root)} over 9P2000.L ({what}) on {', '.join(where)}; "
+                  f"msize up to {config.msize_max}. SIGTERM or Ctrl-C stops.", file=sys.stderr, flush=True)
+            await stop.wait()
+        finally:
+            await server.close()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        provider.close()
+        if ws is not None:
+            ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
+    print("sandbox: server stopped", file=sys.stderr)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
@@ -179,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  sandbox history --workdir DIR [--json]\n"
                "  sandbox undo --workdir DIR [-n N] [--force]\n"
                "  sandbox discard --workdir DIR --yes\n"
+               "  sandbox serve-9p --root DIR --socket PATH [--read-only]\n"
                "  sandbox demo\n\n"
                "exit codes:\n"
                "  0  success\n"
@@ -234,6 +298,29 @@ def build_parser() -> argparse.ArgumentParser:
         [(0, "discarded"), no_history, (2, "bad usage (--yes missing, --workdir is not a directory)"), busy]))
     d.add_argument("--yes", action="store_true", help="confirm")
     d.set_defaults(fn=cmd_discard)
+    s9 = command(
+        "serve-9p", "serve a folder to 9P2000.L clients; every write lands in an undoable step",
+        "Serve the folder --root DIR over 9P2000.L on a unix socket (what QEMU's guestfwd connects\n"
+        "to) and/or TCP on loopback, until SIGTERM or Ctrl-C. Every mutation a client makes is\n"
+        "intercepted: it lands in ambient steps (closed after 5 s without writes) that\n"
+        "`sandbox history --workdir DIR` lists and `sandbox undo --workdir DIR -n N` undoes once the\n"
+        "server has stopped (the undo store is locked while it runs). --read-only serves without\n"
+        "interception and refuses every mutation (EROFS).\n\n"
+        "Linux client: mount -t 9p -o trans=unix,version=9p2000.L,msize=1048576 PATH /mnt\n"
+        "(or trans=tcp,port=PORT 127.0.0.1 /mnt with --tcp).",
+        [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken)"),
+         (2, "bad usage (--root is not a directory, no --socket/--tcp)"), mismatch,
+         (5, "the undo store is in use by another process (another server or an undo)")])
+    s9.add_argument("--root", required=True, metavar="DIR", help="the folder to serve")
+    s9.add_argument("--socket", metavar="PATH", help="unix socket to listen on (created 0600)")
+    s9.add_argument("--tcp", metavar="[HOST:]PORT", help="also listen on TCP (default host 127.0.0.1; port 0 = any)")
+    s9.add_argument("--read-only", action="store_true", help="refuse every mutation; no interception, no undo store")
+    s9.add_argument("--state-dir", metavar="DIR", help="where the undo store lives (default: under "
+                    "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
+    s9.add_argument("--msize-max", type=int, default=1 << 20, metavar="BYTES",
+                    help="largest message size granted to clients (default 1 MiB; at least 8192)")
+    s9.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s9.set_defaults(fn=cmd_serve_9p)
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, run a destructive step on it\n"

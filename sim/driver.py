@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import random
 
-from sandbox.core.errors import NothingToUndo, SafeguardDenied, StepUnprotected
+from sandbox.core.errors import NothingToUndo, StepUnprotected
 from sandbox.core.store import Limits
 
 from . import oracle
@@ -194,6 +194,10 @@ class Driver:
         self._disarm()
         self.checker.sync(self.ws, rolled_back=top)
 
+    def _set_decide(self, decide) -> None:
+        """Who answers a safeguard hold for the client's writes (the wire driver: the server)."""
+        self.ws.fs.decide = decide
+
     def guarded_rm_rf(self, files: int, threshold: int, allow: bool) -> None:
         """The crossing delete is held before it runs; deny restores the pre-step tree."""
         with self.ws.step("setup for rm -rf"):
@@ -210,15 +214,15 @@ class Driver:
             seen.append((hold.kind, hold.count, files - remaining))
             return "allow" if allow else "deny"
 
-        self.ws.fs.decide = decide
+        self._set_decide(decide)
         self.ws.configure_safeguard(delete_threshold=threshold)
         try:
             with self.ws.step("rm -rf victim"):
-                self.ws.fs.remove_tree("victim")
-        except SafeguardDenied:
-            assert not allow
+                self.client.fs.remove_tree("victim")
+        except OSError as e:  # SafeguardDenied is EIO; over the wire it arrives as Rlerror(EIO)
+            assert not allow and e.errno == errno.EIO, e
         finally:
-            self.ws.fs.decide = None
+            self._set_decide(None)
             self.ws.configure_safeguard(delete_threshold=None)
         if threshold <= files + 1:  # files + the directory itself
             assert seen, "the safeguard never fired"

@@ -69,3 +69,14 @@ def assert_same(expected: Snapshot, actual: Snapshot, what: str = "tree") -> Non
     d = diff(expected, actual)
     if d:
         raise AssertionError(f"{what} differs from the expected snapshot:\n  " + "\n  ".join(d))
+
+
+def snapshot_dir(root: str) -> Snapshot:
+    """Snapshot of a real directory (through a RealHostFS opened on it for the occasion)."""
+    from sandbox.hostfs.real import RealHostFS
+
+    fs = RealHostFS(root)
+    try:
+        return snapshot(fs)
+    finally:
+        fs.close()

@@ -8,7 +8,9 @@ a bug in RealHostFS's resolution rules.
 Real-case extras: symlinks that point *outside* the root (a sibling directory of the
 root inside ``tmp_path``, and ``/etc``) are created, and every test that goes through
 them checks afterwards that nothing outside the root was read, written, chmod'ed, …
-(contents, modes, mtimes, ctimes, xattrs and listings are compared).
+(contents, modes, mtimes, ctimes, xattrs and listings are compared). Open file handles
+are checked the same way, and also after the path they were opened by has been turned
+into a symlink to the outside: a handle is bound to its inode and never re-resolved.
 """
 
 from __future__ import annotations
@@ -32,8 +34,13 @@ from sandbox.hostfs import (
     OTHER,
     PATH_LEN_MAX,
     REG,
+    SYNTHETIC_STATFS,
+    Attr,
+    FileHandle,
     HostFS,
     PathError,
+    Stat,
+    StatFS,
     StoreBusy,
     is_within,
     join,
@@ -42,6 +49,7 @@ from sandbox.hostfs import (
 )
 from sandbox.hostfs.real import RealHostFS
 from sandbox.hostfs.sim import SimHostFS
+from sim.faults import FaultInjector, SimulatedCrash
 
 IS_ROOT = os.geteuid() == 0
 KEEP_SIZE = 0x01
@@ -67,14 +75,17 @@ class Env:
     def real(self) -> bool:
         return self.kind == "real"
 
-    def special(self, path: str, mode: int = 0o644) -> None:
-        """Put a fifo (real) or a simulated special file at ``path``."""
+    def special(self, path: str, mode: int = 0o644, fmt: int = stat.S_IFIFO) -> None:
+        """Put a fifo (or a socket, ``fmt=S_IFSOCK``) at ``path``: real, or simulated."""
         if self.real:
             full = os.path.join(self.root, path)
-            os.mkfifo(full)
+            if fmt == stat.S_IFIFO:
+                os.mkfifo(full)
+            else:
+                os.mknod(full, fmt | 0o600)  # fifos and sockets need no privilege
             os.chmod(full, mode)
         else:
-            self.fs.make_special(path, mode)
+            self.fs.make_special(path, mode, fmt)
 
     def tick(self) -> None:
         """Let the real clock move past the kernel's timestamp granularity."""
@@ -702,6 +713,12 @@ def _m_lock(fs, v):
     fs.lock(f"L/{OUTSIDE_CANARY}.lock").release()
 
 
+def _m_open_write(fs, v):
+    with fs.open(f"L/{v}", os.O_RDWR | os.O_APPEND) as h:
+        h.pwrite(b"pwned", 0)
+        h.truncate(1)
+
+
 MIDDLE_OPS = {
     "lstat": (True, lambda fs, v: fs.lstat(f"L/{v}")),
     "lstat_missing": (True, lambda fs, v: fs.lstat("L/no-such-entry")),
@@ -721,6 +738,11 @@ MIDDLE_OPS = {
     "link_src": (True, lambda fs, v: fs.link(f"L/{v}", "stolen")),
     "copy_src": (True, lambda fs, v: fs.copy_file_range(f"L/{v}", "mine", 0, 0, 100)),
     "lock": (True, _m_lock),
+    "getattr": (True, lambda fs, v: fs.getattr(f"L/{v}")),
+    "getattr_dir": (True, lambda fs, v: fs.getattr("L/sub")),
+    "open": (True, lambda fs, v: fs.open(f"L/{v}", os.O_RDONLY)),
+    "open_write": (False, _m_open_write),
+    "utime_atime": (False, lambda fs, v: fs.utime(f"L/{v}", 1, 2)),
     "write": (False, lambda fs, v: fs.write(f"L/{v}", 0, b"pwned")),
     "write_all": (False, lambda fs, v: fs.write_all(f"L/{v}", 0, b"pwned")),
     "truncate": (False, lambda fs, v: fs.truncate(f"L/{v}", 0)),
@@ -813,8 +835,11 @@ def test_symlink_as_final_component_is_never_followed(env, fs, where):
         check_errno(errno.EEXIST, fs.symlink, "x", link)
         check_errno(errno.EEXIST, fs.link, "mine", link)
         check_errno(errno.ENOTDIR, fs.rmdir, link)
+        check_errno(errno.ELOOP, fs.open, link, os.O_RDONLY)
         fs.fsync(link)
         assert fs.lstat(link).kind == LNK
+        a = fs.getattr(link)
+        assert (a.kind, a.fmt, a.size) == (LNK, stat.S_IFLNK, len(fs.readlink(link).encode()))
     check_errno(errno.ENOTDIR, fs.listdir, "L")  # not followed, and not a directory
     if LINK_TARGETS[where][2]:  # operations that would write through a broken resolver
         for link in ("L", "F"):
@@ -823,11 +848,15 @@ def test_symlink_as_final_component_is_never_followed(env, fs, where):
             check_errno(errno.ELOOP, fs.fallocate, link, 0, 100)
             check_errno(errno.ELOOP, fs.copy_file_range, "mine", link, 0, 0, 100)
             check_errno(errno.ELOOP, fs.lock, link)
+            for flags in (os.O_WRONLY, os.O_RDWR, os.O_WRONLY | os.O_APPEND):
+                check_errno(errno.ELOOP, fs.open, link, flags)
             check_errno(errno.EOPNOTSUPP, fs.chmod, link, 0o600)
             check_errno(errno.EPERM, fs.setxattr, link, "user.evil", b"1")
             check_errno(errno.EPERM, fs.removexattr, link, "user.keep")
             fs.utime(link, 42_000_000_007)
             assert fs.lstat(link).mtime_ns == 42_000_000_007
+            fs.utime(link, 42_000_000_009, 43_000_000_011)
+            assert (fs.getattr(link).mtime_ns, fs.getattr(link).atime_ns) == (42_000_000_009, 43_000_000_011)
             assert fs.lstat(link).mode == 0o777
     # the links themselves can be linked, renamed and removed
     fs.link("F", "F2")
@@ -1294,11 +1323,718 @@ def test_real_device_node_is_never_opened(tmp_path):
     fs = RealHostFS(str(root))
     try:
         assert fs.lstat("null").kind == OTHER
+        a = fs.getattr("null")
+        assert (a.kind, a.fmt, a.rdev) == (OTHER, stat.S_IFCHR, os.makedev(1, 3))
+        for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_APPEND):
+            check_errno(errno.EPERM, fs.open, "null", flags)
         check_errno(errno.EPERM, fs.read, "null", 0, 1)
         check_errno(errno.EPERM, fs.write, "null", 0, b"x")
         check_errno(errno.EPERM, fs.truncate, "null", 0)
         check_errno(errno.EPERM, fs.lock, "null")
         fs.fsync("null")
+    finally:
+        fs.close()
+
+
+# --------------------------------------------------------------------------- open handles
+
+
+ACCESS_FLAGS = [os.O_RDONLY, os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_APPEND, os.O_WRONLY | os.O_APPEND,
+                os.O_RDWR | os.O_APPEND]
+BAD_OPEN_FLAGS = {
+    "O_CREAT": os.O_RDWR | os.O_CREAT,
+    "O_TRUNC": os.O_WRONLY | os.O_TRUNC,
+    "O_EXCL": os.O_RDWR | os.O_CREAT | os.O_EXCL,
+    "O_ACCMODE": os.O_ACCMODE,
+    "O_NONBLOCK": os.O_RDONLY | os.O_NONBLOCK,
+    "O_DIRECTORY": os.O_RDONLY | os.O_DIRECTORY,
+    "O_NOFOLLOW": os.O_RDONLY | os.O_NOFOLLOW,
+    "O_PATH": os.O_PATH,
+    "O_SYNC": os.O_WRONLY | os.O_SYNC,
+    "O_CLOEXEC": os.O_RDONLY | os.O_CLOEXEC,
+    "O_NOCTTY": os.O_RDONLY | os.O_NOCTTY,
+}
+
+
+def _flag_id(flags: int) -> str:
+    names = {os.O_RDONLY: "RDONLY", os.O_WRONLY: "WRONLY", os.O_RDWR: "RDWR"}
+    return names[flags & os.O_ACCMODE] + ("|APPEND" if flags & os.O_APPEND else "")
+
+
+def test_open_read_write_roundtrip(fs):
+    mkfile(fs, "f", b"0123456789")
+    h = fs.open("f", os.O_RDWR)
+    assert isinstance(h, FileHandle)
+    assert (h.path, h.flags, h.closed) == ("f", os.O_RDWR, False)
+    assert h.pread(4, 2) == b"2345"
+    assert h.pread(100, 8) == b"89"
+    assert h.pread(10, 10) == b"" and h.pread(10, 1000) == b"" and h.pread(0, 3) == b""
+    assert h.pwrite(b"ab", 3) == 2
+    assert fs.read_all("f") == b"012ab56789"  # visible through the path at once
+    fs.write("f", 0, b"P")
+    assert h.pread(3, 0) == b"P12"  # and the other way round
+    assert h.pwrite(b"Z", 12) == 1  # past EOF: zero-filled
+    assert h.pread(100, 0) == b"P12ab56789\0\0Z"
+    assert h.fstat().size == 13 == fs.lstat("f").size
+    h.truncate(4)
+    assert fs.read_all("f") == b"P12a"
+    h.truncate(6)
+    assert h.pread(10, 0) == b"P12a\0\0"
+    h.fsync()
+    h.fsync(datasync=True)
+    h.close()
+    assert h.closed
+    assert fs.read_all("f") == b"P12a\0\0"
+
+
+@pytest.mark.parametrize("flags", ACCESS_FLAGS, ids=_flag_id)
+def test_open_accepts_every_access_mode(fs, flags):
+    mkfile(fs, "f", b"abc")
+    with fs.open("f", flags) as h:
+        assert h.flags == flags
+        assert h.fstat().size == 3
+    assert h.closed
+
+
+@pytest.mark.parametrize("name", list(BAD_OPEN_FLAGS))
+def test_open_with_other_flags_is_einval_and_touches_nothing(env, fs, name):
+    flags = BAD_OPEN_FLAGS[name]
+    mkfile(fs, "f", b"keep")
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    check_errno(errno.EINVAL, fs.open, "f", flags)
+    check_errno(errno.EINVAL, fs.open, "missing", flags)  # checked before the lookup: nothing is created
+    check_errno(errno.EINVAL, fs.open, "d/missing", flags)
+    assert fs.lstat("f") == before
+    assert fs.read_all("f") == b"keep"
+    assert fs.listdir("") == ["f"]
+
+
+def test_open_errors(env, fs):
+    mkfile(fs, "f", b"abc")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    fs.symlink("nowhere", "dangling")
+    fs.symlink("d", "ld")
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_APPEND):
+        check_errno(errno.EISDIR, fs.open, "d", flags)
+        check_errno(errno.ELOOP, fs.open, "l", flags)
+        check_errno(errno.ELOOP, fs.open, "dangling", flags)
+        check_errno(errno.ELOOP, fs.open, "ld", flags)
+        check_errno(errno.ELOOP, fs.open, "ld/x", flags)
+        check_errno(errno.ENOENT, fs.open, "missing", flags)
+        check_errno(errno.ENOENT, fs.open, "missing/x", flags)
+        check_errno(errno.ENOTDIR, fs.open, "f/x", flags)
+    assert not fs.exists("nowhere") and not fs.exists("missing")
+    assert fs.read_all("f") == b"abc"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("fmt", [stat.S_IFIFO, stat.S_IFSOCK], ids=["fifo", "socket"])
+def test_open_of_a_special_file_is_eperm_and_never_opens_it(env, fs, fmt):
+    env.special("p", 0o666, fmt)
+    before = fs.lstat("p")
+    for flags in ACCESS_FLAGS:  # a real fifo opened for reading or writing would block here
+        check_errno(errno.EPERM, fs.open, "p", flags)
+    assert fs.lstat("p") == before
+    if env.real:
+        assert stat.S_IFMT(os.lstat(env.root / "p").st_mode) == fmt
+
+
+def test_handle_access_modes(fs):
+    mkfile(fs, "f", b"0123456789")
+    ro = fs.open("f", os.O_RDONLY)
+    check_errno(errno.EBADF, ro.pwrite, b"x", 0)
+    check_errno(errno.EBADF, ro.pwrite, b"", 0)  # even an empty write
+    check_errno(errno.EINVAL, ro.truncate, 0)  # what ftruncate(2) of a read-only fd says
+    check_errno(errno.EINVAL, ro.truncate, 100)
+    assert ro.pread(3, 0) == b"012"
+    ro.fsync()
+    ro.fsync(datasync=True)
+    ro_app = fs.open("f", os.O_RDONLY | os.O_APPEND)
+    check_errno(errno.EBADF, ro_app.pwrite, b"x", 0)
+    wo = fs.open("f", os.O_WRONLY)
+    check_errno(errno.EBADF, wo.pread, 3, 0)
+    check_errno(errno.EBADF, wo.pread, 0, 0)  # even an empty read
+    assert wo.pwrite(b"W", 0) == 1
+    wo.truncate(5)
+    assert wo.fstat().size == 5
+    assert ro.pread(100, 0) == b"W1234"
+    for h in (ro, ro_app, wo):
+        h.close()
+    assert fs.read_all("f") == b"W1234"
+
+
+def test_handle_negative_arguments_are_einval(fs):
+    mkfile(fs, "f", b"0123456789")
+    rw = fs.open("f", os.O_RDWR)
+    app = fs.open("f", os.O_WRONLY | os.O_APPEND)
+    wo = fs.open("f", os.O_WRONLY)
+    ro = fs.open("f", os.O_RDONLY)
+    check_errno(errno.EINVAL, rw.pread, -1, 0)
+    check_errno(errno.EINVAL, rw.pread, 1, -1)
+    check_errno(errno.EINVAL, rw.pwrite, b"x", -1)
+    check_errno(errno.EINVAL, app.pwrite, b"x", -1)  # checked before O_APPEND moves the offset
+    check_errno(errno.EINVAL, rw.truncate, -1)
+    check_errno(errno.EINVAL, wo.pread, 1, -1)  # the offset is checked before the access mode
+    check_errno(errno.EINVAL, ro.pwrite, b"x", -1)
+    assert fs.read_all("f") == b"0123456789"
+    for h in (rw, app, wo, ro):
+        h.close()
+
+
+def test_append_handle_appends_whatever_the_offset(env, fs):
+    mkfile(fs, "f", b"abc")
+    app = fs.open("f", os.O_WRONLY | os.O_APPEND)
+    assert app.pwrite(b"X", 0) == 1
+    assert app.pwrite(b"YZ", 1000) == 2  # no zero-fill up to 1000: appended
+    assert fs.read_all("f") == b"abcXYZ"
+    fs.utime("f", T1)
+    env.tick()
+    assert app.pwrite(b"", 0) == 0  # an empty append changes nothing
+    assert fs.lstat("f").mtime_ns == T1 and fs.lstat("f").size == 6
+    app.truncate(2)
+    assert app.pwrite(b"!", 0) == 1  # at the new end
+    rw = fs.open("f", os.O_RDWR | os.O_APPEND)
+    assert rw.pread(10, 0) == b"ab!"
+    assert rw.pwrite(b"?", 1) == 1
+    assert fs.read_all("f") == b"ab!?"
+    app.close()
+    rw.close()
+
+
+def test_handle_io_sets_times_like_path_io(env, fs):
+    mkfile(fs, "f", b"ab")
+    h = fs.open("f", os.O_RDWR)
+    fs.utime("f", T1)
+    before = fs.lstat("f")
+    env.tick()
+    assert h.pwrite(b"", 100) == 0  # an empty write changes nothing, not even the size
+    assert h.pread(10, 0) == b"ab"
+    after = fs.lstat("f")
+    assert (after.size, after.mtime_ns, after.ctime_ns) == (2, T1, before.ctime_ns)
+    h.pwrite(b"x", 0)
+    mid = fs.lstat("f")
+    assert mid.mtime_ns != T1 and mid.ctime_ns > before.ctime_ns
+    fs.utime("f", T1)
+    env.tick()
+    h.truncate(2)  # same size: still a modification
+    assert fs.lstat("f").mtime_ns != T1
+    h.close()
+
+
+def test_handle_fstat_is_the_files_getattr(env, fs):
+    mkfile(fs, "f", b"x" * 5000, 0o640)
+    fs.link("f", "g")
+    fs.utime("f", T1, T1 + 1)
+    with fs.open("f", os.O_RDONLY) as h:
+        a = h.fstat()
+        assert a == fs.getattr("f") == fs.getattr("g")
+        assert (a.kind, a.fmt, a.mode, a.size, a.nlink, a.mtime_ns, a.atime_ns) == (REG, stat.S_IFREG, 0o640, 5000, 2, T1, T1 + 1)
+        assert a.ino == fs.lstat("f").ino
+
+
+def test_handle_survives_unlink(env, fs):
+    mkfile(fs, "f", b"data", 0o600)
+    ino = fs.lstat("f").ino
+    h = fs.open("f", os.O_RDWR)
+    other = fs.open("f", os.O_RDONLY)
+    fs.unlink("f")
+    assert not fs.exists("f") and fs.listdir("") == []
+    assert h.pwrite(b"more", 4) == 4
+    assert h.pread(100, 0) == b"datamore"
+    assert other.pread(100, 0) == b"datamore"  # the same inode through another handle
+    a = h.fstat()
+    assert (a.kind, a.size, a.nlink, a.ino, a.mode) == (REG, 8, 0, ino, 0o600)
+    h.truncate(2)
+    h.fsync()
+    assert other.pread(100, 0) == b"da"
+    mkfile(fs, "f", b"new file")  # a new file at the old path is another inode
+    assert fs.lstat("f").ino != ino
+    assert h.pread(100, 0) == b"da"
+    h.pwrite(b"!", 2)
+    assert fs.read_all("f") == b"new file"
+    h.close()
+    other.close()
+
+
+def test_handle_follows_rename(env, fs):
+    fs.mkdir("d", 0o755)
+    fs.mkdir("e", 0o755)
+    mkfile(fs, "d/f", b"0123")
+    ino = fs.lstat("d/f").ino
+    h = fs.open("d/f", os.O_RDWR)
+    fs.rename("d/f", "e/g")
+    assert h.pwrite(b"AB", 0) == 2
+    assert fs.read_all("e/g") == b"AB23"
+    fs.rename("e", "e2")  # the parent moves too
+    h.pwrite(b"C", 4)
+    assert fs.read_all("e2/g") == b"AB23C"
+    assert h.fstat().ino == ino == fs.lstat("e2/g").ino
+    assert h.path == "d/f"  # diagnostics only: the path at open time
+    mkfile(fs, "x", b"replacement")
+    fs.rename("x", "e2/g")  # the name now holds another inode; the handle keeps the old one
+    h.pwrite(b"Z", 0)
+    assert fs.read_all("e2/g") == b"replacement"
+    assert h.pread(10, 0) == b"ZB23C" and h.fstat().nlink == 0
+    h.close()
+
+
+def test_handle_sees_hardlink_writes(fs):
+    mkfile(fs, "a", b"one")
+    fs.link("a", "b")
+    with fs.open("b", os.O_RDWR) as h:
+        fs.write("a", 3, b" two")
+        assert h.pread(100, 0) == b"one two"
+        h.pwrite(b"ONE", 0)
+        assert fs.read_all("a") == b"ONE two"
+        assert h.fstat().nlink == 2
+
+
+def test_handle_close_is_idempotent_then_ebadf(fs):
+    mkfile(fs, "f", b"abc")
+    h = fs.open("f", os.O_RDWR)
+    keep = fs.open("f", os.O_RDONLY)
+    h.close()
+    h.close()
+    assert h.closed and not keep.closed
+    check_errno(errno.EBADF, h.pread, 1, 0)
+    check_errno(errno.EBADF, h.pwrite, b"x", 0)
+    check_errno(errno.EBADF, h.truncate, 0)
+    check_errno(errno.EBADF, h.fsync)
+    check_errno(errno.EBADF, h.fsync, True)
+    check_errno(errno.EBADF, h.fstat)
+    check_errno(errno.EBADF, h.pread, -1, -1)  # closed wins over bad arguments
+    assert keep.pread(10, 0) == b"abc"  # another handle on the same file is unaffected
+    assert fs.read_all("f") == b"abc"
+    with fs.open("f", os.O_RDONLY) as h2:
+        pass
+    check_errno(errno.EBADF, h2.pread, 1, 0)
+    assert "closed" in repr(h2) and "'f'" in repr(h2)
+    keep.close()
+
+
+def test_many_handles_on_one_file(fs):
+    mkfile(fs, "f")
+    handles = [fs.open("f", os.O_RDWR) for _ in range(20)]
+    for i, h in enumerate(handles):
+        h.pwrite(bytes([65 + i]), i)
+    assert fs.read_all("f") == bytes(range(65, 85))
+    for h in handles:
+        h.close()
+
+
+def test_handle_is_bound_to_its_inode_not_its_path(env, fs):
+    """Turning the opened path into a symlink to the outside never redirects the handle."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"inside")
+    mkfile(fs, "g", b"gee")
+    outside = str(env.outside)
+    hf = fs.open("d/f", os.O_RDWR)
+    hg = fs.open("g", os.O_WRONLY | os.O_APPEND)
+    before = env.outside_snapshot()
+    fs.rename("d", "moved")
+    fs.symlink(outside, "d")  # d/victim would now be the outside victim
+    fs.unlink("g")
+    fs.symlink(f"{outside}/victim", "g")  # and g the victim itself
+    assert hf.pwrite(b"HANDLE", 0) == 6
+    hf.truncate(4)
+    hf.fsync()
+    assert hg.pwrite(b"+", 0) == 1
+    hg.truncate(1)
+    assert hg.fstat().nlink == 0
+    assert fs.read_all("moved/f") == b"HAND"
+    assert hf.fstat().ino == fs.lstat("moved/f").ino
+    check_errno(errno.ELOOP, fs.open, "d/victim", os.O_RDWR)
+    check_errno(errno.ELOOP, fs.open, "g", os.O_RDWR)
+    hf.close()
+    hg.close()
+    assert env.outside_snapshot() == before
+    if env.real:
+        assert (env.outside / "victim").read_bytes() == b"precious outside data"
+
+
+# --------------------------------------------------------------------------- getattr
+
+
+def _ceil512(n: int) -> int:
+    return -(-n // 512)
+
+
+def test_getattr_of_every_kind(env, fs):
+    mkfile(fs, "f", b"y" * 10000, 0o640)
+    fs.mkdir("d", 0o750)
+    fs.symlink("f", "l")
+    env.special("p", 0o604)
+    fs.fsync("f")
+    want = {"f": (REG, stat.S_IFREG), "d": (DIR, stat.S_IFDIR), "l": (LNK, stat.S_IFLNK), "p": (OTHER, stat.S_IFIFO),
+            "": (DIR, stat.S_IFDIR)}
+    for path, (kind, fmt) in want.items():
+        a, st = fs.getattr(path), fs.lstat(path)
+        assert isinstance(a, Attr)
+        assert (a.kind, a.fmt) == (kind, fmt), path
+        assert a.st_mode == fmt | st.mode
+        # everything the core's Stat says, getattr says too
+        assert (a.kind, a.mode, a.size, a.mtime_ns, a.ctime_ns, a.ino, a.nlink) == \
+            (st.kind, st.mode, st.size, st.mtime_ns, st.ctime_ns, st.ino, st.nlink), path
+        assert a.blksize > 0 and a.blocks >= 0 and a.rdev == 0
+        if env.real:
+            assert (a.uid, a.gid) == (os.geteuid(), os.getegid())
+    f = fs.getattr("f")
+    assert (f.mode, f.size, f.nlink) == (0o640, 10000, 1)
+    assert f.blocks >= _ceil512(10000)  # not sparse: every byte has a block
+    assert fs.getattr("d").mode == 0o750
+    assert fs.getattr("p").size == 0 and fs.getattr("p").mode == 0o604
+    assert fs.getattr("l").size == 1 and fs.getattr("l").mode == 0o777
+
+
+def test_getattr_of_a_socket_keeps_its_type(env, fs):
+    env.special("s", 0o600, stat.S_IFSOCK)
+    a = fs.getattr("s")
+    assert (a.kind, a.fmt, a.mode, a.st_mode) == (OTHER, stat.S_IFSOCK, 0o600, stat.S_IFSOCK | 0o600)
+    assert fs.lstat("s").kind == OTHER
+
+
+def test_getattr_tracks_changes(env, fs):
+    mkfile(fs, "f", b"abc")
+    a0 = fs.getattr("f")
+    env.tick()
+    fs.link("f", "g")
+    fs.write("f", 10, b"z")
+    a1 = fs.getattr("g")
+    assert (a1.nlink, a1.size, a1.ino) == (2, 11, a0.ino)
+    assert a1.mtime_ns > a0.mtime_ns and a1.ctime_ns > a0.ctime_ns
+    fs.chmod("g", 0o600)
+    assert fs.getattr("f").mode == 0o600
+    fs.truncate("f", 0)
+    assert fs.getattr("f").size == 0 and fs.getattr("f").blocks == 0
+
+
+def test_getattr_errors(env, fs):
+    mkfile(fs, "f")
+    env.special("p")
+    check_errno(errno.ENOENT, fs.getattr, "missing")
+    check_errno(errno.ENOENT, fs.getattr, "missing/x")
+    check_errno(errno.ENOTDIR, fs.getattr, "f/x")
+    check_errno(errno.ENOTDIR, fs.getattr, "p/x")
+
+
+def test_getattr_default_is_built_from_lstat(env, fs):
+    mkfile(fs, "f", b"x" * 1000, 0o640)
+    fs.symlink("f", "l")
+    env.special("p")
+    for path in ("f", "l", "p", ""):
+        st = fs.lstat(path)
+        a = HostFS.getattr(fs, path)  # the ABC's fallback, whatever the implementation overrides
+        assert a == Attr.from_stat(st)
+        assert (a.kind, a.mode, a.size, a.nlink, a.mtime_ns, a.ctime_ns, a.ino) == \
+            (st.kind, st.mode, st.size, st.nlink, st.mtime_ns, st.ctime_ns, st.ino)
+        assert (a.uid, a.gid, a.rdev, a.blksize, a.atime_ns) == (0, 0, 0, 4096, st.mtime_ns)
+        assert a.blocks == _ceil512(st.size)
+    assert HostFS.getattr(fs, "p").fmt == stat.S_IFIFO
+    assert HostFS.statfs(fs) == SYNTHETIC_STATFS
+
+
+def test_attr_from_stat():
+    a = Attr.from_stat(Stat(REG, 0o644, 513, 7, 8, 9, 1))
+    assert a == Attr(REG, stat.S_IFREG, 0o644, 513, 1, 0, 0, 0, 4096, 2, 7, 7, 8, 9)
+    assert Attr.from_stat(Stat(DIR, 0o755, 4096, 1, 1, 2, 2)).fmt == stat.S_IFDIR
+    assert Attr.from_stat(Stat(LNK, 0o777, 3, 1, 1, 3, 1)).fmt == stat.S_IFLNK
+    assert Attr.from_stat(Stat(REG, 0o644, 0, 1, 1, 4, 1)).blocks == 0
+
+
+# --------------------------------------------------------------------------- utime with atime
+
+
+@pytest.mark.parametrize("atime", [0, 1, T1, 4_102_444_800_000_000_001, -1_000_000_001])
+def test_utime_sets_atime_exactly_and_none_keeps_it(env, fs, atime):
+    mkfile(fs, "f", b"x")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    env.special("p")
+    for path in ("f", "d", "l", "p", ""):
+        before = fs.lstat(path)
+        env.tick()
+        fs.utime(path, T1, atime)
+        a = fs.getattr(path)
+        assert (a.mtime_ns, a.atime_ns) == (T1, atime), path
+        assert a.ctime_ns > before.ctime_ns
+        fs.utime(path, 5_000_000_003)  # two arguments, as the core calls it: atime stays
+        a = fs.getattr(path)
+        assert (a.mtime_ns, a.atime_ns) == (5_000_000_003, atime), path
+        fs.utime(path, 6_000_000_007, None)
+        assert fs.getattr(path).atime_ns == atime
+    assert fs.getattr("f").mtime_ns == 6_000_000_007  # the symlink's utime did not reach its target
+    if env.real:
+        st = os.lstat(env.root / "l")
+        assert (st.st_mtime_ns, st.st_atime_ns) == (6_000_000_007, atime)
+
+
+def test_utime_with_atime_errors(fs):
+    mkfile(fs, "f")
+    check_errno(errno.ENOENT, fs.utime, "missing", 1, 2)
+    check_errno(errno.ENOTDIR, fs.utime, "f/x", 1, 2)
+
+
+# --------------------------------------------------------------------------- statfs
+
+
+def test_statfs(env, fs):
+    mkfile(fs, "f", b"x")
+    sf = fs.statfs()
+    assert isinstance(sf, StatFS)
+    assert sf.bsize > 0 and sf.namelen == NAME_LEN_MAX
+    assert 0 <= sf.bavail <= sf.bfree <= sf.blocks and sf.blocks > 0
+    assert 0 <= sf.ffree <= sf.files
+    assert isinstance(sf.fsid, int)
+    if env.real:
+        vfs = os.statvfs(env.root)
+        assert (sf.bsize, sf.blocks, sf.files, sf.fsid, sf.namelen) == \
+            (vfs.f_frsize, vfs.f_blocks, vfs.f_files, vfs.f_fsid, vfs.f_namemax)
+
+
+# --------------------------------------------------------------------------- handles in the simulator
+
+
+class _Recorder:
+    def __init__(self, torn: int | None = None):
+        self.calls: list[tuple[str, str, int]] = []
+        self.torn = torn
+        self.after: list[tuple[str, int]] = []
+
+    def __call__(self, fs, op, path, nbytes):
+        self.calls.append((op, path, nbytes))
+        if op == "write" and self.torn is not None:
+            return self.torn
+        return None
+
+    def after_torn_write(self, fs, path, n):
+        self.after.append((path, n))
+        raise SimulatedCrash(f"torn {path}")
+
+
+def test_sim_handles_call_the_fault_hook_with_path_op_names():
+    rec = _Recorder()
+    fs = SimHostFS(fault_hook=rec)
+    mkfile(fs, "f", b"abc")
+    rec.calls.clear()
+    h = fs.open("f", os.O_RDWR)
+    h.pread(2, 0)
+    h.pwrite(b"xyz", 1)
+    h.truncate(1)
+    h.fsync()
+    h.fsync(datasync=True)
+    h.fstat()
+    fs.getattr("f")
+    fs.statfs()
+    h.close()
+    assert rec.calls == [("open", "f", 0), ("read", "f", 0), ("write", "f", 3), ("truncate", "f", 0),
+                         ("fsync", "f", 0), ("fsync", "f", 0), ("fstat", "f", 0), ("getattr", "f", 0),
+                         ("statfs", "", 0)]
+    rec.calls.clear()
+    check_errno(errno.EBADF, h.pwrite, b"x", 0)  # a closed handle makes no host call
+    h.close()
+    assert rec.calls == []
+
+
+def test_sim_handle_fault_can_fail_an_operation():
+    def hook(fs, op, path, nbytes):
+        if op == "write":
+            raise OSError(errno.ENOSPC, "full", path)
+
+    fs = SimHostFS(fault_hook=hook)
+    fs.create("f", 0o644)
+    h = fs.open("f", os.O_RDWR)
+    check_errno(errno.ENOSPC, h.pwrite, b"abc", 0)
+    assert h.pread(10, 0) == b""
+
+
+def test_sim_handle_write_tears_like_a_path_write():
+    rec = _Recorder(torn=2)
+    fs = SimHostFS(fault_hook=rec)
+    mkfile(fs, "f", b"")
+    rec.torn = 2
+    h = fs.open("f", os.O_WRONLY | os.O_APPEND)
+    with pytest.raises(SimulatedCrash):
+        h.pwrite(b"abcdef", 0)
+    assert rec.after == [("f", 2)]
+    rec.torn = None
+    assert fs.read_all("f") == b"ab"
+
+
+def test_sim_handle_torn_by_the_injector():
+    inj = FaultInjector(torn_at=1, seed=3)
+    fs = SimHostFS(fault_hook=inj)
+    fs.create("f", 0o644)  # call 0
+    h = fs.open("f", os.O_RDWR)  # call 1: not a write, nothing torn
+    inj.torn_at = 2
+    with pytest.raises(SimulatedCrash):
+        h.pwrite(b"0123456789", 0)  # call 2
+    assert inj.injected and "torn write" in inj.injected[0]
+    inj.disarm()
+    fs.crash()
+    n = len(fs.read_all("f"))
+    assert 1 <= n < 10 and fs.read_all("f") == b"0123456789"[:n]
+
+
+def test_sim_crash_closes_open_handles():
+    fs = SimHostFS()
+    mkfile(fs, "f", b"before")
+    h = fs.open("f", os.O_RDWR)
+    h.pwrite(b"B", 0)
+    fs.crash()
+    assert h.closed
+    check_errno(errno.EBADF, h.pwrite, b"resurrected", 0)
+    check_errno(errno.EBADF, h.pread, 10, 0)
+    check_errno(errno.EBADF, h.fstat)
+    h.close()
+    assert fs.read_all("f") == b"Before"  # data stays: only the process died
+    with fs.open("f", os.O_RDONLY) as h2:  # the next process opens afresh
+        assert h2.pread(10, 0) == b"Before"
+
+
+def test_sim_power_loss_and_handle_fsync():
+    fs = SimHostFS()
+    mkfile(fs, "kept", b"old")
+    mkfile(fs, "synced", b"old")
+    mkfile(fs, "datasynced", b"old")
+    fs.sync_all()
+    hk = fs.open("kept", os.O_RDWR)
+    hs = fs.open("synced", os.O_RDWR)
+    hd = fs.open("datasynced", os.O_RDWR)
+    for h in (hk, hs, hd):
+        h.pwrite(b"NEW!", 0)  # dirty data, exactly as a path write
+    hs.fsync()
+    hd.fsync(datasync=True)
+    fs.create("fresh", 0o644)
+    hf = fs.open("fresh", os.O_RDWR)
+    hf.pwrite(b"fresh", 0)
+    hf.fsync(datasync=True)  # the bytes, but no journal commit: the new name is not durable
+    fs.power_loss()
+    assert fs.read_all("kept") == b"old"
+    assert fs.read_all("synced") == b"NEW!"
+    assert fs.read_all("datasynced") == b"NEW!"
+    assert not fs.exists("fresh")
+    for h in (hk, hs, hd, hf):
+        check_errno(errno.EBADF, h.pwrite, b"x", 0)
+
+
+def test_sim_handle_fsync_commits_metadata_like_path_fsync():
+    fs = SimHostFS()
+    fs.sync_all()
+    fs.create("a", 0o644)
+    fs.mkdir("d", 0o755)
+    with fs.open("a", os.O_WRONLY) as h:
+        h.pwrite(b"data", 0)
+        h.fsync()  # one journal: every earlier metadata change commits too
+    fs.power_loss()
+    assert sorted(fs.listdir("")) == ["a", "d"]
+    assert fs.read_all("a") == b"data"
+
+
+def test_sim_special_file_types():
+    fs = SimHostFS()
+    fs.make_special("c", 0o600, stat.S_IFCHR)
+    assert (fs.getattr("c").fmt, fs.getattr("c").kind) == (stat.S_IFCHR, OTHER)
+    check_errno(errno.EPERM, fs.open, "c", os.O_RDONLY)
+    for bad in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, 0, 0o777):
+        with pytest.raises(ValueError):
+            fs.make_special("x", 0o600, bad)
+
+
+def test_sim_atime_survives_power_loss_like_other_metadata():
+    fs = SimHostFS()
+    mkfile(fs, "f", b"x")
+    fs.utime("f", T1, 11)
+    fs.sync_all()
+    fs.utime("f", T1, 22)
+    fs.power_loss()
+    assert fs.getattr("f").atime_ns == 11
+
+
+# --------------------------------------------------------------------------- real handles
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_real_handles_release_their_fds(tmp_path):
+    fs = RealHostFS(str(tmp_path))
+    try:
+        fs.create("f", 0o644)
+        base = _open_fds()
+        handles = [fs.open("f", os.O_RDWR) for _ in range(10)]
+        assert _open_fds() == base + 10
+        for h in handles:
+            h.close()
+            h.close()
+        assert _open_fds() == base
+        for flags in BAD_OPEN_FLAGS.values():
+            check_errno(errno.EINVAL, fs.open, "f", flags)
+        for _ in range(5):  # failed opens leak nothing either
+            check_errno(errno.EISDIR, fs.open, "", os.O_RDONLY)
+        assert _open_fds() == base
+    finally:
+        fs.close()
+
+
+def test_real_handle_outlives_the_hostfs(tmp_path):
+    fs = RealHostFS(str(tmp_path))
+    fs.create("f", 0o644)
+    h = fs.open("f", os.O_RDWR)
+    fs.close()  # the root fd is gone; the handle's own fd is not
+    h.pwrite(b"still", 0)
+    h.close()
+    assert (tmp_path / "f").read_bytes() == b"still"
+
+
+def test_real_handle_opens_with_the_given_flags(tmp_path):
+    import fcntl
+
+    fs = RealHostFS(str(tmp_path))
+    try:
+        fs.create("f", 0o644)
+        for flags in ACCESS_FLAGS:
+            with fs.open("f", flags) as h:
+                got = fcntl.fcntl(h._fd, fcntl.F_GETFL)
+                assert got & (os.O_ACCMODE | os.O_APPEND) == flags
+                assert fcntl.fcntl(h._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    finally:
+        fs.close()
+
+
+def test_real_close_waits_for_a_call_in_progress(tmp_path):
+    """A close from another thread must not release the fd number under a running call."""
+    import threading
+
+    fs = RealHostFS(str(tmp_path))
+    try:
+        fs.create("f", 0o644)
+        h = fs.open("f", os.O_RDWR)
+        fd = h._acquire()  # a call in progress
+        h.close()
+        assert h.closed
+        os.fstat(fd)  # still ours
+        check_errno(errno.EBADF, h.pread, 1, 0)
+        h._release()
+        check_errno(errno.EBADF, os.fstat, fd)  # released by the last user
+        h2 = fs.open("f", os.O_RDWR)
+        errors = []
+
+        def hammer():
+            try:
+                for i in range(2000):
+                    h2.pwrite(b"x", i)
+            except OSError as e:
+                errors.append(e.errno)
+
+        t = threading.Thread(target=hammer)
+        t.start()
+        h2.close()
+        t.join()
+        assert set(errors) <= {errno.EBADF}
     finally:
         fs.close()
 
@@ -1326,7 +2062,8 @@ def test_name_too_long(fs):
     for fn, args in [(fs.create, (long, 0o644)), (fs.mkdir, (long, 0o755)), (fs.lstat, (long,)),
                      (fs.unlink, (long,)), (fs.rmdir, (long,)), (fs.read, (long, 0, 1)),
                      (fs.symlink, ("x", long)), (fs.link, ("f", long)), (fs.rename, ("f", long)),
-                     (fs.lstat, (f"{long}/x",)), (fs.create, (f"{long}/x", 0o644)), (fs.chmod, (long, 0o644))]:
+                     (fs.lstat, (f"{long}/x",)), (fs.create, (f"{long}/x", 0o644)), (fs.chmod, (long, 0o644)),
+                     (fs.getattr, (long,)), (fs.open, (long, os.O_RDONLY)), (fs.utime, (long, 1, 2))]:
         check_errno(errno.ENAMETOOLONG, fn, *args)
     assert not fs.exists("y" * NAME_LEN_MAX)
     check_errno(errno.ENOENT, fs.rename, "missing", long)  # the source is looked up first
@@ -1348,9 +2085,12 @@ def test_path_of_4096_bytes(fs):
     assert fs.exists(path)
     fs.utime(path, T1)
     assert fs.lstat(path).mtime_ns == T1
+    fs.utime(path, T1, 5)  # resolved in two steps, like lstat
+    a = fs.getattr(path)
+    assert (a.kind, a.mtime_ns, a.atime_ns, a.ino) == (REG, T1, 5, fs.lstat(path).ino)
     for fn, args in [(fs.read, (path, 0, 1)), (fs.write, (path, 0, b"x")), (fs.truncate, (path, 0)),
                      (fs.chmod, (path, 0o600)), (fs.listxattr, (path,)), (fs.setxattr, (path, "user.a", b"1")),
-                     (fs.fsync, (path,))]:
+                     (fs.fsync, (path,)), (fs.open, (path, os.O_RDONLY))]:
         check_errno(errno.ENAMETOOLONG, fn, *args)
     fs.rename(path, "short")
     assert fs.read_all("short") == b""
@@ -1565,13 +2305,16 @@ def test_root_queries_and_metadata(env, fs):
     fs.utime("", T1)
     after = fs.lstat("")
     assert after.mtime_ns == T1 and after.ctime_ns > before.ctime_ns
+    fs.utime("", T1, 77)
+    a = fs.getattr("")
+    assert (a.kind, a.fmt, a.mode, a.mtime_ns, a.atime_ns, a.ino) == (DIR, stat.S_IFDIR, 0o751, T1, 77, fs.lstat("").ino)
     fs.fsync("")
     fs.setxattr("", "user.root", b"r")
     assert fs.getxattr("", "user.root") == b"r"
     fs.removexattr("", "user.root")
     if env.real:
         st = os.lstat(env.root)
-        assert stat.S_IMODE(st.st_mode) == 0o751 and st.st_mtime_ns == T1
+        assert stat.S_IMODE(st.st_mode) == 0o751 and st.st_mtime_ns == T1 and st.st_atime_ns == 77
 
 
 def test_root_entry_operations_are_ebusy(fs):
@@ -1596,6 +2339,8 @@ def test_root_io_is_eisdir(fs):
     check_errno(errno.EISDIR, fs.truncate, "", 0)
     check_errno(errno.EISDIR, fs.fallocate, "", 0, 1)
     check_errno(errno.EINVAL, fs.readlink, "")
+    for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
+        check_errno(errno.EISDIR, fs.open, "", flags)
 
 
 def test_listdir_errors(env, fs):

@@ -10,6 +10,15 @@ refused with :class:`~sandbox.hostfs.PathError` before anything is touched); sym
 are never followed on the host — a path routed through one fails with ``ELOOP``.
 Symlink *targets* are data and are stored as given.
 
+Pass-through: with ``interceptor=None`` there are no hooks and no undo — the same
+operations, checks and errors, for providers that are never undo-tracked (an
+in-memory share made writable). One code path either way.
+
+Open handles: :meth:`open` returns a host :class:`~sandbox.hostfs.FileHandle` (the
+inode, not the path); :meth:`pwrite` and :meth:`ftruncate` run the hooks for the path
+the caller names (a server's fid path) and then act on the handle, so a file that was
+renamed or unlinked while open keeps working as it does on a local disk.
+
 Safeguards: if a pre-hook says *hold*, the optional ``decide(hold) -> "allow"|"deny"``
 callback is asked synchronously; without one, :class:`HoldRequired` propagates to the
 caller (servers hold the reply, resolve, and retry). A deny rolls the step back and the
@@ -21,7 +30,9 @@ from __future__ import annotations
 import errno
 from typing import Callable
 
-from ..hostfs import DIR, NAME_LEN_MAX, PATH_LEN_MAX, HostFS, PathError, Stat, join, normalize
+import os
+
+from ..hostfs import DIR, NAME_LEN_MAX, PATH_LEN_MAX, FileHandle, HostFS, PathError, Stat, join, normalize
 from .errors import HoldRequired, SafeguardDenied
 from .interceptor import UndoInterceptor
 from .safeguard import Hold
@@ -37,7 +48,7 @@ def _entry(path: str, what: str) -> str:
 
 
 class InterceptedFS:
-    def __init__(self, host: HostFS, interceptor: UndoInterceptor, decide: Decide | None = None):
+    def __init__(self, host: HostFS, interceptor: UndoInterceptor | None, decide: Decide | None = None):
         self.host = host
         self.interceptor = interceptor
         self.decide = decide
@@ -46,6 +57,8 @@ class InterceptedFS:
 
     def _run(self, hook: Callable[[], None], call: Callable[[], object], sync: tuple[str, ...] = ()):
         i = self.interceptor
+        if i is None:
+            return call()
         with i.lock:
             while True:
                 try:
@@ -99,7 +112,8 @@ class InterceptedFS:
         p = _entry(path, "create")
         i = self.interceptor
         self._run(lambda: i.pre_create(p), lambda: self.host.create(p, mode), sync=(p,))
-        i.post_create(p)
+        if i is not None:
+            i.post_create(p)
 
     def open_trunc(self, path: str) -> None:
         p = _entry(path, "truncate")
@@ -130,7 +144,8 @@ class InterceptedFS:
         p = _entry(path, "create")
         i = self.interceptor
         self._run(lambda: i.pre_create(p), lambda: self.host.mkdir(p, mode), sync=(p,))
-        i.post_mkdir(p)
+        if i is not None:
+            i.post_mkdir(p)
 
     def rename(self, src: str, dst: str) -> None:
         s, d = _entry(src, "rename"), _entry(dst, "replace")
@@ -142,7 +157,8 @@ class InterceptedFS:
             raise PathError(errno.EINVAL, f"invalid symlink target {target!r}")
         i = self.interceptor
         self._run(lambda: i.pre_create(p), lambda: self.host.symlink(target, p), sync=(p,))
-        i.post_symlink(target, p)
+        if i is not None:
+            i.post_symlink(target, p)
 
     def link(self, existing: str, new: str) -> None:
         e, n = _entry(existing, "link"), _entry(new, "create")
@@ -152,9 +168,9 @@ class InterceptedFS:
         p = normalize(path)
         self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.chmod(p, mode), sync=(p,))
 
-    def utime(self, path: str, mtime_ns: int) -> None:
+    def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns), sync=(p,))
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns, atime_ns), sync=(p,))
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
         p = normalize(path)
@@ -174,6 +190,39 @@ class InterceptedFS:
         s, d = normalize(src), _entry(dst, "write")
         return self._run(lambda: self.interceptor.pre_copy_file_range(d),
                          lambda: self.host.copy_file_range(s, d, src_offset, dst_offset, length), sync=(d,))
+
+    # ------------------------------------------------------------------ open handles
+
+    def open(self, path: str, flags: int) -> FileHandle:
+        """Open a regular file. ``O_TRUNC`` (with write access) runs the truncation hook
+        first, as ``open(2)`` would truncate; every other flag is the host's business."""
+        p = normalize(path)
+        if flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY:
+            self.open_trunc(p)
+        return self.host.open(p, flags & ~os.O_TRUNC)
+
+    def pwrite(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
+        """Write all of ``data`` through ``handle``; ``path`` is where the file is now."""
+        p = _entry(path, "write")
+        if offset < 0:
+            raise OSError(errno.EINVAL, "negative offset", path)
+
+        def call() -> int:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                n = handle.pwrite(bytes(view[done:done + (1 << 20)]), offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"write made no progress on {path!r}")
+                done += n
+            return done
+
+        return self._run(lambda: self.interceptor.pre_write(p), call, sync=(p,))
+
+    def ftruncate(self, handle: FileHandle, path: str, size: int) -> None:
+        p = _entry(path, "truncate")
+        if size < 0:
+            raise OSError(errno.EINVAL, "negative size", path)
+        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: handle.truncate(size), sync=(p,))
 
     # ------------------------------------------------------------------ conveniences
 

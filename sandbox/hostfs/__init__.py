@@ -23,11 +23,21 @@ against both):
   is never opened (``read``/``write`` on it fail with ``EPERM``).
 * ``chmod`` of a symlink is ``EOPNOTSUPP`` (Linux has no lchmod); symlinks carry no
   user xattrs (``setxattr`` is ``EPERM``, ``listxattr`` is empty).
+* :meth:`HostFS.open` returns a :class:`FileHandle` bound to the *inode*, not the path:
+  after a rename or an unlink the handle still reads and writes that same file (the
+  open-then-unlink pattern works). ``open`` never creates or truncates (``O_CREAT``,
+  ``O_TRUNC``, … are ``EINVAL``): those go through ``create``/``truncate`` so that the
+  undo hooks see them. A closed handle answers every call with ``EBADF``.
+* :class:`Attr` (``getattr``) is the full ``lstat`` of an entry, for protocol replies —
+  the exact file type (``fmt``: a fifo is a fifo), owners, blocks, all three times.
+  :class:`Stat` (``lstat``) stays the smaller record the undo core compares.
+* :class:`StatFS` (``statfs``) describes the filesystem holding the root.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import stat as _stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -35,7 +45,10 @@ from typing import Protocol
 
 __all__ = [
     "HostFS",
+    "FileHandle",
     "Stat",
+    "Attr",
+    "StatFS",
     "Lock",
     "PathError",
     "StoreBusy",
@@ -48,6 +61,8 @@ __all__ = [
     "OTHER",
     "PATH_LEN_MAX",
     "NAME_LEN_MAX",
+    "OPEN_FLAGS",
+    "check_open_flags",
 ]
 
 REG = "reg"
@@ -57,6 +72,11 @@ OTHER = "other"  # fifo, socket, device: never created, never opened
 
 PATH_LEN_MAX = 4096
 NAME_LEN_MAX = 255
+
+#: the only ``open`` flags: an access mode, optionally ``O_APPEND``
+OPEN_FLAGS = os.O_ACCMODE | os.O_APPEND
+
+_FMT_OF_KIND = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK, OTHER: _stat.S_IFIFO}
 
 
 class PathError(OSError):
@@ -140,6 +160,138 @@ class Stat:
         return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink)
 
 
+def _kind_of(fmt: int) -> str:
+    return {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """Everything ``getattr`` reports about one entry (never follows a final symlink).
+
+    ``kind`` is :class:`Stat`'s coarse type; ``fmt`` the exact ``S_IFMT`` bits (``S_IFIFO``,
+    ``S_IFSOCK``, ``S_IFCHR``, … for an ``OTHER``), so ``fmt | mode`` is an ``st_mode``.
+    ``blocks`` counts 512-byte units, as ``st_blocks`` does.
+    """
+
+    kind: str  # REG | DIR | LNK | OTHER
+    fmt: int  # S_IFMT(st_mode)
+    mode: int  # all 12 permission bits (S_IMODE)
+    size: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    blksize: int
+    blocks: int  # 512-byte units
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+
+    @property
+    def st_mode(self) -> int:
+        return self.fmt | self.mode
+
+    @classmethod
+    def from_os(cls, st) -> "Attr":
+        fmt = _stat.S_IFMT(st.st_mode)
+        return cls(_kind_of(fmt), fmt, _stat.S_IMODE(st.st_mode), st.st_size, st.st_nlink, st.st_uid, st.st_gid,
+                   st.st_rdev, st.st_blksize, st.st_blocks, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+    @classmethod
+    def from_stat(cls, st: Stat) -> "Attr":
+        """What a :class:`Stat` alone says: owner root, atime = mtime, 4 KiB blocks, no rdev.
+
+        ``blocks`` is ``ceil(size / 512)``; an ``OTHER`` is reported as a fifo.
+        """
+        return cls(st.kind, _FMT_OF_KIND[st.kind], st.mode, st.size, st.nlink, 0, 0, 0, 4096, -(-st.size // 512),
+                   st.mtime_ns, st.mtime_ns, st.ctime_ns, st.ino)
+
+
+@dataclass(frozen=True, slots=True)
+class StatFS:
+    """The filesystem holding the root (``statfs``); ``blocks``/``bfree``/``bavail`` are
+    counted in ``bsize`` units, ``files``/``ffree`` in inodes."""
+
+    bsize: int
+    blocks: int
+    bfree: int
+    bavail: int
+    files: int
+    ffree: int
+    fsid: int
+    namelen: int
+
+
+#: what ``HostFS.statfs`` reports when an implementation knows no better: 16 GiB, half free
+SYNTHETIC_STATFS = StatFS(bsize=4096, blocks=1 << 22, bfree=1 << 21, bavail=1 << 21, files=1 << 20, ffree=1 << 19,
+                          fsid=0x5A4D_4653, namelen=NAME_LEN_MAX)
+
+
+def check_open_flags(flags: int, path: str) -> None:
+    """``EINVAL`` unless ``flags`` is ``O_RDONLY``/``O_WRONLY``/``O_RDWR``, optionally ``| O_APPEND``."""
+    if not isinstance(flags, int) or flags & ~OPEN_FLAGS or flags & os.O_ACCMODE == os.O_ACCMODE:
+        raise OSError(errno.EINVAL, f"open flags {flags:#o} are not an access mode [| O_APPEND]"
+                      if isinstance(flags, int) else f"open flags must be int, not {type(flags).__name__}", path)
+
+
+class FileHandle(ABC):
+    """An open regular file: the server keeps it between open and close.
+
+    Invariants both implementations keep:
+
+    * the handle is bound to the inode opened, not to its path: after a rename or an
+      unlink of the path, every call still acts on that same file (which, unlinked,
+      lives on until the handle is closed);
+    * access follows ``flags`` as the kernel enforces it: reading a write-only handle or
+      writing a read-only one is ``EBADF``, truncating a read-only one ``EINVAL``; with
+      ``O_APPEND`` every ``pwrite`` appends whatever the offset (Linux's pwrite);
+    * negative offsets, lengths and sizes are ``EINVAL``;
+    * ``close`` is idempotent; every other call on a closed handle is ``EBADF`` (and never
+      reaches a file descriptor number that may since have been reused).
+    """
+
+    #: the path at open time, for diagnostics only (the file may since have moved)
+    path: str
+    #: the flags given to :meth:`HostFS.open`
+    flags: int
+
+    @abstractmethod
+    def pread(self, length: int, offset: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` (fewer at EOF, ``b""`` past it)."""
+
+    @abstractmethod
+    def pwrite(self, data: bytes, offset: int) -> int:
+        """Write at ``offset`` (at EOF with ``O_APPEND``); may write fewer bytes (callers loop)."""
+
+    @abstractmethod
+    def truncate(self, size: int) -> None: ...
+
+    @abstractmethod
+    def fsync(self, datasync: bool = False) -> None:
+        """``fsync`` (``fdatasync`` when ``datasync``: the bytes, not every timestamp)."""
+
+    @abstractmethod
+    def fstat(self) -> Attr: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool: ...
+
+    def __enter__(self) -> "FileHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"flags={self.flags:#o}"
+        return f"<{type(self).__name__} {self.path!r} {state}>"
+
+
 class Lock(Protocol):
     def release(self) -> None: ...
 
@@ -161,7 +313,35 @@ class HostFS(ABC):
         return True
 
     @abstractmethod
+    def getattr(self, path: str) -> Attr:
+        """Full attributes of the entry at ``path`` (a final symlink is not followed).
+
+        Every implementation defines it (so wrappers that forward the abstract methods
+        forward this too); this body is the fallback built from :meth:`lstat`
+        (:meth:`Attr.from_stat`), which an implementation may return via ``super()``.
+        """
+        return Attr.from_stat(self.lstat(path))
+
+    @abstractmethod
+    def statfs(self) -> StatFS:
+        """The filesystem holding the root; this body is a fixed synthetic fallback."""
+        return SYNTHETIC_STATFS
+
+    @abstractmethod
     def listdir(self, path: str) -> list[str]: ...
+
+    @abstractmethod
+    def open(self, path: str, flags: int) -> FileHandle:
+        """Open the regular file ``path`` and return a handle on its inode.
+
+        ``flags`` is ``os.O_RDONLY``, ``os.O_WRONLY`` or ``os.O_RDWR``, optionally
+        ``| os.O_APPEND``; any other bit (``O_CREAT``, ``O_TRUNC``, ``O_EXCL``, …) is
+        ``EINVAL`` — creation and truncation go through :meth:`create` and
+        :meth:`truncate`. A directory is ``EISDIR``, a symlink ``ELOOP`` (never
+        followed), a special file ``EPERM`` (never opened), a missing path ``ENOENT``.
+        The same resolution rules as every other call apply: nothing outside the root is
+        ever reached.
+        """
 
     @abstractmethod
     def read(self, path: str, offset: int, length: int) -> bytes: ...
@@ -202,8 +382,9 @@ class HostFS(ABC):
     def chmod(self, path: str, mode: int) -> None: ...
 
     @abstractmethod
-    def utime(self, path: str, mtime_ns: int) -> None:
-        """Set mtime (ns) without following a final symlink."""
+    def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
+        """Set mtime (and atime, unless ``None``: kept as it is) in ns, without following a
+        final symlink."""
 
     @abstractmethod
     def listxattr(self, path: str) -> list[str]: ...

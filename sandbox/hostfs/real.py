@@ -9,6 +9,11 @@ with the ``*at()`` call and no-follow flags.
 Special files (fifos, sockets, devices) are never opened for I/O: files are first opened
 ``O_PATH`` (which has no side effects), checked with ``fstat``, and only then re-opened
 through ``/proc/self/fd`` — the same inode, no second lookup, no race.
+
+Open handles (:class:`RealFileHandle`) own one such re-opened fd: they are bound to the
+inode from then on and never resolve a path again. The fd number is used only while the
+handle is open; a ``close`` racing another thread's call waits for that call to finish
+before the number is released (it could otherwise be reused by an unrelated open).
 """
 
 from __future__ import annotations
@@ -18,8 +23,21 @@ import errno
 import fcntl
 import os
 import stat as _stat
+import threading
 
-from . import DIR, LNK, REG, HostFS, Stat, StoreBusy, parent_of
+from . import (
+    DIR,
+    LNK,
+    REG,
+    Attr,
+    FileHandle,
+    HostFS,
+    Stat,
+    StatFS,
+    StoreBusy,
+    check_open_flags,
+    parent_of,
+)
 
 _SYS_OPENAT2 = 437
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -65,6 +83,96 @@ class _FdLock:
         if self._fd >= 0:
             os.close(self._fd)  # closing drops the flock
             self._fd = -1
+
+
+def _ebadf(path: str) -> OSError:
+    return OSError(errno.EBADF, os.strerror(errno.EBADF), path)
+
+
+class RealFileHandle(FileHandle):
+    """A regular file opened by :meth:`RealHostFS.open` (owns one fd until ``close``)."""
+
+    def __init__(self, fd: int, path: str, flags: int):
+        self.path = path
+        self.flags = flags
+        self._fd = fd
+        self._users = 0  # calls currently using the fd
+        self._closing = False
+        self._mutex = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing
+
+    def _acquire(self) -> int:
+        with self._mutex:
+            if self._closing:
+                raise _ebadf(self.path)
+            self._users += 1
+            return self._fd
+
+    def _release(self) -> None:
+        with self._mutex:
+            self._users -= 1
+            if self._closing and self._users == 0 and self._fd >= 0:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        fd = self._acquire()
+        try:
+            if length < 0 or offset < 0:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), self.path)
+            return os.pread(fd, length, offset)
+        finally:
+            self._release()
+
+    def pwrite(self, data: bytes, offset: int) -> int:
+        fd = self._acquire()
+        try:
+            if offset < 0:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), self.path)
+            return os.pwrite(fd, data, offset)  # with O_APPEND, Linux appends whatever the offset
+        finally:
+            self._release()
+
+    def truncate(self, size: int) -> None:
+        fd = self._acquire()
+        try:
+            if size < 0:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), self.path)
+            os.ftruncate(fd, size)  # EINVAL on a handle not open for writing
+        finally:
+            self._release()
+
+    def fsync(self, datasync: bool = False) -> None:
+        fd = self._acquire()
+        try:
+            (os.fdatasync if datasync else os.fsync)(fd)
+        finally:
+            self._release()
+
+    def fstat(self) -> Attr:
+        fd = self._acquire()
+        try:
+            return Attr.from_os(os.fstat(fd))
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._closing:
+                return
+            self._closing = True
+            if self._users == 0 and self._fd >= 0:
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 class RealHostFS(HostFS):
@@ -125,6 +233,32 @@ class RealHostFS(HostFS):
             return Stat.from_os(os.stat(name, dir_fd=pfd, follow_symlinks=False))
         finally:
             os.close(pfd)
+
+    def getattr(self, path: str) -> Attr:
+        if not path:
+            return Attr.from_os(os.stat(self._root_fd))
+        pfd, name = self._parent(path)
+        try:
+            return Attr.from_os(os.stat(name, dir_fd=pfd, follow_symlinks=False))
+        finally:
+            os.close(pfd)
+
+    def statfs(self) -> StatFS:
+        st = os.statvfs(self._root_fd)  # fstatfs of the O_PATH root fd
+        return StatFS(st.f_frsize or st.f_bsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files, st.f_ffree,
+                      st.f_fsid, st.f_namemax)
+
+    def open(self, path: str, flags: int) -> RealFileHandle:
+        """Open the regular file ``path`` (see :meth:`HostFS.open`).
+
+        Containment: the file is first reached as ``O_PATH`` through ``openat2`` beneath
+        the root with no symlink followed anywhere (a final symlink is ``ELOOP``), its
+        type is checked on that fd, and only a regular file is re-opened for I/O — the
+        same inode, through ``/proc/self/fd``; a fifo, socket or device is never opened.
+        The handle never resolves a path again.
+        """
+        check_open_flags(flags, path)
+        return RealFileHandle(self._open_file(path, flags), path, flags)
 
     def listdir(self, path: str) -> list[str]:
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -246,15 +380,17 @@ class RealHostFS(HostFS):
         finally:
             os.close(fd)
 
-    def utime(self, path: str, mtime_ns: int) -> None:
+    def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         if not path:
-            st = os.stat(self._root_fd)
-            os.utime(_XATTR_PROC.format(self._root_fd), ns=(st.st_atime_ns, mtime_ns))
+            if atime_ns is None:
+                atime_ns = os.stat(self._root_fd).st_atime_ns
+            os.utime(_XATTR_PROC.format(self._root_fd), ns=(atime_ns, mtime_ns))
             return
         pfd, name = self._parent(path)
         try:
-            st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-            os.utime(name, ns=(st.st_atime_ns, mtime_ns), dir_fd=pfd, follow_symlinks=False)
+            if atime_ns is None:
+                atime_ns = os.stat(name, dir_fd=pfd, follow_symlinks=False).st_atime_ns
+            os.utime(name, ns=(atime_ns, mtime_ns), dir_fd=pfd, follow_symlinks=False)
         finally:
             os.close(pfd)
 
@@ -386,4 +522,4 @@ class RealHostFS(HostFS):
         return _FdLock(fd)
 
 
-__all__ = ["RealHostFS", "REG", "DIR", "LNK"]
+__all__ = ["RealHostFS", "RealFileHandle", "REG", "DIR", "LNK"]

@@ -12,18 +12,43 @@ raise (a simulated crash, ``ENOSPC``, ``EIO``) or, for ``write``, return a byte 
 smaller than requested: the write is then *torn* — that prefix lands and the hook's
 ``after_torn_write`` is called (which normally raises the crash). See ``sim/faults.py``.
 
+Open handles (:class:`SimFileHandle`) hold the inode itself, so they follow it through
+renames and outlive an unlink, as a kernel file description does. Their calls go through
+the same fault hook with the path-based op names (``read``, ``write`` — torn like a path
+write —, ``truncate``, ``fsync``; plus ``open`` and ``fstat``) and change the inode exactly
+as the path-based calls do; ``close`` calls no hook.
+
 A simulated process death (:meth:`crash`) drops the locks the dead process held, as the
-kernel drops ``flock`` locks of a killed process.
+kernel drops ``flock`` locks of a killed process, and closes its open handles (any later
+call on one is ``EBADF``): a handle from before a crash never writes into the next run.
+
+Timestamps: atime is set at creation and by ``utime`` only (as with ``noatime``); the
+parity suite compares it only after an explicit ``utime``.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
+import os
+import stat as _stat
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from . import DIR, LNK, OTHER, REG, HostFS, Stat, StoreBusy, parent_of
+from . import (
+    DIR,
+    LNK,
+    OTHER,
+    REG,
+    Attr,
+    FileHandle,
+    HostFS,
+    Stat,
+    StatFS,
+    StoreBusy,
+    check_open_flags,
+    parent_of,
+)
 
 FaultHook = Callable[["SimHostFS", str, str, int], Optional[int]]
 
@@ -63,18 +88,37 @@ class _Inode:
     nlink: int = 1
     durable_meta: tuple | None = None  # metadata as of the last journal commit (see power_loss)
     durable_data: bytes | None = None  # bytes as of this inode's last fsync
+    atime_ns: int | None = None  # None: the mtime given at creation
+    fmt: int = 0  # S_IFMT bits; 0: the usual one for ``kind`` (an OTHER is a fifo)
+
+    def __post_init__(self) -> None:
+        if self.atime_ns is None:
+            self.atime_ns = self.mtime_ns
+        if not self.fmt:
+            self.fmt = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}.get(self.kind, _stat.S_IFIFO)
 
     def meta(self) -> tuple:
-        return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink)
+        return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
+                self.atime_ns)
 
     def stat(self) -> Stat:
         size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
         return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink)
 
+    def attr(self) -> Attr:
+        """As ext4 reports it: owner root, whole 4 KiB blocks, symlinks under 60 bytes inline."""
+        st = self.stat()
+        if self.kind in (REG, DIR):
+            blocks = -(-st.size // 4096) * 8
+        elif self.kind == LNK:
+            blocks = 0 if st.size < 60 else 8
+        else:
+            blocks = 0
+        return Attr(self.kind, self.fmt, self.mode, st.size, self.nlink, 0, 0, 0, 4096, blocks, self.atime_ns,
+                    self.mtime_ns, self.ctime_ns, self.ino)
+
 
 def _err(code: int, path: str) -> OSError:
-    import os
-
     return OSError(code, os.strerror(code), path)
 
 
@@ -89,6 +133,72 @@ class _SimLock:
             del self._fs._locks[self._path]
 
 
+class SimFileHandle(FileHandle):
+    """A regular file opened by :meth:`SimHostFS.open`: holds the inode, not the path."""
+
+    def __init__(self, fs: "SimHostFS", node: _Inode, path: str, flags: int):
+        self.path = path
+        self.flags = flags
+        self._fs = fs
+        self._node = node
+        self._epoch = fs._epoch  # a crash of the process that opened it closes it
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._epoch != self._fs._epoch
+
+    def _call(self, op: str, nbytes: int = 0) -> Optional[int]:
+        """EBADF if closed (no host call happens), else the fault hook, as a path call."""
+        if self.closed:
+            raise _err(errno.EBADF, self.path)
+        return self._fs._fault(op, self.path, nbytes)
+
+    def _can(self, write: bool) -> bool:
+        acc = self.flags & os.O_ACCMODE
+        return acc in (os.O_WRONLY, os.O_RDWR) if write else acc in (os.O_RDONLY, os.O_RDWR)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        self._call("read")
+        if offset < 0 or length < 0:
+            raise _err(errno.EINVAL, self.path)
+        if not self._can(write=False):
+            raise _err(errno.EBADF, self.path)
+        return bytes(self._node.data[offset : offset + length])
+
+    def pwrite(self, data: bytes, offset: int) -> int:
+        limit = self._call("write", len(data))
+        if offset < 0:  # checked before O_APPEND moves the offset, as pwrite(2) does
+            raise _err(errno.EINVAL, self.path)
+        if not self._can(write=True):
+            raise _err(errno.EBADF, self.path)
+        if self.flags & os.O_APPEND:
+            offset = len(self._node.data)
+        return self._fs._write_node(self._node, offset, data, limit, self.path)
+
+    def truncate(self, size: int) -> None:
+        self._call("truncate")
+        if size < 0 or not self._can(write=True):  # ftruncate(2) of a read-only fd: EINVAL
+            raise _err(errno.EINVAL, self.path)
+        self._fs._truncate_node(self._node, size)
+
+    def fsync(self, datasync: bool = False) -> None:
+        """``fsync`` commits like :meth:`SimHostFS.fsync`; ``fdatasync`` makes only this
+        file's bytes durable (the strict reading: no journal commit is promised)."""
+        self._call("fsync")
+        if datasync:
+            self._node.durable_data = bytes(self._node.data)
+        else:
+            self._fs._fsync_node(self._node)
+
+    def fstat(self) -> Attr:
+        self._call("fstat")
+        return self._node.attr()
+
+    def close(self) -> None:
+        self._closed = True
+
+
 class SimHostFS(HostFS):
     """An in-memory directory tree. ``clock`` supplies timestamps (ns)."""
 
@@ -101,20 +211,24 @@ class SimHostFS(HostFS):
         now = self.clock()
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         self._locks: dict[str, tuple[int, object]] = {}
+        self._epoch = 0  # bumped by a process death: handles opened before it are closed
 
     # -- simulation controls (not part of HostFS) --
 
     def crash(self) -> None:
-        """The process using this filesystem died: its locks are gone, data stays."""
+        """The process using this filesystem died: its locks and open handles are gone, data stays."""
         self._locks.clear()
+        self._epoch += 1
 
-    def make_special(self, path: str, mode: int = 0o644) -> None:
-        """Place a fifo-like special file (for tests of 'never opened')."""
+    def make_special(self, path: str, mode: int = 0o644, fmt: int = _stat.S_IFIFO) -> None:
+        """Place a special file (a fifo unless ``fmt`` says otherwise) for tests of 'never opened'."""
+        if fmt in (0, _stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK) or fmt & ~0o170000:
+            raise ValueError(f"not a special file type: {fmt:#o}")
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now)
+        parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now, fmt=fmt)
         self._touch_dir(parent, now)
 
     # -- internals --
@@ -190,6 +304,14 @@ class SimHostFS(HostFS):
         self._fault("lstat", path)
         return self._entry(path).stat()
 
+    def getattr(self, path: str) -> Attr:
+        self._fault("getattr", path)
+        return self._entry(path).attr()
+
+    def statfs(self) -> StatFS:
+        self._fault("statfs", "")
+        return super().statfs()
+
     def listdir(self, path: str) -> list[str]:
         self._fault("listdir", path)
         node = self._walk(path)
@@ -205,6 +327,11 @@ class SimHostFS(HostFS):
         if offset < 0 or length < 0:
             raise _err(errno.EINVAL, path)
         return bytes(node.data[offset : offset + length])
+
+    def open(self, path: str, flags: int) -> SimFileHandle:
+        self._fault("open", path)
+        check_open_flags(flags, path)
+        return SimFileHandle(self, self._file(path), path, flags)
 
     def readlink(self, path: str) -> str:
         self._fault("readlink", path)
@@ -229,6 +356,10 @@ class SimHostFS(HostFS):
         node = self._file(path)
         if offset < 0:
             raise _err(errno.EINVAL, path)
+        return self._write_node(node, offset, data, limit, path)
+
+    def _write_node(self, node: _Inode, offset: int, data: bytes, limit: Optional[int], path: str) -> int:
+        """The write itself (path or handle): ``limit`` from the fault hook tears it."""
         n = len(data) if limit is None else max(0, min(limit, len(data)))
         if n:  # a zero-byte write changes nothing: no zero-fill, no timestamps
             if offset > len(node.data):
@@ -247,6 +378,9 @@ class SimHostFS(HostFS):
         node = self._file(path)
         if size < 0:
             raise _err(errno.EINVAL, path)
+        self._truncate_node(node, size)
+
+    def _truncate_node(self, node: _Inode, size: int) -> None:
         if size < len(node.data):
             del node.data[size:]
         else:
@@ -374,10 +508,12 @@ class SimHostFS(HostFS):
         node.mode = mode & 0o7777
         node.ctime_ns = self.clock()
 
-    def utime(self, path: str, mtime_ns: int) -> None:
+    def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         self._fault("utime", path)
         node = self._entry(path)
         node.mtime_ns = mtime_ns
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
         node.ctime_ns = self.clock()
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
@@ -478,7 +614,9 @@ class SimHostFS(HostFS):
     def fsync(self, path: str) -> None:
         """This inode's bytes become durable, and so does all metadata so far (one journal)."""
         self._fault("fsync", path)
-        node = self._walk(path)
+        self._fsync_node(self._walk(path))
+
+    def _fsync_node(self, node: _Inode) -> None:
         self._commit_metadata()
         node.durable_data = bytes(node.data)
 
@@ -521,11 +659,12 @@ class SimHostFS(HostFS):
                 continue
             seen.add(node.ino)
             if node.durable_meta is not None:
-                node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink = node.durable_meta
+                node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns = node.durable_meta
                 node.entries, node.xattrs = dict(entries), dict(xattrs)
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())
         self._locks.clear()
+        self._epoch += 1  # the process died with the machine: its handles are gone
 
     def lock(self, path: str) -> _SimLock:
         """Lock the regular file ``path`` (created 0600 if missing) and write the pid in it.

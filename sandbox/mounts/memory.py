@@ -1,0 +1,65 @@
+"""In-memory trees (seed 000 ``MemoryFS``/``HostMount``): files a host injects into the guest.
+
+Built from a flat ``{relative_path: bytes | str}`` dict; intermediate directories are
+created. Served through a :class:`~sandbox.mounts.provider.Provider` like any other
+export, so the protocol servers need nothing special for them.
+
+Invariants: read-only unless ``writable=True``; never undo-tracked (writes to a writable
+tree change only the in-memory copy, and are lost with it); the tree is a snapshot —
+later changes to the dict are not seen. Paths are validated exactly as guest paths are
+(no ``..``, not absolute, components ≤ 255 bytes); a path that is both a file and a
+directory is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..hostfs import DIR, PathError, normalize, parent_of
+from ..hostfs.sim import SimClock, SimHostFS
+from .provider import Provider
+
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+
+
+def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> SimHostFS:
+    """A :class:`SimHostFS` (the in-memory host filesystem) holding ``files``."""
+    host = SimHostFS(name, clock=SimClock(time.time_ns()))
+    for raw in sorted(files):
+        data = files[raw]
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"{raw!r}: contents must be bytes or str, not {type(data).__name__}")
+        try:
+            path = normalize(raw)
+        except PathError as e:
+            raise ValueError(f"invalid mount path {raw!r}: {e.strerror}") from None
+        if not path:
+            raise ValueError("a file cannot be the mount root itself")
+        _makedirs(host, parent_of(path), raw)
+        try:
+            host.create(path, FILE_MODE)
+        except FileExistsError:
+            raise ValueError(f"{raw!r} is given twice or is also a directory") from None
+        host.write_all(path, 0, bytes(data))
+    return host
+
+
+def _makedirs(host: SimHostFS, path: str, raw: str) -> None:
+    parts = path.split("/") if path else []
+    for k in range(1, len(parts) + 1):
+        sub = "/".join(parts[:k])
+        try:
+            st = host.lstat(sub)
+        except FileNotFoundError:
+            host.mkdir(sub, DIR_MODE)
+            continue
+        if st.kind != DIR:
+            raise ValueError(f"{raw!r} needs {sub!r} to be a directory, but it is a file")
+
+
+def memory_tree(files: dict[str, bytes | str], *, writable: bool = False, label: str = "memory") -> Provider:
+    """A provider over an in-memory snapshot of ``files`` (read-only by default)."""
+    return Provider(memory_hostfs(files, label), None, read_only=not writable, label=label)

@@ -1,0 +1,237 @@
+"""Provider: what a protocol server serves — one tree, reached by relative paths.
+
+The 9P server (and later the FUSE server) speaks to a :class:`Provider` only. One
+class covers the three kinds of export SPEC §3 names, because they differ only in
+*who performs a mutation*:
+
+* **intercepted host directory** — mutations go through the workspace's
+  :class:`~sandbox.core.intercepted_fs.InterceptedFS` (hooks, WAL, safeguards), so a
+  guest's write lands in the current step exactly as the simulation's writes do;
+* **read-only host directory** — every mutation is ``EROFS`` before anything is touched;
+* **in-memory tree** — the same operations over an in-memory :class:`HostFS`, through a
+  pass-through ``InterceptedFS`` (no undo), read-only unless made writable.
+
+Invariants:
+
+* every host access goes through a :class:`~sandbox.hostfs.HostFS`, whose real
+  implementation resolves each path beneath the root's directory fd with ``openat2``
+  and never follows a symlink — a path string here can never name anything outside;
+* names coming from a client are checked by :func:`child` (one component, no ``/``,
+  not ``.``/``..``, no NUL, ≤ 255 bytes) before they are joined;
+* special files are reported (getattr/readdir) but never opened, and never created
+  (``mknod`` is ``EPERM``);
+* ownership changes are accepted and not applied (the undo log cannot restore owners,
+  so the host's owner stays authoritative — like QEMU's ``security_model=none``);
+* a mutation may raise :class:`~sandbox.core.errors.HoldRequired` *before* it has any
+  effect; the server queues it and calls it again once the hold is resolved.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from typing import Callable
+
+from ..core.intercepted_fs import InterceptedFS
+from ..hostfs import NAME_LEN_MAX, Attr, FileHandle, HostFS, StatFS, join
+
+XATTR_CREATE, XATTR_REPLACE = 1, 2
+XATTR_SIZE_MAX = 65536  # the kernel's limit for one value
+XATTR_LIST_MAX = 65536
+
+
+def child(parent: str, name: str) -> str:
+    """``parent/name`` for a client-supplied single component, or ``OSError``."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise OSError(errno.EINVAL, f"invalid name {name!r}")
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_LEN_MAX:
+        raise OSError(errno.ENAMETOOLONG, "name longer than 255 bytes")
+    return join(parent, name)
+
+
+class Provider:
+    """A tree served to clients. See the module docstring for the three kinds."""
+
+    def __init__(self, host: HostFS, fs: InterceptedFS | None, *, read_only: bool, label: str = "",
+                 poll: Callable[[], None] | None = None, tracker=None):
+        self.host = host
+        self.fs = fs if fs is not None else InterceptedFS(host, None)
+        self.read_only = read_only
+        self.label = label or host.name
+        self._poll = poll
+        self._tracker = tracker
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def intercepted(cls, workspace, label: str = "") -> "Provider":
+        """The working folder of ``workspace``; every mutation is undo-tracked."""
+        ws = workspace
+        return cls(ws.work, ws.fs, read_only=False, label=label or "work", poll=ws.poll, tracker=ws.tracker)
+
+    @classmethod
+    def read_only_dir(cls, root: str, label: str = "") -> "Provider":
+        from ..hostfs.real import RealHostFS
+
+        return cls(RealHostFS(root, name=label or "ro"), None, read_only=True, label=label)
+
+    @property
+    def intercepted_fs(self) -> InterceptedFS | None:
+        return self.fs if self.fs.interceptor is not None else None
+
+    @property
+    def interceptor(self):
+        return self.fs.interceptor
+
+    # ------------------------------------------------------------------ housekeeping
+
+    def poll(self) -> None:
+        """Time-driven transitions of the undo core (ambient steps closing, hold expiry)."""
+        if self._poll is not None:
+            self._poll()
+
+    def op_started(self) -> None:
+        """A request that may write was received (the step's quiescence waits for it)."""
+        if self._tracker is not None:
+            with self.fs.interceptor.lock:
+                self._tracker.op_started()
+
+    def op_finished(self) -> None:
+        if self._tracker is not None:
+            with self.fs.interceptor.lock:
+                self._tracker.op_finished()
+
+    def close(self) -> None:
+        close = getattr(self.host, "close", None)
+        if close is not None and self.fs.interceptor is None:
+            close()  # an intercepted host belongs to its workspace
+
+    # ------------------------------------------------------------------ queries
+
+    def getattr(self, path: str) -> Attr:
+        return self.host.getattr(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self.host.listdir(path)
+
+    def readlink(self, path: str) -> str:
+        return self.host.readlink(path)
+
+    def listxattr(self, path: str) -> list[str]:
+        return self.host.listxattr(path)
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        return self.host.getxattr(path, name)
+
+    def statfs(self) -> StatFS:
+        return self.host.statfs()
+
+    def open(self, path: str, flags: int) -> FileHandle:
+        """Open a regular file; ``flags`` are Linux ``O_*`` bits. ``O_TRUNC`` is a mutation."""
+        acc = flags & os.O_ACCMODE
+        if acc not in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
+            raise OSError(errno.EINVAL, "invalid access mode", path)
+        keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
+        if keep & (os.O_TRUNC | os.O_APPEND) or acc != os.O_RDONLY:
+            self._writable(path)
+        return self.fs.open(path, keep)
+
+    # ------------------------------------------------------------------ mutations
+
+    def _writable(self, path: str = "") -> None:
+        if self.read_only:
+            raise OSError(errno.EROFS, "read-only export", path)
+
+    def create(self, path: str, mode: int, flags: int) -> tuple[FileHandle, bool]:
+        """``open(O_CREAT)``: create (or, without ``O_EXCL``, open) a regular file.
+
+        Returns the handle and whether a new file was made. The mode is applied as given
+        (the client applied its umask)."""
+        self._writable(path)
+        try:
+            self.fs.create(path, mode & 0o7777)
+            made = True
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            made = False
+        acc = flags & os.O_ACCMODE
+        keep = acc | (flags & os.O_APPEND) | (0 if made else flags & os.O_TRUNC)
+        return self.fs.open(path, keep), made
+
+    def write(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
+        self._writable(path)
+        return self.fs.pwrite(handle, path, offset, data)
+
+    def fsync(self, handle: FileHandle | None, datasync: bool = False) -> None:
+        if handle is not None:
+            handle.fsync(datasync)
+
+    def setattr(self, path: str, *, handle: FileHandle | None = None, mode: int | None = None,
+                size: int | None = None, atime_ns: int | None = None, mtime_ns: int | None = None,
+                chown: bool = False) -> None:
+        """Apply what is given, in the order the kernel does: mode, size, times.
+
+        ``atime_ns``/``mtime_ns`` of ``-1`` mean "now". ``chown`` alone is accepted and
+        not applied (module docstring)."""
+        if mode is None and size is None and atime_ns is None and mtime_ns is None:
+            return
+        self._writable(path)
+        if mode is not None:
+            self.fs.chmod(path, mode & 0o7777)
+        if size is not None:
+            if handle is not None and not self.host.exists(path):
+                self.fs.ftruncate(handle, path, size)  # open but unlinked: the inode still is
+            else:
+                self.fs.truncate(path, size)
+        if atime_ns is not None or mtime_ns is not None:
+            now = time.time_ns()
+            cur = self.host.getattr(path)
+            m = cur.mtime_ns if mtime_ns is None else (now if mtime_ns == -1 else mtime_ns)
+            a = None if atime_ns is None else (now if atime_ns == -1 else atime_ns)
+            self.fs.utime(path, m, a)
+
+    def mkdir(self, path: str, mode: int) -> None:
+        self._writable(path)
+        self.fs.mkdir(path, mode & 0o7777)
+
+    def symlink(self, target: str, path: str) -> None:
+        self._writable(path)
+        self.fs.symlink(target, path)
+
+    def link(self, existing: str, new: str) -> None:
+        self._writable(new)
+        self.fs.link(existing, new)
+
+    def mknod(self, path: str) -> None:
+        self._writable(path)
+        raise OSError(errno.EPERM, "device nodes, fifos and sockets are never created on the host", path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._writable(src)
+        self.fs.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._writable(path)
+        self.fs.unlink(path)
+
+    def rmdir(self, path: str) -> None:
+        self._writable(path)
+        self.fs.rmdir(path)
+
+    def setxattr(self, path: str, name: str, value: bytes, flags: int = 0) -> None:
+        self._writable(path)
+        if len(value) > XATTR_SIZE_MAX:
+            raise OSError(errno.E2BIG, "xattr value larger than 64 KiB", path)
+        if flags & (XATTR_CREATE | XATTR_REPLACE):
+            present = name in self.host.listxattr(path)
+            if flags & XATTR_CREATE and present:
+                raise OSError(errno.EEXIST, f"xattr {name} exists", path)
+            if flags & XATTR_REPLACE and not present:
+                raise OSError(errno.ENODATA, f"no xattr {name}", path)
+        self.fs.setxattr(path, name, value)
+
+    def removexattr(self, path: str, name: str) -> None:
+        self._writable(path)
+        self.fs.removexattr(path, name)

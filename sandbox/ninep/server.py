@@ -1,0 +1,372 @@
+"""The asyncio 9P2000.L server: sockets, pipelining, flush and reply holding.
+
+A thin loop around the codec (``codec``) and the per-connection :class:`Session`:
+frames are split and decoded as bytes arrive; each request is handled at once in the
+event loop (host calls are short and never block — special files are never opened)
+and its reply written. A request that must wait — a mutation queued behind a
+safeguard hold — becomes a task owned by its connection, keyed by its tag, so later
+requests on the same connection go on (pipelining) and ``Tflush`` can cancel it.
+
+Invariants:
+
+* errors while handling a request are never fatal: every exception becomes
+  ``Rlerror(errno)`` (``EIO`` for the unexpected, which is also logged); a frame that
+  cannot be decoded but has a readable tag gets ``Rlerror(EINVAL)``; only a broken
+  frame boundary (size < 7 or > msize) or a duplicate in-flight tag closes that
+  connection — the server and its other connections stay up;
+* ``Tflush(oldtag)`` is answered after ``oldtag``'s reply if that was already sent,
+  and otherwise cancels it so that it is never answered;
+* every task belongs to its connection and is cancelled and awaited when the
+  connection or the server closes; nothing is left running;
+* mutating requests on an intercepted export count as in flight for the step tracker
+  from receipt to reply, so a step's quiescence window waits for them;
+* bounded: ``msize`` ≤ ``msize_max``; fids and open files per connection; the hold
+  queue per export; a connection whose client does not read its replies stops being
+  read (transport flow control) instead of buffering without end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from ..core.errors import HoldRequired
+from ..mounts import Provider
+from . import messages as m
+from .codec import FrameSplitter, ProtocolError, decode, encode
+from .session import FIDS_MAX, OPEN_FILES_MAX, Export, Session
+
+log = logging.getLogger("sandbox.fs_backend")
+MSIZE_MAX = 1 << 20
+MSIZE_MIN = 8192
+
+
+@dataclass
+class ServerConfig:
+    #: the largest msize granted (the client's is honoured up to this; ≥ 512 KiB recommended)
+    msize_max: int = MSIZE_MAX
+    fids_max: int = FIDS_MAX
+    open_files_max: int = OPEN_FILES_MAX
+    hold_queue_max: int = 10_000
+    #: how often the undo core's time-driven transitions run (ambient step close, hold expiry)
+    poll_interval_s: float = 0.2
+    #: stop reading a connection whose unsent replies exceed this
+    write_buffer_high_bytes: int = 8 << 20
+
+    def __post_init__(self):
+        if self.msize_max < MSIZE_MIN:
+            raise ValueError(f"msize_max must be at least {MSIZE_MIN}")
+        if min(self.fids_max, self.open_files_max, self.hold_queue_max) < 1 or self.poll_interval_s <= 0:
+            raise ValueError("limits must be positive")
+
+
+def _errno_of(exc: BaseException) -> int:
+    if isinstance(exc, OSError) and isinstance(exc.errno, int) and 0 < exc.errno < 4096:
+        return exc.errno
+    return errno.EIO
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: "NinePServer", conn_id: int):
+        self.server = server
+        self.conn_id = conn_id
+        cfg = server.config
+        self.session = Session(server.exports, conn_id, cfg.msize_max, cfg.fids_max, cfg.open_files_max)
+        self.splitter = FrameSplitter(cfg.msize_max)
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+
+    # -- transport callbacks --
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SPEC §5: Nagle costs 10×
+        transport.set_write_buffer_limits(high=self.server.config.write_buffer_high_bytes)
+        self.server._connections.add(self)
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        self.server._connections.discard(self)
+        for t in self.tasks.values():
+            t.cancel()
+        self.server._spawn(self._finish())
+
+    async def _finish(self) -> None:
+        tasks = list(self.tasks.values())
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.session.close()
+
+    def pause_writing(self) -> None:
+        self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.splitter.feed(data)
+        except ProtocolError as e:
+            log.warning("9p connection %d: %s; closing it", self.conn_id, e)
+            self.transport.close()
+            return
+        for frame in frames:
+            if self.closed:
+                return
+            self._frame(frame)
+
+    # -- requests --
+
+    def _send(self, tag: int, msg: m.Message) -> None:
+        if self.closed:
+            return
+        try:
+            data = encode(tag, msg)
+        except ValueError as e:  # a reply we cannot represent: a bug or absurd host data
+            log.error("9p: cannot encode %s: %s", type(msg).__name__, e)
+            data = encode(tag, m.Rlerror(errno.EIO))
+        self.transport.write(data)
+
+    def _frame(self, frame: bytes) -> None:
+        try:
+            tag, msg = decode(frame)
+        except ProtocolError as e:
+            if e.tag is None:
+                log.warning("9p connection %d: %s; closing it", self.conn_id, e)
+                self.transport.close()
+            else:
+                log.info("9p connection %d: bad request (tag %d): %s", self.conn_id, e.tag, e)
+                self._send(e.tag, m.Rlerror(errno.EINVAL))
+            return
+        if tag in self.tasks:
+            log.warning("9p connection %d: tag %d reused while in flight; closing it", self.conn_id, tag)
+            self.transport.close()
+            return
+        if isinstance(msg, m.Tflush):
+            self._flush(tag, msg.oldtag)
+            return
+        if isinstance(msg, m.Tversion):
+            self.splitter.msize = self.server.config.msize_max  # until negotiated
+        try:
+            export = self.session.gated_export(msg)
+        except Exception:  # pragma: no cover - gated_export only reads the fid table
+            export = None
+        if export is None:
+            self._send(tag, self._call(msg))
+            if isinstance(msg, m.Tversion) and self.session.msize:
+                self.splitter.msize = self.session.msize
+            return
+        provider, gate = export.provider, export.gate
+        provider.op_started()
+        op = lambda: self.session.handle(msg)  # noqa: E731
+        try:
+            if gate.busy:
+                self._defer(tag, msg, gate.submit(op), provider)
+                return
+            try:
+                reply = op()
+            except HoldRequired as held:
+                self._defer(tag, msg, gate.submit(op, held.hold), provider)
+                return
+        except Exception as e:
+            reply = self._error(msg, e)
+        provider.op_finished()
+        self._send(tag, reply)
+
+    def _call(self, msg: m.Message) -> m.Message:
+        try:
+            return self.session.handle(msg)
+        except Exception as e:
+            return self._error(msg, e)
+
+    def _error(self, msg: m.Message, e: BaseException) -> m.Rlerror:
+        if isinstance(e, HoldRequired):  # pragma: no cover - only gated requests can hold
+            log.error("9p: %s held outside the gate", type(msg).__name__)
+        elif not isinstance(e, OSError):
+            log.exception("9p: %s failed unexpectedly", type(msg).__name__, exc_info=e)
+        return m.Rlerror(_errno_of(e))
+
+    def _defer(self, tag: int, msg: m.Message, task: asyncio.Task, provider: Provider) -> None:
+        """``msg`` waits in its export's hold gate; its reply goes out when ``task`` ends
+        (none if it was cancelled: flushed, or the connection closed)."""
+        self.tasks[tag] = task
+
+        def done(t: asyncio.Task) -> None:
+            provider.op_finished()
+            self.tasks.pop(tag, None)
+            if t.cancelled():
+                return
+            e = t.exception()
+            self._send(tag, t.result() if e is None else self._error(msg, e))
+
+        task.add_done_callback(done)
+
+    def _flush(self, tag: int, oldtag: int) -> None:
+        t = self.tasks.get(oldtag)
+        if t is None:
+            self._send(tag, m.Rflush())
+            return
+        t.cancel()
+
+        async def answer():
+            await asyncio.gather(t, return_exceptions=True)
+            self._send(tag, m.Rflush())
+
+        self.tasks[tag] = task = asyncio.get_running_loop().create_task(answer())
+        task.add_done_callback(lambda _t: self.tasks.pop(tag, None))
+
+
+class NinePServer:
+    """Serve one or more providers (selected by the attach name; the first is the default)."""
+
+    def __init__(self, exports: Provider | dict[str, Provider], config: ServerConfig | None = None,
+                 decide: Callable | None = None):
+        self.config = config or ServerConfig()
+        if isinstance(exports, Provider):
+            exports = {"": exports}
+        self.exports = {name.strip("/"): Export(p, decide, self.config.hold_queue_max) for name, p in exports.items()}
+        self._servers: list[asyncio.base_events.Server] = []
+        self._connections: set[_Connection] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._next_conn = 1
+        self._poller: asyncio.Task | None = None
+        self.unix_path: str | None = None
+
+    # -- lifecycle --
+
+    def _protocol(self) -> _Connection:
+        conn = _Connection(self, self._next_conn)
+        self._next_conn += 1
+        return conn
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _start_poller(self) -> None:
+        if self._poller is None and any(e.provider.interceptor is not None for e in self.exports.values()):
+            self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.poll_interval_s)
+            for e in self.exports.values():
+                try:
+                    e.provider.poll()
+                except Exception:
+                    log.exception("undo core poll failed for %s", e.provider.label)
+
+    async def start_unix(self, path: str) -> None:
+        """Listen on a unix socket (mode 0600). A stale socket at ``path`` is replaced;
+        anything else there is an error."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
+            os.unlink(path)
+        old = os.umask(0o177)
+        try:
+            srv = await asyncio.get_running_loop().create_unix_server(self._protocol, path)
+        finally:
+            os.umask(old)
+        self.unix_path = path
+        self._servers.append(srv)
+        self._start_poller()
+
+    async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on TCP (loopback by default); returns the port."""
+        srv = await asyncio.get_running_loop().create_server(self._protocol, host, port)
+        self._servers.append(srv)
+        self._start_poller()
+        return srv.sockets[0].getsockname()[1]
+
+    def resolve(self, hold_id: str, action: str) -> bool:
+        """Answer a pending safeguard hold on whichever export has it."""
+        return any(e.gate.resolve(hold_id, action) for e in self.exports.values() if e.gate is not None)
+
+    async def close(self) -> None:
+        for srv in self._servers:
+            srv.close()
+        for conn in list(self._connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        for srv in self._servers:
+            await srv.wait_closed()
+        self._servers.clear()
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self.unix_path is not None:
+            try:
+                os.unlink(self.unix_path)
+            except FileNotFoundError:
+                pass
+            self.unix_path = None
+
+
+class ServerThread:
+    """Run a :class:`NinePServer` on its own event loop in a background thread.
+
+    For synchronous embedders and tests: ``with ServerThread(server, unix_path=p): …``.
+    ``call(fn)`` runs ``fn`` on the server's loop and returns its result (for state the
+    loop owns)."""
+
+    def __init__(self, server: NinePServer, unix_path: str | None = None, tcp: bool = False):
+        self.server = server
+        self.unix_path = unix_path
+        self.tcp = tcp
+        self.port: int | None = None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="9p-server", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        try:
+            self.run(self._start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        if self.unix_path:
+            await self.server.start_unix(self.unix_path)
+        if self.tcp:
+            self.port = await self.server.start_tcp()
+
+    def run(self, coro, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def call(self, fn: Callable, timeout_s: float = 60.0):
+        async def go():
+            return fn()
+
+        return self.run(go(), timeout_s)
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(30)
+        self.loop.close()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.run(self.server.close())
+        finally:
+            self._stop_loop()

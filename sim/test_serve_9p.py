@@ -1,0 +1,114 @@
+"""``sandbox serve-9p`` as a researcher runs it: a real process, a real socket, SIGTERM.
+
+Writes made over 9P land in ambient steps that ``sandbox history`` lists and
+``sandbox undo`` undoes once the server has stopped; while it runs, the undo store is
+locked (exit 5). ``--read-only`` refuses writes. Bad usage exits 2 with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from sandbox.ninep.client import Client
+from sim import oracle
+from sim.wire import WireFS
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def sandbox_cmd(*args: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL)
+
+
+def start(*args: str, env) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "sandbox", "serve-9p", *args], stderr=subprocess.PIPE, text=True,
+                         env=env, stdin=subprocess.DEVNULL)
+    line = p.stderr.readline()  # blocks until the server announces itself (or dies)
+    assert "serving" in line, line + p.stderr.read()
+    return p
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
+
+
+@pytest.fixture
+def work(tmp_path):
+    w = tmp_path / "work"
+    w.mkdir()
+    (w / "keep.txt").write_bytes(b"precious\n")
+    (w / "src").mkdir()
+    (w / "src" / "main.py").write_bytes(b"print('hi')\n")
+    return w
+
+
+def test_serve_write_sigterm_then_history_and_undo(tmp_path, work, env):
+    before = oracle.snapshot_dir(str(work))
+    sock = str(tmp_path / "9p.sock")
+    p = start("--root", str(work), "--socket", sock, env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            fs = WireFS(c)
+            fs.remove_tree("src")
+            fs.write_file("keep.txt", b"clobbered\n")
+        busy = sandbox_cmd("undo", "--workdir", str(work), env=env)
+        assert busy.returncode == 5 and "in use" in busy.stderr
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert "server stopped" in err and not os.path.exists(sock)
+    hist = sandbox_cmd("history", "--workdir", str(work), env=env)
+    assert hist.returncode == 0 and "ambient" in hist.stdout, hist
+    undo = sandbox_cmd("undo", "--workdir", str(work), "-n", "1", env=env)
+    assert undo.returncode == 0, undo.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "undo after serve-9p")
+
+
+def test_read_only_serves_and_refuses_writes(tmp_path, work, env):
+    sock = str(tmp_path / "ro.sock")
+    p = start("--root", str(work), "--socket", sock, "--read-only", env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            fs = WireFS(c)
+            assert fs.read_file("keep.txt") == b"precious\n"
+            with pytest.raises(OSError) as e:
+                fs.unlink("keep.txt")
+            assert e.value.errno == 30  # EROFS
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    assert p.returncode == 0
+    assert not os.path.exists(tmp_path / "xdg")  # no undo store for a read-only export
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--root", "/nonexistent-dir", "--socket", "/tmp/x.sock"], "not a directory"),
+    (["--root", "."], "--socket"),
+    (["--root", ".", "--tcp", "nope"], "[HOST:]PORT"),
+])
+def test_bad_usage_exits_2(args, words, env, tmp_path):
+    r = sandbox_cmd("serve-9p", *args, env=env)
+    assert r.returncode == 2 and words in r.stderr, r
+
+
+def test_a_regular_file_at_the_socket_path_is_not_replaced(tmp_path, work, env):
+    victim = tmp_path / "not-a-socket"
+    victim.write_bytes(b"data")
+    r = sandbox_cmd("serve-9p", "--root", str(work), "--socket", str(victim), env=env)
+    assert r.returncode == 1 and "not a socket" in r.stderr, r
+    assert victim.read_bytes() == b"data"
+
+
+def test_help_explains(env):
+    r = sandbox_cmd("serve-9p", "--help", env=env)
+    assert r.returncode == 0
+    for words in ("9P2000.L", "--read-only", "sandbox history", "mount -t 9p", "SIGTERM"):
+        assert words in r.stdout
