@@ -130,6 +130,8 @@ def main() -> int:
     base = tempfile.mkdtemp(prefix="sandbox-bench-9p-")
     results: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
     try:
+        print("warm-up run (not counted) …", file=sys.stderr, flush=True)
+        run_side("off", base, argparse.Namespace(**{**vars(args), "files": 50, "mb": 2}))
         for r in range(args.repeat):
             for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
                 print(f"run {r + 1}/{args.repeat}: interception {side} …", file=sys.stderr, flush=True)

@@ -252,9 +252,10 @@ def test_replay_matches_recorded_replies(tmp_path, work):
                     tag, got, _frame = r.roundtrip(e.t_frame)
                     where = f"request #{e.index} {e.t_msg!r}: recorded {e.r_msg!r}, replayed {got!r}"
                     assert tag == e.tag, where
-                    assert comparable(got) == comparable(e.r_msg), where
+                    assert comparable(got) == comparable(e.r_msg), (
+                        f"{where}\n  recorded {comparable(e.r_msg)}\n  replayed {comparable(got)}")
                     if isinstance(got, m.Rgetattr):
-                        host = os.lstat(work / fids.paths[e.t_msg.fid]) if fids.paths[e.t_msg.fid] else os.lstat(work)
+                        host = os.lstat(work / fids.paths[e.t_msg.fid])  # work / "" is work
                         assert (got.size, got.nlink) == (host.st_size, host.st_nlink), where
                         # Regular files and symlinks: size and nlink are the file's own,
                         # whatever the host. Directories: the host filesystem's numbers,

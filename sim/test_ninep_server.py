@@ -262,13 +262,14 @@ def test_open_then_unlink_keeps_the_file_usable(client, work):
 def test_rename_moves_every_fid_below_it(client, work):
     root, _ = client.attach()
     deep, _ = client.walk(root, ["sub", "deep.txt"])
-    other = Client.connect_unix(client.sock_path) if hasattr(client, "sock_path") else None
+    hello, _ = client.walk(root, ["hello.txt"])
     client.renameat(root, "sub", root, "moved")
     assert client.getattr(deep).size == 5  # the fid followed its file
     client.setattr(deep, m.SETATTR_MODE, mode=0o640)
     assert stat.S_IMODE(os.stat(work / "moved" / "deep.txt").st_mode) == 0o640
-    if other is not None:
-        other.close()
+    client.renameat(root, "hello.txt", root, "renamed.txt")  # a file rename moves its fids too
+    client.setattr(hello, m.SETATTR_MODE, mode=0o604)
+    assert stat.S_IMODE(os.stat(work / "renamed.txt").st_mode) == 0o604
 
 
 def test_fid_and_open_file_limits(ws, work):

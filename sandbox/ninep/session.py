@@ -35,7 +35,7 @@ from . import messages as m
 from .locks import INF, LockTable
 
 V9FS_MAGIC = 0x01021997
-FIDS_MAX = 65_536
+FIDS_MAX = 1 << 20  # a guest dcache pins one fid per cached dentry; ~200 B each
 OPEN_FILES_MAX = 1_024
 READDIR_HEADER = 11  # size[4] type[1] tag[2] count[4]
 DIRENT_FIXED = 13 + 8 + 1 + 2
@@ -86,15 +86,32 @@ class Export:
         self.provider = provider
         self.gate = HoldGate(provider.interceptor, decide, hold_queue_max) if provider.interceptor is not None else None
         self.locks = LockTable()
-        self.fids: set["Fid"] = set()
+        self._by_path: dict[str, set["Fid"]] = {}  # every live fid of every connection, by path
 
-    def renamed(self, src: str, dst: str) -> None:
-        for f in self.fids:
-            if is_within(f.path, src):
-                f.path = dst + f.path[len(src):]
+    def add(self, f: "Fid") -> None:
+        self._by_path.setdefault(f.path, set()).add(f)
+
+    def discard(self, f: "Fid") -> None:
+        fids = self._by_path.get(f.path)
+        if fids is not None:
+            fids.discard(f)
+            if not fids:
+                del self._by_path[f.path]
+
+    def move(self, f: "Fid", path: str) -> None:
+        self.discard(f)
+        f.path = path
+        self.add(f)
+
+    def renamed(self, src: str, dst: str, is_dir: bool) -> None:
+        """Fids follow their files: those at ``src`` (and below it, for a directory) move."""
+        paths = [p for p in self._by_path if is_within(p, src)] if is_dir else [src]
+        for p in paths:
+            for f in list(self._by_path.get(p, ())):
+                self.move(f, dst + p[len(src):])
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _XattrNew:
     name: str
     size: int
@@ -102,7 +119,7 @@ class _XattrNew:
     value: bytearray = field(default_factory=bytearray)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Fid:
     export: Export
     path: str
@@ -210,14 +227,14 @@ class Session:
             self._drop(fid)
         f = Fid(export, path, kind)
         self.fids[fid] = f
-        export.fids.add(f)
+        export.add(f)
         return f
 
     def _drop(self, fid: int) -> None:
         f = self.fids.pop(fid, None)
         if f is None:
             return
-        f.export.fids.discard(f)
+        f.export.discard(f)
         if f.handle is not None:
             self.open_files -= 1
             h, f.handle = f.handle, None
@@ -325,9 +342,8 @@ class Session:
         self._reserve_handle()
         handle, _made = d.export.provider.create(path, msg.mode, os_flags(msg.flags))
         self.open_files += 1
-        d.export.fids.discard(d)
-        d.path, d.kind, d.opened, d.handle = path, REG, True, handle  # the fid is now the new file
-        d.export.fids.add(d)
+        d.export.move(d, path)  # the fid is now the new file
+        d.kind, d.opened, d.handle = REG, True, handle
         return m.Rlcreate(qid_of(handle.fstat()), self.iounit)
 
     def _read(self, msg: m.Tread) -> m.Rread:
@@ -463,7 +479,11 @@ class Session:
 
     def _move(self, export: Export, src: str, dst: str) -> None:
         export.provider.rename(src, dst)
-        export.renamed(src, dst)
+        try:
+            is_dir = export.provider.getattr(dst).kind == DIR
+        except OSError:
+            is_dir = True  # cannot tell (raced away): look at every fid
+        export.renamed(src, dst, is_dir)
 
     def _rename(self, msg: m.Trename) -> m.Rrename:
         f, d = self._fid(msg.fid), self._dir(msg.dfid)
