@@ -16,6 +16,9 @@ exchanged while the guest ran ``linux-6.1-v9fs-session.sh`` on an export holding
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import os
 import posixpath
 import socket
@@ -37,7 +40,7 @@ from sim.wire import serve
 pytestmark = pytest.mark.timeout(60)
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "ninep")
-CAPTURE = os.path.join(FIXTURES, "linux-6.1-v9fs-session.cap")
+SESSION, OPS = "linux-6.1-v9fs-session", "linux-6.1-v9fs-ops"
 MSIZE = 524288  # what the session negotiated
 SPLIT_MSIZE = 1 << 20  # FrameSplitter bound: more than any frame of the session
 
@@ -52,6 +55,13 @@ R_TYPES_SEEN = {
     m.Rversion, m.Rattach, m.Rwalk, m.Rgetattr, m.Rlopen, m.Rreaddir, m.Rread, m.Rlcreate,
     m.Rwrite, m.Rclunk, m.Rmkdir, m.Rrenameat, m.Rsymlink, m.Runlinkat, m.Rreadlink, m.Rlerror,
 }  # fmt: skip
+# linux-6.1-v9fs-ops.sh (made with fixtures/ninep/capture.py): metadata, links, fsync, statfs,
+# a refused mknod, recursive removal; its end state is in linux-6.1-v9fs-ops.end.json.
+T_TYPES_SEEN_OPS = {
+    m.Tsetattr, m.Tstatfs, m.Tlink, m.Tfsync, m.Tmknod, m.Txattrwalk, m.Tunlinkat, m.Trenameat,
+    m.Tlcreate, m.Twrite, m.Tmkdir,
+}  # fmt: skip
+TYPES_SEEN = {SESSION: (T_TYPES_SEEN, R_TYPES_SEEN), OPS: (T_TYPES_SEEN_OPS, {m.Rlerror, m.Rsetattr, m.Rlink})}
 
 
 # --------------------------------------------------------------------------- the capture
@@ -69,7 +79,7 @@ class Exchange:
     r_msg: m.Message
 
 
-def read_records(path: str = CAPTURE) -> list[tuple[bytes, bytes]]:
+def read_records(path: str) -> list[tuple[bytes, bytes]]:
     """``[(b"T" | b"R", chunk)]``: direction[1] + u32 LE length + bytes, repeated."""
     with open(path, "rb") as f:
         data = f.read()
@@ -86,7 +96,7 @@ def read_records(path: str = CAPTURE) -> list[tuple[bytes, bytes]]:
 
 
 @cache
-def exchanges() -> tuple[Exchange, ...]:
+def exchanges(name: str = SESSION) -> tuple[Exchange, ...]:
     """Frames of both directions, each reply paired with its request.
 
     The records keep the order in which the proxy read the chunks, so a reply is matched
@@ -97,7 +107,7 @@ def exchanges() -> tuple[Exchange, ...]:
     requests: list[tuple[int, bytes, m.Message]] = []
     outstanding: dict[int, int] = {}  # tag -> index in requests
     replies: dict[int, tuple[bytes, m.Message]] = {}
-    for direction, chunk in read_records():
+    for direction, chunk in read_records(os.path.join(FIXTURES, f"{name}.cap")):
         for frame in splitters[direction].feed(chunk):
             tag, msg = decode(frame)
             if direction == b"T":
@@ -113,8 +123,9 @@ def exchanges() -> tuple[Exchange, ...]:
     return tuple(Exchange(i, tag, tf, tm, *replies[i]) for i, (tag, tf, tm) in enumerate(requests))
 
 
-def test_capture_decodes_and_reencodes_byte_exact():
-    ex = exchanges()
+@pytest.mark.parametrize("name", [SESSION, OPS])
+def test_capture_decodes_and_reencodes_byte_exact(name):
+    ex = exchanges(name)
     assert len(ex) > 100
     for e in ex:
         assert type(e.t_msg).__name__[0] == "T", f"T stream frame {e.index} decodes to {e.t_msg!r}"
@@ -127,8 +138,9 @@ def test_capture_decodes_and_reencodes_byte_exact():
     first = ex[0]
     assert first.t_msg == m.Tversion(msize=MSIZE, version="9P2000.L") and first.tag == m.NOTAG
     assert first.r_msg == m.Rversion(msize=MSIZE, version="9P2000.L")
-    assert {type(e.t_msg) for e in ex} >= T_TYPES_SEEN
-    assert {type(e.r_msg) for e in ex} >= R_TYPES_SEEN
+    t_seen, r_seen = TYPES_SEEN[name]
+    assert {type(e.t_msg) for e in ex} >= t_seen
+    assert {type(e.r_msg) for e in ex} >= r_seen
 
 
 # --------------------------------------------------------------------------- replay
@@ -236,8 +248,20 @@ def work(tmp_path):
     return w
 
 
-def test_replay_matches_recorded_replies(tmp_path, work):
-    ex = exchanges()
+def end_state(root: str) -> dict:
+    """What ``fixtures/ninep/capture.py`` records as a capture's end state (no times)."""
+    out = {}
+    for path, (kind, mode, _mtime, content, xattrs) in sorted(oracle.snapshot_dir(root).items()):
+        if isinstance(content, bytes):
+            content = {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
+        out[path] = {"kind": kind, "mode": mode, "content": content,
+                     "xattrs": {k: base64.b64encode(v).decode() for k, v in xattrs}}
+    return out
+
+
+@pytest.mark.parametrize("name", [SESSION, OPS])
+def test_replay_matches_recorded_replies(tmp_path, work, name):
+    ex = exchanges(name)
     like_ext4 = _dirs_sized_like_ext4(tmp_path)
     before = oracle.snapshot_dir(str(work))
     ws = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
@@ -267,10 +291,13 @@ def test_replay_matches_recorded_replies(tmp_path, work):
                 r.close()
         assert fids.paths == {}, "the session clunked every fid"
 
-        # The script's end state: hello.txt removed, new.txt moved into d/, d/e/f, link.
+        if name != SESSION:  # the end state the capture recorded
+            with open(os.path.join(FIXTURES, f"{name}.end.json")) as f:
+                assert end_state(str(work)) == json.load(f)
+        # The session's end state: hello.txt removed, new.txt moved into d/, d/e/f, link.
         after = oracle.snapshot_dir(str(work))
         shape = {p: (kind, mode, content, xattrs) for p, (kind, mode, _mtime, content, xattrs) in after.items()}
-        assert shape == {
+        assert name != SESSION or shape == {
             "": (DIR, before[""][1], None, ()),
             "d": (DIR, 0o755, None, ()),
             "d/e": (DIR, 0o755, None, ()),
@@ -278,7 +305,7 @@ def test_replay_matches_recorded_replies(tmp_path, work):
             "d/moved.txt": (REG, 0o644, b"from guest\n", ()),
             "link": (LNK, after["link"][1], "d/moved.txt", ()),
         }
-        assert os.readlink(work / "link") == "d/moved.txt"
+        assert name != SESSION or os.readlink(work / "link") == "d/moved.txt"
 
         ws.interceptor.close_now()  # the ambient step would close after 5 s idle
         hist = ws.history()
