@@ -403,3 +403,70 @@ def test_exports_are_selected_by_attach_name(ws, work):
             assert errno_of(c.attach, aname="nope") == errno.ENOENT
             _fid, q = c.attach(aname="/work")
             assert q.path == os.stat(work).st_ino
+
+
+# --------------------------------------------------------------------------- more of the surface
+
+
+def test_tcp_listener_on_loopback(ws, work):
+    from sandbox.ninep.server import NinePServer, ServerThread
+
+    with ServerThread(NinePServer(Provider.intercepted(ws)), tcp=True) as st:
+        with Client.connect_tcp("127.0.0.1", st.port) as c:
+            assert WireFS(c).read_file("hello.txt") == b"hello world\n"
+
+
+def test_session_rules(client, served):
+    raw = Client.connect_unix(served[1])  # version done by the client; now misuse the session
+    root, _ = raw.attach()
+    assert errno_of(raw.rpc, m.Tauth(raw.new_fid(), "u", "", 0)) == errno.EOPNOTSUPP
+    fid, _ = raw.walk(root, ["hello.txt"])
+    raw.lopen(fid, m.DOTL_RDONLY)
+    assert errno_of(raw.lopen, fid, m.DOTL_RDONLY) == errno.EBADF  # already open
+    assert errno_of(raw.write, fid, 0, b"x") == errno.EBADF  # read-only handle
+    d, _ = raw.walk(root, ["sub"])
+    assert errno_of(raw.lopen, d, m.DOTL_RDWR) == errno.EISDIR
+    assert errno_of(raw.readdir, d, 0, 100) == errno.EBADF  # not opened
+    assert errno_of(raw.readdir, fid, 0, 100) == errno.ENOTDIR
+    raw.lopen(d, m.DOTL_RDONLY)
+    assert errno_of(raw.readdir, d, 0, 10) == errno.EINVAL  # not even one entry fits
+    assert errno_of(raw.walk, root, ["x"], newfid=fid) == errno.EEXIST  # newfid in use
+    reply = raw.rpc(m.Tversion(8192, "9P2000.u"))
+    assert reply.version == "unknown"
+    raw.close()
+
+
+def test_remove_and_fid_rename(client, work):
+    root, _ = client.attach()
+    f, _ = client.walk(root, ["hello.txt"])
+    client.remove(f)
+    assert not (work / "hello.txt").exists()
+    assert errno_of(client.getattr, f) == errno.EBADF  # Tremove clunks
+    gone, _ = client.walk(root, ["sub"])
+    assert errno_of(client.remove, gone) == errno.ENOTEMPTY
+    assert errno_of(client.getattr, gone) == errno.EBADF  # clunked even though it failed
+    deep, _ = client.walk(root, ["sub", "deep.txt"])
+    client.rename(deep, root, "top.txt")  # the fid-based Trename
+    assert (work / "top.txt").read_bytes() == b"deep\n"
+    assert client.getattr(deep).size == 5
+
+
+def test_setattr_times_and_xattr_value_size(client, work):
+    root, _ = client.attach()
+    f, _ = client.walk(root, ["hello.txt"])
+    client.setattr(f, m.SETATTR_MTIME | m.SETATTR_MTIME_SET | m.SETATTR_ATIME | m.SETATTR_ATIME_SET,
+                   atime=(1_000_000_000, 5), mtime=(1_200_000_000, 7))
+    st = os.stat(work / "hello.txt")
+    assert (st.st_atime_ns, st.st_mtime_ns) == (1_000_000_000 * 10**9 + 5, 1_200_000_000 * 10**9 + 7)
+    client.setattr(f, m.SETATTR_ATIME)  # atime "now" alone keeps the mtime
+    assert os.stat(work / "hello.txt").st_mtime_ns == st.st_mtime_ns
+    assert errno_of(client.setattr, f, m.SETATTR_MTIME | m.SETATTR_MTIME_SET, mtime=(1, 10**9)) == errno.EINVAL
+    x, _ = client.walk(root, ["hello.txt"])
+    client.xattrcreate(x, "user.short", 10, 0)
+    client.write(x, 0, b"abc")  # fewer bytes than declared: the commit at clunk fails
+    assert errno_of(client.clunk, x) == errno.EINVAL
+    assert "user.short" not in os.listxattr(work / "hello.txt")
+    y, _ = client.walk(root, ["hello.txt"])
+    client.xattrcreate(y, "user.big", 2, 0)
+    assert errno_of(client.write, y, 0, b"abc") == errno.EINVAL  # past the declared size
+    assert errno_of(client.clunk, y) == errno.EINVAL  # 0 of 2 bytes: nothing committed
