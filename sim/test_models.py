@@ -26,9 +26,13 @@ seeds = st.integers(0, 2**32 - 1)
 has_history = precondition(lambda self: self.d is not None and self.d.history_len() > 0)
 
 
-class UndoModel(RuleBasedStateMachine):
+class UndoRules(RuleBasedStateMachine):
+    """The rules every backend supports; :class:`UndoModel` adds crashes and torn writes.
+    ``driver_class`` decides where the client's writes go (in process, or over 9P)."""
+
     backend = "sim"
     durable = False
+    driver_class = Driver
 
     def __init__(self):
         super().__init__()
@@ -50,7 +54,7 @@ class UndoModel(RuleBasedStateMachine):
         # "tight" limits make unprotected steps and size-driven eviction common
         limits = Limits(max_step_count=max_steps, max_single_step_size_bytes=6000 if tight else 200 << 20,
                         max_log_size_bytes=40_000 if tight else 1 << 30)
-        self.d = Driver(self.world, seed, limits, durable=self.durable)
+        self.d = self.driver_class(self.world, seed, limits, durable=self.durable)
 
     @rule(seed=seeds, count=st.integers(1, 6))
     def step(self, seed, count):
@@ -73,22 +77,9 @@ class UndoModel(RuleBasedStateMachine):
     def reopen(self):
         self.d.reopen()
 
-    @rule(seed=seeds, count=st.integers(1, 5), k=st.integers(0, 400))
-    def crash_in_step(self, seed, count, k):
-        self.d.crash_in_step(seed, count, k)
-
-    @rule(seed=seeds, count=st.integers(1, 5), k=st.integers(0, 300))
-    def torn_write_in_step(self, seed, count, k):
-        self.d.torn_write_in_step(seed, count, k)
-
     @rule(seed=seeds, count=st.integers(1, 5), j=st.integers(0, 60), code=st.sampled_from(STORE_ERRORS))
     def store_error_in_step(self, seed, count, j, code):
         self.d.store_error_in_step(seed, count, j, code)
-
-    @has_history
-    @rule(n=st.integers(1, 3), k=st.integers(0, 200))
-    def crash_in_rollback(self, n, k):
-        self.d.crash_in_rollback(n, k)
 
     @has_history
     @rule(n=st.integers(1, 3), j=st.integers(0, 40), code=st.sampled_from(STORE_ERRORS))
@@ -103,6 +94,23 @@ class UndoModel(RuleBasedStateMachine):
     def tree_matches_history(self):
         if self.d is not None:
             self.d.check()
+
+
+class UndoModel(UndoRules):
+    """The in-process model: the common rules plus the process dying at any host call."""
+
+    @rule(seed=seeds, count=st.integers(1, 5), k=st.integers(0, 400))
+    def crash_in_step(self, seed, count, k):
+        self.d.crash_in_step(seed, count, k)
+
+    @rule(seed=seeds, count=st.integers(1, 5), k=st.integers(0, 300))
+    def torn_write_in_step(self, seed, count, k):
+        self.d.torn_write_in_step(seed, count, k)
+
+    @has_history
+    @rule(n=st.integers(1, 3), k=st.integers(0, 200))
+    def crash_in_rollback(self, n, k):
+        self.d.crash_in_rollback(n, k)
 
 
 class RealUndoModel(UndoModel):

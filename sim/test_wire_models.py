@@ -12,22 +12,14 @@ process dying; here it would only be the server thread).
 from __future__ import annotations
 
 import contextlib
-import tempfile
 
-import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
-from sandbox.core.store import Limits
 
 from .budget import scale
 from .client import SimClient
-from .driver import STORE_ERRORS, Driver
+from .driver import Driver
+from .test_models import UndoRules
 from .wire import serve_workspace
-from .world import World
-
-seeds = st.integers(0, 2**32 - 1)
-has_history = precondition(lambda self: self.d is not None and self.d.history_len() > 0)
 
 
 class WireDriver(Driver):
@@ -51,59 +43,8 @@ class WireDriver(Driver):
         super().close()
 
 
-class WireUndoModel(RuleBasedStateMachine):
-    backend = "sim"
-
-    def __init__(self):
-        super().__init__()
-        self._tmp = tempfile.TemporaryDirectory(prefix="sandbox-wire-") if self.backend == "real" else None
-        self.world = World(self.backend, self._tmp.name if self._tmp else None)
-        self.d: WireDriver | None = None
-
-    def teardown(self):
-        if self.d is not None:
-            try:
-                self.d.close()
-            except Exception:
-                pass
-        if self._tmp is not None:
-            self._tmp.cleanup()
-
-    @initialize(seed=seeds, max_steps=st.integers(2, 6), tight=st.booleans())
-    def setup(self, seed, max_steps, tight):
-        limits = Limits(max_step_count=max_steps, max_single_step_size_bytes=6000 if tight else 200 << 20,
-                        max_log_size_bytes=40_000 if tight else 1 << 30)
-        self.d = WireDriver(self.world, seed, limits)
-
-    @rule(seed=seeds, count=st.integers(1, 6))
-    def step(self, seed, count):
-        self.d.step(seed, count)
-
-    @rule(seed=seeds, count=st.integers(1, 4))
-    def ambient(self, seed, count):
-        self.d.ambient(seed, count)
-
-    @has_history
-    @rule(n=st.integers(1, 3))
-    def rollback(self, n):
-        self.d.rollback(n)
-
-    @rule()
-    def reopen(self):
-        self.d.reopen()
-
-    @rule(seed=seeds, count=st.integers(1, 5), j=st.integers(0, 60), code=st.sampled_from(STORE_ERRORS))
-    def store_error_in_step(self, seed, count, j, code):
-        self.d.store_error_in_step(seed, count, j, code)
-
-    @rule(files=st.integers(2, 12), threshold=st.integers(1, 8), allow=st.booleans())
-    def guarded_rm_rf(self, files, threshold, allow):
-        self.d.guarded_rm_rf(files, threshold, allow)
-
-    @invariant()
-    def tree_matches_history(self):
-        if self.d is not None:
-            self.d.check()
+class WireUndoModel(UndoRules):
+    driver_class = WireDriver
 
 
 class RealWireUndoModel(WireUndoModel):

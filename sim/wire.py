@@ -20,7 +20,8 @@ import stat as _stat
 import tempfile
 from typing import Iterator
 
-from sandbox.hostfs import DIR, LNK, OTHER, REG, Stat, join, normalize, parent_of
+from sandbox.core.intercepted_fs import TreeOps
+from sandbox.hostfs import DIR, LNK, OTHER, REG, Stat, normalize, parent_of
 from sandbox.mounts import Provider
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
@@ -35,7 +36,7 @@ def stat_of(r: m.Rgetattr) -> Stat:
                 r.ctime_sec * 10**9 + r.ctime_nsec, r.qid.path, r.nlink)
 
 
-class WireFS:
+class WireFS(TreeOps):
     """InterceptedFS's surface over a 9P client (paths relative to the attach root)."""
 
     def __init__(self, client: Client, host=None):
@@ -230,34 +231,6 @@ class WireFS:
         if data:
             self.write(dst, dst_offset, data)
         return len(data)
-
-    # -- conveniences (InterceptedFS's, over the same primitives) --
-
-    def remove_tree(self, path: str) -> None:
-        p = normalize(path)
-        try:
-            st = self.lstat(p)
-        except FileNotFoundError:
-            return
-        if st.kind == DIR:
-            for name in sorted(self.listdir(p)):
-                self.remove_tree(join(p, name))
-            self.rmdir(p)
-        else:
-            self.unlink(p)
-
-    def makedirs(self, path: str, mode: int = 0o755) -> None:
-        p = normalize(path)
-        parts = p.split("/") if p else []
-        for k in range(1, len(parts) + 1):
-            sub = "/".join(parts[:k])
-            try:
-                st = self.lstat(sub)
-            except FileNotFoundError:
-                self.mkdir(sub, mode)
-            else:
-                if st.kind != DIR:
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", sub)
 
 
 @contextlib.contextmanager

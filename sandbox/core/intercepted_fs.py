@@ -47,7 +47,41 @@ def _entry(path: str, what: str) -> str:
     return p
 
 
-class InterceptedFS:
+class TreeOps:
+    """``rm -rf`` and ``mkdir -p`` as a client sends them, over any object with the
+    primitives ``lstat``, ``listdir``, ``unlink``, ``rmdir`` and ``mkdir`` (InterceptedFS,
+    and the simulation's 9P client ``sim.wire.WireFS``)."""
+
+    def remove_tree(self, path: str) -> None:
+        """What ``rm -rf`` does: one unlink or rmdir per entry, children first."""
+        p = _entry(path, "remove")
+        try:
+            st = self.lstat(p)
+        except FileNotFoundError:
+            return
+        if st.kind == DIR:
+            for name in sorted(self.listdir(p)):
+                self.remove_tree(join(p, name))
+            self.rmdir(p)
+        else:
+            self.unlink(p)
+
+    def makedirs(self, path: str, mode: int = 0o755) -> None:
+        """What ``mkdir -p`` does."""
+        p = normalize(path)
+        parts = p.split("/") if p else []
+        for k in range(1, len(parts) + 1):
+            sub = "/".join(parts[:k])
+            try:
+                st = self.lstat(sub)
+            except FileNotFoundError:
+                self.mkdir(sub, mode)
+            else:
+                if st.kind != DIR:
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", sub)
+
+
+class InterceptedFS(TreeOps):
     def __init__(self, host: HostFS, interceptor: UndoInterceptor | None, decide: Decide | None = None):
         self.host = host
         self.interceptor = interceptor
@@ -239,31 +273,3 @@ class InterceptedFS:
             self.open_trunc(p)
         if data:
             self.write(p, 0, data)
-
-    def remove_tree(self, path: str) -> None:
-        """What ``rm -rf`` does: one unlink or rmdir per entry, children first."""
-        p = _entry(path, "remove")
-        try:
-            st = self.host.lstat(p)
-        except FileNotFoundError:
-            return
-        if st.kind == DIR:
-            for name in sorted(self.host.listdir(p)):
-                self.remove_tree(join(p, name))
-            self.rmdir(p)
-        else:
-            self.unlink(p)
-
-    def makedirs(self, path: str, mode: int = 0o755) -> None:
-        """What ``mkdir -p`` does."""
-        p = normalize(path)
-        parts = p.split("/") if p else []
-        for k in range(1, len(parts) + 1):
-            sub = "/".join(parts[:k])
-            try:
-                st = self.host.lstat(sub)
-            except FileNotFoundError:
-                self.mkdir(sub, mode)
-            else:
-                if st.kind != DIR:
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", sub)
