@@ -80,3 +80,19 @@ def snapshot_dir(root: str) -> Snapshot:
         return snapshot(fs)
     finally:
         fs.close()
+
+
+def content_shape(root: str) -> dict:
+    """A real directory's tree as JSON-able data without times: per path its kind, mode,
+    content (sha256 and size for a file, the target for a symlink) and xattrs (base64).
+    What ``fixtures/ninep/capture.py`` records as a capture's end state."""
+    import base64
+    import hashlib
+
+    out = {}
+    for path, (kind, mode, _mtime, content, xattrs) in sorted(snapshot_dir(root).items()):
+        if isinstance(content, bytes):
+            content = {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
+        out[path] = {"kind": kind, "mode": mode, "content": content,
+                     "xattrs": {k: base64.b64encode(v).decode() for k, v in xattrs}}
+    return out
