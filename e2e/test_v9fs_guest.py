@@ -46,17 +46,54 @@ poweroff -f
 """
 
 
-@pytest.fixture(scope="module")
-def guest_image():
+# The host's own userland (git, python3, coreutils) as the guest's, read-only through QEMU's
+# built-in 9p with a tmpfs overlay (SPEC §5); the working folder is mounted inside it.
+INIT_HOST_USERLAND = r"""
+mkdir -p /host /upper /merged
+mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /host || echo "MOUNT-FAILED hostroot"
+mount -t tmpfs tmpfs /upper
+mkdir -p /upper/u /upper/w
+mount -t overlay overlay -o lowerdir=/host,upperdir=/upper/u,workdir=/upper/w /merged || echo "MOUNT-FAILED overlay"
+ip link set lo up
+ip link set eth0 up
+ip addr add 10.0.2.15/24 dev eth0
+opts=trans=tcp,version=9p2000.L,cache=none,msize=524288
+mkdir -p /merged/mnt/work /merged/mnt/tools
+mount -t 9p -o $opts,port=565,aname=tools 10.0.2.100 /merged/mnt/tools || echo "MOUNT-FAILED tools"
+mount -t 9p -o $opts,port=564,aname=work 10.0.2.100 /merged/mnt/work || echo "MOUNT-FAILED work"
+mount -t proc proc /merged/proc
+mount -t devtmpfs dev /merged/dev
+mount -t tmpfs tmp /merged/tmp
+echo "=== BEGIN"
+chroot /merged /bin/sh -c 'cd /mnt/work && HOME=/tmp sh /mnt/tools/run.sh' 2>&1
+echo "=== EXIT $?"
+umount /merged/mnt/work
+poweroff -f
+"""
+HOST_ROOT = ["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
+
+
+def _image(init: str, modules: tuple[str, ...]):
     if shutil.which("qemu-system-x86_64") is None:
         pytest.skip("qemu-system-x86_64 is not installed (./dev setup installs qemu-system-x86)")
     try:
-        return vm_image.build_initramfs(vm_image.fetch_kernel(), INIT)
+        return vm_image.build_initramfs(vm_image.fetch_kernel(), init, modules=modules)
     except vm_image.ImageError as e:
         pytest.skip(f"cannot build the guest image here: {e}")
 
 
-def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple[int, str]:
+@pytest.fixture(scope="module")
+def guest_image():
+    return _image(INIT, vm_image.NINEP_MODULES)
+
+
+@pytest.fixture(scope="module")
+def userland_image():
+    return _image(INIT_HOST_USERLAND, vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay"))
+
+
+def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None, extra: tuple[str, ...] = (),
+              memory_mb: int = 512) -> tuple[int, str]:
     """Boot, run ``script`` in the working folder, return (exit status, its output)."""
     sock = str(tmp_path / "9p.sock")
     tools = memory_tree({"run.sh": script})
@@ -64,8 +101,8 @@ def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple
     netdev = (f"user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:564-unix:{sock},"
               f"guestfwd=tcp:10.0.2.100:565-unix:{sock}")  # one port per guestfwd (QEMU names them by port)
     with ServerThread(server, unix_path=sock):
-        p = subprocess.run(vm_image.qemu_command(image, netdev=netdev), capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, timeout=240)
+        p = subprocess.run(vm_image.qemu_command(image, memory_mb=memory_mb, netdev=netdev) + list(extra),
+                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=240)
     out = p.stdout.replace("\r", "")
     assert "=== BEGIN" in out and "=== EXIT" in out, f"guest did not run the script:\n{out[-3000:]}\n{p.stderr[-2000:]}"
     assert "MOUNT-FAILED" not in out, out[-3000:]
@@ -172,4 +209,31 @@ def test_safeguard_hold_blocks_the_guest_until_decided(guest_image, tmp_path, pr
     else:
         assert "rc=1" in out and ("I/O error" in out or "Input/output error" in out), out
         oracle.assert_same(before, oracle.snapshot_dir(str(project)), "denied step")
+    ws.close()
+
+
+def test_git_and_python_in_the_guest_then_undo(userland_image, tmp_path, project):
+    """Real tools on the share: git (lock files, renames, fsync, mmap'ed reads) and python3."""
+    before = oracle.snapshot_dir(str(project))
+    ws = Workspace.open(str(project), state_dir=str(tmp_path / "state"))
+    script = r"""
+set -e
+g() { git -c user.email=agent@example.com -c user.name=agent "$@"; }
+g init -q .
+g add -A
+g commit -qm first
+echo change >> README.md
+g commit -qam second
+g log --oneline | wc -l
+g checkout -q HEAD~1
+g status --short | wc -l
+python3 -c "import os, json; print(json.dumps(sorted(os.listdir('.'))))"
+"""
+    status, out = run_guest(userland_image, tmp_path, ws, script, extra=tuple(HOST_ROOT), memory_mb=1024)
+    assert status == 0, out
+    assert out.split("\n")[:2] == ["2", "0"], out
+    assert (project / ".git" / "HEAD").exists()
+    ws.interceptor.close_now()
+    ws.rollback(len(ws.history()))
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of git in the guest")
     ws.close()

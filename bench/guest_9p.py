@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Benchmark: a real guest's work on our 9P server vs on QEMU's built-in 9p, side by side.
+
+Run ``python bench/guest_9p.py --help``. Prints numbers and ratios; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+try:
+    import sandbox  # noqa: F401
+except ImportError:  # run from a checkout without the editable install
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sandbox.core.workspace import Workspace
+from sandbox.mounts import Provider
+from sandbox.ninep.server import NinePServer, ServerThread
+from sandbox.vm import image as vm_image
+
+DESCRIPTION = """\
+Boot Debian's kernel in QEMU (sandbox.vm.image; TCG unless you change accel) with the
+host's userland read-only as the guest's (QEMU's built-in 9p + a tmpfs overlay, as
+SPEC §5 describes), and time one workload in the guest on a fresh copy of the sample
+project, mounted two ways (cache=none, msize 512 KiB both):
+
+  ours  sandbox.ninep.server, intercepted (undo log on), over trans=tcp through QEMU
+        guestfwd to the server's unix socket — how sessions mount working folders
+  qemu  QEMU's built-in virtio-9p (-virtfs local, security_model=none), in-process C,
+        no interception — the reference
+
+Phases (timed inside the guest with `date +%s%N`): create N small files; read them
+back; `git init && git add -A && git commit`; write a 32 MiB file with dd (1 MiB
+blocks); read it back; `rm -rf` everything. Median of --repeat boots per side,
+alternating sides. Under TCG the guest CPU is emulated, so absolute numbers are low and
+ratios understate the server's share; on KVM hosts run it again.
+"""
+
+INIT = r"""
+mkdir -p /host /upper /merged
+mount -t 9p -o trans=virtio,version=9p2000.L,ro hostroot /host || echo MOUNT-FAILED
+mount -t tmpfs tmpfs /upper
+mkdir -p /upper/u /upper/w
+mount -t overlay overlay -o lowerdir=/host,upperdir=/upper/u,workdir=/upper/w /merged || echo MOUNT-FAILED
+ip link set lo up
+ip link set eth0 up
+ip addr add 10.0.2.15/24 dev eth0
+mkdir -p /merged/mnt/work
+opts=version=9p2000.L,cache=none,msize=524288
+if grep -q sbx_work=ours /proc/cmdline; then
+  mount -t 9p -o trans=tcp,port=564,$opts 10.0.2.100 /merged/mnt/work || echo MOUNT-FAILED
+else
+  mount -t 9p -o trans=virtio,$opts work /merged/mnt/work || echo MOUNT-FAILED
+fi
+mount -t proc proc /merged/proc
+mount -t devtmpfs dev /merged/dev
+mount -t tmpfs tmp /merged/tmp
+cp /bench.sh /merged/tmp/bench.sh
+chroot /merged /bin/sh -c 'cd /mnt/work && HOME=/tmp sh /tmp/bench.sh' 2>&1
+umount /merged/mnt/work
+poweroff -f
+"""
+
+WORKLOAD = r"""
+t() { date +%s%N; }
+phase() { echo "PHASE $1 $(( $(t) - $2 ))"; }
+g() { git -c user.email=b@example.com -c user.name=bench "$@"; }
+s=$(t); mkdir many; i=0; while [ $i -lt NFILES ]; do echo "file $i" > many/f$i; i=$((i+1)); done; phase create $s
+s=$(t); cat many/* > /dev/null; phase read $s
+s=$(t); g init -q . && g add -A && g commit -qm bench; phase git $s
+s=$(t); dd if=/dev/zero of=big bs=1M count=32 2>/dev/null; phase write32M $s
+s=$(t); dd if=big of=/dev/null bs=1M 2>/dev/null; phase read32M $s
+s=$(t); rm -rf ./* .git; phase rm $s
+echo BENCH-DONE
+"""
+
+
+def run(side: str, image, base: str, sample: str) -> dict[str, float]:
+    work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
+    shutil.rmtree(work)
+    shutil.copytree(sample, work, symlinks=True)
+    cmd = vm_image.qemu_command(image, memory_mb=1024, append=f"sbx_work={side}")
+    cmd += ["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
+    ws = None
+    try:
+        if side == "ours":
+            ws = Workspace.open(work, state_dir=work + ".state")
+            sock = os.path.join(base, "9p.sock")
+            cmd += ["-netdev", f"user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:564-unix:{sock}",
+                    "-device", "virtio-net-pci,netdev=n0"]
+            with ServerThread(NinePServer(Provider.intercepted(ws)), unix_path=sock):
+                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+        else:
+            cmd += ["-virtfs", f"local,path={work},mount_tag=work,security_model=none",
+                    "-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0"]
+            p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+    finally:
+        if ws is not None:
+            ws.close()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work + ".state", ignore_errors=True)
+    out = p.stdout.replace("\r", "")
+    if "BENCH-DONE" not in out or "MOUNT-FAILED" in out:
+        raise SystemExit(f"guest run ({side}) failed:\n{out[-3000:]}\n{p.stderr[-1000:]}")
+    return {name: int(ns) / 1e9 for name, ns in re.findall(r"PHASE (\S+) (\d+)", out)}  # console noise may precede
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--files", type=int, default=500, help="small files to create (default 500)")
+    p.add_argument("--repeat", type=int, default=3, help="boots per side; medians are reported (default 3)")
+    args = p.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT,
+                                     modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay"),
+                                     files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
+    base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
+    res: dict[str, dict[str, list[float]]] = {"ours": {}, "qemu": {}}
+    try:
+        for r in range(args.repeat):
+            for side in (("ours", "qemu") if r % 2 == 0 else ("qemu", "ours")):
+                print(f"boot {r + 1}/{args.repeat}: {side} …", file=sys.stderr, flush=True)
+                for k, v in run(side, image, base, os.path.join(here, "fixtures", "sample-project")).items():
+                    res[side].setdefault(k, []).append(v)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"guest workload (TCG), seconds, median of {args.repeat}; {args.files} small files")
+    print(f"{'phase':10} {'ours':>8} {'qemu 9p':>8} {'ours/qemu':>10}")
+    for k in res["qemu"]:
+        a, b = statistics.median(res["ours"][k]), statistics.median(res["qemu"][k])
+        print(f"{k:10} {a:8.2f} {b:8.2f} {a / b if b else float('nan'):10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
