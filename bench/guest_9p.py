@@ -21,6 +21,7 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sandbox.core.workspace import Workspace
+from sandbox.hostfs.real import RealHostFS
 from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
@@ -33,6 +34,8 @@ project, mounted two ways (cache=none, msize 512 KiB both):
 
   ours  sandbox.ninep.server, intercepted (undo log on), over trans=tcp through QEMU
         guestfwd to the server's unix socket — how sessions mount working folders
+  plain the same server and transport with interception off (no undo log): ours/plain
+        is the cost of undo, plain/qemu the cost of our server + the guestfwd transport
   qemu  QEMU's built-in virtio-9p (-virtfs local, security_model=none), in-process C,
         no interception — the reference
 
@@ -86,17 +89,22 @@ def run(side: str, image, base: str, sample: str) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     shutil.rmtree(work)
     shutil.copytree(sample, work, symlinks=True)
-    cmd = vm_image.qemu_command(image, memory_mb=1024, append=f"sbx_work={side}")
+    cmd = vm_image.qemu_command(image, memory_mb=1024, append=f"sbx_work={'ours' if side != 'qemu' else 'qemu'}")
     cmd += ["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
     ws = None
     try:
-        if side == "ours":
-            ws = Workspace.open(work, state_dir=work + ".state")
+        if side in ("ours", "plain"):
+            if side == "ours":
+                ws = Workspace.open(work, state_dir=work + ".state")
+                provider = Provider.intercepted(ws)
+            else:
+                provider = Provider(RealHostFS(work), None, read_only=False)
             sock = os.path.join(base, "9p.sock")
             cmd += ["-netdev", f"user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:564-unix:{sock}",
                     "-device", "virtio-net-pci,netdev=n0"]
-            with ServerThread(NinePServer(Provider.intercepted(ws)), unix_path=sock):
+            with ServerThread(NinePServer(provider), unix_path=sock):
                 p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+            provider.close()
         else:
             cmd += ["-virtfs", f"local,path={work},mount_tag=work,security_model=none",
                     "-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0"]
@@ -122,20 +130,21 @@ def main() -> int:
                                      modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay"),
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
-    res: dict[str, dict[str, list[float]]] = {"ours": {}, "qemu": {}}
+    sides = ("ours", "plain", "qemu")
+    res: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     try:
         for r in range(args.repeat):
-            for side in (("ours", "qemu") if r % 2 == 0 else ("qemu", "ours")):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
                 print(f"boot {r + 1}/{args.repeat}: {side} …", file=sys.stderr, flush=True)
                 for k, v in run(side, image, base, os.path.join(here, "fixtures", "sample-project")).items():
                     res[side].setdefault(k, []).append(v)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"guest workload (TCG), seconds, median of {args.repeat}; {args.files} small files")
-    print(f"{'phase':10} {'ours':>8} {'qemu 9p':>8} {'ours/qemu':>10}")
+    print(f"{'phase':10} {'ours':>8} {'plain':>8} {'qemu 9p':>8} {'ours/plain':>11} {'plain/qemu':>11} {'ours/qemu':>10}")
     for k in res["qemu"]:
-        a, b = statistics.median(res["ours"][k]), statistics.median(res["qemu"][k])
-        print(f"{k:10} {a:8.2f} {b:8.2f} {a / b if b else float('nan'):10.2f}")
+        a, b, c = (statistics.median(res[side][k]) for side in sides)
+        print(f"{k:10} {a:8.2f} {b:8.2f} {c:8.2f} {a / b:11.2f} {b / c:11.2f} {a / c:10.2f}")
     return 0
 
 
