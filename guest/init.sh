@@ -1,0 +1,86 @@
+# The guest's PID 1 (busybox sh). sandbox.vm.image prepends the start: busybox applets,
+# /proc /sys /dev mounted, the kernel modules loaded. Diagnostics go to the serial console.
+#
+# Kernel command line (set by sandbox.vm.session):
+#   sandbox.probe=1          print SANDBOX-PROBE-OK and power off (the KVM probe)
+#   sandbox.folders=N        working folders 0..N-1: 9P over TCP to 10.0.2.100:564+i
+#                            (QEMU guestfwd -> the host's 9P server), at /mnt/working/i
+#   sandbox.msize=BYTES      9P msize for them
+#   sandbox.net=MODE         disabled | open | allowlist
+#   sandbox.upper=tmpfs|disk the writable layer over the read-only host root: tmpfs
+#                            (ephemeral) or the ext4 disk /dev/vda (persistent)
+#
+# Invariants: the host root is mounted read-only (QEMU 9p, tag hostroot) and is never
+# written; the control port is reachable by root only; the shim is restarted if it dies;
+# SANDBOX-READY is printed once everything is mounted and the shim has been started.
+
+say() { echo "sandbox-init: $*"; }
+fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
+
+FOLDERS=0 MSIZE=524288 NET=disabled UPPER=tmpfs
+for x in $(cat /proc/cmdline); do
+  case "$x" in
+    sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
+    sandbox.folders=*) FOLDERS=${x#*=} ;;
+    sandbox.msize=*) MSIZE=${x#*=} ;;
+    sandbox.net=*) NET=${x#*=} ;;
+    sandbox.upper=*) UPPER=${x#*=} ;;
+  esac
+done
+
+# -- the guest userland: the host root, read-only, under a writable overlay
+mkdir -p /host /upper /merged
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose hostroot /host || fail "cannot mount the host root"
+if [ "$UPPER" = disk ]; then
+  mount -t ext4 /dev/vda /upper || fail "cannot mount the persistent disk /dev/vda"
+else
+  mount -t tmpfs -o mode=0755 tmpfs /upper
+fi
+mkdir -p /upper/root /upper/work
+mount -t overlay overlay -o lowerdir=/host,upperdir=/upper/root,workdir=/upper/work /merged || fail "cannot mount the overlay"
+mount -t proc proc /merged/proc
+mount -t sysfs sys /merged/sys
+mount -t devtmpfs dev /merged/dev
+mkdir -p /merged/dev/pts /merged/dev/shm
+mount -t devpts devpts /merged/dev/pts
+mount -t tmpfs tmpfs /merged/dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /merged/tmp
+mount -t tmpfs -o mode=0755 tmpfs /merged/run
+
+# -- network: the 9P shares always need eth0; a default route only when allowed out
+ip link set lo up
+ip link set eth0 up
+ip addr add 10.0.2.15/24 dev eth0
+if [ "$NET" != disabled ]; then
+  ip route add default via 10.0.2.2
+  echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf
+fi
+
+# -- working folders
+i=0
+while [ "$i" -lt "$FOLDERS" ]; do
+  mkdir -p "/merged/mnt/working/$i"
+  mount -t 9p -o "trans=tcp,port=$((564 + i)),version=9p2000.L,cache=none,msize=$MSIZE,aname=$i" 10.0.2.100 "/merged/mnt/working/$i" \
+    || fail "cannot mount working folder $i"
+  i=$((i + 1))
+done
+
+# -- the control port (no udev here: find the virtio-serial port named "control")
+port=
+for n in /sys/class/virtio-ports/*; do
+  [ "$(cat "$n/name" 2>/dev/null)" = control ] && port=/dev/${n##*/}
+done
+[ -n "$port" ] || fail "no virtio-serial port named control"
+mkdir -p /merged/dev/virtio-ports
+ln -sf "$port" /merged/dev/virtio-ports/control
+chmod 600 "$port" /merged"$port"
+mkdir -p /merged/run/sandbox
+cp /shim.py /merged/run/sandbox/shim.py
+
+echo SANDBOX-READY
+while true; do
+  chroot /merged /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+    LANG=C.UTF-8 TERM=dumb /usr/bin/python3 /run/sandbox/shim.py --port /dev/virtio-ports/control
+  say "the shim exited ($?); restarting it"
+  sleep 1
+done

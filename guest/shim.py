@@ -1,0 +1,556 @@
+#!/usr/bin/env python3
+"""The VM-side shim (design §4.2): runs shell commands for the host over JSON Lines.
+
+Runs inside the guest as root, stdlib only, one file. It reads and writes the control
+channel — the virtio-serial port ``/dev/virtio-ports/control`` (``--port``) or an
+inherited, connected fd (``--fd``, used by tests) — one JSON object per line, UTF-8.
+
+Host → guest: ``exec`` {id, command, env?, cwd?}, ``cancel`` {id},
+``rollback_notify`` {step_id}, ``ping`` {id}.
+Guest → host: ``ready`` {version, pid}, ``step_started`` {id}, ``output`` {id, stream,
+data}, ``step_completed`` {id, exit_code, signal?}, ``rollback_noted`` {step_id},
+``pong`` {id}, ``error`` {id, message}.
+
+Invariants:
+
+* Every ``exec`` accepted with a valid id yields exactly one ``step_started``, then its
+  ``output`` messages in pipe order per stream, then exactly one ``step_completed`` —
+  queued only once the process has been reaped AND both its pipes reached EOF, so no
+  output of it follows. A spawn failure still yields the pair (stderr reason, code 127).
+* Input never stops the shim: every rejected line yields one ``error`` and the loop
+  goes on; an oversized line is discarded up to its newline and reported once.
+* One thread, one ``selectors`` loop (control fd, child pipes, a signal wake-up pipe
+  for SIGCHLD/SIGTERM); every message is a whole line appended to one out-queue, so
+  lines never interleave and no lock is needed. No sleeps: the loop only waits in
+  ``select`` with a timeout set by the nearest deadline (SIGKILL, reconnect, exit).
+* Limits: ``COMMANDS_RUNNING_MAX`` commands, ``READ_CHUNK_BYTES_MAX`` per read (so
+  per ``output`` chunk), ``--line-max-bytes`` per input line. The out-queue is bounded
+  by backpressure: at ``OUT_QUEUE_BYTES_MAX`` the loop stops reading child pipes and
+  the control fd (and stops handling buffered input lines) until the host drains it,
+  so the input buffer never exceeds one line plus one read chunk.
+* A command runs in its own session (setsid), so its process group is its pid;
+  ``cancel`` signals the whole group: SIGTERM, then SIGKILL after ``--kill-grace-s``
+  if the step has not completed.
+* End of input: on ``--fd`` the host is gone — cancel everything, exit 0 once the
+  commands are gone (SIGKILL at the grace, exit at most ``EXIT_GRACE_S`` later). On
+  ``--port`` EOF (or EIO) means the host is not connected: close, reopen every
+  ``RECONNECT_INTERVAL_S`` and announce ``ready`` first on each (re)open; queued
+  messages are kept, except the unsent rest of a half-written line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+PROTOCOL_VERSION = 1
+DEFAULT_PORT = "/dev/virtio-ports/control"
+READ_CHUNK_BYTES_MAX = 64 * 1024
+COMMANDS_RUNNING_MAX = 64
+OUT_QUEUE_BYTES_MAX = 4 * 1024 * 1024
+LINE_MAX_BYTES_DEFAULT = 1024 * 1024
+LINE_MAX_BYTES_MIN = 1024
+LINE_MAX_BYTES_MAX = 64 * 1024 * 1024
+KILL_GRACE_S_MAX = 3600.0
+EXIT_GRACE_S = 2.0
+RECONNECT_INTERVAL_S = 0.25
+MESSAGE_CHARS_MAX = 300
+ID_MIN, ID_MAX = -(2**63), 2**63 - 1  # ids must fit the host's i64
+SPAWN_FAILED_EXIT_CODE = 127
+
+_Utf8Decoder = codecs.getincrementaldecoder("utf-8")
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MESSAGE_CHARS_MAX else text[:MESSAGE_CHARS_MAX] + "…"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _encode(obj: dict) -> bytes:
+    """One wire line. ASCII-escaped only if a string holds a lone surrogate (echoed ids)."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        return text.encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii") + b"\n"
+
+
+def _describe(value: Any) -> str:
+    """A short, safe rendering of an untrusted JSON value for an error message."""
+    if isinstance(value, str):
+        return repr(_clip(value))
+    if value is None or isinstance(value, (bool, int, float)):
+        return _clip(str(value))
+    return type(value).__name__
+
+
+def _valid_id(value: Any) -> bool:
+    return type(value) is int and ID_MIN <= value <= ID_MAX
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Command:
+    """One exec between spawn and ``step_completed``.
+
+    Invariant: ``pipes`` maps exactly the stream fds not yet at EOF; the command is
+    complete when ``pipes`` is empty and ``proc.returncode`` is set.
+    """
+
+    __slots__ = ("decoders", "id", "kill_at", "pipes", "proc")
+
+    def __init__(self, cid: int, proc: subprocess.Popen) -> None:
+        self.id = cid
+        self.proc = proc
+        self.pipes = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}
+        self.decoders = {"stdout": _Utf8Decoder(errors="replace"), "stderr": _Utf8Decoder(errors="replace")}
+        self.kill_at: float | None = None  # SIGKILL deadline once cancelled; None after it fired
+
+
+class Shim:
+    """The loop: exactly one of ``port`` (a path) and ``fd`` (inherited) names the host link."""
+
+    def __init__(
+        self, *, port: str | None, fd: int | None, shell: str, kill_grace_s: float, line_max_bytes: int
+    ) -> None:
+        assert (port is None) != (fd is None)
+        self._port = port
+        self._fd: int | None = None
+        self._inherited_fd = fd
+        self._shell = shell
+        self._kill_grace_s = kill_grace_s
+        self._line_max_bytes = line_max_bytes
+        self._sel = selectors.DefaultSelector()
+        self._control_events = 0
+        self._inbuf = bytearray()
+        self._discarding = False  # inside an oversized line, dropping bytes up to "\n"
+        self._out: collections.deque[bytes] = collections.deque()
+        self._out_bytes = 0
+        self._out_offset = 0  # bytes of _out[0] already written
+        self._ready_line = _encode({"type": "ready", "version": PROTOCOL_VERSION, "pid": os.getpid()})
+        self._commands: dict[int, _Command] = {}
+        self._pipes_registered: set[int] = set()
+        self._reconnect_at: float | None = None
+        self._exit_at: float | None = None  # set once shutting down
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    # ---------------------------------------------------------------- main loop
+
+    def run(self) -> int:
+        """Serve until the host is gone (``--fd``) or SIGTERM/SIGINT; then return 0."""
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _signum, _frame: None)  # the wake-up fd carries the number
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self._inherited_fd is not None:
+            os.set_inheritable(self._inherited_fd, False)
+            self._attach(self._inherited_fd)
+        else:
+            self._reopen()
+        while self._exit_at is None or (self._commands and time.monotonic() < self._exit_at):
+            now = time.monotonic()
+            self._fire_deadlines(now)
+            self._process_lines()
+            self._update_interest()
+            for key, events in self._sel.select(self._timeout(now)):
+                if key.data == "wake":
+                    self._on_wake()
+                elif key.data == "control":
+                    self._on_control(key.fd, events)
+                else:
+                    self._on_pipe(key.fd, *key.data)
+        for cmd in self._commands.values():
+            _killpg(cmd.proc.pid, signal.SIGKILL)
+        return 0
+
+    def _timeout(self, now: float) -> float | None:
+        deadlines = [c.kill_at for c in self._commands.values() if c.kill_at is not None]
+        deadlines += [t for t in (self._reconnect_at, self._exit_at) if t is not None]
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def _fire_deadlines(self, now: float) -> None:
+        for cmd in self._commands.values():
+            if cmd.kill_at is not None and now >= cmd.kill_at:
+                cmd.kill_at = None
+                _killpg(cmd.proc.pid, signal.SIGKILL)
+        if self._reconnect_at is not None and now >= self._reconnect_at:
+            self._reconnect_at = None
+            self._reopen()
+
+    def _paused(self) -> bool:
+        return self._out_bytes >= OUT_QUEUE_BYTES_MAX
+
+    def _update_interest(self) -> None:
+        """Register what the loop may wait on now: backpressure pauses pipes and reads."""
+        paused = self._paused()
+        want = 0
+        if self._fd is not None:
+            want = (0 if paused else selectors.EVENT_READ) | (selectors.EVENT_WRITE if self._out else 0)
+        if want != self._control_events:
+            if self._control_events and want:
+                self._sel.modify(self._fd, want, "control")
+            elif want:
+                self._sel.register(self._fd, want, "control")
+            else:
+                self._sel.unregister(self._fd)
+            self._control_events = want
+        for cmd in self._commands.values():
+            for fd, stream in cmd.pipes.items():
+                if paused and fd in self._pipes_registered:
+                    self._sel.unregister(fd)
+                    self._pipes_registered.discard(fd)
+                elif not paused and fd not in self._pipes_registered:
+                    self._sel.register(fd, selectors.EVENT_READ, (cmd, stream))
+                    self._pipes_registered.add(fd)
+
+    # ---------------------------------------------------------------- control channel
+
+    def _attach(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd = fd
+        self._inbuf.clear()
+        self._discarding = False
+        if self._out_offset:  # the rest of a half-written line would corrupt the new stream
+            self._out_bytes -= len(self._out.popleft())
+            self._out_offset = 0
+        stale = [line for line in self._out if line == self._ready_line]
+        self._out = collections.deque(line for line in self._out if line != self._ready_line)
+        self._out_bytes -= sum(map(len, stale))
+        self._out.appendleft(self._ready_line)
+        self._out_bytes += len(self._ready_line)
+
+    def _reopen(self) -> None:
+        try:
+            fd = os.open(self._port, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            self._reconnect_at = time.monotonic() + RECONNECT_INTERVAL_S
+            return
+        self._attach(fd)
+
+    def _detach(self) -> None:
+        if self._control_events:
+            self._sel.unregister(self._fd)
+            self._control_events = 0
+        os.close(self._fd)
+        self._fd = None
+
+    def _lost(self) -> None:
+        """The host is gone (``--fd``: shut down) or not connected (``--port``: retry)."""
+        self._detach()
+        if self._port is None:
+            self._shutdown()
+        else:
+            self._reconnect_at = time.monotonic() + RECONNECT_INTERVAL_S
+
+    def _on_control(self, fd: int, events: int) -> None:
+        if fd != self._fd:
+            return
+        if events & selectors.EVENT_WRITE:
+            self._flush()
+        if self._fd is None or not events & selectors.EVENT_READ or self._paused():
+            return
+        try:
+            data = os.read(self._fd, READ_CHUNK_BYTES_MAX)
+        except BlockingIOError:
+            return
+        except OSError:  # EIO: a port whose host side hung up
+            data = b""
+        if not data:
+            self._lost()
+            return
+        self._feed(data)
+
+    def _flush(self) -> None:
+        while self._out and self._fd is not None:
+            head = self._out[0]
+            try:
+                n = os.write(self._fd, memoryview(head)[self._out_offset :])
+            except BlockingIOError:
+                return
+            except OSError:
+                self._lost()
+                return
+            self._out_offset += n
+            if self._out_offset == len(head):
+                self._out.popleft()
+                self._out_bytes -= len(head)
+                self._out_offset = 0
+
+    def _send(self, obj: dict) -> None:
+        self._send_line(_encode(obj))
+
+    def _send_line(self, line: bytes) -> None:
+        if self._exit_at is not None:
+            return  # shutting down: nobody to tell
+        self._out.append(line)
+        self._out_bytes += len(line)
+
+    def _error(self, cid: Any, message: str) -> None:
+        self._send({"type": "error", "id": cid if _valid_id(cid) else None, "message": _clip(message)})
+
+    # ---------------------------------------------------------------- input
+
+    def _feed(self, data: bytes) -> None:
+        if self._discarding:
+            newline = data.find(b"\n")
+            if newline < 0:
+                return
+            data = data[newline + 1 :]
+            self._discarding = False
+        self._inbuf += data
+
+    def _process_lines(self) -> None:
+        """Handle buffered complete lines while the out-queue has room."""
+        while not self._paused() and self._fd is not None:
+            newline = self._inbuf.find(b"\n")
+            if newline < 0:
+                if len(self._inbuf) > self._line_max_bytes:
+                    self._inbuf.clear()
+                    self._discarding = True
+                    self._error(None, f"line longer than {self._line_max_bytes} bytes: discarded")
+                return
+            line = bytes(self._inbuf[:newline])
+            del self._inbuf[: newline + 1]
+            if len(line) > self._line_max_bytes:
+                self._error(None, f"line longer than {self._line_max_bytes} bytes: discarded")
+                continue
+            try:
+                self._handle_line(line)
+            except Exception as exc:  # noqa: BLE001 — never die of input; a bug is reported, not fatal
+                self._error(None, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _handle_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            msg = json.loads(line, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            self._error(None, f"malformed JSON: {exc}")
+            return
+        if not isinstance(msg, dict):
+            self._error(None, "message must be a JSON object")
+            return
+        kind = msg.get("type")
+        handler = {
+            "exec": self._on_exec,
+            "cancel": self._on_cancel,
+            "rollback_notify": self._on_rollback_notify,
+            "ping": self._on_ping,
+        }.get(kind) if isinstance(kind, str) else None
+        if handler is None:
+            self._error(msg.get("id"), f"unknown message type: {_describe(kind)}")
+            return
+        handler(msg)
+
+    def _on_exec(self, msg: dict) -> None:
+        cid = msg.get("id")
+        if not _valid_id(cid):
+            self._error(None, "exec: id must be an integer in the i64 range")
+            return
+        command, env, cwd = msg.get("command"), msg.get("env"), msg.get("cwd")
+        if not isinstance(command, str) or "\0" in command:
+            self._error(cid, "exec: command must be a string without NUL")
+            return
+        if env is None:
+            env = {}
+        if not isinstance(env, dict) or not all(
+            isinstance(v, str) and "\0" not in v and k and "=" not in k and "\0" not in k for k, v in env.items()
+        ):
+            self._error(cid, "exec: env must map names (non-empty, no '=' or NUL) to strings")
+            return
+        if cwd is None:
+            cwd = "/"
+        if not isinstance(cwd, str) or not cwd or "\0" in cwd:
+            self._error(cid, "exec: cwd must be a non-empty string without NUL")
+            return
+        if cid in self._commands:
+            self._error(cid, f"exec: id {cid} is already running")
+            return
+        if len(self._commands) >= COMMANDS_RUNNING_MAX:
+            self._error(cid, f"exec: {COMMANDS_RUNNING_MAX} commands already running")
+            return
+        try:
+            proc = subprocess.Popen(
+                [self._shell, "-c", command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env={**os.environ, **env},
+                start_new_session=True,
+                close_fds=True,
+            )
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self._send({"type": "step_started", "id": cid})
+            reason = f"shim: cannot start command: {_clip(str(exc))}\n"
+            self._send({"type": "output", "id": cid, "stream": "stderr", "data": reason})
+            self._send({"type": "step_completed", "id": cid, "exit_code": SPAWN_FAILED_EXIT_CODE})
+            return
+        cmd = _Command(cid, proc)
+        for fd in cmd.pipes:
+            os.set_blocking(fd, False)
+        self._commands[cid] = cmd
+        self._send({"type": "step_started", "id": cid})
+
+    def _on_cancel(self, msg: dict) -> None:
+        cid = msg.get("id")
+        cmd = self._commands.get(cid) if _valid_id(cid) else None
+        if cmd is None:
+            self._error(cid, f"cancel: no running command with id {_describe(cid)}")
+            return
+        self._cancel(cmd)
+
+    def _cancel(self, cmd: _Command) -> None:
+        if cmd.kill_at is None:  # first cancel; a repeat keeps the original deadline
+            _killpg(cmd.proc.pid, signal.SIGTERM)
+            cmd.kill_at = time.monotonic() + self._kill_grace_s
+
+    def _on_rollback_notify(self, msg: dict) -> None:
+        step_id = msg.get("step_id")
+        if not _valid_id(step_id):
+            self._error(None, "rollback_notify: step_id must be an integer in the i64 range")
+            return
+        self._send({"type": "rollback_noted", "step_id": step_id})
+
+    def _on_ping(self, msg: dict) -> None:
+        try:
+            line = _encode({"type": "pong", "id": msg.get("id")})
+        except (ValueError, RecursionError):
+            self._error(None, "ping: id cannot be echoed")
+            return
+        self._send_line(line)
+
+    # ---------------------------------------------------------------- children
+
+    def _on_pipe(self, fd: int, cmd: _Command, stream: str) -> None:
+        if cmd.pipes.get(fd) != stream:
+            return  # closed earlier in this batch; the number may belong to a new pipe
+        try:
+            data = os.read(fd, READ_CHUNK_BYTES_MAX)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        decoder = cmd.decoders[stream]
+        text = decoder.decode(data, final=not data)
+        if text:
+            self._send({"type": "output", "id": cmd.id, "stream": stream, "data": text})
+        if not data:
+            del cmd.pipes[fd]
+            if fd in self._pipes_registered:
+                self._sel.unregister(fd)
+                self._pipes_registered.discard(fd)
+            getattr(cmd.proc, stream).close()
+            cmd.proc.poll()
+            self._maybe_complete(cmd)
+
+    def _maybe_complete(self, cmd: _Command) -> None:
+        code = cmd.proc.returncode
+        if cmd.pipes or code is None:
+            return
+        del self._commands[cmd.id]
+        msg: dict[str, Any] = {"type": "step_completed", "id": cmd.id, "exit_code": code}
+        if code < 0:
+            msg.update(exit_code=128 - code, signal=-code)
+        self._send(msg)
+
+    def _on_wake(self) -> None:
+        signums = bytearray()
+        while True:
+            try:
+                chunk = os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            signums += chunk
+        if signal.SIGTERM in signums or signal.SIGINT in signums:
+            self._shutdown()
+        for cmd in list(self._commands.values()):
+            if cmd.proc.returncode is None:
+                cmd.proc.poll()
+            self._maybe_complete(cmd)
+
+    def _shutdown(self) -> None:
+        """Stop talking to the host, cancel every command, exit once they are gone."""
+        if self._exit_at is not None:
+            return
+        self._exit_at = time.monotonic() + self._kill_grace_s + EXIT_GRACE_S
+        self._reconnect_at = None
+        self._out.clear()
+        self._out_bytes = self._out_offset = 0
+        if self._fd is not None:
+            self._detach()
+        for cmd in self._commands.values():
+            self._cancel(cmd)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    def grace(text: str) -> float:
+        value = float(text)
+        if not 0.0 <= value <= KILL_GRACE_S_MAX:
+            raise argparse.ArgumentTypeError(f"must be within [0, {KILL_GRACE_S_MAX}]")
+        return value
+
+    def line_max(text: str) -> int:
+        value = int(text)
+        if not LINE_MAX_BYTES_MIN <= value <= LINE_MAX_BYTES_MAX:
+            raise argparse.ArgumentTypeError(f"must be within [{LINE_MAX_BYTES_MIN}, {LINE_MAX_BYTES_MAX}]")
+        return value
+
+    def fd_number(text: str) -> int:
+        value = int(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError("must be >= 0")
+        return value
+
+    parser = argparse.ArgumentParser(description="VM-side shim: runs commands for the host over JSON Lines.")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--port", help=f"control character device (default {DEFAULT_PORT})")
+    where.add_argument("--fd", type=fd_number, help="an inherited, connected socket/pipe fd; EOF = host gone")
+    parser.add_argument("--shell", default="/bin/sh")
+    parser.add_argument("--kill-grace-s", type=grace, default=2.0)
+    parser.add_argument("--line-max-bytes", type=line_max, default=LINE_MAX_BYTES_DEFAULT)
+    args = parser.parse_args(argv)
+    if args.port is None and args.fd is None:
+        args.port = DEFAULT_PORT
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.fd is not None:
+        try:
+            os.fstat(args.fd)
+        except OSError as exc:
+            print(f"shim: --fd {args.fd}: {exc}", file=sys.stderr)
+            return 2
+    shim = Shim(
+        port=args.port,
+        fd=args.fd,
+        shell=args.shell,
+        kill_grace_s=args.kill_grace_s,
+        line_max_bytes=args.line_max_bytes,
+    )
+    return shim.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
