@@ -66,11 +66,18 @@ while [ "$i" -lt "$FOLDERS" ]; do
 done
 
 # -- the control port (no udev here: find the virtio-serial port named "control")
-port=
-for n in /sys/class/virtio-ports/*; do
-  [ "$(cat "$n/name" 2>/dev/null)" = control ] && port=/dev/${n##*/}
+find_port() {
+  for n in /sys/class/virtio-ports/vport*; do
+    [ "$(cat "$n/name" 2>/dev/null)" = "$1" ] && { echo "/dev/${n##*/}"; return 0; }
+  done
+  return 1
+}
+tries=0
+until port=$(find_port control); do  # the name can appear a moment after the device
+  tries=$((tries + 1))
+  [ "$tries" -gt 100 ] && fail "no virtio-serial port named control"
+  sleep 0.1
 done
-[ -n "$port" ] || fail "no virtio-serial port named control"
 mkdir -p /merged/dev/virtio-ports
 ln -sf "$port" /merged/dev/virtio-ports/control
 chmod 600 "$port" /merged"$port"

@@ -56,6 +56,32 @@ def _when(ns: int | None) -> str:
     return _dt.datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def print_history(hist: list[dict]) -> None:
+    """The history table (newest first) that `sandbox history` and `sandbox shell` print."""
+    if not hist:
+        print("no steps in history")
+        return
+    print(f"{'id':>5}  {'type':8} {'ended':19}  {'exit':>4}  {'paths':>5}  {'notes':24} command")
+    for h in hist:
+        notes = []
+        if h["unprotected"]:
+            notes.append("UNPROTECTED")
+        if h["outcome"] != "completed":
+            notes.append(h["outcome"])
+        if h.get("corrupt"):
+            notes.append("CORRUPT")
+        for b in h["barriers"]:
+            notes.append(f"barrier#{b['id']}")
+        exit_code = "-" if h["exit_code"] is None else str(h["exit_code"])
+        print(f"{h['id']:>5}  {h['type']:8} {_when(h['ended_ns']):19}  {exit_code:>4}  {len(h['paths']):>5}  "
+              f"{','.join(notes):24} {h['command']}")
+        for b in h["barriers"]:
+            print(f"{'':7}^ barrier #{b['id']}: {b['reason']} ({', '.join(b['paths'][:5]) or 'paths unknown'}) — "
+                  "undo across it needs --force")
+        if h.get("corrupt"):
+            print(f"{'':7}! {h['corrupt']}")
+
+
 def cmd_history(args) -> int:
     with _open(args) as ws:
         hist = ws.history()
@@ -63,28 +89,7 @@ def cmd_history(args) -> int:
             json.dump({"workdir": os.path.realpath(args.workdir), "steps": hist}, sys.stdout, indent=2)
             print()
             return EXIT_OK
-        if not hist:
-            print("no steps in history")
-            return EXIT_OK
-        print(f"{'id':>5}  {'type':8} {'ended':19}  {'exit':>4}  {'paths':>5}  {'notes':24} command")
-        for h in hist:
-            notes = []
-            if h["unprotected"]:
-                notes.append("UNPROTECTED")
-            if h["outcome"] != "completed":
-                notes.append(h["outcome"])
-            if h.get("corrupt"):
-                notes.append("CORRUPT")
-            for b in h["barriers"]:
-                notes.append(f"barrier#{b['id']}")
-            exit_code = "-" if h["exit_code"] is None else str(h["exit_code"])
-            print(f"{h['id']:>5}  {h['type']:8} {_when(h['ended_ns']):19}  {exit_code:>4}  {len(h['paths']):>5}  "
-                  f"{','.join(notes):24} {h['command']}")
-            for b in h["barriers"]:
-                print(f"{'':7}^ barrier #{b['id']}: {b['reason']} ({', '.join(b['paths'][:5]) or 'paths unknown'}) — "
-                      "undo across it needs --force")
-            if h.get("corrupt"):
-                print(f"{'':7}! {h['corrupt']}")
+        print_history(hist)
         return EXIT_OK
 
 
@@ -148,12 +153,26 @@ def cmd_demo(args) -> int:
 
         before = listing()
         print(f"before: {len(before)} entries — " + ", ".join(sorted(k for k in before if "/" not in k)))
-        with Workspace.open(work, state_dir=state) as ws:
-            with ws.step("rm -rf * && echo 'oops' > README.md"):
-                for name in sorted(os.listdir(work)):
-                    ws.fs.remove_tree(name)
-                ws.fs.write_file("README.md", b"oops\n")
-            print(f"after `rm -rf * && echo 'oops' > README.md`: {sorted(os.listdir(work))}\n")
+        destructive = "rm -rf * && echo 'oops' > README.md"
+        if args.in_process:
+            print("(in process: the step is made through the undo core directly, no VM)\n")
+            with Workspace.open(work, state_dir=state) as ws:
+                with ws.step(destructive):
+                    for name in sorted(os.listdir(work)):
+                        ws.fs.remove_tree(name)
+                    ws.fs.write_file("README.md", b"oops\n")
+        else:
+            from .vm.session import Folder, Session, SessionError
+
+            progress = lambda msg: print(f"sandbox: {msg}", flush=True)  # noqa: E731
+            try:
+                with Session([Folder(work)], state_dirs=[state], progress=progress) as session:
+                    print(f"\nguest$ cd /mnt/working/0 && {destructive} && ls -la", flush=True)
+                    r = session.run(destructive + " && ls -la", _stream)
+                    print(f"(step {r.step_id}, exit {r.exit_code}; the VM is stopped now)", flush=True)
+            except SessionError as e:
+                raise CliError(f"{e}\n(`sandbox demo --in-process` shows the undo core without a VM)", EXIT_FAILED) from None
+        print(f"\non the host after `{destructive}`: {sorted(os.listdir(work))}\n")
         rc = cmd_history(argparse.Namespace(workdir=work, state_dir=state, json=False))
         print()
         rc = rc or cmd_undo(argparse.Namespace(workdir=work, state_dir=state, n=1, force=False))
@@ -166,6 +185,129 @@ def cmd_demo(args) -> int:
             shutil.rmtree(base, ignore_errors=True)
         else:
             print(f"kept {base}")
+
+
+def _session(args):
+    """A vm.Session from run/shell arguments (imported lazily: history/undo need no VM code)."""
+    from .core.safeguard import SafeguardConfig
+    from .vm.session import Folder, Session
+
+    folders = [Folder.parse(w) for w in args.workdir]
+    for f in folders:
+        if not os.path.isdir(f.path):
+            raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
+    safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
+    decide = None
+    if args.delete_threshold:
+        decide = _hold_decider(args.on_hold)
+    return Session(folders, network=args.network, vm_mode=args.vm_mode, memory_mb=args.memory,
+                   safeguard=safeguard, decide=decide,
+                   progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+
+
+def _hold_decider(policy: str):
+    def decide(hold) -> str:
+        print(f"\nsandbox: SAFEGUARD {hold.id}: {hold.message}\n  e.g. {', '.join(hold.sample_paths[:5])}",
+              file=sys.stderr, flush=True)
+        if policy in ("allow", "deny"):
+            print(f"sandbox: {policy} (--on-hold {policy})", file=sys.stderr, flush=True)
+            return policy
+        try:
+            with open("/dev/tty", "r+") as tty:
+                tty.write("sandbox: allow it? [y/N] ")
+                tty.flush()
+                return "allow" if tty.readline().strip().lower() in ("y", "yes") else "deny"
+        except OSError:
+            print("sandbox: no terminal to ask on: denied", file=sys.stderr, flush=True)
+            return "deny"
+    return decide
+
+
+def _stream(stream: str, text: str) -> None:
+    out = sys.stderr if stream == "stderr" else sys.stdout
+    out.write(text)
+    out.flush()
+
+
+def cmd_run(args) -> int:
+    """Boot a guest, run COMMAND as one step, stream its output, exit with its exit code."""
+    words = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = " ".join(words).strip()
+    if not command:
+        raise CliError("give the command after --, e.g. sandbox run --workdir . -- make test", EXIT_USAGE)
+    from .vm.session import SessionError
+
+    try:
+        with _session(args) as session:
+            result = session.run(command, _stream)
+    except SessionError as e:
+        raise CliError(str(e), EXIT_FAILED) from None
+    how = f"signal {result.signal}" if result.signal else f"exit {result.exit_code}"
+    if result.step_id is not None:
+        first = _folder_path(args.workdir[0])
+        print(f"sandbox: step {result.step_id} ({how}{', cancelled' if result.cancelled else ''}); "
+              f"undo it with: sandbox undo --workdir {first}", file=sys.stderr)
+    return result.exit_code
+
+
+def _folder_path(spec: str) -> str:
+    """The path part of a --workdir spec (DIR or DIR:ro)."""
+    from .vm.session import Folder
+
+    return Folder.parse(spec).path
+
+
+SHELL_HELP = """\
+each line runs in the guest as one step (cwd: /mnt/working/0). Built in:
+  :history        the undo history of the first working folder
+  :undo [N]       undo the newest N steps (default 1); the guest sees it at once
+  :help           this text
+  :quit           stop the VM (or Ctrl-D)"""
+
+
+def cmd_shell(args) -> int:
+    """An interactive loop: each line is one step; :undo and :history built in."""
+    from .core.errors import SandboxError
+    from .vm.session import SessionError
+
+    try:
+        with _session(args) as session:
+            print(SHELL_HELP, file=sys.stderr)
+            while True:
+                try:
+                    line = input("sandbox> ")
+                except EOFError:
+                    print(file=sys.stderr)
+                    return EXIT_OK
+                except KeyboardInterrupt:
+                    print(file=sys.stderr)
+                    continue
+                line = line.strip()
+                if not line:
+                    continue
+                if line in (":quit", ":q", ":exit"):
+                    return EXIT_OK
+                if line == ":help":
+                    print(SHELL_HELP)
+                elif line == ":history":
+                    print_history(session.history())
+                elif line.split()[0] == ":undo":
+                    parts = line.split()
+                    try:
+                        n = int(parts[1]) if len(parts) > 1 else 1
+                        r = session.undo(n)
+                        print(f"undone: step(s) {', '.join(str(i) for i in r['step_ids'])}; "
+                              f"{r['paths_restored']} path(s) restored")
+                    except (ValueError, SandboxError) as e:
+                        print(f"sandbox: {getattr(e, 'message', e)}", file=sys.stderr)
+                elif line.startswith(":"):
+                    print(f"sandbox: unknown command {line.split()[0]} (:help lists them)", file=sys.stderr)
+                else:
+                    r = session.run(line, _stream)
+                    if r.exit_code:
+                        print(f"[step {r.step_id}: exit {r.exit_code}]", file=sys.stderr)
+    except SessionError as e:
+        raise CliError(str(e), EXIT_FAILED) from None
 
 
 def cmd_serve_9p(args) -> int:
@@ -242,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  sandbox history --workdir DIR [--json]\n"
                "  sandbox undo --workdir DIR [-n N] [--force]\n"
                "  sandbox discard --workdir DIR --yes\n"
+               "  sandbox run --workdir DIR [--workdir DIR2:ro] [--network open] -- COMMAND\n"
+               "  sandbox shell --workdir DIR\n"
                "  sandbox serve-9p --root DIR --socket PATH [--read-only]\n"
                "  sandbox demo\n\n"
                "exit codes:\n"
@@ -255,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def command(name, help, description, exit_codes):
-        epilog = "exit codes:\n" + "\n".join(f"  {code}  {what}" for code, what in exit_codes)
+        epilog = "exit codes:\n" + "\n".join(f"  {'N' if code is None else code}  {what}" for code, what in exit_codes)
         return sub.add_parser(name, help=help, description=description, epilog=epilog, formatter_class=raw)
 
     def with_workdir(sp):
@@ -298,6 +442,41 @@ def build_parser() -> argparse.ArgumentParser:
         [(0, "discarded"), no_history, (2, "bad usage (--yes missing, --workdir is not a directory)"), busy]))
     d.add_argument("--yes", action="store_true", help="confirm")
     d.set_defaults(fn=cmd_discard)
+    def with_session(sp):
+        sp.add_argument("--workdir", action="append", required=True, metavar="DIR[:ro]",
+                        help="a working folder, mounted at /mnt/working/0, /1, … (repeatable, up to 8; "
+                             ":ro = read-only, no undo)")
+        sp.add_argument("--network", choices=["disabled", "open"], default="disabled",
+                        help="guest networking (default disabled; the allowlist mode is not implemented yet)")
+        sp.add_argument("--vm-mode", choices=["ephemeral", "persistent"], default="ephemeral",
+                        help="ephemeral: a fresh guest root each time (tmpfs); persistent: changes outside the working "
+                             "folders (installed packages …) are kept on a disk beside the undo state")
+        sp.add_argument("--memory", type=int, default=1024, metavar="MB", help="guest memory (default 1024)")
+        sp.add_argument("--delete-threshold", type=int, metavar="N",
+                        help="safeguard: the N-th deletion of a step waits for a decision (default: off)")
+        sp.add_argument("--on-hold", choices=["ask", "allow", "deny"], default="ask",
+                        help="how a safeguard hold is decided: ask on the terminal (default; no terminal = deny), "
+                             "allow, or deny (the step is rolled back)")
+        return sp
+
+    vm_codes = [(1, "the VM could not start (the message says why)"), (2, "bad usage"),
+                (5, "a working folder's undo store is in use by another process")]
+    r = with_session(command(
+        "run", "boot a VM, run COMMAND on your folder as one undoable step",
+        "Boot a Linux guest (Debian's kernel; the host's userland read-only under an overlay), mount\n"
+        "each --workdir at /mnt/working/0, /1, … through the intercepting 9P server, run COMMAND\n"
+        "there in a shell as one step, stream its output and exit with its exit code. Every write it\n"
+        "makes is undoable: `sandbox undo --workdir DIR`. Ctrl-C cancels the command (SIGTERM, then\n"
+        "SIGKILL). KVM is used when it works, TCG otherwise (slower; the choice is printed).",
+        [(0, "the command exited 0"), (None, "otherwise the command's own exit code")] + vm_codes))
+    r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command line to run")
+    r.set_defaults(fn=cmd_run)
+    sh = with_session(command(
+        "shell", "an interactive loop in a VM: each line is one undoable step (:undo, :history)",
+        "Boot a guest like `sandbox run` and read command lines: each runs as one step. Built in:\n"
+        ":history, :undo [N] (the guest sees the restored files at once), :help, :quit or Ctrl-D.",
+        [(0, "ended with :quit or Ctrl-D")] + vm_codes))
+    sh.set_defaults(fn=cmd_shell)
     s9 = command(
         "serve-9p", "serve a folder to 9P2000.L clients; every write lands in an undoable step",
         "Serve the folder --root DIR over 9P2000.L on a unix socket (what QEMU's guestfwd connects\n"
@@ -323,12 +502,16 @@ def build_parser() -> argparse.ArgumentParser:
     s9.set_defaults(fn=cmd_serve_9p)
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
-        "Copy the sample project to a temporary folder, run a destructive step on it\n"
-        "(`rm -rf * && echo oops > README.md`), show the history, undo the step and check that\n"
-        "the tree is identical to the original (bytes, modes, mtimes). Needs no --workdir.",
-        [(0, "the tree is identical after undo"), (1, "it is not (a bug)"), (2, "the sample project was not found")])
+        "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"
+        "in the guest (`rm -rf * && echo oops > README.md`), show the history, undo the step and check\n"
+        "that the tree is identical to the original (bytes, modes, mtimes). Needs no --workdir.\n"
+        "--in-process makes the same step through the undo core without a VM.",
+        [(0, "the tree is identical after undo"), (1, "it is not (a bug), or the VM could not start"),
+         (2, "the sample project was not found")])
     demo.add_argument("--sample", metavar="DIR", help="project to copy (default: fixtures/sample-project)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    demo.add_argument("--in-process", action="store_true", help="make the step through the undo core directly "
+                      "instead of in a VM (no QEMU needed)")
     demo.set_defaults(fn=cmd_demo)
     return p
 

@@ -470,7 +470,7 @@ def test_demo(tmp_path, monkeypatch):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))
-    r = run("demo", cwd=str(tmp_path))
+    r = run("demo", "--in-process", cwd=str(tmp_path))  # the VM demo: e2e/test_vm_session.py
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tree IDENTICAL to the original" in r.stdout
     assert "undone: step(s) 1;" in r.stdout

@@ -223,3 +223,32 @@ def qemu_command(image: Image, append: str = "", memory_mb: int = 512, netdev: s
     if netdev:
         cmd += ["-netdev", netdev, "-device", "virtio-net-pci,netdev=n0"]
     return cmd
+
+
+# ---------------------------------------------------------------------------- the product image
+
+#: what a session's guest loads: virtio transport, the 9P client (TCP for working folders,
+#: virtio for the host root), overlay for the writable layer, the control port, a disk for
+#: persistent mode, and the virtiofs/FUSE modules the virtiofs backend will use
+GUEST_MODULES = NINEP_MODULES + ("9pnet_virtio", "overlay", "virtio_console", "virtio_blk", "crc32c_generic", "ext4",
+                                 "virtiofs", "fuse")
+
+
+def guest_dir() -> str:
+    """Where guest/init.sh and guest/shim.py live (the source tree or the installed package)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for cand in (os.path.join(here, "..", "..", "guest"), os.path.join(here, "guest")):
+        if os.path.exists(os.path.join(cand, "init.sh")):
+            return os.path.normpath(cand)
+    raise ImageError("guest/init.sh and guest/shim.py were not found next to the sandbox package")
+
+
+def guest_image(cache: str | None = None) -> Image:
+    """The session guest: Debian's kernel, busybox, GUEST_MODULES, guest/init.sh as PID 1 and
+    guest/shim.py. Built on first use and cached; rebuilt when any input changes."""
+    g = guest_dir()
+    with open(os.path.join(g, "init.sh")) as f:
+        init = f.read()
+    with open(os.path.join(g, "shim.py"), "rb") as f:
+        shim = f.read()
+    return build_initramfs(fetch_kernel(cache), init, GUEST_MODULES, files={"shim.py": shim}, cache=cache)
