@@ -25,6 +25,7 @@ from sandbox.hostfs.real import RealHostFS
 from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
+from sandbox.vm.qemu import VmConfig, build_command
 
 DESCRIPTION = """\
 Boot Debian's kernel in QEMU (sandbox.vm.image; TCG unless you change accel) with the
@@ -89,8 +90,12 @@ def run(side: str, image, base: str, sample: str) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     shutil.rmtree(work)
     shutil.copytree(sample, work, symlinks=True)
-    cmd = vm_image.qemu_command(image, memory_mb=1024, append=f"sbx_work={'ours' if side != 'qemu' else 'qemu'}")
-    cmd += ["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
+    sock = os.path.join(base, "9p.sock")
+    cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=1024, host_root=True,
+                   append=f"sbx_work={'ours' if side != 'qemu' else 'qemu'}",
+                   guestfwds=[(564, sock)] if side != "qemu" else [],
+                   extra=["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else [])
+    cmd = build_command(cfg)
     ws = None
     try:
         if side in ("ours", "plain"):
@@ -99,15 +104,10 @@ def run(side: str, image, base: str, sample: str) -> dict[str, float]:
                 provider = Provider.intercepted(ws)
             else:
                 provider = Provider(RealHostFS(work), None, read_only=False)
-            sock = os.path.join(base, "9p.sock")
-            cmd += ["-netdev", f"user,id=n0,restrict=on,guestfwd=tcp:10.0.2.100:564-unix:{sock}",
-                    "-device", "virtio-net-pci,netdev=n0"]
             with ServerThread(NinePServer(provider), unix_path=sock):
                 p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
             provider.close()
         else:
-            cmd += ["-virtfs", f"local,path={work},mount_tag=work,security_model=none",
-                    "-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0"]
             p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
     finally:
         if ws is not None:

@@ -215,16 +215,6 @@ def build_initramfs(kernel: Kernel, init_script: str, modules: tuple[str, ...] =
     return Image(kernel, path)
 
 
-def qemu_command(image: Image, append: str = "", memory_mb: int = 512, netdev: str | None = None) -> list[str]:
-    """A q35 TCG direct-kernel-boot command line with the serial console on stdio."""
-    cmd = ["qemu-system-x86_64", "-machine", "q35,accel=tcg", "-m", str(memory_mb), "-nographic", "-no-reboot",
-           "-kernel", image.vmlinuz, "-initrd", image.initrd,
-           "-append", f"console=ttyS0 panic=-1 loglevel=4 {append}".strip()]
-    if netdev:
-        cmd += ["-netdev", netdev, "-device", "virtio-net-pci,netdev=n0"]
-    return cmd
-
-
 # ---------------------------------------------------------------------------- the product image
 
 #: what a session's guest loads: virtio transport, the 9P client (TCP for working folders,
