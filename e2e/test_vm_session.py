@@ -205,3 +205,19 @@ def test_sigkill_of_the_agent_mid_rm_then_recovery(project, tmp_path):
     h = cli("history", "--workdir", str(project), env=env)
     assert h.returncode == 0 and "recovered" in h.stderr, h.stderr
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "recovery after SIGKILL")
+
+
+@pytest.mark.slow
+def test_persistent_vm_keeps_its_root_and_reset_forgets_it(project, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    with Session([Folder(str(project))], vm_mode="persistent") as s:
+        assert s.run("echo kept > /root/persist-test").exit_code == 0
+    with Session([Folder(str(project))], vm_mode="persistent") as s:
+        out = []
+        s.run("cat /root/persist-test", lambda st, t: out.append(t))
+        assert "".join(out) == "kept\n"
+    with Session([Folder(str(project))]) as s:  # ephemeral: a fresh root
+        assert s.run("test -e /root/persist-test").exit_code == 1
+    Session([Folder(str(project))]).reset()
+    with Session([Folder(str(project))], vm_mode="persistent") as s:
+        assert s.run("test -e /root/persist-test").exit_code == 1

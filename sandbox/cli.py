@@ -310,6 +310,26 @@ def cmd_shell(args) -> int:
         raise CliError(str(e), EXIT_FAILED) from None
 
 
+def cmd_guest(args) -> int:
+    """Build (or locate) the guest image; or forget a persistent VM's disk."""
+    from .vm import image as vm_image
+    from .vm.session import Folder, Session
+
+    if args.action == "build":
+        print("sandbox: fetching Debian's kernel package and building the initramfs (cached) …", file=sys.stderr)
+        try:
+            img = vm_image.guest_image()
+        except vm_image.ImageError as e:
+            raise CliError(str(e), EXIT_FAILED) from None
+        print(f"kernel:    {img.vmlinuz}\ninitramfs: {img.initrd}")
+        return EXIT_OK
+    if not args.workdir:
+        raise CliError("guest reset needs --workdir DIR (the first working folder of the persistent VM)", EXIT_USAGE)
+    Session([Folder(args.workdir)]).reset()
+    print(f"sandbox: the persistent VM of {os.path.realpath(args.workdir)} was reset; the next session boots a fresh one")
+    return EXIT_OK
+
+
 def cmd_serve_9p(args) -> int:
     """Serve a folder over 9P2000.L until SIGTERM/SIGINT; intercepted unless --read-only."""
     import asyncio
@@ -477,6 +497,15 @@ def build_parser() -> argparse.ArgumentParser:
         ":history, :undo [N] (the guest sees the restored files at once), :help, :quit or Ctrl-D.",
         [(0, "ended with :quit or Ctrl-D")] + vm_codes))
     sh.set_defaults(fn=cmd_shell)
+    g = command(
+        "guest", "build the guest image, or reset a persistent VM",
+        "build: fetch Debian's kernel package (apt-get download) and build the guest initramfs into\n"
+        "~/.cache/sandbox/guest/ (a session does this on demand; rebuilt when an input changes).\n"
+        "reset --workdir DIR: delete the persistent VM disk of that folder's sessions.",
+        [(0, "done"), (1, "the image cannot be built here (the message says why)"), (2, "bad usage")])
+    g.add_argument("action", choices=["build", "reset"])
+    g.add_argument("--workdir", metavar="DIR", help="for reset: the session's first working folder")
+    g.set_defaults(fn=cmd_guest)
     s9 = command(
         "serve-9p", "serve a folder to 9P2000.L clients; every write lands in an undoable step",
         "Serve the folder --root DIR over 9P2000.L on a unix socket (what QEMU's guestfwd connects\n"

@@ -213,6 +213,14 @@ class Session:
             os.rename(tmp, disk)
         return disk
 
+    def _guest_sync(self, s: _Started) -> None:
+        """``sync`` in the guest, outside any step (it writes no working folder)."""
+        async def go():
+            ex = await s.control.exec(-1, "sync", "/", {})
+            await asyncio.wait_for(ex.completed, 30)
+
+        s.server.run(go(), timeout_s=40)
+
     def reset(self) -> None:
         """Forget a persistent VM's disk (the next start boots a fresh one). Not while running."""
         if self._s is not None:
@@ -225,6 +233,11 @@ class Session:
         if s is None:
             return
         errors = []
+        if s.server is not None and s.control is not None and self.vm_mode == "persistent":
+            try:  # the guest's page cache must reach the persistent disk before QEMU goes
+                self._guest_sync(s)
+            except Exception as e:
+                log.warning("could not sync the persistent disk before stopping: %s", e)
         if s.server is not None:
             try:
                 if s.control is not None:
