@@ -221,3 +221,33 @@ def test_persistent_vm_keeps_its_root_and_reset_forgets_it(project, tmp_path, mo
     Session([Folder(str(project))]).reset()
     with Session([Folder(str(project))], vm_mode="persistent") as s:
         assert s.run("test -e /root/persist-test").exit_code == 1
+
+
+def test_sandbox_shell_interactive_undo(project, tmp_path):
+    import pexpect
+
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
+    child = pexpect.spawn(sys.executable, ["-m", "sandbox", "shell", "--workdir", str(project)], env=env,
+                          encoding="utf-8", timeout=300)
+    try:
+        child.expect("sandbox> ")
+        child.sendline("echo one > f && cat f")
+        child.expect("one")
+        child.expect("sandbox> ")
+        child.sendline("echo two > f")
+        child.expect("sandbox> ")
+        child.sendline(":undo")
+        child.expect(r"undone: step\(s\) 2")
+        child.expect("sandbox> ")
+        child.sendline("cat f")  # the guest sees the undo at once
+        child.expect("one")
+        child.expect("sandbox> ")
+        child.sendline(":history")
+        child.expect("echo one > f")
+        child.expect("sandbox> ")
+        child.sendline(":quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    assert (project / "f").read_bytes() == b"one\n"
