@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 try:
     import sandbox  # noqa: F401
@@ -25,7 +26,7 @@ from sandbox.hostfs.real import RealHostFS
 from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
-from sandbox.vm.qemu import VmConfig, build_command
+from sandbox.vm.qemu import VmConfig, build_command, probe_accel
 
 DESCRIPTION = """\
 Boot Debian's kernel in QEMU (sandbox.vm.image; TCG unless you change accel) with the
@@ -39,6 +40,8 @@ project, mounted two ways (cache=none, msize 512 KiB both):
         is the cost of undo, plain/qemu the cost of our server + the guestfwd transport
   qemu  QEMU's built-in virtio-9p (-virtfs local, security_model=none), in-process C,
         no interception — the reference
+  diod  Debian's C 9P2000.L server (package diod) behind the same guestfwd transport
+        as ours, no interception — the transport held equal (skipped if not installed)
 
 Phases (timed inside the guest with `date +%s%N`): create N small files; read them
 back; `git init && git add -A && git commit`; write a 32 MiB file with dd (1 MiB
@@ -58,8 +61,9 @@ ip link set eth0 up
 ip addr add 10.0.2.15/24 dev eth0
 mkdir -p /merged/mnt/work
 opts=version=9p2000.L,cache=none,msize=524288
+aname=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^sbx_aname=//p')
 if grep -q sbx_work=ours /proc/cmdline; then
-  mount -t 9p -o trans=tcp,port=564,$opts 10.0.2.100 /merged/mnt/work || echo MOUNT-FAILED
+  mount -t 9p -o trans=tcp,port=564,uname=root,$opts${aname:+,aname=$aname} 10.0.2.100 /merged/mnt/work || echo MOUNT-FAILED
 else
   mount -t 9p -o trans=virtio,$opts work /merged/mnt/work || echo MOUNT-FAILED
 fi
@@ -73,6 +77,7 @@ poweroff -f
 """
 
 WORKLOAD = r"""
+echo "BOOTED $(cut -d' ' -f1 /proc/uptime)"
 t() { date +%s%N; }
 phase() { echo "PHASE $1 $(( $(t) - $2 ))"; }
 g() { git -c user.email=b@example.com -c user.name=bench "$@"; }
@@ -86,19 +91,34 @@ echo BENCH-DONE
 """
 
 
-def run(side: str, image, base: str, sample: str) -> dict[str, float]:
+def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     shutil.rmtree(work)
     shutil.copytree(sample, work, symlinks=True)
     sock = os.path.join(base, "9p.sock")
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=1024, host_root=True,
-                   append=f"sbx_work={'ours' if side != 'qemu' else 'qemu'}",
+                   accel=accel.accel, cpu=accel.cpu,
+                   append=f"sbx_work={'ours' if side != 'qemu' else 'qemu'}" + (f" sbx_aname={work}" if side == "diod" else ""),
                    guestfwds=[(564, sock)] if side != "qemu" else [],
                    extra=["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else [])
     cmd = build_command(cfg)
     ws = None
     try:
-        if side in ("ours", "plain"):
+        if side == "diod":
+            d = subprocess.Popen(["diod", "-f", "-n", "-N", "-u", str(os.getuid()), "-e", work, "-l", sock,
+                                  "-L", os.path.join(base, "diod.log")], stdin=subprocess.DEVNULL)
+            try:
+                for _ in range(200):  # diod creates its socket as it starts
+                    if os.path.exists(sock):
+                        break
+                    time.sleep(0.05)
+                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+            finally:
+                d.terminate()
+                d.wait(10)
+                if os.path.exists(sock):
+                    os.unlink(sock)
+        elif side in ("ours", "plain"):
             if side == "ours":
                 ws = Workspace.open(work, state_dir=work + ".state")
                 provider = Provider.intercepted(ws)
@@ -116,8 +136,16 @@ def run(side: str, image, base: str, sample: str) -> dict[str, float]:
         shutil.rmtree(work + ".state", ignore_errors=True)
     out = p.stdout.replace("\r", "")
     if "BENCH-DONE" not in out or "MOUNT-FAILED" in out:
-        raise SystemExit(f"guest run ({side}) failed:\n{out[-3000:]}\n{p.stderr[-1000:]}")
-    return {name: int(ns) / 1e9 for name, ns in re.findall(r"PHASE (\S+) (\d+)", out)}  # console noise may precede
+        log = ""
+        if side == "diod" and os.path.exists(os.path.join(base, "diod.log")):
+            with open(os.path.join(base, "diod.log")) as f:
+                log = "\ndiod log:\n" + f.read()[-2000:]
+        raise SystemExit(f"guest run ({side}) failed:\n{out[-3000:]}\n{p.stderr[-1000:]}{log}")
+    res = {name: int(ns) / 1e9 for name, ns in re.findall(r"PHASE (\S+) (\d+)", out)}  # console noise may precede
+    booted = re.search(r"BOOTED ([0-9.]+)", out)
+    if booted:
+        res["boot (uptime)"] = float(booted.group(1))
+    return res
 
 
 def main() -> int:
@@ -130,21 +158,33 @@ def main() -> int:
                                      modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay"),
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
-    sides = ("ours", "plain", "qemu")
+    sides = ("ours", "plain", "qemu") + (("diod",) if shutil.which("diod") else ())
+    if os.environ.get("BENCH_SIDES"):
+        sides = tuple(os.environ["BENCH_SIDES"].split(","))
+    if "diod" not in sides:
+        print("diod is not installed (apt-get install diod): its column is left out", file=sys.stderr)
+    accel = probe_accel(image)
+    print(f"accelerator: {accel.accel} ({accel.reason})", file=sys.stderr)
     res: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     try:
         for r in range(args.repeat):
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 print(f"boot {r + 1}/{args.repeat}: {side} …", file=sys.stderr, flush=True)
-                for k, v in run(side, image, base, os.path.join(here, "fixtures", "sample-project")).items():
+                for k, v in run(side, image, base, os.path.join(here, "fixtures", "sample-project"), accel).items():
                     res[side].setdefault(k, []).append(v)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"guest workload (TCG), seconds, median of {args.repeat}; {args.files} small files")
-    print(f"{'phase':10} {'ours':>8} {'plain':>8} {'qemu 9p':>8} {'ours/plain':>11} {'plain/qemu':>11} {'ours/qemu':>10}")
-    for k in res["qemu"]:
-        a, b, c = (statistics.median(res[side][k]) for side in sides)
-        print(f"{k:10} {a:8.2f} {b:8.2f} {c:8.2f} {a / b:11.2f} {b / c:11.2f} {a / c:10.2f}")
+    print(f"guest workload ({accel.accel}), seconds, median of {args.repeat}; {args.files} small files")
+    med = {side: {k: statistics.median(v) for k, v in res[side].items()} for side in sides}
+    cols = list(sides) + ["ours/plain", "plain/qemu", "ours/qemu"] + (["plain/diod", "ours/diod"] if "diod" in sides else [])
+    print(f"{'phase':14}" + "".join(f"{c:>11}" for c in cols))
+    for k in med["qemu"]:
+        row = [med[side].get(k, float("nan")) for side in sides]
+        o, p_, q = med["ours"][k], med["plain"][k], med["qemu"][k]
+        ratios = [o / p_, p_ / q, o / q]
+        if "diod" in sides:
+            ratios += [p_ / med["diod"][k], o / med["diod"][k]]
+        print(f"{k:14}" + "".join(f"{v:11.2f}" for v in row + ratios))
     return 0
 
 
