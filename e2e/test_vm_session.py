@@ -171,13 +171,56 @@ def test_safeguard_holds_a_large_rm(project, answer):
         assert r.exit_code == 0 and not victims.exists()
 
 
+PROBE = r"""python3 -c '
+import socket
+for host, port in (("10.0.2.2", PORT), ("192.0.2.1", 80)):
+    try:
+        socket.create_connection((host, port), timeout=5).recv(2)
+        print(host, "reached")
+    except OSError as e:
+        print(host, "refused:", e.strerror or e)
+'"""
+
+
 @pytest.mark.slow
-def test_network_disabled_cannot_reach_out(project):
-    with Session([Folder(str(project))], network="disabled") as s:
-        out = []
-        r = s.run("python3 -c \"import socket; socket.create_connection(('10.0.2.2', 22), timeout=3)\"",
-                  lambda st, t: out.append(t))
-        assert r.exit_code != 0, "".join(out)
+@pytest.mark.parametrize("network, allow, host_reached, leaves_guest", [
+    ("disabled", None, False, False),
+    ("allowlist", ["10.0.2.2/32"], True, False),
+    ("open", None, True, True),
+])
+def test_network_policies(project, network, allow, host_reached, leaves_guest):
+    """The host's loopback (QEMU's 10.0.2.2) and a TEST-NET address (192.0.2.1, not allowed):
+    without a route the guest's own kernel answers "Network is unreachable"; in open mode the
+    attempt leaves the guest (the host then refuses it or times out)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def serve():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.sendall(b"hi")
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with Session([Folder(str(project))], network=network, allow=allow) as s:
+            out = []
+            s.run(PROBE.replace("PORT", str(port)), lambda st, text: out.append(text))
+    finally:
+        stop.set()
+        t.join(5)
+        listener.close()
+    text = "".join(out)
+    assert ("10.0.2.2 reached" in text) == host_reached, text
+    assert ("unreachable" not in text.split("192.0.2.1", 1)[1].lower()) == leaves_guest, text
 
 
 @pytest.mark.slow

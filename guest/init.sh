@@ -7,6 +7,7 @@
 #                            (QEMU guestfwd -> the host's 9P server), at /mnt/working/i
 #   sandbox.msize=BYTES      9P msize for them
 #   sandbox.net=MODE         disabled | open | allowlist
+#   sandbox.allow=CIDR,…     allowlist: the only destinations routed out (via 10.0.2.2)
 #   sandbox.upper=tmpfs|disk the writable layer over the read-only host root: tmpfs
 #                            (ephemeral) or the ext4 disk /dev/vda (persistent)
 #
@@ -17,7 +18,7 @@
 say() { echo "sandbox-init: $*"; }
 fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
 
-FOLDERS=0 MSIZE=524288 NET=disabled UPPER=tmpfs
+FOLDERS=0 MSIZE=524288 NET=disabled UPPER=tmpfs ALLOW=
 for x in $(cat /proc/cmdline); do
   case "$x" in
     sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
@@ -25,6 +26,7 @@ for x in $(cat /proc/cmdline); do
     sandbox.msize=*) MSIZE=${x#*=} ;;
     sandbox.net=*) NET=${x#*=} ;;
     sandbox.upper=*) UPPER=${x#*=} ;;
+    sandbox.allow=*) ALLOW=${x#*=} ;;
   esac
 done
 
@@ -47,13 +49,32 @@ mount -t tmpfs tmpfs /merged/dev/shm
 mount -t tmpfs -o mode=1777 tmpfs /merged/tmp
 mount -t tmpfs -o mode=0755 tmpfs /merged/run
 
-# -- network: the 9P shares always need eth0; a default route only when allowed out
+# -- network. The 9P shares (10.0.2.100, QEMU guestfwd) are always reachable.
+# open: the usual user-networking setup (default route, DNS).
+# disabled: QEMU's restrict=on cuts the guest off; /32 addressing and no routes besides.
+# allowlist: /32 addressing, routes to the listed networks only (via 10.0.2.2), DNS only if
+#   10.0.2.3 is listed — a guest-side policy like seed §4.1.1's firewall rules: root inside
+#   the guest could add routes back. 10.0.2.2 is QEMU's gateway and reaches the host's
+#   loopback, so it is reachable whenever anything is allowed.
 ip link set lo up
 ip link set eth0 up
-ip addr add 10.0.2.15/24 dev eth0
-if [ "$NET" != disabled ]; then
+if [ "$NET" = open ]; then
+  ip addr add 10.0.2.15/24 dev eth0
   ip route add default via 10.0.2.2
   echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf
+else
+  ip addr add 10.0.2.15/32 dev eth0
+  ip route add 10.0.2.100/32 dev eth0
+  if [ "$NET" = allowlist ]; then
+    ip route add 10.0.2.2/32 dev eth0
+    for net in $(echo "$ALLOW" | tr ',' ' '); do
+      case "$net" in
+        10.0.2.2/32) ;;
+        10.0.2.3/32) ip route add 10.0.2.3/32 dev eth0 && echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf ;;
+        *) ip route add "$net" via 10.0.2.2 || say "cannot route $net" ;;
+      esac
+    done
+  fi
 fi
 
 # -- working folders

@@ -200,9 +200,15 @@ def _session(args):
     decide = None
     if args.delete_threshold:
         decide = _hold_decider(args.on_hold)
-    return Session(folders, network=args.network, vm_mode=args.vm_mode, memory_mb=args.memory,
-                   safeguard=safeguard, decide=decide,
-                   progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+    network, _, allow = args.network.partition(":")
+    if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
+        raise CliError(f"--network wants disabled, open or allowlist:CIDR,…, not {args.network!r}", EXIT_USAGE)
+    try:
+        return Session(folders, network=network, allow=allow.split(",") if allow else None, vm_mode=args.vm_mode,
+                       memory_mb=args.memory, safeguard=safeguard, decide=decide,
+                       progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
 
 
 def _hold_decider(policy: str):
@@ -466,8 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--workdir", action="append", required=True, metavar="DIR[:ro]",
                         help="a working folder, mounted at /mnt/working/0, /1, … (repeatable, up to 8; "
                              ":ro = read-only, no undo)")
-        sp.add_argument("--network", choices=["disabled", "open"], default="disabled",
-                        help="guest networking (default disabled; the allowlist mode is not implemented yet)")
+        sp.add_argument("--network", default="disabled", metavar="disabled|open|allowlist:CIDR,…",
+                        help="guest networking: disabled (default; QEMU restrict=on), open, or allowlist:CIDR,… "
+                             "(only routes to those networks; a guest-side policy root in the guest could undo)")
         sp.add_argument("--vm-mode", choices=["ephemeral", "persistent"], default="ephemeral",
                         help="ephemeral: a fresh guest root each time (tmpfs); persistent: changes outside the working "
                              "folders (installed packages …) are kept on a disk beside the undo state")

@@ -91,13 +91,30 @@ class _Started:
     providers: list = field(default_factory=list)
 
 
+def _cidrs(items: list[str]) -> list[str]:
+    """Normalised IPv4 networks (``1.2.3.4`` → ``1.2.3.4/32``); ValueError names a bad one."""
+    import ipaddress
+
+    out = []
+    for item in items:
+        try:
+            net = ipaddress.ip_network(item.strip(), strict=False)
+        except ValueError:
+            raise ValueError(f"not an IP address or CIDR: {item!r}") from None
+        if net.version != 4:
+            raise ValueError(f"only IPv4 is routed into the guest (QEMU user networking): {item!r}")
+        out.append(str(net))
+    return out
+
+
 def vm_state_dir(folder: str) -> str:
     """Where a persistent VM's disk lives: beside the first folder's undo store."""
     return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
 
 
 class Session:
-    def __init__(self, folders: list[Folder], *, network: str = "disabled", vm_mode: str = "ephemeral",
+    def __init__(self, folders: list[Folder], *, network: str = "disabled", allow: list[str] | None = None,
+                 vm_mode: str = "ephemeral",
                  memory_mb: int = 1024, cpus: int = 2, safeguard: SafeguardConfig | None = None,
                  decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None):
@@ -107,8 +124,9 @@ class Session:
             raise ValueError("at most 8 working folders")
         if network not in NETWORKS:
             raise ValueError(f"network must be one of {', '.join(NETWORKS)}")
-        if network == "allowlist":
-            raise SessionError("network allowlist is not implemented yet: use disabled or open")
+        self.allow = _cidrs(allow or []) if network == "allowlist" else []
+        if network == "allowlist" and not self.allow:
+            raise ValueError("network allowlist needs at least one IP or CIDR")
         if vm_mode not in VM_MODES:
             raise ValueError(f"vm_mode must be one of {', '.join(VM_MODES)}")
         for f in folders:
@@ -171,6 +189,8 @@ class Session:
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
         append = (f"sandbox.folders={len(self.folders)} sandbox.msize={MSIZE} sandbox.net={self.network} "
                   f"sandbox.upper={'disk' if disk else 'tmpfs'} quiet")
+        if self.allow:
+            append += f" sandbox.allow={','.join(self.allow)}"
         cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=self.accel.accel, cpu=self.accel.cpu,
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(s.run_dir, "qmp.sock"),
