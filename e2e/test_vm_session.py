@@ -294,3 +294,45 @@ def test_sandbox_shell_interactive_undo(project, tmp_path):
         child.close()
     assert child.exitstatus == 0
     assert (project / "f").read_bytes() == b"one\n"
+
+
+@pytest.mark.slow
+def test_background_writes_after_the_command_land_in_an_ambient_step(project):
+    """A daemon the command left behind writes later: that write is undoable too (ambient)."""
+    with Session([Folder(str(project))]) as s:
+        r = s.run("(sleep 2; echo late > bg.txt) > /dev/null 2>&1 &")
+        assert r.exit_code == 0
+        ws = s.workspaces[0]
+        appeared = threading.Event()
+        for _ in range(300):  # condition wait: the guest's late write reaches the host
+            if (project / "bg.txt").exists() and any(h["type"] == "ambient" for h in s.history()):
+                appeared.set()
+                break
+            appeared.wait(0.1)
+            ws.poll()
+        assert appeared.is_set(), s.history()
+        hist = s.history()
+        assert hist[0]["type"] == "ambient" and "bg.txt" in hist[0]["paths"]
+        assert "bg.txt" not in hist[1]["paths"]  # not in the command's step, which had closed
+        s.undo(1)
+        assert not (project / "bg.txt").exists()
+
+
+def test_ctrl_c_cancels_the_command_and_cleans_up(project, tmp_path):
+    import pexpect
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg"), "TMPDIR": str(scratch)}
+    child = pexpect.spawn(sys.executable, ["-m", "sandbox", "run", "--workdir", str(project), "--",
+                                           "echo started; sleep 1000"], env=env, encoding="utf-8", timeout=300)
+    try:
+        child.expect("started")
+        child.sendintr()  # Ctrl-C
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 143, child.before  # the command died of SIGTERM: its code is ours
+    left = subprocess.run(["pgrep", "-f", str(scratch)], capture_output=True, text=True)
+    assert left.stdout == "", f"processes left behind: {left.stdout}"
+    assert list(scratch.iterdir()) == []  # sockets and the run directory are gone
