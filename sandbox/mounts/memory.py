@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 
-from ..hostfs import DIR, PathError, normalize, parent_of
+from ..core.intercepted_fs import InterceptedFS
+from ..hostfs import PathError, normalize, parent_of
 from ..hostfs.sim import SimClock, SimHostFS
 from .provider import Provider
 
@@ -26,6 +27,7 @@ DIR_MODE = 0o755
 def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> SimHostFS:
     """A :class:`SimHostFS` (the in-memory host filesystem) holding ``files``."""
     host = SimHostFS(name, clock=SimClock(time.time_ns()))
+    fs = InterceptedFS(host, None)  # pass-through: the same mkdir -p as everywhere
     for raw in sorted(files):
         data = files[raw]
         if isinstance(data, str):
@@ -38,26 +40,16 @@ def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> SimHos
             raise ValueError(f"invalid mount path {raw!r}: {e.strerror}") from None
         if not path:
             raise ValueError("a file cannot be the mount root itself")
-        _makedirs(host, parent_of(path), raw)
+        try:
+            fs.makedirs(parent_of(path), DIR_MODE)
+        except NotADirectoryError as e:
+            raise ValueError(f"{raw!r} needs {e.filename!r} to be a directory, but it is a file") from None
         try:
             host.create(path, FILE_MODE)
         except FileExistsError:
             raise ValueError(f"{raw!r} is given twice or is also a directory") from None
         host.write_all(path, 0, bytes(data))
     return host
-
-
-def _makedirs(host: SimHostFS, path: str, raw: str) -> None:
-    parts = path.split("/") if path else []
-    for k in range(1, len(parts) + 1):
-        sub = "/".join(parts[:k])
-        try:
-            st = host.lstat(sub)
-        except FileNotFoundError:
-            host.mkdir(sub, DIR_MODE)
-            continue
-        if st.kind != DIR:
-            raise ValueError(f"{raw!r} needs {sub!r} to be a directory, but it is a file")
 
 
 def memory_tree(files: dict[str, bytes | str], *, writable: bool = False, label: str = "memory") -> Provider:
