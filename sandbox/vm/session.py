@@ -40,7 +40,7 @@ from ..mounts import Provider
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from . import image as vm_image
 from .console import BootError, Console
-from .control import ControlClient
+from .control import ControlClient, ControlClosed
 from .qemu import VmConfig, build_command, probe_accel
 from .qmp import Qmp
 
@@ -303,8 +303,11 @@ class Session:
             exec_id = step_id if step_id is not None else int(time.time() * 1000) % (1 << 31)
             result = None
             try:
-                ex = s.server.run(s.control.exec(exec_id, command, cwd or self.guest_path(0), env or {}, on_output))
-                done = self._wait(ex.completed, cancel, exec_id)
+                try:
+                    ex = s.server.run(s.control.exec(exec_id, command, cwd or self.guest_path(0), env or {}, on_output))
+                    done = self._wait(ex.completed, cancel, exec_id)
+                except (ControlClosed, RuntimeError) as e:  # the shim went away, or refused the command
+                    raise SessionError(f"{e}; console:\n" + "\n".join(s.console.tail(20) if s.console else [])) from None
                 result = StepResult(step_id, int(done.get("exit_code", 1)), done.get("signal"),
                                     cancelled=cancel is not None and cancel.is_set())
                 return result
