@@ -206,6 +206,7 @@ def _session(args):
     try:
         return Session(folders, network=network, allow=allow.split(",") if allow else None, vm_mode=args.vm_mode,
                        memory_mb=args.memory, safeguard=safeguard, decide=decide,
+                       state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
                        progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
@@ -251,8 +252,9 @@ def cmd_run(args) -> int:
     how = f"signal {result.signal}" if result.signal else f"exit {result.exit_code}"
     if result.step_id is not None:
         first = _folder_path(args.workdir[0])
+        state = f" --state-dir {args.state_dir}" if args.state_dir else ""
         print(f"sandbox: step {result.step_id} ({how}{', cancelled' if result.cancelled else ''}); "
-              f"undo it with: sandbox undo --workdir {first}", file=sys.stderr)
+              f"undo it with: sandbox undo --workdir {first}{state}", file=sys.stderr)
     return result.exit_code
 
 
@@ -479,6 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ephemeral: a fresh guest root each time (tmpfs); persistent: changes outside the working "
                              "folders (installed packages …) are kept on a disk beside the undo state")
         sp.add_argument("--memory", type=int, default=1024, metavar="MB", help="guest memory (default 1024)")
+        sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
+                        "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",
                         help="safeguard: the N-th deletion of a step waits for a decision (default: off)")
         sp.add_argument("--on-hold", choices=["ask", "allow", "deny"], default="ask",
