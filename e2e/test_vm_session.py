@@ -120,6 +120,10 @@ def test_failing_cancelled_and_read_only(project, tmp_path):
     ro.mkdir()
     (ro / "keep").write_bytes(b"k")
     with Session([Folder(str(project)), Folder(str(ro), read_only=True)]) as s:
+        st = s.status()
+        assert st["vm"] == "running" and st["accel"] in ("kvm", "tcg") and st["accel_reason"]
+        assert [f["guest_path"] for f in st["folders"]] == ["/mnt/working/0", "/mnt/working/1"]
+        assert st["folders"][1]["read_only"] and st["boot_s"] > 0
         r = s.run("echo partial > p.txt; false")
         assert r.exit_code == 1 and (project / "p.txt").exists()
         assert s.history()[0]["exit_code"] == 1  # a failing command still records its step

@@ -372,6 +372,29 @@ class Session:
                 log.warning("could not notify the guest of the rollback: %s", e)
         return result
 
+    def status(self) -> dict:
+        """What is running: the accelerator and why, boot time, folders, and the VM's QMP state."""
+        s = self._s
+        vm = "stopped"
+        if s is not None:
+            vm = "running"
+            if s.qmp is not None:
+                try:
+                    vm = s.server.run(s.qmp.status(), timeout_s=10)
+                except Exception as e:
+                    vm = f"unknown ({e})"
+        return {
+            "vm": vm,
+            "accel": self.accel.accel if self.accel else None,
+            "accel_reason": self.accel.reason if self.accel else None,
+            "boot_s": self.boot_s,
+            "network": self.network,
+            "allow": list(self.allow),
+            "vm_mode": self.vm_mode,
+            "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only}
+                        for i, f in enumerate(self.folders)],
+        }
+
     def history(self, folder: int = 0) -> list[dict]:
         ws = self._require().workspaces[folder]
         return [] if ws is None else ws.history()
