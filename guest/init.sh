@@ -52,9 +52,10 @@ mount -t tmpfs -o mode=0755 tmpfs /merged/run
 # -- network. The 9P shares (10.0.2.100, QEMU guestfwd) are always reachable.
 # open: the usual user-networking setup (default route, DNS).
 # disabled: QEMU's restrict=on cuts the guest off; /32 addressing and no routes besides.
-# allowlist: /32 addressing, routes to the listed networks only (via 10.0.2.2), DNS only if
-#   10.0.2.3 is listed — a guest-side policy like seed §4.1.1's firewall rules: root inside
-#   the guest could add routes back. 10.0.2.2 is QEMU's gateway and reaches the host's
+# allowlist: /32 addressing and routes to the listed networks only (via 10.0.2.2), plus —
+#   when the host root has nft — an nftables output policy that drops everything else.
+#   DNS only if 10.0.2.3 is listed. A guest-side policy like seed §4.1.1's firewall rules:
+#   root inside the guest could undo it. 10.0.2.2 is QEMU's gateway and reaches the host's
 #   loopback, so it is reachable whenever anything is allowed.
 ip link set lo up
 ip link set eth0 up
@@ -67,13 +68,29 @@ else
   ip route add 10.0.2.100/32 dev eth0
   if [ "$NET" = allowlist ]; then
     ip route add 10.0.2.2/32 dev eth0
+    set=10.0.2.100
     for net in $(echo "$ALLOW" | tr ',' ' '); do
+      set="$set, $net"
       case "$net" in
         10.0.2.2/32) ;;
         10.0.2.3/32) ip route add 10.0.2.3/32 dev eth0 && echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf ;;
         *) ip route add "$net" via 10.0.2.2 || say "cannot route $net" ;;
       esac
     done
+    if [ -x /merged/usr/sbin/nft ]; then
+      chroot /merged /usr/sbin/nft -f - <<NFT || fail "cannot install the network allowlist"
+table inet sandbox {
+  chain out {
+    type filter hook output priority 0; policy drop;
+    oif "lo" accept
+    ip daddr { $set } accept
+  }
+}
+NFT
+      echo "sandbox-net: allowlist firewall installed"
+    else
+      echo "sandbox-net: no nft in the host root: the allowlist is enforced by routes only"
+    fi
   fi
 fi
 
