@@ -17,14 +17,13 @@ import random
 import tempfile
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sandbox.core.errors import BarrierInTheWay, ExternalChange, StepUnprotected
 from sandbox.hostfs import DIR, REG, is_within, parent_of
 
 from . import oracle
-from .budget import scale
+from .budget import model_case
 from .client import SimClient, random_op, seed_tree
 from .world import World
 
@@ -162,10 +161,5 @@ class RealBarrierModel(BarrierModel):
     backend = "real"
 
 
-_health = [HealthCheck.too_slow, HealthCheck.filter_too_much]
-TestBarrierModelSim = BarrierModel.TestCase
-TestBarrierModelSim.settings = settings(max_examples=scale(50, 500), stateful_step_count=scale(25, 40), deadline=None,
-                                        suppress_health_check=_health)
-TestBarrierModelReal = RealBarrierModel.TestCase
-TestBarrierModelReal.settings = settings(max_examples=scale(10, 100), stateful_step_count=scale(15, 30), deadline=None,
-                                         suppress_health_check=_health)
+TestBarrierModelSim = model_case(BarrierModel, 50, 25)
+TestBarrierModelReal = model_case(RealBarrierModel, 10, 15, 30)

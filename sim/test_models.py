@@ -13,12 +13,11 @@ from __future__ import annotations
 import tempfile
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sandbox.core.store import Limits
 
-from .budget import scale
+from .budget import model_case
 from .driver import STORE_ERRORS, Driver
 from .world import World
 
@@ -132,11 +131,6 @@ class DurableUndoModel(UndoModel):
         self.d.power_loss_in_rollback(n, k)
 
 
-_health = [HealthCheck.too_slow, HealthCheck.filter_too_much]
-TestUndoModelSim = UndoModel.TestCase
-TestUndoModelSim.settings = settings(max_examples=scale(60, 600), stateful_step_count=scale(25, 40), deadline=None, suppress_health_check=_health)
-TestUndoModelDurable = DurableUndoModel.TestCase
-TestUndoModelDurable.settings = settings(max_examples=scale(40, 400), stateful_step_count=scale(25, 40), deadline=None,
-                                         suppress_health_check=_health)
-TestUndoModelReal = RealUndoModel.TestCase
-TestUndoModelReal.settings = settings(max_examples=scale(12, 120), stateful_step_count=scale(15, 30), deadline=None, suppress_health_check=_health)
+TestUndoModelSim = model_case(UndoModel, 60, 25)
+TestUndoModelDurable = model_case(DurableUndoModel, 40, 25)
+TestUndoModelReal = model_case(RealUndoModel, 12, 15, 30)

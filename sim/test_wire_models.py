@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 
-from hypothesis import HealthCheck, settings
 
-from .budget import scale
+from .budget import model_case
 from .client import SimClient
 from .driver import Driver
 from .test_models import UndoRules
@@ -51,10 +50,5 @@ class RealWireUndoModel(WireUndoModel):
     backend = "real"
 
 
-_health = [HealthCheck.too_slow, HealthCheck.filter_too_much]
-TestWireModelSim = WireUndoModel.TestCase
-TestWireModelSim.settings = settings(max_examples=scale(15, 150), stateful_step_count=scale(15, 30), deadline=None,
-                                     suppress_health_check=_health)
-TestWireModelReal = RealWireUndoModel.TestCase
-TestWireModelReal.settings = settings(max_examples=scale(8, 80), stateful_step_count=scale(12, 25), deadline=None,
-                                      suppress_health_check=_health)
+TestWireModelSim = model_case(WireUndoModel, 15, 15, 30)
+TestWireModelReal = model_case(RealWireUndoModel, 8, 12, 25)

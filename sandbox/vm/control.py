@@ -1,7 +1,7 @@
 """The host end of the control channel: JSON Lines to and from the guest shim (seed §4.2).
 
 QEMU exposes the guest's virtio-serial port ``control`` as a unix socket; this client
-connects to it, sends ``exec``/``cancel``/``rollback_notify``/``ping`` and routes what the
+connects to it, sends ``exec``/``cancel``/``rollback_notify`` and routes what the
 shim sends back: ``ready``, ``step_started`` (an acknowledgement — step ids are the
 host's), ``output`` chunks, ``step_completed``, ``error``.
 
@@ -45,7 +45,6 @@ class ControlClient:
         self._task: asyncio.Task | None = None
         self._ready: asyncio.Future | None = None
         self._execs: dict[int, _Exec] = {}
-        self._pongs: dict[object, asyncio.Future] = {}
         self.errors: list[dict] = []  # error messages from the shim (bounded)
 
     async def connect(self, path: str, timeout_s: float = 30.0) -> None:
@@ -102,11 +101,6 @@ class ControlClient:
             if self._ready is not None and not self._ready.done():
                 self._ready.set_result(msg)
             return
-        if kind == "pong":
-            fut = self._pongs.pop(msg.get("id"), None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-            return
         if kind == "error":
             log.warning("control: the shim reports: %s", msg.get("message"))
             if len(self.errors) < 100:
@@ -143,10 +137,6 @@ class ControlClient:
                 if not fut.done():
                     fut.set_exception(exc)
         self._execs.clear()
-        for fut in self._pongs.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self._pongs.clear()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(exc)
 
@@ -176,13 +166,6 @@ class ControlClient:
 
     async def rollback_notify(self, step_id: int) -> None:
         await self.send({"type": "rollback_notify", "step_id": step_id})
-
-    async def ping(self, timeout_s: float = 10.0) -> None:
-        token = object.__new__(object).__hash__()
-        fut = asyncio.get_running_loop().create_future()
-        self._pongs[token] = fut
-        await self.send({"type": "ping", "id": token})
-        await asyncio.wait_for(fut, timeout_s)
 
     async def close(self) -> None:
         if self._writer is not None:
