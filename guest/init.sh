@@ -3,8 +3,8 @@
 #
 # Kernel command line (set by sandbox.vm.session):
 #   sandbox.probe=1          print SANDBOX-PROBE-OK and power off (the KVM probe)
-#   sandbox.folders=N        working folders 0..N-1: 9P over TCP to 10.0.2.100:564+i
-#                            (QEMU guestfwd -> the host's 9P server), at /mnt/working/i
+#   (the shares come from the fw_cfg file opt/sandbox/mounts: 9P over TCP to 10.0.2.100:PORT,
+#    QEMU guestfwd -> the host's 9P server, one port per share)
 #   sandbox.msize=BYTES      9P msize for them
 #   sandbox.net=MODE         disabled | open | allowlist
 #   sandbox.allow=CIDR,…     allowlist: the only destinations routed out (via 10.0.2.2)
@@ -18,11 +18,10 @@
 say() { echo "sandbox-init: $*"; }
 fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
 
-FOLDERS=0 MSIZE=524288 NET=disabled UPPER=tmpfs ALLOW=
+MSIZE=524288 NET=disabled UPPER=tmpfs ALLOW=
 for x in $(cat /proc/cmdline); do
   case "$x" in
     sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
-    sandbox.folders=*) FOLDERS=${x#*=} ;;
     sandbox.msize=*) MSIZE=${x#*=} ;;
     sandbox.net=*) NET=${x#*=} ;;
     sandbox.upper=*) UPPER=${x#*=} ;;
@@ -94,14 +93,18 @@ NFT
   fi
 fi
 
-# -- working folders
-i=0
-while [ "$i" -lt "$FOLDERS" ]; do
-  mkdir -p "/merged/mnt/working/$i"
-  mount -t 9p -o "trans=tcp,port=$((564 + i)),version=9p2000.L,cache=none,msize=$MSIZE,aname=$i" 10.0.2.100 "/merged/mnt/working/$i" \
-    || fail "cannot mount working folder $i"
-  i=$((i + 1))
-done
+# -- the shares: the host's mount table (fw_cfg opt/sandbox/mounts), shallowest first.
+# One line per share: PORT ANAME ro|rw TARGET (the target is the rest of the line).
+MOUNTS=/sys/firmware/qemu_fw_cfg/by_name/opt/sandbox/mounts/raw
+: > /mounts
+[ -r "$MOUNTS" ] && cat "$MOUNTS" > /mounts
+while read -r port aname mode target; do
+  [ -n "$port" ] || continue
+  opts="trans=tcp,port=$port,version=9p2000.L,cache=none,msize=$MSIZE,aname=$aname"
+  [ "$mode" = ro ] && opts="$opts,ro"
+  mkdir -p "/merged$target" || fail "cannot make the mount point $target"
+  mount -t 9p -o "$opts" 10.0.2.100 "/merged$target" || fail "cannot mount share $aname at $target"
+done < /mounts
 
 # -- the control port (no udev here: find the virtio-serial port named "control")
 find_port() {

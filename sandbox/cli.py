@@ -17,6 +17,7 @@ import sys
 import tempfile
 
 from . import __version__
+from .api.logs import LEVELS as LOG_LEVELS, setup_logging
 from .core.errors import (BarrierInTheWay, CorruptStep, NothingToUndo, SandboxError, StepError, StepUnprotected,
                           UndoUnavailable)
 from .core.workspace import Workspace, default_state_dir
@@ -338,6 +339,23 @@ def cmd_guest(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    """The STDIO API until stdin closes."""
+    from .api.schema import SCHEMA_PATH
+    from .api.stdio import StdioServer
+
+    if args.print_schema:
+        with open(SCHEMA_PATH) as f:
+            sys.stdout.write(f.read())
+        return EXIT_OK
+    if args.max_line_bytes < 1024:
+        raise CliError("--max-line-bytes must be at least 1024", EXIT_USAGE)
+    setup_logging(args.log_level)
+    server = StdioServer(sys.stdin.buffer, sys.stdout.buffer, guest=args.guest, max_line_bytes=args.max_line_bytes)
+    sys.stdout = sys.stderr  # nothing else may ever write to the protocol stream
+    return server.serve()
+
+
 def cmd_serve_9p(args) -> int:
     """Serve a folder over 9P2000.L until SIGTERM/SIGINT; intercepted unless --read-only."""
     import asyncio
@@ -347,8 +365,7 @@ def cmd_serve_9p(args) -> int:
     from .mounts import Provider
     from .ninep.server import NinePServer, ServerConfig
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if not os.path.isdir(args.root):
         raise CliError(f"--root {args.root!r} does not exist or is not a directory", EXIT_USAGE)
     if not args.socket and not args.tcp:
@@ -538,8 +555,25 @@ def build_parser() -> argparse.ArgumentParser:
                     "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
     s9.add_argument("--msize-max", type=int, default=1 << 20, metavar="BYTES",
                     help="largest message size granted to clients (default 1 MiB; at least 8192)")
-    s9.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    s9.add_argument("--log-level", default="warn", type=str.lower, choices=LOG_LEVELS)
     s9.set_defaults(fn=cmd_serve_9p)
+    sv = command(
+        "serve", "the STDIO API: a frontend drives sessions with JSON Lines on stdin/stdout",
+        "Run the host agent for a frontend (GUI, IDE plugin, script): one JSON request per line on\n"
+        "stdin, responses and events as JSON lines on stdout, logs as JSON lines on stderr. Start with\n"
+        '{"type":"hello","request_id":"1","payload":{"protocol_version":1}}, then session.start.\n'
+        "The protocol (every operation, event and error code) is in the README; the JSON Schemas are\n"
+        "printed by --print-schema. Ends when stdin closes (the session is stopped cleanly).",
+        [(0, "stdin closed, session stopped"), (2, "bad usage")])
+    sv.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                    help="least severe log level written to stderr (default info)")
+    sv.add_argument("--guest", default="vm", choices=["vm", "scripted"],
+                    help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
+                         "applied over the real 9P server (sim/scripted_guest.py; for tests and frontend development)")
+    sv.add_argument("--max-line-bytes", type=int, default=64 << 20, metavar="N",
+                    help="longest request line accepted (default 64 MiB)")
+    sv.add_argument("--print-schema", action="store_true", help="print the protocol's JSON Schema document and exit")
+    sv.set_defaults(fn=cmd_serve)
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"

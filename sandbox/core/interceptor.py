@@ -45,6 +45,10 @@ from .store import UndoLog
 META, FULL = 1, 2
 
 
+#: at most this many paths are listed in a step_completed event (paths_count has the total)
+AFFECTED_PATHS_MAX = 1000
+
+
 class UndoInterceptor:
     def __init__(self, work: HostFS, log: UndoLog, tracker: StepTracker, safeguard: Safeguard,
                  emit: Callable[[dict], None] | None = None):
@@ -119,8 +123,11 @@ class UndoInterceptor:
         self.safeguard.step_ended(a.id)
         self._marks = {}
         if info is not None:
+            paths = sorted(info.paths)
             self._emit({"type": "event.step_completed", "step_id": info.id, "step_type": info.type,
-                        "exit_code": info.exit_code, "paths": len(info.paths), "unprotected": info.unprotected})
+                        "exit_code": info.exit_code, "paths": len(paths), "paths_count": len(paths),
+                        "affected_paths": paths[:AFFECTED_PATHS_MAX], "unprotected": info.unprotected,
+                        "outcome": info.outcome})
 
     # ------------------------------------------------------------------ safeguard
 

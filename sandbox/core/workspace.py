@@ -71,8 +71,14 @@ class Workspace:
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, workdir: str, state_dir: str | None = None, **kwargs) -> "Workspace":
-        """Open the working folder ``workdir`` with its undo store (created if needed)."""
+    def open(cls, workdir: str, state_dir: str | None = None, *,
+             wrap_work: Callable[[HostFS], HostFS] | None = None, **kwargs) -> "Workspace":
+        """Open the working folder ``workdir`` with its undo store (created if needed).
+
+        ``wrap_work(fs)``, if given, wraps the folder's host filesystem before anything
+        touches it (e.g. a :class:`~sandbox.hostfs.recording.RecordingHostFS`); every access
+        to the folder then goes through the wrapper. :meth:`close` still closes the real one.
+        """
         if not os.path.isdir(workdir):
             raise FileNotFoundError(f"working folder {workdir!r} does not exist or is not a directory")
         real = os.path.realpath(workdir)
@@ -84,7 +90,9 @@ class Workspace:
         work = RealHostFS(real, name="work")
         store = RealHostFS(state, name="store")
         try:
-            return cls(work, store, label=real, **kwargs)
+            ws = cls(wrap_work(work) if wrap_work is not None else work, store, label=real, **kwargs)
+            ws._real_fs = (work, store)
+            return ws
         except BaseException:
             work.close()
             store.close()
@@ -104,7 +112,7 @@ class Workspace:
         finally:
             self._closed = True
             self.log.close()
-            for fs in (self.work, self.store):
+            for fs in (self.work, self.store, *getattr(self, "_real_fs", ())):
                 if isinstance(fs, RealHostFS):
                     fs.close()
 

@@ -221,7 +221,7 @@ def build_initramfs(kernel: Kernel, init_script: str, modules: tuple[str, ...] =
 #: virtio for the host root), overlay for the writable layer, the control port, a disk for
 #: persistent mode, and the virtiofs/FUSE modules the virtiofs backend will use
 GUEST_MODULES = NINEP_MODULES + ("9pnet_virtio", "overlay", "virtio_console", "virtio_blk", "crc32c_generic", "ext4",
-                                 "nf_tables",
+                                 "nf_tables", "qemu_fw_cfg",
                                  "virtiofs", "fuse")
 
 

@@ -85,6 +85,8 @@ class VmConfig:
     guestfwds: list[tuple[int, str]] = field(default_factory=list)
     network: str = "disabled"  # "disabled" (restrict=on) | "open" | "allowlist" (the guest enforces)
     disk: str | None = None  # a raw disk image, the guest's /dev/vda
+    #: (name, host file) pairs exposed to the guest with ``-fw_cfg`` (names start ``opt/``)
+    fw_cfg: list[tuple[str, str]] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     #: None: "max" under TCG, "host" under KVM; set it to what :func:`probe_accel` found
     cpu: str | None = None
@@ -162,6 +164,12 @@ def _validate(cfg: VmConfig) -> None:
         _check_path("disk", cfg.disk)
         if not os.path.isfile(cfg.disk):
             raise ValueError(f"disk {cfg.disk!r} does not exist")
+    for name, path in cfg.fw_cfg:
+        if not re.fullmatch(r"opt/[A-Za-z0-9._/-]+", name):
+            raise ValueError(f"fw_cfg name {name!r}: must start with opt/ and use [A-Za-z0-9._/-]")
+        _check_path(f"fw_cfg {name}", path)
+        if not os.path.isfile(path):
+            raise ValueError(f"fw_cfg {name}: file {path!r} does not exist")
     for arg in cfg.extra:
         if "\0" in arg:
             raise ValueError(f"extra argument with a NUL: {arg!r}")
@@ -196,6 +204,8 @@ def build_command(cfg: VmConfig) -> list[str]:
                 "-device", "virtserialport,chardev=control,name=control"]
     if cfg.disk is not None:
         cmd += ["-drive", f"file={escape_opt(cfg.disk)},if=virtio,format=raw,cache=writeback,discard=unmap"]
+    for name, path in cfg.fw_cfg:
+        cmd += ["-fw_cfg", f"name={name},file={escape_opt(path)}"]
     if cfg.qmp_socket is not None:
         cmd += ["-qmp", f"unix:{escape_opt(cfg.qmp_socket)},server=on,wait=off"]
     cmd += list(cfg.extra)

@@ -1,24 +1,32 @@
-"""A VM session: a real Linux guest running commands on the user's folders, every write undoable.
+"""A session: a guest running commands on the user's folders, every write undoable.
 
 What :meth:`Session.start` puts together (SPEC §3, §5):
 
+* the **mount table** (:class:`~sandbox.mounts.table.MountTable`): every working folder and
+  every in-memory tree at its guest path (folders default to ``/mnt/working/<i>``);
 * one :class:`~sandbox.core.workspace.Workspace` per read-write working folder (its undo
-  store outside the folder), a read-only provider per read-only folder;
+  store outside the folder), a read-only provider per read-only folder, an in-memory
+  provider per injected tree (seed 000: never undo-tracked);
 * one :class:`~sandbox.ninep.server.NinePServer` on a unix socket in a private run
-  directory, exporting folder *i* under the attach name ``"i"``; QEMU's ``guestfwd`` maps
-  guest port 564+i to it, and the guest mounts it at ``/mnt/working/i``;
-* the guest (``sandbox.vm.image.guest_image``: Debian's kernel, busybox init, the host
-  root read-only under an overlay, the shim), booted with the accelerator the probe chose;
-* the control channel to the shim, and QMP when it connects.
+  directory, exporting each share under its attach name (folder *i* is ``"i"``, tree *j*
+  is ``"m<j>"``);
+* for each read-write folder, when ``external_policy`` is set, the external-modification
+  watcher (:mod:`sandbox.hostfs.watch`): the workspace's host filesystem records the
+  sandbox's own writes (:mod:`sandbox.hostfs.recording`), so only changes made by
+  something else are reported — ``barrier`` places an undo barrier, ``warn`` only
+  reports, ``lock`` also bind-mounts the folder read-only for everyone else
+  (:mod:`sandbox.hostfs.lock`);
+* the guest (:mod:`sandbox.vm.guest`): a QEMU VM, or the scripted test double.
 
 :meth:`run` makes one command one step: the host opens the step (its id is the host's),
-relays ``exec``, takes ``step_started`` as the acknowledgement, and after
-``step_completed`` lets the step drain (in-flight 9P requests reach zero or the
-quiescence window passes) before it closes — so late writes still belong to it.
+relays ``exec``, and after ``step_completed`` lets the step drain (in-flight 9P requests
+reach zero or the quiescence window passes) before it closes — so late writes still
+belong to it.
 
 Invariants: every exit path of :meth:`start` and :meth:`stop` (errors, Ctrl-C) releases what
-was acquired — QEMU is killed and reaped, the server closed, sockets and the run
-directory removed, the workspaces closed (their active steps closed, stores unlocked).
+was acquired — the guest stopped, the server closed, watchers stopped, locks undone,
+sockets and the run directory removed, the workspaces closed (active steps closed,
+stores unlocked).
 """
 
 from __future__ import annotations
@@ -35,33 +43,39 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.safeguard import SafeguardConfig
+from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
-from ..mounts import Provider
+from ..hostfs import normalize
+from ..mounts import Provider, memory_tree
+from ..mounts.table import Mount, MountTable, check_mount_points
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
-from . import image as vm_image
-from .console import BootError, Console
-from .control import ControlClient, ControlClosed
-from .qemu import VmConfig, build_command, probe_accel
-from .qmp import Qmp
+from .control import ControlClosed
+from .guest import BOOT_TIMEOUT_S, GuestError, GuestMount, VmGuest
 
 log = logging.getLogger("sandbox.session")
-NINEP_PORT = 564
-MSIZE = 512 * 1024
-BOOT_TIMEOUT_S = 300.0  # TCG on a loaded 2-core machine; KVM boots in about a second
-SHIM_TIMEOUT_S = 120.0  # python3 start-up over the 9p host root under TCG is several seconds
 NETWORKS = ("disabled", "open", "allowlist")
 VM_MODES = ("ephemeral", "persistent")
+EXTERNAL_POLICIES = ("barrier", "warn", "lock")
+FOLDERS_MAX = 8
+MEMORY_MOUNTS_MAX = 8
 PERSISTENT_DISK_BYTES = 8 << 30  # sparse
 
 
-class SessionError(RuntimeError):
+class SessionError(GuestError):
     """The session cannot start or go on; the message says why and what was seen."""
+
+
+class LockUnavailable(SessionError):
+    """external_policy="lock" needs the right to bind-mount (root / CAP_SYS_ADMIN)."""
 
 
 @dataclass
 class Folder:
     path: str
     read_only: bool = False
+    target: str | None = None  # guest path; default /mnt/working/<i>
+    label: str = ""
+    state_dir: str | None = None  # the undo store; default beside the user's state
 
     @classmethod
     def parse(cls, spec: str) -> "Folder":
@@ -73,22 +87,33 @@ class Folder:
 
 
 @dataclass
+class MemoryMount:
+    """Seed 000: files a host injects at ``target`` (read-only unless ``writable``)."""
+
+    target: str
+    files: dict[str, bytes]
+    writable: bool = False
+    label: str = ""
+
+
+@dataclass
 class StepResult:
-    step_id: int | None  # None for a read-only-only session (nothing to undo)
+    step_id: int | None  # None for a session without read-write folders (nothing to undo)
     exit_code: int
     signal: int | None = None
     cancelled: bool = False
+    step_ids: list = field(default_factory=list)  # per folder: its step id, or None
 
 
 @dataclass
 class _Started:
     run_dir: str
     server: ServerThread | None = None
-    console: Console | None = None
-    control: ControlClient | None = None
-    qmp: Qmp | None = None
+    guest: object = None
     workspaces: list = field(default_factory=list)
-    providers: list = field(default_factory=list)
+    providers: dict = field(default_factory=dict)  # attach name -> Provider
+    detectors: list = field(default_factory=list)
+    unlocks: list = field(default_factory=list)
 
 
 def _cidrs(items: list[str]) -> list[str]:
@@ -112,16 +137,33 @@ def vm_state_dir(folder: str) -> str:
     return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
 
 
+def build_table(folders: list[Folder], memory: list[MemoryMount]) -> MountTable:
+    """The session's mount table: folder *i* is export ``"i"``, tree *j* is ``"m<j>"``."""
+    mounts = [Mount(target=f.target or f"/mnt/working/{i}", name=str(i), read_only=f.read_only,
+                    label=f.label, source=os.path.realpath(f.path), kind="folder") for i, f in enumerate(folders)]
+    mounts += [Mount(target=m.target, name=f"m{j}", read_only=not m.writable, label=m.label, source=None, kind="memory")
+               for j, m in enumerate(memory)]
+    return MountTable(mounts)
+
+
 class Session:
     def __init__(self, folders: list[Folder], *, network: str = "disabled", allow: list[str] | None = None,
-                 vm_mode: str = "ephemeral",
-                 memory_mb: int = 1024, cpus: int = 2, safeguard: SafeguardConfig | None = None,
+                 vm_mode: str = "ephemeral", memory_mb: int = 1024, cpus: int = 2,
+                 safeguard: SafeguardConfig | None = None, limits: Limits | None = None,
                  decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
-                 progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None):
+                 progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
+                 mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
+                 external_policy: str | None = None, guest: str | Callable = "vm"):
+        """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (the test double of ``sim/``), or a
+        factory ``(run_dir) -> guest``. ``external_policy``: None (no watcher) or one of
+        ``barrier``/``warn``/``lock``."""
         if not folders:
             raise ValueError("at least one working folder")
-        if len(folders) > 8:
-            raise ValueError("at most 8 working folders")
+        if len(folders) > FOLDERS_MAX:
+            raise ValueError(f"at most {FOLDERS_MAX} working folders")
+        mounts = list(mounts or [])
+        if len(mounts) > MEMORY_MOUNTS_MAX:
+            raise ValueError(f"at most {MEMORY_MOUNTS_MAX} in-memory mounts")
         if network not in NETWORKS:
             raise ValueError(f"network must be one of {', '.join(NETWORKS)}")
         self.allow = _cidrs(allow or []) if network == "allowlist" else []
@@ -129,23 +171,49 @@ class Session:
             raise ValueError("network allowlist needs at least one IP or CIDR")
         if vm_mode not in VM_MODES:
             raise ValueError(f"vm_mode must be one of {', '.join(VM_MODES)}")
+        if external_policy is not None and external_policy not in EXTERNAL_POLICIES:
+            raise ValueError(f"external_modification_policy must be one of {', '.join(EXTERNAL_POLICIES)}")
         for f in folders:
             if not os.path.isdir(f.path):
                 raise ValueError(f"working folder {f.path!r} does not exist or is not a directory")
+        if state_dirs is not None:
+            for f, sd in zip(folders, state_dirs):
+                f.state_dir = f.state_dir or sd
+        for p in python_path or []:
+            if not isinstance(p, str) or not p.startswith("/") or ":" in p or "\0" in p:
+                raise ValueError(f"python_path entries are absolute guest paths without ':': {p!r}")
         self.folders = folders
+        self.memory_mounts = mounts
+        self.table = build_table(folders, mounts)  # validates targets, labels
+        check_mount_points(self.table, self._mount_point_exists)
+        self.python_path = list(python_path or [])
         self.network = network
         self.vm_mode = vm_mode
         self.memory_mb = memory_mb
         self.cpus = cpus
         self.safeguard = safeguard
+        self.limits = limits
         self.decide = decide
         self.on_event = on_event
+        self.external_policy = external_policy
         self.progress = progress or (lambda msg: log.info("%s", msg))
-        self.state_dirs = state_dirs or [None] * len(folders)
-        self.accel = None
-        self.boot_s: float | None = None
+        self.guest_kind = guest
+        self.started_at: float | None = None
         self._s: _Started | None = None
         self._lock = threading.Lock()  # one command at a time through run()
+
+    @property
+    def state_dirs(self) -> list[str | None]:
+        return [f.state_dir for f in self.folders]
+
+    def _mount_point_exists(self, parent: Mount, rel: str) -> bool:
+        if parent.kind == "memory":
+            files = self.memory_mounts[int(parent.name[1:])].files
+            return any(k.strip("/").startswith(rel + "/") for k in files)
+        try:
+            return os.path.isdir(os.path.join(parent.source, rel)) and not os.path.islink(os.path.join(parent.source, rel))
+        except OSError:
+            return False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,8 +222,22 @@ class Session:
         """Per folder: its Workspace, or None for a read-only folder."""
         return list(self._s.workspaces) if self._s else []
 
+    @property
+    def running(self) -> bool:
+        return self._s is not None
+
     def guest_path(self, i: int = 0) -> str:
-        return f"/mnt/working/{i}"
+        return self.table.folders[i].target
+
+    @property
+    def accel(self):
+        g = self._s.guest if self._s else None
+        return getattr(g, "accel", None)
+
+    @property
+    def boot_s(self) -> float | None:
+        g = self._s.guest if self._s else None
+        return getattr(g, "boot_s", None)
 
     def start(self) -> "Session":
         if self._s is not None:
@@ -167,56 +249,111 @@ class Session:
         except BaseException:
             self.stop()
             raise
+        self.started_at = time.time()
+        log.info("session started: %s guest, %d folder(s), %d in-memory mount(s), external modifications: %s",
+                 "scripted" if self.guest_kind == "scripted" else "vm", len(self.folders), len(self.memory_mounts),
+                 self.external_policy or "not watched")
         return self
 
+    def _folder_events(self, i: int) -> Callable[[dict], None] | None:
+        if self.on_event is None:
+            return None
+        return lambda event: self.on_event({**event, "directory": i})
+
+    def _open_workspace(self, s: _Started, i: int, f: Folder) -> Workspace:
+        """The folder's workspace; with a watcher, its host filesystem records our own writes."""
+        kwargs = dict(state_dir=f.state_dir, safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
+        if self.external_policy is None:
+            return Workspace.open(f.path, **kwargs)
+        from ..hostfs.recording import OwnWrites, RecordingHostFS
+
+        inner = {}
+
+        def lstat(path):
+            try:
+                return inner["fs"].lstat(path)
+            except OSError:
+                return None
+
+        journal = OwnWrites(lstat)
+
+        def wrap(fs):
+            inner["fs"] = fs
+            return RecordingHostFS(fs, journal)
+
+        ws = Workspace.open(f.path, wrap_work=wrap, **kwargs)
+        ws.own_writes = journal
+        return ws
+
+    def _watch(self, s: _Started, i: int, ws: Workspace, path: str) -> None:
+        from ..hostfs.watch import ExternalChangeDetector
+
+        def on_external(paths: list[str]) -> None:
+            self._external(i, ws, paths)
+
+        def on_warning(message: str) -> None:
+            if self.on_event is not None:
+                self.on_event({"type": "event.warning", "message": message, "directory": i})
+
+        if self.external_policy == "lock":
+            from ..hostfs.lock import lock_folder
+
+            try:
+                s.unlocks.append(lock_folder(os.path.realpath(path)))
+            except PermissionError as e:
+                raise LockUnavailable(f"external_modification_policy lock: {e}") from None
+        d = ExternalChangeDetector(os.path.realpath(path), ws.own_writes, on_external, on_warning)
+        d.start()
+        s.detectors.append(d)
+
+    def _external(self, i: int, ws: Workspace, paths: list[str]) -> None:
+        """Something other than the sandbox changed folder ``i``."""
+        log.info("external modification of %d path(s) in folder %d: %s", len(paths), i, ", ".join(paths[:5]))
+        if self.external_policy in ("barrier", "lock"):
+            ws.record_external_modification(paths)  # emits event.external_modification with the barrier
+        elif self.on_event is not None:
+            self.on_event({"type": "event.external_modification", "paths": list(paths), "barrier_id": None,
+                           "directory": i})
+
     def _start(self, s: _Started) -> None:
-        self.progress("preparing the guest image (first run: downloading Debian's kernel package) …")
-        img = vm_image.guest_image()
-        for f, state in zip(self.folders, self.state_dirs):
+        for i, f in enumerate(self.folders):
+            mount = self.table.folders[i]
             if f.read_only:
                 s.workspaces.append(None)
-                s.providers.append(Provider.read_only_dir(f.path, label=os.path.basename(f.path)))
+                s.providers[mount.name] = Provider.read_only_dir(f.path, label=mount.label or os.path.basename(f.path))
             else:
-                ws = Workspace.open(f.path, state_dir=state, safeguard=self.safeguard, on_event=self.on_event)
+                ws = self._open_workspace(s, i, f)
                 s.workspaces.append(ws)
-                s.providers.append(Provider.intercepted(ws, label=os.path.basename(f.path)))
+                s.providers[mount.name] = Provider.intercepted(ws, label=mount.label or os.path.basename(f.path))
+        for j, m in enumerate(self.memory_mounts):
+            s.providers[f"m{j}"] = memory_tree(m.files, writable=m.writable, label=m.label or m.target)
+        if self.external_policy is not None:
+            for i, (f, ws) in enumerate(zip(self.folders, s.workspaces)):
+                if ws is not None:
+                    self._watch(s, i, ws, f.path)
         sock = os.path.join(s.run_dir, "9p.sock")
-        server = NinePServer({str(i): p for i, p in enumerate(s.providers)}, ServerConfig(msize_max=1 << 20),
+        server = NinePServer(dict(s.providers), ServerConfig(msize_max=1 << 20),
                              decide=self._decide if self.decide else None)
         s.server = ServerThread(server, unix_path=sock).__enter__()
-        self.accel = probe_accel(img)
-        self.progress(f"booting the guest ({self.accel.accel}{': ' + self.accel.reason if self.accel.reason else ''}) …")
+        s.guest = self._make_guest(s.run_dir)
+        guest_mounts = [GuestMount(m.name, m.target, m.read_only) for m in self.table.mounts]
+        try:
+            s.guest.boot(socket_path=sock, mounts=guest_mounts, loop=s.server.loop, timeout_s=BOOT_TIMEOUT_S)
+        except GuestError as e:
+            raise SessionError(str(e)) from None
+
+    def _make_guest(self, run_dir: str):
+        if callable(self.guest_kind):
+            return self.guest_kind(run_dir)
+        if self.guest_kind == "scripted":
+            from sim.scripted_guest import ScriptedGuest
+
+            return ScriptedGuest()
+        if self.guest_kind != "vm":
+            raise ValueError(f"guest must be 'vm' or 'scripted', not {self.guest_kind!r}")
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
-        append = (f"sandbox.folders={len(self.folders)} sandbox.msize={MSIZE} sandbox.net={self.network} "
-                  f"sandbox.upper={'disk' if disk else 'tmpfs'} quiet")
-        if self.allow:
-            append += f" sandbox.allow={','.join(self.allow)}"
-        cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=self.accel.accel, cpu=self.accel.cpu,
-                       memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
-                       qmp_socket=os.path.join(s.run_dir, "qmp.sock"),
-                       control_socket=os.path.join(s.run_dir, "control.sock"), host_root=True,
-                       guestfwds=[(NINEP_PORT + i, sock) for i in range(len(self.folders))],
-                       network=self.network, disk=disk)
-        t0 = time.monotonic()
-        s.console = Console(build_command(cfg))
-        try:
-            s.console.wait_for("SANDBOX-READY", BOOT_TIMEOUT_S)
-        except BootError as e:
-            raise SessionError(f"the guest did not boot: {e}") from None
-        s.control = ControlClient()
-        try:
-            s.server.run(s.control.connect(cfg.control_socket, timeout_s=30))
-            s.server.run(s.control.wait_ready(SHIM_TIMEOUT_S), timeout_s=SHIM_TIMEOUT_S + 5)
-        except Exception as e:
-            raise SessionError(f"the guest's shim did not come up ({e}); console:\n" + "\n".join(s.console.tail(30))) from None
-        self.boot_s = time.monotonic() - t0
-        try:
-            qmp = Qmp()
-            s.server.run(qmp.connect(cfg.qmp_socket, timeout_s=10))
-            s.qmp = qmp
-        except Exception as e:  # pause-on-hold is a nicety: without QMP the held replies still block the guest
-            log.warning("QMP unavailable (%s): safeguards hold replies without pausing the VM", e)
-        self.progress(f"guest ready in {self.boot_s:.1f} s ({self.accel.accel})")
+        return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
+                       cpus=self.cpus, disk=disk, progress=self.progress)
 
     def _persistent_disk(self) -> str:
         d = os.path.normpath(vm_state_dir(self.folders[0].path))
@@ -233,14 +370,6 @@ class Session:
             os.rename(tmp, disk)
         return disk
 
-    def _guest_sync(self, s: _Started) -> None:
-        """``sync`` in the guest, outside any step (it writes no working folder)."""
-        async def go():
-            ex = await s.control.exec(-1, "sync", "/", {})
-            await asyncio.wait_for(ex.completed, 30)
-
-        s.server.run(go(), timeout_s=40)
-
     def reset(self) -> None:
         """Forget a persistent VM's disk (the next start boots a fresh one). Not while running."""
         if self._s is not None:
@@ -252,28 +381,29 @@ class Session:
         s, self._s = self._s, None
         if s is None:
             return
+        self.started_at = None
         errors = []
-        if s.server is not None and s.control is not None and self.vm_mode == "persistent":
-            try:  # the guest's page cache must reach the persistent disk before QEMU goes
-                self._guest_sync(s)
-            except Exception as e:
-                log.warning("could not sync the persistent disk before stopping: %s", e)
-        if s.server is not None:
+        if s.guest is not None:
             try:
-                if s.control is not None:
-                    s.server.run(s.control.close(), timeout_s=10)
-                if s.qmp is not None:
-                    s.server.run(s.qmp.close(), timeout_s=10)
+                s.guest.stop()
             except Exception as e:
                 errors.append(e)
-        if s.console is not None:
-            s.console.terminate(timeout_s=10)
         if s.server is not None:
             try:
                 s.server.__exit__(None, None, None)
             except Exception as e:
                 errors.append(e)
-        for p in s.providers:
+        for d in s.detectors:
+            try:
+                d.stop()
+            except Exception as e:
+                errors.append(e)
+        for unlock in s.unlocks:
+            try:
+                unlock()
+            except Exception as e:
+                errors.append(e)
+        for p in s.providers.values():
             p.close()
         for ws in s.workspaces:
             if ws is not None:
@@ -281,6 +411,7 @@ class Session:
         shutil.rmtree(s.run_dir, ignore_errors=True)
         if errors:
             log.warning("errors while stopping the session: %s", errors)
+        log.info("session stopped")
 
     def __enter__(self) -> "Session":
         return self.start()
@@ -297,6 +428,9 @@ class Session:
         ``on_output(stream, text)`` is called as output arrives (on the session's I/O
         thread). Setting ``cancel`` cancels the command (SIGTERM, then SIGKILL)."""
         s = self._require()
+        env = dict(env or {})
+        if self.python_path:  # user paths first (seed 000)
+            env["PYTHONPATH"] = ":".join(self.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with self._lock:
             ids = [ws.begin_step(command) if ws is not None else None for ws in s.workspaces]
             step_id = next((i for i in ids if i is not None), None)
@@ -304,12 +438,12 @@ class Session:
             result = None
             try:
                 try:
-                    ex = s.server.run(s.control.exec(exec_id, command, cwd or self.guest_path(0), env or {}, on_output))
+                    ex = s.server.run(s.guest.exec(exec_id, command, cwd or self.guest_path(0), env, on_output))
                     done = self._wait(ex.completed, cancel, exec_id)
                 except (ControlClosed, RuntimeError) as e:  # the shim went away, or refused the command
-                    raise SessionError(f"{e}; console:\n" + "\n".join(s.console.tail(20) if s.console else [])) from None
+                    raise SessionError(f"{e}; console:\n" + "\n".join(s.guest.tail(20))) from None
                 result = StepResult(step_id, int(done.get("exit_code", 1)), done.get("signal"),
-                                    cancelled=cancel is not None and cancel.is_set())
+                                    cancelled=cancel is not None and cancel.is_set(), step_ids=ids)
                 return result
             finally:
                 code = result.exit_code if result is not None else 1
@@ -334,10 +468,10 @@ class Session:
                     cancel = threading.Event()
                 cancel.set()
             if cancel is not None and cancel.is_set() and not sent_cancel:
-                s.server.run(s.control.cancel(exec_id))
+                s.server.run(s.guest.cancel(exec_id))
                 sent_cancel = True
-            if s.console is not None and not s.console.alive():
-                raise SessionError("the VM exited while the command was running; console:\n" + "\n".join(s.console.tail(20)))
+            if not s.guest.alive():
+                raise SessionError("the guest exited while the command was running; console:\n" + "\n".join(s.guest.tail(20)))
 
     def _close_step(self, ws: Workspace, step_id: int, exit_code: int) -> None:
         """step_completed: drain late writes (in flight → 0, or the quiescence window), then close."""
@@ -367,7 +501,7 @@ class Session:
         result = ws.rollback(n, force=force)
         for sid in result.get("step_ids", []):
             try:
-                s.server.run(s.control.rollback_notify(sid), timeout_s=10)
+                s.server.run(s.guest.rollback_notify(sid), timeout_s=10)
             except Exception as e:
                 log.warning("could not notify the guest of the rollback: %s", e)
         return result
@@ -377,22 +511,25 @@ class Session:
         s = self._s
         vm = "stopped"
         if s is not None:
-            vm = "running"
-            if s.qmp is not None:
-                try:
-                    vm = s.server.run(s.qmp.status(), timeout_s=10)
-                except Exception as e:
-                    vm = f"unknown ({e})"
+            try:
+                vm = s.server.run(s.guest.vm_status(), timeout_s=10)
+            except Exception as e:
+                vm = f"unknown ({e})"
         return {
             "vm": vm,
-            "accel": self.accel.accel if self.accel else None,
-            "accel_reason": self.accel.reason if self.accel else None,
+            "accel": self.accel,
+            "accel_reason": getattr(s.guest, "accel_reason", None) if s else None,
             "boot_s": self.boot_s,
+            "guest": "vm" if isinstance(getattr(s, "guest", None), VmGuest) else (None if s is None else "scripted"),
+            "python_path": list(self.python_path),
+            "external_modification_policy": self.external_policy,
             "network": self.network,
             "allow": list(self.allow),
             "vm_mode": self.vm_mode,
-            "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only}
-                        for i, f in enumerate(self.folders)],
+            "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
+                         "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
+            "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,
+                        "files": len(m.files)} for m in self.memory_mounts],
         }
 
     def history(self, folder: int = 0) -> list[dict]:
@@ -410,10 +547,9 @@ class Session:
         """Pause the VM over QMP (when available) while the user decides; resume after."""
         s = self._s
         paused = False
-        if s is not None and s.qmp is not None:
+        if s is not None:
             try:
-                await s.qmp.stop()
-                paused = True
+                paused = await s.guest.pause()
             except Exception as e:
                 log.warning("could not pause the VM: %s", e)
         try:
@@ -424,6 +560,6 @@ class Session:
         finally:
             if paused:
                 try:
-                    await s.qmp.cont()
+                    await s.guest.resume()
                 except Exception as e:
                     log.warning("could not resume the VM: %s", e)

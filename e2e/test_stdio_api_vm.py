@@ -1,0 +1,53 @@
+"""The STDIO API suite of ``sim/test_stdio_api.py`` against a real VM guest.
+
+Same tests, same assertions, ``sandbox serve --guest vm``: commands run in a real Linux
+guest's shell (``sim.api_client.Commands`` spells them for it) over 9P through QEMU's
+guestfwd. A few run in the default tier (each boots a guest: about 10 s under TCG);
+the rest are marked slow (``./dev test --full``). Tests that never start a session
+(protocol framing, schemas, the README) are not repeated here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from sim import test_stdio_api as base
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+NO_GUEST = {"test_hello_negotiates_the_version_and_requests_before_it_are_accepted",
+            "test_malformed_input_gets_error_responses_and_never_kills_the_agent",
+            "test_every_operation_needs_a_session_except_hello_and_status", "test_every_error_code_is_in_the_readme",
+            "test_the_shipped_schema_is_current_and_valid",
+            "test_bad_session_configs_are_clear_errors_and_leave_nothing_running"}
+SMOKE = {"test_execute_streams_output_then_step_completed_then_the_response",
+         "test_safeguard_holds_the_step_until_confirmed",
+         "test_external_edit_creates_a_barrier_that_blocks_rollback_unless_forced",
+         "test_in_memory_mounts_and_python_path"}
+
+
+@pytest.fixture
+def guest() -> str:
+    return "vm"
+
+
+def _copy(fn):
+    """The same test as a new function object, so marks added here stay here."""
+    @functools.wraps(fn)
+    def test(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return test
+
+
+for _name in dir(base):
+    if _name.startswith("test_") and _name not in NO_GUEST:
+        _t = _copy(getattr(base, _name))
+        globals()[_name] = _t if _name in SMOKE else pytest.mark.slow(_t)
+
+project = base.project
+state_home = base.state_home
+api = base.api
+cmds = base.cmds

@@ -1,0 +1,1 @@
+"""STDIO JSON-Lines API, schemas and the error taxonomy."""

@@ -1,0 +1,649 @@
+"""The host agent behind the STDIO API: one session, every operation of seed 003 §4.5.
+
+:class:`Agent` is transport-free: :meth:`Agent.handle` takes a request's type and payload
+(already checked against its schema) and returns the ``ok`` payload or raises
+:class:`~sandbox.api.errors.ApiError`; events go to the ``emit`` callback as whole
+messages (``{"type": "event.…", "payload": {…}, "request_id"?}``). The STDIO server
+(:mod:`sandbox.api.stdio`) and later MCP sit on top of it.
+
+Invariants:
+
+* at most one session; ``session.start``/``stop``/``reset`` are serialised, and every
+  other operation sees either no session or a whole one;
+* at most one command (``agent.execute``/``agent.prompt``) runs at a time — a second one
+  is ``agent.busy`` at once, never queued behind an unbounded wait;
+* the events of an operation are emitted before its response is returned (the core emits
+  ``event.step_completed`` while the step closes, inside :meth:`Session.run`);
+* a ``safeguard.confirm`` answers through the undo core synchronously, so a deny's
+  rollback is complete when the response is sent;
+* file access (``fs.*``) goes through the same providers the guest uses — dir-fd relative,
+  no symlink followed, nothing outside a mount; the restricted view only narrows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import errno
+import logging
+import os
+import shlex
+import stat as _stat
+import threading
+from dataclasses import dataclass
+
+from .. import __version__
+from ..core.safeguard import SafeguardConfig
+from ..core.store import Limits
+from ..hostfs import DIR, LNK, REG, join
+from ..mounts.table import MountTable, from_docker_style
+from ..vm.session import Folder, LockUnavailable, MemoryMount, Session, SessionError
+from . import schema
+from .errors import ApiError, to_api_error
+
+log = logging.getLogger("sandbox.api")
+
+READ_BYTES_MAX = 16 << 20  # per fs.read
+LIST_ENTRIES_MAX = 10_000  # per fs.list
+STATUS_ENTRIES_MAX = 100_000  # scanned by fs.status
+MEMORY_BYTES_MAX = 256 << 20  # all in-memory mounts together, decoded
+FORWARDED_EVENTS = set(schema.EVENTS)
+_TYPE = {REG: "file", DIR: "dir", LNK: "symlink"}
+
+
+@dataclass
+class _Running:
+    request_id: object
+    cancel: threading.Event
+
+
+class Agent:
+    def __init__(self, emit, *, guest: str = "vm", progress=None):
+        """``emit(message)`` gets every event; ``guest``: ``"vm"`` or ``"scripted"`` (tests)."""
+        self.emit = emit
+        self.guest = guest
+        self.progress = progress or (lambda msg: log.info("%s", msg))
+        self.session: Session | None = None
+        self.view: MountTable | None = None
+        self.agent_cfg: dict | None = None
+        self.protocol_version = schema.PROTOCOL_VERSION
+        self._lifecycle = threading.RLock()
+        self._state_lock = threading.Lock()
+        self._running: _Running | None = None
+        self._holds: dict[str, dict] = {}  # safeguard id -> {"event": payload, "directory": i, "future": (loop, fut)}
+        self._start_payload: dict | None = None
+        self._failed: str | None = None
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, type_: str, payload: dict, request_id=None) -> dict:
+        fn = getattr(self, "op_" + type_.replace(".", "_"), None)
+        if fn is None or type_ not in schema.REQUESTS:
+            raise ApiError("protocol.unknown_type", f"unknown request type {type_!r}", type=type_,
+                           known=sorted(schema.REQUESTS))
+        try:
+            return fn(payload, request_id)
+        except ApiError:
+            raise
+        except SessionError as e:
+            raise ApiError("session.guest_failed", str(e)) from e
+        except Exception as e:
+            err = to_api_error(e)
+            if err.code == "protocol.internal":
+                log.exception("request %s (%s) failed", request_id, type_)
+            raise err from e
+
+    def event(self, name: str, payload: dict, request_id=None) -> None:
+        msg = {"type": name, "payload": payload}
+        if request_id is not None:
+            msg["request_id"] = request_id
+        self.emit(msg)
+
+    # ------------------------------------------------------------------ hello
+
+    def op_hello(self, p: dict, rid) -> dict:
+        v = p["protocol_version"]
+        if v not in schema.SUPPORTED_VERSIONS:
+            raise ApiError("protocol.unsupported_version",
+                           f"protocol version {v} is not supported; this agent speaks {list(schema.SUPPORTED_VERSIONS)}",
+                           requested=v, supported_versions=list(schema.SUPPORTED_VERSIONS))
+        self.protocol_version = v
+        return {"protocol_version": v, "supported_versions": list(schema.SUPPORTED_VERSIONS),
+                "agent_version": __version__, "operations": sorted(schema.REQUESTS), "events": sorted(schema.EVENTS)}
+
+    # ------------------------------------------------------------------ session
+
+    def _require(self) -> Session:
+        s = self.session
+        if s is None or not s.running:
+            raise ApiError("session.not_started", "no session is running: send session.start first")
+        return s
+
+    def op_session_start(self, p: dict, rid) -> dict:
+        with self._lifecycle:
+            if self.session is not None and self.session.running:
+                raise ApiError("session.already_started", "a session is already running; stop it first")
+            session, restrict = self._build_session(p)
+            self.progress("starting the session …")
+            try:
+                session.start()
+            except LockUnavailable as e:
+                raise ApiError("session.lock_unavailable", str(e)) from None
+            except (SessionError, OSError, ValueError) as e:
+                raise ApiError("session.start_failed", f"the session could not start: {e}", reason=str(e)) from None
+            self.session = session
+            self._start_payload = p
+            self.view = session.table
+            self._failed = None
+            try:
+                if restrict:
+                    self._restrict(restrict.get("path"), restrict.get("readonly"))
+            except ApiError:
+                self._stop()
+                raise
+            return self._describe()
+
+    def _build_session(self, p: dict) -> tuple[Session, dict | None]:
+        def bad(msg: str, field: str):
+            return ApiError("session.invalid_config", msg, field=field)
+
+        wds = list(p.get("working_directories") or [])
+        binds = [m for m in p.get("mounts") or [] if "source" in m]
+        memory = [m for m in p.get("mounts") or [] if "files" in m]
+        if "root" in p:
+            if wds:
+                raise bad("give either working_directories or root (with bind mounts), not both", "root")
+            try:
+                wds = from_docker_style(p["root"], readonly=p.get("readonly", False),
+                                        mounts=[dict(source=m["source"], target=m["target"], readonly=m.get("readonly", False))
+                                                for m in binds],
+                                        root_target=p.get("root_target", "/mnt/working/0"))
+            except ApiError:
+                raise
+            except Exception as e:
+                raise to_api_error(e) from None
+        elif binds:
+            raise bad("bind mounts ({source, target}) need root; list extra folders in working_directories", "mounts")
+        elif "readonly" in p or "root_target" in p:
+            raise bad("readonly and root_target go with root", "root")
+        if not wds:
+            raise bad("no working directory: give working_directories or root", "working_directories")
+        folders = []
+        for i, wd in enumerate(wds):
+            path = wd["path"]
+            if not os.path.isabs(path):
+                raise bad(f"working_directories[{i}].path must be absolute: {path!r}", f"working_directories[{i}].path")
+            if not os.path.isdir(path):
+                raise bad(f"working_directories[{i}].path {path!r} does not exist or is not a directory",
+                          f"working_directories[{i}].path")
+            folders.append(Folder(path, read_only=wd.get("access", "read_write") == "read_only", target=wd.get("target"),
+                                  label=wd.get("label", "")))
+        mem, total = [], 0
+        for j, m in enumerate(memory):
+            files = {}
+            for rel, b64 in m["files"].items():
+                try:
+                    data = base64.b64decode(b64, validate=True)
+                except (binascii.Error, ValueError):
+                    raise bad(f"mounts[{j}].files[{rel!r}] is not valid base64", f"mounts[{j}].files") from None
+                total += len(data)
+                if total > MEMORY_BYTES_MAX:
+                    raise bad(f"in-memory mounts exceed {MEMORY_BYTES_MAX} bytes in total", "mounts")
+                files[rel] = data
+            mem.append(MemoryMount(m["path"], files, writable=m.get("writable", False), label=m.get("label", "")))
+        sg = p.get("safeguard") or {}
+        limits = p.get("undo_limits") or {}
+        if "agent" in p:
+            self.agent_cfg = dict(p["agent"])
+        else:
+            self.agent_cfg = None
+        try:
+            session = Session(
+                folders, network=p.get("network_policy", "disabled"), allow=p.get("network_allowlist"),
+                vm_mode=p.get("vm_mode", "ephemeral"), memory_mb=p.get("memory_mb", 1024), cpus=p.get("cpus", 2),
+                safeguard=self._safeguard_config(SafeguardConfig(), sg), limits=Limits(**self._limits(limits)) if limits else None,
+                decide=self._decide, on_event=self._on_core_event, progress=self.progress, mounts=mem,
+                python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
+                guest=self.guest)
+        except ApiError:
+            raise
+        except ValueError as e:
+            err = to_api_error(e)
+            if err.code == "protocol.internal" or err.code.startswith("fs."):
+                raise ApiError("session.invalid_config", str(e)) from None
+            raise err from None
+        except Exception as e:
+            err = to_api_error(e)
+            raise (err if err.code.startswith("session.") else ApiError("session.invalid_config", str(e))) from None
+        return session, p.get("restrict")
+
+    def _describe(self) -> dict:
+        s = self.session
+        st = s.status()
+        return {"folders": self._folders(s), "mounts": st["mounts"], "guest": st["guest"], "accel": st["accel"],
+                "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "view": self.view.view,
+                "read_only": self.view.read_only, "python_path": st["python_path"],
+                "external_modification_policy": st["external_modification_policy"]}
+
+    def _folders(self, s: Session) -> list[dict]:
+        out = []
+        for i, (f, m) in enumerate(zip(s.folders, s.table.folders)):
+            ws = s.workspaces[i] if s.running else None
+            out.append({"index": i, "label": m.label, "path": os.path.realpath(f.path), "guest_path": m.target,
+                        "access": "read_only" if f.read_only else "read_write",
+                        "undo_available": bool(ws is not None and ws.undo_available)})
+        return out
+
+    def op_session_stop(self, p: dict, rid) -> dict:
+        with self._lifecycle:
+            self._require()
+            self._stop()
+            return {}
+
+    def _stop(self) -> None:
+        s, self.session = self.session, None
+        self.view = None
+        self._deny_all_holds()
+        if s is not None:
+            s.stop()
+
+    def shutdown(self) -> None:
+        """The client went away: cancel what runs, stop the session."""
+        r = self._running
+        if r is not None:
+            r.cancel.set()
+        with self._lifecycle:
+            self._stop()
+
+    def op_session_reset(self, p: dict, rid) -> dict:
+        """Destroy a persistent VM and start the same session again on a fresh one."""
+        with self._lifecycle:
+            s = self._require()
+            payload = self._start_payload
+            self._stop()
+            s.reset()
+            return self.op_session_start(payload, rid)
+
+    def op_session_status(self, p: dict, rid) -> dict:
+        s = self.session
+        if s is None or not s.running:
+            return {"state": "not_started", "vm": "stopped", "guest": None,
+                    "accel": None, "folders": [], "mounts": [], "running": None, "pending_safeguards": []}
+        st = s.status()
+        r = self._running
+        state = "running" if r is not None else "idle"
+        if self._failed is not None:
+            state = "error"
+        elif not st["vm"].startswith("running") and st["vm"] != "paused":
+            state = "stopped" if st["vm"] == "stopped" else "error"
+        return {"state": state, "vm": st["vm"], "guest": st["guest"], "accel": st["accel"],
+                "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
+                "vm_mode": st["vm_mode"], "folders": self._folders(s), "mounts": st["mounts"],
+                "running": None if r is None else {"request_id": r.request_id},
+                "pending_safeguards": [h["event"] for h in list(self._holds.values())],
+                "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
+                "external_modification_policy": st["external_modification_policy"]}
+
+    def op_session_restrict(self, p: dict, rid) -> dict:
+        self._require()
+        self._restrict(p.get("path"), p.get("readonly"))
+        return {"view": self.view.view, "read_only": self.view.read_only}
+
+    def _restrict(self, path: str | None, readonly: bool | None) -> None:
+        """Narrow the view (seed 004). Read-only is enforced for the guest too: every share
+        refuses writes with EROFS from now on."""
+        self.view = self.view.restrict(path, readonly)
+        if self.view.read_only:
+            for p in self.session._s.providers.values():
+                p.read_only = True
+
+    # ------------------------------------------------------------------ directories
+
+    def _directory(self, key) -> int:
+        s = self._require()
+        m = self.view.by_directory(key)
+        return s.table.folders.index(m) if m in s.table.folders else self.view.index_of(m)
+
+    def _workspace(self, key):
+        s = self._require()
+        i = self._directory(key)
+        ws = s.workspaces[i]
+        if ws is None:
+            raise ApiError("session.read_only_directory", f"working directory {i} is read-only: it has no undo history",
+                           directory=i)
+        return i, ws
+
+    # ------------------------------------------------------------------ undo
+
+    def op_undo_rollback(self, p: dict, rid) -> dict:
+        s = self._require()
+        if self.view.read_only:
+            raise ApiError("fs.access_denied", "the session's view is read-only: undo would write")
+        i, ws = self._workspace(p.get("directory"))
+        force = p.get("force", False)
+        if force:
+            log.warning("rollback forced across barriers in folder %d: external edits will be lost", i)
+        result = s.undo(p.get("count", 1), force=force, folder=i)
+        return {**result, "directory": i, "forced": force}
+
+    def op_undo_history(self, p: dict, rid) -> dict:
+        i, ws = self._workspace(p.get("directory"))
+        if not ws.undo_available:
+            return {"directory": i, "steps": [], "barriers": [], "undo_available": False}
+        steps = ws.history()
+        limit = p.get("limit")
+        if limit is not None:
+            steps = steps[:limit]
+        seq_to_id = {st["seq"]: st["id"] for st in steps}
+        barriers = []
+        for b in ws.barriers():
+            blocked = [sid for seq, sid in seq_to_id.items() if seq <= b.get("after_seq", -1)]
+            barriers.append({"id": b["id"], "paths": b["paths"], "created_ns": b["created_ns"], "reason": b.get("reason", ""),
+                             "after_seq": b.get("after_seq"), "blocks_rollback_of": sorted(blocked),
+                             "note": "rollback of the listed steps is refused unless force is true"})
+        return {"directory": i, "steps": steps, "barriers": barriers, "undo_available": True}
+
+    def op_undo_configure(self, p: dict, rid) -> dict:
+        i, ws = self._workspace(p.get("directory"))
+        limits = self._limits(p)
+        try:
+            ws.configure_limits(**limits)
+        except (TypeError, ValueError) as e:
+            raise ApiError("undo.invalid_limits", str(e)) from None
+        return {"directory": i, "limits": {_LIMIT_OUT[k]: v for k, v in ws.log.limits.__dict__.items() if k in _LIMIT_OUT}}
+
+    @staticmethod
+    def _limits(p: dict) -> dict:
+        return {_LIMIT_IN[k]: v for k, v in p.items() if k in _LIMIT_IN}
+
+    def op_undo_discard(self, p: dict, rid) -> dict:
+        i, ws = self._workspace(p.get("directory"))
+        ws.discard()
+        return {"directory": i}
+
+    # ------------------------------------------------------------------ commands
+
+    def op_agent_execute(self, p: dict, rid) -> dict:
+        return self._run(rid, p["command"], p.get("cwd"), p.get("env"), "event.terminal_output")
+
+    def op_agent_prompt(self, p: dict, rid) -> dict:
+        self._require()
+        cfg = self.agent_cfg
+        if not cfg:
+            raise ApiError("agent.not_configured",
+                           "no coding agent is configured: give session.start an agent: {command: …}; "
+                           "the prompt is passed as its last argument and in $SANDBOX_PROMPT")
+        env = {**cfg.get("env", {}), "SANDBOX_PROMPT": p["text"]}
+        return self._run(rid, f"{cfg['command']} {shlex.quote(p['text'])}", cfg.get("cwd"), env, "event.agent_output")
+
+    def op_agent_cancel(self, p: dict, rid) -> dict:
+        r = self._running
+        if r is None or ("request_id" in p and p["request_id"] != r.request_id):
+            raise ApiError("agent.not_running", "no command is running" + (
+                f" for request {p['request_id']!r}" if "request_id" in p else ""))
+        r.cancel.set()
+        return {"cancelled": True}
+
+    def _run(self, rid, command: str, cwd: str | None, env: dict | None, output_event: str) -> dict:
+        s = self._require()
+        with self._state_lock:
+            if self._running is not None:
+                raise ApiError("agent.busy", "a command is already running; one runs at a time",
+                               request_id=self._running.request_id)
+            self._running = _Running(rid, threading.Event())
+        try:
+            if cwd is None:
+                cwd = self._default_cwd()
+            else:
+                self.view.resolve(cwd)  # inside the view (raises otherwise)
+
+            def on_output(stream: str, text: str) -> None:
+                self.event(output_event, {"stream": stream if stream in ("stdout", "stderr") else "stdout", "data": text},
+                           request_id=rid)
+
+            try:
+                r = s.run(command, on_output, cwd=cwd, env=env, cancel=self._running.cancel)
+            except SessionError as e:
+                self._failed = str(e)
+                log.error("the guest failed: %s", e, extra={"component": "session"})
+                self.event("event.error", {"message": str(e), "code": "session.guest_failed"}, request_id=rid)
+                raise ApiError("session.guest_failed", f"the guest failed while running the command: {e}") from None
+            return {"step_id": r.step_id, "step_ids": r.step_ids, "exit_code": r.exit_code, "signal": r.signal,
+                    "cancelled": r.cancelled}
+        finally:
+            with self._state_lock:
+                self._running = None
+
+    def _default_cwd(self) -> str:
+        v = self.view.view
+        if v != "/":
+            try:
+                m, _rel = self.view.resolve(v)
+                if m.kind == "folder":
+                    return v
+            except Exception:
+                pass
+        return self.view.folders[0].target
+
+    # ------------------------------------------------------------------ files
+
+    def _locate(self, path: str, directory) -> tuple[object, str, str]:
+        """(provider, relative path, guest path) for an fs.* path: absolute = guest path,
+        relative = inside ``directory`` (default the first, or the restricted view)."""
+        s = self._require()
+        if not isinstance(path, str) or "\0" in path:
+            raise ApiError("fs.invalid_path", "path must be a string without NUL")
+        if path.startswith("/"):
+            guest = path
+        else:
+            base = self.view.view if directory is None and self.view.view != "/" else \
+                self.view.folders[self._directory(directory)].target
+            guest = base.rstrip("/") + "/" + path if path not in ("", ".") else base
+        mount, rel = self.view.resolve(guest)
+        provider = s._s.providers[mount.name]
+        return provider, rel, mount.target + ("/" + rel if rel else "")
+
+    def op_fs_list(self, p: dict, rid) -> dict:
+        provider, rel, guest = self._locate(p.get("path", ""), p.get("directory"))
+        attr = provider.getattr(rel)
+        if attr.kind != DIR:
+            raise ApiError("fs.not_a_directory", f"{guest} is not a directory")
+        names = sorted(provider.listdir(rel))
+        entries = []
+        for name in names[:LIST_ENTRIES_MAX]:
+            child = join(rel, name)
+            try:
+                a = provider.getattr(child)
+            except OSError:
+                continue  # vanished meanwhile
+            e = {"name": name, "type": _TYPE.get(a.kind, "other"), "size": a.size, "mode": a.mode, "mtime_ns": a.mtime_ns}
+            if a.kind == LNK:
+                try:
+                    e["target"] = provider.readlink(child)
+                except OSError:
+                    pass
+            entries.append(e)
+        return {"path": guest, "entries": entries, "truncated": len(names) > LIST_ENTRIES_MAX}
+
+    def op_fs_read(self, p: dict, rid) -> dict:
+        want = p.get("length")
+        if want is not None and want > READ_BYTES_MAX:
+            raise ApiError("fs.too_large", f"at most {READ_BYTES_MAX} bytes per fs.read", limit_bytes=READ_BYTES_MAX)
+        provider, rel, guest = self._locate(p["path"], p.get("directory"))
+        attr = provider.getattr(rel)
+        if attr.kind == DIR:
+            raise ApiError("fs.is_a_directory", f"{guest} is a directory: use fs.list")
+        if attr.kind == LNK:
+            raise ApiError("fs.symlink", f"{guest} is a symlink (to {provider.readlink(rel)!r}); it is not followed")
+        if attr.kind != REG:
+            raise ApiError("fs.not_a_file", f"{guest} is a special file: never opened")
+        offset = p.get("offset", 0)
+        remaining = max(0, attr.size - offset)
+        length = min(remaining, READ_BYTES_MAX) if want is None else want
+        with provider.open(rel, os.O_RDONLY) as fh:
+            data = fh.pread(length, offset) if length else b""
+        encoding = p.get("encoding", "utf-8")
+        text = None
+        if encoding == "utf-8":
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                encoding = "base64"
+        if text is None:
+            text = base64.b64encode(data).decode()
+        return {"path": guest, "size": attr.size, "offset": offset, "data": text, "encoding": encoding,
+                "eof": offset + len(data) >= attr.size}
+
+    def op_fs_status(self, p: dict, rid) -> dict:
+        """Translation warnings: special files (listed, never opened), symlinks whose target
+        leaves the folder (they resolve in the guest's namespace, not the host's), names
+        that differ only by case (a case-insensitive host would collide)."""
+        provider, rel, guest = self._locate("", p.get("directory"))
+        warnings, seen, stack = [], 0, [rel]
+        while stack and seen < STATUS_ENTRIES_MAX:
+            d = stack.pop()
+            try:
+                names = sorted(provider.listdir(d))
+            except OSError:
+                continue
+            lower: dict[str, str] = {}
+            for name in names:
+                seen += 1
+                child = join(d, name)
+                other = lower.setdefault(name.lower(), name)
+                if other != name:
+                    warnings.append({"kind": "case_collision", "path": child,
+                                     "message": f"{child} and {join(d, other)} differ only by case"})
+                try:
+                    a = provider.getattr(child)
+                except OSError:
+                    continue
+                if a.kind == DIR:
+                    stack.append(child)
+                elif a.kind == LNK:
+                    target = provider.readlink(child)
+                    depth = len(d.split("/")) if d else 0
+                    if target.startswith("/") or _escapes(target, depth):
+                        warnings.append({"kind": "symlink_outside", "path": child,
+                                         "message": f"{child} -> {target} points outside the folder; the guest resolves it in its own namespace"})
+                elif a.kind != REG:
+                    warnings.append({"kind": "special_file", "path": child,
+                                     "message": f"{child} is a {_stat.filemode(a.st_mode)[0]!r}-type special file: listed but never opened"})
+        return {"warnings": warnings, "truncated": bool(stack)}
+
+    # ------------------------------------------------------------------ safeguards
+
+    def op_safeguard_configure(self, p: dict, rid) -> dict:
+        s = self._require()
+        keys = {k: v for k, v in p.items() if k != "directory"}
+        targets = [self._workspace(p["directory"])] if "directory" in p else \
+            [(i, ws) for i, ws in enumerate(s.workspaces) if ws is not None]
+        config = None
+        for _i, ws in targets:
+            try:
+                config = self._safeguard_config(ws.interceptor.safeguard.config, keys)
+            except ApiError:
+                raise
+            ws.configure_safeguard(**config.__dict__)
+        if config is None:
+            config = self._safeguard_config(SafeguardConfig(), keys)
+        s.safeguard = config
+        return {"config": _safeguard_out(config)}
+
+    @staticmethod
+    def _safeguard_config(base: SafeguardConfig, p: dict) -> SafeguardConfig:
+        values = dict(base.__dict__)
+        for k, v in p.items():
+            values["timeout_s" if k == "timeout_seconds" else k] = v
+        try:
+            return SafeguardConfig(**values)
+        except (TypeError, ValueError) as e:
+            raise ApiError("safeguard.invalid_config", str(e)) from None
+
+    def op_safeguard_confirm(self, p: dict, rid) -> dict:
+        sid, action = p["safeguard_id"], p["action"]
+        h = self._holds.get(sid)
+        s = self.session
+        if h is None or s is None or not s.running:
+            raise ApiError("safeguard.unknown_id", f"no pending safeguard {sid!r} (answered, timed out, or unknown)",
+                           safeguard_id=sid)
+        ws = s.workspaces[h["directory"]]
+        try:
+            ws.interceptor.resolve_hold(sid, action)  # a deny rolls the step back here, before we answer
+        except KeyError:
+            raise ApiError("safeguard.unknown_id", f"safeguard {sid!r} is no longer pending (it timed out)",
+                           safeguard_id=sid) from None
+        self._answer(sid, action)
+        log.info("safeguard %s: %s", sid, action, extra={"component": "safeguard"})
+        return {"safeguard_id": sid, "action": action}
+
+    def _answer(self, sid: str, action: str) -> None:
+        h = self._holds.pop(sid, None)
+        fut = h and h.get("future")
+        if fut:
+            loop, f = fut
+            loop.call_soon_threadsafe(lambda: f.done() or f.set_result(action))
+
+    def _deny_all_holds(self) -> None:
+        for sid in list(self._holds):
+            self._answer(sid, "deny")
+
+    async def _decide(self, hold) -> str:
+        """The server's decision callback: wait for safeguard.confirm (the gate times out)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        h = self._holds.setdefault(hold.id, {"event": None, "directory": 0})
+        h["future"] = (loop, fut)
+        try:
+            return await fut
+        finally:
+            self._holds.pop(hold.id, None)
+
+    # ------------------------------------------------------------------ core events
+
+    def _on_core_event(self, e: dict) -> None:
+        """Events from the undo core and the watcher (any thread) → API events."""
+        e = dict(e)
+        name = e.pop("type", None)
+        if name not in FORWARDED_EVENTS:
+            log.debug("core event %s not forwarded", name)
+            return
+        if name == "event.safeguard_triggered":
+            s = self.session
+            e.setdefault("timeout_seconds", getattr(s.safeguard, "timeout_s", None) if s and s.safeguard else 30.0)
+            h = self._holds.setdefault(e["safeguard_id"], {})
+            h["event"] = e
+            h["directory"] = e.get("directory", 0)
+            log.info("safeguard %s triggered: %s", e["safeguard_id"], e.get("message"),
+                     extra={"component": "safeguard", "step_id": e.get("step_id")})
+        elif name == "event.recovery":
+            e.setdefault("paths_restored", 0)
+            e.setdefault("message", f"a crashed session's step was rolled back ({e.get('kind', 'recovery')})")
+        elif name == "event.step_completed":
+            e.pop("paths", None)
+        self.event(name, e)
+
+
+_LIMIT_IN = {"max_log_size_bytes": "max_log_size_bytes", "max_step_count": "max_step_count",
+             "max_single_step_size_bytes": "max_single_step_size_bytes"}
+_LIMIT_OUT = {v: k for k, v in _LIMIT_IN.items()}
+
+
+def _safeguard_out(c: SafeguardConfig) -> dict:
+    return {"delete_threshold": c.delete_threshold, "overwrite_threshold": c.overwrite_threshold,
+            "overwrite_size_bytes": c.overwrite_size_bytes, "rename_over_threshold": c.rename_over_threshold,
+            "timeout_seconds": c.timeout_s}
+
+
+def _escapes(target: str, depth: int) -> bool:
+    """A relative symlink target climbing above the folder root from ``depth`` levels down."""
+    level = depth
+    for part in target.split("/"):
+        if part == "..":
+            level -= 1
+            if level < 0:
+                return True
+        elif part not in ("", "."):
+            level += 1
+    return False

@@ -1,0 +1,282 @@
+"""JSON Schemas of every STDIO API message: requests, responses and events.
+
+The schemas are written here once, as data, and shipped as
+``sandbox/api/protocol.schema.json`` (JSON Schema draft 2020-12; regenerate with
+``python -m sandbox.api.schema --write``; a test fails if the file is stale). The agent
+validates every incoming request against them with ``jsonschema``; the test suite
+validates everything the agent emits.
+
+Layout of the document: ``$defs`` holds ``request.<type>`` (the payload of each request),
+``result.<type>`` (the payload of its ``ok`` response) and ``event.<name>`` (the payload of
+each event), plus the envelopes ``request``, ``response``, ``event`` and shared pieces.
+Payload objects are closed (``additionalProperties: false``) in requests, so a misspelt
+field is an error rather than silently ignored; results and events are open, so the
+agent may add fields in a compatible version.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import sys
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+SCHEMA_ID = "https://sandbox.invalid/protocol/v1"
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.schema.json")
+
+
+def _obj(props: dict, required=(), closed: bool = True) -> dict:
+    out = {"type": "object", "properties": props}
+    if required:
+        out["required"] = list(required)
+    if closed:
+        out["additionalProperties"] = False
+    return out
+
+
+def _open(props: dict, required=()) -> dict:
+    return _obj(props, required, closed=False)
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/$defs/{name}"}
+
+
+STR = {"type": "string"}
+NESTR = {"type": "string", "minLength": 1}
+BOOL = {"type": "boolean"}
+INT = {"type": "integer"}
+POS = {"type": "integer", "minimum": 1}
+NONNEG = {"type": "integer", "minimum": 0}
+NUM = {"type": "number"}
+ABS = {"type": "string", "pattern": "^/", "minLength": 1, "maxLength": 4096}
+STRS = {"type": "array", "items": STR}
+NULLABLE_INT = {"type": ["integer", "null"]}
+DIRECTORY = {"description": "A working directory: its index, its label, its guest path or its host path; default the first.",
+             "oneOf": [NONNEG, NESTR]}
+REQUEST_ID = {"oneOf": [{"type": "string", "maxLength": 256}, {"type": "integer"}]}
+
+SAFEGUARD_CONFIG = {
+    "delete_threshold": {"type": ["integer", "null"], "minimum": 1,
+                         "description": "Deletions in one step that need confirmation (null: off)."},
+    "overwrite_threshold": {"type": ["integer", "null"], "minimum": 1,
+                            "description": "Overwrites/truncations of files over overwrite_size_bytes in one step (null: off)."},
+    "overwrite_size_bytes": NONNEG,
+    "rename_over_threshold": {"type": ["integer", "null"], "minimum": 1,
+                              "description": "Renames onto an existing destination in one step (null: off)."},
+    "timeout_seconds": {"type": "number", "exclusiveMinimum": 0, "description": "Unanswered holds are denied after this."},
+}
+UNDO_LIMITS = {
+    "max_log_size_bytes": POS,
+    "max_step_count": POS,
+    "max_single_step_size_bytes": POS,
+}
+
+REQUESTS: dict[str, dict] = {
+    "hello": _obj({"protocol_version": POS, "client": STR}, ["protocol_version"]),
+    "session.start": _obj({
+        "working_directories": {"type": "array", "minItems": 1, "maxItems": 8, "items": _obj({
+            "path": NESTR, "label": STR, "access": {"enum": ["read_write", "read_only"]}, "target": ABS}, ["path"])},
+        "root": {"type": "string", "minLength": 1, "description": "Seed 004 style: the project folder (with root_target and bind mounts)."},
+        "readonly": BOOL,
+        "root_target": ABS,
+        "mounts": {"type": "array", "maxItems": 16, "items": {"oneOf": [
+            _obj({"path": ABS, "files": {"type": "object", "additionalProperties": STR,
+                                         "description": "relative path -> base64 contents"},
+                  "writable": BOOL, "label": STR}, ["path", "files"]),
+            _obj({"source": NESTR, "target": ABS, "readonly": BOOL}, ["source", "target"]),
+        ]}},
+        "python_path": {"type": "array", "items": ABS, "maxItems": 64},
+        "network_policy": {"enum": ["disabled", "open", "allowlist"]},
+        "network_allowlist": {"type": "array", "items": NESTR, "maxItems": 256},
+        "vm_mode": {"enum": ["ephemeral", "persistent"]},
+        "external_modification_policy": {"enum": ["barrier", "warn", "lock"]},
+        "safeguard": _obj(SAFEGUARD_CONFIG),
+        "undo_limits": _obj(UNDO_LIMITS),
+        "agent": _obj({"command": NESTR, "cwd": ABS, "env": {"type": "object", "additionalProperties": STR}}, ["command"]),
+        "restrict": _obj({"path": ABS, "readonly": BOOL}),
+        "memory_mb": {"type": "integer", "minimum": 128, "maximum": 65536},
+        "cpus": {"type": "integer", "minimum": 1, "maximum": 64},
+    }),
+    "session.stop": _obj({}),
+    "session.reset": _obj({}),
+    "session.status": _obj({}),
+    "session.restrict": _obj({"path": ABS, "readonly": BOOL}),
+    "undo.rollback": _obj({"count": POS, "force": BOOL, "directory": DIRECTORY}),
+    "undo.history": _obj({"directory": DIRECTORY, "limit": POS}),
+    "undo.configure": _obj({"directory": DIRECTORY, **UNDO_LIMITS}),
+    "undo.discard": _obj({"directory": DIRECTORY}),
+    "agent.execute": _obj({"command": NESTR, "cwd": ABS, "env": {"type": "object", "additionalProperties": STR}},
+                          ["command"]),
+    "agent.prompt": _obj({"text": STR}, ["text"]),
+    "agent.cancel": _obj({"request_id": REQUEST_ID}),
+    "fs.list": _obj({"path": STR, "directory": DIRECTORY}),
+    "fs.read": _obj({"path": NESTR, "directory": DIRECTORY, "offset": NONNEG, "length": NONNEG,
+                     "encoding": {"enum": ["utf-8", "base64"]}}, ["path"]),
+    "fs.status": _obj({"directory": DIRECTORY}),
+    "safeguard.configure": _obj({"directory": DIRECTORY, **SAFEGUARD_CONFIG}),
+    "safeguard.confirm": _obj({"safeguard_id": NESTR, "action": {"enum": ["allow", "deny"]}},
+                              ["safeguard_id", "action"]),
+}
+
+FOLDER = _open({"index": NONNEG, "label": STR, "path": STR, "guest_path": STR, "access": {"enum": ["read_write", "read_only"]},
+                "undo_available": BOOL}, ["index", "label", "path", "guest_path", "access"])
+MOUNT = _open({"guest_path": STR, "label": STR, "read_only": BOOL, "files": NONNEG}, ["guest_path", "read_only"])
+STEP = _open({"id": INT, "type": {"enum": ["command", "api", "ambient"]}, "command": STR, "paths": STRS,
+              "exit_code": NULLABLE_INT, "outcome": STR, "unprotected": BOOL, "size_bytes": NONNEG,
+              "started_ns": INT, "ended_ns": INT,
+              "barriers": {"type": "array", "items": _ref("barrier")}}, ["id", "type", "paths", "outcome", "barriers"])
+BARRIER = _open({"id": INT, "paths": STRS, "created_ns": INT, "reason": STR,
+                 "blocks_rollback_of": {"type": "array", "items": INT}}, ["id", "paths", "created_ns"])
+ENTRY = _open({"name": STR, "type": {"enum": ["file", "dir", "symlink", "other"]}, "size": NONNEG, "mode": NONNEG,
+               "mtime_ns": INT, "target": STR}, ["name", "type"])
+COMMAND_RESULT = _open({"step_id": NULLABLE_INT, "step_ids": {"type": "array", "items": NULLABLE_INT},
+                        "exit_code": INT, "signal": NULLABLE_INT, "cancelled": BOOL},
+                       ["step_id", "exit_code", "cancelled"])
+
+RESULTS: dict[str, dict] = {
+    "hello": _open({"protocol_version": POS, "supported_versions": {"type": "array", "items": POS},
+                    "agent_version": STR, "operations": STRS, "events": STRS},
+                   ["protocol_version", "supported_versions", "agent_version"]),
+    "session.start": _open({"folders": {"type": "array", "items": FOLDER}, "mounts": {"type": "array", "items": MOUNT},
+                            "guest": STR, "accel": {"type": ["string", "null"]}, "boot_s": {"type": ["number", "null"]},
+                            "view": STR, "read_only": BOOL}, ["folders", "mounts", "guest"]),
+    "session.stop": _open({}),
+    "session.reset": _open({}),
+    "session.status": _open({"state": {"enum": ["not_started", "idle", "running", "stopped", "error"]},
+                             "vm": STR, "guest": {"type": ["string", "null"]}, "accel": {"type": ["string", "null"]},
+                             "folders": {"type": "array", "items": FOLDER}, "mounts": {"type": "array", "items": MOUNT},
+                             "running": {"type": ["object", "null"]},
+                             "pending_safeguards": {"type": "array", "items": _ref("event.safeguard_triggered")},
+                             "view": STR, "read_only": BOOL}, ["state"]),
+    "session.restrict": _open({"view": STR, "read_only": BOOL}, ["view", "read_only"]),
+    "undo.rollback": _open({"step_ids": {"type": "array", "items": INT}, "paths_restored": NONNEG, "directory": NONNEG,
+                            "forced": BOOL}, ["step_ids", "paths_restored"]),
+    "undo.history": _open({"directory": NONNEG, "steps": {"type": "array", "items": STEP},
+                           "barriers": {"type": "array", "items": _ref("barrier")}, "undo_available": BOOL},
+                          ["steps", "barriers", "undo_available"]),
+    "undo.configure": _open({"limits": _open(UNDO_LIMITS)}, ["limits"]),
+    "undo.discard": _open({"directory": NONNEG}),
+    "agent.execute": COMMAND_RESULT,
+    "agent.prompt": COMMAND_RESULT,
+    "agent.cancel": _open({"cancelled": BOOL}),
+    "fs.list": _open({"path": STR, "entries": {"type": "array", "items": ENTRY}, "truncated": BOOL}, ["path", "entries"]),
+    "fs.read": _open({"path": STR, "size": NONNEG, "offset": NONNEG, "data": STR, "encoding": {"enum": ["utf-8", "base64"]},
+                      "eof": BOOL}, ["path", "size", "offset", "data", "encoding", "eof"]),
+    "fs.status": _open({"warnings": {"type": "array", "items": _open({"kind": STR, "path": STR, "message": STR},
+                                                                      ["kind", "message"])},
+                        "truncated": BOOL}, ["warnings"]),
+    "safeguard.configure": _open({"config": _open(SAFEGUARD_CONFIG)}, ["config"]),
+    "safeguard.confirm": _open({"safeguard_id": STR, "action": STR}),
+}
+
+_DIR = {"directory": NONNEG}
+EVENTS: dict[str, dict] = {
+    "event.step_completed": _open({"step_id": INT, "step_type": STR, "exit_code": NULLABLE_INT,
+                                   "affected_paths": STRS, "paths_count": NONNEG, "unprotected": BOOL, **_DIR},
+                                  ["step_id", "exit_code", "affected_paths"]),
+    "event.terminal_output": _open({"stream": {"enum": ["stdout", "stderr"]}, "data": STR, "step_id": NULLABLE_INT},
+                                   ["stream", "data"]),
+    "event.agent_output": _open({"stream": {"enum": ["stdout", "stderr"]}, "data": STR, "step_id": NULLABLE_INT},
+                                ["stream", "data"]),
+    "event.warning": _open({"message": STR, "code": STR, **_DIR}, ["message"]),
+    "event.error": _open({"message": STR, "code": STR, **_DIR}, ["message"]),
+    "event.safeguard_triggered": _open({"safeguard_id": STR, "step_id": INT, "kind": {"enum": ["delete", "overwrite", "rename_over"]},
+                                        "count": POS, "delete_count": NULLABLE_INT, "path": STR, "sample_paths": STRS,
+                                        "message": STR, "timeout_seconds": NUM, **_DIR},
+                                       ["safeguard_id", "step_id", "kind", "count", "sample_paths", "message"]),
+    "event.external_modification": _open({"paths": STRS, "barrier_id": NULLABLE_INT, "policy": STR, **_DIR},
+                                         ["paths", "barrier_id"]),
+    "event.recovery": _open({"paths_restored": NONNEG, "step_id": NULLABLE_INT, "message": STR, **_DIR},
+                            ["paths_restored"]),
+    "event.undo_version_mismatch": _open({"message": STR, **_DIR}, ["message"]),
+}
+
+
+def document() -> dict:
+    """The whole schema document (a fresh copy)."""
+    defs: dict[str, dict] = {"barrier": BARRIER}
+    for t, s in REQUESTS.items():
+        defs[f"request.{t}"] = s
+    for t, s in RESULTS.items():
+        defs[f"result.{t}"] = s
+    for t, s in EVENTS.items():
+        defs[t] = s
+    error = _obj({"code": {"type": "string", "pattern": r"^(protocol|session|agent|undo|fs|safeguard)\.[a-z_]+$"},
+                  "message": STR, "data": {"type": "object"}}, ["code", "message", "data"])
+    defs["error"] = error
+    defs["request"] = {
+        "type": "object", "required": ["type", "request_id"],
+        "properties": {"type": {"enum": sorted(REQUESTS)}, "request_id": REQUEST_ID, "payload": {"type": "object"}},
+        "additionalProperties": False,
+        "allOf": [{"if": {"properties": {"type": {"const": t}}},
+                   "then": {"properties": {"payload": _ref(f"request.{t}")}}} for t in REQUESTS],
+    }
+    defs["response"] = {"oneOf": [
+        _obj({"type": {"const": "response"}, "request_id": REQUEST_ID, "status": {"const": "ok"},
+              "payload": {"type": "object"}}, ["type", "request_id", "status", "payload"]),
+        _obj({"type": {"const": "response"}, "request_id": {"oneOf": [REQUEST_ID, {"type": "null"}]},
+              "status": {"const": "error"}, "error": _ref("error")}, ["type", "request_id", "status", "error"]),
+    ]}
+    defs["event"] = {
+        "type": "object", "required": ["type", "payload"],
+        "properties": {"type": {"enum": sorted(EVENTS)}, "payload": {"type": "object"}, "request_id": REQUEST_ID},
+        "additionalProperties": False,
+        "allOf": [{"if": {"properties": {"type": {"const": t}}}, "then": {"properties": {"payload": _ref(t)}}}
+                  for t in EVENTS],
+    }
+    return copy.deepcopy({
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "sandbox STDIO API, protocol version 1",
+        "description": "One JSON object per line on stdin (requests) and stdout (responses and events).",
+        "oneOf": [_ref("request"), _ref("response"), _ref("event")],
+        "$defs": defs,
+    })
+
+
+@functools.lru_cache(maxsize=1)
+def shipped() -> dict:
+    """The schema document shipped in the package."""
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=None)
+def validator(name: str):
+    """A ``jsonschema`` validator for ``$defs/<name>`` (e.g. ``request.fs.read``, ``event``)."""
+    import jsonschema
+
+    doc = shipped()
+    return jsonschema.Draft202012Validator({"$schema": doc["$schema"], "$defs": doc["$defs"], "$ref": f"#/$defs/{name}"})
+
+
+def first_error(name: str, instance) -> tuple[str, str] | None:
+    """``(json path, reason)`` of the first schema violation, or None if ``instance`` is valid."""
+    errors = sorted(validator(name).iter_errors(instance), key=lambda e: (len(e.absolute_path), e.path))
+    if not errors:
+        return None
+    e = errors[0]
+    path = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
+    reason = e.message
+    if len(reason) > 300:
+        reason = reason[:300] + "…"
+    return path, reason
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    text = json.dumps(document(), indent=1, sort_keys=True) + "\n"
+    if argv == ["--write"]:
+        with open(SCHEMA_PATH, "w") as f:
+            f.write(text)
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The guest a :class:`~sandbox.vm.session.Session` runs commands in.
+
+A guest mounts the session's shares (one 9P export each, reached through the server's
+unix socket) at their guest paths and runs commands, relaying output and exit codes.
+Two implementations share one interface:
+
+* :class:`VmGuest` — a real Linux VM in QEMU (SPEC §5): Debian's kernel, busybox init,
+  the host root read-only under an overlay, the shim on the control channel, QMP;
+* ``sim.scripted_guest.ScriptedGuest`` — a test double for the guest only: real 9P
+  clients on the same server socket running small file-operation scripts.
+
+The interface (what :class:`Session` calls; coroutines run on the 9P server's loop):
+``boot(socket_path=, mounts=, loop=, timeout_s=)`` (blocking), ``exec(exec_id, command, cwd,
+env, on_output)`` → an object whose ``completed`` future resolves to
+``{"exit_code", "signal"}``, ``cancel(exec_id)``, ``rollback_notify(step_id)``,
+``pause() -> bool`` / ``resume()``, ``vm_status()``, ``alive()``, ``tail(n)``, ``stop()``,
+and the attributes ``accel``/``accel_reason``/``boot_s``.
+
+Invariants of :class:`VmGuest`: :meth:`VmGuest.stop` releases everything :meth:`boot`
+acquired, whatever point boot reached (QEMU killed and reaped, channels closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from .console import BootError, Console
+from .control import ControlClient
+from .qemu import VmConfig, build_command, probe_accel
+from .qmp import Qmp
+
+log = logging.getLogger("sandbox.session")
+NINEP_PORT = 564
+MSIZE = 512 * 1024
+BOOT_TIMEOUT_S = 300.0  # TCG on a loaded 2-core machine; KVM boots in about a second
+SHIM_TIMEOUT_S = 120.0  # python3 start-up over the 9p host root under TCG is several seconds
+
+
+class GuestError(RuntimeError):
+    """The guest cannot start or go on; the message says why and what was seen."""
+
+
+@dataclass(frozen=True)
+class GuestMount:
+    """One share as the guest mounts it: 9P attach name, guest path, read-only or not."""
+
+    aname: str
+    target: str
+    read_only: bool
+
+
+def mount_table_text(mounts: list[GuestMount], first_port: int = NINEP_PORT) -> str:
+    """The guest's mount table (fw_cfg ``opt/sandbox/mounts``): ``PORT ANAME ro|rw TARGET``
+    per line, in the order given (shallowest first); share *k* is on port ``first_port + k``."""
+    lines = []
+    for k, m in enumerate(mounts):
+        if any(c in m.target for c in "\n\r\0") or not m.target.startswith("/"):
+            raise ValueError(f"guest mount target {m.target!r} must be an absolute path on one line")
+        if not m.aname or any(c.isspace() for c in m.aname):
+            raise ValueError(f"attach name {m.aname!r} must be one word")
+        lines.append(f"{first_port + k} {m.aname} {'ro' if m.read_only else 'rw'} {m.target}")
+    return "\n".join(lines) + "\n"
+
+
+class VmGuest:
+    """A QEMU guest (see the module docstring)."""
+
+    def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
+                 memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None):
+        self.run_dir = run_dir
+        self.network = network
+        self.allow = list(allow or [])
+        self.memory_mb = memory_mb
+        self.cpus = cpus
+        self.disk = disk
+        self.progress = progress or (lambda msg: log.info("%s", msg))
+        self.accel: str | None = None
+        self.accel_reason: str | None = None
+        self.boot_s: float | None = None
+        self.console: Console | None = None
+        self.control: ControlClient | None = None
+        self.qmp: Qmp | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _run(self, coro, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def boot(self, *, socket_path: str, mounts: list[GuestMount], loop: asyncio.AbstractEventLoop,
+             timeout_s: float = BOOT_TIMEOUT_S) -> None:
+        from . import image as vm_image
+
+        self._loop = loop
+        self.progress("preparing the guest image (first run: downloading Debian's kernel package) …")
+        img = vm_image.guest_image()
+        choice = probe_accel(img)
+        self.accel, self.accel_reason = choice.accel, choice.reason
+        self.progress(f"booting the guest ({choice.accel}{': ' + choice.reason if choice.reason else ''}) …")
+        table = os.path.join(self.run_dir, "mounts")
+        with open(table, "w") as f:
+            f.write(mount_table_text(mounts))
+        append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} "
+                  f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
+        if self.allow:
+            append += f" sandbox.allow={','.join(self.allow)}"
+        cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=choice.accel, cpu=choice.cpu,
+                       memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
+                       qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
+                       control_socket=os.path.join(self.run_dir, "control.sock"), host_root=True,
+                       guestfwds=[(NINEP_PORT + k, socket_path) for k in range(len(mounts))],
+                       fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk)
+        t0 = time.monotonic()
+        self.console = Console(build_command(cfg))
+        try:
+            self.console.wait_for("SANDBOX-READY", timeout_s)
+        except BootError as e:
+            raise GuestError(f"the guest did not boot: {e}") from None
+        self.control = ControlClient()
+        try:
+            self._run(self.control.connect(cfg.control_socket, timeout_s=30))
+            self._run(self.control.wait_ready(SHIM_TIMEOUT_S), timeout_s=SHIM_TIMEOUT_S + 5)
+        except Exception as e:
+            raise GuestError(f"the guest's shim did not come up ({e}); console:\n" + "\n".join(self.console.tail(30))) from None
+        self.boot_s = time.monotonic() - t0
+        try:
+            qmp = Qmp()
+            self._run(qmp.connect(cfg.qmp_socket, timeout_s=10))
+            self.qmp = qmp
+        except Exception as e:  # pause-on-hold is a nicety: without QMP the held replies still block the guest
+            log.warning("QMP unavailable (%s): safeguards hold replies without pausing the VM", e)
+        self.progress(f"guest ready in {self.boot_s:.1f} s ({self.accel})")
+
+    # ------------------------------------------------------------------ commands
+
+    async def exec(self, exec_id: int, command: str, cwd: str, env: dict[str, str], on_output):
+        return await self.control.exec(exec_id, command, cwd, env, on_output)
+
+    async def cancel(self, exec_id: int) -> None:
+        await self.control.cancel(exec_id)
+
+    async def rollback_notify(self, step_id: int) -> None:
+        await self.control.rollback_notify(step_id)
+
+    async def sync(self) -> None:
+        """``sync`` in the guest, outside any step (it writes no working folder)."""
+        ex = await self.control.exec(-1, "sync", "/", {})
+        await asyncio.wait_for(ex.completed, 30)
+
+    async def pause(self) -> bool:
+        if self.qmp is None:
+            return False
+        await self.qmp.stop()
+        return True
+
+    async def resume(self) -> None:
+        if self.qmp is not None:
+            await self.qmp.cont()
+
+    async def vm_status(self) -> str:
+        if self.qmp is None:
+            return "running" if self.alive() else "stopped"
+        return await self.qmp.status()
+
+    def alive(self) -> bool:
+        return self.console is not None and self.console.alive()
+
+    def tail(self, n: int = 20) -> list[str]:
+        return self.console.tail(n) if self.console is not None else []
+
+    def stop(self) -> None:
+        errors = []
+        if self._loop is not None:
+            if self.control is not None and self.disk is not None:
+                try:  # the guest's page cache must reach the persistent disk before QEMU goes
+                    self._run(self.sync(), timeout_s=40)
+                except Exception as e:
+                    log.warning("could not sync the persistent disk before stopping: %s", e)
+            for closer in (self.control, self.qmp):
+                if closer is not None:
+                    try:
+                        self._run(closer.close(), timeout_s=10)
+                    except Exception as e:
+                        errors.append(e)
+        self.control = self.qmp = None
+        if self.console is not None:
+            self.console.terminate(timeout_s=10)
+        if errors:
+            log.warning("errors while stopping the guest: %s", errors)

@@ -1,0 +1,526 @@
+"""The STDIO API, spoken to a real ``sandbox serve`` subprocess over its stdin/stdout.
+
+The guest is the scripted test double (``--guest scripted``): its commands run over the
+real 9P server, providers, undo core, safeguards and watcher — only the VM is replaced.
+``e2e/test_stdio_api_vm.py`` runs the same tests against a real VM (fixture ``guest``).
+Every message the agent emits is validated against the shipped JSON Schema as it
+arrives; every test ends by checking that nothing violated it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import stat
+
+import pytest
+
+from sandbox.api import errors, schema
+from sim import oracle
+from sim.api_client import ApiClient, Commands
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def guest() -> str:
+    return "scripted"
+
+
+@pytest.fixture
+def cmds(guest) -> Commands:
+    return Commands(guest)
+
+
+@pytest.fixture
+def state_home(tmp_path):
+    d = tmp_path / "state"
+    d.mkdir()
+    return str(d)
+
+
+@pytest.fixture
+def project(tmp_path):
+    p = tmp_path / "project"
+    (p / "src").mkdir(parents=True)
+    (p / "src" / "app.py").write_text("print('hello')\n")
+    (p / "README.md").write_text("# project\n")
+    (p / "victims").mkdir()
+    for i in range(20):
+        (p / "victims" / f"v{i:02d}").write_text(f"victim {i}\n")
+    return p
+
+
+@pytest.fixture
+def api(guest, state_home):
+    clients = []
+
+    def make(*args, **kw):
+        c = ApiClient(*args, guest=guest, env={"XDG_STATE_HOME": state_home}, **kw)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        if c.proc.poll() is None:
+            c.close()
+        c.check()
+
+
+def start(c: ApiClient, project, **payload) -> dict:
+    payload.setdefault("working_directories", [{"path": str(project), "label": "project"}])
+    return c.ok("session.start", payload, timeout_s=400)
+
+
+# ---------------------------------------------------------------------------- protocol
+
+
+def test_hello_negotiates_the_version_and_requests_before_it_are_accepted(api, project):
+    c = api()
+    assert c.ok("session.status")["state"] == "not_started"  # before hello: accepted
+    r = c.ok("hello", {"protocol_version": 1})
+    assert r["protocol_version"] == 1 and r["supported_versions"] == [1] and r["agent_version"]
+    assert set(r["operations"]) == set(schema.REQUESTS) and set(r["events"]) == set(schema.EVENTS)
+    e = c.error("hello", {"protocol_version": 99})
+    assert e["code"] == "protocol.unsupported_version" and e["data"]["supported_versions"] == [1]
+    assert c.close() == 0
+
+
+def test_malformed_input_gets_error_responses_and_never_kills_the_agent(api):
+    c = api("--max-line-bytes", "4096")
+    c.send_raw(b"this is not json\n")
+    c.send_raw(b"[1, 2, 3]\n")
+    c.send_raw(b"\xff\xfe\x00garbage\n")
+    c.send_raw(b"[" * 4000 + b"\n")  # nesting past the parser's recursion limit
+    c.send_raw(b'{"type": "fs.read", "request_id": "big", "payload": {"path": "' + b"a" * 10_000 + b'"}}\n')
+    c.send_raw(json.dumps({"type": "no.such.op", "request_id": "u"}).encode() + b"\n")
+    c.send_raw(json.dumps({"request_id": "nt"}).encode() + b"\n")
+    c.send_raw(json.dumps({"type": "hello", "request_id": "np", "payload": {}}).encode() + b"\n")
+    c.send_raw(json.dumps({"type": "hello", "request_id": "xf", "payload": {"protocol_version": 1, "x": 1}}).encode() + b"\n")
+    c.send_raw(json.dumps({"type": "hello", "request_id": {"not": "an id"}, "payload": {"protocol_version": 1}}).encode() + b"\n")
+    c.send_raw(json.dumps({"type": "fs.read", "request_id": "wt", "payload": {"path": 7}}).encode() + b"\n")
+    r = c.response("np")
+    assert r["error"]["code"] == "protocol.invalid_request" and "protocol_version" in r["error"]["message"]
+    assert c.response("xf")["error"]["code"] == "protocol.invalid_request"
+    assert c.response("wt")["error"]["data"]["path"] == "$.payload.path"
+    unknown = c.response("u")["error"]
+    assert unknown["code"] == "protocol.unknown_type" and "fs.read" in unknown["data"]["known"]
+    assert c.response("nt")["error"]["code"] == "protocol.invalid_request"
+    codes = [m["error"]["code"] for m in c.messages if m.get("status") == "error" and m["request_id"] is None]
+    assert codes.count("protocol.invalid_json") == 3 and "protocol.not_an_object" in codes
+    assert "protocol.line_too_long" in codes and "protocol.invalid_request" in codes  # the bad request_id
+    assert c.ok("hello", {"protocol_version": 1})["protocol_version"] == 1  # still alive and answering
+    assert c.close() == 0
+
+
+def test_every_operation_needs_a_session_except_hello_and_status(api):
+    c = api()
+    payloads = {"undo.rollback": {}, "undo.history": {}, "undo.configure": {"max_step_count": 5}, "undo.discard": {},
+                "agent.execute": {"command": "true"}, "agent.prompt": {"text": "hi"}, "fs.list": {},
+                "fs.read": {"path": "x"}, "fs.status": {}, "safeguard.configure": {"delete_threshold": 3},
+                "session.stop": {}, "session.reset": {}, "session.restrict": {"readonly": True}}
+    for t, p in payloads.items():
+        assert c.error(t, p)["code"] == "session.not_started", t
+    assert c.error("safeguard.confirm", {"safeguard_id": "sg_x", "action": "allow"})["code"] == "safeguard.unknown_id"
+
+
+def test_every_error_code_is_in_the_readme():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    missing = [code for code in errors.CODES if f"`{code}`" not in readme]
+    assert not missing, f"README lacks error codes: {missing}"
+
+
+def test_the_shipped_schema_is_current_and_valid():
+    import jsonschema
+
+    jsonschema.Draft202012Validator.check_schema(schema.shipped())
+    assert schema.shipped() == json.loads(json.dumps(schema.document())), "run: python -m sandbox.api.schema --write"
+
+
+# ---------------------------------------------------------------------------- sessions
+
+
+def test_session_start_status_stop_and_directories(api, project, tmp_path):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "shared.txt").write_text("shared\n")
+    c = api()
+    r = start(c, project, working_directories=[{"path": str(project), "label": "project"},
+                                               {"path": str(lib), "label": "lib", "access": "read_only"}])
+    assert [(f["label"], f["guest_path"], f["access"]) for f in r["folders"]] == [
+        ("project", "/mnt/working/0", "read_write"), ("lib", "/mnt/working/1", "read_only")]
+    assert c.error("session.start", {"working_directories": [{"path": str(project)}]})["code"] == "session.already_started"
+    st = c.ok("session.status")
+    assert st["state"] == "idle" and st["filesystem_backend"] == "9p" and len(st["folders"]) == 2
+    assert c.ok("fs.read", {"path": "shared.txt", "directory": "lib"})["data"] == "shared\n"
+    assert c.ok("fs.read", {"path": "/mnt/working/1/shared.txt"})["data"] == "shared\n"
+    assert c.error("undo.history", {"directory": "lib"})["code"] == "session.read_only_directory"
+    e = c.error("undo.history", {"directory": "nope"})
+    assert e["code"] == "session.unknown_directory" and set(e["data"]["known"]) >= {"project", "lib"}
+    assert c.ok("undo.history", {"directory": 0})["directory"] == 0
+    c.ok("session.stop")
+    assert c.ok("session.status")["state"] == "not_started"
+    assert c.close() == 0
+
+
+@pytest.mark.parametrize("payload, code", [
+    ({"working_directories": [{"path": "/nonexistent/folder"}]}, "session.invalid_config"),
+    ({"working_directories": [{"path": "relative/path"}]}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}] * 9}, "protocol.invalid_request"),
+    ({}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp", "target": "/mnt/a"}, {"path": "/tmp", "target": "/mnt/a"}]},
+     "session.invalid_mounts"),
+    ({"working_directories": [{"path": "/tmp"}], "mounts": [{"path": "/mnt/x", "files": {"a": "!!notbase64"}}]},
+     "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "mounts": [{"source": "/tmp", "target": "/c"}]}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "network_policy": "allowlist"}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "safeguard": {"delete_threshold": 0}}, "protocol.invalid_request"),
+])
+def test_bad_session_configs_are_clear_errors_and_leave_nothing_running(api, payload, code):
+    c = api()
+    e = c.error("session.start", payload)
+    assert e["code"] == code, e
+    assert c.ok("session.status")["state"] == "not_started"
+
+
+# ---------------------------------------------------------------------------- commands and undo
+
+
+def test_execute_streams_output_then_step_completed_then_the_response(api, project, cmds):
+    c = api()
+    start(c, project)
+    before = oracle.snapshot_dir(str(project))
+    m = c.mark()
+    rid = c.send("agent.execute", {"command": f"{cmds.echo('hi there')}; {cmds.write('out.txt', 'data')}; {cmds.rm_r('victims')}"})
+    resp = c.response(rid)
+    assert resp["status"] == "ok" and resp["payload"]["exit_code"] == 0
+    sid = resp["payload"]["step_id"]
+    out = [e for e in c.events("event.terminal_output", m) if e.get("request_id") == rid]
+    assert "".join(e["payload"]["data"] for e in out) == "hi there\n"
+    done = c.wait_event("event.step_completed", lambda p: p["step_id"] == sid, m)
+    assert "out.txt" in done["payload"]["affected_paths"] and done["payload"]["exit_code"] == 0
+    order = [x for x in c.messages[m:] if x in out or x is done or x is resp]
+    assert order[-1] is resp and order.index(done) > max(order.index(o) for o in out)
+    hist = c.ok("undo.history")["steps"]
+    assert hist[0]["id"] == sid and hist[0]["type"] == "command" and "out.txt" in hist[0]["paths"]
+    r = c.ok("undo.rollback", {"count": 1})
+    assert r["step_ids"] == [sid] and r["paths_restored"] >= 2
+    assert oracle.snapshot_dir(str(project)) == before
+    assert c.error("undo.rollback", {"count": 5})["code"] == "undo.nothing_to_undo"
+
+
+def test_failing_and_busy_and_cancelled_commands(api, project, cmds):
+    c = api()
+    start(c, project)
+    assert c.ok("agent.execute", {"command": cmds.exit(3)})["exit_code"] == 3
+    m = c.mark()
+    rid = c.send("agent.execute", {"command": f"{cmds.echo('started')}; {cmds.wait()}"})
+    c.wait_event("event.terminal_output", lambda p: "started" in p["data"], m)
+    st = c.ok("session.status")
+    assert st["state"] == "running" and st["running"] == {"request_id": rid}
+    e = c.error("agent.execute", {"command": "true"})
+    assert e["code"] == "agent.busy" and e["data"]["request_id"] == rid
+    assert c.error("agent.cancel", {"request_id": "someone-else"})["code"] == "agent.not_running"
+    assert c.ok("agent.cancel", {"request_id": rid})["cancelled"] is True
+    r = c.response(rid)
+    assert r["status"] == "ok" and r["payload"]["cancelled"] is True and r["payload"]["exit_code"] != 0
+    assert c.ok("session.status")["state"] == "idle"
+
+
+def test_a_guest_that_dies_is_an_error_event_and_the_session_can_be_restarted(api, project, cmds):
+    c = api()
+    start(c, project)
+    m = c.mark()
+    e = c.error("agent.execute", {"command": f"{cmds.write('a.txt', 'x')}; {cmds.crash()}"}, timeout_s=120)
+    assert e["code"] == "session.guest_failed"
+    assert c.events("event.error", m)[0]["payload"]["code"] == "session.guest_failed"
+    assert c.ok("session.status")["state"] == "error"
+    assert "a.txt" in c.ok("undo.history")["steps"][0]["paths"]  # the step is closed and undoable
+    c.ok("undo.rollback", {})
+    c.ok("session.stop")
+    start(c, project)
+    assert c.ok("agent.execute", {"command": cmds.echo("back")})["exit_code"] == 0
+
+
+def test_agent_prompt(api, project):
+    c = api()
+    start(c, project)
+    assert c.error("agent.prompt", {"text": "hello"})["code"] == "agent.not_configured"
+    c.ok("session.stop")
+    start(c, project, agent={"command": "echo"})
+    m = c.mark()
+    r = c.ok("agent.prompt", {"text": "fix the bug"})
+    assert r["exit_code"] == 0
+    text = "".join(e["payload"]["data"] for e in c.events("event.agent_output", m))
+    assert text == "fix the bug\n"
+    assert not c.events("event.terminal_output", m)
+
+
+def test_undo_configure_and_discard(api, project, cmds):
+    c = api()
+    start(c, project, undo_limits={"max_step_count": 50})
+    r = c.ok("undo.configure", {"max_step_count": 2})
+    assert r["limits"]["max_step_count"] == 2
+    m = c.mark()
+    for i in range(3):
+        c.ok("agent.execute", {"command": cmds.write(f"f{i}", str(i))})
+    assert len(c.ok("undo.history")["steps"]) == 2
+    assert any("evicted" in e["payload"]["message"] for e in c.events("event.warning", m))
+    c.ok("undo.discard")
+    assert c.ok("undo.history")["steps"] == []
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def test_fs_list_read_and_containment(api, project, tmp_path):
+    (project / "bin.dat").write_bytes(bytes(range(256)))
+    os.symlink("/etc/passwd", project / "escape")
+    os.mkfifo(project / "fifo")
+    (project / "Readme.md").write_text("case\n")
+    (tmp_path / "secret").write_text("secret\n")
+    c = api()
+    start(c, project)
+    ls = c.ok("fs.list")
+    names = {e["name"]: e for e in ls["entries"]}
+    assert ls["path"] == "/mnt/working/0" and names["src"]["type"] == "dir"
+    assert names["escape"]["type"] == "symlink" and names["escape"]["target"] == "/etc/passwd"
+    assert names["fifo"]["type"] == "other" and names["README.md"]["size"] == len("# project\n")
+    assert [e["name"] for e in c.ok("fs.list", {"path": "src"})["entries"]] == ["app.py"]
+    r = c.ok("fs.read", {"path": "src/app.py"})
+    assert r["data"] == "print('hello')\n" and r["eof"] and r["encoding"] == "utf-8"
+    b = c.ok("fs.read", {"path": "bin.dat"})
+    assert b["encoding"] == "base64" and base64.b64decode(b["data"]) == bytes(range(256))
+    part = c.ok("fs.read", {"path": "/mnt/working/0/bin.dat", "offset": 10, "length": 5, "encoding": "base64"})
+    assert base64.b64decode(part["data"]) == bytes(range(10, 15)) and part["eof"] is False
+    expect = {"missing.txt": "fs.not_found", "src": "fs.is_a_directory", "escape": "fs.symlink", "fifo": "fs.not_a_file",
+              "/etc/passwd": "fs.outside_mounts", "../secret": "fs.outside_mounts", "/mnt/working/0/../../../etc/passwd":
+              "fs.outside_mounts", "escape/x": "fs.symlink", "README.md/x": "fs.not_a_directory"}
+    for path, code in expect.items():
+        e = c.error("fs.read", {"path": path})
+        assert e["code"] == code, (path, e)
+    assert c.error("fs.read", {"path": "x", "length": (16 << 20) + 1})["code"] == "fs.too_large"
+    assert c.error("fs.list", {"path": "README.md"})["code"] == "fs.not_a_directory"
+    kinds = {(w["kind"], w["path"]) for w in c.ok("fs.status")["warnings"]}
+    assert ("symlink_outside", "escape") in kinds and ("special_file", "fifo") in kinds
+    assert any(k == "case_collision" for k, _ in kinds)
+
+
+def test_in_memory_mounts_and_python_path(api, project, cmds, state_home):
+    c = api()
+    hello = base64.b64encode(b"#!/bin/sh\necho tool\n").decode()
+    start(c, project, mounts=[{"path": "/mnt/tools", "files": {"hello.sh": hello, "lib/mod.py": base64.b64encode(b"X = 1\n").decode()}}],
+          python_path=["/mnt/tools/lib", "/opt/other"])
+    st = c.ok("session.status")
+    assert st["mounts"] == [{"guest_path": "/mnt/tools", "read_only": True, "label": "", "files": 2}]
+    assert c.ok("fs.read", {"path": "/mnt/tools/lib/mod.py"})["data"] == "X = 1\n"
+    assert {e["name"] for e in c.ok("fs.list", {"path": "/mnt/tools"})["entries"]} == {"hello.sh", "lib"}
+    m = c.mark()
+    r = c.ok("agent.execute", {"command": "cat /mnt/tools/hello.sh; echo $PYTHONPATH"})
+    out = "".join(e["payload"]["data"] for e in c.events("event.terminal_output", m) if e["payload"]["stream"] == "stdout")
+    assert r["exit_code"] == 0 and out == "#!/bin/sh\necho tool\n/mnt/tools/lib:/opt/other\n"
+    assert c.ok("agent.execute", {"command": cmds.write("/mnt/tools/new", "x")})["exit_code"] != 0  # read-only share
+    hist = c.ok("undo.history")["steps"]
+    assert all(not any(p.startswith("/mnt/tools") or "hello.sh" in p for p in s["paths"]) for s in hist)
+    # never exported: nothing of the tree lands in the undo store or the project
+    stored = [os.path.join(d, f) for d, _, fs in os.walk(state_home) for f in fs]
+    assert not any(open(p, "rb").read().find(b"echo tool") >= 0 for p in stored if os.path.getsize(p) < 1 << 20)
+    assert not (project / "hello.sh").exists()
+
+
+def test_docker_style_root_with_bind_mounts(api, project, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "pkg").write_text("cached\n")
+    (project / "cache").mkdir()  # the mount point exists in the root
+    c = api()
+    r = c.ok("session.start", {"root": str(project), "mounts": [{"source": str(cache), "target": "/cache", "readonly": True}]},
+             timeout_s=400)
+    assert [(f["guest_path"], f["access"]) for f in r["folders"]] == [("/mnt/working/0", "read_write"),
+                                                                       ("/mnt/working/0/cache", "read_only")]
+    assert c.ok("fs.read", {"path": "/mnt/working/0/cache/pkg"})["data"] == "cached\n"  # longest prefix wins
+    assert c.ok("fs.read", {"path": "cache/pkg"})["data"] == "cached\n"
+    c.ok("session.stop")
+    e = c.error("session.start", {"root": str(project), "mounts": [{"source": str(cache), "target": "/nomount"}]})
+    assert e["code"] == "session.invalid_mounts" and "nomount" in e["message"]
+
+
+def test_restrict_narrows_and_never_widens(api, project, cmds):
+    c = api()
+    start(c, project)
+    r = c.ok("session.restrict", {"path": "/mnt/working/0/src"})
+    assert r == {"view": "/mnt/working/0/src", "read_only": False}
+    assert c.ok("fs.read", {"path": "app.py"})["data"] == "print('hello')\n"  # relative to the view
+    assert c.error("fs.read", {"path": "/mnt/working/0/README.md"})["code"] == "fs.access_denied"
+    assert c.error("session.restrict", {"path": "/mnt/working/0"})["code"] == "session.widen_denied"
+    c.ok("session.restrict", {"readonly": True})
+    assert c.error("session.restrict", {"readonly": False})["code"] == "session.widen_denied"
+    r = c.ok("agent.execute", {"command": cmds.write("/mnt/working/0/src/new.py", "x")})
+    assert r["exit_code"] != 0 and not (project / "src" / "new.py").exists()  # the guest is read-only too
+    assert c.error("undo.rollback", {})["code"] == "fs.access_denied"
+
+
+# ---------------------------------------------------------------------------- safeguards
+
+
+@pytest.mark.parametrize("answer", ["allow", "deny", "timeout"])
+def test_safeguard_holds_the_step_until_confirmed(api, project, cmds, answer):
+    c = api()
+    start(c, project, safeguard={"delete_threshold": 5, "timeout_seconds": 2 if answer == "timeout" else 120})
+    before = oracle.snapshot_dir(str(project))
+    m = c.mark()
+    rid = c.send("agent.execute", {"command": cmds.rm_r("victims")})
+    ev = c.wait_event("event.safeguard_triggered", since=m)["payload"]
+    assert ev["kind"] == "delete" and ev["count"] == 5 and ev["delete_count"] == 5 and ev["sample_paths"]
+    assert ev["message"] and ev["directory"] == 0
+    assert len(os.listdir(project / "victims")) == 20 - 4  # the 5th deletion has not reached the host
+    if answer != "timeout":
+        st = c.ok("session.status")
+        assert [h["safeguard_id"] for h in st["pending_safeguards"]] == [ev["safeguard_id"]]
+        c.ok("safeguard.confirm", {"safeguard_id": ev["safeguard_id"], "action": answer})
+        if answer == "deny":  # the rollback is done when confirm answers
+            assert oracle.snapshot_dir(str(project)) == before
+    r = c.response(rid)["payload"]
+    if answer == "allow":
+        assert r["exit_code"] == 0 and not (project / "victims").exists()
+    else:
+        assert r["exit_code"] != 0 and oracle.snapshot_dir(str(project)) == before
+        assert c.ok("undo.history")["steps"][0]["outcome"] == "denied"
+    e = c.error("safeguard.confirm", {"safeguard_id": ev["safeguard_id"], "action": "allow"})
+    assert e["code"] == "safeguard.unknown_id"
+
+
+def test_safeguard_configure(api, project):
+    c = api()
+    start(c, project)
+    r = c.ok("safeguard.configure", {"delete_threshold": 7, "timeout_seconds": 9, "rename_over_threshold": None})
+    assert r["config"]["delete_threshold"] == 7 and r["config"]["timeout_seconds"] == 9
+    assert c.error("safeguard.configure", {"timeout_seconds": 0})["code"] == "protocol.invalid_request"
+
+
+# ---------------------------------------------------------------------------- external modifications
+
+
+def test_external_edit_creates_a_barrier_that_blocks_rollback_unless_forced(api, project, cmds):
+    c = api()
+    start(c, project)
+    c.ok("agent.execute", {"command": cmds.write("README.md", "sandbox edit\n")})
+    m = c.mark()
+    (project / "README.md").write_text("user edit\n")  # the user, on the host
+    ev = c.wait_event("event.external_modification", since=m)["payload"]
+    assert ev["paths"] == ["README.md"] and isinstance(ev["barrier_id"], int) and ev["directory"] == 0
+    hist = c.ok("undo.history")
+    assert hist["steps"][0]["barriers"][0]["id"] == ev["barrier_id"]
+    assert hist["barriers"][0]["blocks_rollback_of"] == [hist["steps"][0]["id"]]
+    e = c.error("undo.rollback", {"count": 1})
+    assert e["code"] == "undo.barrier" and "README.md" in e["message"] and e["data"]["barrier_ids"] == [ev["barrier_id"]]
+    assert (project / "README.md").read_text() == "user edit\n"
+    c.ok("undo.rollback", {"count": 1, "force": True})
+    assert (project / "README.md").read_text() == "# project\n"
+
+
+def test_own_writes_and_rollback_restores_are_not_external(api, project, cmds):
+    c = api()
+    start(c, project)
+    m = c.mark()
+    c.ok("agent.execute", {"command": f"{cmds.rm_r('victims')}; {cmds.write('src/app.py', 'changed')}; mkdir -p a/b/c"})
+    c.ok("undo.rollback", {"count": 1})
+    (project / "sentinel").write_text("external\n")  # then one real external change
+    ev = c.wait_event("event.external_modification", since=m)
+    assert ev["payload"]["paths"] == ["sentinel"]
+    assert len(c.events("event.external_modification", m)) == 1
+
+
+def test_warn_policy_reports_without_a_barrier(api, project, cmds):
+    c = api()
+    start(c, project, external_modification_policy="warn")
+    c.ok("agent.execute", {"command": cmds.write("new.txt", "x")})
+    m = c.mark()
+    (project / "unrelated.txt").write_text("user\n")
+    ev = c.wait_event("event.external_modification", since=m)["payload"]
+    assert ev["barrier_id"] is None and ev["paths"] == ["unrelated.txt"]
+    assert c.ok("undo.history")["barriers"] == []
+    c.ok("undo.rollback", {"count": 1})
+    assert not (project / "new.txt").exists() and (project / "unrelated.txt").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the lock policy bind-mounts the folder read-only: needs root")
+def test_lock_policy_makes_host_edits_fail(api, project, cmds):
+    c = api()
+    start(c, project, external_modification_policy="lock")
+    with pytest.raises(OSError) as e:
+        (project / "README.md").write_text("user\n")
+    assert e.value.errno == 30  # EROFS
+    assert c.ok("agent.execute", {"command": cmds.write("README.md", "sandbox\n")})["exit_code"] == 0
+    assert (project / "README.md").read_text() == "sandbox\n"
+    c.ok("undo.rollback", {})
+    c.ok("session.stop")
+    (project / "README.md").write_text("user again\n")  # unlocked
+
+
+# ---------------------------------------------------------------------------- recovery and versions
+
+
+def test_recovery_after_the_agent_is_killed_mid_step(api, project, cmds):
+    before = oracle.snapshot_dir(str(project))
+    c = api()
+    start(c, project)
+    m = c.mark()
+    c.send("agent.execute", {"command": f"{cmds.write('README.md', 'half done')}; {cmds.rm_r('victims')}; "
+                                        f"{cmds.echo('written')}; {cmds.wait()}"})
+    c.wait_event("event.terminal_output", lambda p: "written" in p["data"], m)
+    assert not (project / "victims").exists()
+    os.kill(c.proc.pid, signal.SIGKILL)
+    c.proc.wait()
+    c2 = api()
+    m = c2.mark()
+    start(c2, project)
+    ev = c2.wait_event("event.recovery", since=m)["payload"]
+    assert ev["paths_restored"] >= 2 and ev["directory"] == 0
+    assert oracle.snapshot_dir(str(project)) == before
+
+
+def test_version_mismatch_refuses_undo_until_discard(api, project, cmds, state_home):
+    c = api()
+    start(c, project)
+    c.ok("agent.execute", {"command": cmds.write("a.txt", "x")})
+    c.ok("session.stop")
+    versions = [os.path.join(d, "VERSION") for d, _, fs in os.walk(state_home) if "VERSION" in fs]
+    assert len(versions) == 1
+    with open(versions[0], "w") as f:
+        f.write("999\n")
+    m = c.mark()
+    start(c, project)
+    assert c.wait_event("event.undo_version_mismatch", since=m)["payload"]["directory"] == 0
+    assert c.error("undo.rollback", {})["code"] == "undo.version_mismatch"
+    assert c.ok("undo.history")["undo_available"] is False
+    c.ok("undo.discard")
+    c.ok("agent.execute", {"command": cmds.write("b.txt", "y")})
+    c.ok("undo.rollback", {})
+    assert not (project / "b.txt").exists() and (project / "a.txt").exists()
+
+
+# ---------------------------------------------------------------------------- logs and exit
+
+
+def test_logs_are_json_lines_with_components_and_request_ids(api, project):
+    c = api()
+    rid = c.send("session.status")
+    c.response(rid)
+    start(c, project)
+    assert c.close() == 0
+    assert any(r.get("request_id") == rid and r["component"] == "stdio_api" for r in c.logs)
+    assert {r["level"] for r in c.logs} <= {"error", "warn", "info", "debug", "trace"}
+    assert "session" in {r["component"] for r in c.logs}
+
+
+def test_closing_stdin_stops_the_session_and_exits_zero(api, project, cmds):
+    c = api()
+    start(c, project)
+    m = c.mark()
+    c.send("agent.execute", {"command": f"{cmds.echo('started')}; {cmds.wait()}"})
+    c.wait_event("event.terminal_output", lambda p: "started" in p["data"], m)
+    assert c.close() == 0
+    assert stat.S_ISDIR(os.stat(project).st_mode)
