@@ -132,6 +132,15 @@ def test_every_error_code_is_in_the_readme():
     assert not missing, f"README lacks error codes: {missing}"
 
 
+def test_the_readme_documents_every_operation_and_event_and_embeds_the_schema():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    missing = [t for t in [*schema.REQUESTS, *schema.EVENTS] if f"| `{t}` |" not in readme]
+    assert not missing, f"README's tables lack: {missing}"
+    start = readme.index("<!-- protocol.schema.json -->")
+    block = readme[start:].split("```json\n", 1)[1].split("```", 1)[0]
+    assert json.loads(block) == schema.shipped(), "re-embed: python -m sandbox.api.schema --readme"
+
+
 def test_the_shipped_schema_is_current_and_valid():
     import jsonschema
 
@@ -505,15 +514,17 @@ def test_version_mismatch_refuses_undo_until_discard(api, project, cmds, state_h
 # ---------------------------------------------------------------------------- logs and exit
 
 
-def test_logs_are_json_lines_with_components_and_request_ids(api, project):
+def test_logs_are_json_lines_with_components_and_request_ids(api, project, cmds):
     c = api()
     rid = c.send("session.status")
     c.response(rid)
     start(c, project)
+    c.ok("agent.execute", {"command": cmds.write("x", "y")})
     assert c.close() == 0
     assert any(r.get("request_id") == rid and r["component"] == "stdio_api" for r in c.logs)
     assert {r["level"] for r in c.logs} <= {"error", "warn", "info", "debug", "trace"}
     assert "session" in {r["component"] for r in c.logs}
+    assert any(r["component"] == "undo" and isinstance(r.get("step_id"), int) for r in c.logs)
 
 
 def test_closing_stdin_stops_the_session_and_exits_zero(api, project, cmds):

@@ -325,6 +325,8 @@ class Agent:
         if force:
             log.warning("rollback forced across barriers in folder %d: external edits will be lost", i)
         result = s.undo(p.get("count", 1), force=force, folder=i)
+        log.info("rolled back step(s) %s of folder %d: %d path(s) restored", result["step_ids"], i,
+                 result["paths_restored"], extra={"component": "undo"})
         return {**result, "directory": i, "forced": force}
 
     def op_undo_history(self, p: dict, rid) -> dict:
@@ -622,6 +624,8 @@ class Agent:
             e.setdefault("message", f"a crashed session's step was rolled back ({e.get('kind', 'recovery')})")
         elif name == "event.step_completed":
             e.pop("paths", None)
+            log.info("step %s committed: %d path(s), exit code %s", e.get("step_id"), e.get("paths_count", 0),
+                     e.get("exit_code"), extra={"component": "undo", "step_id": e.get("step_id")})
         self.event(name, e)
 
 

@@ -267,12 +267,28 @@ def first_error(name: str, instance) -> tuple[str, str] | None:
     return path, reason
 
 
+README_MARK = "<!-- protocol.schema.json -->"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``--write``: regenerate the shipped file; ``--readme PATH``: re-embed it in the README
+    (after the marker line, in a ``json`` code block); otherwise print it."""
     argv = sys.argv[1:] if argv is None else argv
     text = json.dumps(document(), indent=1, sort_keys=True) + "\n"
     if argv == ["--write"]:
         with open(SCHEMA_PATH, "w") as f:
             f.write(text)
+        return 0
+    if argv[:1] == ["--readme"]:
+        path = argv[1] if len(argv) > 1 else "README.md"
+        with open(path) as f:
+            readme = f.read()
+        head, sep, rest = readme.partition(README_MARK)
+        if not sep:
+            raise SystemExit(f"{path}: no {README_MARK} line")
+        after = rest.split("```json\n", 1)[1].split("```", 1)[1]
+        with open(path, "w") as f:
+            f.write(head + sep + "\n\n```json\n" + text + "```" + after)
         return 0
     sys.stdout.write(text)
     return 0

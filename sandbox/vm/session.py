@@ -434,6 +434,7 @@ class Session:
         with self._lock:
             ids = [ws.begin_step(command) if ws is not None else None for ws in s.workspaces]
             step_id = next((i for i in ids if i is not None), None)
+            log.info("step %s: exec %s", step_id, command[:200], extra={"step_id": step_id})
             exec_id = step_id if step_id is not None else int(time.time() * 1000) % (1 << 31)
             result = None
             try:
