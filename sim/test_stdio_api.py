@@ -174,6 +174,19 @@ def test_session_start_status_stop_and_directories(api, project, tmp_path):
     assert c.close() == 0
 
 
+def test_session_reset_starts_the_same_session_fresh(api, project, cmds):
+    c = api()
+    start(c, project, vm_mode="persistent", working_directories=[{"path": str(project), "label": "p"}])
+    c.ok("agent.execute", {"command": cmds.write("kept.txt", "x")})
+    r = c.ok("session.reset", timeout_s=400)
+    assert [f["label"] for f in r["folders"]] == ["p"]
+    st = c.ok("session.status")
+    assert st["state"] == "idle" and st["vm_mode"] == "persistent"
+    assert c.ok("undo.history")["steps"][0]["paths"]  # the undo history is the folder's, not the VM's
+    c.ok("undo.rollback", {})
+    assert not (project / "kept.txt").exists()
+
+
 @pytest.mark.parametrize("payload, code", [
     ({"working_directories": [{"path": "/nonexistent/folder"}]}, "session.invalid_config"),
     ({"working_directories": [{"path": "relative/path"}]}, "session.invalid_config"),
@@ -364,6 +377,13 @@ def test_restrict_narrows_and_never_widens(api, project, cmds):
     assert c.ok("fs.read", {"path": "app.py"})["data"] == "print('hello')\n"  # relative to the view
     assert c.error("fs.read", {"path": "/mnt/working/0/README.md"})["code"] == "fs.access_denied"
     assert c.error("session.restrict", {"path": "/mnt/working/0"})["code"] == "session.widen_denied"
+    m = c.mark()
+    r = c.ok("agent.execute", {"command": "cat /mnt/working/0/src/app.py; cat /mnt/working/0/README.md"})
+    out = "".join(e["payload"]["data"] for e in c.events("event.terminal_output", m))
+    assert r["exit_code"] != 0 and "print('hello')" in out and "Permission denied" in out  # the guest's view too
+    m = c.mark()
+    c.ok("agent.execute", {"command": "ls /mnt/working/0"})
+    assert "".join(e["payload"]["data"] for e in c.events("event.terminal_output", m)) == "src\n"
     c.ok("session.restrict", {"readonly": True})
     assert c.error("session.restrict", {"readonly": False})["code"] == "session.widen_denied"
     r = c.ok("agent.execute", {"command": cmds.write("/mnt/working/0/src/new.py", "x")})

@@ -291,12 +291,18 @@ class Agent:
         return {"view": self.view.view, "read_only": self.view.read_only}
 
     def _restrict(self, path: str | None, readonly: bool | None) -> None:
-        """Narrow the view (seed 004). Read-only is enforced for the guest too: every share
-        refuses writes with EROFS from now on."""
+        """Narrow the view (seed 004) — for the API's file access and for the guest: every
+        share hides what is outside the view (EACCES) and, if read-only, refuses writes (EROFS)."""
         self.view = self.view.restrict(path, readonly)
-        if self.view.read_only:
-            for p in self.session._s.providers.values():
-                p.read_only = True
+        v = self.view.view
+        for m in self.session.table.mounts:
+            if v == "/" or _within(m.target, v):
+                rel = ""
+            elif _within(v, m.target):
+                rel = v[len(m.target):].strip("/")
+            else:
+                rel = None
+            self.session._s.providers[m.name].restrict(rel, self.view.read_only)
 
     # ------------------------------------------------------------------ directories
 
@@ -638,6 +644,11 @@ def _safeguard_out(c: SafeguardConfig) -> dict:
     return {"delete_threshold": c.delete_threshold, "overwrite_threshold": c.overwrite_threshold,
             "overwrite_size_bytes": c.overwrite_size_bytes, "rename_over_threshold": c.rename_over_threshold,
             "timeout_seconds": c.timeout_s}
+
+
+def _within(path: str, prefix: str) -> bool:
+    """Guest path ``path`` is ``prefix`` or below it (whole components)."""
+    return path == prefix or path.startswith(prefix.rstrip("/") + "/")
 
 
 def _escapes(target: str, depth: int) -> bool:

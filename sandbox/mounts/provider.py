@@ -23,7 +23,11 @@ Invariants:
 * ownership changes are accepted and not applied (the undo log cannot restore owners,
   so the host's owner stays authoritative — like QEMU's ``security_model=none``);
 * a mutation may raise :class:`~sandbox.core.errors.HoldRequired` *before* it has any
-  effect; the server queues it and calls it again once the hold is resolved.
+  effect; the server queues it and calls it again once the hold is resolved;
+* a restricted **view** (:meth:`Provider.restrict`, seed 004) only narrows: outside it
+  every access is ``EACCES``; the directories above it can be looked up and listed (the
+  listing shows only the way down), never changed; ``read_only`` never goes back to
+  writable.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import NAME_LEN_MAX, Attr, FileHandle, HostFS, StatFS, join
+from ..hostfs import NAME_LEN_MAX, Attr, FileHandle, HostFS, StatFS, is_within, join
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 XATTR_SIZE_MAX = 65536  # the kernel's limit for one value
@@ -58,6 +62,7 @@ class Provider:
         self.host = host
         self.fs = fs if fs is not None else InterceptedFS(host, None)
         self.read_only = read_only
+        self.view: str | None = ""  # "" everything; a relative path: that subtree; None: nothing
         self.label = label or host.name
         self._poll = poll
         self._tracker = tracker
@@ -107,21 +112,50 @@ class Provider:
         if close is not None and self.fs.interceptor is None:
             close()  # an intercepted host belongs to its workspace
 
+    # ------------------------------------------------------------------ views
+
+    def restrict(self, view: str | None = "", read_only: bool = False) -> None:
+        """Narrow what clients see to the subtree ``view`` ("" all, None nothing), and make
+        it read-only if asked. Never widens: a view outside the current one is nothing."""
+        cur = self.view
+        if cur is None or view is None:
+            self.view = None
+        elif is_within(view, cur):
+            self.view = view
+        elif not is_within(cur, view):
+            self.view = None  # disjoint: nothing left
+        self.read_only = self.read_only or read_only
+
+    def _see(self, path: str, *, above_ok: bool = True) -> None:
+        v = self.view
+        if v == "" or (v is not None and (is_within(path, v) or (above_ok and is_within(v, path)))):
+            return
+        raise OSError(errno.EACCES, "outside the restricted view", path)
+
     # ------------------------------------------------------------------ queries
 
     def getattr(self, path: str) -> Attr:
+        self._see(path)
         return self.host.getattr(path)
 
     def listdir(self, path: str) -> list[str]:
-        return self.host.listdir(path)
+        self._see(path)
+        names = self.host.listdir(path)
+        v = self.view
+        if v and not is_within(path, v):  # above the view: only the way down
+            names = [n for n in names if is_within(v, join(path, n))]
+        return names
 
     def readlink(self, path: str) -> str:
+        self._see(path, above_ok=False)
         return self.host.readlink(path)
 
     def listxattr(self, path: str) -> list[str]:
+        self._see(path)
         return self.host.listxattr(path)
 
     def getxattr(self, path: str, name: str) -> bytes:
+        self._see(path)
         return self.host.getxattr(path, name)
 
     def statfs(self) -> StatFS:
@@ -129,6 +163,7 @@ class Provider:
 
     def open(self, path: str, flags: int) -> FileHandle:
         """Open a regular file; ``flags`` are Linux ``O_*`` bits. ``O_TRUNC`` is a mutation."""
+        self._see(path, above_ok=False)
         acc = flags & os.O_ACCMODE
         if acc not in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
             raise OSError(errno.EINVAL, "invalid access mode", path)
@@ -140,6 +175,7 @@ class Provider:
     # ------------------------------------------------------------------ mutations
 
     def _writable(self, path: str = "") -> None:
+        self._see(path, above_ok=False)
         if self.read_only:
             raise OSError(errno.EROFS, "read-only export", path)
 
@@ -201,6 +237,7 @@ class Provider:
         self.fs.symlink(target, path)
 
     def link(self, existing: str, new: str) -> None:
+        self._see(existing, above_ok=False)
         self._writable(new)
         self.fs.link(existing, new)
 
@@ -210,6 +247,7 @@ class Provider:
 
     def rename(self, src: str, dst: str) -> None:
         self._writable(src)
+        self._writable(dst)
         self.fs.rename(src, dst)
 
     def unlink(self, path: str) -> None:
