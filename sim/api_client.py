@@ -197,7 +197,7 @@ class Commands:
 
     def crash(self) -> str:
         """The guest dies mid-command."""
-        return "poweroff -f" if self.vm else "halt"
+        return "poweroff -ff; echo o > /proc/sysrq-trigger; sleep 60" if self.vm else "halt"
 
     def echo(self, text: str) -> str:
         return f"echo {shlex.quote(text)}"
