@@ -21,7 +21,9 @@ NO_GUEST = {"test_hello_negotiates_the_version_and_requests_before_it_are_accept
             "test_malformed_input_gets_error_responses_and_never_kills_the_agent",
             "test_every_operation_needs_a_session_except_hello_and_status", "test_every_error_code_is_in_the_readme",
             "test_the_shipped_schema_is_current_and_valid",
-            "test_bad_session_configs_are_clear_errors_and_leave_nothing_running"}
+            "test_bad_session_configs_are_clear_errors_and_leave_nothing_running",
+            "test_the_readme_documents_every_operation_and_event_and_embeds_the_schema",
+            "test_random_requests_never_kill_the_agent_and_never_hit_a_bug"}
 SMOKE = {"test_execute_streams_output_then_step_completed_then_the_response",
          "test_safeguard_holds_the_step_until_confirmed",
          "test_external_edit_creates_a_barrier_that_blocks_rollback_unless_forced",

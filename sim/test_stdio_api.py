@@ -555,3 +555,46 @@ def test_closing_stdin_stops_the_session_and_exits_zero(api, project, cmds):
     c.wait_event("event.terminal_output", lambda p: "started" in p["data"], m)
     assert c.close() == 0
     assert stat.S_ISDIR(os.stat(project).st_mode)
+
+
+# ---------------------------------------------------------------------------- fuzzing
+
+
+def test_random_requests_never_kill_the_agent_and_never_hit_a_bug(project):
+    """Hypothesis sends well-framed requests with arbitrary payloads (and arbitrary types)
+    to one running agent with a session: every one gets exactly one response, none is
+    ``protocol.internal`` (that would be a bug), and the agent stays up."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from sim.budget import scale
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                        st.text(max_size=30), st.sampled_from(["", ".", "..", "/", "/mnt/working/0", "src/app.py",
+                                                              "../x", "/etc/passwd", "a\x00b", "victims"]))
+    values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                          st.dictionaries(st.text(max_size=10), kids, max_size=4)),
+                          max_leaves=10)
+    fields = sorted({k for s in schema.REQUESTS.values() for k in s.get("properties", {})})
+    payloads = st.dictionaries(st.sampled_from(fields) | st.text(max_size=8), values, max_size=4)
+    types = st.sampled_from(sorted(set(schema.REQUESTS) - {"session.start", "session.reset"})) | st.text(max_size=12)
+    c = ApiClient(guest="scripted", log_level="warn")
+    try:
+        start(c, project)
+        sent = []
+
+        @settings(max_examples=scale(300, 3000), deadline=None, suppress_health_check=list(HealthCheck))
+        @given(types, payloads)
+        def one(t, p):
+            r = c.request(t, p, timeout_s=60)
+            sent.append(r)
+            if r["status"] == "error":
+                assert r["error"]["code"] != "protocol.internal", (t, p, r["error"])
+                assert r["error"]["code"] in errors.CODES
+
+        one()
+        assert sent and c.ok("hello", {"protocol_version": 1})
+    finally:
+        rc = c.close()
+    c.check()
+    assert rc == 0
