@@ -350,9 +350,16 @@ def cmd_serve(args) -> int:
         return EXIT_OK
     if args.max_line_bytes < 1024:
         raise CliError("--max-line-bytes must be at least 1024", EXIT_USAGE)
+    import signal
+
     setup_logging(args.log_level)
     server = StdioServer(sys.stdin.buffer, sys.stdout.buffer, guest=args.guest, max_line_bytes=args.max_line_bytes)
     sys.stdout = sys.stderr  # nothing else may ever write to the protocol stream
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # cancel the running command, stop the session, exit 0
     return server.serve()
 
 

@@ -547,13 +547,33 @@ def test_logs_are_json_lines_with_components_and_request_ids(api, project, cmds)
     assert any(r["component"] == "undo" and isinstance(r.get("step_id"), int) for r in c.logs)
 
 
-def test_closing_stdin_stops_the_session_and_exits_zero(api, project, cmds):
+def test_pipelined_requests_then_eof_are_all_carried_out_in_order(api, project, cmds):
+    """A script may write every request and close stdin: session.start finishes before the
+    requests behind it start, and every request received is answered before the agent exits."""
+    c = api()
+    before = oracle.snapshot_dir(str(project))
+    reqs = [("hello", {"protocol_version": 1}), ("session.start", {"working_directories": [{"path": str(project)}]}),
+            ("agent.execute", {"command": cmds.rm_r("victims")}), ("session.stop", {}),
+            ("session.start", {"working_directories": [{"path": str(project)}]}), ("undo.rollback", {"count": 1})]
+    rids = [c.send(t, p) for t, p in reqs]
+    assert c.close() == 0
+    assert [c.response(r)["status"] for r in rids] == ["ok"] * len(reqs)
+    assert oracle.snapshot_dir(str(project)) == before
+
+
+def test_sigterm_cancels_the_running_command_stops_the_session_and_exits_zero(api, project, cmds):
     c = api()
     start(c, project)
     m = c.mark()
-    c.send("agent.execute", {"command": f"{cmds.echo('started')}; {cmds.wait()}"})
+    rid = c.send("agent.execute", {"command": f"{cmds.write('during.txt', 'x')}; {cmds.echo('started')}; {cmds.wait()}"})
     c.wait_event("event.terminal_output", lambda p: "started" in p["data"], m)
-    assert c.close() == 0
+    c.proc.send_signal(signal.SIGTERM)
+    assert c.proc.wait(120) == 0
+    r = c.response(rid)
+    assert r["status"] == "ok" and r["payload"]["cancelled"] is True
+    c2 = api()
+    start(c2, project)  # the store was unlocked: the session really stopped
+    assert c2.ok("undo.history")["steps"][0]["paths"]
     assert stat.S_ISDIR(os.stat(project).st_mode)
 
 

@@ -248,11 +248,16 @@ class Agent:
         if s is not None:
             s.stop()
 
-    def shutdown(self) -> None:
-        """The client went away: cancel what runs, stop the session."""
+    def cancel_running(self) -> None:
+        """Cancel the running command (if any) and deny every pending safeguard."""
         r = self._running
         if r is not None:
             r.cancel.set()
+        self._deny_all_holds()
+
+    def shutdown(self) -> None:
+        """The client went away: cancel what runs, stop the session."""
+        self.cancel_running()
         with self._lifecycle:
             self._stop()
 

@@ -7,12 +7,23 @@ response (``request_id`` null when it could not be read). Nothing a client sends
 stop the agent; only the end of stdin (or SIGTERM/SIGINT) does, and then the session
 is stopped cleanly.
 
+Order: requests are started in the order they arrive, and each runs on its own thread
+(at most ``max_in_flight``), so a long one (``agent.execute``) does not hold up the rest
+and responses come in completion order — correlate by ``request_id``. Two exceptions
+keep pipelining safe: ``session.start``/``stop``/``reset`` are barriers — they start once
+every earlier request has finished (so ``session.stop`` waits for a running command:
+send ``agent.cancel`` first to cut it short), and later requests start after them; and
+``hello``, ``session.status``, ``safeguard.confirm`` and ``agent.cancel`` start at once,
+even while a barrier waits.
+
 Writing: one writer thread owns stdout, fed by a queue, so a slow reader never blocks
 the filesystem server that emits events. Messages of one operation are queued in order
-— its events before its response — but operations run concurrently (one thread each, at
-most ``max_in_flight``), so responses come in completion order: correlate by
-``request_id``. Nothing but protocol messages is ever written to stdout; logs go to
-stderr (:mod:`sandbox.api.logs`).
+— its events before its response. Nothing but protocol messages is ever written to
+stdout; logs go to stderr (:mod:`sandbox.api.logs`).
+
+Ending: at the end of stdin every request already received is carried out and answered,
+then the session is stopped and :meth:`StdioServer.serve` returns. SIGTERM or SIGINT
+(:class:`KeyboardInterrupt`) instead cancels the running command and stops at once.
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ log = logging.getLogger("sandbox.api")
 LINE_BYTES_MAX = 64 << 20  # in-memory mounts travel as base64 inside session.start
 IN_FLIGHT_MAX = 32
 _STOP = object()
+#: finish before anything that arrived after them starts
+LIFECYCLE = frozenset({"session.start", "session.stop", "session.reset"})
+#: start at once, ahead of queued requests (answers a frontend needs while others wait)
+IMMEDIATE = frozenset({"hello", "session.status", "safeguard.confirm", "agent.cancel"})
 
 
 class StdioServer:
@@ -44,6 +59,8 @@ class StdioServer:
         self.max_in_flight = max_in_flight
         self._out: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="stdio-writer", daemon=True)
+        self._queue: queue.Queue = queue.Queue()  # requests in arrival order, for the dispatcher
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="stdio-dispatch", daemon=True)
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
         self._workers: set[threading.Thread] = set()
         self._workers_lock = threading.Lock()
@@ -82,7 +99,9 @@ class StdioServer:
     def serve(self) -> int:
         """Read requests until EOF; returns the process exit code (0)."""
         self._writer.start()
+        self._dispatcher.start()
         log.info("stdio API ready (protocol %d)", schema.PROTOCOL_VERSION)
+        interrupted = False
         try:
             while True:
                 line = self.infile.readline(self.max_line_bytes + 1)
@@ -97,9 +116,10 @@ class StdioServer:
                 if line.strip():
                     self._line(line)
         except KeyboardInterrupt:
-            log.info("interrupted")
+            log.info("interrupted: cancelling and stopping")
+            interrupted = True
         finally:
-            self._shutdown()
+            self._shutdown(interrupted)
         return 0
 
     def _discard_rest(self) -> None:
@@ -138,9 +158,26 @@ class StdioServer:
             self._respond(rid, error=ApiError("protocol.busy", f"more than {self.max_in_flight} requests in flight",
                                               limit=self.max_in_flight))
             return
-        if t == "hello":  # answered in order, before anything read after it
+        if t == "hello":  # answered before anything read after it
             self._run(t, payload, rid)
-            return
+        elif t in IMMEDIATE:
+            self._spawn(t, payload, rid)
+        else:
+            self._queue.put((t, payload, rid))
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            t, payload, rid = item
+            if t in LIFECYCLE:  # a barrier: after everything before it, before everything after it
+                self._join_workers()
+                self._run(t, payload, rid)
+            else:
+                self._spawn(t, payload, rid)
+
+    def _spawn(self, t: str, payload: dict, rid) -> None:
         worker = threading.Thread(target=bind_context(self._run, t, payload, rid), name=f"request-{rid}", daemon=True)
         with self._workers_lock:
             self._workers.add(worker)
@@ -166,15 +203,35 @@ class StdioServer:
             with self._workers_lock:
                 self._workers.discard(threading.current_thread())
 
-    def _shutdown(self) -> None:
-        log.info("stdin closed: stopping")
+    def _shutdown(self, interrupted: bool) -> None:
+        if interrupted:
+            self.agent.cancel_running()
+        else:
+            log.info("stdin closed: finishing the requests received, then stopping")
+        self._queue.put(_STOP)
+        while True:
+            try:
+                self._join_requests()
+                break
+            except KeyboardInterrupt:  # a signal while finishing: cancel, then finish quickly
+                log.info("interrupted: cancelling the running command")
+                self.agent.cancel_running()
         try:
             self.agent.shutdown()
         except Exception:
             log.exception("stopping the session failed")
-        with self._workers_lock:
-            workers = list(self._workers)
-        for w in workers:
-            w.join(timeout=30)
         self._out.put(_STOP)
         self._writer.join(timeout=10)
+
+    def _join_requests(self) -> None:
+        self._dispatcher.join()
+        self._join_workers()
+
+    def _join_workers(self) -> None:
+        while True:
+            with self._workers_lock:
+                workers = list(self._workers)
+            if not workers:
+                return
+            for w in workers:
+                w.join()
