@@ -570,8 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
         "stdin, responses and events as JSON lines on stdout, logs as JSON lines on stderr. Start with\n"
         '{"type":"hello","request_id":"1","payload":{"protocol_version":1}}, then session.start.\n'
         "The protocol (every operation, event and error code) is in the README; the JSON Schemas are\n"
-        "printed by --print-schema. Ends when stdin closes (the session is stopped cleanly).",
-        [(0, "stdin closed, session stopped"), (2, "bad usage")])
+        "printed by --print-schema. When stdin closes, the requests received are finished, the\n"
+        "session is stopped and it exits; SIGTERM/Ctrl-C cancels the running command first.\n\n"
+        "Try it without a VM:\n"
+        "  printf '%s\\n' '{\"type\":\"session.start\",\"request_id\":1,\"payload\":{\"working_directories\":[{\"path\":\"'$PWD'\"}]}}' \\\n"
+        "    '{\"type\":\"agent.execute\",\"request_id\":2,\"payload\":{\"command\":\"ls\"}}' | sandbox serve --guest scripted",
+        [(0, "stdin closed (or SIGTERM): session stopped"), (2, "bad usage")])
     sv.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                     help="least severe log level written to stderr (default info)")
     sv.add_argument("--guest", default="vm", choices=["vm", "scripted"],
