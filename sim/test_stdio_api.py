@@ -477,6 +477,9 @@ def test_warn_policy_reports_without_a_barrier(api, project, cmds):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the lock policy bind-mounts the folder read-only: needs root")
 def test_lock_policy_makes_host_edits_fail(api, project, cmds):
+    from sandbox.hostfs.lock import is_locked, lock_folder
+
+    lock_folder(str(project))  # as a crashed session would leave it
     c = api()
     start(c, project, external_modification_policy="lock")
     with pytest.raises(OSError) as e:
@@ -486,6 +489,7 @@ def test_lock_policy_makes_host_edits_fail(api, project, cmds):
     assert (project / "README.md").read_text() == "sandbox\n"
     c.ok("undo.rollback", {})
     c.ok("session.stop")
+    assert not is_locked(str(project))
     (project / "README.md").write_text("user again\n")  # unlocked
 
 

@@ -261,7 +261,36 @@ class Session:
         return lambda event: self.on_event({**event, "directory": i})
 
     def _open_workspace(self, s: _Started, i: int, f: Folder) -> Workspace:
-        """The folder's workspace; with a watcher, its host filesystem records our own writes."""
+        """The folder's workspace; with a watcher, its host filesystem records our own writes.
+
+        Under the lock policy, a read-only bind mount already on the folder was left by a
+        crashed session if nobody holds the folder's undo store: it is removed first, so the
+        workspace's directory fd (and its crash recovery) is on the writable mount."""
+        if self.external_policy == "lock":
+            self._clear_stale_lock(f)
+        return self._open_workspace_once(i, f)
+
+    def _clear_stale_lock(self, f: Folder) -> None:
+        from ..hostfs.lock import is_locked, unlock_folder
+        from ..hostfs.real import RealHostFS
+
+        real = os.path.realpath(f.path)
+        if not is_locked(real):
+            return
+        state = os.path.realpath(f.state_dir or default_state_dir(real))
+        os.makedirs(state, mode=0o700, exist_ok=True)
+        store = RealHostFS(state, name="store")
+        try:
+            held = store.lock("lock")  # StoreBusy if a live session has the folder
+            try:
+                log.warning("removing a stale lock (read-only bind mount) on %s left by a crashed session", real)
+                unlock_folder(real)
+            finally:
+                held.release()
+        finally:
+            store.close()
+
+    def _open_workspace_once(self, i: int, f: Folder) -> Workspace:
         kwargs = dict(state_dir=f.state_dir, safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
         if self.external_policy is None:
             return Workspace.open(f.path, **kwargs)
@@ -298,8 +327,9 @@ class Session:
         if self.external_policy == "lock":
             from ..hostfs.lock import lock_folder
 
+            real = os.path.realpath(path)
             try:
-                s.unlocks.append(lock_folder(os.path.realpath(path)))
+                s.unlocks.append(lock_folder(real))
             except PermissionError as e:
                 raise LockUnavailable(f"external_modification_policy lock: {e}") from None
         d = ExternalChangeDetector(os.path.realpath(path), ws.own_writes, on_external, on_warning)
