@@ -21,12 +21,13 @@ try:
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sandbox.core.workspace import Workspace
+from sandbox.hostfs.watch import ExternalChangeDetector
 from sandbox.hostfs.real import RealHostFS
 from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
 from sandbox.vm.qemu import VmConfig, build_command, probe_accel
+from sandbox.vm.session import open_workspace
 
 DESCRIPTION = """\
 Boot Debian's kernel in QEMU (sandbox.vm.image; TCG unless you change accel) with the
@@ -40,6 +41,9 @@ project, mounted two ways (cache=none, msize 512 KiB both):
         is the cost of undo, plain/qemu the cost of our server + the guestfwd transport
   qemu  QEMU's built-in virtio-9p (-virtfs local, security_model=none), in-process C,
         no interception — the reference
+  watched  ours plus the external-modification watcher a session runs by default (the
+        own-write journal: an lstat after each mutation; inotify events classified):
+        watched/ours is its cost
   diod  Debian's C 9P2000.L server (package diod) behind the same guestfwd transport
         as ours, no interception — the transport held equal (skipped if not installed)
 
@@ -118,14 +122,23 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
                 d.wait(10)
                 if os.path.exists(sock):
                     os.unlink(sock)
-        elif side in ("ours", "plain"):
-            if side == "ours":
-                ws = Workspace.open(work, state_dir=work + ".state")
+        elif side in ("ours", "plain", "watched"):
+            detector = None
+            if side in ("ours", "watched"):
+                ws = open_workspace(work, watched=side == "watched", state_dir=work + ".state")
                 provider = Provider.intercepted(ws)
+                if side == "watched":
+                    detector = ExternalChangeDetector(work, ws.own_writes, lambda paths: print(f"external?! {paths[:3]}", file=sys.stderr),
+                                                      lambda msg: print(f"watcher: {msg}", file=sys.stderr))
+                    detector.start()
             else:
                 provider = Provider(RealHostFS(work), None, read_only=False)
-            with ServerThread(NinePServer(provider), unix_path=sock):
-                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+            try:
+                with ServerThread(NinePServer(provider), unix_path=sock):
+                    p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+            finally:
+                if detector is not None:
+                    detector.stop()
             provider.close()
         else:
             p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
@@ -158,7 +171,7 @@ def main() -> int:
                                      modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay"),
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
-    sides = ("ours", "plain", "qemu") + (("diod",) if shutil.which("diod") else ())
+    sides = ("ours", "plain", "qemu", "watched") + (("diod",) if shutil.which("diod") else ())
     if os.environ.get("BENCH_SIDES"):
         sides = tuple(os.environ["BENCH_SIDES"].split(","))
     if "diod" not in sides:
@@ -176,12 +189,15 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     print(f"guest workload ({accel.accel}), seconds, median of {args.repeat}; {args.files} small files")
     med = {side: {k: statistics.median(v) for k, v in res[side].items()} for side in sides}
-    cols = list(sides) + ["ours/plain", "plain/qemu", "ours/qemu"] + (["plain/diod", "ours/diod"] if "diod" in sides else [])
+    cols = list(sides) + ["ours/plain", "plain/qemu", "ours/qemu"] + (["watched/ours"] if "watched" in sides else []) \
+        + (["plain/diod", "ours/diod"] if "diod" in sides else [])
     print(f"{'phase':14}" + "".join(f"{c:>11}" for c in cols))
     for k in med["qemu"]:
         row = [med[side].get(k, float("nan")) for side in sides]
         o, p_, q = med["ours"][k], med["plain"][k], med["qemu"][k]
         ratios = [o / p_, p_ / q, o / q]
+        if "watched" in sides:
+            ratios.append(med["watched"][k] / o)
         if "diod" in sides:
             ratios += [p_ / med["diod"][k], o / med["diod"][k]]
         print(f"{k:14}" + "".join(f"{v:11.2f}" for v in row + ratios))

@@ -21,6 +21,8 @@ except ImportError:  # run from a checkout without the editable install
 
 from sandbox.core.workspace import Workspace
 from sandbox.hostfs.real import RealHostFS
+from sandbox.hostfs.watch import ExternalChangeDetector
+from sandbox.vm.session import open_workspace
 from sandbox.mounts import Provider
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
@@ -30,9 +32,12 @@ DESCRIPTION = """\
 Measure the 9P2000.L server through the test client (sandbox.ninep.client) over a unix
 socket, the transport QEMU's guestfwd uses, on two fresh folders on the same disk:
 
-  off  the folder served by a plain Provider (no interception, no undo log)
-  on   the folder served through a Workspace (every mutation hooked, preimages in the
-       WAL, writes landing in ambient steps)
+  off      the folder served by a plain Provider (no interception, no undo log)
+  on       the folder served through a Workspace (every mutation hooked, preimages in the
+           WAL, writes landing in ambient steps)
+  watched  as "on", plus what a session adds under external_modification_policy barrier
+           (the default of the STDIO API): the own-write journal (an lstat after each
+           mutation) and the inotify watcher classifying the events
 
 Workloads (each timed with time.perf_counter, median of --repeat runs, the two sides
 alternated within each repeat so machine noise hits both):
@@ -97,10 +102,17 @@ def large_file(c: Client, root: int, mib: int) -> dict[str, float]:
 def run_side(side: str, base: str, args) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     sock = os.path.join(base, f"{side}.sock")
-    ws = None
+    ws = detector = None
+    state = os.path.join(base, f"state-{os.path.basename(work)}")
     if side == "on":
-        ws = Workspace.open(work, state_dir=os.path.join(base, f"state-{os.path.basename(work)}"))
+        ws = Workspace.open(work, state_dir=state)
         provider = Provider.intercepted(ws)
+    elif side == "watched":
+        ws = open_workspace(work, watched=True, state_dir=state)
+        provider = Provider.intercepted(ws)
+        detector = ExternalChangeDetector(work, ws.own_writes, lambda paths: print(f"external?! {paths[:3]}", file=sys.stderr),
+                                          lambda msg: print(f"watcher: {msg}", file=sys.stderr))
+        detector.start()
     else:
         provider = Provider(RealHostFS(work), None, read_only=False)
     try:
@@ -111,6 +123,8 @@ def run_side(side: str, base: str, args) -> dict[str, float]:
                 res.update(large_file(c, root, args.mb))
                 return res
     finally:
+        if detector is not None:
+            detector.stop()
         provider.close()
         if ws is not None:
             ws.close()
@@ -128,12 +142,13 @@ def main() -> int:
     if args.quick:
         args.files, args.mb, args.repeat = 200, 16, 1
     base = tempfile.mkdtemp(prefix="sandbox-bench-9p-")
-    results: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
+    sides = ("off", "on", "watched")
+    results: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     try:
         print("warm-up run (not counted) …", file=sys.stderr, flush=True)
         run_side("off", base, argparse.Namespace(**{**vars(args), "files": 50, "mb": 2}))
         for r in range(args.repeat):
-            for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            for side in (sides if r % 2 == 0 else sides[::-1]):
                 print(f"run {r + 1}/{args.repeat}: interception {side} …", file=sys.stderr, flush=True)
                 for k, v in run_side(side, base, args).items():
                     results[side].setdefault(k, []).append(v)
@@ -141,11 +156,11 @@ def main() -> int:
         shutil.rmtree(base, ignore_errors=True)
     print(f"9P2000.L over a unix socket, msize {args.msize}, {args.files} small files, {args.mb} MiB large file, "
           f"median of {args.repeat}")
-    print(f"{'workload':22} {'off':>12} {'on':>12} {'on/off':>8}")
+    print(f"{'workload':22} {'off':>12} {'on':>12} {'watched':>12} {'on/off':>8} {'watched/on':>11}")
     for k in results["off"]:
-        off, on = statistics.median(results["off"][k]), statistics.median(results["on"][k])
+        off, on, w = (statistics.median(results[side][k]) for side in sides)
         unit = "" if "MB/s" in k else " ops/s"
-        print(f"{k + unit:22} {off:12.1f} {on:12.1f} {on / off:8.2f}")
+        print(f"{k + unit:22} {off:12.1f} {on:12.1f} {w:12.1f} {on / off:8.2f} {w / on:11.2f}")
     return 0
 
 

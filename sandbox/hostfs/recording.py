@@ -418,7 +418,10 @@ class RecordingHostFS(HostFS):
 
     @contextmanager
     def _rec(self, paths: list[str], parents: list[str] = ()) -> Iterator[None]:
-        with self.mutex, self.journal.writing(paths, parents):
+        # parents are not journalled: an entry change shows up in inotify as an event on
+        # the entry, never on its directory, and a directory's own signature ignores its
+        # times (see signature) — recording them cost two lstats per call for nothing
+        with self.mutex, self.journal.writing(paths):
             yield
 
     # ------------------------------------------------------------------ reads
@@ -503,13 +506,13 @@ class RecordingHostFS(HostFS):
                 handle = None  # absent, or unreadable: its other names may be reported
             try:
                 if handle is None:
-                    with self.journal.writing(paths, parents):
+                    with self.journal.writing(paths):
                         yield
                     return
                 ino = handle.fstat().ino
                 self.journal.begin_inode(ino)
                 try:
-                    with self.journal.writing(paths, parents):
+                    with self.journal.writing(paths):
                         yield
                 finally:
                     self.journal.end_inode(ino, handle.fstat)

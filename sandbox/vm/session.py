@@ -137,6 +137,26 @@ def vm_state_dir(folder: str) -> str:
     return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
 
 
+def open_workspace(path: str, *, watched: bool = False, **kwargs) -> Workspace:
+    """:meth:`Workspace.open`; ``watched``: its host filesystem also journals the sandbox's own
+    writes in ``ws.own_writes`` (what :class:`~sandbox.hostfs.watch.ExternalChangeDetector`
+    needs to tell them from external ones)."""
+    if not watched:
+        return Workspace.open(path, **kwargs)
+    from ..hostfs.recording import OwnWrites, RecordingHostFS, lstat_or_none
+
+    inner = {}
+    journal = OwnWrites(lambda p: lstat_or_none(inner["fs"])(p))
+
+    def wrap(fs):
+        inner["fs"] = fs
+        return RecordingHostFS(fs, journal)
+
+    ws = Workspace.open(path, wrap_work=wrap, **kwargs)
+    ws.own_writes = journal
+    return ws
+
+
 def build_table(folders: list[Folder], memory: list[MemoryMount]) -> MountTable:
     """The session's mount table: folder *i* is export ``"i"``, tree *j* is ``"m<j>"``."""
     mounts = [Mount(target=f.target or f"/mnt/working/{i}", name=str(i), read_only=f.read_only,
@@ -291,28 +311,8 @@ class Session:
             store.close()
 
     def _open_workspace_once(self, i: int, f: Folder) -> Workspace:
-        kwargs = dict(state_dir=f.state_dir, safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
-        if self.external_policy is None:
-            return Workspace.open(f.path, **kwargs)
-        from ..hostfs.recording import OwnWrites, RecordingHostFS
-
-        inner = {}
-
-        def lstat(path):
-            try:
-                return inner["fs"].lstat(path)
-            except OSError:
-                return None
-
-        journal = OwnWrites(lstat)
-
-        def wrap(fs):
-            inner["fs"] = fs
-            return RecordingHostFS(fs, journal)
-
-        ws = Workspace.open(f.path, wrap_work=wrap, **kwargs)
-        ws.own_writes = journal
-        return ws
+        return open_workspace(f.path, watched=self.external_policy is not None, state_dir=f.state_dir,
+                              safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
 
     def _watch(self, s: _Started, i: int, ws: Workspace, path: str) -> None:
         from ..hostfs.watch import ExternalChangeDetector
