@@ -191,7 +191,7 @@ def main() -> int:
     med = {side: {k: statistics.median(v) for k, v in res[side].items()} for side in sides}
     cols = list(sides) + ["ours/plain", "plain/qemu", "ours/qemu"] + (["watched/ours"] if "watched" in sides else []) \
         + (["plain/diod", "ours/diod"] if "diod" in sides else [])
-    print(f"{'phase':14}" + "".join(f"{c:>11}" for c in cols))
+    print(f"{'phase':14}" + "".join(f"{c:>13}" for c in cols))
     for k in med["qemu"]:
         row = [med[side].get(k, float("nan")) for side in sides]
         o, p_, q = med["ours"][k], med["plain"][k], med["qemu"][k]
@@ -200,7 +200,7 @@ def main() -> int:
             ratios.append(med["watched"][k] / o)
         if "diod" in sides:
             ratios += [p_ / med["diod"][k], o / med["diod"][k]]
-        print(f"{k:14}" + "".join(f"{v:11.2f}" for v in row + ratios))
+        print(f"{k:14}" + "".join(f"{v:13.2f}" for v in row + ratios))
     return 0
 
 
