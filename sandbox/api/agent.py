@@ -286,7 +286,7 @@ class Agent:
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
                 "vm_mode": st["vm_mode"], "folders": self._folders(s), "mounts": st["mounts"],
                 "running": None if r is None else {"request_id": r.request_id},
-                "pending_safeguards": [h["event"] for h in list(self._holds.values())],
+                "pending_safeguards": [h["event"] for h in list(self._holds.values()) if h.get("event")],
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
                 "external_modification_policy": st["external_modification_policy"]}
 
