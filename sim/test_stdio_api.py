@@ -192,13 +192,15 @@ def test_session_reset_starts_the_same_session_fresh(api, project, cmds):
     ({"working_directories": [{"path": "relative/path"}]}, "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}] * 9}, "protocol.invalid_request"),
     ({}, "session.invalid_config"),
-    ({"working_directories": [{"path": "/tmp", "target": "/mnt/a"}, {"path": "/tmp", "target": "/mnt/a"}]},
+    ({"working_directories": [{"path": "/tmp", "target": "/mnt/a"}, {"path": "/usr", "target": "/mnt/a", "access": "read_only"}]},
      "session.invalid_mounts"),
     ({"working_directories": [{"path": "/tmp"}], "mounts": [{"path": "/mnt/x", "files": {"a": "!!notbase64"}}]},
      "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}], "mounts": [{"source": "/tmp", "target": "/c"}]}, "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}], "network_policy": "allowlist"}, "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}], "safeguard": {"delete_threshold": 0}}, "protocol.invalid_request"),
+    ({"working_directories": [{"path": "/tmp"}, {"path": "/tmp/"}]}, "session.invalid_config"),
+    ({"root": "/tmp", "mounts": [{"source": "/tmp", "target": "/again"}]}, "session.invalid_config"),
 ])
 def test_bad_session_configs_are_clear_errors_and_leave_nothing_running(api, payload, code):
     c = api()

@@ -179,6 +179,13 @@ class Agent:
                           f"working_directories[{i}].path")
             folders.append(Folder(path, read_only=wd.get("access", "read_write") == "read_only", target=wd.get("target"),
                                   label=wd.get("label", "")))
+        rw = [(os.path.realpath(f.path), i) for i, f in enumerate(folders) if not f.read_only]
+        for a, i in rw:
+            for b, j in rw:
+                if i < j and (a == b or _within(b, a) or _within(a, b)):
+                    raise bad(f"read-write working directories {i} ({a}) and {j} ({b}) overlap: their undo logs would "
+                              "both claim the same files (make one read_only, or give only the outer one)",
+                              "working_directories")
         mem, total = [], 0
         for j, m in enumerate(memory):
             files = {}
@@ -307,7 +314,7 @@ class Agent:
                 rel = v[len(m.target):].strip("/")
             else:
                 rel = None
-            self.session._s.providers[m.name].restrict(rel, self.view.read_only)
+            self.session.provider(m.name).restrict(rel, self.view.read_only)
 
     # ------------------------------------------------------------------ directories
 
@@ -454,7 +461,7 @@ class Agent:
                 self.view.folders[self._directory(directory)].target
             guest = base.rstrip("/") + "/" + path if path not in ("", ".") else base
         mount, rel = self.view.resolve(guest)
-        provider = s._s.providers[mount.name]
+        provider = s.provider(mount.name)
         return provider, rel, mount.target + ("/" + rel if rel else "")
 
     def op_fs_list(self, p: dict, rid) -> dict:

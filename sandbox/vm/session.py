@@ -242,6 +242,10 @@ class Session:
         """Per folder: its Workspace, or None for a read-only folder."""
         return list(self._s.workspaces) if self._s else []
 
+    def provider(self, name: str) -> Provider:
+        """The provider serving the share with attach name ``name`` (see :func:`build_table`)."""
+        return self._require().providers[name]
+
     @property
     def running(self) -> bool:
         return self._s is not None
