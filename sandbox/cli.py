@@ -353,8 +353,13 @@ def cmd_serve(args) -> int:
     import signal
 
     setup_logging(args.log_level)
-    server = StdioServer(sys.stdin.buffer, sys.stdout.buffer, guest=args.guest, max_line_bytes=args.max_line_bytes)
-    sys.stdout = sys.stderr  # nothing else may ever write to the protocol stream
+    # The protocol stream gets a private descriptor; fd 1 becomes stderr, so nothing else —
+    # a stray print, a library, a child process — can ever write into the protocol.
+    sys.stdout.flush()
+    protocol_out = os.fdopen(os.dup(1), "wb")  # os.dup: not inherited by children
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
