@@ -21,13 +21,12 @@ try:
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sandbox.hostfs.watch import ExternalChangeDetector
 from sandbox.hostfs.real import RealHostFS
 from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
 from sandbox.vm.qemu import VmConfig, build_command, probe_accel
-from sandbox.vm.session import open_workspace
+from sandbox.vm.session import open_workspace, watch_workspace
 
 DESCRIPTION = """\
 Boot Debian's kernel in QEMU (sandbox.vm.image; TCG unless you change accel) with the
@@ -128,9 +127,7 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
                 ws = open_workspace(work, watched=side == "watched", state_dir=work + ".state")
                 provider = Provider.intercepted(ws)
                 if side == "watched":
-                    detector = ExternalChangeDetector(work, ws.own_writes, lambda paths: print(f"external?! {paths[:3]}", file=sys.stderr),
-                                                      lambda msg: print(f"watcher: {msg}", file=sys.stderr))
-                    detector.start()
+                    detector = watch_workspace(ws, work)  # logs anything it (wrongly) finds
             else:
                 provider = Provider(RealHostFS(work), None, read_only=False)
             try:

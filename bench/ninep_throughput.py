@@ -21,8 +21,7 @@ except ImportError:  # run from a checkout without the editable install
 
 from sandbox.core.workspace import Workspace
 from sandbox.hostfs.real import RealHostFS
-from sandbox.hostfs.watch import ExternalChangeDetector
-from sandbox.vm.session import open_workspace
+from sandbox.vm.session import open_workspace, watch_workspace
 from sandbox.mounts import Provider
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
@@ -110,9 +109,7 @@ def run_side(side: str, base: str, args) -> dict[str, float]:
     elif side == "watched":
         ws = open_workspace(work, watched=True, state_dir=state)
         provider = Provider.intercepted(ws)
-        detector = ExternalChangeDetector(work, ws.own_writes, lambda paths: print(f"external?! {paths[:3]}", file=sys.stderr),
-                                          lambda msg: print(f"watcher: {msg}", file=sys.stderr))
-        detector.start()
+        detector = watch_workspace(ws, work)  # logs anything it (wrongly) finds
     else:
         provider = Provider(RealHostFS(work), None, read_only=False)
     try:

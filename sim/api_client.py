@@ -89,7 +89,7 @@ class ApiClient:
 
     def _wait(self, predicate: Callable[[], object], timeout_s: float | None, what: str):
         with self._cond:
-            result = self._cond.wait_for(lambda: predicate() or self._eof, timeout_s or self.timeout_s)
+            self._cond.wait_for(lambda: predicate() or self._eof, timeout_s or self.timeout_s)
             value = predicate()
             if value:
                 return value

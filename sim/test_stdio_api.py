@@ -624,3 +624,11 @@ def test_random_requests_never_kill_the_agent_and_never_hit_a_bug(project):
         rc = c.close()
     c.check()
     assert rc == 0
+
+
+def test_a_bad_restrict_option_leaves_no_session_running(api, project):
+    c = api()
+    e = c.error("session.start", {"working_directories": [{"path": str(project)}], "restrict": {"path": "/elsewhere"}})
+    assert e["code"] == "fs.outside_mounts"
+    assert c.ok("session.status")["state"] == "not_started"
+    start(c, project)  # the undo store was released

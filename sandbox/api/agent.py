@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import errno
 import logging
 import os
 import shlex
@@ -139,7 +138,7 @@ class Agent:
             try:
                 if restrict:
                     self._restrict(restrict.get("path"), restrict.get("readonly"))
-            except ApiError:
+            except BaseException:  # a bad restrict option: no session is left running
                 self._stop()
                 raise
             return self._describe()
@@ -154,15 +153,10 @@ class Agent:
         if "root" in p:
             if wds:
                 raise bad("give either working_directories or root (with bind mounts), not both", "root")
-            try:
-                wds = from_docker_style(p["root"], readonly=p.get("readonly", False),
-                                        mounts=[dict(source=m["source"], target=m["target"], readonly=m.get("readonly", False))
-                                                for m in binds],
-                                        root_target=p.get("root_target", "/mnt/working/0"))
-            except ApiError:
-                raise
-            except Exception as e:
-                raise to_api_error(e) from None
+            wds = from_docker_style(p["root"], readonly=p.get("readonly", False),
+                                    mounts=[dict(source=m["source"], target=m["target"], readonly=m.get("readonly", False))
+                                            for m in binds],
+                                    root_target=p.get("root_target", "/mnt/working/0"))
         elif binds:
             raise bad("bind mounts ({source, target}) need root; list extra folders in working_directories", "mounts")
         elif "readonly" in p or "root_target" in p:
@@ -215,12 +209,7 @@ class Agent:
                 guest=self.guest)
         except ApiError:
             raise
-        except ValueError as e:
-            err = to_api_error(e)
-            if err.code == "protocol.internal" or err.code.startswith("fs."):
-                raise ApiError("session.invalid_config", str(e)) from None
-            raise err from None
-        except Exception as e:
+        except Exception as e:  # the mount table's own codes stand; anything else is the payload's fault
             err = to_api_error(e)
             raise (err if err.code.startswith("session.") else ApiError("session.invalid_config", str(e))) from None
         return session, p.get("restrict")
@@ -371,11 +360,11 @@ class Agent:
             ws.configure_limits(**limits)
         except (TypeError, ValueError) as e:
             raise ApiError("undo.invalid_limits", str(e)) from None
-        return {"directory": i, "limits": {_LIMIT_OUT[k]: v for k, v in ws.log.limits.__dict__.items() if k in _LIMIT_OUT}}
+        return {"directory": i, "limits": dict(ws.log.limits.__dict__)}
 
     @staticmethod
     def _limits(p: dict) -> dict:
-        return {_LIMIT_IN[k]: v for k, v in p.items() if k in _LIMIT_IN}
+        return {k: v for k, v in p.items() if k in schema.UNDO_LIMITS}
 
     def op_undo_discard(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))
@@ -561,10 +550,7 @@ class Agent:
             [(i, ws) for i, ws in enumerate(s.workspaces) if ws is not None]
         config = None
         for _i, ws in targets:
-            try:
-                config = self._safeguard_config(ws.interceptor.safeguard.config, keys)
-            except ApiError:
-                raise
+            config = self._safeguard_config(ws.interceptor.safeguard.config, keys)
             ws.configure_safeguard(**config.__dict__)
         if config is None:
             config = self._safeguard_config(SafeguardConfig(), keys)
@@ -646,10 +632,6 @@ class Agent:
                      e.get("exit_code"), extra={"component": "undo", "step_id": e.get("step_id")})
         self.event(name, e)
 
-
-_LIMIT_IN = {"max_log_size_bytes": "max_log_size_bytes", "max_step_count": "max_step_count",
-             "max_single_step_size_bytes": "max_single_step_size_bytes"}
-_LIMIT_OUT = {v: k for k, v in _LIMIT_IN.items()}
 
 
 def _safeguard_out(c: SafeguardConfig) -> dict:

@@ -45,7 +45,6 @@ from typing import Callable
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
-from ..hostfs import normalize
 from ..mounts import Provider, memory_tree
 from ..mounts.table import Mount, MountTable, check_mount_points
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
@@ -155,6 +154,20 @@ def open_workspace(path: str, *, watched: bool = False, **kwargs) -> Workspace:
     ws = Workspace.open(path, wrap_work=wrap, **kwargs)
     ws.own_writes = journal
     return ws
+
+
+def watch_workspace(ws: Workspace, path: str, on_external: Callable[[list[str]], None] | None = None,
+                    on_warning: Callable[[str], None] | None = None):
+    """Start the external-modification watcher on ``path``, the folder of a workspace
+    opened with ``open_workspace(watched=True)``; returns it (``stop()`` it before closing
+    ``ws``). Without callbacks, what it finds is logged."""
+    from ..hostfs.watch import ExternalChangeDetector
+
+    d = ExternalChangeDetector(os.path.realpath(path), ws.own_writes,
+                               on_external or (lambda paths: log.warning("external modification: %s", paths[:5])),
+                               on_warning or (lambda message: log.warning("%s", message)))
+    d.start()
+    return d
 
 
 def build_table(folders: list[Folder], memory: list[MemoryMount]) -> MountTable:
@@ -319,8 +332,6 @@ class Session:
                               safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
 
     def _watch(self, s: _Started, i: int, ws: Workspace, path: str) -> None:
-        from ..hostfs.watch import ExternalChangeDetector
-
         def on_external(paths: list[str]) -> None:
             self._external(i, ws, paths)
 
@@ -336,9 +347,7 @@ class Session:
                 s.unlocks.append(lock_folder(real))
             except PermissionError as e:
                 raise LockUnavailable(f"external_modification_policy lock: {e}") from None
-        d = ExternalChangeDetector(os.path.realpath(path), ws.own_writes, on_external, on_warning)
-        d.start()
-        s.detectors.append(d)
+        s.detectors.append(watch_workspace(ws, path, on_external, on_warning))
 
     def _external(self, i: int, ws: Workspace, paths: list[str]) -> None:
         """Something other than the sandbox changed folder ``i``."""
