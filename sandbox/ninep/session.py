@@ -242,7 +242,7 @@ class Session:
 
     def _attr(self, f: Fid) -> Attr:
         if f.handle is not None:
-            return f.handle.fstat()  # the open inode, even if renamed away or unlinked
+            return f.export.provider.fstat(f.handle, f.path)  # the open inode, even if renamed away or unlinked
         return f.export.provider.getattr(f.path)
 
     def _reserve_handle(self) -> None:
