@@ -145,6 +145,13 @@ class Provider:
         self._see(path)
         return self._guest_attr(path, self.host.getattr(path))
 
+    def lookup(self, path: str) -> Attr:
+        """The host's attributes of ``path`` without the guest's mode — for what only names an
+        entry (a 9P qid: type, inode, mtime; a readdir d_type). Anything that reports a
+        mode to a client uses :meth:`getattr`, which costs one xattr read more."""
+        self._see(path)
+        return self.host.getattr(path)
+
     def fstat(self, handle: FileHandle, path: str) -> Attr:
         """:meth:`getattr` of the file open on ``handle`` (even if renamed away or unlinked);
         ``path`` is where the server last saw it."""
