@@ -137,6 +137,43 @@ def test_a_setid_bit_the_host_gave_stays_while_the_guest_keeps_it(fs, work):
     assert host_mode(work / "tool") == 0o755 and fs.lstat("tool").mode == 0o755
 
 
+@pytest.mark.parametrize("mode", [0o4755, 0o2755, 0o6711], ids=oct)
+def test_a_guest_write_disarms_a_host_setid_file(fs, ws, work, mode):
+    """The host kernel clears set-id bits on a write only for a writer without CAP_FSETID —
+    and the server, as root, has it. The guest's root is not the host's root: a file the
+    guest can write has no set-id bit on the host (the guest still sees it, as root would)."""
+    os.chmod(work / "tool", mode)  # the host user's own set-uid/set-gid program
+    before = oracle.snapshot(ws.fs.host)
+    assert fs.read_file("tool") == b"#!/bin/sh\nid\n"  # reading changes nothing
+    assert host_mode(work / "tool") == mode
+    fid = fs._walk("tool")
+    fs.c.lopen(fid, m.DOTL_RDWR)
+    assert host_mode(work / "tool") == mode & ~0o6000  # before the guest could write a byte
+    fs.c.write_all(fid, 0, b"#!/bin/sh\nexec /bin/sh\n")
+    assert stat.S_IMODE(fs.c.getattr(fid).mode) == mode  # the guest's view is a root's view
+    fs.c.clunk(fid)
+    assert host_mode(work / "tool") == mode & ~0o6000 and fs.lstat("tool").mode == mode
+    undo_all(ws)
+    oracle.assert_same(before, oracle.snapshot(ws.fs.host), "undo of a write into a set-id file")
+
+
+def test_setgid_without_group_exec_grants_nothing_and_stays(fs, work):
+    os.chmod(work / "tool", 0o2644)
+    fs.write("tool", 0, b"x")
+    assert host_mode(work / "tool") == 0o2644 and fs.lstat("tool").mode == 0o2644
+
+
+def test_opening_an_existing_setid_file_through_create_disarms_it(fs, work):
+    os.chmod(work / "tool", 0o4755)
+    fs.write_file("tool", b"replaced")  # walk finds it: lopen(O_TRUNC)
+    assert host_mode(work / "tool") == 0o755 and fs.lstat("tool").mode == 0o4755
+    os.chmod(work / "tool", 0o4755)
+    dfid = fs._walk("")
+    fs.c.lcreate(dfid, "tool", m.DOTL_WRONLY | m.DOTL_CREATE, 0o644)  # open(O_CREAT) of an existing file
+    assert host_mode(work / "tool") == 0o755
+    fs.c.clunk(dfid)
+
+
 def test_a_host_chmod_since_wins_over_the_kept_mode(fs, work):
     fs.chmod("tool", 0o4755)
     os.chmod(work / "tool", 0o700)  # the host user changes it
@@ -290,6 +327,13 @@ def test_host_mode_never_grants_a_new_setid_bit_and_the_guest_reads_its_mode_bac
     assert h & identity.SETID_BITS & ~current == 0
     assert h & ~identity.SETID_BITS == mode & ~identity.SETID_BITS
     assert identity.guest_mode(h, identity.mode_mapping(mode, current)) == mode
+
+
+@given(modes)
+def test_a_write_leaves_no_setid_bit_that_grants_anything(mode):
+    left = mode & ~identity.privileges_on_write(mode)
+    assert not left & stat.S_ISUID and not (left & stat.S_ISGID and left & stat.S_IXGRP)
+    assert left | identity.SETID_BITS == mode | identity.SETID_BITS
 
 
 @given(modes, modes, modes)

@@ -22,6 +22,12 @@ applies them to every client request; ``docs/identity.md`` tells the whole model
   own privileged xattrs (a real ACL, an SELinux label) are neither shown to the guest nor
   changed by it. :func:`guest_xattr_name` is the inverse of :func:`host_xattr_name` on
   exactly the names it produces, so listing, reading and writing agree.
+* **a guest write disarms a host set-id file.** The host kernel clears set-id bits on a
+  write only for a writer without ``CAP_FSETID`` — and a server running as root has it. So
+  before a guest can write to a regular file with such bits (:func:`privileges_on_write`)
+  they are cleared on the host and kept in :data:`MODE_XATTR`, as the guest's root still
+  sees them. (File capabilities need nothing: the kernel drops ``security.capability`` on
+  every write, whoever writes.)
 * **owners are never applied** (the Provider accepts ``chown`` and does nothing): files the
   server creates belong to the server's user, as they always did.
 
@@ -67,6 +73,16 @@ def host_mode(mode: int, current: int = 0) -> int:
     set-id bit is kept only if the host object already has it (``current``, 0 for a new one)."""
     mode &= MODE_BITS
     return (mode & ~SETID_BITS) | (mode & current & SETID_BITS)
+
+
+def privileges_on_write(mode: int) -> int:
+    """The set-id bits of a host ``mode`` that a write by someone without ``CAP_FSETID``
+    clears (the kernel's ``should_remove_suid``): set-uid always, set-gid when group-executable
+    (without it, set-gid grants nothing at exec)."""
+    kill = mode & _stat.S_ISUID
+    if mode & _stat.S_ISGID and mode & _stat.S_IXGRP:
+        kill |= _stat.S_ISGID
+    return kill
 
 
 def mode_mapping(mode: int, current: int = 0) -> bytes | None:

@@ -189,6 +189,7 @@ class Provider:
         keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
         if keep & (os.O_TRUNC | os.O_APPEND) or acc != os.O_RDONLY:
             self._writable(path)
+            return self._disarmed(self.fs.open(path, keep), path)
         return self.fs.open(path, keep)
 
     # ------------------------------------------------------------------ mutations
@@ -215,7 +216,8 @@ class Provider:
             self._keep_new_mode(path, mode)
         acc = flags & os.O_ACCMODE
         keep = acc | (flags & os.O_APPEND) | (0 if made else flags & os.O_TRUNC)
-        return self.fs.open(path, keep), made
+        handle = self.fs.open(path, keep)
+        return (handle if made else self._disarmed(handle, path)), made
 
     def write(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
         self._writable(path)
@@ -338,6 +340,27 @@ class Provider:
                 raise OSError(errno.EPERM, "set-id bits from the guest are never applied, and this host "
                               "filesystem cannot keep them (no user xattrs)", path) from None
         return identity.host_mode(mode, cur.mode)
+
+    def _disarmed(self, handle: FileHandle, path: str) -> FileHandle:
+        """``handle``, opened for writing, once its file has no set-id bit a write by the
+        guest could abuse (:func:`identity.privileges_on_write`): those are cleared on the
+        host and kept for the guest, who sees its file unchanged. On any error the handle is
+        closed (a held operation is retried from the start)."""
+        try:
+            a = handle.fstat()
+            kill = identity.privileges_on_write(a.mode) if a.kind == REG else 0
+            if kill:
+                seen = self._guest_attr(path, a, same_inode=True).mode
+                try:
+                    self.fs.setxattr(path, identity.MODE_XATTR, identity.encode_mode(seen))
+                except OSError as e:  # nowhere to keep them: cleared all the same, as the kernel would
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                        raise
+                self.fs.chmod(path, a.mode & ~kill)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     def _keep_new_mode(self, path: str, mode: int) -> None:
         """After a create or mkdir: keep the set-id bits of ``mode`` the host was not given.
