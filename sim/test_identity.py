@@ -308,6 +308,9 @@ def test_where_the_host_cannot_keep_setid_bits_chmod_is_refused_and_create_drops
     prov.mkdir("d", 0o2775)
     assert host.lstat("g").mode == 0o755 and prov.getattr("g").mode == 0o755
     assert host.lstat("d").mode == 0o775 and prov.getattr("d").mode == 0o775
+    host.chmod("f", 0o4755)  # the host's own set-uid file: a guest write still clears it
+    prov.open("f", os.O_WRONLY).close()
+    assert host.lstat("f").mode == 0o755
 
 
 def test_chmod_of_a_symlink_stays_eopnotsupp(fs):
