@@ -262,3 +262,34 @@ python3 -c "import os, json; print(json.dumps(sorted(os.listdir('.'))))"
     ws.rollback(len(ws.history()))
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of git in the guest")
     ws.close()
+
+
+def test_guest_privileged_xattrs_stay_in_the_guest(userland_image, tmp_path, project):
+    """A real guest kernel (root in the VM) sets a file capability, a trusted.* xattr and an
+    SELinux label and reads them back; the host file carries none of them (docs/identity.md)."""
+    before = oracle.snapshot_dir(str(project))
+    ws = Workspace.open(str(project), state_dir=str(tmp_path / "state"))
+    script = r"""
+set -e
+printf '#!/bin/sh\n' > tool
+python3 - <<'PY'
+import os, struct
+cap = struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0)  # cap_setuid+ep
+os.setxattr("tool", "security.capability", cap)
+os.setxattr("tool", "trusted.x", b"t")
+os.setxattr("tool", "security.selinux", b"system_u:object_r:bin_t:s0")
+print("CAP", os.getxattr("tool", "security.capability") == cap)
+print("NAMES", " ".join(sorted(n for n in os.listxattr("tool") if not n.startswith("user."))))
+PY
+"""
+    status, out = run_guest(userland_image, tmp_path, ws, script, host_root=True, memory_mb=1024)
+    assert status == 0, out
+    assert "CAP True" in out and "NAMES security.capability security.selinux trusted.x" in out, out
+    names = os.listxattr(project / "tool")
+    assert not [n for n in names if not n.startswith("user.sandbox.x.")], names
+    with pytest.raises(OSError):
+        os.getxattr(project / "tool", "security.capability")  # no real file capability
+    ws.interceptor.close_now()
+    ws.rollback(len(ws.history()))
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's privileged xattrs")
+    ws.close()
