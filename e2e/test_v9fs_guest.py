@@ -185,6 +185,31 @@ rmdir z 2>/dev/null || echo "rmdir non-empty refused"
     ws.close()
 
 
+def test_guest_setid_bits_are_kept_not_applied_on_the_host(guest_image, tmp_path, project):
+    """The guest's root is not the host's root (docs/identity.md): ``chmod u+s`` and a
+    set-gid ``mkdir`` show in the guest's ``stat``; the host files get no set-id bit."""
+    before = oracle.snapshot_dir(str(project))
+    ws = Workspace.open(str(project), state_dir=str(tmp_path / "state"))
+    script = r"""
+echo '#!/bin/sh' > tool
+chmod 755 tool
+chmod u+s tool
+mkdir -m 2775 shared
+chmod g+s README.md
+stat -c '%n %a' tool shared README.md
+"""
+    status, out = run_guest(guest_image, tmp_path, ws, script)
+    assert status == 0, out
+    assert "tool 4755" in out and "shared 2775" in out, out
+    assert os.lstat(project / "tool").st_mode & 0o7777 == 0o755
+    assert os.lstat(project / "shared").st_mode & 0o7777 == 0o775
+    assert not os.lstat(project / "README.md").st_mode & 0o6000
+    ws.interceptor.close_now()
+    ws.rollback(len(ws.history()))
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's set-id changes")
+    ws.close()
+
+
 @pytest.mark.parametrize("answer", ["allow", "deny"])
 def test_safeguard_hold_blocks_the_guest_until_decided(guest_image, tmp_path, project, answer):
     victims = project / "victims"
@@ -236,4 +261,35 @@ python3 -c "import os, json; print(json.dumps(sorted(os.listdir('.'))))"
     ws.interceptor.close_now()
     ws.rollback(len(ws.history()))
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of git in the guest")
+    ws.close()
+
+
+def test_guest_privileged_xattrs_stay_in_the_guest(userland_image, tmp_path, project):
+    """A real guest kernel (root in the VM) sets a file capability, a trusted.* xattr and an
+    SELinux label and reads them back; the host file carries none of them (docs/identity.md)."""
+    before = oracle.snapshot_dir(str(project))
+    ws = Workspace.open(str(project), state_dir=str(tmp_path / "state"))
+    script = r"""
+set -e
+printf '#!/bin/sh\n' > tool
+python3 - <<'PY'
+import os, struct
+cap = struct.pack("<IIIII", 0x02000001, 1 << 7, 0, 0, 0)  # cap_setuid+ep
+os.setxattr("tool", "security.capability", cap)
+os.setxattr("tool", "trusted.x", b"t")
+os.setxattr("tool", "security.selinux", b"system_u:object_r:bin_t:s0")
+print("CAP", os.getxattr("tool", "security.capability") == cap)
+print("NAMES", " ".join(sorted(n for n in os.listxattr("tool") if not n.startswith("user."))))
+PY
+"""
+    status, out = run_guest(userland_image, tmp_path, ws, script, host_root=True, memory_mb=1024)
+    assert status == 0, out
+    assert "CAP True" in out and "NAMES security.capability security.selinux trusted.x" in out, out
+    names = os.listxattr(project / "tool")
+    assert not [n for n in names if not n.startswith("user.sandbox.x.")], names
+    with pytest.raises(OSError):
+        os.getxattr(project / "tool", "security.capability")  # no real file capability
+    ws.interceptor.close_now()
+    ws.rollback(len(ws.history()))
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's privileged xattrs")
     ws.close()

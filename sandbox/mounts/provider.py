@@ -22,6 +22,10 @@ Invariants:
   (``mknod`` is ``EPERM``);
 * ownership changes are accepted and not applied (the undo log cannot restore owners,
   so the host's owner stays authoritative — like QEMU's ``security_model=none``);
+* the guest's root is not the host's root (:mod:`~sandbox.mounts.identity`): a set-id bit
+  the host object does not already have is kept in a reserved host xattr and reported
+  back, never applied; xattrs outside ``user.`` (capabilities, SELinux labels, ACLs,
+  ``trusted.*``) are stored under ``user.sandbox.x.``; the reserved names are invisible;
 * a mutation may raise :class:`~sandbox.core.errors.HoldRequired` *before* it has any
   effect; the server queues it and calls it again once the hold is resolved;
 * a restricted **view** (:meth:`Provider.restrict`, seed 004) only narrows: outside it
@@ -32,13 +36,15 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import NAME_LEN_MAX, Attr, FileHandle, HostFS, StatFS, is_within, join
+from ..hostfs import DIR, LNK, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join
+from . import identity
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 XATTR_SIZE_MAX = 65536  # the kernel's limit for one value
@@ -135,8 +141,21 @@ class Provider:
     # ------------------------------------------------------------------ queries
 
     def getattr(self, path: str) -> Attr:
+        """The attributes a client is told: the host's, with the mode the guest was given."""
+        self._see(path)
+        return self._guest_attr(path, self.host.getattr(path))
+
+    def lookup(self, path: str) -> Attr:
+        """The host's attributes of ``path`` without the guest's mode — for what only names an
+        entry (a 9P qid: type, inode, mtime; a readdir d_type). Anything that reports a
+        mode to a client uses :meth:`getattr`, which costs one xattr read more."""
         self._see(path)
         return self.host.getattr(path)
+
+    def fstat(self, handle: FileHandle, path: str) -> Attr:
+        """:meth:`getattr` of the file open on ``handle`` (even if renamed away or unlinked);
+        ``path`` is where the server last saw it."""
+        return self._guest_attr(path, handle.fstat(), same_inode=True)
 
     def listdir(self, path: str) -> list[str]:
         self._see(path)
@@ -152,11 +171,11 @@ class Provider:
 
     def listxattr(self, path: str) -> list[str]:
         self._see(path)
-        return self.host.listxattr(path)
+        return identity.guest_xattr_names(self.host.listxattr(path))
 
     def getxattr(self, path: str, name: str) -> bytes:
         self._see(path)
-        return self.host.getxattr(path, name)
+        return self.host.getxattr(path, identity.host_xattr_name(name))
 
     def statfs(self) -> StatFS:
         return self.host.statfs()
@@ -170,6 +189,7 @@ class Provider:
         keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
         if keep & (os.O_TRUNC | os.O_APPEND) or acc != os.O_RDONLY:
             self._writable(path)
+            return self._disarmed(self.fs.open(path, keep), path)
         return self.fs.open(path, keep)
 
     # ------------------------------------------------------------------ mutations
@@ -186,15 +206,18 @@ class Provider:
         (the client applied its umask)."""
         self._writable(path)
         try:
-            self.fs.create(path, mode & 0o7777)
+            self.fs.create(path, identity.host_mode(mode))
             made = True
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
             made = False
+        if made:
+            self._keep_new_mode(path, mode)
         acc = flags & os.O_ACCMODE
         keep = acc | (flags & os.O_APPEND) | (0 if made else flags & os.O_TRUNC)
-        return self.fs.open(path, keep), made
+        handle = self.fs.open(path, keep)
+        return (handle if made else self._disarmed(handle, path)), made
 
     def write(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
         self._writable(path)
@@ -215,6 +238,8 @@ class Provider:
             return
         self._writable(path)
         if mode is not None:
+            mode = self._keep_mode(path, mode & 0o7777)
+        if mode is not None:
             self.fs.chmod(path, mode & 0o7777)
         if size is not None:
             if handle is not None and not self.host.exists(path):
@@ -230,7 +255,8 @@ class Provider:
 
     def mkdir(self, path: str, mode: int) -> None:
         self._writable(path)
-        self.fs.mkdir(path, mode & 0o7777)
+        self.fs.mkdir(path, identity.host_mode(mode))
+        self._keep_new_mode(path, mode)
 
     def symlink(self, target: str, path: str) -> None:
         self._writable(path)
@@ -260,6 +286,7 @@ class Provider:
 
     def setxattr(self, path: str, name: str, value: bytes, flags: int = 0) -> None:
         self._writable(path)
+        name = identity.host_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr value larger than 64 KiB", path)
         if flags & (XATTR_CREATE | XATTR_REPLACE):
@@ -272,4 +299,79 @@ class Provider:
 
     def removexattr(self, path: str, name: str) -> None:
         self._writable(path)
-        self.fs.removexattr(path, name)
+        self.fs.removexattr(path, identity.host_xattr_name(name))
+
+    # ------------------------------------------------------------------ identity (identity.py)
+
+    def _guest_attr(self, path: str, a: Attr, same_inode: bool = False) -> Attr:
+        """``a`` with the mode the guest set, where a set-id bit of it is kept, not applied.
+
+        Only regular files and directories can carry the mapping (the kernel allows user
+        xattrs on nothing else). ``same_inode``: ``a`` is an open file's, so the mapping
+        read at ``path`` counts only if ``path`` still names that inode."""
+        if a.kind not in (REG, DIR):
+            return a
+        try:
+            mode = identity.guest_mode(a.mode, self.host.getxattr(path, identity.MODE_XATTR))
+            if mode == a.mode or (same_inode and self.host.lstat(path).ino != a.ino):
+                return a
+        except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: the host's mode
+            return a
+        return dataclasses.replace(a, mode=mode)
+
+    def _keep_mode(self, path: str, mode: int) -> int:
+        """A guest's chmod: keep (or drop) the mapping of ``mode``; return the mode to apply.
+
+        Refused with ``EPERM`` before anything changes if a set-id bit must be kept and the
+        host cannot store user xattrs there (the bit is never applied instead)."""
+        cur = self.host.lstat(path)
+        if cur.kind == LNK:
+            return mode  # the host refuses (EOPNOTSUPP): there is nothing to keep
+        value = identity.mode_mapping(mode, cur.mode)
+        if value is None:
+            if identity.MODE_XATTR in self.host.listxattr(path):
+                self.fs.removexattr(path, identity.MODE_XATTR)
+        else:
+            try:
+                self.fs.setxattr(path, identity.MODE_XATTR, value)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                    raise
+                raise OSError(errno.EPERM, "set-id bits from the guest are never applied, and this host "
+                              "filesystem cannot keep them (no user xattrs)", path) from None
+        return identity.host_mode(mode, cur.mode)
+
+    def _disarmed(self, handle: FileHandle, path: str) -> FileHandle:
+        """``handle``, opened for writing, once its file has no set-id bit a write by the
+        guest could abuse (:func:`identity.privileges_on_write`): those are cleared on the
+        host and kept for the guest, who sees its file unchanged. On any error the handle is
+        closed (a held operation is retried from the start)."""
+        try:
+            a = handle.fstat()
+            kill = identity.privileges_on_write(a.mode) if a.kind == REG else 0
+            if kill:
+                seen = self._guest_attr(path, a, same_inode=True).mode
+                try:
+                    self.fs.setxattr(path, identity.MODE_XATTR, identity.encode_mode(seen))
+                except OSError as e:  # nowhere to keep them: cleared all the same, as the kernel would
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                        raise
+                self.fs.chmod(path, a.mode & ~kill)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    def _keep_new_mode(self, path: str, mode: int) -> None:
+        """After a create or mkdir: keep the set-id bits of ``mode`` the host was not given.
+
+        Where the host cannot keep them (no user xattrs) they are dropped, as the kernel
+        itself silently drops S_ISGID on create for a caller outside the group: the object
+        exists, and failing the create now would leave it behind."""
+        value = identity.mode_mapping(mode)
+        if value is not None:
+            try:
+                self.fs.setxattr(path, identity.MODE_XATTR, value)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                    raise

@@ -242,7 +242,7 @@ class Session:
 
     def _attr(self, f: Fid) -> Attr:
         if f.handle is not None:
-            return f.handle.fstat()  # the open inode, even if renamed away or unlinked
+            return f.export.provider.fstat(f.handle, f.path)  # the open inode, even if renamed away or unlinked
         return f.export.provider.getattr(f.path)
 
     def _reserve_handle(self) -> None:
@@ -283,7 +283,7 @@ class Session:
         for i, name in enumerate(msg.wnames):
             try:
                 nxt = parent_of(path) if name == ".." else child(path, name)
-                a = provider.getattr(nxt)
+                a = provider.lookup(nxt)  # a qid: no mode needed
             except OSError:
                 if i == 0:
                     raise
@@ -441,7 +441,7 @@ class Session:
                 break
             target = f.path if name == "." else parent_of(f.path) if name == ".." else f.path + "/" + name if f.path else name
             try:
-                a = provider.getattr(target)
+                a = provider.lookup(target)  # a qid and a d_type: no mode needed
             except OSError:
                 continue  # vanished since the listing: skip it, keep the cookies stable
             entries.append(m.Dirent(qid_of(a), i + 1, _dtype(a), name))

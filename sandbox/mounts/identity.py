@@ -1,0 +1,151 @@
+"""Identity: what a guest's privileged metadata becomes on the host (SPEC §5 "Identity").
+
+The server runs as whoever started it — in CI and for many users, root. The guest's root
+must not be the host's root: nothing a guest sets may become a host privilege, whoever
+owns the folder. The rules, as pure functions (the :class:`~sandbox.mounts.Provider`
+applies them to every client request; ``docs/identity.md`` tells the whole model):
+
+* **set-id bits are mapped, not applied.** :func:`host_mode` is what the host gets for a
+  guest's mode: never a set-uid/set-gid bit (:data:`SETID_BITS`) the object does not
+  already have on the host (a bit the host user set stays as long as the guest keeps it).
+  What the host does not get is kept in the host xattr :data:`MODE_XATTR` as the guest's
+  whole mode (:func:`encode_mode`), and reported back by :func:`guest_mode` — only while
+  the host's mode is still the one applied from it, so a host-side ``chmod`` since wins.
+* **privileged xattrs are mapped into** ``user.``. Every name outside the ``user.``
+  namespace (``security.*`` — file capabilities, SELinux labels —, ``trusted.*``,
+  ``system.posix_acl_*``, anything else) and every guest name under the reserved prefix
+  :data:`RESERVED_PREFIX` is stored on the host as :data:`MAPPED_PREFIX` + the name
+  (:func:`host_xattr_name`), which no kernel, LSM or ACL code honours. Other ``user.*``
+  names pass through unchanged.
+* **the reserved prefix is invisible.** The host's :data:`RESERVED_PREFIX` names (the
+  mode, the mapped xattrs) are never shown or settable under their host names; the host's
+  own privileged xattrs (a real ACL, an SELinux label) are neither shown to the guest nor
+  changed by it. :func:`guest_xattr_name` is the inverse of :func:`host_xattr_name` on
+  exactly the names it produces, so listing, reading and writing agree.
+* **a guest write disarms a host set-id file.** The host kernel clears set-id bits on a
+  write only for a writer without ``CAP_FSETID`` — and a server running as root has it. So
+  before a guest can write to a regular file with such bits (:func:`privileges_on_write`)
+  they are cleared on the host and kept in :data:`MODE_XATTR`, as the guest's root still
+  sees them. (File capabilities need nothing: the kernel drops ``security.capability`` on
+  every write, whoever writes.)
+* **owners are never applied** (the Provider accepts ``chown`` and does nothing): files the
+  server creates belong to the server's user, as they always did.
+
+Invariants (``sim/test_identity.py`` checks them for every mode and name it generates):
+``host_mode(m, cur) & SETID_BITS ⊆ cur & SETID_BITS``; ``host_mode(m, cur)`` equals ``m``
+outside :data:`SETID_BITS`; ``guest_mode(host_mode(m, cur), mode_mapping(m, cur)) == m``;
+``guest_xattr_name(host_xattr_name(n)) == n``; no name :func:`host_xattr_name` returns lies
+outside ``user.``.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat as _stat
+
+#: the mode bits a guest may never give a host file: set-user-id and set-group-id
+SETID_BITS = _stat.S_ISUID | _stat.S_ISGID  # 0o6000
+#: the permission bits a mode carries (what chmod(2) takes)
+MODE_BITS = 0o7777
+#: the one xattr namespace the host kernel gives no meaning to
+USER_NAMESPACE = "user."
+#: host xattrs under this prefix belong to the server: never shown to or set by a guest
+RESERVED_PREFIX = "user.sandbox."
+#: the guest's whole mode, when the host's mode lacks set-id bits the guest gave it
+MODE_XATTR = RESERVED_PREFIX + "mode"
+#: a guest xattr the host must not honour is stored under this prefix + its name
+MAPPED_PREFIX = RESERVED_PREFIX + "x."
+#: the kernel's longest xattr name (XATTR_NAME_MAX), in bytes
+XATTR_NAME_BYTES_MAX = 255
+#: longest :data:`MODE_XATTR` value read back (``b"7777"`` is 4); longer is not ours
+MODE_VALUE_BYTES_MAX = 8
+
+
+def _name_bytes(name: str) -> int:
+    return len(name.encode("utf-8", "surrogateescape"))
+
+
+# ---------------------------------------------------------------------------- modes
+
+
+def host_mode(mode: int, current: int = 0) -> int:
+    """The mode to apply on the host for a guest's ``mode``: the guest's bits, except that a
+    set-id bit is kept only if the host object already has it (``current``, 0 for a new one)."""
+    mode &= MODE_BITS
+    return (mode & ~SETID_BITS) | (mode & current & SETID_BITS)
+
+
+def privileges_on_write(mode: int) -> int:
+    """The set-id bits of a host ``mode`` that a write by someone without ``CAP_FSETID``
+    clears (the kernel's ``should_remove_suid``): set-uid always, set-gid when group-executable
+    (without it, set-gid grants nothing at exec)."""
+    kill = mode & _stat.S_ISUID
+    if mode & _stat.S_ISGID and mode & _stat.S_IXGRP:
+        kill |= _stat.S_ISGID
+    return kill
+
+
+def mode_mapping(mode: int, current: int = 0) -> bytes | None:
+    """The :data:`MODE_XATTR` value to keep for a guest's ``mode`` (None: keep none — the
+    host's mode says it all)."""
+    mode &= MODE_BITS
+    return encode_mode(mode) if host_mode(mode, current) != mode else None
+
+
+def encode_mode(mode: int) -> bytes:
+    """``0o4755`` → ``b"4755"`` (ASCII octal: readable with ``getfattr`` on the host)."""
+    return b"%04o" % (mode & MODE_BITS)
+
+
+def decode_mode(value: bytes | None) -> int | None:
+    """The mode in a :data:`MODE_XATTR` value, or None for anything that is not one (absent,
+    too long, not octal, beyond 0o7777): a damaged value is ignored, never trusted."""
+    if not value or len(value) > MODE_VALUE_BYTES_MAX or not all(0x30 <= c <= 0x37 for c in value):
+        return None
+    mode = int(value, 8)
+    return mode if mode <= MODE_BITS else None
+
+
+def guest_mode(host: int, value: bytes | None) -> int:
+    """The mode the guest is told: the kept one (``value``) while the host mode ``host`` is
+    still what it was applied as; the host's own otherwise (a host-side chmod since wins)."""
+    kept = decode_mode(value)
+    if kept is None or host_mode(kept, host) != host & MODE_BITS:
+        return host & MODE_BITS
+    return kept
+
+
+# ---------------------------------------------------------------------------- xattr names
+
+
+def is_passthrough(name: str) -> bool:
+    """True if a guest's xattr ``name`` is stored on the host as it is."""
+    return name.startswith(USER_NAMESPACE) and not name.startswith(RESERVED_PREFIX)
+
+
+def host_xattr_name(name: str) -> str:
+    """The host name for a guest's xattr ``name``: itself for ``user.*`` outside the reserved
+    prefix, :data:`MAPPED_PREFIX` + ``name`` for everything else. ``ERANGE`` (the kernel's
+    errno for an over-long name) if the mapped name exceeds :data:`XATTR_NAME_BYTES_MAX`."""
+    if is_passthrough(name):
+        return name
+    mapped = MAPPED_PREFIX + name
+    if _name_bytes(mapped) > XATTR_NAME_BYTES_MAX:
+        raise OSError(errno.ERANGE, f"xattr name {name!r} is too long to be kept "
+                      f"(at most {XATTR_NAME_BYTES_MAX - _name_bytes(MAPPED_PREFIX)} bytes outside user.*)")
+    return mapped
+
+
+def guest_xattr_name(host_name: str) -> str | None:
+    """The name a guest sees for a host xattr, or None if it is not shown: the host's own
+    privileged xattrs, the server's reserved names, and any name under :data:`MAPPED_PREFIX`
+    that :func:`host_xattr_name` would not have produced."""
+    if host_name.startswith(MAPPED_PREFIX):
+        name = host_name[len(MAPPED_PREFIX):]
+        return None if is_passthrough(name) or not name else name
+    return host_name if is_passthrough(host_name) else None
+
+
+def guest_xattr_names(host_names: list[str]) -> list[str]:
+    """What a guest's ``listxattr`` shows for the host's list, in the host's order."""
+    return [g for g in map(guest_xattr_name, host_names) if g is not None]
