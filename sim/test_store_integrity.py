@@ -473,6 +473,18 @@ def test_recovery_skips_a_preimage_that_fails_its_checksum_and_reports_it(kind, 
     ws.close()
 
 
+def test_cli_reports_paths_a_recovery_could_not_restore(tmp_path):
+    world = World("real", str(tmp_path))
+    before, after = crashed_mid_step(world)
+    (blob,) = [n for n in world.store.listdir("wal/in_progress") if n.startswith("b")]
+    damage(world, f"wal/in_progress/{blob}", "flip", 8 * 100)
+    r = _cli("history", "--workdir", str(tmp_path / "work"), "--state-dir", str(tmp_path / "store"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "recovered" in r.stderr and "warning" in r.stderr and "'b'" in r.stderr and "checksum" in r.stderr, r.stderr
+    now = oracle.snapshot_dir(str(tmp_path / "work"))
+    assert now["a"] == before["a"] and now["b"] == after["b"]
+
+
 def test_recovery_stops_at_a_damaged_journal_line_and_leaves_older_records_as_the_step_left_them():
     world = World("sim")
     before, after = crashed_mid_step(world)
@@ -614,3 +626,50 @@ def test_stdio_undo_of_a_corrupt_step_is_undo_corrupt_step(tmp_path):
         if c.proc.poll() is None:
             c.close()
         c.check()
+
+
+def test_a_step_kept_unprotected_by_recovery_reads_back_intact():
+    """Recovery promotes an unprotected WAL itself (its manifest's journal counts come from
+    the file, a torn last line cut off): reopened, the step is intact, not corrupt."""
+    from sandbox import Limits, StepUnprotected
+
+    world = World("sim")
+    ws = world.open(limits=Limits(max_single_step_size_bytes=5000))
+    with world.paused():
+        world.work.create("big", 0o644)
+        world.work.write_all("big", 0, _bytes(5, 20_000))
+    ws.begin_step("huge")
+    ws.fs.write_file("big", b"small now")
+    ws.fs.write_file("other", b"o")
+    world.crash(ws)
+    with world.paused():  # a torn last line, as a crash mid-append leaves it
+        size = world.store.lstat("wal/in_progress/journal.jsonl").size
+        world.store.write_all("wal/in_progress/journal.jsonl", size, b'{"op":"crea')
+    ws = world.open()
+    assert ws.recovery["kind"] == "unprotected_step_kept"
+    ws.close()
+    ws = world.open()
+    (h,) = ws.history()
+    assert h["unprotected"] and h["outcome"] == "recovered" and "corrupt" not in h, h
+    with pytest.raises(StepUnprotected):
+        ws.rollback(1)
+    ws.close()
+
+
+def test_a_denied_step_keeps_its_outcome_after_reopening():
+    from sandbox import SafeguardConfig, SafeguardDenied
+
+    world = World("sim")
+    ws = world.open(safeguard=SafeguardConfig(delete_threshold=2), decide=lambda hold: "deny")
+    with world.paused():
+        for n in "abc":
+            world.work.create(n, 0o644)
+    with ws.step("rm"):
+        with pytest.raises(SafeguardDenied):
+            for n in "abc":
+                ws.fs.unlink(n)
+    assert ws.history()[0]["outcome"] == "denied"
+    ws.close()
+    ws = world.open()
+    assert ws.history()[0]["outcome"] == "denied"
+    ws.close()

@@ -1108,7 +1108,8 @@ class UndoLog:
             elif unprotected and header is not None:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
-                                          started_ns=header["started_ns"], records=records, unprotected=True)
+                                          started_ns=header["started_ns"], records=records, unprotected=True,
+                                          journal_hash=None)  # finish() reads the journal for its manifest
                 self.finish(work, None, outcome="recovered")
                 report = {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
             else:
