@@ -673,3 +673,49 @@ def test_a_denied_step_keeps_its_outcome_after_reopening():
     ws = world.open()
     assert ws.history()[0]["outcome"] == "denied"
     ws.close()
+
+
+@pytest.mark.parametrize("kind", ["sim", "sim-reflink"])
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_restore_checks_each_preimage_before_it_touches_the_path(kind, in_memory, monkeypatch):
+    """Defence in depth: the undo itself (here without the up-front check a Workspace
+    makes) refuses a damaged preimage before the file is truncated or written — both for
+    a preimage checked in memory and for a large one checked by a first pass."""
+    from sandbox.core import preimage
+
+    if not in_memory:
+        monkeypatch.setattr(store_mod, "VERIFY_IN_MEMORY_BYTES_MAX", 1000)
+        monkeypatch.setattr(preimage, "CHUNK_BYTES", 4096)  # many chunks per preimage
+    b = build(World(kind))
+    ws = b.world.open()
+    ws.rollback(3)  # intact: exact, also through the two-pass path
+    oracle.assert_same(b.snaps[0], b.world.snapshot())
+    ws.close()
+    b = build(World(kind))
+    ws = b.world.open()
+    rec = _rec(ws.log.records_of(ws.log.steps()[-1]), "big2.bin")
+    assert rec["enc"] == ("raw" if kind == "sim-reflink" else "zstd")
+    blob = f"{b.dirs[2]}/{rec['blob']}"
+    damage(b.world, blob, "flip", 8 * (len(b.world.store.read_all(blob)) - 40))  # near the end
+    before = b.world.snapshot()
+    with pytest.raises(CorruptStep, match=r"big2\.bin"):
+        ws.log.rollback_top(ws.work)
+    assert b.world.snapshot()["big2.bin"] == before["big2.bin"]  # neither truncated nor half-written
+    ws.close()
+
+
+def test_bytes_a_failed_append_left_past_the_journal_do_not_make_the_step_corrupt():
+    world = World("sim")
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"1")
+        with world.paused():  # what an append that failed part-way (ENOSPC) leaves behind
+            off = ws.log.open_step.journal_offset
+            world.store.write_all("wal/in_progress/journal.jsonl", off, b'{"op":"pre","path":"b","kind":"reg","mo' + b"x" * 300)
+        ws.fs.write_file("c", b"3")  # overwrites part of it; the rest stays past the last line
+    ws.close()
+    ws = world.open()
+    assert "corrupt" not in ws.history()[0]
+    ws.rollback(1)
+    assert world.work.listdir("") == []
+    ws.close()

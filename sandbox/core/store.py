@@ -764,11 +764,15 @@ class UndoLog:
     def _journal_summary(self, step: OpenStep) -> tuple[int, int, str]:
         """(lines, bytes, hash) of the open step's journal, as its manifest records them.
 
-        Known from the appends; for a step rebuilt by recovery (hash unknown) read from
-        the file, a torn last line cut off first (its mutation never started)."""
-        if step.journal_hash is not None:
-            return step.journal_lines, step.journal_offset, step.journal_hash.hexdigest()
+        Known from the appends (bytes a failed append left past them are cut off); for a
+        step rebuilt by recovery (hash unknown) read from the file, a torn last line cut
+        off first (its mutation never started)."""
         path = join(WAL, "journal.jsonl")
+        if step.journal_hash is not None:
+            if self.fs.lstat(path).size != step.journal_offset:
+                # an append that failed part-way (ENOSPC, EIO) left bytes past the last line
+                self.fs.truncate(path, step.journal_offset)
+            return step.journal_lines, step.journal_offset, step.journal_hash.hexdigest()
         data = self.fs.read_all(path)
         whole = data[: data.rfind(b"\n") + 1]
         if len(whole) != len(data):
