@@ -272,3 +272,37 @@ def test_no_reflink_filesystem_falls_back_to_zstd(tmp_path):
     # 1 MiB of random bytes does not compress: a blob file, not inline data
     assert "blob" in rec and rec["stored"] > 4096
     assert rec_small["enc"] == "zstd"
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_xfs_a_flipped_bit_in_a_reflinked_blob_is_refused_by_name(xfs_mount):
+    """A raw blob has no zstd frame to fail: only the preimage hash in its record sees a
+    flipped bit. The CLI refuses the undo (exit 4, one line naming the step and the path)
+    and the working folder is untouched. (Writing to the blob unshares its extents: the
+    working file keeps its bytes.)"""
+    import subprocess
+    import sys
+
+    root = os.path.join(xfs_mount, "corrupt")
+    os.mkdir(root)
+    work, state, big, _ = _make_work(root)
+    with Workspace.open(work, state_dir=state) as ws:
+        with ws.step("overwrite big.bin"):
+            ws.fs.write_file("big.bin", b"new")
+        step_id = ws.history()[0]["id"]
+    (journal,) = glob.glob(os.path.join(state, "steps", "*", "journal.jsonl"))
+    (rec,) = _records(journal, "big.bin")
+    assert rec["enc"] == "raw", rec
+    with open(os.path.join(os.path.dirname(journal), rec["blob"]), "r+b") as f:
+        f.seek(12345)
+        byte = f.read(1)
+        f.seek(12345)
+        f.write(bytes([byte[0] ^ 0x04]))
+    before = _snap(work)
+    r = subprocess.run([sys.executable, "-m", "sandbox", "undo", "--workdir", work, "--state-dir", state],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 4, (r.returncode, r.stderr)
+    (line,) = [ln for ln in r.stderr.splitlines() if not ln.startswith("undoing")]
+    assert f"step {step_id} " in line and "big.bin" in line and "checksum" in line, line
+    assert_same(before, _snap(work), "tree after a refused undo")

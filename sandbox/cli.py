@@ -48,6 +48,8 @@ def _open(args, must_exist: bool = True) -> Workspace:
         r = ws.recovery
         print(f"recovered: an interrupted step ({r.get('step_id')}) was rolled back, "
               f"{r.get('paths_restored', 0)} path(s) restored", file=sys.stderr)
+        if r.get("paths_not_restored"):
+            print(f"sandbox: warning: {r['message']}", file=sys.stderr)
     return ws
 
 

@@ -175,8 +175,8 @@ def test_corrupt_manifest_names_the_step_and_newer_steps_still_undo(world):
         world.store.truncate(f"steps/{two}/manifest.json", 7)
     ws = _open(world)
     hist = ws.history()
-    assert [h["command"] for h in hist] == ["three", "", "one"]
-    assert "corrupt" in hist[1] and two in hist[1]["corrupt"]
+    assert [h["command"] for h in hist] == ["three", "two", "one"]  # named by its journal's header
+    assert "corrupt" in hist[1] and "manifest.json" in hist[1]["corrupt"]
     ws.rollback(1)  # "three" is fine
     assert not world.work.exists("f3")
     before = world.snapshot()

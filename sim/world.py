@@ -1,7 +1,8 @@
 """A world: a working folder and its undo store that can crash and be reopened.
 
 ``World("sim")`` keeps both in memory (SimHostFS, deterministic clock, fault hook
-built in). ``World("real", tmp)`` uses two real temp directories; faults are injected
+built in); ``World("sim-reflink")`` is the same on a simulated disk that can share
+extents (:class:`ReflinkSimHostFS`), so large preimages are stored raw as on XFS. ``World("real", tmp)`` uses two real temp directories; faults are injected
 by :class:`FaultyHostFS`, a wrapper calling the same injector before each call. The
 same model tests run on both, so the simulation never drifts from a real filesystem.
 
@@ -13,6 +14,7 @@ would drop a dead process's ``flock``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 
 from sandbox.core.workspace import Workspace
@@ -54,16 +56,30 @@ for _name in list(HostFS.__abstractmethods__) + ["clone_to"]:
 FaultyHostFS.__abstractmethods__ = frozenset()
 
 
+class ReflinkSimHostFS(SimHostFS):
+    """A simulated disk that can clone files to another one (what FICLONE does on XFS or
+    btrfs): the clone holds the same bytes, so the undo store keeps large preimages raw."""
+
+    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
+        if not isinstance(dst_fs, ReflinkSimHostFS):
+            raise OSError(errno.EOPNOTSUPP, "reflink needs two simulated reflink disks")
+        self._fault("clone_to", path)
+        data = self.read_all(path)
+        dst_fs.create(dst_path, 0o600)
+        dst_fs.write_all(dst_path, 0, data)
+
+
 class World:
     def __init__(self, kind: str = "sim", tmp: str | None = None):
         self.kind = kind
         self.injector = FaultInjector()
         self.injector_paused = False
-        if kind == "sim":
+        if kind in ("sim", "sim-reflink"):
+            disk = ReflinkSimHostFS if kind == "sim-reflink" else SimHostFS
             clock = SimClock()
             self.clock_ns = clock
-            self.work = SimHostFS("work", clock=clock, fault_hook=self._hook_obj())
-            self.store = SimHostFS("store", clock=clock, fault_hook=self._hook_obj())
+            self.work = disk("work", clock=clock, fault_hook=self._hook_obj())
+            self.store = disk("store", clock=clock, fault_hook=self._hook_obj())
             self._work_view, self._store_view = self.work, self.store
         elif kind == "real":
             assert tmp is not None
@@ -113,7 +129,7 @@ class World:
         if ws is not None and ws.log._lock is not None:
             ws.log._lock.release()
             ws.log._lock = None
-        if self.kind == "sim":
+        if self.kind != "real":
             self.work.crash()
             self.store.crash()
             if power_loss:

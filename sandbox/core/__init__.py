@@ -28,4 +28,9 @@ The write-ahead rules (every module here keeps them; ``sim/`` proves them):
 6. **Never clobber what we did not write.** A rollback first compares the current state
    of every path it would touch with the fingerprint its step left; any difference
    refuses the rollback unless forced.
+7. **Nothing from the store is trusted unchecked.** Every journal line and store file
+   is sealed with a checksum and schema-checked; every preimage carries the hash of the
+   original bytes, checked before any of it reaches the working folder. A step that
+   fails is refused by name (``CorruptStep``) before anything is touched; recovery
+   restores what verifies and reports the rest (``docs/undo-store.md`` § Integrity).
 """

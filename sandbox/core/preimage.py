@@ -126,8 +126,10 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
     With ``dir_meta=False`` a directory's ``pre`` only makes sure the directory exists;
     its metadata is left to the second pass (:func:`dir_meta_plan`).
 
-    ``open_content(rec)`` yields the preimage bytes of a ``pre`` record of a regular file
-    in chunks. ``force`` lets the undo remove foreign content that is in the way
+    ``open_content(rec)`` returns the preimage bytes of a ``pre`` record of a regular file
+    in chunks, having checked them first (it raises if they are damaged): it is called
+    before the path is touched, so a damaged preimage never leaves a half-restored file.
+    ``force`` lets the undo remove foreign content that is in the way
     (otherwise a non-empty directory where a file must go raises ``ENOTEMPTY``).
     ``user_forced``: the user asked to overwrite external changes — only then is an object
     at a rename's source taken for foreign and removed; otherwise it proves the rename
@@ -151,10 +153,11 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             fs.rename(rec["dst"], rec["src"])
         return
     path = rec["path"]
+    kind = rec["kind"]
+    content = open_content(rec) if op == "pre" and kind == REG else ()  # checked before anything changes
     if force:
         _ensure_parent(fs, path)
     st = _lstat(fs, path)
-    kind = rec["kind"]
     if op == "meta":
         if st is not None and st.kind == kind:
             _apply_meta(fs, path, rec)
@@ -169,7 +172,7 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
         else:
             fs.truncate(path, 0)
         offset = 0
-        for chunk in open_content(rec):
+        for chunk in content:
             fs.write_all(path, offset, chunk)
             offset += len(chunk)
     elif kind == LNK:

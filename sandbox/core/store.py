@@ -13,33 +13,52 @@ Layout (all reached through the store's HostFS, rooted at the state directory)::
     trash/                directories being deleted (evictions, finished rollbacks)
 
 Journal: one JSON object per line. Line 1 is the header; each later line one record
-(see ``preimage.py``) or ``{"op": "void", "n": [...]}`` cancelling earlier records whose
-host call failed, or ``{"op": "unprotected"}``. A final line without its newline is torn
-and ignored: its mutation never started.
+(see ``preimage.py``) or ``{"op": "void", "lines": [...]}`` cancelling the records on those
+(0-based) journal lines whose host call failed, or ``{"op": "unprotected"}``. A final line
+without its newline is torn and ignored: its mutation never started.
 
 Preimage contents: zstd level 3, inline in the record when the compressed form is small
-(saves a file per small file), else in ``b/<n>``; a reflink (FICLONE, stored raw) when the
+(saves a file per small file), else in ``b<n>``; a reflink (FICLONE, stored raw) when the
 filesystems allow it.
+
+Integrity (format 2; ``docs/undo-store.md`` § Integrity): nothing read from the store is
+trusted before it is checked. Every journal line, manifest, barrier and ``counters.json``
+is *sealed* — its last member ``"h"`` is a checksum of the bytes before it (:func:`seal`)
+— and schema-checked after; every regular-file preimage carries the blake2b of the
+original bytes (``hash``), checked before a byte of it reaches the working folder; a
+manifest records its journal's line count, size, hash and record count. A step that fails
+any check is :class:`CorruptStep`, named, refused before anything is touched.
 """
 
 from __future__ import annotations
 
+import binascii
 import errno
+import hashlib
+import io
 import json
+import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import zstandard
 
-from ..hostfs import REG, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import DIR, LNK, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
 
-FORMAT_VERSION = 1
+# 2: sealed lines and files, preimage hashes, journal counts in the manifest, voids by line.
+# A store of another version is refused as a whole (undo unavailable until discard).
+FORMAT_VERSION = 2
 ZSTD_LEVEL = 3
 INLINE_MAX_BYTES = 4096  # compressed preimages up to this size live in the journal line
 REFLINK_MIN_BYTES = 64 * 1024
+# a preimage up to this size is decoded and checked in memory, then written in one go; a
+# larger one is checked by a first full pass, then decoded again (and re-checked) as written
+VERIFY_IN_MEMORY_BYTES_MAX = 8 << 20
+HEADER_READ_BYTES_MAX = 64 << 10
+REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
 ROLLBACK = "wal/rollback"
@@ -76,6 +95,11 @@ class StepInfo:
     paths: list[str] = field(default_factory=list)
     fingerprints: dict = field(default_factory=dict)
     corrupt: str | None = None  # why the step cannot be read
+    # what the manifest says its journal is (checked whenever the journal is read)
+    journal_lines: int = 0
+    journal_bytes: int = 0
+    journal_hash: str = ""
+    records: int = 0
 
     @property
     def dirname(self) -> str:
@@ -96,6 +120,22 @@ class OpenStep:
     touched_ns: int = 0
     blobs: int = 0  # blob names are never reused, even after a failed capture
     outcome: str = "completed"
+    journal_lines: int = 0  # lines written, the header included
+    record_lines: list[int] = field(default_factory=list)  # the journal line of each of ``records``
+    journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
+
+
+class _StoreFile:
+    """A store file as the file-like object zstd's stream reader reads from."""
+
+    def __init__(self, fs: HostFS, path: str):
+        self.fs, self.path, self.offset = fs, path, 0
+
+    def read(self, n: int = -1) -> bytes:
+        n = preimage.CHUNK_BYTES if n is None or n < 0 else min(n, preimage.CHUNK_BYTES)
+        data = self.fs.read(self.path, self.offset, n)
+        self.offset += len(data)
+        return data
 
 
 @dataclass
@@ -107,36 +147,232 @@ class Barrier:
     reason: str = "external modification"
 
 
-def _dumps(obj) -> bytes:
-    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=True) + "\n").encode("ascii")
+# ---------------------------------------------------------------------------- seals and schemas
+
+SEAL_KEY = "h"
+_SEAL_PREFIX = b',"h":"'
+_SEAL_HEX = 16  # blake2b-64: detects damage (a flipped bit, a torn write), not an attacker
+_SEAL_TAIL = len(_SEAL_PREFIX) + _SEAL_HEX + 2  # ,"h":"<hex>"}
 
 
-def parse_journal(data: bytes, where: str) -> tuple[dict | None, list[dict]]:
+def _seal_hash(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=_SEAL_HEX // 2).hexdigest().encode("ascii")
+
+
+def seal(obj: dict) -> bytes:
+    """``obj`` as one JSON line whose last member, ``"h"``, is a checksum of the bytes
+    before it: any change to the line (a bit, a byte, a cut) fails :func:`unseal`."""
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    assert body[:1] == b"{" and len(body) > 2 and SEAL_KEY not in obj, obj
+    return body[:-1] + _SEAL_PREFIX + _seal_hash(body) + b'"}\n'
+
+
+def unseal(line: bytes) -> dict:
+    """The object of a sealed line (with or without its newline); ``ValueError`` saying
+    what is wrong if the checksum is missing or does not match."""
+    if line.endswith(b"\n"):
+        line = line[:-1]
+    if len(line) < _SEAL_TAIL + 2 or line[-_SEAL_TAIL:-_SEAL_HEX - 2] != _SEAL_PREFIX or line[-2:] != b'"}':
+        raise ValueError("no checksum (truncated or not written by this version)")
+    body = line[:-_SEAL_TAIL] + b"}"
+    if _seal_hash(body) != line[-_SEAL_HEX - 2:-2]:
+        raise ValueError("checksum mismatch")
+    try:
+        obj = json.loads(body)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj
+
+
+def journal_hash(data: bytes) -> str:
+    """The hash of a whole journal file that its manifest records."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _new_journal_hash():
+    return hashlib.blake2b(digest_size=16)
+
+
+_STEP_TYPES = ("command", "api", "ambient")
+_OUTCOMES = ("completed", "denied", "recovered")
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_BLOB_RE = re.compile(r"b[1-9][0-9]{0,17}")
+_INLINE_B64_MAX = 4 * (INLINE_MAX_BYTES // 3 + 1)
+
+
+def _is_int(v) -> bool:
+    return type(v) is int  # bool is an int to Python, never to us
+
+
+def _need(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _need_int(obj: dict, key: str, lo: int | None = None, hi: int | None = None, nullable: bool = False) -> None:
+    v = obj.get(key)
+    if v is None and nullable and key in obj:
+        return
+    _need(_is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi), f"{key!r} is not a valid integer")
+
+
+def _need_path(obj: dict, key: str, root_ok: bool = False) -> None:
+    v = obj.get(key)
+    try:
+        ok = isinstance(v, str) and normalize(v) == v and (root_ok or v != "")
+    except PathError:
+        ok = False
+    _need(ok, f"{key!r} is not a valid path")
+
+
+def _need_b64(v, key: str, max_len: int | None = None) -> None:
+    _need(isinstance(v, str) and (max_len is None or len(v) <= max_len), f"{key!r} is not valid base64")
+    try:
+        unb64(v)
+    except (ValueError, binascii.Error, UnicodeEncodeError):
+        raise ValueError(f"{key!r} is not valid base64") from None
+
+
+def _need_keys(obj: dict, keys: set[str], what: str) -> None:
+    missing, extra = keys - obj.keys(), obj.keys() - keys
+    _need(not missing, f"{what} lacks {sorted(missing)}")
+    _need(not extra, f"{what} has unknown {sorted(extra)}")
+
+
+def check_header(h: dict) -> None:
+    """A journal header (line 1), or ``ValueError``."""
+    _need_keys(h, {"seq", "id", "type", "command", "started_ns"}, "header")
+    _need_int(h, "seq", 1)
+    _need_int(h, "id")
+    _need(h["id"] != 0, "'id' is 0")
+    _need(h["type"] in _STEP_TYPES, "'type' is not a step type")
+    _need(isinstance(h["command"], str), "'command' is not a string")
+    _need_int(h, "started_ns")
+
+
+def check_record(r: dict) -> None:
+    """One journal record (see ``preimage.py`` for their meaning), or ``ValueError``:
+    every field a rollback reads has its type and range, so no rollback meets a bad one."""
+    op = r.get("op")
+    if op == "created":
+        _need_keys(r, {"op", "path"}, "created record")
+        _need_path(r, "path")
+    elif op == "renamed":
+        _need_keys(r, {"op", "src", "dst"}, "renamed record")
+        _need_path(r, "src")
+        _need_path(r, "dst")
+    elif op == "void":
+        _need_keys(r, {"op", "lines"}, "void record")
+        _need(isinstance(r["lines"], list) and all(_is_int(n) and n >= 1 for n in r["lines"]), "'lines' is not a list of line numbers")
+    elif op == "unprotected":
+        _need_keys(r, {"op"}, "unprotected record")
+    elif op in ("pre", "meta"):
+        kind = r.get("kind")
+        _need(kind in (REG, DIR, LNK) and (op == "pre" or kind == REG), f"'kind' {kind!r} is not valid for {op}")
+        keys = {"op", "path", "kind", "mode", "mtime_ns"}
+        _need_path(r, "path", root_ok=kind == DIR)
+        _need_int(r, "mode", 0, 0o7777)
+        _need_int(r, "mtime_ns")
+        if kind in (REG, DIR):
+            keys.add("xattrs")
+            x = r.get("xattrs")
+            _need(isinstance(x, dict) and all(isinstance(k, str) and k for k in x), "'xattrs' is not a map of names")
+            for v in x.values():
+                _need_b64(v, "xattrs")
+        else:
+            keys.add("target")
+            t = r.get("target")
+            _need(isinstance(t, str) and t != "" and "\0" not in t, "'target' is not a symlink target")
+        if op == "pre" and kind == REG:
+            keys |= {"enc", "size", "stored", "hash", "data" if "data" in r else "blob"}
+            _need(r.get("enc") in ("zstd", "raw"), "'enc' is not zstd or raw")
+            if "data" in r:
+                _need(r["enc"] == "zstd", "inline data must be zstd")
+                _need_b64(r["data"], "data", _INLINE_B64_MAX)
+            else:
+                _need(isinstance(r.get("blob"), str) and _BLOB_RE.fullmatch(r["blob"]) is not None, "'blob' is not a blob name")
+            _need_int(r, "size", 0)
+            _need_int(r, "stored", 0)
+            _need(isinstance(r.get("hash"), str) and _HASH_RE.fullmatch(r["hash"]) is not None, "'hash' is not a content hash")
+        _need_keys(r, keys, f"{op} record")
+    else:
+        raise ValueError(f"unknown op {op!r}")
+
+
+def check_manifest(m: dict) -> None:
+    """A step's ``manifest.json`` (after :func:`unseal`), or ``ValueError`` naming the field."""
+    _need_keys(m, {"id", "type", "command", "started_ns", "ended_ns", "exit_code", "outcome", "unprotected", "size_bytes",
+                   "paths", "fingerprints", "format", "journal_lines", "journal_bytes", "journal_hash", "records"}, "manifest")
+    _need_int(m, "id")
+    _need(m["id"] != 0, "'id' is 0")
+    _need(m["type"] in _STEP_TYPES, "'type' is not a step type")
+    _need(isinstance(m["command"], str), "'command' is not a string")
+    _need_int(m, "started_ns")
+    _need_int(m, "ended_ns", nullable=True)
+    _need_int(m, "exit_code", nullable=True)
+    _need(m["outcome"] in _OUTCOMES, "'outcome' is not an outcome")
+    _need(type(m["unprotected"]) is bool, "'unprotected' is not a boolean")
+    _need_int(m, "size_bytes", 0)
+    _need(isinstance(m["paths"], list) and all(isinstance(p, str) for p in m["paths"]), "'paths' is not a list of paths")
+    fps = m["fingerprints"]
+    _need(isinstance(fps, dict) and all(
+        v is None or (isinstance(v, list) and v and isinstance(v[0], str) and all(isinstance(x, str) or _is_int(x) for x in v))
+        for v in fps.values()), "'fingerprints' is not a map of fingerprints")
+    _need(m["format"] == FORMAT_VERSION and _is_int(m["format"]), "'format' is not this format")
+    _need_int(m, "journal_lines", 1)
+    _need_int(m, "journal_bytes", 1)
+    _need(isinstance(m["journal_hash"], str) and _HASH_RE.fullmatch(m["journal_hash"]) is not None, "'journal_hash' is not a hash")
+    _need_int(m, "records", 0)
+
+
+def parse_journal(data: bytes, where: str, strict: bool = True) -> tuple[dict | None, list[dict]]:
     """(header, live records) of a journal; a torn final line is dropped.
 
-    Voided records are removed here, so every caller sees the same list.
+    Every line must be sealed and pass its schema. ``strict`` (a promoted step, whose
+    manifest vouches for every line): a line that does not is :class:`CorruptStep`.
+    Otherwise (recovery of a WAL): it becomes ``{"op": "corrupt", "line": n, "why": ...}``
+    where it stood — a rollback stops there, since it cannot know what that line undid —
+    and a damaged header is ``None``.
+
+    Voided records are removed here, so every caller sees the same list. A void names
+    journal lines, never positions among records, so a damaged line shifts nothing.
     """
     lines = data.split(b"\n")
     lines.pop()  # the part after the last newline: empty, or a torn line
     header = None
-    records: list[dict] = []
+    records: list[tuple[int, dict]] = []
     voided: set[int] = set()
     for i, line in enumerate(lines):
         try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError("not an object")
+            obj = unseal(line)
+            if i == 0:
+                check_header(obj)
+            else:
+                check_record(obj)
+                if obj["op"] == "void":
+                    _need(all(n < i for n in obj["lines"]), "a void names a later line")
         except ValueError as e:
-            raise CorruptStep(f"{where}: journal line {i + 1} is unreadable ({e})", where=where) from None
+            why = f"journal line {i + 1} is corrupt ({e})"
+            if strict:
+                raise CorruptStep(f"{where}: {why}", where=where, reason=why) from None
+            if i > 0:
+                records.append((i, {"op": "corrupt", "line": i + 1, "why": why}))
+            continue
         if i == 0:
             header = obj
-            continue
-        if obj.get("op") == "void":
-            voided.update(obj.get("n", []))
+        elif obj["op"] == "void":
+            voided.update(obj["lines"])
         else:
-            records.append(obj)
-    live = [r for j, r in enumerate(records) if j not in voided]
-    return header, live
+            records.append((i, obj))
+    if strict:
+        kinds = {n: r["op"] for n, r in records}
+        bad = sorted(n for n in voided if kinds.get(n) not in ("created", "renamed"))
+        if bad:
+            why = f"journal line {bad[0] + 1} is voided but holds no intent"
+            raise CorruptStep(f"{where}: {why}", where=where, reason=why)
+    return header, [r for n, r in records if n not in voided]
 
 
 class UndoLog:
@@ -260,9 +496,18 @@ class UndoLog:
             if not self.fs.exists(d):
                 self.fs.mkdir(d, 0o700)
         try:
-            self._counters.update(json.loads(self.fs.read_all("counters.json")))
-        except (FileNotFoundError, ValueError):
+            counters = unseal(self.fs.read_all("counters.json"))
+            _need_keys(counters, set(self._counters), "counters")
+            for key in self._counters:
+                _need_int(counters, key)
+            self._counters.update(counters)
+        except FileNotFoundError:
             pass
+        except (OSError, ValueError) as e:
+            # ids then continue after the newest step in history (below); an evicted step's
+            # id may come back, nothing else depends on them
+            self._emit({"type": "event.warning", "message": f"undo store file counters.json is corrupt ({e}); "
+                        "step ids continue after the newest step in history"})
         self._steps = []
         for name in sorted(self.fs.listdir("steps")):
             if name.isdigit():
@@ -271,8 +516,15 @@ class UndoLog:
         for name in sorted(self.fs.listdir("barriers")):
             if name.endswith(".json"):
                 try:
-                    self._barriers.append(Barrier(**json.loads(self.fs.read_all(join("barriers", name)))))
-                except (ValueError, TypeError) as e:
+                    b = unseal(self.fs.read_all(join("barriers", name)))
+                    _need_keys(b, {"id", "after_seq", "paths", "created_ns", "reason"}, "barrier")
+                    for key in ("id", "after_seq", "created_ns"):
+                        _need_int(b, key)
+                    _need(isinstance(b["paths"], list) and all(isinstance(p, str) for p in b["paths"]), "'paths' is not a list")
+                    _need(isinstance(b["reason"], str), "'reason' is not a string")
+                    self._barriers.append(Barrier(**b))
+                except (OSError, ValueError) as e:
+                    # a barrier may only ever stop a rollback: one we cannot read stops them all
                     self._emit({"type": "event.warning", "message": f"barrier file {name} unreadable ({e}); treated as a barrier after every step"})
                     self._barriers.append(Barrier(id=0, after_seq=1 << 62, paths=[], created_ns=0, reason=f"unreadable barrier {name}"))
         # counters never go backwards, even if counters.json was lost
@@ -285,16 +537,60 @@ class UndoLog:
         self._counters["next_barrier"] = max(self._counters["next_barrier"], max([b.id for b in self._barriers], default=0) + 1)
 
     def _read_step(self, seq: int) -> StepInfo:
+        """A finished step as history shows it. Never raises: a step whose manifest fails
+        its seal or schema, or whose journal is not the size the manifest says (emptied,
+        truncated), is returned with ``corrupt`` saying why — named by the id in its
+        journal's header if that is intact — and every rollback that needs it is refused.
+        The rest of the journal and the preimages are checked when a rollback reads them."""
         where = f"steps/{seq:010d}"
         try:
-            man = json.loads(self.fs.read_all(join(where, "manifest.json")))
-            return StepInfo(seq=seq, id=man["id"], type=man["type"], command=man["command"], started_ns=man["started_ns"],
-                            ended_ns=man.get("ended_ns"), exit_code=man.get("exit_code"), outcome=man.get("outcome", "completed"),
-                            unprotected=man.get("unprotected", False), size_bytes=man.get("size_bytes", 0),
-                            paths=man.get("paths", []), fingerprints=man.get("fingerprints", {}))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            reason = f"manifest of step dir {where} is unreadable ({e.__class__.__name__}: {e})"
-            return StepInfo(seq=seq, id=0, type="unknown", command="", started_ns=0, corrupt=reason)
+            man = unseal(self.fs.read_all(join(where, "manifest.json")))
+            check_manifest(man)
+        except FileNotFoundError:
+            why = "manifest.json is missing"
+        except OSError as e:
+            why = f"manifest.json is unreadable ({e.strerror or e})"
+        except ValueError as e:
+            why = f"manifest.json is corrupt ({e})"
+        else:
+            info = StepInfo(seq=seq, id=man["id"], type=man["type"], command=man["command"], started_ns=man["started_ns"],
+                            ended_ns=man["ended_ns"], exit_code=man["exit_code"], outcome=man["outcome"],
+                            unprotected=man["unprotected"], size_bytes=man["size_bytes"], paths=man["paths"],
+                            fingerprints=man["fingerprints"], journal_lines=man["journal_lines"],
+                            journal_bytes=man["journal_bytes"], journal_hash=man["journal_hash"], records=man["records"])
+            try:
+                size = self.fs.lstat(join(where, "journal.jsonl")).size
+            except OSError as e:
+                info.corrupt = f"journal.jsonl is missing or unreadable ({e.strerror or e})"
+            else:
+                if size != info.journal_bytes:
+                    info.corrupt = (f"journal.jsonl is {size} bytes, its manifest says {info.journal_bytes} "
+                                    "(emptied, truncated or torn)")
+            return info
+        info = StepInfo(seq=seq, id=0, type="unknown", command="", started_ns=0, corrupt=why)
+        header = self._read_header(where)
+        if header is not None and header["seq"] == seq:
+            info.id, info.type, info.command, info.started_ns = header["id"], header["type"], header["command"], header["started_ns"]
+        return info
+
+    def _read_header(self, where: str) -> dict | None:
+        """The sealed, valid header of ``where``'s journal, or None."""
+        try:
+            head = self.fs.read(join(where, "journal.jsonl"), 0, HEADER_READ_BYTES_MAX)
+            line, nl, _ = head.partition(b"\n")
+            if not nl:
+                return None
+            header = unseal(line)
+            check_header(header)
+            return header
+        except (OSError, ValueError):
+            return None
+
+    def corrupt(self, info: StepInfo, what: str | None = None) -> CorruptStep:
+        """The error for a corrupt step: one line naming it (by id when known) and what is wrong."""
+        what = " ".join((what or info.corrupt or "corrupt").split())
+        name = f"step {info.id} " if info.id else "step (id unknown) "
+        return CorruptStep(f"{name}is corrupt ({info.dirname}: {what})", step_id=info.id or None, seq=info.seq, reason=what)
 
     # ------------------------------------------------------------------ ids
 
@@ -305,7 +601,7 @@ class UndoLog:
         return value
 
     def _save_counters(self) -> None:
-        self._write_file("counters.json", json.dumps(self._counters).encode())
+        self._write_file("counters.json", seal(self._counters))
 
     # ------------------------------------------------------------------ the open step
 
@@ -332,12 +628,16 @@ class UndoLog:
         return step
 
     def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None) -> None:
-        """Append one journal line. Once the write has succeeded the line exists, so memory
-        is updated (``written``) *before* the fsync: if the fsync fails the caller's operation
-        fails, but memory and file still agree (record indices and offsets never drift)."""
-        line = _dumps(obj)
+        """Append one sealed journal line. Once the write has succeeded the line exists, so
+        memory is updated (``written``) *before* the fsync: if the fsync fails the caller's
+        operation fails, but memory and file still agree (record indices, line numbers,
+        offsets and the running journal hash never drift)."""
+        line = seal(obj)
         self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
         step.journal_offset += len(line)
+        step.journal_lines += 1
+        if step.journal_hash is not None:
+            step.journal_hash.update(line)
         if written is not None:
             written()
         self._sync(join(WAL, "journal.jsonl"))
@@ -346,7 +646,13 @@ class UndoLog:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
         step = self.open_step
         assert step is not None
-        self._append_line(step, rec, lambda: step.records.append(rec))
+        line_no = step.journal_lines
+
+        def written() -> None:
+            step.records.append(rec)
+            step.record_lines.append(line_no)
+
+        self._append_line(step, rec, written)
         return len(step.records) - 1
 
     def void(self, indices: list[int]) -> None:
@@ -358,10 +664,12 @@ class UndoLog:
                 step.records[i] = {"op": "void"}
 
         if indices:
-            self._append_line(step, {"op": "void", "n": indices}, written)
+            self._append_line(step, {"op": "void", "lines": [step.record_lines[i] for i in indices]}, written)
 
     def capture_content(self, work: HostFS, path: str, st: Stat, index: int) -> dict:
-        """Store the bytes of regular file ``path``; returns the record fields describing them."""
+        """Store the bytes of regular file ``path``; returns the record fields describing them,
+        with ``hash``, the blake2b of the bytes stored — for a reflink, of the clone itself
+        (read back: what was cloned, even if the file changed meanwhile)."""
         step = self.open_step
         assert step is not None
         step.blobs += 1
@@ -372,12 +680,15 @@ class UndoLog:
                 work.clone_to(path, self.fs, blob)
                 self._sync(blob, WAL)
                 self._reflink_ok = True
-                return {"enc": "raw", "blob": name, "size": st.size, "stored": st.size}
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EXDEV, errno.EINVAL, errno.ENOTTY, errno.ENOSYS):
                     raise
                 self._reflink_ok = False
+            else:
+                size = self.fs.lstat(blob).size
+                return {"enc": "raw", "blob": name, "size": size, "stored": size, "hash": preimage.content_hash(self.fs, blob)}
         comp = self._cctx.compressobj()
+        digest = hashlib.blake2b(digest_size=16)  # the same hash as preimage.content_hash
         pending = bytearray()
         stored = 0
         size = 0
@@ -389,6 +700,7 @@ class UndoLog:
                 break
             offset += len(chunk)
             size += len(chunk)
+            digest.update(chunk)
             pending += comp.compress(chunk)
             if len(pending) > INLINE_MAX_BYTES:
                 if not in_blob:
@@ -399,13 +711,13 @@ class UndoLog:
                 pending.clear()
         pending += comp.flush()
         if not in_blob and len(pending) <= INLINE_MAX_BYTES:
-            return {"enc": "zstd", "data": b64(bytes(pending)), "size": size, "stored": len(pending)}
+            return {"enc": "zstd", "data": b64(bytes(pending)), "size": size, "stored": len(pending), "hash": digest.hexdigest()}
         if not in_blob:
             self.fs.create(blob, 0o600)
         self.fs.write_all(blob, stored, bytes(pending))
         self._sync(blob, WAL)
         stored += len(pending)
-        return {"enc": "zstd", "blob": name, "size": size, "stored": stored}
+        return {"enc": "zstd", "blob": name, "size": size, "stored": stored, "hash": digest.hexdigest()}
 
     def mark_unprotected(self) -> None:
         step = self.open_step
@@ -432,11 +744,14 @@ class UndoLog:
         self._sync(join(WAL, "journal.jsonl"))
         self.sync_work(work, *self.final_paths(live))
         info.paths, info.fingerprints = self._fingerprints(work, live)
+        info.journal_lines, info.journal_bytes, info.journal_hash = self._journal_summary(step)
+        info.records = len(live)
         man = {"id": info.id, "type": info.type, "command": info.command, "started_ns": info.started_ns,
-               "ended_ns": info.ended_ns, "exit_code": exit_code, "outcome": outcome, "unprotected": info.unprotected,
+               "ended_ns": info.ended_ns, "exit_code": exit_code, "outcome": info.outcome, "unprotected": info.unprotected,
                "size_bytes": info.size_bytes, "paths": info.paths, "fingerprints": info.fingerprints,
-               "format": FORMAT_VERSION}
-        self._write_file(join(WAL, "manifest.json"), json.dumps(man, ensure_ascii=True).encode("ascii"))
+               "format": FORMAT_VERSION, "journal_lines": info.journal_lines, "journal_bytes": info.journal_bytes,
+               "journal_hash": info.journal_hash, "records": info.records}
+        self._write_file(join(WAL, "manifest.json"), seal(man))
         self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
         self._steps.append(info)
@@ -445,6 +760,24 @@ class UndoLog:
         finally:
             self.enforce_limits(best_effort=True)
         return info
+
+    def _journal_summary(self, step: OpenStep) -> tuple[int, int, str]:
+        """(lines, bytes, hash) of the open step's journal, as its manifest records them.
+
+        Known from the appends (bytes a failed append left past them are cut off); for a
+        step rebuilt by recovery (hash unknown) read from the file, a torn last line cut
+        off first (its mutation never started)."""
+        path = join(WAL, "journal.jsonl")
+        if step.journal_hash is not None:
+            if self.fs.lstat(path).size != step.journal_offset:
+                # an append that failed part-way (ENOSPC, EIO) left bytes past the last line
+                self.fs.truncate(path, step.journal_offset)
+            return step.journal_lines, step.journal_offset, step.journal_hash.hexdigest()
+        data = self.fs.read_all(path)
+        whole = data[: data.rfind(b"\n") + 1]
+        if len(whole) != len(data):
+            self._write_file(path, whole)
+        return whole.count(b"\n"), len(whole), journal_hash(whole)
 
     @staticmethod
     def touched_paths(records: list[dict]) -> list[str]:
@@ -490,13 +823,19 @@ class UndoLog:
         step = self.open_step
         assert step is not None
         live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
-        self._undo_resumable(work, WAL, live)
-        header = _dumps({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
+        not_restored: list[tuple[str, str]] = []
+        self._undo_resumable(work, WAL, live, not_restored=not_restored)
+        if not_restored:
+            self._emit({"type": "event.warning", "message": f"denied step {step.id}: {len(not_restored)} path(s) keep what "
+                        f"the step wrote, their undo data is damaged ({not_restored[0][1]})"})
+        header = seal({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
         self._write_file(join(WAL, "journal.jsonl"), header)
         for name in self.fs.listdir(WAL):
             if name.startswith("b") or name == "progress":
                 self.fs.unlink(join(WAL, name))
         step.records, step.journal_offset, step.size_bytes, step.outcome = [], len(header), 0, "denied"
+        step.record_lines, step.journal_lines, step.journal_hash = [], 1, _new_journal_hash()
+        step.journal_hash.update(header)
         return len(live)
 
     # ------------------------------------------------------------------ history
@@ -514,7 +853,7 @@ class UndoLog:
         b = Barrier(id=self._counters["next_barrier"], after_seq=after, paths=sorted(paths)[:1000], created_ns=self.clock_ns(), reason=reason)
         self._counters["next_barrier"] += 1
         self._save_counters()
-        self._write_file(f"barriers/{b.id:010d}.json", json.dumps(b.__dict__).encode())
+        self._write_file(f"barriers/{b.id:010d}.json", seal(b.__dict__))
         self._barriers.append(b)
         return b
 
@@ -526,14 +865,36 @@ class UndoLog:
         self._barriers.remove(b)
 
     def records_of(self, info: StepInfo, where: str | None = None) -> list[dict]:
+        """The live records of a finished step, every one checked: the journal is exactly
+        the one its manifest describes (lines, bytes, hash — so an emptied, torn, truncated
+        or one-record-short journal is caught), every line is sealed and passes its schema,
+        its header is this step's. Raises :class:`CorruptStep` naming the step otherwise."""
         where = where or info.dirname
+        if info.corrupt:
+            raise self.corrupt(info)
         try:
-            header, records = parse_journal(self.fs.read_all(join(where, "journal.jsonl")), where)
+            data = self.fs.read_all(join(where, "journal.jsonl"))
         except OSError as e:
-            raise CorruptStep(f"step {info.id} ({where}): journal unreadable ({e})", step_id=info.id) from None
+            raise self.corrupt(info, f"journal.jsonl is missing or unreadable ({e.strerror or e})") from None
+        if len(data) != info.journal_bytes or journal_hash(data) != info.journal_hash:
+            lines = data.count(b"\n")
+            if lines < info.journal_lines:
+                what = f"journal.jsonl has {lines} of its {info.journal_lines} lines (emptied, truncated or torn)"
+            elif len(data) != info.journal_bytes:
+                what = f"journal.jsonl is {len(data)} bytes, its manifest says {info.journal_bytes}"
+            else:
+                what = "journal.jsonl does not match the checksum in its manifest"
+            raise self.corrupt(info, what)
+        try:
+            header, records = parse_journal(data, where)
         except CorruptStep as e:
-            raise CorruptStep(f"step {info.id}: {e.message}", step_id=info.id) from None
-        return [r for r in records if r.get("op") != "unprotected"]
+            raise self.corrupt(info, e.data.get("reason", e.message)) from None
+        if header is None or header["seq"] != info.seq or header["id"] != info.id:
+            raise self.corrupt(info, "journal.jsonl belongs to another step")
+        live = [r for r in records if r["op"] != "unprotected"]
+        if len(live) != info.records:
+            raise self.corrupt(info, f"journal.jsonl has {len(live)} records, its manifest says {info.records}")
+        return live
 
     # ------------------------------------------------------------------ rollback
 
@@ -545,7 +906,7 @@ class UndoLog:
             raise NothingToUndo("no step to undo")
         info = self._steps[-1]
         if info.corrupt:
-            raise CorruptStep(f"cannot undo: {info.corrupt}", seq=info.seq)
+            raise self.corrupt(info)
         if info.unprotected:
             raise StepUnprotected(f"step {info.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=info.id)
         records = self.records_of(info)  # the caller has verified content and fingerprints
@@ -558,63 +919,79 @@ class UndoLog:
         return n
 
     def check_content(self, info: StepInfo, records: list[dict]) -> None:
-        """Every preimage a rollback will read is present and decodes to its recorded size —
-        checked before the tree is touched, so a corrupt store refuses instead of half-undoing."""
-        open_content = self._open_content(info.dirname)
+        """Every preimage a rollback will read is present, decodes, and is its recorded size
+        and hash — checked before the tree is touched, so a corrupt store refuses instead of
+        half-undoing. ``records`` come from :meth:`records_of` (schema-checked)."""
         for r in records:
-            if r.get("op") == "pre" and r.get("kind") == REG:
-                if "blob" in r and not self.fs.exists(join(info.dirname, r["blob"])):
-                    raise CorruptStep(f"step {info.id}: preimage of {r['path']!r} is missing ({info.dirname}/{r['blob']})",
-                                      step_id=info.id)
+            if r["op"] == "pre" and r["kind"] == REG:
                 try:
-                    for _ in open_content(r):
+                    for _ in self._preimage_chunks(info.dirname, r):
                         pass
                 except CorruptStep as e:
-                    raise CorruptStep(f"step {info.id}: {e.message}", step_id=info.id) from None
-                except (KeyError, TypeError, ValueError) as e:
-                    raise CorruptStep(f"step {info.id}: record for {r.get('path')!r} is malformed ({e})", step_id=info.id) from None
+                    raise self.corrupt(info, e.data.get("reason", e.message)) from None
 
-    def _open_content(self, where: str):
-        def gen(rec: dict) -> Iterator[bytes]:
-            size = 0
+    def _preimage_chunks(self, where: str, rec: dict) -> Iterator[bytes]:
+        """The preimage bytes of a checked ``pre`` record of a regular file, in chunks of at
+        most ``preimage.CHUNK_BYTES`` (zstd output is bounded too: a damaged frame cannot
+        balloon). Raises :class:`CorruptStep` naming the path if they do not decode, or
+        are not ``size`` bytes with blake2b ``hash`` — known only at the end, so a caller
+        that writes must check first (:meth:`_open_content`)."""
+        path, want = rec["path"], rec["size"]
+
+        def bad(what: str) -> CorruptStep:
+            why = f"the preimage of {path!r} {what}"
+            return CorruptStep(f"{where}: {why}", reason=why)
+
+        digest = hashlib.blake2b(digest_size=16)
+        size = 0
+        try:
             if "data" in rec:
-                try:
-                    data = zstandard.ZstdDecompressor().decompressobj().decompress(unb64(rec["data"]))
-                except (ValueError, zstandard.ZstdError) as e:
-                    raise CorruptStep(f"{where}: preimage of {rec['path']!r} is corrupt ({e})") from None
-                size = len(data)
-                yield data
+                src = io.BytesIO(unb64(rec["data"]))
             else:
-                blob = join(where, rec["blob"])
-                dec = zstandard.ZstdDecompressor().decompressobj() if rec["enc"] == "zstd" else None
-                offset = 0
-                while True:
-                    try:
-                        chunk = self.fs.read(blob, offset, preimage.CHUNK_BYTES)
-                    except OSError as e:
-                        raise CorruptStep(f"{where}: preimage of {rec['path']!r} unreadable ({e})") from None
-                    if not chunk:
-                        break
-                    offset += len(chunk)
-                    if dec is not None:
-                        try:
-                            chunk = dec.decompress(chunk)
-                        except zstandard.ZstdError as e:
-                            raise CorruptStep(f"{where}: preimage of {rec['path']!r} is corrupt ({e})") from None
-                    size += len(chunk)
-                    yield chunk
-            if size != rec["size"]:
-                raise CorruptStep(f"{where}: preimage of {rec['path']!r} has {size} bytes, expected {rec['size']}")
-        return gen
+                src = _StoreFile(self.fs, join(where, rec["blob"]))
+            reader = src if rec["enc"] == "raw" else zstandard.ZstdDecompressor().stream_reader(src, read_size=preimage.CHUNK_BYTES)
+            while True:
+                chunk = reader.read(preimage.CHUNK_BYTES)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > want:
+                    raise bad(f"is longer than its recorded {want} bytes")
+                digest.update(chunk)
+                yield chunk
+        except FileNotFoundError:
+            raise bad(f"is missing ({rec['blob']})") from None
+        except (OSError, ValueError, zstandard.ZstdError) as e:
+            raise bad(f"is unreadable ({e})") from None
+        if size != want:
+            raise bad(f"has {size} bytes, expected {want}")
+        if digest.hexdigest() != rec["hash"]:
+            raise bad("does not match its checksum")
 
-    def _undo_resumable(self, work: HostFS, where: str, records: list[dict], user_forced: bool = False) -> int:
+    def _open_content(self, where: str) -> Callable[[dict], Iterable[bytes]]:
+        """``open_content`` for :func:`preimage.restore`: it checks the whole preimage when
+        called — before restore touches the path — and raises :class:`CorruptStep` if it
+        fails, so a damaged preimage never leaves a half-written file. A preimage over
+        ``VERIFY_IN_MEMORY_BYTES_MAX`` is decoded twice and checked both times; only if the
+        store changes between the two reads is the file left half-written (and the error raised)."""
+        def content(rec: dict) -> Iterable[bytes]:
+            if rec["size"] <= VERIFY_IN_MEMORY_BYTES_MAX:
+                data = b"".join(self._preimage_chunks(where, rec))
+                return (data,) if data else ()
+            for _ in self._preimage_chunks(where, rec):
+                pass
+            return self._preimage_chunks(where, rec)
+        return content
+
+    def _undo_resumable(self, work: HostFS, where: str, records: list[dict], user_forced: bool = False,
+                        not_restored: list[tuple[str, str]] | None = None) -> int:
         """Undo a journal directory's records, resuming after the ones already undone.
 
         ``<where>/progress`` grows by one byte per record undone, after the undo; so a crash,
         ENOSPC or EIO at any point leaves a count that is exact or one short, and redoing
         one record's undo is harmless (every undo is idempotent on its own). Undoing from
         the newest again would not be: a ``renamed`` record's inverse must never run twice.
-        Used by rollback, recovery and deny alike.
+        Used by rollback, recovery and deny alike. ``not_restored``: see :meth:`_undo_records`.
         """
         try:
             done = self.fs.lstat(join(where, "progress")).size
@@ -623,24 +1000,49 @@ class UndoLog:
             self._sync(where)
             done = 0
         done = min(done, len(records))
-        return self._undo_records(work, where, records, start=done, progress=done, user_forced=user_forced)
+        return self._undo_records(work, where, records, start=done, progress=done, user_forced=user_forced,
+                                  not_restored=not_restored)
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
-                      user_forced: bool = False) -> int:
+                      user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
-        Pass 2: directory metadata, deepest first (idempotent, so always redone whole)."""
+        Pass 2: directory metadata, deepest first (idempotent, so always redone whole).
+
+        A damaged record (a preimage failing its checksum, a journal line that is not one)
+        raises :class:`CorruptStep` — before that record touches anything. With a
+        ``not_restored`` list (recovery, deny: the undo must end) it is survived instead,
+        and ``(path, why)`` of each path left as the step made it is appended: a record whose preimage
+        fails is skipped (that path keeps the step's version, never wrong bytes); a damaged
+        line stops pass 1 there — what it was is unknown (it may have voided an older
+        intent), so the older records stay as the step left them, and the tree is as it was
+        at that point of the step, a state that really existed."""
         open_content = self._open_content(where)
         done = start
-        for rec in reversed(records[: len(records) - start]):
-            # a rollback that began always completes (force); only the user's force overrides
-            # the evidence that a rename never ran (see preimage.restore)
-            preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced)
+        stop = 0
+        for i in range(len(records) - start - 1, -1, -1):
+            rec = records[i]
+            if rec["op"] == "corrupt":
+                if not_restored is None:
+                    raise CorruptStep(f"{where}: {rec['why']}", reason=rec["why"])
+                seen = {p for p, _ in not_restored}
+                not_restored.extend((p, rec["why"]) for p in self.touched_paths(records[: i + 1]) if p not in seen)
+                stop = i + 1
+                break
+            try:
+                # a rollback that began always completes (force); only the user's force overrides
+                # the evidence that a rename never ran (see preimage.restore)
+                preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced)
+            except CorruptStep as e:
+                if not_restored is None:
+                    raise
+                if rec["path"] not in {p for p, _ in not_restored}:
+                    not_restored.append((rec["path"], e.data.get("reason", e.message)))
             self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] == "renamed" else (rec["path"],)))
             done += 1
             if progress is not None:
                 self.fs.write_all(join(where, "progress"), done - 1, b".")
                 self._sync(join(where, "progress"))
-        plan = preimage.dir_meta_plan(records)
+        plan = preimage.dir_meta_plan(records[stop:])
         for rec in plan:
             preimage.apply_dir_meta(work, rec)
         self.sync_work(work, *(rec["path"] for rec in plan))
@@ -705,30 +1107,42 @@ class UndoLog:
             report = {"kind": "rollback_finished", **finished}
         if self.fs.exists(WAL):
             header, records, unprotected = self._read_wal(WAL)
-            if header is None or (not records and not unprotected):
+            if not records and (header is None or not unprotected):
                 self._to_trash(WAL, "wal-empty")  # died before its first record: nothing happened
-            elif unprotected:
+            elif unprotected and header is not None:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
-                                          started_ns=header["started_ns"], records=records, unprotected=True)
+                                          started_ns=header["started_ns"], records=records, unprotected=True,
+                                          journal_hash=None)  # finish() reads the journal for its manifest
                 self.finish(work, None, outcome="recovered")
                 report = {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
             else:
-                self._undo_resumable(work, WAL, records)
-                self._to_trash(WAL, f"wal-{header['seq']}")
-                report = {"kind": "in_progress_rolled_back", "step_id": header["id"],
-                          "paths_restored": len(self.touched_paths(records))}
+                # never a loop: what cannot be verified is reported and left as the step made it
+                not_restored: list[tuple[str, str]] = []
+                self._undo_resumable(work, WAL, records, not_restored=not_restored)
+                self._to_trash(WAL, f"wal-{header['seq'] if header else 'corrupt'}")
+                paths = [p for p in self.touched_paths(records) if p not in dict(not_restored)]
+                report = {"kind": "in_progress_rolled_back", "step_id": header["id"] if header else None,
+                          "paths_restored": len(paths)}
+                if not_restored:
+                    names = [p for p, _ in not_restored]
+                    report["paths_not_restored"] = names[:REPORT_PATHS_MAX]
+                    report["message"] = (f"an interrupted step ({report['step_id']}) was rolled back, but its undo data is "
+                                         f"damaged: {len(names)} path(s) keep what the step wrote: "
+                                         f"{', '.join(repr(p) for p in names[:5])}{', …' if len(names) > 5 else ''} "
+                                         f"({not_restored[0][1]})")
         if report is not None:
             self._emit({"type": "event.recovery", **report})
         return report
 
     def _read_wal(self, where: str) -> tuple[dict | None, list[dict], bool]:
-        """(header, live records, unprotected) of a WAL-like directory; no journal = no header."""
+        """(header, live records, unprotected) of a WAL-like directory; no journal = no header.
+        A damaged line is a ``corrupt`` marker in the records; a damaged header is None."""
         try:
             data = self.fs.read_all(join(where, "journal.jsonl"))
         except FileNotFoundError:
             return None, [], False
-        header, records = parse_journal(data, where)
+        header, records = parse_journal(data, where, strict=False)  # damaged lines: see _undo_records
         unprotected = any(r.get("op") == "unprotected" for r in records)
         return header, [r for r in records if r.get("op") != "unprotected"], unprotected
 

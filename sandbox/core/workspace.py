@@ -215,14 +215,18 @@ class Workspace:
             if len(steps) < n:
                 raise NothingToUndo(f"only {len(steps)} step(s) in history, cannot undo {n}", available=len(steps))
             targets = steps[-n:]
-            for s in reversed(targets):
-                if s.corrupt:
-                    raise CorruptStep(f"cannot undo: {s.corrupt}", seq=s.seq)
-                if s.unprotected:
-                    raise StepUnprotected(f"step {s.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=s.id)
-            records = {s.seq: self.log.records_of(s) for s in targets}
-            for s in targets:
-                self.log.check_content(s, records[s.seq])
+            try:
+                for s in reversed(targets):
+                    if s.corrupt:
+                        raise self.log.corrupt(s)
+                    if s.unprotected:
+                        raise StepUnprotected(f"step {s.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=s.id)
+                # every journal line, count and preimage checksum, before anything is touched
+                records = {s.seq: self.log.records_of(s) for s in targets}
+                for s in targets:
+                    self.log.check_content(s, records[s.seq])
+            except CorruptStep as e:
+                raise CorruptStep(f"cannot undo: {e.message}; nothing was undone", **e.data) from None
             if not force:
                 self._check_barriers(targets)
                 self._check_unchanged(targets, records)
