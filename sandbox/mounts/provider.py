@@ -38,7 +38,7 @@ import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import NAME_LEN_MAX, Attr, FileHandle, HostFS, StatFS, is_within, join
+from ..hostfs import NAME_LEN_MAX, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 XATTR_SIZE_MAX = 65536  # the kernel's limit for one value
@@ -150,13 +150,14 @@ class Provider:
         self._see(path, above_ok=False)
         return self.host.readlink(path)
 
-    def listxattr(self, path: str) -> list[str]:
+    def listxattr(self, path: str, *, handle: FileHandle | None = None) -> list[str]:
+        """The xattr names at ``path`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._see(path)
-        return self.host.listxattr(path)
+        return handle.listxattr() if handle is not None else self.host.listxattr(path)
 
-    def getxattr(self, path: str, name: str) -> bytes:
+    def getxattr(self, path: str, name: str, *, handle: FileHandle | None = None) -> bytes:
         self._see(path)
-        return self.host.getxattr(path, name)
+        return handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
 
     def statfs(self) -> StatFS:
         return self.host.statfs()
@@ -185,16 +186,13 @@ class Provider:
         Returns the handle and whether a new file was made. The mode is applied as given
         (the client applied its umask)."""
         self._writable(path)
-        try:
-            self.fs.create(path, mode & 0o7777)
-            made = True
+        acc = flags & os.O_ACCMODE
+        try:  # the handle comes from the creation itself: no second lookup a racer could redirect
+            return self.fs.create_handle(path, mode & 0o7777, acc | (flags & os.O_APPEND)), True
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
-            made = False
-        acc = flags & os.O_ACCMODE
-        keep = acc | (flags & os.O_APPEND) | (0 if made else flags & os.O_TRUNC)
-        return self.fs.open(path, keep), made
+        return self.fs.open(path, acc | (flags & (os.O_APPEND | os.O_TRUNC))), False
 
     def write(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
         self._writable(path)
@@ -209,24 +207,37 @@ class Provider:
                 chown: bool = False) -> None:
         """Apply what is given, in the order the kernel does: mode, size, times.
 
+        With ``handle`` (the file a client's fid has open) every change goes to that
+        handle's inode — after an unlink or a rename and a new file at ``path``, never to
+        the new file; ``path`` is only where the undo hooks look. The one exception is a
+        size change through a handle not open for writing while ``path`` still names its
+        file: ``truncate(path)`` of a file the client happens to have open read-only.
+
         ``atime_ns``/``mtime_ns`` of ``-1`` mean "now". ``chown`` alone is accepted and
         not applied (module docstring)."""
         if mode is None and size is None and atime_ns is None and mtime_ns is None:
             return
         self._writable(path)
         if mode is not None:
-            self.fs.chmod(path, mode & 0o7777)
+            if handle is not None:
+                self.fs.fchmod(handle, path, mode & 0o7777)
+            else:
+                self.fs.chmod(path, mode & 0o7777)
         if size is not None:
-            if handle is not None and not self.host.exists(path):
-                self.fs.ftruncate(handle, path, size)  # open but unlinked: the inode still is
+            if handle is not None and (handle.flags & os.O_ACCMODE != os.O_RDONLY
+                                       or not names_inode(self.host, path, handle)):
+                self.fs.ftruncate(handle, path, size)  # a read-only handle: EINVAL, as ftruncate(2)
             else:
                 self.fs.truncate(path, size)
         if atime_ns is not None or mtime_ns is not None:
             now = time.time_ns()
-            cur = self.host.getattr(path)
+            cur = handle.fstat() if handle is not None else self.host.getattr(path)
             m = cur.mtime_ns if mtime_ns is None else (now if mtime_ns == -1 else mtime_ns)
             a = None if atime_ns is None else (now if atime_ns == -1 else atime_ns)
-            self.fs.utime(path, m, a)
+            if handle is not None:
+                self.fs.futime(handle, path, m, a)
+            else:
+                self.fs.utime(path, m, a)
 
     def mkdir(self, path: str, mode: int) -> None:
         self._writable(path)
@@ -258,18 +269,26 @@ class Provider:
         self._writable(path)
         self.fs.rmdir(path)
 
-    def setxattr(self, path: str, name: str, value: bytes, flags: int = 0) -> None:
+    def setxattr(self, path: str, name: str, value: bytes, flags: int = 0, *, handle: FileHandle | None = None) -> None:
+        """Set xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr value larger than 64 KiB", path)
         if flags & (XATTR_CREATE | XATTR_REPLACE):
-            present = name in self.host.listxattr(path)
+            present = name in (handle.listxattr() if handle is not None else self.host.listxattr(path))
             if flags & XATTR_CREATE and present:
                 raise OSError(errno.EEXIST, f"xattr {name} exists", path)
             if flags & XATTR_REPLACE and not present:
                 raise OSError(errno.ENODATA, f"no xattr {name}", path)
-        self.fs.setxattr(path, name, value)
+        if handle is not None:
+            self.fs.fsetxattr(handle, path, name, value)
+        else:
+            self.fs.setxattr(path, name, value)
 
-    def removexattr(self, path: str, name: str) -> None:
+    def removexattr(self, path: str, name: str, *, handle: FileHandle | None = None) -> None:
+        """Remove xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
-        self.fs.removexattr(path, name)
+        if handle is not None:
+            self.fs.fremovexattr(handle, path, name)
+        else:
+            self.fs.removexattr(path, name)
