@@ -17,6 +17,7 @@ recreate directories. Nothing outside the working folder may change.
 from __future__ import annotations
 
 import base64
+import errno
 import os
 import stat
 import threading
@@ -137,6 +138,30 @@ def test_mkdir_without_a_racer_sets_the_mode_through_the_new_directory(tmp_path)
     fs = RealHostFS(str(tmp_path))
     fs.mkdir("d", 0o7751 if os.geteuid() == 0 else 0o751)
     assert stat.S_IMODE(os.lstat(tmp_path / "d").st_mode) == (0o7751 if os.geteuid() == 0 else 0o751)
+    fs.close()
+
+
+def test_mkdir_that_cannot_open_the_new_directory_leaves_nothing(tmp_path):
+    """No descriptor left for the new directory (EMFILE): the mkdir fails whole — no
+    stray directory the undo log never heard of."""
+    fs = RealHostFS(str(tmp_path))
+    fs.mkdir("probe", 0o755)  # warm up: nothing below allocates a descriptor but the call itself
+    fds = []
+    try:
+        while True:
+            try:
+                fds.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError as e:
+                assert e.errno == errno.EMFILE
+                break
+        os.close(fds.pop())  # one left: for the parent's fd, none for the new directory's
+        with pytest.raises(OSError) as info:
+            fs.mkdir("d", 0o755)
+        assert info.value.errno == errno.EMFILE
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert sorted(os.listdir(tmp_path)) == ["probe"]
     fs.close()
 
 

@@ -397,7 +397,15 @@ class RealHostFS(HostFS):
         pfd, name = self._parent(path)
         try:
             os.mkdir(name, 0o700, dir_fd=pfd)
-            fd = _openat2(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                fd = _openat2(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # not a racer's doing (EMFILE, …):
+                    try:
+                        os.rmdir(name, dir_fd=pfd)  # the mkdir fails whole (rmdir takes only an empty directory)
+                    except OSError:
+                        pass
+                raise
         finally:
             os.close(pfd)
         try:
