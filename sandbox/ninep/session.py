@@ -273,41 +273,42 @@ class Session:
         return a
 
     def _inode_handle(self, f: Fid, strict: bool = True) -> FileHandle | None:
-        """The handle a call through ``f`` must use — None: the path still names the
-        fid's file, act by path. A change (``strict``) through a fid whose file is out of
-        reach is ``ESTALE`` (``ENOENT`` if nothing is at the path); a read then falls back
-        to the path, as before.
+        """The handle a call through ``f`` must use, or None: act by path.
 
-        An open fid has its own handle. A fid that is not open (the client's dentry fid,
-        a clone made for an xattr) whose path now names another inode, or nothing,
-        borrows an open fid's handle on its inode (:meth:`_borrow`).
+        An open fid has its own handle. Any other fid (the client's dentry fid, a clone
+        made for an xattr) uses an open handle on its inode if there is one
+        (:meth:`_borrow`): the same file whether or not its path still names it.
+        Without one, the path is used if it still names the fid's inode; if it does not,
+        a change (``strict``) is ``ESTALE`` (``ENOENT`` if nothing is at the path) and a
+        read falls back to the path, as before.
         """
         if f.handle is not None:
             return f.handle
+        h = self._borrow(f)
+        if h is not None or not strict:
+            return h
         try:
             a = f.export.provider.getattr(f.path)
         except OSError as e:
             if e.errno not in _GONE:
                 raise
-            a = None
-        if a is not None and (f.inode is None or _inode(a) == f.inode):
-            return None
-        h = self._borrow(f)
-        if h is not None or not strict:
-            return h
-        if a is None:
-            raise OSError(errno.ENOENT, "no such file", f.path)
-        raise OSError(errno.ESTALE, "the file this fid named was removed or replaced", f.path)
+            raise OSError(errno.ENOENT, "no such file", f.path) from None
+        if f.inode is not None and _inode(a) != f.inode:
+            raise OSError(errno.ESTALE, "the file this fid named was removed or replaced", f.path)
+        return None
 
     @staticmethod
     def _borrow(f: Fid) -> FileHandle | None:
         """An open handle (of any connection; one open for writing if there is one) on
-        ``f``'s inode. The fids at ``f``'s path are the candidates: fids stay at the path
-        of an unlink and follow a rename together."""
+        ``f``'s inode. The fids at ``f``'s path are the candidates (fids stay at the path
+        of an unlink and follow a rename together); an open fid's ``inode`` is its
+        handle's, so this makes no host call."""
+        if f.inode is None:
+            return None
         found = None
-        for g in list(f.export.fids_at(f.path)):
+        for g in f.export.fids_at(f.path):
             h = g.handle
-            if h is not None and not h.closed and _inode(h.fstat()) == f.inode:
+            if h is not None and g.inode == f.inode and not h.closed:
                 if h.flags & os.O_ACCMODE != os.O_RDONLY:
                     return h
                 found = found or h
@@ -396,6 +397,7 @@ class Session:
             self._reserve_handle()
             f.handle = provider.open(f.path, flags)
             self.open_files += 1
+            a = f.handle.fstat()  # the inode opened (the path may have changed since the getattr)
         elif a.kind == LNK:
             raise OSError(errno.ELOOP, "is a symlink", f.path)
         else:
@@ -612,7 +614,7 @@ class Session:
         if msg.newfid != msg.fid and msg.newfid in self.fids:
             raise OSError(errno.EEXIST, f"fid {msg.newfid} is in use")
         provider = f.export.provider
-        handle = self._inode_handle(f, strict=False)  # an open file's own xattrs, wherever it is now
+        handle = self._inode_handle(f, strict=False)  # an open file's own xattrs, wherever it is now (no host call)
         if msg.name == "":
             value = b"".join(n.encode("utf-8", "surrogateescape") + b"\0"
                              for n in provider.listxattr(f.path, handle=handle))
