@@ -1655,6 +1655,111 @@ def test_handle_is_bound_to_its_inode_not_its_path(env, fs):
         assert (env.outside / "victim").read_bytes() == b"precious outside data"
 
 
+# metadata through a handle (fchmod, futimens, f*xattr): the handle's inode, never the path's
+
+
+@pytest.mark.parametrize("how", ["unlink", "rename"])
+@pytest.mark.parametrize("flags", [os.O_RDONLY, os.O_WRONLY, os.O_RDWR], ids=_flag_id)
+def test_handle_metadata_reaches_its_inode_not_a_new_file_at_its_path(env, fs, flags, how):
+    mkfile(fs, "f", b"old", 0o644)
+    fs.setxattr("f", "user.keep", b"old")
+    ino = fs.lstat("f").ino
+    h = fs.open("f", flags)  # no access mode is needed for metadata
+    if how == "unlink":
+        fs.unlink("f")
+    else:
+        fs.rename("f", "moved")
+    mkfile(fs, "f", b"new file", 0o640)
+    fs.setxattr("f", "user.new", b"new")
+    fs.utime("f", T1)
+    new_before = (fs.lstat("f"), fs.xattrs("f"), fs.read_all("f"))
+    h.chmod(0o4600 if IS_ROOT else 0o600)
+    h.utime(T1 + 7, 5)
+    h.setxattr("user.k", b"v")
+    h.removexattr("user.keep")
+    assert h.listxattr() == ["user.k"] and h.getxattr("user.k") == b"v" and h.xattrs() == {"user.k": b"v"}
+    check_errno(errno.ENODATA, h.getxattr, "user.keep")
+    check_errno(errno.ENODATA, h.removexattr, "user.keep")
+    a = h.fstat()
+    assert (a.ino, a.mode, a.mtime_ns, a.atime_ns) == (ino, 0o4600 if IS_ROOT else 0o600, T1 + 7, 5)
+    h.utime(T1 + 9)  # atime None: kept
+    assert (h.fstat().mtime_ns, h.fstat().atime_ns) == (T1 + 9, 5)
+    assert (fs.lstat("f"), fs.xattrs("f"), fs.read_all("f")) == new_before  # its ctime too: untouched
+    if how == "rename":
+        st = fs.lstat("moved")
+        assert (st.ino, st.mode, st.mtime_ns, fs.xattrs("moved")) == (ino, a.mode, T1 + 9, {"user.k": b"v"})
+    h.close()
+
+
+def test_handle_metadata_errors_and_closed_handle(fs):
+    mkfile(fs, "f", b"x")
+    h = fs.open("f", os.O_RDONLY)
+    check_errno(errno.ENODATA, h.getxattr, "user.missing")
+    check_errno(errno.ENODATA, h.removexattr, "user.missing")
+    check_errno(errno.EOPNOTSUPP, h.setxattr, "bogus.name", b"v")
+    check_errno(errno.EINVAL, h.setxattr, "user.", b"v")
+    check_errno(errno.ERANGE, h.setxattr, "user." + "x" * 251, b"v")
+    h.chmod(stat.S_IFREG | 0o7640 if IS_ROOT else 0o640)  # only the permission bits
+    assert fs.lstat("f").mode == (0o7640 if IS_ROOT else 0o640)
+    h.close()
+    for fn, args in [(h.chmod, (0o600,)), (h.utime, (T1,)), (h.listxattr, ()), (h.getxattr, ("user.a",)),
+                     (h.setxattr, ("user.a", b"1")), (h.removexattr, ("user.a",)), (h.xattrs, ())]:
+        check_errno(errno.EBADF, fn, *args)
+    assert fs.lstat("f").mode == (0o7640 if IS_ROOT else 0o640) and fs.listxattr("f") == []
+
+
+def test_handle_metadata_never_reaches_outside(env, fs):
+    """The handle's path turned into a symlink to the outside changes nothing out there."""
+    mkfile(fs, "f", b"inside")
+    h = fs.open("f", os.O_RDONLY)
+    before = env.outside_snapshot()
+    fs.unlink("f")
+    fs.symlink(f"{env.outside}/victim", "f")
+    h.chmod(0o777)
+    h.utime(T1 + 1)
+    h.setxattr("user.keep", b"overwritten?")
+    h.removexattr("user.keep")
+    h.close()
+    assert env.outside_snapshot() == before
+
+
+# create_handle: create, and a handle on the new inode itself
+
+
+@pytest.mark.parametrize("flags", ACCESS_FLAGS, ids=_flag_id)
+def test_create_handle_makes_the_file_and_a_handle_on_it(env, fs, flags):
+    mode = 0o4751 if IS_ROOT else 0o751
+    h = fs.create_handle("f", mode, flags)
+    assert isinstance(h, FileHandle) and (h.path, h.flags, h.closed) == ("f", flags, False)
+    st = fs.lstat("f")
+    assert (st.kind, st.mode, st.size, st.nlink) == (REG, mode, 0, 1)
+    assert h.fstat().ino == st.ino
+    if flags & os.O_ACCMODE != os.O_RDONLY:
+        assert h.pwrite(b"abc", 0) == 3
+        assert fs.read_all("f") == b"abc"
+    else:
+        check_errno(errno.EBADF, h.pwrite, b"abc", 0)
+    fs.rename("f", "g")
+    mkfile(fs, "f", b"other")  # a new file at the name is never reached
+    h.chmod(0o600)
+    h.setxattr("user.a", b"1")
+    assert fs.lstat("f").mode == 0o644 and fs.xattrs("f") == {} and fs.read_all("f") == b"other"
+    assert fs.lstat("g").mode == 0o600 and fs.xattrs("g") == {"user.a": b"1"}
+    h.close()
+
+
+def test_create_handle_errors_are_creates(env, fs):
+    mkfile(fs, "f", b"keep")
+    fs.symlink("nowhere", "dangling")
+    for p in ("f", "dangling"):
+        check_errno(errno.EEXIST, fs.create_handle, p, 0o600)
+    check_errno(errno.ENOENT, fs.create_handle, "missing/f", 0o600)
+    check_errno(errno.ENOTDIR, fs.create_handle, "f/x", 0o600)
+    check_errno(errno.EINVAL, fs.create_handle, "new", 0o600, os.O_RDWR | os.O_TRUNC)
+    assert fs.read_all("f") == b"keep" and not fs.exists("nowhere")
+    assert sorted(fs.listdir("")) == ["dangling", "f"]
+
+
 # --------------------------------------------------------------------------- getattr
 
 

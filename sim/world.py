@@ -26,8 +26,51 @@ from . import oracle
 from .faults import FaultInjector, SimulatedCrash
 
 
+class FaultyHandle:
+    """A handle of a :class:`FaultyHostFS`: the injector is called before each call, with
+    the op names SimFileHandle uses (``pwrite`` is a ``write``, torn like a path write)."""
+
+    _OPS = {"pread": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync", "fstat": "fstat",
+            "chmod": "chmod", "utime": "utime", "listxattr": "listxattr", "getxattr": "getxattr",
+            "setxattr": "setxattr", "removexattr": "removexattr"}
+
+    def __init__(self, fs: "FaultyHostFS", inner):
+        self._fs = fs
+        self.inner = inner
+
+    def __getattr__(self, attr):
+        fn = getattr(self.inner, attr)
+        op = self._OPS.get(attr)
+        if op is None:
+            return fn
+
+        def call(*args, **kwargs):
+            nbytes = len(args[0]) if op == "write" else len(args[-1]) if op == "setxattr" else 0
+            limit = self._fs.injector(self._fs, op, self.inner.path, nbytes)
+            if op == "write" and limit is not None:
+                data, offset = args
+                self.inner.pwrite(data[:limit], offset)
+                self._fs.injector.after_torn_write(self._fs, self.inner.path, limit)
+            return fn(*args, **kwargs)
+
+        return call
+
+    def pwrite_all(self, data: bytes, offset: int) -> None:
+        type(self.inner).pwrite_all(self, data, offset)  # the loop, over the faulty pwrite
+
+    def xattrs(self) -> dict:
+        return type(self.inner).xattrs(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.inner.close()
+
+
 class FaultyHostFS(HostFS):
-    """Any HostFS with the injector called before each operation (used for real dirs)."""
+    """Any HostFS with the injector called before each operation (used for real dirs);
+    the handles it opens are wrapped in a :class:`FaultyHandle`."""
 
     def __init__(self, inner: HostFS, injector: FaultInjector):
         self.inner = inner
@@ -45,7 +88,8 @@ class FaultyHostFS(HostFS):
                 path, offset, data = args
                 self.inner.write(path, offset, data[:limit])
                 self.injector.after_torn_write(self, path, limit)
-            return fn(*args)
+            result = fn(*args)
+            return FaultyHandle(self, result) if op in ("open", "create_handle") else result
 
         return call
 

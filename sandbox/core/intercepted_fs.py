@@ -15,9 +15,12 @@ operations, checks and errors, for providers that are never undo-tracked (an
 in-memory share made writable). One code path either way.
 
 Open handles: :meth:`open` returns a host :class:`~sandbox.hostfs.FileHandle` (the
-inode, not the path); :meth:`pwrite` and :meth:`ftruncate` run the hooks for the path
-the caller names (a server's fid path) and then act on the handle, so a file that was
-renamed or unlinked while open keeps working as it does on a local disk.
+inode, not the path); :meth:`pwrite`, :meth:`ftruncate`, :meth:`fchmod`, :meth:`futime`,
+:meth:`fsetxattr` and :meth:`fremovexattr` run the hooks for the path the caller names
+(a server's fid path) and then act on the handle, so a file that was renamed or unlinked
+while open keeps working as it does on a local disk — and a new file made at its old
+name is never touched. The hooks capture that path only while it still names the
+handle's inode (see :mod:`sandbox.core.interceptor`).
 
 Safeguards: if a pre-hook says *hold*, the optional ``decide(hold) -> "allow"|"deny"``
 callback is asked synchronously; without one, :class:`HoldRequired` propagates to the
@@ -149,6 +152,16 @@ class InterceptedFS(TreeOps):
         if i is not None:
             i.post_create(p)
 
+    def create_handle(self, path: str, mode: int = 0o644, flags: int = os.O_WRONLY) -> FileHandle:
+        """:meth:`create`, returning a handle (``flags``: an access mode [| ``O_APPEND``])
+        on the new inode itself — never on whatever the name may be swapped for after."""
+        p = _entry(path, "create")
+        i = self.interceptor
+        handle = self._run(lambda: i.pre_create(p), lambda: self.host.create_handle(p, mode, flags), sync=(p,))
+        if i is not None:
+            i.post_create(p)
+        return handle
+
     def open_trunc(self, path: str) -> None:
         p = _entry(path, "truncate")
         self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0), sync=(p,))
@@ -250,13 +263,34 @@ class InterceptedFS(TreeOps):
                 done += n
             return done
 
-        return self._run(lambda: self.interceptor.pre_write(p), call, sync=(p,))
+        return self._run(lambda: self.interceptor.pre_write(p, handle), call, sync=(p,))
 
     def ftruncate(self, handle: FileHandle, path: str, size: int) -> None:
         p = _entry(path, "truncate")
         if size < 0:
             raise OSError(errno.EINVAL, "negative size", path)
-        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: handle.truncate(size), sync=(p,))
+        self._run(lambda: self.interceptor.pre_setattr(p, size=size, handle=handle), lambda: handle.truncate(size),
+                  sync=(p,))
+
+    def fchmod(self, handle: FileHandle, path: str, mode: int) -> None:
+        p = normalize(path)
+        self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.chmod(mode), sync=(p,))
+
+    def futime(self, handle: FileHandle, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
+        p = normalize(path)
+        self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.utime(mtime_ns, atime_ns),
+                  sync=(p,))
+
+    def fsetxattr(self, handle: FileHandle, path: str, name: str, value: bytes) -> None:
+        p = normalize(path)
+        if not name or "\0" in name or len(name) > NAME_LEN_MAX:
+            raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)
+        self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.setxattr(name, bytes(value)),
+                  sync=(p,))
+
+    def fremovexattr(self, handle: FileHandle, path: str, name: str) -> None:
+        p = normalize(path)
+        self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.removexattr(name), sync=(p,))
 
     # ------------------------------------------------------------------ conveniences
 

@@ -27,6 +27,15 @@ Two undos must never be skipped by marks: the ``pre`` of a directory being remov
 Hardlinks are path-based: linking captures the existing file first (writes through
 either name change both); a rollback restores bytes in place, so links that survive
 the step stay links, but a link *deleted* in the step comes back as a separate file.
+
+Open handles: a change made through a handle (``pre_write``, ``pre_setattr``,
+``pre_xattr`` with ``handle=``) reaches the handle's inode, not whatever the path names
+now. The path is captured only if it still names that inode (``st_ino``/``st_dev``);
+otherwise the file was unlinked, renamed away or replaced since it was opened, the
+tree no longer reaches it at that path, and there is nothing there to capture (nor a
+safeguard to ask: no content the tree reaches is overwritten). Corner left open: if
+that inode is still reachable under *another* name — a hard link made before, or a
+rename the server did not see (the host's) — the change to it is not captured.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import errno
 import threading
 from typing import Callable
 
-from ..hostfs import DIR, OTHER, REG, HostFS, Stat, parent_of
+from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, parent_of, same_inode
 from .errors import HoldRequired, SafeguardDenied
 from .preimage import meta_of
 from .safeguard import Hold, Safeguard
@@ -239,13 +248,21 @@ class UndoInterceptor:
             self.log.enforce_limits()
         return True
 
-    def _capture(self, path: str, level: int, always: bool = False) -> None:
+    def _named(self, path: str, handle: FileHandle | None) -> Stat | None:
+        """What is at ``path`` — None if nothing, or (with ``handle``) if it is not the
+        handle's inode: the change then lands on a file the tree does not reach there."""
+        st = self._lstat(path)
+        if st is not None and handle is not None and not same_inode(st, handle.fstat()):
+            return None
+        return st
+
+    def _capture(self, path: str, level: int, always: bool = False, handle: FileHandle | None = None) -> None:
         step = self.log.open_step
         if step.unprotected or (not always and self._marks.get(path, 0) >= level):
             return
-        st = self._lstat(path)
+        st = self._named(path, handle)
         if st is None:
-            return  # nothing there: the host call will fail (ENOENT) or create it
+            return  # nothing there (the host call will fail or create it), or not the handle's file
         if st.kind == OTHER:
             raise OSError(errno.EPERM, "special files (fifo, socket, device) are not supported", path)
         rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st)}
@@ -267,15 +284,16 @@ class UndoInterceptor:
 
     # ------------------------------------------------------------------ content hooks
 
-    def _content_hook(self, path: str, gate_overwrite: bool) -> None:
+    def _content_hook(self, path: str, gate_overwrite: bool, handle: FileHandle | None = None) -> None:
         with self.lock:
             st = self._lstat(path) if gate_overwrite else None
             large = st is not None and st.kind == REG and st.size > self.safeguard.config.overwrite_size_bytes
             if self._enter("overwrite" if large else None, path):
-                self._capture(path, FULL)
+                self._capture(path, FULL, handle=handle)
 
-    def pre_write(self, path: str) -> None:
-        self._content_hook(path, gate_overwrite=False)
+    def pre_write(self, path: str, handle: FileHandle | None = None) -> None:
+        """Bytes are about to change — of the file at ``path``, or of ``handle``'s (module docstring)."""
+        self._content_hook(path, gate_overwrite=False, handle=handle)
 
     def pre_open_trunc(self, path: str) -> None:
         """An existing file is about to be truncated by open(O_TRUNC) — not post_create."""
@@ -287,21 +305,22 @@ class UndoInterceptor:
     def pre_copy_file_range(self, dst_path: str) -> None:
         self._content_hook(dst_path, gate_overwrite=False)
 
-    def pre_setattr(self, path: str, size: int | None = None) -> None:
-        """chmod/chown/utimes (metadata) or, with ``size``, a truncate (contents)."""
+    def pre_setattr(self, path: str, size: int | None = None, handle: FileHandle | None = None) -> None:
+        """chmod/chown/utimes (metadata) or, with ``size``, a truncate (contents) — of the
+        file at ``path``, or of ``handle``'s (module docstring)."""
         with self.lock:
             if size is not None:
-                st = self._lstat(path)
+                st = self._named(path, handle)
                 large = st is not None and st.kind == REG and size < st.size and st.size > self.safeguard.config.overwrite_size_bytes
                 if self._enter("overwrite" if large else None, path):
-                    self._capture(path, FULL)
+                    self._capture(path, FULL, handle=handle)
             elif self._enter():
-                self._capture(path, META)
+                self._capture(path, META, handle=handle)
 
-    def pre_xattr(self, path: str) -> None:
+    def pre_xattr(self, path: str, handle: FileHandle | None = None) -> None:
         with self.lock:
             if self._enter():
-                self._capture(path, META)
+                self._capture(path, META, handle=handle)
 
     # ------------------------------------------------------------------ entry hooks
 

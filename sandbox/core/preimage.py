@@ -19,6 +19,11 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
 
 Undo of every record is idempotent, so an interrupted rollback may redo the record it
 was in the middle of. ``restore`` never follows a symlink: the host filesystem cannot.
+A regular file is restored through one handle — the one its creation returned, or one
+open before its truncation — so its bytes, mode, xattrs and mtime reach that inode even
+if someone swaps the name meanwhile (for a hard link to a file of theirs, say). A
+directory is made by ``mkdir`` (which sets its mode through its own descriptor) and gets
+its metadata in pass 2, by name, as every existing entry does: without following links.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
+import os
 
-from ..hostfs import DIR, LNK, REG, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import DIR, LNK, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
 
@@ -50,19 +56,44 @@ def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
     return rec
 
 
-def _apply_meta(fs: HostFS, path: str, rec: dict) -> None:
+class _AtPath:
+    """The metadata calls of a :class:`FileHandle`, made by name on ``fs``."""
+
+    def __init__(self, fs: HostFS, path: str):
+        self.fs, self.path = fs, path
+
+    def xattrs(self) -> dict[str, bytes]:
+        return self.fs.xattrs(self.path)
+
+    def setxattr(self, name: str, value: bytes) -> None:
+        self.fs.setxattr(self.path, name, value)
+
+    def removexattr(self, name: str) -> None:
+        self.fs.removexattr(self.path, name)
+
+    def chmod(self, mode: int) -> None:
+        self.fs.chmod(self.path, mode)
+
+    def utime(self, mtime_ns: int) -> None:
+        self.fs.utime(self.path, mtime_ns)
+
+
+def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = None) -> None:
+    """Set xattrs, mode and mtime as ``rec`` says: by name — or, given ``handle``, on
+    the inode it holds, whatever ``path`` names by now."""
+    at = handle if handle is not None else _AtPath(fs, path)
     kind = rec["kind"]
     if kind != LNK:
         wanted = {name: unb64(v) for name, v in rec.get("xattrs", {}).items()}
-        current = fs.xattrs(path)
+        current = at.xattrs()
         for name in current:
             if name not in wanted:
-                fs.removexattr(path, name)
+                at.removexattr(name)
         for name, value in wanted.items():
             if current.get(name) != value:
-                fs.setxattr(path, name, value)
-        fs.chmod(path, rec["mode"])
-    fs.utime(path, rec["mtime_ns"])
+                at.setxattr(name, value)
+        at.chmod(rec["mode"])
+    at.utime(rec["mtime_ns"])
 
 
 def _lstat(fs: HostFS, path: str) -> Stat | None:
@@ -168,14 +199,19 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
         st = None
     if kind == REG:
         if st is None:
-            fs.create(path, 0o600)
+            handle = fs.create_handle(path, 0o600)
         else:
-            fs.truncate(path, 0)
-        offset = 0
-        for chunk in content:
-            fs.write_all(path, offset, chunk)
-            offset += len(chunk)
-    elif kind == LNK:
+            handle = fs.open(path, os.O_WRONLY)
+        with handle:
+            if st is not None:
+                handle.truncate(0)
+            offset = 0
+            for chunk in content:
+                handle.pwrite_all(chunk, offset)
+                offset += len(chunk)
+            _apply_meta(fs, path, rec, handle)
+        return
+    if kind == LNK:
         if st is not None and fs.readlink(path) != rec["target"]:
             fs.unlink(path)
             st = None

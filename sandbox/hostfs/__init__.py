@@ -24,10 +24,14 @@ against both):
 * ``chmod`` of a symlink is ``EOPNOTSUPP`` (Linux has no lchmod); symlinks carry no
   user xattrs (``setxattr`` is ``EPERM``, ``listxattr`` is empty).
 * :meth:`HostFS.open` returns a :class:`FileHandle` bound to the *inode*, not the path:
-  after a rename or an unlink the handle still reads and writes that same file (the
-  open-then-unlink pattern works). ``open`` never creates or truncates (``O_CREAT``,
+  after a rename or an unlink the handle still reads, writes, truncates, chmods, sets the
+  times and the xattrs of that same file (the open-then-unlink pattern works), never of
+  whatever the path names now. ``open`` never creates or truncates (``O_CREAT``,
   ``O_TRUNC``, … are ``EINVAL``): those go through ``create``/``truncate`` so that the
   undo hooks see them. A closed handle answers every call with ``EBADF``.
+* :meth:`HostFS.create_handle` creates like ``create`` and returns a handle on the new
+  inode: what follows a creation (content, mode, times, xattrs) goes through that handle
+  and never looks the name up again — someone else may have replaced it meanwhile.
 * :class:`Attr` (``getattr``) is the full ``lstat`` of an entry, for protocol replies —
   the exact file type (``fmt``: a fifo is a fifo), owners, blocks, all three times.
   :class:`Stat` (``lstat``) stays the smaller record the undo core compares.
@@ -63,6 +67,8 @@ __all__ = [
     "NAME_LEN_MAX",
     "OPEN_FLAGS",
     "check_open_flags",
+    "same_inode",
+    "names_inode",
 ]
 
 REG = "reg"
@@ -152,12 +158,14 @@ class Stat:
     ctime_ns: int
     ino: int
     nlink: int
+    dev: int = 0  # st_dev (0 on the simulator: one device); (ino, dev) names an inode
 
     @classmethod
     def from_os(cls, st) -> "Stat":
         fmt = _stat.S_IFMT(st.st_mode)
         kind = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
-        return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink)
+        return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink,
+                   st.st_dev)
 
 
 def _kind_of(fmt: int) -> str:
@@ -187,6 +195,7 @@ class Attr:
     mtime_ns: int
     ctime_ns: int
     ino: int
+    dev: int = 0  # st_dev (0 on the simulator: one device); (ino, dev) names an inode
 
     @property
     def st_mode(self) -> int:
@@ -196,7 +205,8 @@ class Attr:
     def from_os(cls, st) -> "Attr":
         fmt = _stat.S_IFMT(st.st_mode)
         return cls(_kind_of(fmt), fmt, _stat.S_IMODE(st.st_mode), st.st_size, st.st_nlink, st.st_uid, st.st_gid,
-                   st.st_rdev, st.st_blksize, st.st_blocks, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+                   st.st_rdev, st.st_blksize, st.st_blocks, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                   st.st_dev)
 
     @classmethod
     def from_stat(cls, st: Stat) -> "Attr":
@@ -205,7 +215,7 @@ class Attr:
         ``blocks`` is ``ceil(size / 512)``; an ``OTHER`` is reported as a fifo.
         """
         return cls(st.kind, _FMT_OF_KIND[st.kind], st.mode, st.size, st.nlink, 0, 0, 0, 4096, -(-st.size // 512),
-                   st.mtime_ns, st.mtime_ns, st.ctime_ns, st.ino)
+                   st.mtime_ns, st.mtime_ns, st.ctime_ns, st.ino, st.dev)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +257,10 @@ class FileHandle(ABC):
       writing a read-only one is ``EBADF``, truncating a read-only one ``EINVAL``; with
       ``O_APPEND`` every ``pwrite`` appends whatever the offset (Linux's pwrite);
     * negative offsets, lengths and sizes are ``EINVAL``;
+    * the metadata calls (``chmod``, ``utime``, the xattr calls) are ``fchmod``,
+      ``futimens``, ``f*xattr``: they need no access mode (a read-only handle may chmod),
+      only the permissions the path-based calls need, and follow the same rules and errnos
+      as :meth:`HostFS.chmod` etc. on a regular file;
     * ``close`` is idempotent; every other call on a closed handle is ``EBADF`` (and never
       reaches a file descriptor number that may since have been reused).
     """
@@ -275,6 +289,39 @@ class FileHandle(ABC):
     def fstat(self) -> Attr: ...
 
     @abstractmethod
+    def chmod(self, mode: int) -> None:
+        """``fchmod``: all 12 permission bits of ``mode``, exactly."""
+
+    @abstractmethod
+    def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
+        """``futimens``: mtime (and atime, unless ``None``: kept as it is) in ns."""
+
+    @abstractmethod
+    def listxattr(self) -> list[str]: ...
+
+    @abstractmethod
+    def getxattr(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def setxattr(self, name: str, value: bytes) -> None: ...
+
+    @abstractmethod
+    def removexattr(self, name: str) -> None: ...
+
+    def xattrs(self) -> dict[str, bytes]:
+        return {name: self.getxattr(name) for name in sorted(self.listxattr())}
+
+    def pwrite_all(self, data: bytes, offset: int) -> None:
+        """Write every byte of ``data`` at ``offset`` (loops over short writes)."""
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            n = self.pwrite(bytes(view[done : done + (1 << 20)]), offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"write made no progress on {self.path!r}")
+            done += n
+
+    @abstractmethod
     def close(self) -> None: ...
 
     @property
@@ -290,6 +337,26 @@ class FileHandle(ABC):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"flags={self.flags:#o}"
         return f"<{type(self).__name__} {self.path!r} {state}>"
+
+
+def same_inode(a: "Stat | Attr", b: "Stat | Attr") -> bool:
+    """Do two stat records describe the same inode (``st_ino`` and ``st_dev``)?"""
+    return a.ino == b.ino and a.dev == b.dev
+
+
+def names_inode(fs: "HostFS", path: str, handle: FileHandle) -> bool:
+    """Is ``path`` (final symlink not followed) the inode ``handle`` has open?
+
+    False when nothing is there (or a symlink is on the way): the handle's file was
+    unlinked, renamed away or replaced, and ``path`` no longer reaches it.
+    """
+    try:
+        st = fs.lstat(path)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return False
+        raise
+    return same_inode(st, handle.fstat())
 
 
 class Lock(Protocol):
@@ -349,6 +416,15 @@ class HostFS(ABC):
     @abstractmethod
     def create(self, path: str, mode: int) -> None:
         """Create an empty regular file; ``EEXIST`` if anything is at ``path``."""
+
+    @abstractmethod
+    def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> FileHandle:
+        """:meth:`create`, and a handle (``flags`` as for :meth:`open`) on the new inode.
+
+        The handle comes from the creating call itself, never from a second lookup of
+        ``path``: whatever someone puts at ``path`` after the creation, writes and
+        metadata through the handle reach only the file this call made.
+        """
 
     @abstractmethod
     def write(self, path: str, offset: int, data: bytes) -> int:

@@ -37,6 +37,7 @@ from . import (
     StoreBusy,
     check_open_flags,
     parent_of,
+    same_inode,
 )
 
 _SYS_OPENAT2 = 437
@@ -156,6 +157,50 @@ class RealFileHandle(FileHandle):
         fd = self._acquire()
         try:
             return Attr.from_os(os.fstat(fd))
+        finally:
+            self._release()
+
+    def chmod(self, mode: int) -> None:
+        fd = self._acquire()
+        try:
+            os.fchmod(fd, mode & 0o7777)
+        finally:
+            self._release()
+
+    def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
+        fd = self._acquire()
+        try:
+            if atime_ns is None:
+                atime_ns = os.fstat(fd).st_atime_ns
+            os.utime(fd, ns=(atime_ns, mtime_ns))  # futimens
+        finally:
+            self._release()
+
+    def listxattr(self) -> list[str]:
+        fd = self._acquire()
+        try:
+            return os.listxattr(fd)
+        finally:
+            self._release()
+
+    def getxattr(self, name: str) -> bytes:
+        fd = self._acquire()
+        try:
+            return os.getxattr(fd, name)
+        finally:
+            self._release()
+
+    def setxattr(self, name: str, value: bytes) -> None:
+        fd = self._acquire()
+        try:
+            os.setxattr(fd, name, value)
+        finally:
+            self._release()
+
+    def removexattr(self, name: str) -> None:
+        fd = self._acquire()
+        try:
+            os.removexattr(fd, name)
         finally:
             self._release()
 
@@ -285,16 +330,31 @@ class RealHostFS(HostFS):
 
     # -- mutations --
 
-    def create(self, path: str, mode: int) -> None:
+    def _create_fd(self, path: str, mode: int, flags: int) -> int:
+        """A new regular file, as an fd open with ``flags`` (an access mode [| O_APPEND]).
+
+        ``O_CREAT | O_EXCL | O_NOFOLLOW`` makes the inode and opens it in one call, so the
+        ``fchmod`` (and whatever the caller does with the fd) reaches the file made here,
+        whatever is at the name by then.
+        """
         pfd, name = self._parent(path)
         try:
-            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
-            try:
-                os.fchmod(fd, mode & 0o7777)
-            finally:
-                os.close(fd)
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600, dir_fd=pfd)
         finally:
             os.close(pfd)
+        try:
+            os.fchmod(fd, mode & 0o7777)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def create(self, path: str, mode: int) -> None:
+        os.close(self._create_fd(path, mode, os.O_WRONLY))
+
+    def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> RealFileHandle:
+        check_open_flags(flags, path)
+        return RealFileHandle(self._create_fd(path, mode, flags), path, flags)
 
     def write(self, path: str, offset: int, data: bytes) -> int:
         fd = self._open_file(path, os.O_WRONLY)
@@ -325,12 +385,35 @@ class RealHostFS(HostFS):
             os.close(pfd)
 
     def mkdir(self, path: str, mode: int) -> None:
+        """``mkdirat`` (mode 0700), then ``fchmod`` of the new directory to ``mode`` exactly.
+
+        mkdirat returns no descriptor, so the new directory is opened once, by its name
+        beneath the parent's fd, ``O_DIRECTORY | O_NOFOLLOW`` with no symlink resolved: if
+        someone swapped it for a symlink in between, that open fails (``ELOOP``/``ENOTDIR``)
+        and nothing is chmod'ed — never the symlink's target. A directory found there that
+        is not empty is not the one just made (someone moved theirs in): ``EEXIST``, and it
+        is left as it is. Either way the error says the name is not ours any more.
+        """
         pfd, name = self._parent(path)
         try:
             os.mkdir(name, 0o700, dir_fd=pfd)
-            os.chmod(name, mode & 0o7777, dir_fd=pfd, follow_symlinks=True)  # just made: a dir, not a link
+            try:
+                fd = _openat2(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # not a racer's doing (EMFILE, …):
+                    try:
+                        os.rmdir(name, dir_fd=pfd)  # the mkdir fails whole (rmdir takes only an empty directory)
+                    except OSError:
+                        pass
+                raise
         finally:
             os.close(pfd)
+        try:
+            if os.listdir(fd):
+                raise OSError(errno.EEXIST, "the new directory was replaced by another one", path)
+            os.fchmod(fd, mode & 0o7777)
+        finally:
+            os.close(fd)
 
     def rename(self, src: str, dst: str) -> None:
         sfd, sname = self._parent(src)
@@ -371,28 +454,36 @@ class RealHostFS(HostFS):
         finally:
             os.close(sfd)
 
+    # The metadata calls on an existing entry resolve its name once, to an O_PATH |
+    # O_NOFOLLOW descriptor beneath the root, check the type on that fd, and then act on
+    # /proc/self/fd/N. That magic link is not a name lookup: it jumps to the very inode
+    # the fd holds — a symlink's own inode if the fd is one — and is never followed
+    # further, so a racer who swaps the entry afterwards changes nothing we do.
+
     def chmod(self, path: str, mode: int) -> None:
         fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             if _stat.S_ISLNK(os.fstat(fd).st_mode):
                 raise OSError(errno.EOPNOTSUPP, "cannot chmod a symlink", path)
-            os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)
+            os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)  # the fd's inode (see above)
         finally:
             os.close(fd)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
-        if not path:
-            if atime_ns is None:
-                atime_ns = os.stat(self._root_fd).st_atime_ns
-            os.utime(_XATTR_PROC.format(self._root_fd), ns=(atime_ns, mtime_ns))
-            return
-        pfd, name = self._parent(path)
+        if path:  # resolved in two steps (parent, then name), as lstat is: a 4096-byte path works
+            pfd, name = self._parent(path)
+            try:
+                fd = _openat2(pfd, name, os.O_PATH | os.O_NOFOLLOW)
+            finally:
+                os.close(pfd)
+        else:
+            fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             if atime_ns is None:
-                atime_ns = os.stat(name, dir_fd=pfd, follow_symlinks=False).st_atime_ns
-            os.utime(name, ns=(atime_ns, mtime_ns), dir_fd=pfd, follow_symlinks=False)
+                atime_ns = os.fstat(fd).st_atime_ns
+            os.utime(_XATTR_PROC.format(fd), ns=(atime_ns, mtime_ns))  # the fd's inode, a symlink's too
         finally:
-            os.close(pfd)
+            os.close(fd)
 
     def _xattr_target(self, path: str) -> tuple[int, bool]:
         fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
@@ -473,16 +564,18 @@ class RealHostFS(HostFS):
             raise OSError(errno.EOPNOTSUPP, "reflink needs two real filesystems")
         sfd = self._open_file(path, os.O_RDONLY)
         try:
-            dst_fs.create(dst_path, 0o600)
+            dfd = dst_fs._create_fd(dst_path, 0o600, os.O_WRONLY)  # the new file's own fd, no second lookup
             try:
-                dfd = dst_fs._open_file(dst_path, os.O_WRONLY)
-                try:
-                    fcntl.ioctl(dfd, _FICLONE, sfd)
-                finally:
-                    os.close(dfd)
+                fcntl.ioctl(dfd, _FICLONE, sfd)
             except OSError:
-                dst_fs.unlink(dst_path)
+                try:  # remove our file — only if the name still is it
+                    if same_inode(Stat.from_os(os.fstat(dfd)), dst_fs.lstat(dst_path)):
+                        dst_fs.unlink(dst_path)
+                except OSError:
+                    pass
                 raise
+            finally:
+                os.close(dfd)
         finally:
             os.close(sfd)
 

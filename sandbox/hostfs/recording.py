@@ -347,8 +347,9 @@ def _ancestors(path: str) -> list[str]:
 
 
 class RecordingFileHandle(FileHandle):
-    """A writable handle from :meth:`RecordingHostFS.open`: ``pwrite``/``truncate`` are
-    recorded against the handle's inode (the file may have moved since it was opened)."""
+    """A handle from :meth:`RecordingHostFS.open`: its mutations (``pwrite``, ``truncate``
+    and the metadata calls, which a read-only handle may make too) are recorded against
+    the handle's inode (the file may have moved since it was opened)."""
 
     def __init__(self, inner: FileHandle, journal: OwnWrites, mutex: threading.RLock | None = None):
         self.inner = inner
@@ -380,6 +381,24 @@ class RecordingFileHandle(FileHandle):
 
     def fstat(self) -> Attr:
         return self.inner.fstat()
+
+    def chmod(self, mode: int) -> None:
+        self._mutating(lambda: self.inner.chmod(mode))
+
+    def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._mutating(lambda: self.inner.utime(mtime_ns, atime_ns))
+
+    def listxattr(self) -> list[str]:
+        return self.inner.listxattr()
+
+    def getxattr(self, name: str) -> bytes:
+        return self.inner.getxattr(name)
+
+    def setxattr(self, name: str, value: bytes) -> None:
+        self._mutating(lambda: self.inner.setxattr(name, value))
+
+    def removexattr(self, name: str) -> None:
+        self._mutating(lambda: self.inner.removexattr(name))
 
     def close(self) -> None:
         self.inner.close()
@@ -466,9 +485,13 @@ class RecordingHostFS(HostFS):
 
     def open(self, path: str, flags: int) -> FileHandle:
         if flags & os.O_ACCMODE == os.O_RDONLY and not flags & (os.O_CREAT | os.O_TRUNC):
-            return self.inner.open(path, flags)
-        with self._rec([path]):  # open never creates or truncates (EINVAL), but be exact
-            handle = self.inner.open(path, flags)
+            handle = self.inner.open(path, flags)  # a read-only handle may still chmod, utime, set xattrs
+        else:
+            with self._rec([path]):  # open never creates or truncates (EINVAL), but be exact
+                handle = self.inner.open(path, flags)
+        return self._wrap(handle)
+
+    def _wrap(self, handle: FileHandle) -> RecordingFileHandle:
         try:
             return RecordingFileHandle(handle, self.journal, self.mutex)
         except BaseException:
@@ -478,6 +501,11 @@ class RecordingHostFS(HostFS):
     def create(self, path: str, mode: int) -> None:
         with self._rec([path], [parent_of(path)]):
             self.inner.create(path, mode)
+
+    def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> FileHandle:
+        with self._rec([path], [parent_of(path)]):
+            handle = self.inner.create_handle(path, mode, flags)
+        return self._wrap(handle)
 
     def write(self, path: str, offset: int, data: bytes) -> int:
         with self._rec([path]):

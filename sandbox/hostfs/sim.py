@@ -195,6 +195,32 @@ class SimFileHandle(FileHandle):
         self._call("fstat")
         return self._node.attr()
 
+    # metadata: the path-based calls' own code, applied to the held inode
+
+    def chmod(self, mode: int) -> None:
+        self._call("chmod")
+        self._fs._chmod_node(self._node, mode)
+
+    def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._call("utime")
+        self._fs._utime_node(self._node, mtime_ns, atime_ns)
+
+    def listxattr(self) -> list[str]:
+        self._call("listxattr")
+        return list(self._node.xattrs)
+
+    def getxattr(self, name: str) -> bytes:
+        self._call("getxattr")
+        return self._fs._getxattr_node(self._node, name, self.path)
+
+    def setxattr(self, name: str, value: bytes) -> None:
+        self._call("setxattr", len(value))
+        self._fs._setxattr_node(self._node, name, value, self.path)
+
+    def removexattr(self, name: str) -> None:
+        self._call("removexattr")
+        self._fs._removexattr_node(self._node, name, self.path)
+
     def close(self) -> None:
         self._closed = True
 
@@ -344,12 +370,21 @@ class SimHostFS(HostFS):
 
     def create(self, path: str, mode: int) -> None:
         self._fault("create", path)
+        self._create_node(path, mode)
+
+    def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> SimFileHandle:
+        self._fault("create", path)
+        check_open_flags(flags, path)
+        return SimFileHandle(self, self._create_node(path, mode), path, flags)
+
+    def _create_node(self, path: str, mode: int) -> _Inode:
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now)
+        node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now)
         self._touch_dir(parent, now)
+        return node
 
     def write(self, path: str, offset: int, data: bytes) -> int:
         limit = self._fault("write", path, len(data))
@@ -505,12 +540,17 @@ class SimHostFS(HostFS):
         node = self._walk(path)
         if node.kind == LNK:
             raise _err(errno.EOPNOTSUPP, path)
+        self._chmod_node(node, mode)
+
+    def _chmod_node(self, node: _Inode, mode: int) -> None:
         node.mode = mode & 0o7777
         node.ctime_ns = self.clock()
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         self._fault("utime", path)
-        node = self._entry(path)
+        self._utime_node(self._entry(path), mtime_ns, atime_ns)
+
+    def _utime_node(self, node: _Inode, mtime_ns: int, atime_ns: int | None) -> None:
         node.mtime_ns = mtime_ns
         if atime_ns is not None:
             node.atime_ns = atime_ns
@@ -526,6 +566,10 @@ class SimHostFS(HostFS):
         node = self._walk(path)
         if node.kind == LNK:
             raise _err(errno.EPERM if write else errno.ENODATA, path)
+        return self._xattr_checks(node, name, write, path)
+
+    @staticmethod
+    def _xattr_checks(node: _Inode, name: str, write: bool, path: str) -> _Inode:
         size = len(name.encode("utf-8", "surrogateescape"))
         if size == 0 or size > _XATTR_NAME_MAX:
             raise _err(errno.ERANGE, path)
@@ -545,14 +589,20 @@ class SimHostFS(HostFS):
 
     def getxattr(self, path: str, name: str) -> bytes:
         self._fault("getxattr", path)
-        node = self._xattr_node(path, name, write=False)
+        return self._getxattr_node(self._xattr_node(path, name, write=False), name, path)
+
+    def _getxattr_node(self, node: _Inode, name: str, path: str) -> bytes:
+        self._xattr_checks(node, name, False, path)
         if name not in node.xattrs:
             raise _err(errno.ENODATA, path)
         return node.xattrs[name]
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
         self._fault("setxattr", path, len(value))
-        node = self._xattr_node(path, name, write=True)
+        self._setxattr_node(self._xattr_node(path, name, write=True), name, value, path)
+
+    def _setxattr_node(self, node: _Inode, name: str, value: bytes, path: str) -> None:
+        self._xattr_checks(node, name, True, path)
         if len(value) > 65536:
             raise _err(errno.E2BIG, path)
         node.xattrs[name] = bytes(value)
@@ -560,7 +610,10 @@ class SimHostFS(HostFS):
 
     def removexattr(self, path: str, name: str) -> None:
         self._fault("removexattr", path)
-        node = self._xattr_node(path, name, write=True)
+        self._removexattr_node(self._xattr_node(path, name, write=True), name, path)
+
+    def _removexattr_node(self, node: _Inode, name: str, path: str) -> None:
+        self._xattr_checks(node, name, True, path)
         if name not in node.xattrs:
             raise _err(errno.ENODATA, path)
         del node.xattrs[name]

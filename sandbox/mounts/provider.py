@@ -43,7 +43,7 @@ import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import DIR, LNK, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join
+from ..hostfs import DIR, LNK, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
 from . import identity
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
@@ -155,7 +155,7 @@ class Provider:
     def fstat(self, handle: FileHandle, path: str) -> Attr:
         """:meth:`getattr` of the file open on ``handle`` (even if renamed away or unlinked);
         ``path`` is where the server last saw it."""
-        return self._guest_attr(path, handle.fstat(), same_inode=True)
+        return self._guest_attr(path, handle.fstat(), handle)
 
     def listdir(self, path: str) -> list[str]:
         self._see(path)
@@ -169,13 +169,15 @@ class Provider:
         self._see(path, above_ok=False)
         return self.host.readlink(path)
 
-    def listxattr(self, path: str) -> list[str]:
+    def listxattr(self, path: str, *, handle: FileHandle | None = None) -> list[str]:
+        """The xattr names at ``path`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._see(path)
-        return identity.guest_xattr_names(self.host.listxattr(path))
+        return identity.guest_xattr_names(handle.listxattr() if handle is not None else self.host.listxattr(path))
 
-    def getxattr(self, path: str, name: str) -> bytes:
+    def getxattr(self, path: str, name: str, *, handle: FileHandle | None = None) -> bytes:
         self._see(path)
-        return self.host.getxattr(path, identity.host_xattr_name(name))
+        name = identity.host_xattr_name(name)
+        return handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
 
     def statfs(self) -> StatFS:
         return self.host.statfs()
@@ -205,19 +207,19 @@ class Provider:
         Returns the handle and whether a new file was made. The mode is applied as given
         (the client applied its umask)."""
         self._writable(path)
-        try:
-            self.fs.create(path, identity.host_mode(mode))
-            made = True
+        acc = flags & os.O_ACCMODE
+        try:  # the handle comes from the creation itself: no second lookup a racer could redirect
+            handle = self.fs.create_handle(path, identity.host_mode(mode), acc | (flags & os.O_APPEND))
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
-            made = False
-        if made:
-            self._keep_new_mode(path, mode)
-        acc = flags & os.O_ACCMODE
-        keep = acc | (flags & os.O_APPEND) | (0 if made else flags & os.O_TRUNC)
-        handle = self.fs.open(path, keep)
-        return (handle if made else self._disarmed(handle, path)), made
+            return self._disarmed(self.fs.open(path, acc | (flags & (os.O_APPEND | os.O_TRUNC))), path), False
+        try:
+            self._keep_new_mode(path, mode, handle)
+        except BaseException:
+            handle.close()
+            raise
+        return handle, True
 
     def write(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
         self._writable(path)
@@ -232,26 +234,38 @@ class Provider:
                 chown: bool = False) -> None:
         """Apply what is given, in the order the kernel does: mode, size, times.
 
+        With ``handle`` (the file a client's fid has open) every change goes to that
+        handle's inode — after an unlink or a rename and a new file at ``path``, never to
+        the new file; ``path`` is only where the undo hooks look. The one exception is a
+        size change through a handle not open for writing while ``path`` still names its
+        file: ``truncate(path)`` of a file the client happens to have open read-only.
+
         ``atime_ns``/``mtime_ns`` of ``-1`` mean "now". ``chown`` alone is accepted and
         not applied (module docstring)."""
         if mode is None and size is None and atime_ns is None and mtime_ns is None:
             return
         self._writable(path)
         if mode is not None:
-            mode = self._keep_mode(path, mode & 0o7777)
-        if mode is not None:
-            self.fs.chmod(path, mode & 0o7777)
+            mode = self._keep_mode(path, mode & 0o7777, handle)
+            if handle is not None:
+                self.fs.fchmod(handle, path, mode)
+            else:
+                self.fs.chmod(path, mode)
         if size is not None:
-            if handle is not None and not self.host.exists(path):
-                self.fs.ftruncate(handle, path, size)  # open but unlinked: the inode still is
+            if handle is not None and (handle.flags & os.O_ACCMODE != os.O_RDONLY
+                                       or not names_inode(self.host, path, handle)):
+                self.fs.ftruncate(handle, path, size)  # a read-only handle: EINVAL, as ftruncate(2)
             else:
                 self.fs.truncate(path, size)
         if atime_ns is not None or mtime_ns is not None:
             now = time.time_ns()
-            cur = self.host.getattr(path)
+            cur = handle.fstat() if handle is not None else self.host.getattr(path)
             m = cur.mtime_ns if mtime_ns is None else (now if mtime_ns == -1 else mtime_ns)
             a = None if atime_ns is None else (now if atime_ns == -1 else atime_ns)
-            self.fs.utime(path, m, a)
+            if handle is not None:
+                self.fs.futime(handle, path, m, a)
+            else:
+                self.fs.utime(path, m, a)
 
     def mkdir(self, path: str, mode: int) -> None:
         self._writable(path)
@@ -284,86 +298,113 @@ class Provider:
         self._writable(path)
         self.fs.rmdir(path)
 
-    def setxattr(self, path: str, name: str, value: bytes, flags: int = 0) -> None:
+    def setxattr(self, path: str, name: str, value: bytes, flags: int = 0, *, handle: FileHandle | None = None) -> None:
+        """Set xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
         name = identity.host_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr value larger than 64 KiB", path)
         if flags & (XATTR_CREATE | XATTR_REPLACE):
-            present = name in self.host.listxattr(path)
+            present = name in (handle.listxattr() if handle is not None else self.host.listxattr(path))
             if flags & XATTR_CREATE and present:
                 raise OSError(errno.EEXIST, f"xattr {name} exists", path)
             if flags & XATTR_REPLACE and not present:
                 raise OSError(errno.ENODATA, f"no xattr {name}", path)
-        self.fs.setxattr(path, name, value)
+        if handle is not None:
+            self.fs.fsetxattr(handle, path, name, value)
+        else:
+            self.fs.setxattr(path, name, value)
 
-    def removexattr(self, path: str, name: str) -> None:
+    def removexattr(self, path: str, name: str, *, handle: FileHandle | None = None) -> None:
+        """Remove xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
-        self.fs.removexattr(path, identity.host_xattr_name(name))
+        name = identity.host_xattr_name(name)
+        if handle is not None:
+            self.fs.fremovexattr(handle, path, name)
+        else:
+            self.fs.removexattr(path, name)
 
     # ------------------------------------------------------------------ identity (identity.py)
 
-    def _guest_attr(self, path: str, a: Attr, same_inode: bool = False) -> Attr:
+    def _mapping(self, path: str, handle: FileHandle | None) -> bytes:
+        """The kept mode of ``handle``'s inode, or else of ``path`` (``ENODATA`` if none)."""
+        if handle is not None:
+            return handle.getxattr(identity.MODE_XATTR)
+        return self.host.getxattr(path, identity.MODE_XATTR)
+
+    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None) -> Attr:
         """``a`` with the mode the guest set, where a set-id bit of it is kept, not applied.
 
         Only regular files and directories can carry the mapping (the kernel allows user
-        xattrs on nothing else). ``same_inode``: ``a`` is an open file's, so the mapping
-        read at ``path`` counts only if ``path`` still names that inode."""
+        xattrs on nothing else). With ``handle``, ``a`` is its inode's and so is the mapping
+        read — wherever ``path`` points now."""
         if a.kind not in (REG, DIR):
             return a
         try:
-            mode = identity.guest_mode(a.mode, self.host.getxattr(path, identity.MODE_XATTR))
-            if mode == a.mode or (same_inode and self.host.lstat(path).ino != a.ino):
-                return a
+            mode = identity.guest_mode(a.mode, self._mapping(path, handle))
         except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: the host's mode
             return a
-        return dataclasses.replace(a, mode=mode)
+        return a if mode == a.mode else dataclasses.replace(a, mode=mode)
 
-    def _keep_mode(self, path: str, mode: int) -> int:
+    def _set_mapping(self, path: str, handle: FileHandle | None, value: bytes | None) -> None:
+        """Keep ``value`` as the mapping (None: drop it), through the undo-tracked fs, on
+        ``handle``'s inode if given."""
+        names = handle.listxattr() if handle is not None else self.host.listxattr(path)
+        if value is None:
+            if identity.MODE_XATTR not in names:
+                return
+            if handle is not None:
+                self.fs.fremovexattr(handle, path, identity.MODE_XATTR)
+            else:
+                self.fs.removexattr(path, identity.MODE_XATTR)
+        elif handle is not None:
+            self.fs.fsetxattr(handle, path, identity.MODE_XATTR, value)
+        else:
+            self.fs.setxattr(path, identity.MODE_XATTR, value)
+
+    def _keep_mode(self, path: str, mode: int, handle: FileHandle | None = None) -> int:
         """A guest's chmod: keep (or drop) the mapping of ``mode``; return the mode to apply.
 
         Refused with ``EPERM`` before anything changes if a set-id bit must be kept and the
         host cannot store user xattrs there (the bit is never applied instead)."""
-        cur = self.host.lstat(path)
+        cur = handle.fstat() if handle is not None else self.host.lstat(path)
         if cur.kind == LNK:
             return mode  # the host refuses (EOPNOTSUPP): there is nothing to keep
         value = identity.mode_mapping(mode, cur.mode)
-        if value is None:
-            if identity.MODE_XATTR in self.host.listxattr(path):
-                self.fs.removexattr(path, identity.MODE_XATTR)
-        else:
-            try:
-                self.fs.setxattr(path, identity.MODE_XATTR, value)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
-                    raise
-                raise OSError(errno.EPERM, "set-id bits from the guest are never applied, and this host "
-                              "filesystem cannot keep them (no user xattrs)", path) from None
+        try:
+            self._set_mapping(path, handle, value)
+        except OSError as e:
+            if value is None or e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                raise
+            raise OSError(errno.EPERM, "set-id bits from the guest are never applied, and this host "
+                          "filesystem cannot keep them (no user xattrs)", path) from None
         return identity.host_mode(mode, cur.mode)
 
     def _disarmed(self, handle: FileHandle, path: str) -> FileHandle:
         """``handle``, opened for writing, once its file has no set-id bit a write by the
         guest could abuse (:func:`identity.privileges_on_write`): those are cleared on the
-        host and kept for the guest, who sees its file unchanged. On any error the handle is
-        closed (a held operation is retried from the start)."""
+        host and kept for the guest, who sees its file unchanged. Both go through the handle
+        (its inode, whatever the name points at by now). On any error the handle is closed
+        (a held operation is retried from the start)."""
         try:
             a = handle.fstat()
             kill = identity.privileges_on_write(a.mode) if a.kind == REG else 0
             if kill:
-                seen = self._guest_attr(path, a, same_inode=True).mode
+                seen = self._guest_attr(path, a, handle).mode
                 try:
-                    self.fs.setxattr(path, identity.MODE_XATTR, identity.encode_mode(seen))
+                    self.fs.fsetxattr(handle, path, identity.MODE_XATTR, identity.encode_mode(seen))
                 except OSError as e:  # nowhere to keep them: cleared all the same, as the kernel would
                     if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                         raise
-                self.fs.chmod(path, a.mode & ~kill)
+                self.fs.fchmod(handle, path, a.mode & ~kill)
         except BaseException:
             handle.close()
             raise
         return handle
 
-    def _keep_new_mode(self, path: str, mode: int) -> None:
-        """After a create or mkdir: keep the set-id bits of ``mode`` the host was not given.
+    def _keep_new_mode(self, path: str, mode: int, handle: FileHandle | None = None) -> None:
+        """After a create (through its ``handle``) or a mkdir: keep the set-id bits of
+        ``mode`` the host was not given.
 
         Where the host cannot keep them (no user xattrs) they are dropped, as the kernel
         itself silently drops S_ISGID on create for a caller outside the group: the object
@@ -371,7 +412,10 @@ class Provider:
         value = identity.mode_mapping(mode)
         if value is not None:
             try:
-                self.fs.setxattr(path, identity.MODE_XATTR, value)
+                if handle is not None:
+                    self.fs.fsetxattr(handle, path, identity.MODE_XATTR, value)
+                else:
+                    self.fs.setxattr(path, identity.MODE_XATTR, value)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                     raise

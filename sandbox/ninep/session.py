@@ -14,6 +14,10 @@ Invariants:
   follows a symlink;
 * a rename through any connection moves every live fid below the old name (the export
   keeps the registry), so fids follow their files as a local file descriptor would;
+* a fid remembers the inode it was walked to; a change of attributes or xattrs through
+  it goes to that inode — through its own open handle, or another open fid's handle on
+  the same inode — never to a different file now at its path (an unlink or rename and
+  a new file there); with no handle on that inode left it is ``ESTALE``;
 * bounded: ``fids_max`` fids and ``open_files_max`` open host handles per connection
   (``ENFILE``/``EMFILE`` beyond), xattr values ≤ 64 KiB, read/readdir counts clamped to
   the negotiated ``msize``;
@@ -103,6 +107,10 @@ class Export:
         f.path = path
         self.add(f)
 
+    def fids_at(self, path: str) -> "set[Fid]":
+        """Every live fid (of any connection) whose path is ``path``."""
+        return self._by_path.get(path, set())
+
     def renamed(self, src: str, dst: str, is_dir: bool) -> None:
         """Fids follow their files: those at ``src`` (and below it, for a directory) move."""
         paths = [p for p in self._by_path if is_within(p, src)] if is_dir else [src]
@@ -129,6 +137,14 @@ class Fid:
     dir_names: list[str] | None = None
     xattr_value: bytes | None = None
     xattr_new: _XattrNew | None = None
+    inode: tuple[int, int] | None = None  # (st_ino, st_dev) of the file walked to
+
+
+def _inode(a: Attr) -> tuple[int, int]:
+    return (a.ino, a.dev)
+
+
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # nothing at the path (a symlink on the way)
 
 
 class Session:
@@ -243,7 +259,60 @@ class Session:
     def _attr(self, f: Fid) -> Attr:
         if f.handle is not None:
             return f.export.provider.fstat(f.handle, f.path)  # the open inode, even if renamed away or unlinked
-        return f.export.provider.getattr(f.path)
+        try:
+            a = f.export.provider.getattr(f.path)
+        except OSError as e:
+            h = self._borrow(f) if e.errno in _GONE else None
+            if h is None:
+                raise
+            return f.export.provider.fstat(h, f.path)
+        if f.inode is not None and _inode(a) != f.inode:
+            h = self._borrow(f)  # the path names another file now: the fid's own, if still open somewhere
+            if h is not None:
+                return f.export.provider.fstat(h, f.path)
+        return a
+
+    def _inode_handle(self, f: Fid, strict: bool = True) -> FileHandle | None:
+        """The handle a call through ``f`` must use, or None: act by path.
+
+        An open fid has its own handle. Any other fid (the client's dentry fid, a clone
+        made for an xattr) uses an open handle on its inode if there is one
+        (:meth:`_borrow`): the same file whether or not its path still names it.
+        Without one, the path is used if it still names the fid's inode; if it does not,
+        a change (``strict``) is ``ESTALE`` (``ENOENT`` if nothing is at the path) and a
+        read falls back to the path, as before.
+        """
+        if f.handle is not None:
+            return f.handle
+        h = self._borrow(f)
+        if h is not None or not strict:
+            return h
+        try:
+            a = f.export.provider.lookup(f.path)  # an inode number: no mode needed
+        except OSError as e:
+            if e.errno not in _GONE:
+                raise
+            raise OSError(errno.ENOENT, "no such file", f.path) from None
+        if f.inode is not None and _inode(a) != f.inode:
+            raise OSError(errno.ESTALE, "the file this fid named was removed or replaced", f.path)
+        return None
+
+    @staticmethod
+    def _borrow(f: Fid) -> FileHandle | None:
+        """An open handle (of any connection; one open for writing if there is one) on
+        ``f``'s inode. The fids at ``f``'s path are the candidates (fids stay at the path
+        of an unlink and follow a rename together); an open fid's ``inode`` is its
+        handle's, so this makes no host call."""
+        if f.inode is None:
+            return None
+        found = None
+        for g in f.export.fids_at(f.path):
+            h = g.handle
+            if h is not None and g.inode == f.inode and not h.closed:
+                if h.flags & os.O_ACCMODE != os.O_RDONLY:
+                    return h
+                found = found or h
+        return found
 
     def _reserve_handle(self) -> None:
         if self.open_files >= self.open_files_max:
@@ -269,7 +338,7 @@ class Session:
         if export is None:
             raise OSError(errno.ENOENT, f"no export named {msg.aname!r}")
         a = export.provider.getattr("")
-        self._new_fid(msg.fid, export, "", DIR)
+        self._new_fid(msg.fid, export, "", DIR).inode = _inode(a)
         return m.Rattach(qid_of(a))
 
     def _walk(self, msg: m.Twalk) -> m.Rwalk:
@@ -279,7 +348,7 @@ class Session:
         if msg.newfid != msg.fid and msg.newfid in self.fids:
             raise OSError(errno.EEXIST, f"fid {msg.newfid} is in use")
         provider = f.export.provider
-        path, kind, qids = f.path, f.kind, []
+        path, kind, inode, qids = f.path, f.kind, f.inode, []  # a clone names the same inode
         for i, name in enumerate(msg.wnames):
             try:
                 nxt = parent_of(path) if name == ".." else child(path, name)
@@ -289,9 +358,9 @@ class Session:
                     raise
                 break
             qids.append(qid_of(a))
-            path, kind = nxt, a.kind
+            path, kind, inode = nxt, a.kind, _inode(a)
         if len(qids) == len(msg.wnames):
-            self._new_fid(msg.newfid, f.export, path, kind, replacing=msg.fid)
+            self._new_fid(msg.newfid, f.export, path, kind, replacing=msg.fid).inode = inode
         return m.Rwalk(tuple(qids))
 
     def _clunk(self, msg: m.Tclunk) -> m.Rclunk:
@@ -301,10 +370,11 @@ class Session:
             try:
                 if len(x.value) != x.size:
                     raise OSError(errno.EINVAL, f"xattr {x.name}: {len(x.value)} of {x.size} bytes written")
+                handle = self._inode_handle(f)
                 if x.size == 0:  # how Linux v9fs removes an xattr
-                    f.export.provider.removexattr(f.path, x.name)
+                    f.export.provider.removexattr(f.path, x.name, handle=handle)
                 else:
-                    f.export.provider.setxattr(f.path, x.name, bytes(x.value), x.flags)
+                    f.export.provider.setxattr(f.path, x.name, bytes(x.value), x.flags, handle=handle)
             except OSError:
                 self._drop(msg.fid)
                 raise
@@ -327,11 +397,12 @@ class Session:
             self._reserve_handle()
             f.handle = provider.open(f.path, flags)
             self.open_files += 1
+            a = f.handle.fstat()  # the inode opened (the path may have changed since the getattr)
         elif a.kind == LNK:
             raise OSError(errno.ELOOP, "is a symlink", f.path)
         else:
             raise OSError(errno.EPERM, "special files are never opened on the host", f.path)
-        f.opened, f.kind = True, a.kind
+        f.opened, f.kind, f.inode = True, a.kind, _inode(a)
         return m.Rlopen(qid_of(a), self.iounit)
 
     def _lcreate(self, msg: m.Tlcreate) -> m.Rlcreate:
@@ -343,8 +414,9 @@ class Session:
         handle, _made = d.export.provider.create(path, msg.mode, os_flags(msg.flags))
         self.open_files += 1
         d.export.move(d, path)  # the fid is now the new file
-        d.kind, d.opened, d.handle = REG, True, handle
-        return m.Rlcreate(qid_of(handle.fstat()), self.iounit)
+        a = handle.fstat()
+        d.kind, d.opened, d.handle, d.inode = REG, True, handle, _inode(a)
+        return m.Rlcreate(qid_of(a), self.iounit)
 
     def _read(self, msg: m.Tread) -> m.Rread:
         f = self._fid(msg.fid)
@@ -409,8 +481,9 @@ class Session:
                 raise OSError(errno.EINVAL, "nanoseconds out of range")
             return sec * 10**9 + nsec
 
+        changes = v & (m.SETATTR_MODE | m.SETATTR_SIZE | m.SETATTR_ATIME | m.SETATTR_MTIME)
         f.export.provider.setattr(
-            f.path, handle=f.handle,
+            f.path, handle=self._inode_handle(f) if changes else f.handle,
             mode=msg.mode if v & m.SETATTR_MODE else None,
             size=_offset(msg.size) if v & m.SETATTR_SIZE else None,
             atime_ns=when(m.SETATTR_ATIME, m.SETATTR_ATIME_SET, msg.atime_sec, msg.atime_nsec),
@@ -541,14 +614,16 @@ class Session:
         if msg.newfid != msg.fid and msg.newfid in self.fids:
             raise OSError(errno.EEXIST, f"fid {msg.newfid} is in use")
         provider = f.export.provider
+        handle = self._inode_handle(f, strict=False)  # an open file's own xattrs, wherever it is now (no host call)
         if msg.name == "":
-            value = b"".join(n.encode("utf-8", "surrogateescape") + b"\0" for n in provider.listxattr(f.path))
+            value = b"".join(n.encode("utf-8", "surrogateescape") + b"\0"
+                             for n in provider.listxattr(f.path, handle=handle))
         else:
-            value = provider.getxattr(f.path, msg.name)
+            value = provider.getxattr(f.path, msg.name, handle=handle)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr larger than 64 KiB", f.path)
         nf = self._new_fid(msg.newfid, f.export, f.path, f.kind, replacing=msg.fid)
-        nf.xattr_value = value
+        nf.xattr_value, nf.inode = value, f.inode
         return m.Rxattrwalk(len(value))
 
     def _xattrcreate(self, msg: m.Txattrcreate) -> m.Rxattrcreate:
