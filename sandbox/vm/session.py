@@ -375,7 +375,7 @@ class Session:
                 if ws is not None:
                     self._watch(s, i, ws, f.path)
         sock = os.path.join(s.run_dir, "9p.sock")
-        server = NinePServer(dict(s.providers), ServerConfig(msize_max=1 << 20),
+        server = NinePServer(dict(s.providers), ServerConfig(),  # limits: sandbox/limits.py
                              decide=self._decide if self.decide else None)
         s.server = ServerThread(server, unix_path=sock).__enter__()
         s.guest = self._make_guest(s.run_dir)
