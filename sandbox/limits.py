@@ -18,8 +18,9 @@ limit (``ServerLimits`` field)                    default     when exceeded
                                                               is bounded by the negotiated msize
 ``frame_incomplete_timeout_s``                    60 s        a frame not complete this long after its
                                                               first byte closes the connection (time
-                                                              spent not reading — backpressure, a pending
-                                                              safeguard hold — does not count)
+                                                              spent not reading it does not count; while
+                                                              a safeguard hold is pending — the VM may be
+                                                              paused — the deadline is extended)
 ``write_buffer_bytes_max``                        8 MiB       the connection's unsent replies are over it:
                                                               its requests are not read until they drain
 ``held_request_bytes_per_connection_max``         8 MiB       requests waiting behind a safeguard hold are
@@ -39,9 +40,13 @@ limit (``ServerLimits`` field)                    default     when exceeded
 ``xattr_value_bytes_max`` (the kernel's)          64 KiB      ``E2BIG``
 ================================================  ==========  ==========================================
 
-Worst case per connection, all limits reached at once: write buffer + held requests +
-one partial frame + one read chunk + xattr values + listings ≈ 8 + 8 + 1 + 0.25 + 1 + 16
-MiB, plus ~0.3 KiB per fid (~20 MiB at 65,536 fids) — about 55 MiB; × ``connections_max``.
+Worst case per connection, all limits reached at once (measured by
+``sim/test_ninep_limits.py``): unsent replies up to twice ``write_buffer_bytes_max`` while
+they drain (asyncio keeps them in one bytearray, copied when it grows), held requests,
+one partial frame and the unhandled frames of one 256 KiB read, xattr values, listings:
+≈ 16 + 8 + 1 + 0.25 + 1 + 16 MiB; plus ~0.2 KiB per fid (13 MiB at 65,536) and each
+distinct path a fid names (≤ 4 KiB, one string however many fids share it). About 55 MiB,
+times ``connections_max``.
 
 **Descriptors** are a process-wide resource (``RLIMIT_NOFILE``): a server raises the soft
 limit to the hard one when it starts (:func:`raise_nofile_soft_limit`); client-held file

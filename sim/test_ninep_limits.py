@@ -13,6 +13,7 @@ configured value otherwise. No sleeps: a closed connection is waited for by read
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -36,7 +37,7 @@ from sandbox.mounts.memory import memory_hostfs
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client, NinePError
 from sandbox.ninep.codec import encode
-from sandbox.ninep.server import ServerConfig
+from sandbox.ninep.server import NinePServer, ServerConfig
 from sim import oracle
 from sim.wire import serve
 
@@ -418,6 +419,97 @@ def test_a_half_sent_frame_times_out_and_closes_only_that_connection(tmp_path):
         fid, _ = other.walk(root, ["f"])
         other.lopen(fid, m.DOTL_RDONLY)
         assert other.read(fid, 0, 5) == b"hello"
+
+
+class RecordingTransport(asyncio.Transport):
+    """asyncio's transport interface, recording what the connection asks of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborted, self.reading, self.buffered, self.written = False, True, 0, []
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
+    def get_write_buffer_size(self):
+        return self.buffered
+
+    def write(self, data):
+        self.written.append(bytes(data))
+
+    def is_closing(self):
+        return self.aborted
+
+    def pause_reading(self):
+        self.reading = False
+
+    def resume_reading(self):
+        self.reading = True
+
+    def abort(self):
+        self.aborted = True
+
+
+def test_the_incomplete_frame_clock_starts_at_each_frame_s_first_byte_and_stops_while_not_reading():
+    """Unit test of the deadline on a manual clock: bytes trickling into one frame do not
+    reset it; a completed frame does (a stream of large frames, each read ending mid-frame,
+    is never cut); time spent not reading (backpressure) does not count."""
+    loop = asyncio.new_event_loop()
+    now = [1000.0]
+    loop.time = lambda: now[0]
+    tree = Provider(memory_hostfs({"f": b"x"}), None, read_only=True)
+    server = NinePServer(tree, ServerConfig(ServerLimits(frame_incomplete_timeout_s=10)))
+
+    def at(t, fn=None):
+        now[0] = 1000.0 + t
+        if fn is not None:
+            loop.call_soon(fn)
+        loop.call_soon(loop.stop)
+        loop.run_forever()  # one turn: callbacks, and every timer due by now
+
+    def connection():
+        conn, tr = server._protocol(), RecordingTransport()
+        at(0, lambda: conn.connection_made(tr))
+        at(0, lambda: conn.data_received(encode(m.NOTAG, m.Tversion(65536, m.VERSION))))
+        assert len(tr.written) == 1  # Rversion
+        return conn, tr
+
+    frame = encode(1, m.Twrite(1, 0, b"z" * 4000))
+    try:
+        conn, tr = connection()  # trickling into one frame
+        at(0, lambda: conn.data_received(frame[:10]))
+        at(5, lambda: conn.data_received(frame[10:20]))
+        at(9.9, lambda: conn.data_received(frame[20:30]))
+        assert not tr.aborted
+        at(10)
+        assert tr.aborted
+
+        conn, tr = connection()  # a stream of frames, every read ending inside one
+        at(0, lambda: conn.data_received(frame[:-5]))
+        at(9, lambda: conn.data_received(frame[-5:] + frame[:10]))
+        at(18.9)
+        assert not tr.aborted and len(tr.written) == 2  # the first frame was answered (EBADF)
+        at(19)
+        assert tr.aborted
+
+        conn, tr = connection()  # not reading: the clock stops; reading again: it starts anew
+        tr.buffered = ServerLimits().write_buffer_bytes_max + 1
+        at(0, lambda: conn.data_received(frame + frame[:10]))
+        assert not tr.reading
+        at(100)
+        assert not tr.aborted
+        tr.buffered = 0
+        at(100, conn.resume_writing)
+        assert tr.reading and len(tr.written) == 2
+        at(109.9)
+        assert not tr.aborted
+        at(110)
+        assert tr.aborted
+    finally:
+        loop.close()
 
 
 @pytest.mark.timeout(60)

@@ -132,11 +132,14 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            self.inbox.extend(self.splitter.feed(data))
+            frames = self.splitter.feed(data)
         except ProtocolError as e:
             log.warning("9p connection %d: %s; closing it", self.conn_id, e)
             self.transport.close()
             return
+        if frames:
+            self._stop_frame_timer()  # whatever is buffered now is a new frame: its clock starts now
+            self.inbox.extend(frames)
         self._pump()
 
     # -- backpressure and the incomplete-frame deadline --
@@ -159,7 +162,7 @@ class _Connection(asyncio.Protocol):
             self.reading = want
             (self.transport.resume_reading if want else self.transport.pause_reading)()
         if self.reading and self.splitter.buffered:
-            if self._frame_timer is None:  # the clock starts at a frame's first byte; more bytes don't reset it
+            if self._frame_timer is None:  # from a frame's first byte; more bytes of it don't reset the clock
                 self._frame_timer = asyncio.get_running_loop().call_later(
                     self.limits.frame_incomplete_timeout_s, self._frame_timeout)
         else:
@@ -316,7 +319,7 @@ class NinePServer:
         t.add_done_callback(self._tasks.discard)
 
     def _listening(self) -> None:
-        """Once per server, before its first listener: raise the process's soft
+        """Once per server, when it first listens (before any connection): raise the process's soft
         ``RLIMIT_NOFILE`` to the hard limit and keep a descriptor for each possible
         connection's socket out of the budget clients' open files share."""
         if not self._sockets_reserved:
@@ -348,20 +351,20 @@ class NinePServer:
             if not stat.S_ISSOCK(st.st_mode):
                 raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
             os.unlink(path)
-        self._listening()
         old = os.umask(0o177)
         try:
             srv = await asyncio.get_running_loop().create_unix_server(self._protocol, path)
         finally:
             os.umask(old)
+        self._listening()
         self.unix_path = path
         self._servers.append(srv)
         self._start_poller()
 
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on TCP (loopback by default); returns the port."""
-        self._listening()
         srv = await asyncio.get_running_loop().create_server(self._protocol, host, port)
+        self._listening()
         self._servers.append(srv)
         self._start_poller()
         return srv.sockets[0].getsockname()[1]
