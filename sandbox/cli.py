@@ -563,15 +563,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(or trans=tcp,port=PORT 127.0.0.1 /mnt with --tcp).\n\n"
         f"Limits (sandbox/limits.py), so one client cannot starve the others or the undo core:\n"
         f"{lim.connections_max} connections (one more is closed at once, logged); per connection\n"
-        f"{lim.fids_per_connection_max:,} fids (ENFILE), {lim.open_files_per_connection_max} open files (EMFILE), "
-        f"{lim.xattr_bytes_per_connection_max >> 20} MiB of xattr values held (ENOMEM),\n"
-        f"{lim.dir_listing_bytes_per_connection_max >> 20} MiB of directory listings kept; unread replies over "
-        f"{lim.write_buffer_bytes_max >> 20} MiB or requests\n"
-        f"held by a safeguard over {lim.held_request_bytes_per_connection_max >> 20} MiB stop reading the "
-        f"connection until they drain; a frame\n"
-        f"incomplete for {lim.frame_incomplete_timeout_s:g} s closes it. The soft open-file limit is raised to "
-        f"the hard one;\nall clients' open files share it, minus {DESCRIPTORS_RESERVED} descriptors kept for "
-        f"the undo core (ENFILE).",
+        f"{lim.fids_per_connection_max:,} fids (ENFILE), {lim.open_files_per_connection_max:,} open files "
+        f"(EMFILE; at most a quarter of the process's),\n"
+        f"{lim.xattr_bytes_per_connection_max >> 20} MiB of xattr values held (ENOMEM), "
+        f"{lim.dir_listing_bytes_per_connection_max >> 20} MiB of directory listings kept; unread\n"
+        f"replies over {lim.write_buffer_bytes_max >> 20} MiB or requests held by a safeguard over "
+        f"{lim.held_request_bytes_per_connection_max >> 20} MiB stop reading the\n"
+        f"connection until they drain; a frame incomplete for {lim.frame_incomplete_timeout_s:g} s closes it. "
+        f"The soft\nopen-file limit is raised to the hard one; all clients' open files share it, minus\n"
+        f"{DESCRIPTORS_RESERVED} descriptors kept for the undo core (ENFILE).",
         [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken)"),
          (2, "bad usage (--root is not a directory, no --socket/--tcp)"), mismatch,
          (5, "the undo store is in use by another process (another server or an undo)")])

@@ -26,7 +26,8 @@ limit (``ServerLimits`` field)                    default     when exceeded
 ``held_request_bytes_per_connection_max``         8 MiB       requests waiting behind a safeguard hold are
                                                               over it: requests are not read until it drops
 ``fids_per_connection_max``                       65,536      ``ENFILE``
-``open_files_per_connection_max``                 256         ``EMFILE``
+``open_files_per_connection_max``                 1,024       ``EMFILE`` — and never more than
+``open_files_per_connection_share_max``           1/4         this share of the process's budget
 (process) open files of all connections           RLIMIT_NOFILE soft − ``DESCRIPTORS_RESERVED``
                                                               − the servers' connection sockets: ``ENFILE``
 ``xattr_bytes_per_connection_max``                1 MiB       xattr values held for Txattrwalk/Txattrcreate
@@ -91,7 +92,8 @@ class ServerLimits:
     write_buffer_bytes_max: int = 8 * MiB
     held_request_bytes_per_connection_max: int = 8 * MiB
     fids_per_connection_max: int = 65_536
-    open_files_per_connection_max: int = 256
+    open_files_per_connection_max: int = 1_024
+    open_files_per_connection_share_max: float = 0.25  # of DescriptorBudget.capacity: 3 abusers leave some
     xattr_bytes_per_connection_max: int = 1 * MiB
     dir_listing_bytes_per_connection_max: int = 16 * MiB
     held_requests_per_export_max: int = HELD_REQUESTS_PER_EXPORT_MAX
@@ -111,6 +113,8 @@ class ServerLimits:
                   self.locks_per_export_max)
         if min(counts) < 1 or not self.frame_incomplete_timeout_s > 0:
             raise ValueError("limits must be positive")
+        if not 0 < self.open_files_per_connection_share_max <= 1:
+            raise ValueError("open_files_per_connection_share_max must be in (0, 1]")
 
 
 def raise_nofile_soft_limit() -> int:

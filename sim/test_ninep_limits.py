@@ -31,7 +31,8 @@ import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
-from sandbox.limits import (DESCRIPTORS_RESERVED, DescriptorBudget, MiB, ServerLimits, raise_nofile_soft_limit)
+from sandbox.limits import (DESCRIPTORS_RESERVED, PROCESS_DESCRIPTORS, DescriptorBudget, MiB, ServerLimits,
+                            raise_nofile_soft_limit)
 from sandbox.mounts import Provider
 from sandbox.mounts.memory import memory_hostfs
 from sandbox.ninep import messages as m
@@ -580,9 +581,11 @@ def test_open_files_per_connection_stop_with_emfile_and_another_client_reads(tmp
     work = tmp_path / "work"
     work.mkdir()
     (work / "f").write_bytes(b"x")
-    n = LIMITS.open_files_per_connection_max
     ws = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
     with serve(Provider.intercepted(ws)) as (_st, path), Client.connect_unix(path) as c:
+        # 1,024 unless this process's descriptor limit is so low that a quarter of it is less
+        n = min(LIMITS.open_files_per_connection_max,
+                int(PROCESS_DESCRIPTORS.capacity * LIMITS.open_files_per_connection_share_max))
         root, _ = c.attach()
         base = fds(os.getpid())
         fids = list(range(10, 10 + n + 1))
@@ -599,32 +602,35 @@ def test_open_files_per_connection_stop_with_emfile_and_another_client_reads(tmp
 
 def test_the_process_budget_leaves_descriptors_for_the_undo_core(tmp_path):
     """``serve-9p`` under a low descriptor limit: it raises the soft limit to the hard one;
-    clients' open files stop at the process budget with ENFILE (one connection alone at
-    its own cap with EMFILE) while the undo core still journals every mutation — and the
-    whole session undoes exactly."""
+    one connection's open files stop at a quarter of the process budget (EMFILE), all
+    clients' at the budget (ENFILE), while the undo core still journals every mutation —
+    and the whole session undoes exactly."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "f").write_bytes(b"0123456789")
     (work / "doomed").write_bytes(b"doomed\n")
     before = oracle.snapshot_dir(str(work))
-    budget = 300
+    budget = 290
     hard = DESCRIPTORS_RESERVED + LIMITS.connections_max + budget
+    per_conn = int(budget * LIMITS.open_files_per_connection_share_max)  # 72
+    full, rest = divmod(budget, per_conn)  # 4 connections at their cap, 2 files for a fifth
     with server_process(tmp_path, work, nofile=(64, hard)) as sp:
         with open(f"/proc/{sp.pid}/limits") as f:
             row = next(line for line in f if line.startswith("Max open files")).split()
         assert (int(row[3]), int(row[4])) == (hard, hard)  # soft raised to hard
-        per_conn = LIMITS.open_files_per_connection_max
-        with Client.connect_unix(sp.sock) as a, Client.connect_unix(sp.sock) as b, \
-                Client.connect_unix(sp.sock) as c:
-            got = {}
-            for cl, first in ((a, 10), (b, 10)):
+        with ExitStack() as stack:
+            abusers = [stack.enter_context(Client.connect_unix(sp.sock)) for _ in range(full + 1)]
+            c = stack.enter_context(Client.connect_unix(sp.sock))
+            got = []
+            for cl in abusers:
                 root, _ = cl.attach()
-                fids = list(range(first, first + per_conn + 1))
+                fids = list(range(10, 10 + per_conn + 1))
                 assert errnos(cl, cl.send_many([m.Twalk(root, x, ["f"]) for x in fids])) == [0] * len(fids)
-                got[cl] = errnos(cl, cl.send_many([m.Tlopen(x, m.DOTL_RDWR) for x in fids]))
-            assert got[a] == [0] * per_conn + [errno.EMFILE]
-            assert got[b] == [0] * (budget - per_conn) + [errno.ENFILE] * (2 * per_conn + 1 - budget)
+                got.append(errnos(cl, cl.send_many([m.Tlopen(x, m.DOTL_RDWR) for x in fids])))
+            assert got[:full] == [[0] * per_conn + [errno.EMFILE]] * full
+            assert got[full] == [0] * rest + [errno.ENFILE] * (per_conn + 1 - rest)
             assert fds(sp.pid) < hard - DESCRIPTORS_RESERVED // 2
+            b = abusers[0]
             root, _ = c.attach()
             fid, _ = c.walk(root, ["f"])
             assert errno_of(c.lopen, fid, m.DOTL_RDONLY) == errno.ENFILE  # a clean errno, not a crash
@@ -633,6 +639,7 @@ def test_the_process_budget_leaves_descriptors_for_the_undo_core(tmp_path):
             c.mkdir(root, "made")
             c.unlinkat(root, "doomed")
             assert (work / "f").read_bytes() == b"ABC3456789" and not (work / "doomed").exists()
+            stack.close()
         sp.stop()
     hist = sandbox_cmd(sp.env, "history", "--workdir", str(work), "--json")
     assert hist.returncode == 0, hist.stderr
@@ -694,5 +701,5 @@ def test_limits_live_in_one_place_and_the_readme_says_the_code_s_numbers():
 def test_serve_9p_help_names_the_main_limits(tmp_path):
     out = sandbox_cmd(os.environ, "serve-9p", "--help").stdout
     flat = " ".join(out.split())
-    for phrase in ("65,536 fids", "256 open files", "16 connections", "8 MiB", "60 s"):
+    for phrase in ("65,536 fids", "1,024 open files", "16 connections", "8 MiB", "60 s"):
         assert phrase in flat, phrase

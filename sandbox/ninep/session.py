@@ -15,8 +15,9 @@ Invariants:
 * a rename through any connection moves every live fid below the old name (the export
   keeps the registry), so fids follow their files as a local file descriptor would;
 * bounded (:class:`~sandbox.limits.ServerLimits`): fids per connection (``ENFILE``
-  beyond); open host handles per connection (``EMFILE``) and in the whole process (the
-  shared :class:`~sandbox.limits.DescriptorBudget`, ``ENFILE``); xattr values ≤ 64 KiB
+  beyond); open host handles per connection (``EMFILE``; also never more than a share of
+  the process's budget) and in the whole process (the shared
+  :class:`~sandbox.limits.DescriptorBudget`, ``ENFILE``); xattr values ≤ 64 KiB
   each and the bytes of values held for one connection's xattr fids (``ENOMEM``);
   directory listings kept between Treaddirs (least recently used dropped first, see
   :meth:`Session._listing`); read/readdir counts clamped to the negotiated ``msize``;
@@ -271,8 +272,10 @@ class Session:
     def _opened(self, open_fn, *args):
         """``open_fn(*args)`` — a provider call returning a new host handle (or a tuple
         holding one) — within this connection's and the process's descriptor limits."""
-        if self.open_files >= self.open_files_max:
-            raise OSError(errno.EMFILE, f"more than {self.open_files_max} open files on this connection")
+        cap = min(self.open_files_max,
+                  max(1, int(self.descriptors.capacity * self.limits.open_files_per_connection_share_max)))
+        if self.open_files >= cap:
+            raise OSError(errno.EMFILE, f"more than {cap} open files on this connection")
         self.descriptors.acquire()  # ENFILE when the process's budget is spent
         try:
             out = open_fn(*args)
