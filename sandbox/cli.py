@@ -376,6 +376,7 @@ def cmd_serve_9p(args) -> int:
     import logging
     import signal
 
+    from .limits import ServerLimits
     from .mounts import Provider
     from .ninep.server import NinePServer, ServerConfig
 
@@ -391,7 +392,7 @@ def cmd_serve_9p(args) -> int:
             tcp_host, tcp_port = host or tcp_host, int(port)
         except ValueError:
             raise CliError(f"--tcp wants [HOST:]PORT, not {args.tcp!r}", EXIT_USAGE) from None
-    config = ServerConfig(msize_max=args.msize_max)
+    config = ServerConfig(ServerLimits(msize_bytes_max=args.msize_max))
     ws = None
     if args.read_only:
         provider = Provider.read_only_dir(args.root)
@@ -417,7 +418,8 @@ def cmd_serve_9p(args) -> int:
                 port = await server.start_tcp(tcp_host, tcp_port)
                 where.append(f"tcp:{tcp_host}:{port}")
             print(f"sandbox: serving {os.path.realpath(args.root)} over 9P2000.L ({what}) on {', '.join(where)}; "
-                  f"msize up to {config.msize_max}. SIGTERM or Ctrl-C stops.", file=sys.stderr, flush=True)
+                  f"msize up to {config.limits.msize_bytes_max}. SIGTERM or Ctrl-C stops.", file=sys.stderr,
+                  flush=True)
             await stop.wait()
         finally:
             await server.close()
@@ -467,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
         return sp
 
+    from .limits import DESCRIPTORS_RESERVED, ServerLimits
+
+    lim = ServerLimits()
     no_history = (1, "no undo history for the folder")
     bad_usage = (2, "bad usage (e.g. --workdir is not a directory)")
     mismatch = (4, "undo unavailable: the store's format version is not this one's (run `sandbox discard`)")
@@ -557,7 +562,18 @@ def build_parser() -> argparse.ArgumentParser:
         "server has stopped (the undo store is locked while it runs). --read-only serves without\n"
         "interception and refuses every mutation (EROFS).\n\n"
         "Linux client: mount -t 9p -o trans=unix,version=9p2000.L,msize=1048576 PATH /mnt\n"
-        "(or trans=tcp,port=PORT 127.0.0.1 /mnt with --tcp).",
+        "(or trans=tcp,port=PORT 127.0.0.1 /mnt with --tcp).\n\n"
+        f"Limits (sandbox/limits.py), so one client cannot starve the others or the undo core:\n"
+        f"{lim.connections_max} connections (one more is closed at once, logged); per connection\n"
+        f"{lim.fids_per_connection_max:,} fids (ENFILE), {lim.open_files_per_connection_max:,} open files "
+        f"(EMFILE; at most a quarter of the process's),\n"
+        f"{lim.xattr_bytes_per_connection_max >> 20} MiB of xattr values held (ENOMEM), "
+        f"{lim.dir_listing_bytes_per_connection_max >> 20} MiB of directory listings kept; unread\n"
+        f"replies over {lim.write_buffer_bytes_max >> 20} MiB or requests held by a safeguard over "
+        f"{lim.held_request_bytes_per_connection_max >> 20} MiB stop reading the\n"
+        f"connection until they drain; a frame incomplete for {lim.frame_incomplete_timeout_s:g} s closes it. "
+        f"The soft\nopen-file limit is raised to the hard one; all clients' open files share it, minus\n"
+        f"{DESCRIPTORS_RESERVED} descriptors kept for the undo core (ENFILE).",
         [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken)"),
          (2, "bad usage (--root is not a directory, no --socket/--tcp)"), mismatch,
          (5, "the undo store is in use by another process (another server or an undo)")])

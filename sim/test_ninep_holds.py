@@ -16,6 +16,7 @@ import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
+from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider, memory_tree
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client, NinePError
@@ -105,7 +106,7 @@ def test_an_unanswered_hold_times_out_as_deny(tmp_path):
 
 def test_queue_cap_answers_enospc(tmp_path):
     ws = guarded(tmp_path, threshold=1)
-    with serve(Provider.intercepted(ws), ServerConfig(hold_queue_max=2)) as (st, path), Client.connect_unix(path) as c:
+    with serve(Provider.intercepted(ws), ServerConfig(ServerLimits(held_requests_per_export_max=2))) as (st, path), Client.connect_unix(path) as c:
         root, _ = c.attach()
         tags = [c.send(m.Tunlinkat(root, f"f{i}", 0)) for i in range(5)]
         sync(c, root)

@@ -17,6 +17,7 @@ import stat
 import pytest
 
 from sandbox.core.workspace import Workspace
+from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider, memory_tree
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
@@ -79,12 +80,12 @@ def test_version_negotiates_msize_and_attach_gives_root_qid(served, work):
         fid, qid = c.attach()
         assert qid.type == m.QT_DIR and qid.path == os.stat(work).st_ino
     with Client.connect_unix(served[1], msize=64 << 20) as c:
-        assert c.msize == ServerConfig().msize_max  # clamped to the server's maximum
+        assert c.msize == ServerConfig().limits.msize_bytes_max  # clamped to the server's maximum
 
 
 def test_reads_are_clamped_to_iounit(ws, work):
     (work / "big").write_bytes(os.urandom(300_000))
-    with serve(Provider.intercepted(ws), ServerConfig(msize_max=65536)) as (_st, path):
+    with serve(Provider.intercepted(ws), ServerConfig(ServerLimits(msize_bytes_max=65536))) as (_st, path):
         with Client.connect_unix(path, msize=1 << 20) as c:
             c.attach()
             fid = c.walk_path("big")
@@ -274,7 +275,7 @@ def test_rename_moves_every_fid_below_it(client, work):
 
 def test_fid_and_open_file_limits(ws, work):
     (work / "f").write_bytes(b"x")
-    with serve(Provider.intercepted(ws), ServerConfig(fids_max=4, open_files_max=2)) as (_st, path):
+    with serve(Provider.intercepted(ws), ServerConfig(ServerLimits(fids_per_connection_max=4, open_files_per_connection_max=2))) as (_st, path):
         with Client.connect_unix(path) as c:
             root, _ = c.attach()
             a, _ = c.walk(root, ["f"])

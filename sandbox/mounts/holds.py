@@ -30,9 +30,10 @@ from typing import Awaitable, Callable, TypeVar
 
 from ..core.errors import HoldRequired, SafeguardDenied
 from ..core.safeguard import Hold
+from ..limits import HELD_REQUESTS_PER_EXPORT_MAX
 
 T = TypeVar("T")
-QUEUE_MAX = 10_000
+QUEUE_MAX = HELD_REQUESTS_PER_EXPORT_MAX  # ServerLimits.held_requests_per_export_max
 Decide = Callable[[Hold], "str | Awaitable[str]"]
 log = logging.getLogger("sandbox.safeguard")
 

@@ -210,6 +210,20 @@ class Client:
         self._pending.add(tag)
         return tag
 
+    def send_many(self, msgs: Iterable[Message]) -> list[int]:
+        """Send T-messages pipelined in one write (as a busy kernel client may); their tags."""
+        tags, frames = [], []
+        for msg in msgs:
+            tag = self._alloc_tag()
+            frame = encode(tag, msg)
+            if len(frame) > self.msize:
+                raise ValueError(f"{type(msg).__name__} of {len(frame)} bytes exceeds msize {self.msize}")
+            self._pending.add(tag)  # reserved now so the next _alloc_tag skips it
+            tags.append(tag)
+            frames.append(frame)
+        self._send_frame(b"".join(frames))
+        return tags
+
     def recv(self) -> tuple[int, Message]:
         """The next reply in arrival order (held ones first), Rlerror included, raw."""
         if self._held:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass
 
+from ..limits import LOCKS_PER_EXPORT_MAX
+
 RDLCK, WRLCK, UNLCK = 0, 1, 2
 INF = 1 << 64
-LOCKS_MAX = 100_000
+LOCKS_MAX = LOCKS_PER_EXPORT_MAX  # ServerLimits.locks_per_export_max
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,17 +12,26 @@ Invariants:
 * errors while handling a request are never fatal: every exception becomes
   ``Rlerror(errno)`` (``EIO`` for the unexpected, which is also logged); a frame that
   cannot be decoded but has a readable tag gets ``Rlerror(EINVAL)``; only a broken
-  frame boundary (size < 7 or > msize) or a duplicate in-flight tag closes that
-  connection — the server and its other connections stay up;
+  frame boundary (size < 7 or > msize — 8 KiB until Tversion), a duplicate in-flight
+  tag or a frame left incomplete too long closes that connection — the server and its
+  other connections stay up;
 * ``Tflush(oldtag)`` is answered after ``oldtag``'s reply if that was already sent,
   and otherwise cancels it so that it is never answered;
 * every task belongs to its connection and is cancelled and awaited when the
   connection or the server closes; nothing is left running;
 * mutating requests on an intercepted export count as in flight for the step tracker
   from receipt to reply, so a step's quiescence window waits for them;
-* bounded: ``msize`` ≤ ``msize_max``; fids and open files per connection; the hold
-  queue per export; a connection whose client does not read its replies stops being
-  read (transport flow control) instead of buffering without end.
+* bounded — every limit is a field of :class:`~sandbox.limits.ServerLimits`, whose
+  docstring has the table: connections (one more is accepted and closed at once, with a
+  log line); per connection, the receive side holds at most one partial frame plus the
+  unhandled frames of one read; a connection whose unsent replies pass
+  ``write_buffer_bytes_max``, or whose requests held behind a safeguard pass
+  ``held_request_bytes_per_connection_max``, is not read (its frames wait, in order)
+  until they drain — backpressure instead of buffering without end; fids, open files,
+  xattr values and directory listings per connection (:mod:`.session`); the hold queue
+  and locks per export; open files per process (a shared
+  :class:`~sandbox.limits.DescriptorBudget`; the soft ``RLIMIT_NOFILE`` is raised to
+  the hard limit when a server starts listening).
 """
 
 from __future__ import annotations
@@ -34,37 +43,30 @@ import os
 import socket
 import stat
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..core.errors import HoldRequired
+from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, raise_nofile_soft_limit
 from ..mounts import Provider
 from . import messages as m
 from .codec import FrameSplitter, ProtocolError, decode, encode
-from .session import FIDS_MAX, OPEN_FILES_MAX, Export, Session
+from .session import Export, Session
 
 log = logging.getLogger("sandbox.fs_backend")
-MSIZE_MAX = 1 << 20
-MSIZE_MIN = 8192
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerConfig:
-    #: the largest msize granted (the client's is honoured up to this; ≥ 512 KiB recommended)
-    msize_max: int = MSIZE_MAX
-    fids_max: int = FIDS_MAX
-    open_files_max: int = OPEN_FILES_MAX
-    hold_queue_max: int = 10_000
+    #: every resource limit (``sandbox/limits.py``); ``msize_bytes_max`` ≥ 512 KiB recommended
+    limits: ServerLimits = field(default_factory=ServerLimits)
     #: how often the undo core's time-driven transitions run (ambient step close, hold expiry)
     poll_interval_s: float = 0.2
-    #: stop reading a connection whose unsent replies exceed this
-    write_buffer_high_bytes: int = 8 << 20
 
     def __post_init__(self):
-        if self.msize_max < MSIZE_MIN:
-            raise ValueError(f"msize_max must be at least {MSIZE_MIN}")
-        if min(self.fids_max, self.open_files_max, self.hold_queue_max) < 1 or self.poll_interval_s <= 0:
-            raise ValueError("limits must be positive")
+        if self.poll_interval_s <= 0:
+            raise ValueError("poll_interval_s must be positive")
 
 
 def _errno_of(exc: BaseException) -> int:
@@ -77,25 +79,40 @@ class _Connection(asyncio.Protocol):
     def __init__(self, server: "NinePServer", conn_id: int):
         self.server = server
         self.conn_id = conn_id
-        cfg = server.config
-        self.session = Session(server.exports, conn_id, cfg.msize_max, cfg.fids_max, cfg.open_files_max)
-        self.splitter = FrameSplitter(cfg.msize_max)
+        self.limits = limits = server.config.limits
+        self.session = Session(server.exports, conn_id, limits, server.descriptors)
+        self.splitter = FrameSplitter(limits.frame_bytes_before_version_max)
+        self.inbox: deque[bytes] = deque()  # frames received, not yet handled (reading paused)
         self.tasks: dict[int, asyncio.Task] = {}
+        self.held_bytes = 0  # frame bytes of requests waiting behind a safeguard hold
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.refused = False
+        self.reading = True  # False while paused by backpressure
+        self._frame_timer: asyncio.TimerHandle | None = None
 
     # -- transport callbacks --
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if len(self.server._connections) >= self.limits.connections_max:
+            self.refused = self.closed = True
+            log.warning("9p connection %d refused: %d connections are open (connections_max)",
+                        self.conn_id, len(self.server._connections))
+            transport.abort()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # SPEC §5: Nagle costs 10×
-        transport.set_write_buffer_limits(high=self.server.config.write_buffer_high_bytes)
+        transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes_max)
         self.server._connections.add(self)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        self._stop_frame_timer()
+        if self.refused:
+            return
+        self.inbox.clear()
         self.server._connections.discard(self)
         for t in self.tasks.values():
             t.cancel()
@@ -108,10 +125,10 @@ class _Connection(asyncio.Protocol):
         self.session.close()
 
     def pause_writing(self) -> None:
-        self.transport.pause_reading()
+        pass  # _pump checks the write buffer after every frame
 
     def resume_writing(self) -> None:
-        self.transport.resume_reading()
+        self._pump()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -120,10 +137,53 @@ class _Connection(asyncio.Protocol):
             log.warning("9p connection %d: %s; closing it", self.conn_id, e)
             self.transport.close()
             return
-        for frame in frames:
-            if self.closed:
-                return
-            self._frame(frame)
+        if frames:
+            self._stop_frame_timer()  # whatever is buffered now is a new frame: its clock starts now
+            self.inbox.extend(frames)
+        self._pump()
+
+    # -- backpressure and the incomplete-frame deadline --
+
+    def _over_limits(self) -> bool:
+        return (self.transport.get_write_buffer_size() > self.limits.write_buffer_bytes_max
+                or self.held_bytes > self.limits.held_request_bytes_per_connection_max)
+
+    def _pump(self) -> None:
+        """Handle received frames in order while the connection is within its limits;
+        stop reading it while it is over them, read again once they drained."""
+        while self.inbox and not self.closed and not self.transport.is_closing():
+            if self._over_limits():
+                break
+            self._frame(self.inbox.popleft())
+        if self.closed or self.transport.is_closing():
+            return
+        want = not self.inbox and not self._over_limits()
+        if want != self.reading:
+            self.reading = want
+            (self.transport.resume_reading if want else self.transport.pause_reading)()
+        if self.reading and self.splitter.buffered:
+            if self._frame_timer is None:  # from a frame's first byte; more bytes of it don't reset the clock
+                self._frame_timer = asyncio.get_running_loop().call_later(
+                    self.limits.frame_incomplete_timeout_s, self._frame_timeout)
+        else:
+            self._stop_frame_timer()  # a complete frame, or not reading: its sender may be blocked by us
+
+    def _stop_frame_timer(self) -> None:
+        if self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
+
+    def _frame_timeout(self) -> None:
+        self._frame_timer = None
+        if self.closed:
+            return
+        if any(e.gate is not None and e.gate.busy for e in self.server.exports.values()):
+            # a VM paused while the user answers a safeguard cannot finish its frame: wait
+            self._pump()
+            return
+        log.warning("9p connection %d: a frame incomplete for %g s (%d bytes of it received); closing it",
+                    self.conn_id, self.limits.frame_incomplete_timeout_s, self.splitter.buffered)
+        self.transport.abort()
 
     # -- requests --
 
@@ -155,28 +215,26 @@ class _Connection(asyncio.Protocol):
         if isinstance(msg, m.Tflush):
             self._flush(tag, msg.oldtag)
             return
-        if isinstance(msg, m.Tversion):
-            self.splitter.msize = self.server.config.msize_max  # until negotiated
         try:
             export = self.session.gated_export(msg)
         except Exception:  # pragma: no cover - gated_export only reads the fid table
             export = None
         if export is None:
             self._send(tag, self._call(msg))
-            if isinstance(msg, m.Tversion) and self.session.msize:
-                self.splitter.msize = self.session.msize
+            if isinstance(msg, m.Tversion):  # frames are bounded by the msize now agreed
+                self.splitter.msize = self.session.msize or self.limits.frame_bytes_before_version_max
             return
         provider, gate = export.provider, export.gate
         provider.op_started()
         op = lambda: self.session.handle(msg)  # noqa: E731
         try:
             if gate.busy:
-                self._defer(tag, msg, gate.submit(op), provider)
+                self._defer(tag, msg, gate.submit(op), provider, len(frame))
                 return
             try:
                 reply = op()
             except HoldRequired as held:
-                self._defer(tag, msg, gate.submit(op, held.hold), provider)
+                self._defer(tag, msg, gate.submit(op, held.hold), provider, len(frame))
                 return
         except Exception as e:
             reply = self._error(msg, e)
@@ -196,18 +254,22 @@ class _Connection(asyncio.Protocol):
             log.exception("9p: %s failed unexpectedly", type(msg).__name__, exc_info=e)
         return m.Rlerror(_errno_of(e))
 
-    def _defer(self, tag: int, msg: m.Message, task: asyncio.Task, provider: Provider) -> None:
-        """``msg`` waits in its export's hold gate; its reply goes out when ``task`` ends
-        (none if it was cancelled: flushed, or the connection closed)."""
+    def _defer(self, tag: int, msg: m.Message, task: asyncio.Task, provider: Provider, size: int) -> None:
+        """``msg`` (a frame of ``size`` bytes) waits in its export's hold gate; its reply
+        goes out when ``task`` ends (none if it was cancelled: flushed, or the connection
+        closed)."""
         self.tasks[tag] = task
+        self.held_bytes += size
 
         def done(t: asyncio.Task) -> None:
             provider.op_finished()
             self.tasks.pop(tag, None)
+            self.held_bytes -= size
             if t.cancelled():
                 return
             e = t.exception()
             self._send(tag, t.result() if e is None else self._error(msg, e))
+            self._pump()  # under the bound again: read on
 
         task.add_done_callback(done)
 
@@ -230,11 +292,13 @@ class NinePServer:
     """Serve one or more providers (selected by the attach name; the first is the default)."""
 
     def __init__(self, exports: Provider | dict[str, Provider], config: ServerConfig | None = None,
-                 decide: Callable | None = None):
+                 decide: Callable | None = None, descriptors: DescriptorBudget = PROCESS_DESCRIPTORS):
         self.config = config or ServerConfig()
+        self.descriptors = descriptors
         if isinstance(exports, Provider):
             exports = {"": exports}
-        self.exports = {name.strip("/"): Export(p, decide, self.config.hold_queue_max) for name, p in exports.items()}
+        self.exports = {name.strip("/"): Export(p, decide, self.config.limits) for name, p in exports.items()}
+        self._sockets_reserved = 0
         self._servers: list[asyncio.base_events.Server] = []
         self._connections: set[_Connection] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -253,6 +317,15 @@ class NinePServer:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+
+    def _listening(self) -> None:
+        """Once per server, when it first listens (before any connection): raise the process's soft
+        ``RLIMIT_NOFILE`` to the hard limit and keep a descriptor for each possible
+        connection's socket out of the budget clients' open files share."""
+        if not self._sockets_reserved:
+            raise_nofile_soft_limit()
+            self._sockets_reserved = self.config.limits.connections_max
+            self.descriptors.reserve_sockets(self._sockets_reserved)
 
     def _start_poller(self) -> None:
         if self._poller is None and any(e.provider.interceptor is not None for e in self.exports.values()):
@@ -283,6 +356,7 @@ class NinePServer:
             srv = await asyncio.get_running_loop().create_unix_server(self._protocol, path)
         finally:
             os.umask(old)
+        self._listening()
         self.unix_path = path
         self._servers.append(srv)
         self._start_poller()
@@ -290,6 +364,7 @@ class NinePServer:
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Listen on TCP (loopback by default); returns the port."""
         srv = await asyncio.get_running_loop().create_server(self._protocol, host, port)
+        self._listening()
         self._servers.append(srv)
         self._start_poller()
         return srv.sockets[0].getsockname()[1]
@@ -313,6 +388,9 @@ class NinePServer:
             self._poller = None
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self._sockets_reserved:
+            self.descriptors.release_sockets(self._sockets_reserved)
+            self._sockets_reserved = 0
         if self.unix_path is not None:
             try:
                 os.unlink(self.unix_path)

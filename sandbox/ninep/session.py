@@ -18,9 +18,13 @@ Invariants:
   it goes to that inode — through its own open handle, or another open fid's handle on
   the same inode — never to a different file now at its path (an unlink or rename and
   a new file there); with no handle on that inode left it is ``ESTALE``;
-* bounded: ``fids_max`` fids and ``open_files_max`` open host handles per connection
-  (``ENFILE``/``EMFILE`` beyond), xattr values ≤ 64 KiB, read/readdir counts clamped to
-  the negotiated ``msize``;
+* bounded (:class:`~sandbox.limits.ServerLimits`): fids per connection (``ENFILE``
+  beyond); open host handles per connection (``EMFILE``; also never more than a share of
+  the process's budget) and in the whole process (the shared
+  :class:`~sandbox.limits.DescriptorBudget`, ``ENFILE``); xattr values ≤ 64 KiB
+  each and the bytes of values held for one connection's xattr fids (``ENOMEM``);
+  directory listings kept between Treaddirs (least recently used dropped first, see
+  :meth:`Session._listing`); read/readdir counts clamped to the negotiated ``msize``;
 * nothing here is trusted from the client except as data: unknown fids are ``EBADF``,
   a fid in use as a new fid is ``EEXIST``, a name that is not a single component is
   ``EINVAL``.
@@ -30,17 +34,18 @@ from __future__ import annotations
 
 import errno
 import os
+from bisect import bisect_right
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, is_within, parent_of
+from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
 from ..mounts import HoldGate, Provider, child
 from ..mounts.provider import XATTR_SIZE_MAX
 from . import messages as m
 from .locks import INF, LockTable
 
 V9FS_MAGIC = 0x01021997
-FIDS_MAX = 1 << 20  # a guest dcache pins one fid per cached dentry; ~200 B each
-OPEN_FILES_MAX = 1_024
 READDIR_HEADER = 11  # size[4] type[1] tag[2] count[4]
 DIRENT_FIXED = 13 + 8 + 1 + 2
 
@@ -86,14 +91,20 @@ def _dtype(a: Attr) -> int:
 class Export:
     """One provider as served: shared by every connection that attached to it."""
 
-    def __init__(self, provider: Provider, decide=None, hold_queue_max: int = 10_000):
+    def __init__(self, provider: Provider, decide=None, limits: ServerLimits = ServerLimits()):
         self.provider = provider
-        self.gate = HoldGate(provider.interceptor, decide, hold_queue_max) if provider.interceptor is not None else None
-        self.locks = LockTable()
+        self.gate = (HoldGate(provider.interceptor, decide, limits.held_requests_per_export_max)
+                     if provider.interceptor is not None else None)
+        self.locks = LockTable(limits.locks_per_export_max)
         self._by_path: dict[str, set["Fid"]] = {}  # every live fid of every connection, by path
 
     def add(self, f: "Fid") -> None:
-        self._by_path.setdefault(f.path, set()).add(f)
+        fids = self._by_path.get(f.path)
+        if fids is None:
+            self._by_path[f.path] = {f}
+        else:
+            f.path = next(iter(fids)).path  # one string per path, however many fids (a path is ≤ 4 KiB)
+            fids.add(f)
 
     def discard(self, f: "Fid") -> None:
         fids = self._by_path.get(f.path)
@@ -134,7 +145,9 @@ class Fid:
     kind: str
     opened: bool = False
     handle: FileHandle | None = None
-    dir_names: list[str] | None = None
+    dir_names: list[str] | None = None  # the kept listing (a tail of it after a resume), or None
+    dir_base: int = 0  # the readdir offset of dir_names[0]
+    dir_last: tuple[int, str] | None = None  # (offset after, name) of the last entry returned
     xattr_value: bytes | None = None
     xattr_new: _XattrNew | None = None
     inode: tuple[int, int] | None = None  # (st_ino, st_dev) of the file walked to
@@ -148,19 +161,24 @@ _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # nothing at the path (a sym
 
 
 class Session:
-    def __init__(self, exports: dict[str, Export], conn_id: int, msize_max: int,
-                 fids_max: int = FIDS_MAX, open_files_max: int = OPEN_FILES_MAX):
+    def __init__(self, exports: dict[str, Export], conn_id: int, limits: ServerLimits = ServerLimits(),
+                 descriptors: DescriptorBudget = PROCESS_DESCRIPTORS):
         if not exports:
             raise ValueError("at least one export")
         self.exports = exports
         self.default_export = next(iter(exports.values()))
         self.conn_id = conn_id
-        self.msize_max = msize_max
+        self.limits = limits
+        self.descriptors = descriptors
+        self.msize_max = limits.msize_bytes_max
         self.msize = 0  # 0 until Tversion
-        self.fids_max = fids_max
-        self.open_files_max = open_files_max
+        self.fids_max = limits.fids_per_connection_max
+        self.open_files_max = limits.open_files_per_connection_max
         self.fids: dict[int, Fid] = {}
-        self.open_files = 0
+        self.open_files = 0  # host handles held (each also one unit of ``descriptors``)
+        self.xattr_bytes = 0  # bytes of xattr values held by xattr fids (declared sizes for Txattrcreate)
+        self._listings: OrderedDict[Fid, int] = OrderedDict()  # fids keeping a listing → its cost, LRU first
+        self.listing_bytes = 0
         self._handlers = {
             m.Tversion: self._version, m.Tauth: self._auth, m.Tattach: self._attach, m.Twalk: self._walk,
             m.Tlopen: self._lopen, m.Tlcreate: self._lcreate, m.Tread: self._read, m.Twrite: self._write,
@@ -251,8 +269,14 @@ class Session:
         if f is None:
             return
         f.export.discard(f)
+        self._forget_listing(f)
+        if f.xattr_value is not None:
+            self.xattr_bytes -= len(f.xattr_value)
+        if f.xattr_new is not None:
+            self.xattr_bytes -= f.xattr_new.size
         if f.handle is not None:
             self.open_files -= 1
+            self.descriptors.release()
             h, f.handle = f.handle, None
             h.close()
 
@@ -314,9 +338,28 @@ class Session:
                 found = found or h
         return found
 
-    def _reserve_handle(self) -> None:
-        if self.open_files >= self.open_files_max:
-            raise OSError(errno.EMFILE, f"more than {self.open_files_max} open files on this connection")
+    def _opened(self, open_fn, *args):
+        """``open_fn(*args)`` — a provider call returning a new host handle (or a tuple
+        holding one) — within this connection's and the process's descriptor limits."""
+        cap = min(self.open_files_max,
+                  max(1, int(self.descriptors.capacity * self.limits.open_files_per_connection_share_max)))
+        if self.open_files >= cap:
+            raise OSError(errno.EMFILE, f"more than {cap} open files on this connection")
+        self.descriptors.acquire()  # ENFILE when the process's budget is spent
+        try:
+            out = open_fn(*args)
+        except BaseException:
+            self.descriptors.release()
+            raise
+        self.open_files += 1
+        return out
+
+    def _charge_xattr(self, size: int) -> None:
+        """Hold ``size`` more bytes of xattr value for this connection, or ``ENOMEM``."""
+        if self.xattr_bytes + size > self.limits.xattr_bytes_per_connection_max:
+            raise OSError(errno.ENOMEM, f"more than {self.limits.xattr_bytes_per_connection_max} bytes of "
+                                        "xattr values held on this connection (clunk xattr fids)")
+        self.xattr_bytes += size
 
     # ------------------------------------------------------------------ session
 
@@ -394,9 +437,7 @@ class Session:
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise OSError(errno.EISDIR, "is a directory", f.path)
         elif a.kind == REG:
-            self._reserve_handle()
-            f.handle = provider.open(f.path, flags)
-            self.open_files += 1
+            f.handle = self._opened(provider.open, f.path, flags)
             a = f.handle.fstat()  # the inode opened (the path may have changed since the getattr)
         elif a.kind == LNK:
             raise OSError(errno.ELOOP, "is a symlink", f.path)
@@ -410,9 +451,7 @@ class Session:
         if d.opened:
             raise OSError(errno.EBADF, "fid is open")
         path = child(d.path, msg.name)
-        self._reserve_handle()
-        handle, _made = d.export.provider.create(path, msg.mode, os_flags(msg.flags))
-        self.open_files += 1
+        handle, _made = self._opened(d.export.provider.create, path, msg.mode, os_flags(msg.flags))
         d.export.move(d, path)  # the fid is now the new file
         a = handle.fstat()
         d.kind, d.opened, d.handle, d.inode = REG, True, handle, _inode(a)
@@ -503,12 +542,12 @@ class Session:
         if f.kind != DIR or not f.opened:
             raise OSError(errno.ENOTDIR if f.kind != DIR else errno.EBADF, "not an open directory", f.path)
         provider = f.export.provider
-        if msg.offset == 0 or f.dir_names is None:
-            f.dir_names = [".", ".."] + sorted(provider.listdir(f.path))
+        names, base = self._listing(f, msg.offset)
+        start = msg.offset - base
         count = min(msg.count, self.msize - READDIR_HEADER)
         entries, used = [], 0
-        for i in range(msg.offset, len(f.dir_names)):
-            name = f.dir_names[i]
+        for i in range(start, len(names)):
+            name = names[i]
             size = DIRENT_FIXED + len(name.encode("utf-8", "surrogateescape"))
             if used + size > count:
                 break
@@ -517,14 +556,60 @@ class Session:
                 a = provider.lookup(target)  # a qid and a d_type: no mode needed
             except OSError:
                 continue  # vanished since the listing: skip it, keep the cookies stable
-            entries.append(m.Dirent(qid_of(a), i + 1, _dtype(a), name))
+            entries.append(m.Dirent(qid_of(a), base + i + 1, _dtype(a), name))
             used += size
-        if not entries and msg.offset < len(f.dir_names) and used == 0 and count > 0:
-            first = f.dir_names[msg.offset]
+        if not entries and start < len(names) and used == 0 and count > 0:
+            first = names[start]
             if DIRENT_FIXED + len(first.encode("utf-8", "surrogateescape")) > count:
                 raise OSError(errno.EINVAL, "count too small for the next directory entry")
+        if entries:
+            f.dir_last = (entries[-1].offset, entries[-1].name)
         data, _n = m.pack_dirents(entries, count)
         return m.Rreaddir(data)
+
+    def _listing(self, f: Fid, offset: int) -> tuple[list[str], int]:
+        """The listing a Treaddir at ``offset`` reads from, and the offset of its first entry.
+
+        Offsets are positions in the sorted listing (``.``, ``..``, then names in code
+        point order) taken when the scan began, so a fid reads a stable listing while it
+        is kept. Kept listings cost ``len(name) + DIR_ENTRY_OVERHEAD_BYTES`` each entry;
+        one connection keeps at most ``dir_listing_bytes_per_connection_max`` of them,
+        dropping the least recently read first, and never keeps a listing larger than
+        that. A fid whose listing was dropped lists the directory again: if it continues
+        where it stopped (``offset`` is the one after the last entry it returned), it
+        resumes after that *name* — every entry that stayed is returned exactly once,
+        whatever was added or removed meanwhile; any other offset indexes the new
+        listing (exact while the directory is unchanged)."""
+        if offset != 0 and f.dir_names is not None and offset >= f.dir_base:
+            self._listings.move_to_end(f)
+            return f.dir_names, f.dir_base
+        self._forget_listing(f)
+        names = [".", ".."] + sorted(f.export.provider.listdir(f.path))
+        base, last = 0, f.dir_last
+        if offset != 0 and last is not None and last[0] == offset:
+            after = {".": 1, "..": 2}.get(last[1])
+            if after is None:
+                after = bisect_right(names, last[1], lo=2)
+            names, base = names[after:], offset
+        if offset == 0:
+            f.dir_last = None
+        cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
+        budget = self.limits.dir_listing_bytes_per_connection_max
+        if cost <= budget:
+            while self.listing_bytes + cost > budget:
+                old, old_cost = self._listings.popitem(last=False)
+                old.dir_names = None
+                self.listing_bytes -= old_cost
+            f.dir_names, f.dir_base = names, base
+            self._listings[f] = cost
+            self.listing_bytes += cost
+        return names, base
+
+    def _forget_listing(self, f: Fid) -> None:
+        cost = self._listings.pop(f, None)
+        if cost is not None:
+            self.listing_bytes -= cost
+        f.dir_names = None
 
     def _mkdir(self, msg: m.Tmkdir) -> m.Rmkdir:
         d = self._dir(msg.dfid)
@@ -622,7 +707,12 @@ class Session:
             value = provider.getxattr(f.path, msg.name, handle=handle)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr larger than 64 KiB", f.path)
-        nf = self._new_fid(msg.newfid, f.export, f.path, f.kind, replacing=msg.fid)
+        self._charge_xattr(len(value))
+        try:
+            nf = self._new_fid(msg.newfid, f.export, f.path, f.kind, replacing=msg.fid)
+        except BaseException:
+            self.xattr_bytes -= len(value)
+            raise
         nf.xattr_value, nf.inode = value, f.inode
         return m.Rxattrwalk(len(value))
 
@@ -636,5 +726,6 @@ class Session:
             raise OSError(errno.E2BIG, "xattr larger than 64 KiB", f.path)
         if f.opened:
             raise OSError(errno.EBADF, "fid is open")
+        self._charge_xattr(msg.attr_size - (f.xattr_new.size if f.xattr_new is not None else 0))
         f.xattr_new = _XattrNew(msg.name, msg.attr_size, msg.flags)
         return m.Rxattrcreate()

@@ -45,6 +45,7 @@ from typing import Callable
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
+from ..limits import ServerLimits
 from ..mounts import Provider, memory_tree
 from ..mounts.table import Mount, MountTable, check_mount_points
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
@@ -375,7 +376,9 @@ class Session:
                 if ws is not None:
                     self._watch(s, i, ws, f.path)
         sock = os.path.join(s.run_dir, "9p.sock")
-        server = NinePServer(dict(s.providers), ServerConfig(msize_max=1 << 20),
+        # one connection per guest mount, and room for a remount (limits: sandbox/limits.py)
+        limits = ServerLimits(connections_max=max(ServerLimits().connections_max, 2 * len(self.table.mounts)))
+        server = NinePServer(dict(s.providers), ServerConfig(limits),
                              decide=self._decide if self.decide else None)
         s.server = ServerThread(server, unix_path=sock).__enter__()
         s.guest = self._make_guest(s.run_dir)
