@@ -93,7 +93,7 @@ def test_malformed_input_gets_error_responses_and_never_kills_the_agent(api):
     c.send_raw(b"this is not json\n")
     c.send_raw(b"[1, 2, 3]\n")
     c.send_raw(b"\xff\xfe\x00garbage\n")
-    c.send_raw(b"[" * 4000 + b"\n")  # nesting past the parser's recursion limit
+    c.send_raw(b"[" * 4000 + b"\n")  # nesting past the parser's recursion limit: refused before parsing
     c.send_raw(b'{"type": "fs.read", "request_id": "big", "payload": {"path": "' + b"a" * 10_000 + b'"}}\n')
     c.send_raw(json.dumps({"type": "no.such.op", "request_id": "u"}).encode() + b"\n")
     c.send_raw(json.dumps({"request_id": "nt"}).encode() + b"\n")
@@ -109,7 +109,8 @@ def test_malformed_input_gets_error_responses_and_never_kills_the_agent(api):
     assert unknown["code"] == "protocol.unknown_type" and "fs.read" in unknown["data"]["known"]
     assert c.response("nt")["error"]["code"] == "protocol.invalid_request"
     codes = [m["error"]["code"] for m in c.messages if m.get("status") == "error" and m["request_id"] is None]
-    assert codes.count("protocol.invalid_json") == 3 and "protocol.not_an_object" in codes
+    assert codes.count("protocol.invalid_json") == 2 and "protocol.not_an_object" in codes
+    assert codes.count("protocol.too_deep") == 1
     assert "protocol.line_too_long" in codes and "protocol.invalid_request" in codes  # the bad request_id
     assert c.ok("hello", {"protocol_version": 1})["protocol_version"] == 1  # still alive and answering
     assert c.close() == 0
@@ -632,3 +633,189 @@ def test_a_bad_restrict_option_leaves_no_session_running(api, project):
     assert e["code"] == "fs.outside_mounts"
     assert c.ok("session.status")["state"] == "not_started"
     start(c, project)  # the undo store was released
+
+
+# ---------------------------------------------------------------------------- hostile input: nesting, ids, extremes
+
+
+def _deep(depth: int, leaf: str = '"x"', key: str = "a") -> str:
+    """A JSON text of ``depth`` nested objects around ``leaf`` (built as text: no recursion)."""
+    return ('{"%s":' % key) * depth + leaf + "}" * depth
+
+
+def test_a_deeply_nested_request_id_or_payload_never_stops_the_agent(api):
+    """Issue 11 item 4: a request_id nested ~990 deep parsed fine but blew the stack while the
+    validation error was built, and `sandbox serve` exited 1. Nesting is now measured before
+    anything parses the line: every depth over the limit is the same clean refusal."""
+    from sandbox.api.stdio import JSON_DEPTH_MAX
+
+    c = api()
+    depths = [JSON_DEPTH_MAX, JSON_DEPTH_MAX + 1, 500, *range(960, 1000, 3), 5000, 100_000]
+    for n in depths:  # n: the whole line's depth, the request object counting 1
+        c.send_raw(('{"type":"hello","request_id":%s,"payload":{"protocol_version":1}}\n' % _deep(n - 1)).encode())
+        c.send_raw(('{"type":"hello","request_id":"p%d","payload":{"protocol_version":%s}}\n' % (n, _deep(n - 2))).encode())
+        c.send_raw(("[" * n + "]" * n + "\n").encode())
+    assert c.ok("hello", {"protocol_version": 1})["protocol_version"] == 1  # alive, and every line above answered
+    refusals = [m for m in c.messages if m.get("status") == "error"]
+    assert len(refusals) == 3 * len(depths)
+    at_limit, over = refusals[:3], refusals[3:]  # answered in order: hello runs inline
+    assert [(m["request_id"], m["error"]["code"]) for m in at_limit] == [
+        (None, "protocol.invalid_request"), (f"p{JSON_DEPTH_MAX}", "protocol.invalid_request"),
+        (None, "protocol.not_an_object")]  # parsed; the deep request_id is not echoed
+    assert all(m["request_id"] is None and m["error"]["code"] == "protocol.too_deep" for m in over)
+    too_deep = [m["error"] for m in over]
+    assert all(e["data"]["limit"] == JSON_DEPTH_MAX for e in too_deep)
+    assert c.close() == 0
+
+
+def test_an_invalid_request_id_is_never_echoed(api):
+    c = api()
+    for rid in ['"' + "r" * 300_000 + '"', str(2 ** 64), "1.5", "true", "[1]", _deep(40)]:
+        c.send_raw(('{"type":"hello","request_id":%s,"payload":{"protocol_version":1}}\n' % rid).encode())
+    c.send_raw(b'{"type":"hello","request_id":1e3,"payload":{"protocol_version":1}}\n')  # JSON Schema: an integer
+    assert c.response(1000)["status"] == "ok"
+    bad = [m for m in c.messages if m.get("status") == "error"]
+    assert len(bad) == 6 and all(m["request_id"] is None for m in bad)
+    assert all(m["error"]["code"] == "protocol.invalid_request" and m["error"]["data"]["path"] == "$.request_id"
+               for m in bad)
+    assert all(len(json.dumps(m)) < 2000 for m in bad)  # nothing huge is echoed back
+    assert c.close() == 0
+
+
+def test_schema_valid_extreme_numbers_are_clean_answers_never_internal(api, project, cmds):
+    """Issue 11 item 9: fs.read at offset 2**64 and undo.rollback with count 1e9 (an integer to
+    JSON Schema) were answered protocol.internal. Integer fields are bounded in the schema,
+    integral floats reach the handlers as ints, and offsets past the end read nothing."""
+    c = api()
+    start(c, project)
+    e = c.error("fs.read", {"path": "README.md", "offset": 2 ** 64})
+    assert e["code"] == "protocol.invalid_request" and e["data"]["path"] == "$.payload.offset"
+    r = c.ok("fs.read", {"path": "README.md", "offset": 2 ** 63 - 1})
+    assert r["data"] == "" and r["eof"] is True and r["offset"] == 2 ** 63 - 1
+    r = c.ok("fs.read", {"path": "README.md", "offset": 2 ** 63 - 1, "length": 10})
+    assert r["data"] == "" and r["eof"] is True
+
+    def raw(t: str, rid: str, payload: str) -> dict:
+        c.send_raw(('{"type":"%s","request_id":"%s","payload":%s}\n' % (t, rid, payload)).encode())
+        return c.response(rid)
+
+    e = raw("undo.rollback", "c1", '{"count": 1e9}')["error"]
+    assert e["code"] == "protocol.invalid_request" and e["data"]["path"] == "$.payload.count"
+    assert raw("undo.history", "h1", '{"limit": 1e9}')["error"]["code"] == "protocol.invalid_request"
+    assert raw("fs.read", "f1", '{"path": "README.md", "offset": 2e0, "length": 3.0}')["payload"]["data"] == "pro"
+    assert raw("fs.read", "f2", '{"path": "README.md", "length": 1e9}')["error"]["code"] == "fs.too_large"
+    assert raw("undo.rollback", "c2", '{"count": 1e2}')["error"]["code"] == "undo.nothing_to_undo"
+    c.ok("agent.execute", {"command": cmds.write("made.txt", "x")})
+    r = raw("undo.rollback", "c3", '{"count": 1.0}')
+    assert r["status"] == "ok" and len(r["payload"]["step_ids"]) == 1 and not (project / "made.txt").exists()
+    assert raw("undo.configure", "u1", '{"max_step_count": 5e1}')["payload"]["limits"]["max_step_count"] == 50
+    assert raw("safeguard.configure", "s1", '{"timeout_seconds": 1e400}')["error"]["code"] == "protocol.invalid_request"
+    c.send_raw(b'{"type": "hello", "request_id": "n1", "payload": {"protocol_version": NaN}}\n')  # not JSON
+    assert c.ok("hello", {"protocol_version": 1})
+    codes = [m["error"]["code"] for m in c.messages if m.get("status") == "error"]
+    assert codes[-1] == "protocol.invalid_json"
+    assert "protocol.internal" not in codes
+    assert c.close() == 0
+
+
+def test_nesting_is_measured_on_the_text_before_parsing():
+    """The cause of item 4: depth was only noticed when json.loads itself overflowed, so a
+    line just under the parser's limit reached the validator and its error rendering."""
+    from sandbox.api.errors import ApiError
+    from sandbox.api.stdio import JSON_DEPTH_MAX, decode_request, json_depth
+
+    assert json_depth("") == 0 and json_depth('{"a": [1, {"b": []}]}') == 4
+    assert json_depth('"[[[{"') == 0 and json_depth(r'["\"[[", "\\", {"]": "}"}]') == 2
+    assert decode_request(b"[" * JSON_DEPTH_MAX + b"]" * JSON_DEPTH_MAX) is not None
+    for line in [b"[" * (JSON_DEPTH_MAX + 1) + b"]" * (JSON_DEPTH_MAX + 1), b"[" * 100_000, b'{"a":' * 990 + b"1" + b"}" * 990]:
+        with pytest.raises(ApiError) as e:
+            decode_request(line)
+        assert e.value.code == "protocol.too_deep" and e.value.data == {"limit": JSON_DEPTH_MAX}
+    for line in [b'"' + b"[" * 5000, b"not json", b"\xff\xfe\x00x", b"[NaN]", b"[-Infinity]", b"1" * 5000]:
+        with pytest.raises(ApiError) as e:  # an unterminated string swallows the brackets: invalid, not deep
+            decode_request(line)
+        assert e.value.code == "protocol.invalid_json", line[:20]
+    v = decode_request(b'{"a": 1e9, "b": 2.0, "c": 1.5, "d": -0.0, "e": 1e400, "f": 7}')
+    assert v == {"a": 10 ** 9, "b": 2, "c": 1.5, "d": 0, "e": float("inf"), "f": 7}
+    assert [type(v[k]) for k in "abcdf"] == [int, int, float, int, int]
+    assert decode_request('{"a": [1]}'.encode("utf-16")) == {"a": [1]}  # as json.loads detects it
+
+
+def test_json_depth_agrees_with_the_parser():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sandbox.api.stdio import json_depth
+    from sim.budget import scale
+
+    def depth(v) -> int:
+        if isinstance(v, dict):
+            return 1 + max(map(depth, v.values()), default=0)
+        if isinstance(v, list):
+            return 1 + max(map(depth, v), default=0)
+        return 0
+
+    text = st.text(alphabet=st.sampled_from('[]{}"\\,:ab\n\u00e9'), max_size=8)
+    values = st.recursive(st.none() | st.integers() | text,
+                          lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3), max_leaves=30)
+
+    @settings(max_examples=scale(300, 5000), deadline=None)
+    @given(values, st.booleans())
+    def agree(v, ascii_only):
+        assert json_depth(json.dumps(v, ensure_ascii=ascii_only)) == depth(v)
+
+    agree()
+
+
+def _serve_in_process(lines: list[bytes]) -> list[dict]:
+    import io
+
+    from sandbox.api.stdio import StdioServer
+
+    out = io.BytesIO()
+    assert StdioServer(io.BytesIO(b"".join(lines)), out, guest="scripted").serve() == 0
+    return [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def test_a_bug_while_handling_a_line_is_answered_internal_and_the_next_line_is_served(monkeypatch, caplog):
+    """Fault injection: whatever raises while a line is handled (here: inside validation)
+    becomes protocol.internal for that request, logged with its traceback; serving goes on."""
+    import logging
+
+    real = schema.first_error
+
+    def failing(name, instance):
+        if isinstance(instance, dict) and instance.get("request_id") == "boom":
+            raise KeyError("injected")
+        return real(name, instance)
+
+    monkeypatch.setattr(schema, "first_error", failing)
+    hello = '{"type":"hello","request_id":"%s","payload":{"protocol_version":1}}\n'
+    with caplog.at_level(logging.ERROR, logger="sandbox.api"):
+        msgs = _serve_in_process([(hello % "boom").encode(), (hello % "after").encode()])
+    assert [(m["request_id"], m["status"]) for m in msgs] == [("boom", "error"), ("after", "ok")]
+    assert msgs[0]["error"]["code"] == "protocol.internal" and msgs[0]["error"]["data"] == {"exception": "KeyError"}
+    assert any(r.exc_info and r.exc_info[0] is KeyError for r in caplog.records)
+
+
+def test_a_response_that_cannot_be_encoded_still_answers_its_request():
+    import io
+
+    from sandbox.api import stdio
+
+    out = io.BytesIO()
+    server = stdio.StdioServer(io.BytesIO(), out, guest="scripted")
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    server._writer.start()
+    server.send({"type": "response", "request_id": "a", "status": "ok", "payload": {"x": object()}})
+    server.send({"type": "response", "request_id": "b", "status": "ok", "payload": {"x": deep}})
+    server.send({"type": "event.warning", "payload": {"message": object()}})  # an event: dropped
+    server.send({"type": "response", "request_id": "c", "status": "ok", "payload": {}})
+    server.send(stdio._STOP)
+    server._writer.join()
+    msgs = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [(m["request_id"], m["status"]) for m in msgs] == [("a", "error"), ("b", "error"), ("c", "ok")]
+    assert [m["error"]["data"]["exception"] for m in msgs[:2]] == ["TypeError", "RecursionError"]
+    assert all(schema.first_error("response", m) is None for m in msgs)
