@@ -75,7 +75,9 @@ _BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 def json_depth(text: str) -> int:
     """The deepest nesting of arrays/objects in ``text`` without parsing it: strings are cut
     out, then the brackets left are counted. Linear time, no recursion. Exact for valid JSON;
-    for invalid JSON some number (the parser refuses such text anyway)."""
+    for invalid JSON it still counts every bracket the parser would open before its first
+    error (up to there, strings begin and end where the parser's do), so the parser never
+    nests deeper than this says."""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets), initial=0))
 
@@ -110,7 +112,7 @@ def decode_request(line: bytes, depth_max: int = JSON_DEPTH_MAX) -> object:
         return json.loads(text, parse_float=_number, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise ApiError("protocol.invalid_json", f"not JSON: {e.msg}", position=e.pos) from None
-    except (ValueError, RecursionError) as e:  # a 5,000-digit integer, NaN; RecursionError: invalid text the scan undercounted
+    except (ValueError, RecursionError) as e:  # a 5,000-digit integer, NaN (RecursionError: defensive, see json_depth)
         raise ApiError("protocol.invalid_json", f"not JSON: {str(e)[:200]}") from None
 
 
