@@ -769,13 +769,32 @@ def test_json_depth_agrees_with_the_parser():
 
 
 def _serve_in_process(lines: list[bytes]) -> list[dict]:
+    """The agent in this process on these input lines until EOF; its output, which must be
+    valid UTF-8 whatever came in."""
     import io
 
     from sandbox.api.stdio import StdioServer
 
     out = io.BytesIO()
     assert StdioServer(io.BytesIO(b"".join(lines)), out, guest="scripted").serve() == 0
-    return [json.loads(x) for x in out.getvalue().splitlines()]
+    return [json.loads(x.decode("utf-8", "strict")) for x in out.getvalue().splitlines()]
+
+
+def test_output_is_valid_utf8_even_when_a_lone_surrogate_is_echoed():
+    msgs = _serve_in_process([b'{"type":"hello","request_id":"\\ud800","payload":{"protocol_version":1}}\n',
+                              b'{"type":"hello","request_id":"\xc3\xa9","payload":{"protocol_version":1}}\n',
+                              b'{"type":"no\\udcff","request_id":1}\n'])
+    assert [(m["request_id"], m["status"]) for m in msgs] == [("\ud800", "ok"), ("\u00e9", "ok"), (1, "error")]
+    assert msgs[2]["error"]["data"]["type"] == "no\udcff"
+
+
+def test_handlers_get_integral_floats_as_ints_whoever_parsed_the_payload():
+    """The agent's own guard (it may sit behind another transport than the STDIO decoder):
+    JSON Schema's ``integer`` accepts 1.0, so the handlers must never see a float for it."""
+    from sandbox.api.agent import Agent
+
+    r = Agent(lambda msg: None, guest="scripted").handle("hello", {"protocol_version": 1.0}, "r")
+    assert r["protocol_version"] == 1 and type(r["protocol_version"]) is int
 
 
 def test_a_bug_while_handling_a_line_is_answered_internal_and_the_next_line_is_served(monkeypatch, caplog):

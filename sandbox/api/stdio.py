@@ -117,7 +117,13 @@ def decode_request(line: bytes, depth_max: int = JSON_DEPTH_MAX) -> object:
 
 
 def _encode(msg: dict) -> bytes:
-    return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    """One protocol line, always valid UTF-8: a message holding a lone surrogate (a client's
+    ``"\\ud800"`` echoed in a request_id or a path) is written with ``\\u`` escapes instead."""
+    text = json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(msg, separators=(",", ":")).encode("ascii")
 
 
 class StdioServer:
