@@ -20,6 +20,7 @@ import pytest
 from sandbox.api import errors, schema
 from sim import oracle
 from sim.api_client import ApiClient, Commands
+from sim.budget import scale
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,7 +94,7 @@ def test_malformed_input_gets_error_responses_and_never_kills_the_agent(api):
     c.send_raw(b"this is not json\n")
     c.send_raw(b"[1, 2, 3]\n")
     c.send_raw(b"\xff\xfe\x00garbage\n")
-    c.send_raw(b"[" * 4000 + b"\n")  # nesting past the parser's recursion limit
+    c.send_raw(b"[" * 4000 + b"\n")  # nesting past the parser's recursion limit: refused before parsing
     c.send_raw(b'{"type": "fs.read", "request_id": "big", "payload": {"path": "' + b"a" * 10_000 + b'"}}\n')
     c.send_raw(json.dumps({"type": "no.such.op", "request_id": "u"}).encode() + b"\n")
     c.send_raw(json.dumps({"request_id": "nt"}).encode() + b"\n")
@@ -109,7 +110,8 @@ def test_malformed_input_gets_error_responses_and_never_kills_the_agent(api):
     assert unknown["code"] == "protocol.unknown_type" and "fs.read" in unknown["data"]["known"]
     assert c.response("nt")["error"]["code"] == "protocol.invalid_request"
     codes = [m["error"]["code"] for m in c.messages if m.get("status") == "error" and m["request_id"] is None]
-    assert codes.count("protocol.invalid_json") == 3 and "protocol.not_an_object" in codes
+    assert codes.count("protocol.invalid_json") == 2 and "protocol.not_an_object" in codes
+    assert codes.count("protocol.too_deep") == 1
     assert "protocol.line_too_long" in codes and "protocol.invalid_request" in codes  # the bad request_id
     assert c.ok("hello", {"protocol_version": 1})["protocol_version"] == 1  # still alive and answering
     assert c.close() == 0
@@ -586,6 +588,7 @@ def test_sigterm_cancels_the_running_command_stops_the_session_and_exits_zero(ap
 # ---------------------------------------------------------------------------- fuzzing
 
 
+@pytest.mark.timeout(scale(180, 1800))
 def test_random_requests_never_kill_the_agent_and_never_hit_a_bug(project):
     """Hypothesis sends well-framed requests with arbitrary payloads (and arbitrary types)
     to one running agent with a session: every one gets exactly one response, none is
@@ -593,9 +596,9 @@ def test_random_requests_never_kill_the_agent_and_never_hit_a_bug(project):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from sim.budget import scale
-
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+    # no NaN/Infinity: not JSON, refused before the request_id is read (1e400 is in the boundary test)
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                        st.floats(allow_nan=False, allow_infinity=False),
                         st.text(max_size=30), st.sampled_from(["", ".", "..", "/", "/mnt/working/0", "src/app.py",
                                                               "../x", "/etc/passwd", "a\x00b", "victims"]))
     values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
@@ -632,3 +635,378 @@ def test_a_bad_restrict_option_leaves_no_session_running(api, project):
     assert e["code"] == "fs.outside_mounts"
     assert c.ok("session.status")["state"] == "not_started"
     start(c, project)  # the undo store was released
+
+
+# ---------------------------------------------------------------------------- hostile input: nesting, ids, extremes
+
+
+def _deep(depth: int, leaf: str = '"x"', key: str = "a") -> str:
+    """A JSON text of ``depth`` nested objects around ``leaf`` (built as text: no recursion)."""
+    return ('{"%s":' % key) * depth + leaf + "}" * depth
+
+
+def test_a_deeply_nested_request_id_or_payload_never_stops_the_agent(api):
+    """Issue 11 item 4: a request_id nested ~990 deep parsed fine but blew the stack while the
+    validation error was built, and `sandbox serve` exited 1. Nesting is now measured before
+    anything parses the line: every depth over the limit is the same clean refusal."""
+    from sandbox.api.stdio import JSON_DEPTH_MAX
+
+    c = api()
+    depths = [JSON_DEPTH_MAX, JSON_DEPTH_MAX + 1, 500, *range(960, 1000, 3), 5000, 100_000]
+    for n in depths:  # n: the whole line's depth, the request object counting 1
+        c.send_raw(('{"type":"hello","request_id":%s,"payload":{"protocol_version":1}}\n' % _deep(n - 1)).encode())
+        c.send_raw(('{"type":"hello","request_id":"p%d","payload":{"protocol_version":%s}}\n' % (n, _deep(n - 2))).encode())
+        c.send_raw(("[" * n + "]" * n + "\n").encode())
+    assert c.ok("hello", {"protocol_version": 1})["protocol_version"] == 1  # alive, and every line above answered
+    refusals = [m for m in c.messages if m.get("status") == "error"]
+    assert len(refusals) == 3 * len(depths)
+    at_limit, over = refusals[:3], refusals[3:]  # answered in order: hello runs inline
+    assert [(m["request_id"], m["error"]["code"]) for m in at_limit] == [
+        (None, "protocol.invalid_request"), (f"p{JSON_DEPTH_MAX}", "protocol.invalid_request"),
+        (None, "protocol.not_an_object")]  # parsed; the deep request_id is not echoed
+    assert all(m["request_id"] is None and m["error"]["code"] == "protocol.too_deep" for m in over)
+    too_deep = [m["error"] for m in over]
+    assert all(e["data"]["limit"] == JSON_DEPTH_MAX for e in too_deep)
+    assert c.close() == 0
+
+
+def test_an_invalid_request_id_is_never_echoed(api):
+    c = api()
+    for rid in ['"' + "r" * 300_000 + '"', str(2 ** 64), "1.5", "true", "[1]", _deep(40)]:
+        c.send_raw(('{"type":"hello","request_id":%s,"payload":{"protocol_version":1}}\n' % rid).encode())
+    c.send_raw(b'{"type":"hello","request_id":1e3,"payload":{"protocol_version":1}}\n')  # JSON Schema: an integer
+    assert c.response(1000)["status"] == "ok"
+    bad = [m for m in c.messages if m.get("status") == "error"]
+    assert len(bad) == 6 and all(m["request_id"] is None for m in bad)
+    assert all(m["error"]["code"] == "protocol.invalid_request" and m["error"]["data"]["path"] == "$.request_id"
+               for m in bad)
+    assert all(len(json.dumps(m)) < 2000 for m in bad)  # nothing huge is echoed back
+    assert c.close() == 0
+
+
+def test_schema_valid_extreme_numbers_are_clean_answers_never_internal(api, project, cmds):
+    """Issue 11 item 9: fs.read at offset 2**64 and undo.rollback with count 1e9 (an integer to
+    JSON Schema) were answered protocol.internal. Integer fields are bounded in the schema,
+    integral floats reach the handlers as ints, and offsets past the end read nothing."""
+    c = api()
+    start(c, project)
+    e = c.error("fs.read", {"path": "README.md", "offset": 2 ** 64})
+    assert e["code"] == "protocol.invalid_request" and e["data"]["path"] == "$.payload.offset"
+    r = c.ok("fs.read", {"path": "README.md", "offset": 2 ** 63 - 1})
+    assert r["data"] == "" and r["eof"] is True and r["offset"] == 2 ** 63 - 1
+    r = c.ok("fs.read", {"path": "README.md", "offset": 2 ** 63 - 1, "length": 10})
+    assert r["data"] == "" and r["eof"] is True
+
+    def raw(t: str, rid: str, payload: str) -> dict:
+        c.send_raw(('{"type":"%s","request_id":"%s","payload":%s}\n' % (t, rid, payload)).encode())
+        return c.response(rid)
+
+    e = raw("undo.rollback", "c1", '{"count": 1e9}')["error"]
+    assert e["code"] == "protocol.invalid_request" and e["data"]["path"] == "$.payload.count"
+    assert raw("undo.history", "h1", '{"limit": 1e9}')["error"]["code"] == "protocol.invalid_request"
+    assert raw("fs.read", "f1", '{"path": "README.md", "offset": 2e0, "length": 3.0}')["payload"]["data"] == "pro"
+    assert raw("fs.read", "f2", '{"path": "README.md", "length": 1e9}')["error"]["code"] == "fs.too_large"
+    assert raw("undo.rollback", "c2", '{"count": 1e2}')["error"]["code"] == "undo.nothing_to_undo"
+    c.ok("agent.execute", {"command": cmds.write("made.txt", "x")})
+    r = raw("undo.rollback", "c3", '{"count": 1.0}')
+    assert r["status"] == "ok" and len(r["payload"]["step_ids"]) == 1 and not (project / "made.txt").exists()
+    assert raw("undo.configure", "u1", '{"max_step_count": 5e1}')["payload"]["limits"]["max_step_count"] == 50
+    assert raw("safeguard.configure", "s1", '{"timeout_seconds": 1e400}')["error"]["code"] == "protocol.invalid_request"
+    c.send_raw(b'{"type": "hello", "request_id": "n1", "payload": {"protocol_version": NaN}}\n')  # not JSON
+    assert c.ok("hello", {"protocol_version": 1})
+    codes = [m["error"]["code"] for m in c.messages if m.get("status") == "error"]
+    assert codes[-1] == "protocol.invalid_json"
+    assert "protocol.internal" not in codes
+    assert c.close() == 0
+
+
+def test_nesting_is_measured_on_the_text_before_parsing():
+    """The cause of item 4: depth was only noticed when json.loads itself overflowed, so a
+    line just under the parser's limit reached the validator and its error rendering."""
+    from sandbox.api.errors import ApiError
+    from sandbox.api.stdio import JSON_DEPTH_MAX, decode_request, json_depth
+
+    assert json_depth("") == 0 and json_depth('{"a": [1, {"b": []}]}') == 4
+    assert json_depth('"[[[{"') == 0 and json_depth(r'["\"[[", "\\", {"]": "}"}]') == 2
+    assert decode_request(b"[" * JSON_DEPTH_MAX + b"]" * JSON_DEPTH_MAX) is not None
+    for line in [b"[" * (JSON_DEPTH_MAX + 1) + b"]" * (JSON_DEPTH_MAX + 1), b"[" * 100_000, b'{"a":' * 990 + b"1" + b"}" * 990]:
+        with pytest.raises(ApiError) as e:
+            decode_request(line)
+        assert e.value.code == "protocol.too_deep" and e.value.data == {"limit": JSON_DEPTH_MAX}
+    for line in [b'"' + b"[" * 5000, b"not json", b"\xff\xfe\x00x", b"[NaN]", b"[-Infinity]", b"1" * 5000]:
+        with pytest.raises(ApiError) as e:  # an unterminated string swallows the brackets: invalid, not deep
+            decode_request(line)
+        assert e.value.code == "protocol.invalid_json", line[:20]
+    v = decode_request(b'{"a": 1e9, "b": 2.0, "c": 1.5, "d": -0.0, "e": 1e400, "f": 7}')
+    assert v == {"a": 10 ** 9, "b": 2, "c": 1.5, "d": 0, "e": float("inf"), "f": 7}
+    assert [type(v[k]) for k in "abcdf"] == [int, int, float, int, int]
+    assert decode_request('{"a": [1]}'.encode("utf-16")) == {"a": [1]}  # as json.loads detects it
+
+
+def test_json_depth_agrees_with_the_parser():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from sandbox.api.stdio import json_depth
+
+    def depth(v) -> int:
+        if isinstance(v, dict):
+            return 1 + max(map(depth, v.values()), default=0)
+        if isinstance(v, list):
+            return 1 + max(map(depth, v), default=0)
+        return 0
+
+    text = st.text(alphabet=st.sampled_from('[]{}"\\,:ab\n\u00e9'), max_size=8)
+    values = st.recursive(st.none() | st.integers() | text,
+                          lambda kids: st.lists(kids, max_size=3) | st.dictionaries(text, kids, max_size=3), max_leaves=30)
+
+    @settings(max_examples=scale(300, 5000), deadline=None)
+    @given(values, st.booleans())
+    def agree(v, ascii_only):
+        assert json_depth(json.dumps(v, ensure_ascii=ascii_only)) == depth(v)
+
+    agree()
+
+
+def _serve_in_process(lines: list[bytes]) -> list[dict]:
+    """The agent in this process on these input lines until EOF; its output, which must be
+    valid UTF-8 whatever came in."""
+    import io
+
+    from sandbox.api.stdio import StdioServer
+
+    out = io.BytesIO()
+    assert StdioServer(io.BytesIO(b"".join(lines)), out, guest="scripted").serve() == 0
+    return [json.loads(x.decode("utf-8", "strict")) for x in out.getvalue().splitlines()]
+
+
+def test_output_is_valid_utf8_even_when_a_lone_surrogate_is_echoed():
+    msgs = _serve_in_process([b'{"type":"hello","request_id":"\\ud800","payload":{"protocol_version":1}}\n',
+                              b'{"type":"hello","request_id":"\xc3\xa9","payload":{"protocol_version":1}}\n',
+                              b'{"type":"no\\udcff","request_id":1}\n'])
+    assert [(m["request_id"], m["status"]) for m in msgs] == [("\ud800", "ok"), ("\u00e9", "ok"), (1, "error")]
+    assert msgs[2]["error"]["data"]["type"] == "no\udcff"
+
+
+def test_handlers_get_integral_floats_as_ints_whoever_parsed_the_payload():
+    """The agent's own guard (it may sit behind another transport than the STDIO decoder):
+    JSON Schema's ``integer`` accepts 1.0, so the handlers must never see a float for it."""
+    from sandbox.api.agent import Agent
+
+    r = Agent(lambda msg: None, guest="scripted").handle("hello", {"protocol_version": 1.0}, "r")
+    assert r["protocol_version"] == 1 and type(r["protocol_version"]) is int
+
+
+def test_a_bug_while_handling_a_line_is_answered_internal_and_the_next_line_is_served(monkeypatch, caplog):
+    """Fault injection: whatever raises while a line is handled (here: inside validation)
+    becomes protocol.internal for that request, logged with its traceback; serving goes on."""
+    import logging
+
+    real = schema.first_error
+
+    def failing(name, instance):
+        if isinstance(instance, dict) and instance.get("request_id") == "boom":
+            raise KeyError("injected")
+        return real(name, instance)
+
+    monkeypatch.setattr(schema, "first_error", failing)
+    hello = '{"type":"hello","request_id":"%s","payload":{"protocol_version":1}}\n'
+    with caplog.at_level(logging.ERROR, logger="sandbox.api"):
+        msgs = _serve_in_process([(hello % "boom").encode(), (hello % "after").encode()])
+    assert [(m["request_id"], m["status"]) for m in msgs] == [("boom", "error"), ("after", "ok")]
+    assert msgs[0]["error"]["code"] == "protocol.internal" and msgs[0]["error"]["data"] == {"exception": "KeyError"}
+    assert any(r.exc_info and r.exc_info[0] is KeyError for r in caplog.records)
+
+
+def test_a_response_that_cannot_be_encoded_still_answers_its_request():
+    import io
+
+    from sandbox.api import stdio
+
+    out = io.BytesIO()
+    server = stdio.StdioServer(io.BytesIO(), out, guest="scripted")
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    server._writer.start()
+    server.send({"type": "response", "request_id": "a", "status": "ok", "payload": {"x": object()}})
+    server.send({"type": "response", "request_id": "b", "status": "ok", "payload": {"x": deep}})
+    server.send({"type": "event.warning", "payload": {"message": object()}})  # an event: dropped
+    server.send({"type": "response", "request_id": "c", "status": "ok", "payload": {}})
+    server.send(stdio._STOP)
+    server._writer.join()
+    msgs = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [(m["request_id"], m["status"]) for m in msgs] == [("a", "error"), ("b", "error"), ("c", "ok")]
+    assert [m["error"]["data"]["exception"] for m in msgs[:2]] == ["TypeError", "RecursionError"]
+    assert all(schema.first_error("response", m) is None for m in msgs)
+
+
+class _Raw:
+    """A number sent as written (``1e9``, ``2.0``, ``1e400``): json.dumps would spell it otherwise."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _dumps(msg: dict) -> bytes:
+    import re
+
+    raws: list[str] = []
+
+    def default(o):
+        if isinstance(o, _Raw):
+            raws.append(o.text)
+            return f"\x00raw{len(raws) - 1}\x00"
+        raise TypeError(type(o))
+
+    text = json.dumps(msg, default=default)
+    return re.sub(r'"\\u0000raw(\d+)\\u0000"', lambda m: raws[int(m.group(1))], text).encode() + b"\n"
+
+
+_EDGE_INTS = [0, -1, 1, 2 ** 31, 2 ** 53 + 1, 2 ** 63 - 1, 2 ** 63, 2 ** 64, -2 ** 63, -2 ** 63 - 1, 10 ** 30]
+_EDGE_LITERALS = ["1e9", "1.0", "2e0", "-0.0", "1e400", "-1e400", "9.3e18", "1.5", "1e-400", "5e1"]
+_STRING_CHARS_SENT_MAX = (128 << 10) + 1  # longer boundary strings (64 MiB contents) are left to the line limit
+
+
+def _boundaries(node: dict, defs: dict, depth: int, specials: list[str], wild: bool):
+    """Values for one schema node at its boundaries: integers at 0, -1, the edges of 64-bit
+    and of the node's own range, integral floats spelt as floats (``1e9``, ``1.0``), the
+    longest string, lone surrogates, NULs. Schema-valid ones only unless ``wild``: then also
+    just past every bound, ``1e400``, and nesting up to just under the depth limit.
+    ``depth``: how deep a value here already is (the request object is 1)."""
+    from hypothesis import strategies as st
+
+    from sandbox.api.stdio import JSON_DEPTH_MAX
+
+    def sub(n: dict, d: int):
+        return _boundaries(n, defs, d, specials, wild)
+
+    def pick(values: list):
+        return st.sampled_from(values) if values else st.nothing()
+
+    if "$ref" in node:
+        return sub(defs[node["$ref"].rsplit("/", 1)[1]], depth)
+    alts = [sub(n, depth) for n in node.get("oneOf", [])]
+    if "enum" in node:
+        alts.append(st.sampled_from(node["enum"]))
+    types = node.get("type", [])
+    for t in [types] if isinstance(types, str) else types:
+        lo, hi = node.get("minimum"), node.get("maximum")
+        low = node.get("exclusiveMinimum")
+
+        def fits(v: float) -> bool:
+            return wild or ((lo is None or v >= lo) and (hi is None or v <= hi) and (low is None or v > low)
+                            and (t == "number" or float(v).is_integer()))
+
+        if t in ("integer", "number"):
+            edges = set(_EDGE_INTS) | {v + d for v in (lo, hi) if v is not None for d in (-1, 0, 1)}
+            if t == "number":
+                edges |= {1e-300, 0.5, 1e300}
+            alts.append(pick(sorted(v for v in edges if fits(v))))
+            alts.append(pick([_Raw(x) for x in _EDGE_LITERALS if fits(float(x))]))
+        elif t == "string":
+            m, m_min = node.get("maxLength", 64), node.get("minLength", 0)
+            prefix = "/" if node.get("pattern") == "^/" else ""
+            lengths = {0, 1, m} | ({m + 1} if wild else set())
+            lengths = sorted(n for n in lengths if n <= _STRING_CHARS_SENT_MAX and (wild or n >= max(m_min, len(prefix))))
+            alts.append(pick(lengths).map(lambda n, p=prefix: (p + "a" * n)[:max(n, len(p))]))
+            odd = [x for x in specials + ["/", ".", "..", "/mnt/working/0", "src/app.py", "/mnt/working/0/../..",
+                                          "\ud800", "a\x00b", "/\udcff\x00", "\U0001f600" * 3, "é" * 300, "sg_001", "d"]
+                   if wild or (m_min <= len(x) <= m and x.startswith(prefix))]
+            alts.append(pick(odd))
+        elif t == "boolean":
+            alts.append(st.booleans())
+        elif t == "null":
+            alts.append(st.none())
+        elif t == "array":
+            item = sub(node.get("items", {}), depth + 1)
+            m = node.get("maxItems", 4)
+            alts.append(st.lists(item, min_size=node.get("minItems", 0) if not wild else 0, max_size=min(m, 3)))
+            if wild and m < 300:
+                alts.append(st.lists(item, min_size=m + 1, max_size=m + 1))
+        elif t == "object":
+            props = {k: sub(v, depth + 1) for k, v in node.get("properties", {}).items()}
+            req = set(node.get("required", []))
+            fixed = st.fixed_dictionaries({k: v for k, v in props.items() if k in req},
+                                          optional={k: v for k, v in props.items() if k not in req})
+            extra = node.get("additionalProperties")
+            if isinstance(extra, dict):
+                keys = sub(node.get("propertyNames", {"type": "string"}), depth + 1).filter(lambda k: isinstance(k, str))
+                fixed = st.tuples(fixed, st.dictionaries(keys, sub(extra, depth + 1), max_size=3)) \
+                    .map(lambda ab: {**ab[1], **ab[0]})
+            alts.append(fixed)
+    room = JSON_DEPTH_MAX - depth  # containers that still fit here
+    if wild and room > 0:  # a wrong-typed value nested to just under the limit: its error is rendered
+        alts.append(st.sampled_from(sorted({1, room // 2, room})).map(lambda n: json.loads("[" * n + "0" + "]" * n)))
+    return st.one_of(alts) if alts else st.nothing()
+
+
+@pytest.mark.timeout(scale(180, 1800))
+def test_boundary_values_of_every_request_field_are_answered_never_internal(api, project, tmp_path):
+    """Issue 11 item 9, generalised: for every operation, payloads built from its schema with
+    each field at and just past its bounds (0, -1, 2**63-1, 2**63, 2**64, ``1e9``, ``1.0``,
+    ``1e400``, the longest string and one more character, lone surrogates, nesting just under
+    the depth limit) — every request gets one response, ``ok`` or a documented error code,
+    never ``protocol.internal``, and the agent stays up. Session lifecycle requests run on a
+    second agent that starts without a session, so session.start's fields are exercised too."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    other = tmp_path / "other"
+    (other / "d").mkdir(parents=True)
+    (other / "f.txt").write_text("x\n")
+    defs = schema.shipped()["$defs"]
+
+    def requests(types, specials, base=None):
+        """(type, payload): a quarter wild, a quarter valid, half valid with at most two fields
+        (over ``base``: the minimal payload that starts a session), so most reach the handlers."""
+        def payloads(t: str):
+            valid, wild = (_boundaries(defs[f"request.{t}"], defs, 2, specials, w) for w in (False, True))
+            few = valid.flatmap(lambda p: st.sets(st.sampled_from(sorted(p) or [""]), max_size=2).map(
+                lambda keys: {**(base if t == "session.start" else {}), **{k: p[k] for k in keys if k in p}}))
+            return st.tuples(st.just(t), st.integers(0, 3).flatmap(lambda i: (wild, valid, few, few)[i]))
+
+        return st.sampled_from(sorted(types)).flatmap(payloads)
+
+    lifecycle = {"session.start", "session.stop", "session.reset"}
+    a, b = api(log_level="warn"), api(log_level="warn")
+    start(a, project)
+    seen: list[tuple[str, str]] = []
+
+    def send(c: ApiClient, t: str, payload: dict) -> dict:
+        rid = f"x{len(seen)}"
+        c.send_raw(_dumps({"type": t, "request_id": rid, "payload": payload}))
+        r = c.response(rid, timeout_s=120)
+        code = r["error"]["code"] if r["status"] == "error" else "ok"
+        seen.append((t, code))
+        assert code == "ok" or code in errors.CODES, (t, payload, r)
+        assert code != "protocol.internal", (t, payload, r["error"])
+        return r
+
+    settings_ = dict(deadline=None, suppress_health_check=list(HealthCheck))
+
+    @settings(max_examples=scale(150, 2000), **settings_)
+    @given(requests(set(schema.REQUESTS) - lifecycle, [str(project)]))
+    def with_session(req):
+        r = send(a, *req)
+        if req[0] == "session.restrict" and r["status"] == "ok":  # restrictions only narrow: start afresh
+            a.ok("session.stop")
+            start(a, project)
+
+    @settings(max_examples=scale(40, 400), **settings_)
+    @given(requests(lifecycle | {"hello", "session.status"}, [str(other), str(other / "d")],
+                    base={"working_directories": [{"path": str(other)}]}))
+    def without_session(req):
+        send(b, *req)
+        if b.ok("session.status")["state"] != "not_started":
+            b.ok("session.stop")
+
+    with_session()
+    without_session()
+    assert {t for t, _ in seen} == set(schema.REQUESTS)
+    for c in (a, b):
+        assert c.ok("hello", {"protocol_version": 1})
+        assert c.close() == 0

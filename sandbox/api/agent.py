@@ -77,12 +77,15 @@ class Agent:
     # ------------------------------------------------------------------ dispatch
 
     def handle(self, type_: str, payload: dict, request_id=None) -> dict:
+        """Carry out one request whose payload matched its schema (hence bounded and shallow).
+        Integral floats are made ints first: JSON Schema's ``integer`` accepts ``1e9`` and
+        ``2.0``, and the handlers count, index and seek with them."""
         fn = getattr(self, "op_" + type_.replace(".", "_"), None)
         if fn is None or type_ not in schema.REQUESTS:
             raise ApiError("protocol.unknown_type", f"unknown request type {type_!r}", type=type_,
                            known=sorted(schema.REQUESTS))
         try:
-            return fn(payload, request_id)
+            return fn(_integral(payload), request_id)
         except ApiError:
             raise
         except SessionError as e:
@@ -488,8 +491,8 @@ class Agent:
         if attr.kind != REG:
             raise ApiError("fs.not_a_file", f"{guest} is a special file: never opened")
         offset = p.get("offset", 0)
-        remaining = max(0, attr.size - offset)
-        length = min(remaining, READ_BYTES_MAX) if want is None else want
+        remaining = max(0, attr.size - offset)  # nothing is read at or past the end (offsets up to 2**63-1 are valid)
+        length = min(remaining, READ_BYTES_MAX if want is None else want)
         with provider.open(rel, os.O_RDONLY) as fh:
             data = fh.pread(length, offset) if length else b""
         encoding = p.get("encoding", "utf-8")
@@ -632,6 +635,17 @@ class Agent:
                      e.get("exit_code"), extra={"component": "undo", "step_id": e.get("step_id")})
         self.event(name, e)
 
+
+
+def _integral(value):
+    """``value`` with every integral float an int (see :meth:`Agent.handle`)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {k: _integral(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
 
 
 def _safeguard_out(c: SafeguardConfig) -> dict:

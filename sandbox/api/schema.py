@@ -52,73 +52,116 @@ INT = {"type": "integer"}
 POS = {"type": "integer", "minimum": 1}
 NONNEG = {"type": "integer", "minimum": 0}
 NUM = {"type": "number"}
-ABS = {"type": "string", "pattern": "^/", "minLength": 1, "maxLength": 4096}
 STRS = {"type": "array", "items": STR}
 NULLABLE_INT = {"type": ["integer", "null"]}
+
+# Bounds of request fields. Every integer, string, array and map a client sends is bounded
+# here, so nothing schema-valid can overflow a handler (a 64-bit offset, a count the undo
+# history can never hold, a megabyte label); the handlers still check what they rely on.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+PATH_CHARS_MAX = 4096  # PATH_MAX
+NAME_CHARS_MAX = 256  # labels, ids, client names, environment variable names, allowlist entries
+TEXT_CHARS_MAX = 128 << 10  # a command, a prompt, an environment value: Linux's MAX_ARG_STRLEN, one execve string
+CONTENT_CHARS_MAX = 64 << 20  # one base64 file of an in-memory mount (the line limit's default)
+MEMORY_FILES_MAX = 100_000  # files in one in-memory mount
+ENV_ENTRIES_MAX = 1024
+UNDO_STEP_COUNT_MAX = 100_000  # max_step_count's ceiling, so also the most undo.rollback/history can ask for
+SAFEGUARD_TIMEOUT_S_MAX = 86_400  # one day
+PROTOCOL_VERSION_MAX = (1 << 31) - 1
+
+
+def _int(lo: int, hi: int, nullable: bool = False, **extra) -> dict:
+    return {"type": ["integer", "null"] if nullable else "integer", "minimum": lo, "maximum": hi, **extra}
+
+
+def _str(chars_max: int, chars_min: int = 0, **extra) -> dict:
+    out = {"type": "string", "maxLength": chars_max, **extra}
+    if chars_min:
+        out["minLength"] = chars_min
+    return out
+
+
+U_POS = _int(1, INT64_MAX)
+U_NONNEG = _int(0, INT64_MAX)
+NAME = _str(NAME_CHARS_MAX)
+PATH = _str(PATH_CHARS_MAX, 1)
+ABS = _str(PATH_CHARS_MAX, 1, pattern="^/")
+ENV = {"type": "object", "maxProperties": ENV_ENTRIES_MAX, "propertyNames": _str(NAME_CHARS_MAX, 1),
+       "additionalProperties": _str(TEXT_CHARS_MAX)}
+STEP_COUNT = _int(1, UNDO_STEP_COUNT_MAX)
 DIRECTORY = {"description": "A working directory: its index, its label, its guest path or its host path; default the first.",
-             "oneOf": [NONNEG, NESTR]}
-REQUEST_ID = {"oneOf": [{"type": "string", "maxLength": 256}, {"type": "integer"}]}
+             "oneOf": [U_NONNEG, PATH]}
+REQUEST_ID = {"oneOf": [_str(NAME_CHARS_MAX), _int(INT64_MIN, INT64_MAX)]}
+
+
+def valid_request_id(value) -> bool:
+    """``value`` is a request_id :data:`REQUEST_ID` accepts (so it may be echoed back)."""
+    if isinstance(value, str):
+        return len(value) <= NAME_CHARS_MAX
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
 
 SAFEGUARD_CONFIG = {
-    "delete_threshold": {"type": ["integer", "null"], "minimum": 1,
-                         "description": "Deletions in one step that need confirmation (null: off)."},
-    "overwrite_threshold": {"type": ["integer", "null"], "minimum": 1,
-                            "description": "Overwrites/truncations of files over overwrite_size_bytes in one step (null: off)."},
-    "overwrite_size_bytes": NONNEG,
-    "rename_over_threshold": {"type": ["integer", "null"], "minimum": 1,
-                              "description": "Renames onto an existing destination in one step (null: off)."},
-    "timeout_seconds": {"type": "number", "exclusiveMinimum": 0, "description": "Unanswered holds are denied after this."},
+    "delete_threshold": _int(1, INT64_MAX, nullable=True,
+                             description="Deletions in one step that need confirmation (null: off)."),
+    "overwrite_threshold": _int(1, INT64_MAX, nullable=True,
+                                description="Overwrites/truncations of files over overwrite_size_bytes in one step (null: off)."),
+    "overwrite_size_bytes": U_NONNEG,
+    "rename_over_threshold": _int(1, INT64_MAX, nullable=True,
+                                  description="Renames onto an existing destination in one step (null: off)."),
+    "timeout_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": SAFEGUARD_TIMEOUT_S_MAX,
+                        "description": "Unanswered holds are denied after this."},
 }
 UNDO_LIMITS = {
-    "max_log_size_bytes": POS,
-    "max_step_count": POS,
-    "max_single_step_size_bytes": POS,
+    "max_log_size_bytes": U_POS,
+    "max_step_count": STEP_COUNT,
+    "max_single_step_size_bytes": U_POS,
 }
 
 REQUESTS: dict[str, dict] = {
-    "hello": _obj({"protocol_version": POS, "client": STR}, ["protocol_version"]),
+    "hello": _obj({"protocol_version": _int(1, PROTOCOL_VERSION_MAX), "client": NAME}, ["protocol_version"]),
     "session.start": _obj({
         "working_directories": {"type": "array", "minItems": 1, "maxItems": 8, "items": _obj({
-            "path": NESTR, "label": STR, "access": {"enum": ["read_write", "read_only"]}, "target": ABS}, ["path"])},
-        "root": {"type": "string", "minLength": 1, "description": "Seed 004 style: the project folder (with root_target and bind mounts)."},
+            "path": PATH, "label": NAME, "access": {"enum": ["read_write", "read_only"]}, "target": ABS}, ["path"])},
+        "root": {**PATH, "description": "Seed 004 style: the project folder (with root_target and bind mounts)."},
         "readonly": BOOL,
         "root_target": ABS,
         "mounts": {"type": "array", "maxItems": 16, "items": {"oneOf": [
-            _obj({"path": ABS, "files": {"type": "object", "additionalProperties": STR,
+            _obj({"path": ABS, "files": {"type": "object", "maxProperties": MEMORY_FILES_MAX,
+                                         "propertyNames": PATH, "additionalProperties": _str(CONTENT_CHARS_MAX),
                                          "description": "relative path -> base64 contents"},
-                  "writable": BOOL, "label": STR}, ["path", "files"]),
-            _obj({"source": NESTR, "target": ABS, "readonly": BOOL}, ["source", "target"]),
+                  "writable": BOOL, "label": NAME}, ["path", "files"]),
+            _obj({"source": PATH, "target": ABS, "readonly": BOOL}, ["source", "target"]),
         ]}},
         "python_path": {"type": "array", "items": ABS, "maxItems": 64},
         "network_policy": {"enum": ["disabled", "open", "allowlist"]},
-        "network_allowlist": {"type": "array", "items": NESTR, "maxItems": 256},
+        "network_allowlist": {"type": "array", "items": _str(NAME_CHARS_MAX, 1), "maxItems": 256},
         "vm_mode": {"enum": ["ephemeral", "persistent"]},
         "external_modification_policy": {"enum": ["barrier", "warn", "lock"]},
         "safeguard": _obj(SAFEGUARD_CONFIG),
         "undo_limits": _obj(UNDO_LIMITS),
-        "agent": _obj({"command": NESTR, "cwd": ABS, "env": {"type": "object", "additionalProperties": STR}}, ["command"]),
+        "agent": _obj({"command": _str(TEXT_CHARS_MAX, 1), "cwd": ABS, "env": ENV}, ["command"]),
         "restrict": _obj({"path": ABS, "readonly": BOOL}),
-        "memory_mb": {"type": "integer", "minimum": 128, "maximum": 65536},
-        "cpus": {"type": "integer", "minimum": 1, "maximum": 64},
+        "memory_mb": _int(128, 65536),
+        "cpus": _int(1, 64),
     }),
     "session.stop": _obj({}),
     "session.reset": _obj({}),
     "session.status": _obj({}),
     "session.restrict": _obj({"path": ABS, "readonly": BOOL}),
-    "undo.rollback": _obj({"count": POS, "force": BOOL, "directory": DIRECTORY}),
-    "undo.history": _obj({"directory": DIRECTORY, "limit": POS}),
+    "undo.rollback": _obj({"count": STEP_COUNT, "force": BOOL, "directory": DIRECTORY}),
+    "undo.history": _obj({"directory": DIRECTORY, "limit": STEP_COUNT}),
     "undo.configure": _obj({"directory": DIRECTORY, **UNDO_LIMITS}),
     "undo.discard": _obj({"directory": DIRECTORY}),
-    "agent.execute": _obj({"command": NESTR, "cwd": ABS, "env": {"type": "object", "additionalProperties": STR}},
-                          ["command"]),
-    "agent.prompt": _obj({"text": STR}, ["text"]),
+    "agent.execute": _obj({"command": _str(TEXT_CHARS_MAX, 1), "cwd": ABS, "env": ENV}, ["command"]),
+    "agent.prompt": _obj({"text": _str(TEXT_CHARS_MAX)}, ["text"]),
     "agent.cancel": _obj({"request_id": REQUEST_ID}),
-    "fs.list": _obj({"path": STR, "directory": DIRECTORY}),
-    "fs.read": _obj({"path": NESTR, "directory": DIRECTORY, "offset": NONNEG, "length": NONNEG,
+    "fs.list": _obj({"path": _str(PATH_CHARS_MAX), "directory": DIRECTORY}),
+    "fs.read": _obj({"path": PATH, "directory": DIRECTORY, "offset": U_NONNEG, "length": U_NONNEG,
                      "encoding": {"enum": ["utf-8", "base64"]}}, ["path"]),
     "fs.status": _obj({"directory": DIRECTORY}),
     "safeguard.configure": _obj({"directory": DIRECTORY, **SAFEGUARD_CONFIG}),
-    "safeguard.confirm": _obj({"safeguard_id": NESTR, "action": {"enum": ["allow", "deny"]}},
+    "safeguard.confirm": _obj({"safeguard_id": _str(NAME_CHARS_MAX, 1), "action": {"enum": ["allow", "deny"]}},
                               ["safeguard_id", "action"]),
 }
 
@@ -260,11 +303,13 @@ def first_error(name: str, instance) -> tuple[str, str] | None:
     if not errors:
         return None
     e = errors[0]
-    path = "$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path)
-    reason = e.message
-    if len(reason) > 300:
-        reason = reason[:300] + "…"
-    return path, reason
+    path = _clip("$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path))
+    return path, _clip(e.message)
+
+
+def _clip(text: str, chars_max: int = 300) -> str:
+    """Error details echo client data (a key, a value): never more than ``chars_max`` of it."""
+    return text if len(text) <= chars_max else text[:chars_max] + "…"
 
 
 README_MARK = "<!-- protocol.schema.json -->"

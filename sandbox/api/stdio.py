@@ -3,9 +3,19 @@
 Reading: one request per line, at most ``max_line_bytes`` (a longer line is discarded up
 to its newline and answered with ``protocol.line_too_long``). Every line is answered:
 bad JSON, a non-object, a schema violation, an unknown type — each gets an error
-response (``request_id`` null when it could not be read). Nothing a client sends can
-stop the agent; only the end of stdin (or SIGTERM/SIGINT) does, and then the session
-is stopped cleanly.
+response (``request_id`` null unless the line carried a valid one: a request_id that is
+not a string of at most 256 characters or a 64-bit integer is never echoed). Nothing a
+client sends can stop the agent; only the end of stdin (or SIGTERM/SIGINT) does, and
+then the session is stopped cleanly.
+
+Decoding (:func:`decode_request`, sans-I/O): the nesting of arrays and objects is measured
+on the text *before* it is parsed — a linear scan, no recursion — and a line nested
+deeper than ``max_json_depth`` is refused with ``protocol.too_deep``, so neither the
+parser, the schema validator nor an error message ever recurses over client-chosen
+depth. Numbers: an integral float (``1e9``, ``2.0``) is decoded as an ``int`` — JSON
+Schema counts it as an integer, so the handlers must see one; ``NaN``/``Infinity`` are
+not JSON and are refused. Any other failure while handling a line is a bug: it is
+answered ``protocol.internal``, logged with its traceback, and the next line is read.
 
 Order: requests are started in the order they arrive, and each runs on its own thread
 (at most ``max_in_flight``), so a long one (``agent.execute``) does not hold up the rest
@@ -28,9 +38,11 @@ then the session is stopped and :meth:`StdioServer.serve` returns. SIGTERM or SI
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
+import re
 import threading
 from typing import BinaryIO
 
@@ -43,6 +55,8 @@ log = logging.getLogger("sandbox.api")
 
 LINE_BYTES_MAX = 64 << 20  # in-memory mounts travel as base64 inside session.start
 IN_FLIGHT_MAX = 32
+#: arrays/objects nested in one line, the request object counting 1 (a valid request nests at most 5)
+JSON_DEPTH_MAX = 64
 _STOP = object()
 #: finish before anything that arrived after them starts
 LIFECYCLE = frozenset({"session.start", "session.stop", "session.reset"})
@@ -50,12 +64,76 @@ LIFECYCLE = frozenset({"session.start", "session.stop", "session.reset"})
 IMMEDIATE = frozenset({"hello", "session.status", "safeguard.confirm", "agent.cancel"})
 
 
+# A JSON string, possessively (each character is consumed once: linear on any input). An
+# unterminated string runs to the end of the text rather than failing, so a hostile line of
+# quotes and backslashes cannot make the search restart at every quote.
+_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]++")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of arrays/objects in ``text`` without parsing it: strings are cut
+    out, then the brackets left are counted. Linear time, no recursion. Exact for valid JSON;
+    for invalid JSON it still counts every bracket the parser would open before its first
+    error (up to there, strings begin and end where the parser's do), so the parser never
+    nests deeper than this says."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    return max(itertools.accumulate(map(_BRACKET_STEP.__getitem__, brackets), initial=0))
+
+
+def _number(literal: str) -> int | float:
+    """A JSON number with a fraction or exponent: an int when integral (``1e9``, ``2.0``) —
+    JSON Schema's ``integer`` accepts those, so handlers must get an int — else a float."""
+    f = float(literal)
+    return int(f) if f.is_integer() else f
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def decode_request(line: bytes, depth_max: int = JSON_DEPTH_MAX) -> object:
+    """One line → its JSON value, or :class:`ApiError` (``protocol.invalid_json``/``too_deep``).
+
+    The encoding is detected as :func:`json.loads` does (UTF-8 unless a BOM or NULs say
+    UTF-16/32); the depth is checked on the decoded text before parsing (the bracket count
+    is a cheap upper bound, so the scan runs only for lines with many brackets).
+    """
+    try:
+        text = line.decode(json.detect_encoding(line), "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise ApiError("protocol.invalid_json", f"not JSON: not valid {e.encoding} at byte {e.start}",
+                       position=e.start) from None
+    if text.count("[") + text.count("{") > depth_max and json_depth(text) > depth_max:
+        raise ApiError("protocol.too_deep", f"arrays/objects nested deeper than {depth_max} levels: not parsed",
+                       limit=depth_max)
+    try:
+        return json.loads(text, parse_float=_number, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise ApiError("protocol.invalid_json", f"not JSON: {e.msg}", position=e.pos) from None
+    except (ValueError, RecursionError) as e:  # a 5,000-digit integer, NaN (RecursionError: defensive, see json_depth)
+        raise ApiError("protocol.invalid_json", f"not JSON: {str(e)[:200]}") from None
+
+
+def _encode(msg: dict) -> bytes:
+    """One protocol line, always valid UTF-8: a message holding a lone surrogate (a client's
+    ``"\\ud800"`` echoed in a request_id or a path) is written with ``\\u`` escapes instead."""
+    text = json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(msg, separators=(",", ":")).encode("ascii")
+
+
 class StdioServer:
     def __init__(self, infile: BinaryIO, outfile: BinaryIO, *, guest: str = "vm",
-                 max_line_bytes: int = LINE_BYTES_MAX, max_in_flight: int = IN_FLIGHT_MAX):
+                 max_line_bytes: int = LINE_BYTES_MAX, max_in_flight: int = IN_FLIGHT_MAX,
+                 max_json_depth: int = JSON_DEPTH_MAX):
         self.infile = infile
         self.outfile = outfile
         self.max_line_bytes = max_line_bytes
+        self.max_json_depth = max_json_depth
         self.max_in_flight = max_in_flight
         self._out: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="stdio-writer", daemon=True)
@@ -78,10 +156,16 @@ class StdioServer:
             if msg is _STOP:
                 return
             try:
-                line = json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
-            except (TypeError, ValueError) as e:  # a bug: never let it break the stream
-                log.error("unserialisable message dropped: %s", e)
-                continue
+                line = _encode(msg)
+            except Exception as e:  # a bug (RecursionError too): never let it break the stream
+                log.exception("unserialisable message replaced by protocol.internal")
+                if not (isinstance(msg, dict) and msg.get("type") == "response"):
+                    continue  # an event: dropped
+                rid = msg.get("request_id")  # the client still gets its one response
+                line = _encode({"type": "response", "request_id": rid if schema.valid_request_id(rid) else None,
+                                "status": "error", "error": ApiError("protocol.internal",
+                                                                     "internal error: the response could not be encoded",
+                                                                     exception=type(e).__name__).as_dict()})
             try:
                 self.outfile.write(line + b"\n")
                 self.outfile.flush()
@@ -129,41 +213,45 @@ class StdioServer:
                 return
 
     def _line(self, line: bytes) -> None:
+        """Answer one line; never raises (an unexpected exception is a bug: protocol.internal)."""
+        rid = None
         try:
-            msg = json.loads(line)
-        except json.JSONDecodeError as e:
-            self._respond(None, error=ApiError("protocol.invalid_json", f"not JSON: {e.msg}", position=e.pos))
-            return
-        except (ValueError, RecursionError) as e:
-            self._respond(None, error=ApiError("protocol.invalid_json", f"not JSON: {e}"))
-            return
-        if not isinstance(msg, dict):
-            self._respond(None, error=ApiError("protocol.not_an_object", "a request is a JSON object"))
-            return
-        rid = msg.get("request_id")
-        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-            rid = None
-        t = msg.get("type")
-        if isinstance(t, str) and t not in schema.REQUESTS:
-            self._respond(rid, error=ApiError("protocol.unknown_type", f"unknown request type {t[:100]!r}",
-                                              type=t[:100], known=sorted(schema.REQUESTS)))
-            return
-        problem = schema.first_error("request", msg)
-        if problem is not None:
-            path, reason = problem
-            self._respond(rid, error=ApiError("protocol.invalid_request", f"{path}: {reason}", path=path, reason=reason))
-            return
-        payload = msg.get("payload", {})
+            msg = decode_request(line, self.max_json_depth)
+            if not isinstance(msg, dict):
+                raise ApiError("protocol.not_an_object", "a request is a JSON object")
+            rid = msg.get("request_id")
+            if not schema.valid_request_id(rid):
+                rid = None  # never echoed: it may be huge, deep or of any type
+            t = msg.get("type")
+            if isinstance(t, str) and t not in schema.REQUESTS:
+                raise ApiError("protocol.unknown_type", f"unknown request type {t[:100]!r}",
+                               type=t[:100], known=sorted(schema.REQUESTS))
+            problem = schema.first_error("request", msg)
+            if problem is not None:
+                path, reason = problem
+                raise ApiError("protocol.invalid_request", f"{path}: {reason}", path=path, reason=reason)
+            self._submit(t, msg.get("payload", {}), rid)
+        except ApiError as e:
+            self._respond(rid, error=e)
+        except Exception as e:
+            log.exception("a request line could not be handled")
+            self._respond(rid, error=ApiError("protocol.internal", f"internal error: {type(e).__name__}",
+                                              exception=type(e).__name__))
+
+    def _submit(self, t: str, payload: dict, rid) -> None:
         if not self._in_flight.acquire(blocking=False):
-            self._respond(rid, error=ApiError("protocol.busy", f"more than {self.max_in_flight} requests in flight",
-                                              limit=self.max_in_flight))
-            return
-        if t == "hello":  # answered before anything read after it
-            self._run(t, payload, rid)
-        elif t in IMMEDIATE:
-            self._spawn(t, payload, rid)
-        else:
-            self._queue.put((t, payload, rid))
+            raise ApiError("protocol.busy", f"more than {self.max_in_flight} requests in flight", limit=self.max_in_flight)
+        try:
+            if t == "hello":  # answered before anything read after it
+                self._run(t, payload, rid)
+            elif t in IMMEDIATE:
+                self._spawn(t, payload, rid)
+            else:
+                self._queue.put((t, payload, rid))
+        except BaseException:
+            if t != "hello":  # _run releases its own slot
+                self._in_flight.release()
+            raise
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -171,17 +259,30 @@ class StdioServer:
             if item is _STOP:
                 return
             t, payload, rid = item
-            if t in LIFECYCLE:  # a barrier: after everything before it, before everything after it
-                self._join_workers()
-                self._run(t, payload, rid)
-            else:
-                self._spawn(t, payload, rid)
+            try:
+                if t not in LIFECYCLE:
+                    self._spawn(t, payload, rid)
+                    continue
+                self._join_workers()  # a barrier: after everything before it, before everything after it
+            except Exception as e:  # a bug (or no thread to be had): answer it, keep dispatching
+                self._in_flight.release()
+                log.exception("request %s could not be started", t)
+                self._respond(rid, error=ApiError("protocol.internal", f"internal error: {type(e).__name__}",
+                                                  exception=type(e).__name__))
+                continue
+            self._run(t, payload, rid)  # never raises: every failure becomes its response
 
     def _spawn(self, t: str, payload: dict, rid) -> None:
+        """Run the request on a new worker thread; if none can start, the caller still owns its slot."""
         worker = threading.Thread(target=bind_context(self._run, t, payload, rid), name=f"request-{rid}", daemon=True)
         with self._workers_lock:
             self._workers.add(worker)
-        worker.start()
+        try:
+            worker.start()
+        except BaseException:
+            with self._workers_lock:
+                self._workers.discard(worker)
+            raise
 
     def _run(self, t: str, payload: dict, rid) -> None:
         try:
