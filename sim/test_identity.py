@@ -215,6 +215,22 @@ def test_privileged_xattrs_are_kept_in_user_namespace(fs, ws, work):
     oracle.assert_same(before, oracle.snapshot(ws.fs.host), "undo of privileged xattrs")
 
 
+def test_removing_an_absent_posix_acl_succeeds_as_the_kernel_does(fs, work):
+    """``cp -a`` (libacl) removes ``system.posix_acl_*`` from a file that has none; the
+    kernel answers 0 there (a removal is setting no ACL), so the mapped name must too —
+    other absent names stay ENODATA."""
+    def remove(path, name):  # as Linux v9fs sends it: a size-0 xattr write, no listing first
+        with fs._fid(path) as fid:
+            fs.c.setxattr(fid, name, b"")
+
+    for name in ("system.posix_acl_access", "system.posix_acl_default"):
+        remove("dir", name)
+    remove("tool", "system.posix_acl_access")
+    assert errno_of(remove, "tool", "security.capability") == errno.ENODATA
+    assert errno_of(remove, "tool", "user.absent") == errno.ENODATA
+    host_has_no_privileged_xattrs(work / "tool")
+
+
 def test_xattr_create_and_replace_flags_apply_to_the_guest_name(fs):
     fid = fs._walk("tool")
     fs.c.setxattr(fid, "trusted.once", b"1", m.XATTR_CREATE)

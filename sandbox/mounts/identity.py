@@ -146,6 +146,16 @@ def guest_xattr_name(host_name: str) -> str | None:
     return host_name if is_passthrough(host_name) else None
 
 
+#: guest names whose removal, when absent, succeeds: the kernel treats removing a POSIX
+#: ACL as setting none (``cp -a`` relies on it), unlike every other xattr (``ENODATA``)
+ACL_XATTRS = ("system.posix_acl_access", "system.posix_acl_default")
+
+
+def absent_removal_ok(name: str) -> bool:
+    """True if removing the guest's xattr ``name`` when it is not there is a success."""
+    return name in ACL_XATTRS
+
+
 def guest_xattr_names(host_names: list[str]) -> list[str]:
     """What a guest's ``listxattr`` shows for the host's list, in the host's order."""
     return [g for g in map(guest_xattr_name, host_names) if g is not None]

@@ -318,11 +318,15 @@ class Provider:
     def removexattr(self, path: str, name: str, *, handle: FileHandle | None = None) -> None:
         """Remove xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
-        name = identity.host_xattr_name(name)
-        if handle is not None:
-            self.fs.fremovexattr(handle, path, name)
-        else:
-            self.fs.removexattr(path, name)
+        host_name = identity.host_xattr_name(name)
+        try:
+            if handle is not None:
+                self.fs.fremovexattr(handle, path, host_name)
+            else:
+                self.fs.removexattr(path, host_name)
+        except OSError as e:
+            if e.errno != errno.ENODATA or not identity.absent_removal_ok(name):
+                raise
 
     # ------------------------------------------------------------------ identity (identity.py)
 
