@@ -293,6 +293,52 @@ def test_undo_two_steps(project):
     assert r.returncode == 0 and r.stdout.strip() == "no steps in history"
 
 
+def _link_target(proj, where: str) -> str:
+    """A symlink target for `ln -s TARGET sub`: a directory inside the folder, one outside
+    it (holding the very name `g` the step removed), or nothing at all."""
+    if where == "inside":
+        os.mkdir(proj.path("other"))
+        return "other"
+    if where == "outside":
+        outside = os.path.join(proj.base, "outside")
+        os.makedirs(os.path.join(outside, "g"))
+        return outside
+    return "nowhere/at/all"
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_undo_n_2_across_a_directory_replaced_by_a_symlink(proj, where):
+    """Step 1 deletes sub/, step 2 makes sub a symlink: undo -n 2 is not refused as an
+    external change (it was, while one at a time worked), and restores exactly."""
+    target = _link_target(proj, where)
+    original = tree(proj.work)
+    with proj.open() as ws:
+        with ws.step("rm -rf sub"):
+            ws.fs.remove_tree("sub")
+        with ws.step(f"ln -s {target} sub"):
+            ws.fs.symlink(target, "sub")
+    r = proj.cli("undo", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    assert tree(proj.work) == original
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_undo_of_rm_rf_and_ln_s_in_one_step(proj, where):
+    target = _link_target(proj, where)
+    original = tree(proj.work)
+    with proj.open() as ws:
+        with ws.step(f"rm -rf sub && ln -s {target} sub"):
+            ws.fs.remove_tree("sub")
+            ws.fs.symlink(target, "sub")
+    r = proj.cli("history", "--json")
+    assert r.returncode == 0 and "recovered" not in r.stderr, r.stderr
+    assert [s["command"] for s in json.loads(r.stdout)["steps"]] == [f"rm -rf sub && ln -s {target} sub"]
+    assert os.readlink(proj.path("sub")) == target
+    r = proj.cli("undo")
+    assert r.returncode == 0, r.stderr
+    assert tree(proj.work) == original
+
+
 def test_undo_nothing_left(proj):
     with proj.open():
         pass  # a store with no steps

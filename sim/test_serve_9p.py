@@ -112,3 +112,33 @@ def test_help_explains(env):
     assert r.returncode == 0
     for words in ("9P2000.L", "--read-only", "sandbox history", "mount -t 9p", "SIGTERM"):
         assert words in r.stdout
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_a_directory_replaced_by_a_symlink_is_recorded_and_undone(tmp_path, work, env, where):
+    """`rm -rf src && ln -s TARGET src` over the wire: the server stops cleanly (it exited 1
+    on ELOOP when closing the step), history lists the step with no recovery at the next
+    open, and undo restores the tree exactly."""
+    outside = tmp_path / "outside"
+    (outside / "main.py").mkdir(parents=True)
+    (work / "other").mkdir()
+    target = {"inside": "other", "outside": str(outside), "dangling": "nowhere/at/all"}[where]
+    before = oracle.snapshot_dir(str(work))
+    sock = str(tmp_path / "9p.sock")
+    p = start("--root", str(work), "--socket", sock, env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            fs = WireFS(c)
+            fs.remove_tree("src")
+            fs.symlink(target, "src")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert os.readlink(work / "src") == target
+    hist = sandbox_cmd("history", "--workdir", str(work), "--json", env=env)
+    assert hist.returncode == 0 and "recovered" not in hist.stderr, hist
+    assert os.readlink(work / "src") == target  # no recovery rolled the work back
+    undo = sandbox_cmd("undo", "--workdir", str(work), env=env)
+    assert undo.returncode == 0, undo.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "undo after serve-9p")

@@ -219,12 +219,7 @@ class UndoInterceptor:
     # ------------------------------------------------------------------ capture
 
     def _lstat(self, path: str) -> Stat | None:
-        try:
-            return self.work.lstat(path)
-        except FileNotFoundError:
-            return None
-        except NotADirectoryError:
-            return None
+        return self.work.lstat_or_none(path)  # below a symlink is "absent" too: the host call fails ELOOP
 
     def _account(self, rec: dict) -> bool:
         """Charge a record to the step; False (and the step turns unprotected) past the limit."""

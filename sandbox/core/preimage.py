@@ -66,10 +66,9 @@ def _apply_meta(fs: HostFS, path: str, rec: dict) -> None:
 
 
 def _lstat(fs: HostFS, path: str) -> Stat | None:
-    try:
-        return fs.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+    """What is at ``path``, or None — also below a symlink: nothing is reachable there
+    without following it (``ELOOP``, see :data:`~sandbox.hostfs.ABSENT_ERRNOS`)."""
+    return fs.lstat_or_none(path)
 
 
 def remove_tree(fs: HostFS, path: str) -> None:

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import zstandard
 
-from ..hostfs import REG, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import ABSENT_ERRNOS, REG, HostFS, Stat, is_within, join, parent_of
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
@@ -229,8 +229,9 @@ class UndoLog:
             for q in ((p, parent_of(p)) if p else (p,)):
                 try:
                     work.fsync(q)
-                except (FileNotFoundError, NotADirectoryError):
-                    pass
+                except OSError as e:
+                    if e.errno not in ABSENT_ERRNOS:
+                        raise
 
     def _write_file(self, path: str, data: bytes) -> None:
         """Replace ``path`` atomically: write a temp file, then rename over."""
