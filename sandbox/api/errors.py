@@ -83,7 +83,8 @@ class ApiError(SandboxError):
         return {"code": self.code, "message": self.message, "data": _jsonable(self.data)}
 
 
-_CORE_CODES = {"step.error": "undo.step_running", "undo.error": "undo.failed", "safeguard.hold": "safeguard.denied"}
+_CORE_CODES = {"step.error": "undo.step_running", "undo.error": "undo.failed", "safeguard.hold": "safeguard.denied",
+               "undo.rollback_incomplete": "undo.failed"}
 
 _ERRNO_CODES = {
     errno.ENOENT: "fs.not_found", errno.ENOTDIR: "fs.not_a_directory", errno.EISDIR: "fs.is_a_directory",

@@ -54,6 +54,16 @@ class CorruptStep(UndoError):
     code = "undo.corrupt_step"
 
 
+class RollbackIncomplete(UndoError):
+    """A rollback (an undo, or recovery of a crashed step) stopped part-way and cannot be
+    finished now: the working folder is between two steps. Undo and new steps are refused
+    until it finishes — it is retried on every open, undo and step — or the undo history
+    is discarded. ``data``: ``step_id``, ``path`` and ``errno`` of the cause (when known),
+    ``reason``."""
+
+    code = "undo.rollback_incomplete"
+
+
 class StepError(SandboxError):
     code = "step.error"
 
