@@ -134,7 +134,7 @@ def cmd_undo(args) -> int:
         try:
             result = ws.rollback(args.n, force=args.force)
         except OSError as e:
-            if not ws.rollback_pending:
+            if isinstance(e, RollbackIncomplete) or not ws.rollback_pending:
                 raise
             where = f" on {e.filename}" if e.filename else ""
             raise CliError(f"the undo stopped part-way: {e.strerror or e}{where}. It is finished by the next "

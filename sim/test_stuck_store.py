@@ -109,6 +109,20 @@ def test_a_failing_pending_rollback_is_also_retried_by_undo_and_finished_once_re
     assert ws.history() == []
 
 
+def test_the_stdio_api_answers_undo_failed_with_the_cause():
+    from sandbox.api.errors import to_api_error
+
+    w, ws, _before, edit_id = _edited()
+    w.injector = FaultInjector(error_if=_eio_writing("a"))
+    with pytest.raises(OSError):
+        ws.rollback(1)
+    with pytest.raises(RollbackIncomplete) as e:
+        ws.rollback(1)
+    err = to_api_error(e.value).as_dict()
+    assert err["code"] == "undo.failed" and "could not finish" in err["message"]
+    assert (err["data"]["step_id"], err["data"]["path"], err["data"]["errno"]) == (edit_id, "a", "EIO")
+
+
 def test_discard_works_on_a_store_whose_rollback_cannot_finish():
     w, ws, _before, _ = _edited()
     w.injector = FaultInjector(error_if=_eio_writing("a"))
@@ -174,6 +188,27 @@ def test_a_resumed_forced_rollback_is_still_forced(world):
     ws = world.open()
     assert ws.recovery["kind"] == "rollback_finished"
     oracle.assert_same(before, world.snapshot())  # src is the step's src again, not the user's
+    ws.close()
+
+
+def test_recovery_finishes_through_a_symlink_the_user_put_in_its_way(world):
+    """A step died after `mv d/a x`; before the next open the user replaced d/ by a symlink.
+    Recovery (always completing, like a forced undo) moves a back into a directory d."""
+    ws = world.open()
+    with ws.step("seed"):
+        ws.fs.makedirs("d")
+        ws.fs.write_file("d/a", b"a")
+    before = world.snapshot()
+    ws.interceptor.begin_step("command", "mv d/a x")
+    ws.fs.rename("d/a", "x")
+    world.crash(ws)
+    with world.paused():
+        world.work.rmdir("d")
+        world.work.symlink("nowhere", "d")
+    ws = world.open()
+    assert ws.recovery["kind"] == "in_progress_rolled_back", ws.recovery
+    without_root = lambda snap: {p: v for p, v in snap.items() if p}  # noqa: E731
+    oracle.assert_same(without_root(before), without_root(world.snapshot()))
     ws.close()
 
 

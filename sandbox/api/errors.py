@@ -98,7 +98,7 @@ def to_api_error(exc: BaseException) -> ApiError:
     """The API's view of ``exc`` (see the module docstring)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, SandboxError) and not isinstance(exc, OSError):
+    if isinstance(exc, SandboxError) and (not isinstance(exc, OSError) or exc.code in _CORE_CODES):
         code = _CORE_CODES.get(exc.code, exc.code)
         if code in CODES:
             return ApiError(code, exc.message, **exc.data)

@@ -147,6 +147,8 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
                 _make_room(fs, rec["src"])
             elif _lstat(fs, rec["src"]) is not None:
                 return
+            elif force:  # e.g. src's directory replaced by a symlink since: the move back needs it
+                _ensure_parent(fs, rec["src"])
             fs.rename(rec["dst"], rec["src"])
         return
     path = rec["path"]

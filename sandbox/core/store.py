@@ -799,6 +799,7 @@ class UndoLog:
             f"{what} ({step}) could not finish: {cause}. The working folder is between two steps: undo and "
             "new steps are refused until it finishes — it is retried on every open and undo once the cause is "
             "fixed — or discard the undo history (`sandbox discard`)",
+            os_errno=code if isinstance(code, int) else None,
             step_id=step_id, path=path, errno=_errno_name(code), reason=cause)
 
     def _read_wal(self, where: str) -> tuple[dict | None, list[dict], bool]:
