@@ -13,6 +13,7 @@ from .core.errors import (
     ExternalChange,
     HoldRequired,
     NothingToUndo,
+    RollbackIncomplete,
     SafeguardDenied,
     SandboxError,
     StepError,
@@ -30,5 +31,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Workspace", "Limits", "SafeguardConfig", "Hold",
     "SandboxError", "UndoError", "NothingToUndo", "UndoUnavailable", "BarrierInTheWay", "ExternalChange",
-    "StepUnprotected", "CorruptStep", "StepError", "HoldRequired", "SafeguardDenied", "PathError", "StoreBusy",
+    "StepUnprotected", "CorruptStep", "RollbackIncomplete", "StepError", "HoldRequired", "SafeguardDenied", "PathError", "StoreBusy",
 ]

@@ -3,7 +3,7 @@
 Exit codes: 0 success · 1 nothing to undo / the operation failed · 2 bad usage or input
 · 3 refused: an undo barrier or an external change is in the way (``--force``) ·
 4 undo unavailable: format version mismatch (``sandbox discard``), unprotected or
-corrupt step · 5 the undo store is in use by another process.
+corrupt step, or an earlier undo that cannot finish · 5 the undo store is in use by another process.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 
 from . import __version__
 from .api.logs import LEVELS as LOG_LEVELS, setup_logging
-from .core.errors import (BarrierInTheWay, CorruptStep, NothingToUndo, SandboxError, StepError, StepUnprotected,
-                          UndoUnavailable)
+from .core.errors import (BarrierInTheWay, CorruptStep, NothingToUndo, RollbackIncomplete, SandboxError, StepError,
+                          StepUnprotected, UndoUnavailable)
 from .core.workspace import Workspace, default_state_dir
 from .hostfs import PathError, StoreBusy
 
@@ -36,21 +36,38 @@ def _state_dir(args) -> str:
     return args.state_dir or default_state_dir(args.workdir)
 
 
-def _open(args, must_exist: bool = True) -> Workspace:
+def _check_store(args, must_exist: bool = True) -> str:
     if not os.path.isdir(args.workdir):
         raise CliError(f"working folder {args.workdir!r} does not exist or is not a directory", EXIT_USAGE)
     state = _state_dir(args)
     if must_exist and not os.path.exists(os.path.join(state, "VERSION")) and not os.path.exists(os.path.join(state, "steps")):
         raise CliError(f"no undo history for {os.path.realpath(args.workdir)} (looked in {state}); "
                        "pass --state-dir if the store lives elsewhere", EXIT_FAILED)
-    ws = Workspace.open(args.workdir, state_dir=state)
+    return state
+
+
+def _open(args, must_exist: bool = True, **kwargs) -> Workspace:
+    ws = Workspace.open(args.workdir, state_dir=_check_store(args, must_exist), **kwargs)
     if ws.recovery:
+        print(f"sandbox: {describe_recovery(ws.recovery)}", file=sys.stderr)
         r = ws.recovery
-        print(f"recovered: an interrupted step ({r.get('step_id')}) was rolled back, "
-              f"{r.get('paths_restored', 0)} path(s) restored", file=sys.stderr)
-        if r.get("paths_not_restored"):
+        if r.get("message") and r.get("kind") != "rollback_incomplete":
             print(f"sandbox: warning: {r['message']}", file=sys.stderr)
     return ws
+
+
+def describe_recovery(r: dict) -> str:
+    """One line for a recovery report (what opening the store finished, or could not)."""
+    step, n = r.get("step_id"), r.get("paths_restored", 0)
+    kind = r.get("kind")
+    if kind == "rollback_incomplete":
+        return f"warning: {r.get('message')}"
+    if kind == "rollback_finished":
+        return f"recovered: an interrupted undo of step {step} was finished, {n} path(s) restored"
+    if kind == "unprotected_step_kept":
+        return f"recovered: an interrupted step ({step}) was unprotected: kept as it is, it cannot be undone"
+    gone = "some of its changes remain, see below" if r.get("message") else "its changes are gone from the folder"
+    return f"recovered: an interrupted step ({step}) never finished and was rolled back, {n} path(s) restored ({gone})"
 
 
 def _when(ns: int | None) -> str:
@@ -100,6 +117,14 @@ def cmd_undo(args) -> int:
     if args.n < 1:
         raise CliError("-n must be at least 1", EXIT_USAGE)
     with _open(args) as ws:
+        r = ws.recovery or {}
+        if r.get("kind") == "rollback_finished":
+            # the user is most likely retrying that very undo: finishing it is the whole answer
+            print(f"undone: step(s) {r.get('step_id')} (an undo that had stopped part-way); nothing more was "
+                  "undone — run `sandbox undo` again for more")
+            return EXIT_OK
+        if ws.rollback_pending:
+            ws.finish_pending()  # RollbackIncomplete (exit 4) if it still cannot finish
         hist = ws.history()
         if not hist:
             raise CliError(f"nothing to undo: no steps in the undo history of {os.path.realpath(args.workdir)}",
@@ -109,7 +134,15 @@ def cmd_undo(args) -> int:
         todo = hist[: args.n]
         print(f"undoing {len(todo)} step(s): " + ", ".join(f"{h['id']} ({h['command'] or h['type']})" for h in todo),
               file=sys.stderr, flush=True)
-        result = ws.rollback(args.n, force=args.force)
+        try:
+            result = ws.rollback(args.n, force=args.force)
+        except OSError as e:
+            if isinstance(e, RollbackIncomplete) or not ws.rollback_pending:
+                raise
+            where = f" on {e.filename}" if e.filename else ""
+            raise CliError(f"the undo stopped part-way: {e.strerror or e}{where}. It is finished by the next "
+                           "`sandbox undo` or open once the cause is fixed; or start over with "
+                           f"`{_discard_command(args)} --yes` (the folder stays as it is now)", EXIT_FAILED) from None
         print(f"undone: step(s) {', '.join(str(i) for i in result['step_ids'])}; "
               f"{result['paths_restored']} path(s) restored")
         return EXIT_OK
@@ -118,8 +151,8 @@ def cmd_undo(args) -> int:
 def cmd_discard(args) -> int:
     if not args.yes:
         raise CliError("discarding deletes all undo history for this folder; confirm with --yes", EXIT_USAGE)
-    with _open(args) as ws:
-        ws.discard()
+    # not _open: nothing is recovered or read first, so this works whatever state the store is in
+    Workspace.discard_store(args.workdir, _check_store(args))
     print(f"undo history discarded; a fresh store is ready at {_state_dir(args)}")
     return EXIT_OK
 
@@ -399,7 +432,15 @@ def cmd_serve_9p(args) -> int:
         what = "read-only"
     else:
         args.workdir = args.root
-        ws = _open(args, must_exist=False)
+        undo_log = logging.getLogger("sandbox.undo")
+
+        def on_event(event: dict) -> None:
+            """The undo core's warnings (a step that cannot be recorded, a rollback that cannot
+            finish, evictions) are log lines: nobody else would hear of them."""
+            if event.get("type") == "event.warning":
+                undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
+
+        ws = _open(args, must_exist=False, on_event=on_event)
         provider = Provider.intercepted(ws)
         what = f"intercepted; undo store {_state_dir(args)}"
 
@@ -430,6 +471,10 @@ def cmd_serve_9p(args) -> int:
         provider.close()
         if ws is not None:
             ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
+    if ws is not None and ws.unrecorded_step_id is not None:
+        print(f"sandbox: server stopped, but step {ws.unrecorded_step_id} could not be recorded in the undo store "
+              "(see the warning above); it will be rolled back when the folder is next opened", file=sys.stderr)
+        return EXIT_FAILED
     print("sandbox: server stopped", file=sys.stderr)
     return EXIT_OK
 
@@ -454,7 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  1  failed, nothing to undo, or no undo history for the folder\n"
                "  2  bad usage or input (e.g. the folder does not exist)\n"
                "  3  refused: an undo barrier or an external change is in the way (undo --force overrides)\n"
-               "  4  undo unavailable: format version mismatch (sandbox discard), unprotected or corrupt step\n"
+               "  4  undo unavailable: format version mismatch (sandbox discard), unprotected or corrupt step,\n"
+               "     or an earlier undo that could not finish\n"
                "  5  the undo store is in use by another process")
     p.add_argument("--version", action="version", version=f"sandbox {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -494,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
         [(0, "undone"), (1, "nothing (or not enough) to undo, no undo history, or the undo failed"),
          (2, "bad usage (-n below 1, --workdir is not a directory)"),
          (3, "refused: an undo barrier or an external change is in the way (--force overrides)"),
-         (4, "undo unavailable: format version mismatch (run `sandbox discard`), unprotected or corrupt step"),
+         (4, "undo unavailable: format version mismatch (run `sandbox discard`), unprotected or corrupt step, or an "
+             "earlier undo that stopped part-way cannot finish (fix the cause, or `sandbox discard`)"),
          busy]))
     u.add_argument("-n", type=int, default=1, metavar="N", help="number of steps to undo (default 1)")
     u.add_argument("--force", action="store_true", help="undo even across barriers, overwriting changes made outside the sandbox")
@@ -654,8 +701,9 @@ def main(argv: list[str] | None = None) -> int:
         msg = msg.replace(core_hint, "use --force to do it anyway") if core_hint in msg else f"{msg}; use --force to do it anyway"
         print(f"sandbox: refused: {msg}", file=sys.stderr)
         return EXIT_REFUSED
-    except UndoUnavailable as e:
-        print(f"sandbox: {e.message}", file=sys.stderr)
+    except (UndoUnavailable, RollbackIncomplete) as e:
+        print(f"sandbox: {e.code}: {e.message}" if isinstance(e, RollbackIncomplete) else f"sandbox: {e.message}",
+              file=sys.stderr)
         print(f"sandbox: to start a fresh undo history (deleting the old one): {_discard_command(args)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except (StepUnprotected, CorruptStep) as e:

@@ -192,6 +192,12 @@ class Commands:
     def rm_r(self, path: str) -> str:
         return f"rm -rf {shlex.quote(path)}" if self.vm else f"rm -r -f {shlex.quote(path)}"
 
+    def replace_by_symlink(self, path: str, target: str) -> str:
+        """``rm -rf PATH && ln -s TARGET PATH`` in one command."""
+        if self.vm:
+            return f"rm -rf {shlex.quote(path)} && ln -s {shlex.quote(target)} {shlex.quote(path)}"
+        return f"rm -r -f {shlex.quote(path)}; ln -s {shlex.quote(target)} {shlex.quote(path)}"
+
     def wait(self) -> str:
         return "sleep 1000" if self.vm else "wait"
 

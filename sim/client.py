@@ -105,13 +105,24 @@ def _data(rng: random.Random) -> bytes:
 
 
 def _new_path(rng: random.Random) -> str:
+    """A name for a new file, link or directory: usually a file name, sometimes the name of a
+    directory (which may have been removed — in this step or an earlier one), so that a path
+    can change kind and later paths can run into (or through) what took a directory's place."""
+    if rng.random() < 0.1:
+        return rng.choice(DIRS[1:])
     return join(rng.choice(DIRS), rng.choice(NAMES))
 
+
+#: where a symlink that replaces a directory points: a directory inside the folder, outside
+#: it (absolute and relative), nowhere (dangling) — a release-directory switch, a package
+#: manager's `rm -rf d && ln -s …`
+REPLACEMENT_LINK_TARGETS = ("d2", "d1/e", "/outside/of/the/root", "../../outside", "nowhere/at/all")
 
 # Hard links are left out of random workloads: undo is path-based for them, and a link that a
 # later step replaces comes back as a separate file (documented; see sim/test_core.py).
 OPS = ("echo", "append", "write_at", "editor_save", "rm_rf", "mkdir_p", "cp", "chmod", "touch", "symlink",
-       "setxattr", "removexattr", "fallocate", "punch", "truncate", "rename", "rename_dir", "unlink", "rmdir")
+       "setxattr", "removexattr", "fallocate", "punch", "truncate", "rename", "rename_dir", "unlink", "rmdir",
+       "mkdir", "replace_dir_by_symlink", "replace_file_by_dir", "replace_symlink_by_dir", "replace_dir_by_file")
 OPS_WITH_HARDLINKS = OPS + ("hardlink",)
 
 
@@ -205,6 +216,33 @@ def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[s
             p = pick(files + links, "a")
             desc = f"rm {p}"
             fs.unlink(p)
+        elif op == "mkdir":  # a directory where a file or a link is (EEXIST) or was
+            p = _new_path(rng)
+            desc = f"mkdir {p}"
+            fs.mkdir(p, rng.choice((0o755, 0o700)))
+        elif op == "replace_dir_by_symlink":
+            p = pick(dirs, rng.choice(DIRS[1:])) if rng.random() < 0.8 else rng.choice(DIRS[1:])
+            target = rng.choice(REPLACEMENT_LINK_TARGETS)
+            desc = f"rm -rf {p} && ln -s {target} {p}"
+            client.rm_rf(p)
+            fs.symlink(target, p)
+        elif op == "replace_file_by_dir":
+            p = pick(files, _new_path(rng))
+            desc = f"rm -f {p} && mkdir {p}"
+            client.rm_rf(p)
+            client.mkdir_p(p, rng.choice((0o755, 0o700)))
+            if rng.random() < 0.5:
+                client.echo_to(join(p, rng.choice(NAMES)), _data(rng))
+        elif op == "replace_symlink_by_dir":
+            p = pick(links, _new_path(rng))
+            desc = f"rm -f {p} && mkdir {p}"
+            client.rm_rf(p)
+            fs.mkdir(p, 0o755)
+        elif op == "replace_dir_by_file":
+            p = pick(dirs, rng.choice(DIRS[1:]))
+            desc = f"rm -rf {p} && echo > {p}"
+            client.rm_rf(p)
+            client.echo_to(p, _data(rng))
         else:
             p = pick(dirs, "d1")
             desc = f"rmdir {p}"

@@ -12,6 +12,9 @@ Faults:
   prefix of its data and then the process crashes.
 * ``error_at=(j, errno)`` — the j-th *mutating call on the undo store* fails with that
   errno (ENOSPC, EIO); the process lives on.
+* ``error_if=(predicate, errno)`` — *every* call for which ``predicate(fs_name, op, path)``
+  holds fails with that errno, for as long as this injector is armed: a disk that stays
+  full, a sector that stays bad (the process lives on).
 
 :class:`SimulatedCrash` derives from ``BaseException`` so that no ``except Exception``
 in the code under test can swallow a death.
@@ -20,6 +23,7 @@ in the code under test can swallow a death.
 from __future__ import annotations
 
 import errno as _errno
+from typing import Callable
 import os
 import random
 
@@ -33,10 +37,12 @@ class SimulatedCrash(BaseException):
 
 class FaultInjector:
     def __init__(self, crash_at: int | None = None, torn_at: int | None = None,
-                 error_at: tuple[int, int] | None = None, seed: int = 0):
+                 error_at: tuple[int, int] | None = None, seed: int = 0,
+                 error_if: tuple[Callable[[str, str, str], bool], int] | None = None):
         self.crash_at = crash_at
         self.torn_at = torn_at
         self.error_at = error_at
+        self.error_if = error_if
         self.rng = random.Random(seed)
         self.calls = 0
         self.store_mutations = 0
@@ -46,7 +52,7 @@ class FaultInjector:
 
     def disarm(self) -> None:
         """After a crash: the next process starts with no faults planned."""
-        self.crash_at = self.torn_at = self.error_at = None
+        self.crash_at = self.torn_at = self.error_at = self.error_if = None
         self.crashed = False
 
     def __call__(self, fs, op: str, path: str, nbytes: int):
@@ -64,6 +70,10 @@ class FaultInjector:
             n = self.rng.randrange(1, nbytes)
             self.injected.append(f"torn write at call {k} ({fs.name} {path!r}: {n}/{nbytes} bytes)")
             return n
+        if self.error_if is not None and self.error_if[0](fs.name, op, path):
+            code = self.error_if[1]
+            self.injected.append(f"{_errno.errorcode[code]} on {fs.name}.{op} {path!r} (persistent)")
+            raise OSError(code, os.strerror(code), path)
         if fs.name == "store" and op in STORE_MUTATIONS:
             j = self.store_mutations
             self.store_mutations += 1

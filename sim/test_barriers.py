@@ -8,7 +8,9 @@ Invariants, for every rollback without ``force``:
 * a refused rollback leaves the tree exactly as it was;
 * a rollback that goes through leaves every external edit exactly as the user made it.
 
-With ``force`` the rollback goes through, crosses the barriers and removes them.
+With ``force`` the rollback goes through, crosses the barriers and removes them — also
+after the user replaced a directory by a symlink (inside, outside, dangling), a file by a
+directory or a symlink by a directory — and leaves no unfinished rollback behind.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sandbox.core.errors import BarrierInTheWay, ExternalChange, StepUnprotected
-from sandbox.hostfs import DIR, REG, is_within, parent_of
+from sandbox.hostfs import DIR, LNK, REG, is_within, parent_of
 
 from . import oracle
 from .budget import model_case
-from .client import SimClient, random_op, seed_tree
+from .client import REPLACEMENT_LINK_TARGETS, SimClient, random_op, seed_tree
 from .world import World
 
 seeds = st.integers(0, 2**32 - 1)
@@ -38,7 +40,8 @@ class BarrierModel(RuleBasedStateMachine):
         self._tmp = tempfile.TemporaryDirectory(prefix="sandbox-barrier-") if self.backend == "real" else None
         self.world = World(self.backend, self._tmp.name if self._tmp else None)
         self.ws = None
-        self.external: dict[str, bytes | None] = {}  # path -> what the user left there (None: deleted)
+        self.external: dict[str, object] = {}  # path -> what the user left there (see _state)
+        self.origin: dict[str, object] = {}  # path -> what was there before the user's first change
         self.barrier_seqs: list[int] = []
 
     def teardown(self):
@@ -59,6 +62,18 @@ class BarrierModel(RuleBasedStateMachine):
         for p in list(self.external):
             if any(is_within(p, t) for t in paths if t):
                 del self.external[p]
+                self.origin.pop(p, None)
+
+    def _user_changed(self, path: str, before: object) -> None:
+        """Remember what the user left at ``path`` — unless it is what was there before their
+        first change (created, then deleted again): then there is no edit of theirs to keep."""
+        origin = self.origin.setdefault(path, before)
+        now = self._state(path)
+        if now == origin:
+            del self.origin[path]
+            self.external.pop(path, None)
+        else:
+            self.external[path] = now
 
     @rule(seed=seeds, count=st.integers(1, 5))
     def step(self, seed, count):
@@ -98,19 +113,80 @@ class BarrierModel(RuleBasedStateMachine):
             return
         path = candidates[pick % len(candidates)]
         with self.world.paused():
+            before = self._state(path)
             exists = self.world.work.exists(path)
             if delete and exists:
                 self.world.work.unlink(path)
-                self.external[path] = None
             else:
                 if not exists:
                     self.world.work.create(path, 0o644)
                 self.world.work.truncate(path, 0)
                 self.world.work.write_all(path, 0, data)
-                self.external[path] = data
+            self._user_changed(path, before)
         if report:
             b = self.ws.record_external_modification([path])
             self.barrier_seqs.append(b["after_seq"])
+
+    def _state(self, path: str) -> object:
+        """What is at ``path`` as the user sees it: bytes of a file, ``("lnk", target)``,
+        ``("dir",)``, or None (nothing, also below a symlink)."""
+        st = self.world.work.lstat_or_none(path)
+        if st is None:
+            return None
+        if st.kind == REG:
+            return self.world.work.read_all(path)
+        if st.kind == LNK:
+            return ("lnk", self.world.work.readlink(path))
+        return (st.kind,)
+
+    @rule(pick=st.integers(0, 1000), kind=st.sampled_from(["dir_by_symlink", "file_by_dir", "symlink_by_dir"]),
+          link_to=st.sampled_from(REPLACEMENT_LINK_TARGETS), report=st.booleans())
+    def external_replace(self, pick, kind, link_to, report):
+        """The user replaces an object by one of another kind on the host (`rm -rf d && ln -s
+        … d`, a file by a directory, a symlink by a directory), behind the sandbox's back."""
+        want = {"dir_by_symlink": DIR, "file_by_dir": REG, "symlink_by_dir": LNK}[kind]
+        with self.world.paused():
+            found = []
+
+            def walk(p):
+                for name in sorted(self.world.work.listdir(p)):
+                    c = f"{p}/{name}" if p else name
+                    k = self.world.work.lstat(c).kind
+                    if k == want:
+                        found.append(c)
+                    if k == DIR:
+                        walk(c)
+            walk("")
+            if not found:
+                return
+            path = found[pick % len(found)]
+            before = self._state(path)
+            self._remove(path)
+            if kind == "dir_by_symlink":
+                self.world.work.symlink(link_to, path)
+            else:
+                self.world.work.mkdir(path, 0o755)
+                self.world.work.create(f"{path}/users-file", 0o644)
+                self.world.work.write_all(f"{path}/users-file", 0, b"the user's")
+        for p in [p for p in self.external if is_within(p, path) and p != path]:
+            del self.external[p]  # gone with what they were in: what counts is what replaced it
+            self.origin.pop(p, None)
+        with self.world.paused():
+            self._user_changed(path, before)
+            if kind != "dir_by_symlink":
+                self._user_changed(f"{path}/users-file", None)
+        if report:
+            b = self.ws.record_external_modification([path])
+            self.barrier_seqs.append(b["after_seq"])
+
+    def _remove(self, path: str) -> None:
+        st = self.world.work.lstat(path)
+        if st.kind == DIR:
+            for name in self.world.work.listdir(path):
+                self._remove(f"{path}/{name}")
+            self.world.work.rmdir(path)
+        else:
+            self.world.work.unlink(path)
 
     @precondition(lambda self: self.ws is not None and self.ws.log.steps())
     @rule(n=st.integers(1, 3))
@@ -132,10 +208,7 @@ class BarrierModel(RuleBasedStateMachine):
         self.barrier_seqs = [s for s in self.barrier_seqs if s < oldest]
         with self.world.paused():
             for path, data in self.external.items():
-                try:
-                    now = self.world.work.read_all(path)
-                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                    now = None
+                now = self._state(path)
                 assert now == data, f"rollback clobbered the user's edit of {path!r}: {data!r} -> {now!r}"
 
     @precondition(lambda self: self.ws is not None and self.ws.log.steps())
@@ -146,8 +219,10 @@ class BarrierModel(RuleBasedStateMachine):
             self.ws.rollback(1, force=True)
         except StepUnprotected:
             return
+        assert not self.ws.rollback_pending, "a forced rollback left an unfinished rollback behind"
         self.barrier_seqs = [s for s in self.barrier_seqs if s < oldest]
         self.external.clear()  # force may overwrite them: that is what force means
+        self.origin.clear()
 
     @invariant()
     def barriers_are_visible(self):

@@ -293,6 +293,52 @@ def test_undo_two_steps(project):
     assert r.returncode == 0 and r.stdout.strip() == "no steps in history"
 
 
+def _link_target(proj, where: str) -> str:
+    """A symlink target for `ln -s TARGET sub`: a directory inside the folder, one outside
+    it (holding the very name `g` the step removed), or nothing at all."""
+    if where == "inside":
+        os.mkdir(proj.path("other"))
+        return "other"
+    if where == "outside":
+        outside = os.path.join(proj.base, "outside")
+        os.makedirs(os.path.join(outside, "g"))
+        return outside
+    return "nowhere/at/all"
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_undo_n_2_across_a_directory_replaced_by_a_symlink(proj, where):
+    """Step 1 deletes sub/, step 2 makes sub a symlink: undo -n 2 is not refused as an
+    external change (it was, while one at a time worked), and restores exactly."""
+    target = _link_target(proj, where)
+    original = tree(proj.work)
+    with proj.open() as ws:
+        with ws.step("rm -rf sub"):
+            ws.fs.remove_tree("sub")
+        with ws.step(f"ln -s {target} sub"):
+            ws.fs.symlink(target, "sub")
+    r = proj.cli("undo", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    assert tree(proj.work) == original
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_undo_of_rm_rf_and_ln_s_in_one_step(proj, where):
+    target = _link_target(proj, where)
+    original = tree(proj.work)
+    with proj.open() as ws:
+        with ws.step(f"rm -rf sub && ln -s {target} sub"):
+            ws.fs.remove_tree("sub")
+            ws.fs.symlink(target, "sub")
+    r = proj.cli("history", "--json")
+    assert r.returncode == 0 and "recovered" not in r.stderr, r.stderr
+    assert [s["command"] for s in json.loads(r.stdout)["steps"]] == [f"rm -rf sub && ln -s {target} sub"]
+    assert os.readlink(proj.path("sub")) == target
+    r = proj.cli("undo")
+    assert r.returncode == 0, r.stderr
+    assert tree(proj.work) == original
+
+
 def test_undo_nothing_left(proj):
     with proj.open():
         pass  # a store with no steps
@@ -373,6 +419,132 @@ def test_external_change_refuses_then_force(proj):
     assert r.returncode == 0, r.stderr
     assert not os.path.exists(proj.path("new.txt"))
     assert read(proj.path("sub/g")) == b"g content\n"
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_forced_undo_after_the_user_replaced_a_directory_by_a_symlink(proj, where):
+    """The user runs `rm -rf sub && ln -s TARGET sub` on the host after a step wrote in sub/:
+    undo is refused (exit 3); undo --force restores the step's pre-state (it used to fail
+    part-way on ELOOP and leave a rollback every later command retried and failed)."""
+    target = _link_target(proj, where)
+    with proj.open() as ws:
+        with ws.step("edit sub/g, add sub/new"):
+            ws.fs.write_file("sub/g", b"edited\n")
+            ws.fs.write_file("sub/new", b"new\n")
+    before_step = tree(proj.work)
+    del before_step["sub/new"]
+    before_step["sub/g"] = None
+    import shutil
+
+    shutil.rmtree(proj.path("sub"))
+    os.symlink(target, proj.path("sub"))
+    r = proj.cli("undo")
+    assert r.returncode == 3 and "changed outside the sandbox" in r.stderr, r.stderr
+    r = proj.cli("undo", "--force")
+    assert r.returncode == 0, r.stderr
+    after = tree(proj.work)
+    assert read(proj.path("sub/g")) == b"g content\n" and mode(proj.path("sub/g")) == 0o600
+    assert {k: v for k, v in after.items() if k not in ("sub", "sub/g")} == \
+        {k: v for k, v in before_step.items() if k not in ("sub", "sub/g") and not k.startswith("other")} | \
+        {k: v for k, v in after.items() if k.startswith("other")}
+    for cmd in (("history",), ("undo",)):
+        r = proj.cli(*cmd)
+        assert r.returncode in (0, 1) and "Too many levels" not in r.stderr, r.stderr
+    assert proj.cli("history").stdout.strip() == "no steps in history"
+
+
+def _immutable(path: str, on: bool) -> None:
+    r = subprocess.run(["chattr", "+i" if on else "-i", path], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot make {path} immutable here (chattr: {r.stderr.strip()}); needs root on ext4/xfs/btrfs")
+
+
+@pytest.fixture
+def stuck_undo(proj):
+    """An undo that stops part-way and cannot finish: the user made sub/ immutable
+    (chattr +i) after a step created sub/new, so removing sub/new fails with EPERM."""
+    with proj.open() as ws:
+        with ws.step("echo kept > keep.txt"):
+            ws.fs.write_file("keep.txt", b"kept\n")
+    after_first = tree(proj.work)
+    with proj.open() as ws:
+        with ws.step("echo new > sub/new; echo x > f"):
+            ws.fs.write_file("f", b"x\n")
+            ws.fs.write_file("sub/new", b"new\n")
+    _immutable(proj.path("sub"), True)
+    try:
+        r = proj.cli("undo")
+        assert r.returncode == 1, r
+        assert "stopped part-way" in r.stderr and "Operation not permitted on sub/new" in r.stderr, r.stderr
+        yield after_first
+    finally:
+        _immutable(proj.path("sub"), False)
+
+
+def test_an_undo_that_cannot_finish_is_reported_and_discard_always_works(proj, stuck_undo):
+    r = proj.cli("history")  # used to exit 1, as every command did, until the store was deleted by hand
+    assert r.returncode == 0, r.stderr
+    assert [row[-4:] for row in rows(r.stdout)] == [["echo", "kept", ">", "keep.txt"]]  # the step being undone has left history
+    assert "could not finish" in r.stderr and "'sub/new'" in r.stderr
+    r = proj.cli("undo")
+    assert r.returncode == 4 and "undo.rollback_incomplete" in r.stderr and "sandbox discard" in r.stderr, r.stderr
+    r = proj.cli("undo", "--force")
+    assert r.returncode == 4, r.stderr
+    half = tree(proj.work)
+    r = proj.cli("discard", "--yes")
+    assert r.returncode == 0, r.stderr
+    assert tree(proj.work) == half  # the folder is left as it is
+    r = proj.cli("history")
+    assert r.returncode == 0 and r.stdout.strip() == "no steps in history" and r.stderr == "", r
+    assert proj.cli("undo").returncode == 1
+
+
+@pytest.mark.parametrize("cmd", ["history", "undo"])
+def test_an_undo_that_could_not_finish_is_finished_by_the_next_open_once_fixed(proj, stuck_undo, cmd):
+    _immutable(proj.path("sub"), False)  # the user lifts what was in the way
+    r = proj.cli(cmd)
+    assert r.returncode == 0, r.stderr
+    assert "an interrupted undo of step" in r.stderr and "was finished" in r.stderr, r.stderr
+    if cmd == "undo":  # retrying the undo finishes it, and undoes nothing more
+        assert "nothing more was undone" in r.stdout
+    assert tree(proj.work) == stuck_undo
+    assert len(rows(proj.cli("history").stdout)) == 1
+
+
+def test_discard_needs_no_recovery(proj):
+    """A journal nobody can read in the WAL of a crashed step (a directory where the file
+    should be: EISDIR): every open reports it, and discard, which never opens the store,
+    clears it. (A journal with garbage lines is readable: recovery undoes what it can
+    verify and reports the damage — test_a_damaged_in_progress_journal_is_reported.)"""
+    with proj.open() as ws:
+        with ws.step("x"):
+            ws.fs.write_file("f", b"x\n")
+    wal = os.path.join(proj.state_dir, "wal", "in_progress")
+    os.makedirs(os.path.join(wal, "journal.jsonl"))
+    r = proj.cli("history")
+    assert r.returncode == 0 and len(rows(r.stdout)) == 1 and "could not finish" in r.stderr, r
+    assert proj.cli("undo").returncode == 4
+    r = proj.cli("discard", "--yes")
+    assert r.returncode == 0, r.stderr
+    assert not os.path.exists(wal)
+    assert read(proj.path("f")) == b"x\n"
+
+
+def test_a_damaged_in_progress_journal_is_reported(proj):
+    """Garbage lines in the WAL of a crashed step: recovery undoes nothing it cannot verify,
+    says so on stderr, and the store stays usable."""
+    with proj.open() as ws:
+        with ws.step("x"):
+            ws.fs.write_file("f", b"x\n")
+    wal = os.path.join(proj.state_dir, "wal", "in_progress")
+    os.makedirs(wal)
+    with open(os.path.join(wal, "journal.jsonl"), "wb") as f:
+        f.write(b'{"seq": 7, "id": 7}\ngarbage\n{"op": "created", "path": "f"}\n')
+    r = proj.cli("history")
+    assert r.returncode == 0 and len(rows(r.stdout)) == 1 and "damaged journal" in r.stderr, r
+    assert proj.cli("history").stderr == ""  # reported once; the WAL is gone
+    assert read(proj.path("f")) == b"x\n"
+    assert proj.cli("undo").returncode == 0
 
 
 # --------------------------------------------------------------------------- version mismatch

@@ -849,3 +849,143 @@ def test_directory_moved_away_then_its_name_reused_gets_its_own_metadata_back(wo
         ws.fs.write_file("d2/inside", b"x")
     ws.rollback(1)
     oracle.assert_same(before, world.snapshot())
+
+
+# ---------------------------------------------------------------------------- a directory replaced by a symlink
+#
+# `rm -rf d && ln -s TARGET d` (package managers, release-directory switches). Below the new
+# symlink nothing is reachable without following it, so every probe of `d/…` must read
+# "absent" — the host filesystem answers ELOOP there, not ENOENT.
+
+
+def _link_target(world, where: str) -> str:
+    if where == "inside":
+        return "other"
+    if where == "dangling":
+        return "nowhere/at/all"
+    if world.kind == "real":  # a real directory beside the working folder
+        outside = os.path.join(os.path.dirname(world.work.root), "outside")
+        os.makedirs(os.path.join(outside, "f"), exist_ok=True)  # holds the very names the step removed
+        return outside
+    return "/outside/of/the/root"
+
+
+def _dir_with_files(world) -> None:
+    with world.paused():
+        world.work.mkdir("d", 0o750)
+        world.work.mkdir("d/sub", 0o755)
+        for p in ("d/f", "d/sub/g"):
+            world.work.create(p, 0o640)
+            world.work.write_all(p, 0, f"content of {p}".encode())
+        world.work.mkdir("other", 0o755)
+        world.work.create("other/f", 0o644)
+        world.work.utime("d", 1_500_000_000_000_000_001)
+
+
+def test_a_path_below_a_symlink_fingerprints_as_absent(world):
+    """The cause: fingerprint() of `d/f` once `d` is a symlink raised ELOOP."""
+    from sandbox.core import preimage
+
+    with world.paused():
+        world.work.mkdir("other", 0o755)
+        world.work.create("other/f", 0o644)
+        world.work.symlink("other", "d")
+        world.work.symlink("nowhere", "dangling")
+        for path in ("d/f", "d/missing", "d/f/deeper", "dangling/f"):
+            assert preimage.fingerprint(world.work, path) is None, path
+            assert preimage.fingerprint(world.work, path, with_dir_mtime=True) is None, path
+        assert preimage.fingerprint(world.work, "d") == ["lnk", "other"]
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_rm_rf_dir_then_symlink_in_one_step_closes_and_undoes_exactly(world, where):
+    _dir_with_files(world)
+    target = _link_target(world, where)
+    ws = _open(world)
+    before = world.snapshot()
+    with ws.step(f"rm -rf d && ln -s {target} d") as s:
+        ws.fs.remove_tree("d")
+        ws.fs.symlink(target, "d")
+    (h,) = ws.history()
+    assert h["id"] == s.id and {"d", "d/f", "d/sub/g"} <= set(h["paths"])
+    after = world.snapshot()
+    with ws.step("a later step still works"):
+        ws.fs.write_file("later", b"x")
+    ws.rollback(1)
+    oracle.assert_same(after, world.snapshot(), "undo of the later step")
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot(), "undo of the replacement")
+    ws.close()
+    ws = _open(world)  # nothing was left for recovery to roll back
+    assert ws.recovery is None
+    oracle.assert_same(before, world.snapshot(), "reopen")
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_dir_deleted_then_symlink_in_the_next_step_undoes_two_at_once(world, where):
+    """Step 1 deletes d/, step 2 makes d a symlink: undo -n 2 is not an 'external change'
+    (step 1's fingerprints of d/… are 'absent', and absent they are below the link)."""
+    _dir_with_files(world)
+    target = _link_target(world, where)
+    ws = _open(world)
+    before = world.snapshot()
+    with ws.step("rm -rf d"):
+        ws.fs.remove_tree("d")
+    with ws.step(f"ln -s {target} d"):
+        ws.fs.symlink(target, "d")
+    assert ws.rollback(2)["paths_restored"] >= 3
+    oracle.assert_same(before, world.snapshot())
+
+
+def test_symlink_over_a_deleted_dir_then_writes_below_it_are_refused_and_recorded_nowhere(world):
+    """Inside the same step, a write below the new symlink fails (ELOOP, never followed) and
+    leaves no record: the step still closes and undoes exactly."""
+    _dir_with_files(world)
+    ws = _open(world)
+    before = world.snapshot()
+    with ws.step("rm -rf d; ln -s other d; echo x > d/f"):
+        ws.fs.remove_tree("d")
+        ws.fs.symlink("other", "d")
+        with pytest.raises(OSError) as e:
+            ws.fs.write_file("d/f", b"through the link")
+        assert e.value.errno == errno.ELOOP
+        with pytest.raises(OSError) as e:
+            ws.fs.mkdir("d/new", 0o755)
+        assert e.value.errno == errno.ELOOP
+    assert world.work.read_all("other/f") == b""
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_forced_undo_after_the_user_replaced_a_dir_by_a_symlink(world, where):
+    """Item 2's trigger: the *user* does `rm -rf d && ln -s … d` on the host after a step
+    wrote in d/. Undo is refused (external change); --force restores the step's pre-state
+    and leaves no pending rollback behind."""
+    with world.paused():
+        world.work.mkdir("d", 0o750)
+        world.work.create("d/f", 0o640)
+        world.work.write_all("d/f", 0, b"original")
+        world.work.mkdir("other", 0o755)
+    target = _link_target(world, where)
+    ws = _open(world)
+    before = world.snapshot()
+    with ws.step("edit d/f, add d/new"):
+        ws.fs.write_file("d/f", b"changed")
+        ws.fs.write_file("d/new", b"new")
+        ws.fs.makedirs("d/made/deeper")
+    with world.paused():
+        world.work.unlink("d/f")
+        world.work.unlink("d/new")
+        world.work.rmdir("d/made/deeper")
+        world.work.rmdir("d/made")
+        world.work.rmdir("d")
+        world.work.symlink(target, "d")
+    with pytest.raises(ExternalChange) as e:
+        ws.rollback(1)
+    assert "d" in e.value.data["paths"]
+    ws.rollback(1, force=True)
+    # the root's mtime is the user's (their rmdir/ln -s): the step never changed the root
+    without_root = lambda snap: {p: v for p, v in snap.items() if p}  # noqa: E731
+    oracle.assert_same(without_root(before), without_root(world.snapshot()))
+    assert not world.store.exists("wal/rollback") and ws.history() == []

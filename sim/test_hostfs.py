@@ -412,6 +412,8 @@ def test_io_on_missing_or_through_a_file(fs):
     check_errno(errno.ENOTDIR, fs.lstat, "f/x")
     assert not fs.exists("missing")
     assert not fs.exists("f/x")  # like os.path.exists: a file as a parent means "does not exist"
+    fs.symlink("f", "l")
+    assert not fs.exists("l/x")  # nor does a path through a symlink (never followed): ELOOP is "absent"
 
 
 # --------------------------------------------------------------------------- unlink / rmdir
@@ -722,7 +724,6 @@ def _m_open_write(fs, v):
 MIDDLE_OPS = {
     "lstat": (True, lambda fs, v: fs.lstat(f"L/{v}")),
     "lstat_missing": (True, lambda fs, v: fs.lstat("L/no-such-entry")),
-    "exists": (True, lambda fs, v: fs.exists(f"L/{v}")),
     "listdir": (True, lambda fs, v: fs.listdir("L/sub")),
     "read": (True, lambda fs, v: fs.read(f"L/{v}", 0, 100)),
     "read_all": (True, lambda fs, v: fs.read_all(f"L/{v}")),
@@ -814,6 +815,28 @@ def test_symlink_in_the_middle_of_a_path_is_eloop(env, fs, op, where):
         assert Path("/etc/passwd").read_bytes() == etc_passwd
     assert env.outside_snapshot() == outside_before
     assert _inside_state(fs) == inside_before
+
+
+@pytest.mark.parametrize("where", list(LINK_TARGETS) + ["dangling", "to_file"])
+def test_a_path_through_a_symlink_does_not_exist_there(env, fs, where):
+    """What the undo core probes after ``rm -rf d && ln -s TARGET d``: below ``d`` nothing
+    is reachable without following a link, so ``lstat`` is ELOOP (the one errno both
+    implementations give for "a symlink on the way", at any depth) and ``exists`` is False
+    — never True because the target happens to hold that name."""
+    if where in LINK_TARGETS:
+        _, victim = _setup_link(env, where)
+    else:
+        victim = "victim"
+        mkfile(fs, "file", b"a file")
+        fs.symlink("nowhere/at/all" if where == "dangling" else "file", "L")
+    outside_before = env.outside_snapshot()
+    for path in (f"L/{victim}", "L/no-such-entry", f"L/{victim}/deeper", "L/sub/x"):
+        check_errno(errno.ELOOP, fs.lstat, path)
+        check_errno(errno.ELOOP, fs.getattr, path)
+        assert fs.exists(path) is False, path
+    assert fs.exists("L") and fs.lstat("L").kind == LNK
+    check_errno(errno.ENOTDIR, fs.listdir, "L")
+    assert env.outside_snapshot() == outside_before
 
 
 @pytest.mark.parametrize("where", ["inside", "outside_abs", "outside_rel", "etc"])

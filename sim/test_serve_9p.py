@@ -112,3 +112,109 @@ def test_help_explains(env):
     assert r.returncode == 0
     for words in ("9P2000.L", "--read-only", "sandbox history", "mount -t 9p", "SIGTERM"):
         assert words in r.stdout
+
+
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_a_directory_replaced_by_a_symlink_is_recorded_and_undone(tmp_path, work, env, where):
+    """`rm -rf src && ln -s TARGET src` over the wire: the server stops cleanly (it exited 1
+    on ELOOP when closing the step), history lists the step with no recovery at the next
+    open, and undo restores the tree exactly."""
+    outside = tmp_path / "outside"
+    (outside / "main.py").mkdir(parents=True)
+    (work / "other").mkdir()
+    target = {"inside": "other", "outside": str(outside), "dangling": "nowhere/at/all"}[where]
+    before = oracle.snapshot_dir(str(work))
+    sock = str(tmp_path / "9p.sock")
+    p = start("--root", str(work), "--socket", sock, env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            fs = WireFS(c)
+            fs.remove_tree("src")
+            fs.symlink(target, "src")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert os.readlink(work / "src") == target
+    hist = sandbox_cmd("history", "--workdir", str(work), "--json", env=env)
+    assert hist.returncode == 0 and "recovered" not in hist.stderr, hist
+    assert os.readlink(work / "src") == target  # no recovery rolled the work back
+    undo = sandbox_cmd("undo", "--workdir", str(work), env=env)
+    assert undo.returncode == 0, undo.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "undo after serve-9p")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs for the undo store, and a way to fill it up and free it again."""
+    import errno as _errno
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+
+    class Disk:
+        path = mnt
+        filler = mnt / "filler"
+
+        def fill(self) -> None:
+            fd = os.open(self.filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            try:
+                while True:
+                    os.write(fd, b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == _errno.ENOSPC, e
+            finally:
+                os.close(fd)
+
+        def free(self) -> None:
+            os.unlink(self.filler)
+
+    try:
+        yield Disk()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_store_at_promotion_is_reported_and_history_needs_no_space(tmp_path, work, env, tiny_disk):
+    """Issue 11, item 10: the store's disk fills exactly when the step is to be recorded.
+    Stopping says so (no traceback); `history` works on the full disk and says recovery is
+    waiting; once there is room, the next open rolls the step back and tells the user."""
+    before = oracle.snapshot_dir(str(work))
+    state = str(tiny_disk.path / "state")
+    sock = str(tmp_path / "9p.sock")
+    p = start("--root", str(work), "--socket", sock, "--state-dir", state, env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            WireFS(c).write_file("agent.txt", b"the agent's work\n")
+            tiny_disk.fill()
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=60)
+    assert "Traceback" not in err, err
+    assert p.returncode == 1 and "could not be recorded" in err and "rolled back when the folder is next opened" in err, err
+    assert (work / "agent.txt").exists()
+    history = ("history", "--workdir", str(work), "--state-dir", state)
+    hist = sandbox_cmd(*history, env=env)  # the disk is still full
+    assert hist.returncode == 0 and hist.stdout.strip() == "no steps in history", hist
+    assert "could not finish" in hist.stderr and "No space left on device" in hist.stderr, hist.stderr
+    tiny_disk.free()
+    hist = sandbox_cmd(*history, env=env)
+    assert hist.returncode == 0, hist.stderr
+    assert "never finished and was rolled back" in hist.stderr, hist.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "recovery")
+    # a store with history, read on a full disk
+    p = start("--root", str(work), "--socket", sock, "--state-dir", state, env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            WireFS(c).write_file("kept.txt", b"kept\n")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    tiny_disk.fill()
+    hist = sandbox_cmd(*history, "--json", env=env)
+    assert hist.returncode == 0 and hist.stderr == "", hist
+    assert "kept.txt" in hist.stdout

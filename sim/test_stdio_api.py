@@ -519,6 +519,30 @@ def test_recovery_after_the_agent_is_killed_mid_step(api, project, cmds):
     assert oracle.snapshot_dir(str(project)) == before
 
 
+@pytest.mark.parametrize("where", ["inside", "outside", "dangling"])
+def test_a_directory_replaced_by_a_symlink_in_one_command_is_an_undoable_step(api, project, cmds, tmp_path, where):
+    """`rm -rf src && ln -s TARGET src`: the command, the next command and the rollback all
+    answer ok (closing the step used to fail with ELOOP, and every later request with it)."""
+    outside = tmp_path / "outside"
+    (outside / "app.py").mkdir(parents=True)  # the very name the command removed, behind the link
+    target = {"inside": "victims", "outside": str(outside), "dangling": "nowhere/at/all"}[where]
+    c = api()
+    start(c, project)
+    before = oracle.snapshot_dir(str(project))
+    m = c.mark()
+    r = c.ok("agent.execute", {"command": cmds.replace_by_symlink("src", target)})
+    assert r["exit_code"] == 0 and os.readlink(project / "src") == target
+    done = c.wait_event("event.step_completed", lambda p: p["step_id"] == r["step_id"], m)["payload"]
+    assert "src/app.py" in done["affected_paths"]
+    assert c.ok("undo.history")["steps"][0]["id"] == r["step_id"]
+    later = c.ok("agent.execute", {"command": cmds.write("later.txt", "x")})
+    assert later["exit_code"] == 0
+    assert c.ok("undo.rollback", {"count": 2})["step_ids"] == [later["step_id"], r["step_id"]]
+    assert oracle.snapshot_dir(str(project)) == before
+    assert not c.events("event.error", m) and not c.events("event.warning", m)
+    assert c.close() == 0
+
+
 def test_version_mismatch_refuses_undo_until_discard(api, project, cmds, state_home):
     c = api()
     start(c, project)

@@ -21,7 +21,7 @@ import tempfile
 from typing import Iterator
 
 from sandbox.core.intercepted_fs import TreeOps
-from sandbox.hostfs import DIR, LNK, OTHER, REG, Stat, normalize, parent_of
+from sandbox.hostfs import ABSENT_ERRNOS, DIR, LNK, OTHER, REG, Stat, normalize, parent_of
 from sandbox.mounts import Provider
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
@@ -89,10 +89,13 @@ class WireFS(TreeOps):
             return stat_of(self.c.getattr(fid))
 
     def exists(self, path: str) -> bool:
+        """As ``HostFS.exists``: a file or a symlink on the way means "no"."""
         try:
             self.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
+        except OSError as e:
+            if e.errno in ABSENT_ERRNOS:
+                return False
+            raise
         return True
 
     def listdir(self, path: str = "") -> list[str]:

@@ -84,7 +84,8 @@ class ApiError(SandboxError):
         return {"code": self.code, "message": self.message, "data": _jsonable(self.data)}
 
 
-_CORE_CODES = {"step.error": "undo.step_running", "undo.error": "undo.failed", "safeguard.hold": "safeguard.denied"}
+_CORE_CODES = {"step.error": "undo.step_running", "undo.error": "undo.failed", "safeguard.hold": "safeguard.denied",
+               "undo.rollback_incomplete": "undo.failed"}
 
 _ERRNO_CODES = {
     errno.ENOENT: "fs.not_found", errno.ENOTDIR: "fs.not_a_directory", errno.EISDIR: "fs.is_a_directory",
@@ -98,7 +99,7 @@ def to_api_error(exc: BaseException) -> ApiError:
     """The API's view of ``exc`` (see the module docstring)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, SandboxError) and not isinstance(exc, OSError):
+    if isinstance(exc, SandboxError) and (not isinstance(exc, OSError) or exc.code in _CORE_CODES):
         code = _CORE_CODES.get(exc.code, exc.code)
         if code in CODES:
             return ApiError(code, exc.message, **exc.data)

@@ -54,6 +54,25 @@ class CorruptStep(UndoError):
     code = "undo.corrupt_step"
 
 
+class RollbackIncomplete(OSError, UndoError):
+    """A rollback (an undo, or recovery of a crashed step) stopped part-way and cannot be
+    finished now: the working folder is between two steps. Undo and new steps are refused
+    until it finishes — it is retried on every open, undo and step — or the undo history
+    is discarded. ``data``: ``step_id``, ``path`` and ``errno`` (name) of the cause when
+    known, ``reason``. It is also the ``OSError`` of its cause (``errno``; ``EIO`` for an
+    unreadable journal), so callers that handle I/O errors handle it."""
+
+    code = "undo.rollback_incomplete"
+
+    def __init__(self, message: str, os_errno: int | None = None, **data):
+        OSError.__init__(self, os_errno if os_errno is not None else _errno.EIO, message)
+        self.message = message
+        self.data = data
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class StepError(SandboxError):
     code = "step.error"
 

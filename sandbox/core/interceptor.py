@@ -45,7 +45,7 @@ import threading
 from typing import Callable
 
 from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, parent_of, same_inode
-from .errors import HoldRequired, SafeguardDenied
+from .errors import HoldRequired, RollbackIncomplete, SafeguardDenied
 from .preimage import meta_of
 from .safeguard import Hold, Safeguard
 from .steps import AMBIENT, StepTracker
@@ -100,37 +100,76 @@ class UndoInterceptor:
             self.poll()
 
     def close_now(self) -> None:
-        """Close whatever step is active, without waiting for quiescence."""
+        """Close whatever step is active, without waiting for quiescence; or retry the
+        promotion of a step that has ended but could not be recorded yet (OSError if that
+        fails again)."""
         with self.lock:
             if self.tracker.active is not None:
                 self._close_active()
+            else:
+                self._promote()
 
     def poll(self) -> None:
-        """Time-driven transitions: expired holds deny; due steps close. Cheap; call often."""
+        """Time-driven transitions: expired holds deny; due steps close. Cheap; call often.
+
+        A due step whose promotion fails (the store's disk is full) has still ended: the
+        failure is one ``event.warning``, and promotion waits for the next boundary (a
+        write, a step, an undo, close) — time alone never retries it, so a server polling
+        every 200 ms does not turn one full disk into an error loop.
+        """
         with self.lock:
             hold = self.safeguard.expired()
             if hold is not None:
                 self._emit({"type": "event.warning", "message": f"safeguard {hold.id} timed out: denied"})
                 self.resolve_hold(hold.id, "deny")
             if self.tracker.due():
-                self._close_active()
+                try:
+                    self._close_active()
+                except OSError:
+                    if self.log.open_step is None or self.log.open_step.closing is None:
+                        raise  # not a promotion waiting for a boundary
 
     def _open(self, step_id: int, step_type: str, command: str) -> None:
         self._marks = {}
         if self.log.available:
+            self._promote()  # a step that ended but waits for its promotion goes first
             self.log.begin(step_id, step_type, command)
         self.tracker.begin(step_id, step_type, command)
 
     def _close_active(self) -> None:
+        """End the active step and promote it (OSError if the promotion fails: the step has
+        ended all the same, and waits in the WAL for :meth:`_promote`)."""
         a = self.tracker.active
-        info = None
-        if self.log.open_step is not None:
-            if a.denied and self.log.open_step.outcome != "denied":
-                self.log.deny_open(self.work)  # a deny that failed half-way (I/O error): finish it first
-            info = self.log.finish(self.work, a.exit_code)  # if this fails the step stays open; retried later
         self.tracker.end()
         self.safeguard.step_ended(a.id)
         self._marks = {}
+        if self.log.open_step is not None:
+            self.log.open_step.closing = (a.exit_code, a.denied)
+            self._promote()
+
+    def _promote(self) -> None:
+        """Promote the step that has ended (WAL rule 4) and report it; no-op if none waits.
+
+        If it fails, the step stays in the WAL with its exit code; the first failure of a
+        step is an ``event.warning``. If the process ends before a retry succeeds, the next
+        open rolls the step back (rule 5) and reports it (``event.recovery``)."""
+        step = self.log.open_step
+        if step is None or step.closing is None:
+            return
+        exit_code, denied = step.closing
+        try:
+            if denied and step.outcome != "denied":
+                self.log.deny_open(self.work)  # a deny that failed half-way (I/O error): finish it first
+            info = self.log.finish(self.work, exit_code)
+        except OSError as e:
+            if not step.closing_warned:
+                step.closing_warned = True
+                self._emit({"type": "event.warning", "code": "undo.promotion_failed", "step_id": step.id,
+                            "message": f"step {step.id} has ended but could not be recorded in the undo store ({e}); "
+                                       "its undo data waits in the write-ahead log and recording is retried before the "
+                                       "next write, step or undo — if the sandbox stops first, the step is rolled back "
+                                       "when the folder is next opened"})
+            raise
         if info is not None:
             paths = sorted(info.paths)
             self._emit({"type": "event.step_completed", "step_id": info.id, "step_type": info.type,
@@ -167,7 +206,10 @@ class UndoInterceptor:
         self._mark_op()
         self.poll()
         if self.tracker.active is None:
-            self._open(self.log.allocate_id(ambient=True), AMBIENT, "")
+            try:
+                self._open(self.log.allocate_id(ambient=True), AMBIENT, "")
+            except RollbackIncomplete as e:  # writes on a half-restored tree would be undone by it later
+                raise OSError(errno.EIO, e.message, path or None) from e
             self._mark_op()
         a = self.tracker.active
         if a.denied:
@@ -228,12 +270,7 @@ class UndoInterceptor:
     # ------------------------------------------------------------------ capture
 
     def _lstat(self, path: str) -> Stat | None:
-        try:
-            return self.work.lstat(path)
-        except FileNotFoundError:
-            return None
-        except NotADirectoryError:
-            return None
+        return self.work.lstat_or_none(path)  # below a symlink is "absent" too: the host call fails ELOOP
 
     def _account(self, rec: dict) -> bool:
         """Charge a record to the step; False (and the step turns unprotected) past the limit."""

@@ -97,10 +97,9 @@ def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = No
 
 
 def _lstat(fs: HostFS, path: str) -> Stat | None:
-    try:
-        return fs.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+    """What is at ``path``, or None — also below a symlink: nothing is reachable there
+    without following it (``ELOOP``, see :data:`~sandbox.hostfs.ABSENT_ERRNOS`)."""
+    return fs.lstat_or_none(path)
 
 
 def remove_tree(fs: HostFS, path: str) -> None:
@@ -181,6 +180,8 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
                 _make_room(fs, rec["src"])
             elif _lstat(fs, rec["src"]) is not None:
                 return
+            elif force:  # e.g. src's directory replaced by a symlink since: the move back needs it
+                _ensure_parent(fs, rec["src"])
             fs.rename(rec["dst"], rec["src"])
         return
     path = rec["path"]

@@ -8,6 +8,7 @@ Layout (all reached through the store's HostFS, rooted at the state directory)::
     counters.json         next step seq / id / ambient id (ids are never reused)
     wal/in_progress/      the open step: journal.jsonl (+ b/<n> preimage blobs)
     wal/rollback/         a step being rolled back: its files + progress (1 byte/record)
+                          (+ ``forced``: the user forced it, and so is its resumption)
     steps/<seq>/          finished steps: manifest.json, journal.jsonl, b/<n>
     barriers/<n>.json     recorded external modifications
     trash/                directories being deleted (evictions, finished rollbacks)
@@ -43,9 +44,9 @@ from typing import Callable, Iterable, Iterator
 
 import zstandard
 
-from ..hostfs import DIR, LNK, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
+from ..hostfs import ABSENT_ERRNOS, DIR, LNK, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
 from . import preimage
-from .errors import CorruptStep, NothingToUndo, StepUnprotected, UndoUnavailable
+from .errors import CorruptStep, NothingToUndo, RollbackIncomplete, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
 
 # 2: sealed lines and files, preimage hashes, journal counts in the manifest, voids by line.
@@ -124,6 +125,11 @@ class OpenStep:
     record_lines: list[int] = field(default_factory=list)  # the journal line of each of ``records``
     journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
 
+    # set when the step has ended (its command finished) but its promotion failed: the
+    # exit code and whether a safeguard denied it; promotion is retried at the next boundary
+    closing: tuple[int | None, bool] | None = None
+    closing_warned: bool = False
+
 
 class _StoreFile:
     """A store file as the file-like object zstd's stream reader reads from."""
@@ -145,6 +151,10 @@ class Barrier:
     paths: list[str]
     created_ns: int
     reason: str = "external modification"
+
+
+def _errno_name(code: int | None) -> str | None:
+    return None if code is None else errno.errorcode.get(code, str(code))
 
 
 # ---------------------------------------------------------------------------- seals and schemas
@@ -465,8 +475,9 @@ class UndoLog:
             for q in ((p, parent_of(p)) if p else (p,)):
                 try:
                     work.fsync(q)
-                except (FileNotFoundError, NotADirectoryError):
-                    pass
+                except OSError as e:
+                    if e.errno not in ABSENT_ERRNOS:
+                        raise
 
     def _write_file(self, path: str, data: bytes) -> None:
         """Replace ``path`` atomically: write a temp file, then rename over."""
@@ -480,9 +491,12 @@ class UndoLog:
         self._sync(parent_of(path))
 
     def discard(self, workdir_label: str = "") -> None:
-        """Delete all undo history (after a version mismatch, on the user's word)."""
-        if self.open_step is not None:
+        """Delete all undo history (after a version mismatch, on the user's word), whatever
+        state the store is in: an unfinished rollback and a step waiting for its promotion
+        go too (the working folder stays as it is)."""
+        if self.open_step is not None and self.open_step.closing is None:
             raise UndoUnavailable("cannot discard while a step is open")
+        self.open_step = None
         for name in self.fs.listdir(""):
             if name != "lock":
                 preimage.remove_tree(self.fs, name)
@@ -490,6 +504,16 @@ class UndoLog:
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._init_fresh(workdir_label)
         self.available, self.version_problem = True, None
+
+    def wipe(self, workdir_label: str = "") -> None:
+        """Lock the store, :meth:`discard` it, unlock — without :meth:`open`: no recovery
+        runs and nothing is read, so it works whatever the store holds (an unfinished
+        rollback, a journal nobody can parse, a foreign version). ``StoreBusy`` if in use."""
+        self._lock = self.fs.lock("lock")
+        try:
+            self.discard(workdir_label)
+        finally:
+            self.close()
 
     def _load(self) -> None:
         for d in ("wal", "steps", "barriers", "trash"):
@@ -609,14 +633,12 @@ class UndoLog:
         self.require_available()
         if self.open_step is not None:
             raise RuntimeError("a step is already open")
-        self.finish_pending_rollback()
+        self.finish_recovery()  # RollbackIncomplete: no step may begin between two steps
         if self.eviction_pending:
             self.enforce_limits(best_effort=True)
         seq = self._counters["next_seq"]
         self._counters["next_seq"] = seq + 1
         self._save_counters()
-        if self.fs.exists(WAL):
-            preimage.remove_tree(self.fs, WAL)  # left by a begin() that failed: it holds no records
         now = self.clock_ns()
         step = OpenStep(seq=seq, id=step_id, type=step_type, command=command, started_ns=now, touched_ns=now)
         self.fs.mkdir(WAL, 0o700)
@@ -912,7 +934,9 @@ class UndoLog:
         records = self.records_of(info)  # the caller has verified content and fingerprints
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
-        self._sync("steps", "wal")
+        if force:  # before any record is undone: a resumption is forced too
+            self.fs.create(join(ROLLBACK, "forced"), 0o600)
+        self._sync(ROLLBACK, "steps", "wal")
         n = self._undo_resumable(work, ROLLBACK, records, user_forced=force)
         self._to_trash(ROLLBACK, f"rb-{info.seq}")
         self._drop_barriers_from(info.seq)
@@ -1037,6 +1061,8 @@ class UndoLog:
                     raise
                 if rec["path"] not in {p for p, _ in not_restored}:
                     not_restored.append((rec["path"], e.data.get("reason", e.message)))
+            except OSError as e:  # name the path being restored, not just the host call's final component
+                raise OSError(e.errno, e.strerror or str(e), rec["src"] if rec["op"] == "renamed" else rec["path"]) from e
             self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] == "renamed" else (rec["path"],)))
             done += 1
             if progress is not None:
@@ -1097,43 +1123,107 @@ class UndoLog:
     # ------------------------------------------------------------------ recovery
 
     def _recover(self) -> dict | None:
-        """Rule 5. Returns ``{"step_id", "paths_restored", "kind"}`` or None if nothing to do."""
-        for name in self.fs.listdir("trash"):
-            preimage.remove_tree(self.fs, join("trash", name))
+        """Rule 5, on open. Returns ``{"kind", "step_id", "paths_restored"}`` or None if
+        there was nothing to do.
+
+        Never fails because the work cannot be finished now (a disk that answers EIO or is
+        full, an immutable file, an unparsable journal): that is reported — kind
+        ``rollback_incomplete`` with a ``message``, and an ``event.warning`` — and history
+        stays readable; undo and new steps are refused until :meth:`finish_recovery`
+        succeeds (it is retried before each), or the store is discarded. An open that
+        failed instead would fail the same way every time: a wedged store.
+        """
+        try:
+            for name in self.fs.listdir("trash"):
+                preimage.remove_tree(self.fs, join("trash", name))
+        except OSError as e:  # only space is lost; retried at the next open
+            self._emit({"type": "event.warning", "message": f"could not empty the undo store's trash ({e}); retried on next open"})
+        try:
+            report = self.finish_recovery()
+        except RollbackIncomplete as e:
+            report = {"kind": "rollback_incomplete", "step_id": e.data.get("step_id"), "paths_restored": 0,
+                      "message": e.message}
+            self._emit({"type": "event.warning", "code": e.code, "message": e.message})
+        if report is not None:
+            self._emit({"type": "event.recovery", **report})
+        return report
+
+    def finish_recovery(self) -> dict | None:
+        """Finish what an earlier run (or call) left half-done: an interrupted rollback
+        (``wal/rollback``), then the WAL of a step that never finished (never this run's own
+        open step). Returns what was done, like :meth:`_recover`, or None.
+
+        Raises :class:`RollbackIncomplete` if it cannot finish now; what was done so far
+        stays done (progress counts), so the next call resumes.
+        """
         report = None
-        work = self._work
         finished = self.finish_pending_rollback()
         if finished is not None:
             report = {"kind": "rollback_finished", **finished}
-        if self.fs.exists(WAL):
+        if self.open_step is None and self.fs.exists(WAL):
+            report = self._recover_wal() or report
+        return report
+
+    def _recover_wal(self) -> dict | None:
+        """Roll back (or, if unprotected, keep) the step a dead process left in the WAL.
+
+        Never a loop on damaged undo data: what cannot be verified is reported
+        (``paths_not_restored``, ``message``) and left as the step made it."""
+        work = self._work
+        header = None
+        try:
             header, records, unprotected = self._read_wal(WAL)
             if not records and (header is None or not unprotected):
                 self._to_trash(WAL, "wal-empty")  # died before its first record: nothing happened
-            elif unprotected and header is not None:
+                return None
+            if unprotected and header is not None:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
                                           started_ns=header["started_ns"], records=records, unprotected=True,
                                           journal_hash=None)  # finish() reads the journal for its manifest
-                self.finish(work, None, outcome="recovered")
-                report = {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
-            else:
-                # never a loop: what cannot be verified is reported and left as the step made it
-                not_restored: list[tuple[str, str]] = []
-                self._undo_resumable(work, WAL, records, not_restored=not_restored)
-                self._to_trash(WAL, f"wal-{header['seq'] if header else 'corrupt'}")
-                paths = [p for p in self.touched_paths(records) if p not in dict(not_restored)]
-                report = {"kind": "in_progress_rolled_back", "step_id": header["id"] if header else None,
-                          "paths_restored": len(paths)}
-                if not_restored:
-                    names = [p for p, _ in not_restored]
-                    report["paths_not_restored"] = names[:REPORT_PATHS_MAX]
-                    report["message"] = (f"an interrupted step ({report['step_id']}) was rolled back, but its undo data is "
-                                         f"damaged: {len(names)} path(s) keep what the step wrote: "
-                                         f"{', '.join(repr(p) for p in names[:5])}{', …' if len(names) > 5 else ''} "
-                                         f"({not_restored[0][1]})")
-        if report is not None:
-            self._emit({"type": "event.recovery", **report})
+                try:
+                    self.finish(work, None, outcome="recovered")
+                except BaseException:
+                    self.open_step = None  # still in the WAL: the next recovery tries again
+                    raise
+                return {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
+            not_restored: list[tuple[str, str]] = []
+            self._undo_resumable(work, WAL, records, not_restored=not_restored)
+            self._to_trash(WAL, f"wal-{header['seq'] if header else 'corrupt'}")
+        except (OSError, CorruptStep, KeyError, TypeError) as e:
+            raise self._incomplete("recovery of an interrupted step", header, e) from e
+        paths = [p for p in self.touched_paths(records) if p not in dict(not_restored)]
+        report = {"kind": "in_progress_rolled_back", "step_id": header["id"] if header else None,
+                  "paths_restored": len(paths)}
+        if not_restored:
+            names = [p for p, _ in not_restored]
+            report["paths_not_restored"] = names[:REPORT_PATHS_MAX]
+            report["message"] = (f"an interrupted step ({report['step_id']}) was rolled back, but its undo data is "
+                                 f"damaged: {len(names)} path(s) keep what the step wrote: "
+                                 f"{', '.join(repr(p) for p in names[:5])}{', …' if len(names) > 5 else ''} "
+                                 f"({not_restored[0][1]})")
+        else:
+            damage = [r["why"] for r in records if r.get("op") == "corrupt"]
+            if header is None or damage:
+                report["paths_not_restored"] = []
+                report["message"] = (f"an interrupted step ({report['step_id']}) left a damaged journal "
+                                     f"({damage[0] if damage else 'its header is unreadable'}): what it changed "
+                                     "from there on is unknown and was left as the step made it")
         return report
+
+    def _incomplete(self, what: str, header: dict | None, e: BaseException) -> RollbackIncomplete:
+        step_id = header.get("id") if isinstance(header, dict) else None
+        path = getattr(e, "filename", None)
+        code = getattr(e, "errno", None)
+        cause = (f"{e.strerror or e}{f' on {path!r}' if path is not None else ''}" if isinstance(e, OSError)
+                 else getattr(e, "message", None) or f"{type(e).__name__}: {e}")
+        step = f"step {step_id}" if step_id is not None else "a step"
+        return RollbackIncomplete(
+            f"{what} ({step}) could not finish: {cause}. The working folder is between two steps: undo and "
+            "new steps are refused until it finishes — it is retried on every open and undo once the cause is "
+            "fixed — or discard the undo history (`sandbox discard`)",
+            os_errno=code if isinstance(code, int) else None,
+            step_id=step_id, path=path, errno=_errno_name(code), reason=cause)
 
     def _read_wal(self, where: str) -> tuple[dict | None, list[dict], bool]:
         """(header, live records, unprotected) of a WAL-like directory; no journal = no header.
@@ -1146,18 +1236,29 @@ class UndoLog:
         unprotected = any(r.get("op") == "unprotected" for r in records)
         return header, [r for r in records if r.get("op") != "unprotected"], unprotected
 
+    @property
+    def rollback_pending(self) -> bool:
+        """A rollback or a recovery stopped part-way and is not finished yet."""
+        return self.fs.exists(ROLLBACK) or (self.open_step is None and self.fs.exists(WAL))
+
     def finish_pending_rollback(self) -> dict | None:
-        """Finish a rollback that was interrupted (crash, ENOSPC, EIO) from its progress count.
+        """Finish a rollback that was interrupted (crash, ENOSPC, EIO) from its progress count,
+        forced if the user forced it. :class:`RollbackIncomplete` if it cannot finish now.
 
         Until this succeeds no new step may begin: the tree is between two steps.
         """
         if not self.fs.exists(ROLLBACK):
             return None
-        header, records, _ = self._read_wal(ROLLBACK)
-        seq = header["seq"] if header else 0
-        self._steps = [s for s in self._steps if s.seq != seq]
-        self._undo_resumable(self._work, ROLLBACK, records)
-        self._to_trash(ROLLBACK, f"rb-{seq}")
+        header = None
+        try:
+            header, records, _ = self._read_wal(ROLLBACK)
+            seq = header["seq"] if header else 0
+            self._steps = [s for s in self._steps if s.seq != seq]
+            forced = self.fs.exists(join(ROLLBACK, "forced"))
+            self._undo_resumable(self._work, ROLLBACK, records, user_forced=forced)
+            self._to_trash(ROLLBACK, f"rb-{seq}")
+        except (OSError, CorruptStep, KeyError, TypeError) as e:
+            raise self._incomplete("an undo", header, e) from e
         self._drop_barriers_from(seq)
         return {"step_id": header["id"] if header else None, "paths_restored": len(self.touched_paths(records))}
 

@@ -67,6 +67,7 @@ class Workspace:
         self.interceptor = UndoInterceptor(work, self.log, self.tracker, Safeguard(safeguard, clock_s), emit=self._emit)
         self.fs = InterceptedFS(work, self.interceptor, decide)
         self._closed = False
+        self.unrecorded_step_id: int | None = None  # see close()
 
     # ------------------------------------------------------------------ opening
 
@@ -79,13 +80,7 @@ class Workspace:
         touches it (e.g. a :class:`~sandbox.hostfs.recording.RecordingHostFS`); every access
         to the folder then goes through the wrapper. :meth:`close` still closes the real one.
         """
-        if not os.path.isdir(workdir):
-            raise FileNotFoundError(f"working folder {workdir!r} does not exist or is not a directory")
-        real = os.path.realpath(workdir)
-        state = os.path.realpath(state_dir or default_state_dir(real))
-        rel = os.path.relpath(state, real)
-        if rel == "." or not (rel == ".." or rel.startswith("../")):
-            raise ValueError(f"the undo store {state!r} must be outside the working folder {real!r} (the guest would see it)")
+        real, state = _store_path(workdir, state_dir)
         os.makedirs(state, mode=0o700, exist_ok=True)
         work = RealHostFS(real, name="work")
         store = RealHostFS(state, name="store")
@@ -98,17 +93,44 @@ class Workspace:
             store.close()
             raise
 
+    @staticmethod
+    def discard_store(workdir: str, state_dir: str | None = None) -> None:
+        """Delete the undo history of ``workdir`` without opening it: lock the store, wipe
+        it, start a fresh one. Nothing is recovered, read or checked first, and the working
+        folder is not touched — so it works whatever state the store is in (an undo that
+        cannot finish, an unreadable journal, a foreign version): the way out when nothing
+        else works. :class:`StoreBusy` if another process has the store open."""
+        real, state = _store_path(workdir, state_dir)
+        store = RealHostFS(state, name="store")
+        try:
+            UndoLog(store).wipe(real)
+        finally:
+            store.close()
+
     @classmethod
     def open_on(cls, work: HostFS, store: HostFS, **kwargs) -> "Workspace":
         """Open over any pair of host filesystems (the simulation uses SimHostFS)."""
         return cls(work, store, **kwargs)
 
     def close(self) -> None:
-        """Close the active step (if any) and release the store's lock."""
+        """Close the active step (if any) and release the store's lock.
+
+        A step that cannot be recorded now (the store's disk is full) does not make this
+        fail: it stays in the write-ahead log, an ``event.warning`` says so, and
+        :attr:`unrecorded_step_id` names it — the next open rolls it back (rule 5) and
+        reports that in its recovery report."""
         if self._closed:
             return
         try:
             self.interceptor.close_now()
+        except OSError as e:
+            step = self.log.open_step
+            if step is None or step.closing is None:
+                raise
+            self.unrecorded_step_id = step.id
+            self._emit({"type": "event.warning", "code": "undo.promotion_failed", "step_id": step.id,
+                        "message": f"closing: step {step.id} could not be recorded in the undo store ({e}); its changes "
+                                   "stay in the folder, and it will be rolled back when the folder is next opened"})
         finally:
             self._closed = True
             self.log.close()
@@ -206,11 +228,10 @@ class Workspace:
         with i.lock:
             self.log.require_available()
             a = self.tracker.active
-            if a is not None:
-                if a.type != AMBIENT and not a.draining:
-                    raise StepError(f"step {a.id} is still running; undo when it has finished", step_id=a.id)
-                i.close_now()
-            self.log.finish_pending_rollback()
+            if a is not None and a.type != AMBIENT and not a.draining:
+                raise StepError(f"step {a.id} is still running; undo when it has finished", step_id=a.id)
+            i.close_now()  # also promotes a step that ended but waits to be recorded (OSError if it still cannot)
+            self.log.finish_recovery()  # RollbackIncomplete if an earlier rollback still cannot finish
             steps = self.log.steps()
             if len(steps) < n:
                 raise NothingToUndo(f"only {len(steps)} step(s) in history, cannot undo {n}", available=len(steps))
@@ -240,9 +261,17 @@ class Workspace:
 
     def finish_pending(self) -> dict | None:
         """Finish a rollback interrupted by an I/O error (also done before the next step,
-        rollback or open). Returns what it restored, or None if nothing was pending."""
+        rollback or open). Returns what it restored, or None if nothing was pending;
+        :class:`RollbackIncomplete` if it still cannot finish."""
         with self.interceptor.lock:
-            return self.log.finish_pending_rollback()
+            return self.log.finish_recovery()
+
+    @property
+    def rollback_pending(self) -> bool:
+        """An undo or a recovery stopped part-way and is not finished yet (see
+        :class:`RollbackIncomplete`): undo and new steps are refused until it is."""
+        with self.interceptor.lock:
+            return self.log.rollback_pending
 
     def _check_barriers(self, targets) -> None:
         oldest = targets[0].seq
@@ -327,13 +356,29 @@ class Workspace:
     def discard(self) -> None:
         """Delete all undo history (the way out of a version mismatch)."""
         with self.interceptor.lock:
-            if self.tracker.active is not None:
+            try:
                 self.interceptor.close_now()
+            except OSError:
+                if self.log.open_step is None or self.log.open_step.closing is None:
+                    raise  # a step waiting for its promotion is discarded with the rest
             self.log.discard(self.label)
 
     @property
     def undo_available(self) -> bool:
         return self.log.available
+
+
+def _store_path(workdir: str, state_dir: str | None) -> tuple[str, str]:
+    """(real path of the working folder, real path of its undo store), checked: the store
+    must be outside the folder (the guest would see it)."""
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"working folder {workdir!r} does not exist or is not a directory")
+    real = os.path.realpath(workdir)
+    state = os.path.realpath(state_dir or default_state_dir(real))
+    rel = os.path.relpath(state, real)
+    if rel == "." or not (rel == ".." or rel.startswith("../")):
+        raise ValueError(f"the undo store {state!r} must be outside the working folder {real!r} (the guest would see it)")
+    return real, state
 
 
 __all__ = ["Workspace", "StepHandle", "default_state_dir", "UndoUnavailable"]

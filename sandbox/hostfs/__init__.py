@@ -69,6 +69,7 @@ __all__ = [
     "check_open_flags",
     "same_inode",
     "names_inode",
+    "ABSENT_ERRNOS",
 ]
 
 REG = "reg"
@@ -78,6 +79,14 @@ OTHER = "other"  # fifo, socket, device: never created, never opened
 
 PATH_LEN_MAX = 4096
 NAME_LEN_MAX = 255
+
+#: errnos of a lookup that mean "nothing is at this path": it is missing (``ENOENT``), a
+#: non-directory is on the way (``ENOTDIR``), or a symlink is on the way (``ELOOP``: never
+#: followed, so whatever lies behind it is not *at* this path — after ``rm -rf d && ln -s
+#: t d``, ``d/f`` does not exist, whatever ``t`` holds). Only for lookups (``lstat``,
+#: ``getattr``, ``exists``): a final symlink given to ``read``/``open`` is also ``ELOOP``
+#: and means "is a symlink", not "absent".
+ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 
 #: the only ``open`` flags: an access mode, optionally ``O_APPEND``
 OPEN_FLAGS = os.O_ACCMODE | os.O_APPEND
@@ -373,11 +382,24 @@ class HostFS(ABC):
     def lstat(self, path: str) -> Stat: ...
 
     def exists(self, path: str) -> bool:
+        """Is an object at ``path``, reachable without following a symlink? A file or a
+        symlink as a parent means "no" (:data:`ABSENT_ERRNOS`)."""
         try:
             self.lstat(path)
-        except (FileNotFoundError, NotADirectoryError):  # like os.path.exists: a file as a parent means "no"
-            return False
+        except OSError as e:
+            if e.errno in ABSENT_ERRNOS:
+                return False
+            raise
         return True
+
+    def lstat_or_none(self, path: str) -> Stat | None:
+        """:meth:`lstat`, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`)."""
+        try:
+            return self.lstat(path)
+        except OSError as e:
+            if e.errno in ABSENT_ERRNOS:
+                return None
+            raise
 
     @abstractmethod
     def getattr(self, path: str) -> Attr:

@@ -610,8 +610,12 @@ class RealHostFS(HostFS):
                 pid = None
             os.close(fd)
             raise StoreBusy(os.path.join(self.root, parent_of(path)) if parent_of(path) else self.root, pid) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        pid = f"{os.getpid()}\n".encode()
+        try:  # for messages only: overwritten in place first, so a full disk still locks
+            os.pwrite(fd, pid, 0)
+            os.ftruncate(fd, len(pid))
+        except OSError:
+            pass
         return _FdLock(fd)
 
 

@@ -65,7 +65,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from . import DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
+from . import ABSENT_ERRNOS, DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
 
 __all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "lstat_or_none", "OURS", "EXTERNAL", "BUSY"]
 
@@ -78,7 +78,6 @@ MAX_AGE_S = 60.0
 _CLASSIFY_TRIES = 3
 
 Signature = tuple  # (kind, ino, mode, size, mtime_ns, ctime_ns, nlink)
-_MISSING_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 
 
 def signature(st: Stat | Attr | None) -> Signature | None:
@@ -102,7 +101,7 @@ def lstat_or_none(fs: HostFS) -> Callable[[str], Stat | None]:
         try:
             return fs.lstat(path)
         except OSError as e:
-            if e.errno in _MISSING_ERRNOS:
+            if e.errno in ABSENT_ERRNOS:
                 return None
             raise
 
