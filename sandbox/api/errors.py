@@ -52,7 +52,7 @@ CODES: dict[str, str] = {
     "undo.version_mismatch": "The undo store was written by an incompatible version: undo is off until undo.discard.",
     "undo.step_running": "A command step is still running; undo when it has finished (data: step_id).",
     "undo.invalid_limits": "undo.configure: a limit is out of range.",
-    "undo.failed": "The rollback failed part-way on an I/O error; it is finished on the next undo or start.",
+    "undo.failed": "A rollback (an undo, or recovery of a crashed step) stopped part-way and cannot finish now (data: step_id, path, errno); undo and writes are refused until it finishes — retried at every undo and start — or undo.discard.",
     # fs: file access through the API
     "fs.not_found": "No such file or directory.",
     "fs.not_a_directory": "A path component, or the listed path, is not a directory.",
