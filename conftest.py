@@ -3,6 +3,8 @@
 * ``world`` — a :class:`sim.world.World`, parametrised over the simulated disk and a real
   temp directory, so the same test proves both.
 * ``real_workspace`` — a :class:`sandbox.Workspace` on a real temp folder with its store beside it.
+* ``ws`` — a :class:`sandbox.Workspace` on the test module's own ``work`` fixture (a real
+  folder the module fills as it needs), its store beside it.
 * ``snapshot`` — the tree oracle (``sim.oracle.snapshot``).
 * marker ``slow``: only in the full run (``./dev test --full`` / ``SANDBOX_TEST_FULL=1``).
 * marker ``e2e``: needs a real kernel client or host facility; skipped with a reason
@@ -46,6 +48,15 @@ def real_workspace(tmp_path):
     ws = sandbox.Workspace.open(str(work), state_dir=str(tmp_path / "state"))
     yield ws
     ws.close()
+
+
+@pytest.fixture
+def ws(work, tmp_path):
+    import sandbox
+
+    w = sandbox.Workspace.open(str(work), state_dir=str(tmp_path / "state"))
+    yield w
+    w.close()
 
 
 @pytest.fixture

@@ -58,13 +58,6 @@ def work(tmp_path):
 
 
 @pytest.fixture
-def ws(work, tmp_path):
-    w = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
-    yield w
-    w.close()
-
-
-@pytest.fixture
 def fs(ws):
     with serve(Provider.intercepted(ws)) as (_st, path), Client.connect_unix(path) as c:
         yield WireFS(c)

@@ -17,7 +17,6 @@ import stat
 
 import pytest
 
-from sandbox.core.workspace import Workspace
 from sandbox.mounts import Provider
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
@@ -39,13 +38,6 @@ def work(tmp_path):
     os.setxattr(w / "x", "user.keep", b"old")
     (w / "other").write_bytes(b"bystander")
     return w
-
-
-@pytest.fixture
-def ws(work, tmp_path):
-    w = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
-    yield w
-    w.close()
 
 
 @pytest.fixture

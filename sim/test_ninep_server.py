@@ -16,7 +16,6 @@ import stat
 
 import pytest
 
-from sandbox.core.workspace import Workspace
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider, memory_tree
 from sandbox.ninep import messages as m
@@ -44,13 +43,6 @@ def outside(tmp_path):
     o.mkdir()
     (o / "secret").write_bytes(b"do not touch\n")
     return o
-
-
-@pytest.fixture
-def ws(work, tmp_path):
-    w = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
-    yield w
-    w.close()
 
 
 @pytest.fixture
