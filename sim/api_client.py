@@ -42,6 +42,7 @@ class ApiClient:
         self.violations: list[str] = []
         self._cond = threading.Condition()
         self._ids = itertools.count(1)
+        self._sent: dict = {}  # request_id -> type, so an ok response's payload is checked against result.<type>
         self._eof = False
         self._threads = [threading.Thread(target=self._read_stdout, daemon=True),
                          threading.Thread(target=self._read_stderr, daemon=True)]
@@ -62,6 +63,11 @@ class ApiClient:
             else:
                 kind = "response" if msg.get("type") == "response" else "event"
                 err = schema.first_error(kind, msg)
+                if err is None and kind == "response" and msg.get("status") == "ok":
+                    rid = msg.get("request_id")
+                    kind = f"result.{self._sent.get(rid) if isinstance(rid, (str, int)) else None}"
+                    if kind in schema.shipped()["$defs"]:
+                        err = schema.first_error(kind, msg.get("payload"))
                 if err is not None:
                     problem = f"{kind} does not match the schema at {err[0]}: {err[1]} — {str(msg)[:300]}"
             with self._cond:
@@ -107,6 +113,8 @@ class ApiClient:
     def send(self, type_: str, payload: dict | None = None, request_id=None) -> object:
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
         msg = {"type": type_, "request_id": rid}
+        if isinstance(rid, (str, int)):
+            self._sent[rid] = type_
         if payload is not None:
             msg["payload"] = payload
         self.send_raw(json.dumps(msg).encode() + b"\n")

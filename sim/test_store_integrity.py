@@ -622,6 +622,13 @@ def test_stdio_undo_of_a_corrupt_step_is_undo_corrupt_step(tmp_path):
         assert not (project / "g").exists()
         assert c.error("undo.rollback", {"count": 1})["code"] == "undo.corrupt_step"
         assert (project / "f").read_text() == "one"
+        # manifest and journal both unreadable: history still lists it, schema-valid (the
+        # client validates every message), of type "unknown"
+        c.ok("session.stop")
+        open(os.path.join(os.path.dirname(journals[0]), "manifest.json"), "wb").close()
+        c.ok("session.start", {"working_directories": [{"path": str(project)}]}, timeout_s=400)
+        hist = c.ok("undo.history")["steps"]
+        assert [h["type"] for h in hist] == ["unknown"] and "corrupt" in hist[0], hist
     finally:
         if c.proc.poll() is None:
             c.close()

@@ -168,9 +168,11 @@ REQUESTS: dict[str, dict] = {
 FOLDER = _open({"index": NONNEG, "label": STR, "path": STR, "guest_path": STR, "access": {"enum": ["read_write", "read_only"]},
                 "undo_available": BOOL}, ["index", "label", "path", "guest_path", "access"])
 MOUNT = _open({"guest_path": STR, "label": STR, "read_only": BOOL, "files": NONNEG}, ["guest_path", "read_only"])
-STEP = _open({"id": INT, "type": {"enum": ["command", "api", "ambient"]}, "command": STR, "paths": STRS,
+# a step whose undo data is damaged is still listed: "corrupt" says why, and if neither its
+# manifest nor its journal header can be read, its type is "unknown" and ended_ns null
+STEP = _open({"id": INT, "type": {"enum": ["command", "api", "ambient", "unknown"]}, "command": STR, "paths": STRS,
               "exit_code": NULLABLE_INT, "outcome": STR, "unprotected": BOOL, "size_bytes": NONNEG,
-              "started_ns": INT, "ended_ns": INT,
+              "started_ns": INT, "ended_ns": NULLABLE_INT, "corrupt": STR,
               "barriers": {"type": "array", "items": _ref("barrier")}}, ["id", "type", "paths", "outcome", "barriers"])
 BARRIER = _open({"id": INT, "paths": STRS, "created_ns": INT, "reason": STR,
                  "blocks_rollback_of": {"type": "array", "items": INT}}, ["id", "paths", "created_ns"])
