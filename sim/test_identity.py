@@ -167,6 +167,16 @@ def test_opening_an_existing_setid_file_through_create_disarms_it(fs, work):
     fs.c.clunk(dfid)
 
 
+def test_opening_an_existing_setid_file_read_only_through_create_leaves_it(fs, work):
+    """Only a handle that can write disarms: open(O_CREAT|O_RDONLY) of an existing set-uid
+    program (no write can follow) leaves the host's bit alone."""
+    os.chmod(work / "tool", 0o4755)
+    dfid = fs._walk("")
+    fs.c.lcreate(dfid, "tool", m.DOTL_RDONLY | m.DOTL_CREATE, 0o644)
+    assert host_mode(work / "tool") == 0o4755
+    fs.c.clunk(dfid)
+
+
 def test_a_host_chmod_since_wins_over_the_kept_mode(fs, work):
     fs.chmod("tool", 0o4755)
     os.chmod(work / "tool", 0o700)  # the host user changes it

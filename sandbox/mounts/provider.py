@@ -213,7 +213,10 @@ class Provider:
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
-            return self._disarmed(self.fs.open(path, acc | (flags & (os.O_APPEND | os.O_TRUNC))), path), False
+            keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
+            handle = self.fs.open(path, keep)
+            writes = acc != os.O_RDONLY or keep & (os.O_APPEND | os.O_TRUNC)
+            return (self._disarmed(handle, path) if writes else handle), False
         try:
             self._keep_new_mode(path, mode, handle)
         except BaseException:
