@@ -58,7 +58,6 @@ are classified within a second, so an old record is never needed for our own eve
 from __future__ import annotations
 
 import collections
-import errno
 import os
 import threading
 import time
