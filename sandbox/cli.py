@@ -621,7 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"connection until they drain; a frame incomplete for {lim.frame_incomplete_timeout_s:g} s closes it. "
         f"The soft\nopen-file limit is raised to the hard one; all clients' open files share it, minus\n"
         f"{DESCRIPTORS_RESERVED} descriptors kept for the undo core (ENFILE).",
-        [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken)"),
+        [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken), or the last step could not be saved (undo store disk full: it is rolled back when the folder is next opened)"),
          (2, "bad usage (--root is not a directory, no --socket/--tcp)"), mismatch,
          (5, "the undo store is in use by another process (another server or an undo)")])
     s9.add_argument("--root", required=True, metavar="DIR", help="the folder to serve")
