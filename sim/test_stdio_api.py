@@ -708,6 +708,27 @@ def test_an_invalid_request_id_is_never_echoed(api):
     assert c.close() == 0
 
 
+def test_commands_and_env_a_process_cannot_receive_are_refused_and_the_session_stays_up(api, project, cmds):
+    """A lone surrogate in an env value was protocol.internal with the VM guest (it cannot be
+    encoded for the guest), a NUL in the command made the guest refuse it and the session
+    fail. Text a process cannot receive (NUL, not valid Unicode, '=' in an env name) is
+    refused before it reaches any guest, the same for every guest, and nothing stops."""
+    c = api()
+    start(c, project)
+    bad = [{"command": "echo a\0b"}, {"command": "echo \ud800"},
+           {"command": "true", "env": {"A": "\ud800"}}, {"command": "true", "env": {"A": "x\0y"}},
+           {"command": "true", "env": {"A=B": "x"}}, {"command": "true", "env": {"\udc80": "x"}},
+           {"command": "true", "cwd": "/mnt/\ud800"}]
+    for payload in bad:
+        e = c.error("agent.execute", payload)
+        assert e["code"] in ("protocol.invalid_request", "fs.invalid_path"), (payload, e)
+    c.ok("agent.execute", {"command": cmds.write("after.txt", "still up")})
+    assert (project / "after.txt").read_text().strip() == "still up"
+    assert c.ok("session.status")["state"] in ("idle", "running")
+    c.close()
+    c.check()
+
+
 def test_schema_valid_extreme_numbers_are_clean_answers_never_internal(api, project, cmds):
     """Issue 11 item 9: fs.read at offset 2**64 and undo.rollback with count 1e9 (an integer to
     JSON Schema) were answered protocol.internal. Integer fields are bounded in the schema,

@@ -51,6 +51,25 @@ FORWARDED_EVENTS = set(schema.EVENTS)
 _TYPE = {REG: "file", DIR: "dir", LNK: "symlink"}
 
 
+def _exec_text(path: str, value: str, env_name: bool = False) -> None:
+    """Refuse text no process can receive — as an argument, an environment entry or a
+    directory: a NUL, or a lone surrogate (not Unicode, so not encodable for the guest);
+    an environment name also may not be empty or hold ``=``. Checked before anything
+    reaches a guest, so every guest answers the same (``protocol.invalid_request``)."""
+    reason = None
+    if "\0" in value:
+        reason = "contains a NUL character"
+    elif env_name and (not value or "=" in value):
+        reason = "an environment name must be non-empty and without '='"
+    else:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            reason = "is not valid Unicode text (a lone surrogate)"
+    if reason is not None:
+        raise ApiError("protocol.invalid_request", f"{path}: {reason}", path=path, reason=reason)
+
+
 @dataclass
 class _Running:
     request_id: object
@@ -399,6 +418,12 @@ class Agent:
 
     def _run(self, rid, command: str, cwd: str | None, env: dict | None, output_event: str) -> dict:
         s = self._require()
+        _exec_text("$.payload.command", command)
+        for name, value in (env or {}).items():
+            _exec_text("$.payload.env", name, env_name=True)
+            _exec_text(f"$.payload.env.{name}", value)
+        if cwd is not None:
+            _exec_text("$.payload.cwd", cwd)
         with self._state_lock:
             if self._running is not None:
                 raise ApiError("agent.busy", "a command is already running; one runs at a time",

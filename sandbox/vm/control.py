@@ -109,6 +109,7 @@ class ControlClient:
             if ex is not None and not ex.started.done():  # the exec itself was refused
                 ex.started.set_exception(RuntimeError(f"the guest refused the command: {msg.get('message')}"))
                 ex.completed.set_exception(RuntimeError(f"the guest refused the command: {msg.get('message')}"))
+                ex.completed.exception()  # whoever awaited `started` has seen it: never "exception was never retrieved"
             return
         ex = self._execs.get(msg.get("id"))
         if ex is None:
@@ -143,7 +144,8 @@ class ControlClient:
     async def send(self, msg: dict) -> None:
         if self._writer is None or self._writer.is_closing():
             raise ControlClosed("the control channel is not connected")
-        self._writer.write(json.dumps(msg, ensure_ascii=False).encode() + b"\n")
+        # ASCII escapes: any str can be sent (a lone surrogate included); the shim decides
+        self._writer.write(json.dumps(msg, ensure_ascii=True).encode("ascii") + b"\n")
         await self._writer.drain()
 
     async def exec(self, exec_id: int, command: str, cwd: str, env: dict[str, str] | None = None,
