@@ -23,7 +23,7 @@ CODES: dict[str, str] = {
     "protocol.not_an_object": "The line is JSON but not an object.",
     "protocol.line_too_long": "The line exceeds the agent's limit (data: limit_bytes); it was discarded.",
     "protocol.too_deep": "Arrays/objects in the line nest deeper than the agent's limit (data: limit); it was not parsed.",
-    "protocol.invalid_request": "The request does not match its schema: a missing or unknown field, a wrong type (data: path, reason).",
+    "protocol.invalid_request": "The request does not match its schema: a missing or unknown field, a wrong type, a value out of bounds, or text no process can receive (a NUL or lone surrogate in a command, env or cwd; '=' in an env name) (data: path, reason).",
     "protocol.unknown_type": "No operation has this type (data: type, known).",
     "protocol.unsupported_version": "hello asked for a protocol version the agent does not speak (data: requested, supported_versions).",
     "protocol.busy": "Too many requests in flight (data: limit); retry after some complete.",
