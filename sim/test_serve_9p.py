@@ -7,6 +7,7 @@ locked (exit 5). ``--read-only`` refuses writes. Bad usage exits 2 with a reason
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,6 +35,30 @@ def start(*args: str, env) -> subprocess.Popen:
     return p
 
 
+class Served:
+    """A ``sandbox serve-9p`` process while :func:`served` runs: ``fs`` is a connected
+    client; once stopped (SIGTERM), ``returncode`` and ``stderr``."""
+
+    fs: WireFS
+    returncode: int | None = None
+    stderr: str = ""
+
+
+@contextlib.contextmanager
+def served(*args: str, sock: str, env):
+    """Start ``serve-9p`` on ``sock``, connect one client, yield; then SIGTERM and wait."""
+    run = Served()
+    p = start(*args, "--socket", sock, env=env)
+    try:
+        with Client.connect_unix(sock) as c:
+            run.fs = WireFS(c)
+            yield run
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _out, run.stderr = p.communicate(timeout=60)
+        run.returncode = p.returncode
+
+
 @pytest.fixture
 def env(tmp_path):
     return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
@@ -52,19 +77,13 @@ def work(tmp_path):
 def test_serve_write_sigterm_then_history_and_undo(tmp_path, work, env):
     before = oracle.snapshot_dir(str(work))
     sock = str(tmp_path / "9p.sock")
-    p = start("--root", str(work), "--socket", sock, env=env)
-    try:
-        with Client.connect_unix(sock) as c:
-            fs = WireFS(c)
-            fs.remove_tree("src")
-            fs.write_file("keep.txt", b"clobbered\n")
+    with served("--root", str(work), sock=sock, env=env) as run:
+        run.fs.remove_tree("src")
+        run.fs.write_file("keep.txt", b"clobbered\n")
         busy = sandbox_cmd("undo", "--workdir", str(work), env=env)
         assert busy.returncode == 5 and "in use" in busy.stderr
-    finally:
-        p.send_signal(signal.SIGTERM)
-        _out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
-    assert "server stopped" in err and not os.path.exists(sock)
+    assert run.returncode == 0, run.stderr
+    assert "server stopped" in run.stderr and not os.path.exists(sock)
     hist = sandbox_cmd("history", "--workdir", str(work), env=env)
     assert hist.returncode == 0 and "ambient" in hist.stdout, hist
     undo = sandbox_cmd("undo", "--workdir", str(work), "-n", "1", env=env)
@@ -125,16 +144,10 @@ def test_a_directory_replaced_by_a_symlink_is_recorded_and_undone(tmp_path, work
     target = {"inside": "other", "outside": str(outside), "dangling": "nowhere/at/all"}[where]
     before = oracle.snapshot_dir(str(work))
     sock = str(tmp_path / "9p.sock")
-    p = start("--root", str(work), "--socket", sock, env=env)
-    try:
-        with Client.connect_unix(sock) as c:
-            fs = WireFS(c)
-            fs.remove_tree("src")
-            fs.symlink(target, "src")
-    finally:
-        p.send_signal(signal.SIGTERM)
-        _out, err = p.communicate(timeout=60)
-    assert p.returncode == 0 and "Traceback" not in err, err
+    with served("--root", str(work), sock=sock, env=env) as run:
+        run.fs.remove_tree("src")
+        run.fs.symlink(target, "src")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     assert os.readlink(work / "src") == target
     hist = sandbox_cmd("history", "--workdir", str(work), "--json", env=env)
     assert hist.returncode == 0 and "recovered" not in hist.stderr, hist
@@ -185,16 +198,12 @@ def test_a_full_store_at_promotion_is_reported_and_history_needs_no_space(tmp_pa
     before = oracle.snapshot_dir(str(work))
     state = str(tiny_disk.path / "state")
     sock = str(tmp_path / "9p.sock")
-    p = start("--root", str(work), "--socket", sock, "--state-dir", state, env=env)
-    try:
-        with Client.connect_unix(sock) as c:
-            WireFS(c).write_file("agent.txt", b"the agent's work\n")
-            tiny_disk.fill()
-    finally:
-        p.send_signal(signal.SIGTERM)
-        _out, err = p.communicate(timeout=60)
+    with served("--root", str(work), "--state-dir", state, sock=sock, env=env) as run:
+        run.fs.write_file("agent.txt", b"the agent's work\n")
+        tiny_disk.fill()
+    err = run.stderr
     assert "Traceback" not in err, err
-    assert p.returncode == 1 and "could not be recorded" in err and "rolled back when the folder is next opened" in err, err
+    assert run.returncode == 1 and "could not be recorded" in err and "rolled back when the folder is next opened" in err, err
     assert (work / "agent.txt").exists()
     history = ("history", "--workdir", str(work), "--state-dir", state)
     hist = sandbox_cmd(*history, env=env)  # the disk is still full
@@ -206,14 +215,9 @@ def test_a_full_store_at_promotion_is_reported_and_history_needs_no_space(tmp_pa
     assert "never finished and was rolled back" in hist.stderr, hist.stderr
     oracle.assert_same(before, oracle.snapshot_dir(str(work)), "recovery")
     # a store with history, read on a full disk
-    p = start("--root", str(work), "--socket", sock, "--state-dir", state, env=env)
-    try:
-        with Client.connect_unix(sock) as c:
-            WireFS(c).write_file("kept.txt", b"kept\n")
-    finally:
-        p.send_signal(signal.SIGTERM)
-        _out, err = p.communicate(timeout=60)
-    assert p.returncode == 0, err
+    with served("--root", str(work), "--state-dir", state, sock=sock, env=env) as run:
+        run.fs.write_file("kept.txt", b"kept\n")
+    assert run.returncode == 0, run.stderr
     tiny_disk.fill()
     hist = sandbox_cmd(*history, "--json", env=env)
     assert hist.returncode == 0 and hist.stderr == "", hist
