@@ -1,11 +1,11 @@
-"""Shared fixtures and markers for sim/ (fast tier) and e2e/ (real kernel and host facilities).
+"""Shared fixtures and markers for sandbox_sim/ (fast tier) and e2e/ (real kernel and host facilities).
 
-* ``world`` — a :class:`sim.world.World`, parametrised over the simulated disk and a real
+* ``world`` — a :class:`sandbox_sim.world.World`, parametrised over the simulated disk and a real
   temp directory, so the same test proves both.
 * ``real_workspace`` — a :class:`sandbox.Workspace` on a real temp folder with its store beside it.
 * ``ws`` — a :class:`sandbox.Workspace` on the test module's own ``work`` fixture (a real
   folder the module fills as it needs), its store beside it.
-* ``snapshot`` — the tree oracle (``sim.oracle.snapshot``).
+* ``snapshot`` — the tree oracle (``sandbox_sim.oracle.snapshot``).
 * marker ``slow``: only in the full run (``./dev test --full`` / ``SANDBOX_TEST_FULL=1``).
 * marker ``e2e``: needs a real kernel client or host facility; skipped with a reason
   where it is missing (never silently passed).
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 
-from sim import oracle
-from sim.budget import FULL
-from sim.world import World
+from sandbox_sim import oracle
+from sandbox_sim.budget import FULL
+from sandbox_sim.world import World
 
 
 def pytest_collection_modifyitems(config, items):

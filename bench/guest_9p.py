@@ -26,7 +26,7 @@ from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
 from sandbox.vm.qemu import VmConfig, build_command, probe_accel
-from sandbox.vm.session import open_workspace, watch_workspace
+from sandbox.session.runtime import open_workspace, watch_workspace
 
 DESCRIPTION = """\
 Boot Debian's kernel in QEMU (sandbox.vm.image; TCG unless you change accel) with the
@@ -180,7 +180,7 @@ def main() -> int:
         for r in range(args.repeat):
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 print(f"boot {r + 1}/{args.repeat}: {side} …", file=sys.stderr, flush=True)
-                for k, v in run(side, image, base, os.path.join(here, "fixtures", "sample-project"), accel).items():
+                for k, v in run(side, image, base, os.path.join(here, "sandbox", "data", "sample-project"), accel).items():
                     res[side].setdefault(k, []).append(v)
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -21,7 +21,7 @@ except ImportError:  # run from a checkout without the editable install
 
 from sandbox.core.workspace import Workspace
 from sandbox.hostfs.real import RealHostFS
-from sandbox.vm.session import open_workspace, watch_workspace
+from sandbox.session.runtime import open_workspace, watch_workspace
 from sandbox.mounts import Provider
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client

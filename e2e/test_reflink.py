@@ -30,7 +30,7 @@ import pytest
 from sandbox import Workspace
 from sandbox.core.store import REFLINK_MIN_BYTES
 from sandbox.hostfs.real import RealHostFS
-from sim.oracle import assert_same, snapshot
+from sandbox_sim.oracle import assert_same, snapshot
 
 FICLONE = 0x40049409
 FS_IOC_FIEMAP = 0xC020660B

@@ -47,7 +47,7 @@ import pytest
 from sandbox import Workspace
 from sandbox.core.store import parse_journal
 from sandbox.hostfs.real import RealHostFS
-from sim.oracle import assert_same, snapshot
+from sandbox_sim.oracle import assert_same, snapshot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "sigkill_child.py")

@@ -1,7 +1,7 @@
-"""The STDIO API suite of ``sim/test_stdio_api.py`` against a real VM guest.
+"""The STDIO API suite of ``sandbox_sim/test_stdio_api.py`` against a real VM guest.
 
 Same tests, same assertions, ``sandbox serve --guest vm``: commands run in a real Linux
-guest's shell (``sim.api_client.Commands`` spells them for it) over 9P through QEMU's
+guest's shell (``sandbox_sim.api_client.Commands`` spells them for it) over 9P through QEMU's
 guestfwd. A few run in the default tier (each boots a guest: about 10 s under TCG);
 the rest are marked slow (``./dev test --full``). Tests that never start a session
 (protocol framing, schemas, the README) are not repeated here.
@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from sim import test_stdio_api as base
+from sandbox_sim import test_stdio_api as base
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

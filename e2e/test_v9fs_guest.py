@@ -24,7 +24,7 @@ from sandbox.mounts import Provider, memory_tree
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm import image as vm_image
 from sandbox.vm.qemu import VmConfig, build_command
-from sim import oracle
+from sandbox_sim import oracle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -113,7 +113,7 @@ def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None, host_roo
 @pytest.fixture
 def project(tmp_path):
     work = tmp_path / "work"
-    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "fixtures", "sample-project"), work, symlinks=True)
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "..", "sandbox", "data", "sample-project"), work, symlinks=True)
     return work
 
 

@@ -21,11 +21,11 @@ import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.vm import image as vm_image
-from sandbox.vm.session import Folder, Session
-from sim import oracle
+from sandbox.session.runtime import Folder, Session
+from sandbox_sim import oracle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "sample-project")
+SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox", "data", "sample-project")
 
 
 @pytest.fixture(scope="module", autouse=True)

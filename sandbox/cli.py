@@ -24,6 +24,8 @@ from .core.workspace import Workspace, default_state_dir
 from .hostfs import PathError, StoreBusy
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED, EXIT_UNAVAILABLE, EXIT_BUSY = 0, 1, 2, 3, 4, 5
+#: the sample project `sandbox demo` copies and wrecks (package data)
+SAMPLE_PROJECT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample-project")
 
 
 class CliError(Exception):
@@ -161,8 +163,7 @@ def cmd_demo(args) -> int:
     """A sandbox session on the sample project: a destructive step, then its undo."""
     from .hostfs.real import RealHostFS
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sample = args.sample or os.path.join(here, "fixtures", "sample-project")
+    sample = args.sample or SAMPLE_PROJECT
     if not os.path.isdir(sample):
         raise CliError(f"sample project not found at {sample}", EXIT_USAGE)
     base = tempfile.mkdtemp(prefix="sandbox-demo-")
@@ -198,7 +199,7 @@ def cmd_demo(args) -> int:
                         ws.fs.remove_tree(name)
                     ws.fs.write_file("README.md", b"oops\n")
         else:
-            from .vm.session import Folder, Session, SessionError
+            from .session.runtime import Folder, Session, SessionError
 
             progress = lambda msg: print(f"sandbox: {msg}", flush=True)  # noqa: E731
             try:
@@ -226,7 +227,7 @@ def cmd_demo(args) -> int:
 def _session(args):
     """A vm.Session from run/shell arguments (imported lazily: history/undo need no VM code)."""
     from .core.safeguard import SafeguardConfig
-    from .vm.session import Folder, Session
+    from .session.runtime import Folder, Session
 
     folders = [Folder.parse(w) for w in args.workdir]
     for f in folders:
@@ -278,7 +279,7 @@ def cmd_run(args) -> int:
     command = " ".join(words).strip()
     if not command:
         raise CliError("give the command after --, e.g. sandbox run --workdir . -- make test", EXIT_USAGE)
-    from .vm.session import SessionError
+    from .session.runtime import SessionError
 
     try:
         with _session(args) as session:
@@ -296,7 +297,7 @@ def cmd_run(args) -> int:
 
 def _folder_path(spec: str) -> str:
     """The path part of a --workdir spec (DIR or DIR:ro)."""
-    from .vm.session import Folder
+    from .session.runtime import Folder
 
     return Folder.parse(spec).path
 
@@ -312,7 +313,7 @@ each line runs in the guest as one step (cwd: /mnt/working/0). Built in:
 def cmd_shell(args) -> int:
     """An interactive loop: each line is one step; :undo and :history built in."""
     from .core.errors import SandboxError
-    from .vm.session import SessionError
+    from .session.runtime import SessionError
 
     try:
         with _session(args) as session:
@@ -357,7 +358,7 @@ def cmd_shell(args) -> int:
 def cmd_guest(args) -> int:
     """Build (or locate) the guest image; or forget a persistent VM's disk."""
     from .vm import image as vm_image
-    from .vm.session import Folder, Session
+    from .session.runtime import Folder, Session
 
     if args.action == "build":
         print("sandbox: fetching Debian's kernel package and building the initramfs (cached) …", file=sys.stderr)
@@ -650,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="least severe log level written to stderr (default info)")
     sv.add_argument("--guest", default="vm", choices=["vm", "scripted"],
                     help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
-                         "applied over the real 9P server (sim/scripted_guest.py; for tests and frontend development)")
+                         "applied over the real 9P server (sandbox/scripted/guest.py; for tests and frontend development)")
     sv.add_argument("--max-line-bytes", type=int, default=64 << 20, metavar="N",
                     help="longest request line accepted (default 64 MiB)")
     sv.add_argument("--print-schema", action="store_true", help="print the protocol's JSON Schema document and exit")
@@ -663,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-process makes the same step through the undo core without a VM.",
         [(0, "the tree is identical after undo"), (1, "it is not (a bug), or the VM could not start"),
          (2, "the sample project was not found")])
-    demo.add_argument("--sample", metavar="DIR", help="project to copy (default: fixtures/sample-project)")
+    demo.add_argument("--sample", metavar="DIR", help="project to copy (default: the sample project shipped in the package)")
     demo.add_argument("--keep", action="store_true", help="keep the temporary copy")
     demo.add_argument("--in-process", action="store_true", help="make the step through the undo core directly "
                       "instead of in a VM (no QEMU needed)")

@@ -42,7 +42,7 @@ limit (``ServerLimits`` field)                    default     when exceeded
 ================================================  ==========  ==========================================
 
 Worst case per connection, all limits reached at once (measured by
-``sim/test_ninep_limits.py``): unsent replies up to twice ``write_buffer_bytes_max`` while
+``sandbox_sim/test_ninep_limits.py``): unsent replies up to twice ``write_buffer_bytes_max`` while
 they drain (asyncio keeps them in one bytearray, copied when it grows), held requests,
 one partial frame and the unhandled frames of one 256 KiB read, xattr values, listings:
 ≈ 16 + 8 + 1 + 0.25 + 1 + 16 MiB; plus ~0.2 KiB per fid (13 MiB at 65,536) and each

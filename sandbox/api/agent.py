@@ -37,7 +37,7 @@ from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..hostfs import DIR, LNK, REG, join
 from ..mounts.table import MountTable, from_docker_style
-from ..vm.session import Folder, LockUnavailable, MemoryMount, Session, SessionError
+from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
 from .errors import ApiError, to_api_error
 

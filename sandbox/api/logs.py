@@ -102,7 +102,7 @@ COMPONENTS: Mapping[str, str] = MappingProxyType({
     "sandbox.core": "undo",
     "sandbox.undo": "undo",
     "sandbox.watch": "file_watcher",
-    "sandbox.hostfs.watch": "file_watcher",
+    "sandbox.barriers.watch": "file_watcher",
     "sandbox.file_watcher": "file_watcher",
     "sandbox.api": "stdio_api",
     "sandbox.stdio": "stdio_api",

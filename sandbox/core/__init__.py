@@ -4,7 +4,7 @@ No asyncio, no sockets, no threads of its own. It sees the working folder and th
 store only through two :class:`~sandbox.hostfs.HostFS` objects, so the simulation can
 drive it and inject a fault at any host call.
 
-The write-ahead rules (every module here keeps them; ``sim/`` proves them):
+The write-ahead rules (every module here keeps them; ``sandbox_sim/`` proves them):
 
 1. **Preimage before mutation.** Before the first mutating touch of a path in a step,
    its preimage (bytes, type, 12 mode bits, mtime ns, xattrs, symlink target) is in

@@ -53,7 +53,7 @@ def _entry(path: str, what: str) -> str:
 class TreeOps:
     """``rm -rf`` and ``mkdir -p`` as a client sends them, over any object with the
     primitives ``lstat``, ``listdir``, ``unlink``, ``rmdir`` and ``mkdir`` (InterceptedFS,
-    and the simulation's 9P client ``sim.wire.WireFS``)."""
+    and the simulation's 9P client ``sandbox.ninep.wirefs.WireFS``)."""
 
     def remove_tree(self, path: str) -> None:
         """What ``rm -rf`` does: one unlink or rmdir per entry, children first."""

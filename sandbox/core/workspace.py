@@ -77,7 +77,7 @@ class Workspace:
         """Open the working folder ``workdir`` with its undo store (created if needed).
 
         ``wrap_work(fs)``, if given, wraps the folder's host filesystem before anything
-        touches it (e.g. a :class:`~sandbox.hostfs.recording.RecordingHostFS`); every access
+        touches it (e.g. a :class:`~sandbox.barriers.journal.RecordingHostFS`); every access
         to the folder then goes through the wrapper. :meth:`close` still closes the real one.
         """
         real, state = _store_path(workdir, state_dir)
@@ -109,7 +109,7 @@ class Workspace:
 
     @classmethod
     def open_on(cls, work: HostFS, store: HostFS, **kwargs) -> "Workspace":
-        """Open over any pair of host filesystems (the simulation uses SimHostFS)."""
+        """Open over any pair of host filesystems (the simulation uses MemoryHostFS)."""
         return cls(work, store, **kwargs)
 
     def close(self) -> None:

@@ -7,14 +7,14 @@ Two implementations share one contract:
   RESOLVE_NO_SYMLINKS)``: nothing outside the root is ever reached, no symlink is ever
   followed (a symlink in the middle of a path is ``ELOOP``; a symlink as the final
   component is operated on itself, never its target).
-* :class:`~sandbox.hostfs.sim.SimHostFS` — an in-memory tree with the same semantics and
+* :class:`~sandbox.hostfs.memory.MemoryHostFS` — an in-memory tree with the same semantics and
   the same errnos, and a fault hook called before every operation.
 
 Paths are ``str`` relative to the root, ``/``-separated, already normalised by
 :func:`normalize` (``""`` is the root itself). Errors are :class:`OSError` with a Linux
 errno; callers map them, never parse messages.
 
-Invariants both implementations keep (the parity suite in ``sim/test_hostfs.py`` runs
+Invariants both implementations keep (the parity suite in ``sandbox_sim/test_hostfs.py`` runs
 against both):
 
 * ``create``/``mkdir`` apply the given mode exactly (no umask): the guest already applied

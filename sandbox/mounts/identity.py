@@ -31,7 +31,7 @@ applies them to every client request; ``docs/identity.md`` tells the whole model
 * **owners are never applied** (the Provider accepts ``chown`` and does nothing): files the
   server creates belong to the server's user, as they always did.
 
-Invariants (``sim/test_identity.py`` checks them for every mode and name it generates):
+Invariants (``sandbox_sim/test_identity.py`` checks them for every mode and name it generates):
 ``host_mode(m, cur) & SETID_BITS ⊆ cur & SETID_BITS``; ``host_mode(m, cur)`` equals ``m``
 outside :data:`SETID_BITS`; ``guest_mode(host_mode(m, cur), mode_mapping(m, cur)) == m``;
 ``guest_xattr_name(host_xattr_name(n)) == n``; no name :func:`host_xattr_name` returns lies

@@ -17,16 +17,16 @@ import time
 
 from ..core.intercepted_fs import InterceptedFS
 from ..hostfs import PathError, normalize, parent_of
-from ..hostfs.sim import SimClock, SimHostFS
+from ..hostfs.memory import SimClock, MemoryHostFS
 from .provider import Provider
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
 
-def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> SimHostFS:
-    """A :class:`SimHostFS` (the in-memory host filesystem) holding ``files``."""
-    host = SimHostFS(name, clock=SimClock(time.time_ns()))
+def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> MemoryHostFS:
+    """A :class:`MemoryHostFS` (the in-memory host filesystem) holding ``files``."""
+    host = MemoryHostFS(name, clock=SimClock(time.time_ns()))
     fs = InterceptedFS(host, None)  # pass-through: the same mkdir -p as everywhere
     for raw in sorted(files):
         data = files[raw]

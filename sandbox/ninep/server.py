@@ -1,6 +1,6 @@
 """The asyncio 9P2000.L server: sockets, pipelining, flush and reply holding.
 
-A thin loop around the codec (``codec``) and the per-connection :class:`Session`:
+A thin loop around the codec (``codec``) and the per-connection :class:`~sandbox.ninep.connection.Connection`:
 frames are split and decoded as bytes arrive; each request is handled at once in the
 event loop (host calls are short and never block — special files are never opened)
 and its reply written. A request that must wait — a mutation queued behind a
@@ -28,7 +28,7 @@ Invariants:
   ``write_buffer_bytes_max``, or whose requests held behind a safeguard pass
   ``held_request_bytes_per_connection_max``, is not read (its frames wait, in order)
   until they drain — backpressure instead of buffering without end; fids, open files,
-  xattr values and directory listings per connection (:mod:`.session`); the hold queue
+  xattr values and directory listings per connection (:mod:`.connection`); the hold queue
   and locks per export; open files per process (a shared
   :class:`~sandbox.limits.DescriptorBudget`; the soft ``RLIMIT_NOFILE`` is raised to
   the hard limit when a server starts listening).
@@ -52,7 +52,7 @@ from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, raise_
 from ..mounts import Provider
 from . import messages as m
 from .codec import FrameSplitter, ProtocolError, decode, encode
-from .session import Export, Session
+from .connection import Connection, Export
 
 log = logging.getLogger("sandbox.fs_backend")
 
@@ -80,7 +80,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.conn_id = conn_id
         self.limits = limits = server.config.limits
-        self.session = Session(server.exports, conn_id, limits, server.descriptors)
+        self.conn = Connection(server.exports, conn_id, limits, server.descriptors)
         self.splitter = FrameSplitter(limits.frame_bytes_before_version_max)
         self.inbox: deque[bytes] = deque()  # frames received, not yet handled (reading paused)
         self.tasks: dict[int, asyncio.Task] = {}
@@ -122,7 +122,7 @@ class _Connection(asyncio.Protocol):
         tasks = list(self.tasks.values())
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self.session.close()
+        self.conn.close()
 
     def pause_writing(self) -> None:
         pass  # _pump checks the write buffer after every frame
@@ -216,17 +216,17 @@ class _Connection(asyncio.Protocol):
             self._flush(tag, msg.oldtag)
             return
         try:
-            export = self.session.gated_export(msg)
+            export = self.conn.gated_export(msg)
         except Exception:  # pragma: no cover - gated_export only reads the fid table
             export = None
         if export is None:
             self._send(tag, self._call(msg))
             if isinstance(msg, m.Tversion):  # frames are bounded by the msize now agreed
-                self.splitter.msize = self.session.msize or self.limits.frame_bytes_before_version_max
+                self.splitter.msize = self.conn.msize or self.limits.frame_bytes_before_version_max
             return
         provider, gate = export.provider, export.gate
         provider.op_started()
-        op = lambda: self.session.handle(msg)  # noqa: E731
+        op = lambda: self.conn.handle(msg)  # noqa: E731
         try:
             if gate.busy:
                 self._defer(tag, msg, gate.submit(op), provider, len(frame))
@@ -243,7 +243,7 @@ class _Connection(asyncio.Protocol):
 
     def _call(self, msg: m.Message) -> m.Message:
         try:
-            return self.session.handle(msg)
+            return self.conn.handle(msg)
         except Exception as e:
             return self._error(msg, e)
 

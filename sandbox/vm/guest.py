@@ -1,4 +1,4 @@
-"""The guest a :class:`~sandbox.vm.session.Session` runs commands in.
+"""The guest a :class:`~sandbox.session.runtime.Session` runs commands in.
 
 A guest mounts the session's shares (one 9P export each, reached through the server's
 unix socket) at their guest paths and runs commands, relaying output and exit codes.
@@ -6,7 +6,7 @@ Two implementations share one interface:
 
 * :class:`VmGuest` — a real Linux VM in QEMU (SPEC §5): Debian's kernel, busybox init,
   the host root read-only under an overlay, the shim on the control channel, QMP;
-* ``sim.scripted_guest.ScriptedGuest`` — a test double for the guest only: real 9P
+* ``sandbox.scripted.guest.ScriptedGuest`` — a test double for the guest only: real 9P
   clients on the same server socket running small file-operation scripts.
 
 The interface (what :class:`Session` calls; coroutines run on the 9P server's loop):

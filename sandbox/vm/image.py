@@ -226,17 +226,16 @@ GUEST_MODULES = NINEP_MODULES + ("9pnet_virtio", "overlay", "virtio_console", "v
 
 
 def guest_dir() -> str:
-    """Where guest/init.sh and guest/shim.py live (the source tree or the installed package)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for cand in (os.path.join(here, "..", "..", "guest"), os.path.join(here, "guest")):
-        if os.path.exists(os.path.join(cand, "init.sh")):
-            return os.path.normpath(cand)
-    raise ImageError("guest/init.sh and guest/shim.py were not found next to the sandbox package")
+    """Where the guest's files live: ``sandbox/guest/`` (package data: init.sh, shim.py)."""
+    d = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "guest"))
+    if not os.path.exists(os.path.join(d, "init.sh")):
+        raise ImageError(f"sandbox/guest/init.sh was not found in {d}: the package is incomplete")
+    return d
 
 
 def guest_image(cache: str | None = None) -> Image:
-    """The session guest: Debian's kernel, busybox, GUEST_MODULES, guest/init.sh as PID 1 and
-    guest/shim.py. Built on first use and cached; rebuilt when any input changes."""
+    """The session guest: Debian's kernel, busybox, GUEST_MODULES, sandbox/guest/init.sh as PID 1 and
+    sandbox/guest/shim.py. Built on first use and cached; rebuilt when any input changes."""
     g = guest_dir()
     with open(os.path.join(g, "init.sh")) as f:
         init = f.read()

@@ -1,0 +1,608 @@
+"""Own-write attribution: which changes to the working folder did the sandbox make itself?
+
+inotify reports *that* a path changed, never *who* changed it. The external-modification
+watcher (:mod:`sandbox.barriers.watch`) therefore asks this journal about every path it is
+told about. :class:`RecordingHostFS` wraps the working folder's :class:`~sandbox.hostfs.HostFS`
+(everything the sandbox does to the folder — guest writes, rollback restores, deny
+rollbacks, crash recovery — goes through that one object) and brackets every mutating call
+with :meth:`OwnWrites.begin` / :meth:`OwnWrites.end`:
+
+* ``begin`` marks the paths (and the parent directories whose entries the call changes)
+  *in flight*, and the inodes found at them;
+* ``end`` (always, also when the call failed: it may have had a partial effect) records
+  the *signature* each path was left with — ``(kind, ino, mode, size, mtime_ns, ctime_ns,
+  nlink)`` from ``lstat`` (``(kind, ino, mode)`` for a directory, see :func:`signature`),
+  or ``None`` if nothing is there — and the same signature under the inode number, so a
+  write through an open handle, or through another hard link, is recognised at whatever
+  name the kernel reports it. Writes through handles are recorded by inode only
+  (``fstat``); a call that drops one name of a multiply-linked file records the file's
+  new state (link count, ctime) for its inode too, through a handle held across the call.
+
+Both looks happen under the journal's lock, and :class:`RecordingHostFS` runs its
+mutations one at a time (the undo core already runs them under its interceptor lock, so
+this costs nothing there): every ``end`` sees exactly the effect of the calls before it.
+
+Invariant: :meth:`OwnWrites.classify` says ``"ours"`` for a path only if the object now at
+that path is, signature for signature, what one of our own calls left there (at that path,
+or for that inode), or if the path is gone and one of our calls removed or renamed one of
+its ancestor directories after we last recorded the path; ``"busy"`` while one of our
+calls on it (or on its inode) is running — the caller asks again later; ``"external"``
+otherwise (changed since we left it, or never touched by us). Every change by someone
+else to a file moves its ``ctime`` (data, metadata, link count, rename), so it is seen.
+
+Known limits:
+
+* an external change in the same timestamp tick as our last change of that object,
+  leaving size, mode, ino, nlink and ctime equal, is attributed to us. The rollback's own
+  content-hash check (``Workspace._check_unchanged``) still refuses to overwrite it.
+* an external change that races one of our calls on the same path (between the call's
+  ``begin`` and the ``lstat`` in its ``end``) is attributed to us.
+* an external change that the sandbox overwrites before the watcher examined its event
+  (a window of ``settle_s`` plus processing) is attributed to us when we had never
+  touched that path before; when we had, ``begin`` notices the file differs from what we
+  left and *taints* the path, and its next classification reports it as external. Same
+  for an external change to a path whose directory we then remove or rename.
+* a directory is compared by kind, inode and mode only: an external ``touch`` or xattr
+  change of a directory we last touched is not reported (a ``chmod`` is; the undo core's
+  fingerprints do not look at a directory's times or xattrs either).
+* dropping a name of a multiply-linked file we cannot open for reading leaves its other
+  names' new link count unrecorded: they may be reported if an event names them.
+* "external" is acknowledged: the same external state is reported once.
+* inode numbers are not qualified by device: a mount point inside the folder may alias.
+
+Memory is bounded: at most ``max_records`` (200 000) paths and as many inodes are kept;
+beyond that, records older than ``max_age_s`` (60 s), oldest first, are dropped (events
+are classified within a second, so an old record is never needed for our own events).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
+
+from ..hostfs import ABSENT_ERRNOS, DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
+
+__all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "lstat_or_none", "OURS", "EXTERNAL", "BUSY"]
+
+OURS = "ours"
+EXTERNAL = "external"
+BUSY = "busy"
+
+MAX_RECORDS = 200_000
+MAX_AGE_S = 60.0
+_CLASSIFY_TRIES = 3
+
+Signature = tuple  # (kind, ino, mode, size, mtime_ns, ctime_ns, nlink)
+
+
+def signature(st: Stat | Attr | None) -> Signature | None:
+    """``(kind, ino, mode, size, mtime_ns, ctime_ns, nlink)`` of a :class:`Stat` (or ``Attr``).
+
+    A directory's is ``(kind, ino, mode)``: its size, times and link count move whenever
+    anyone adds or removes an entry — and those entries have events of their own — so a
+    directory of ours that only had its entries changed since is still ours.
+    """
+    if st is None:
+        return None
+    if st.kind == DIR:
+        return (st.kind, st.ino, st.mode)
+    return (st.kind, st.ino, st.mode, st.size, st.mtime_ns, st.ctime_ns, st.nlink)
+
+
+def lstat_or_none(fs: HostFS) -> Callable[[str], Stat | None]:
+    """``fs.lstat`` with "nothing there" (``ENOENT``, ``ENOTDIR``, a symlink on the way) as ``None``."""
+
+    def lstat(path: str) -> Stat | None:
+        try:
+            return fs.lstat(path)
+        except OSError as e:
+            if e.errno in ABSENT_ERRNOS:
+                return None
+            raise
+
+    return lstat
+
+
+class _Rec:
+    __slots__ = ("sig", "t", "seq", "tainted", "gone_seq")
+
+    def __init__(self, sig, t: float, seq: int, old: "_Rec | None" = None):
+        self.sig = sig
+        self.t = t
+        self.seq = seq
+        self.tainted = old is not None and old.tainted
+        # the last time one of our calls left nothing at this path (whatever was below it went too)
+        self.gone_seq = seq if sig is None and seq else (old.gone_seq if old is not None else 0)
+
+
+class OwnWrites:
+    """Thread-safe journal of the sandbox's own writes to one folder (see the module doc).
+
+    ``lstat(path)`` returns the :class:`Stat` at a relative path or ``None`` if nothing
+    is there, and raises :class:`OSError` for anything else (a path whose state cannot
+    be read is never attributed to us).
+    """
+
+    def __init__(self, lstat: Callable[[str], Stat | None], *, max_records: int = MAX_RECORDS,
+                 max_age_s: float = MAX_AGE_S, clock: Callable[[], float] = time.monotonic):
+        self._lstat = lstat
+        self.max_records = max_records
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._inflight: dict[str, int] = {}
+        self._inflight_ino: collections.Counter[int] = collections.Counter()
+        self._begun_ino: dict[str, list[int | None]] = {}  # path -> inodes marked by its open begins
+        self._paths: collections.OrderedDict[str, _Rec] = collections.OrderedDict()
+        self._inodes: collections.OrderedDict[int, _Rec] = collections.OrderedDict()
+
+    @classmethod
+    def for_fs(cls, fs: HostFS, **kwargs) -> "OwnWrites":
+        """A journal that looks at the folder through ``fs`` (see :func:`lstat_or_none`)."""
+        return cls(lstat_or_none(fs), **kwargs)
+
+    # ------------------------------------------------------------------ recording
+
+    def _try_lstat(self, path: str) -> Stat | None | OSError:
+        try:
+            return self._lstat(path)
+        except OSError as e:
+            return e
+
+    def begin(self, paths: Iterable[str], parents: Iterable[str] = ()) -> None:
+        """Our call on ``paths`` (entries it changes; ``parents``: directories whose entry
+        list it changes) is about to run. Must be paired with :meth:`end` (same arguments)."""
+        primary = list(dict.fromkeys(paths))
+        every = list(dict.fromkeys([*primary, *parents]))
+        with self._lock:  # look and compare in one step: no end() of ours may slip in between
+            for p in every:
+                self._inflight[p] = self._inflight.get(p, 0) + 1
+            for p in every:
+                st = self._try_lstat(p)
+                ino = st.ino if isinstance(st, Stat) else None
+                self._begun_ino.setdefault(p, []).append(ino)
+                if ino is not None:
+                    self._inflight_ino[ino] += 1
+                if p in primary and isinstance(st, Stat):
+                    self._check_taint(p, signature(st))
+
+    def _check_taint(self, path: str, cur: Signature) -> None:
+        """Under the lock: the object we left at ``path`` changed behind our back."""
+        rec = self._paths.get(path)
+        if rec is None or rec.tainted or rec.sig is None or rec.sig == cur:
+            return
+        if cur[0] == DIR:  # its mtime moves with every entry anyone adds: those entries have events
+            return
+        if rec.sig[1] != cur[1]:  # another object now: its own events tell its story
+            return
+        if self._inflight_ino[cur[1]] > 1 or self._inflight.get(path, 0) > 1:
+            return  # another of our calls is on it right now: the change may be ours
+        irec = self._inodes.get(cur[1])
+        if irec is not None and irec.sig == cur:
+            return  # we changed it through another name or a handle
+        rec.tainted = True
+
+    def end(self, paths: Iterable[str], parents: Iterable[str] = ()) -> None:
+        """Our call on ``paths`` returned (or failed): record what it left."""
+        every = list(dict.fromkeys([*dict.fromkeys(paths), *parents]))
+        with self._lock:
+            # look while still in flight, and under the lock: the last of our calls on a
+            # path or inode to end records the newest state (a look taken before another
+            # call's change can never be recorded after that call's own look)
+            after = {p: self._try_lstat(p) for p in every}
+            self._seq += 1
+            now = self._clock()
+            for p in every:
+                n = self._inflight.get(p, 0) - 1
+                if n > 0:
+                    self._inflight[p] = n
+                else:
+                    self._inflight.pop(p, None)
+                stack = self._begun_ino.get(p)
+                if stack:
+                    ino = stack.pop()
+                    if not stack:
+                        del self._begun_ino[p]
+                    if ino is not None:
+                        self._dec_ino(ino)
+                st = after[p]
+                if isinstance(st, OSError):  # unknown state: never claim it
+                    self._paths.pop(p, None)
+                    continue
+                sig = signature(st)
+                self._put(self._paths, p, _Rec(sig, now, self._seq, self._paths.get(p)))
+                if sig is not None:
+                    self._put(self._inodes, sig[1], _Rec(sig, now, self._seq))
+            self._trim(now)
+
+    def begin_inode(self, ino: int) -> None:
+        """Our call on an open handle of inode ``ino`` is about to run."""
+        with self._lock:
+            self._inflight_ino[ino] += 1
+
+    def end_inode(self, ino: int, fstat: Callable[[], Stat | Attr]) -> None:
+        """Our call on a handle of inode ``ino`` returned; ``fstat()`` says how it is now
+        (called under the journal's lock, like ``end``'s lstat; an OSError: unknown)."""
+        with self._lock:
+            try:
+                st = fstat()
+            except OSError:
+                st = None
+            self._seq += 1
+            now = self._clock()
+            self._dec_ino(ino)
+            if st is None:
+                self._inodes.pop(ino, None)
+            else:
+                self._put(self._inodes, ino, _Rec(signature(st), now, self._seq))
+            self._trim(now)
+
+    @contextmanager
+    def writing(self, paths: Iterable[str], parents: Iterable[str] = ()) -> Iterator[None]:
+        """``begin``; the block; ``end`` (also when the block raised)."""
+        paths, parents = list(paths), list(parents)
+        self.begin(paths, parents)
+        try:
+            yield
+        finally:
+            self.end(paths, parents)
+
+    def _dec_ino(self, ino: int) -> None:
+        n = self._inflight_ino[ino] - 1
+        if n > 0:
+            self._inflight_ino[ino] = n
+        else:
+            self._inflight_ino.pop(ino, None)
+
+    @staticmethod
+    def _put(table: collections.OrderedDict, key, rec: _Rec) -> None:
+        table[key] = rec
+        table.move_to_end(key)
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.max_age_s
+        for table in (self._paths, self._inodes):
+            while len(table) > self.max_records:
+                key, rec = next(iter(table.items()))
+                if rec.t >= horizon:
+                    break
+                del table[key]
+
+    # ------------------------------------------------------------------ questions
+
+    def in_flight(self, path: str) -> bool:
+        with self._lock:
+            return path in self._inflight
+
+    def __len__(self) -> int:
+        """How many paths are recorded."""
+        with self._lock:
+            return len(self._paths)
+
+    def classify(self, path: str) -> str:
+        """``"ours"``, ``"external"`` or ``"busy"`` for the object now at ``path`` (module doc).
+
+        A path that is gone although we left something there is ours if, since, one of our
+        calls left nothing at one of its ancestors (we removed or renamed that directory:
+        what was below it went with it — events and listings may still name those paths).
+
+        An ``"external"`` answer is acknowledged: the path's record becomes what is there
+        now, so the same external state is reported once (another event about it, or a
+        later :meth:`begin` of ours, finds nothing new).
+        """
+        ancestors = _ancestors(path)
+        for _ in range(_CLASSIFY_TRIES):
+            with self._lock:
+                if path in self._inflight:
+                    return BUSY
+                seq0 = self._seq
+            try:
+                cur = signature(self._lstat(path))
+            except OSError:
+                return EXTERNAL  # cannot look: never claim it
+            with self._lock:
+                if path in self._inflight or (cur is not None and cur[1] in self._inflight_ino):
+                    return BUSY
+                rec = self._paths.get(path)
+                irec = self._inodes.get(cur[1]) if cur is not None else None
+                if (rec is not None and rec.seq > seq0) or (irec is not None and irec.seq > seq0):
+                    continue  # one of our calls ended while we looked: look again
+                if rec is not None and rec.tainted:
+                    rec.tainted = False
+                    return self._acknowledge(path, cur)
+                if rec is not None and rec.sig == cur:
+                    return OURS
+                if irec is not None and irec.sig == cur:
+                    return OURS
+                if cur is None and rec is not None:
+                    if any(a in self._inflight for a in ancestors):
+                        return BUSY
+                    for a in ancestors:
+                        arec = self._paths.get(a)
+                        if arec is not None and arec.gone_seq > rec.seq:
+                            return OURS
+                return self._acknowledge(path, cur)
+        return BUSY
+
+    def _acknowledge(self, path: str, cur: Signature | None) -> str:
+        """Under the lock: remember the external state (seq 0: older than any look in progress)."""
+        self._put(self._paths, path, _Rec(cur, self._clock(), 0, self._paths.get(path)))
+        return EXTERNAL
+
+
+def _ancestors(path: str) -> list[str]:
+    """``"a/b/c"`` → ``["a/b", "a"]`` (nearest first; never the root)."""
+    out = []
+    while "/" in path:
+        path = path[:path.rfind("/")]
+        out.append(path)
+    return out
+
+
+class RecordingFileHandle(FileHandle):
+    """A handle from :meth:`RecordingHostFS.open`: its mutations (``pwrite``, ``truncate``
+    and the metadata calls, which a read-only handle may make too) are recorded against
+    the handle's inode (the file may have moved since it was opened)."""
+
+    def __init__(self, inner: FileHandle, journal: OwnWrites, mutex: threading.RLock | None = None):
+        self.inner = inner
+        self.journal = journal
+        self.mutex = mutex if mutex is not None else threading.RLock()
+        self.path = inner.path
+        self.flags = inner.flags
+        self.ino = inner.fstat().ino
+
+    def _mutating(self, call):
+        with self.mutex:
+            self.journal.begin_inode(self.ino)
+            try:
+                return call()
+            finally:
+                self.journal.end_inode(self.ino, self.inner.fstat)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        return self.inner.pread(length, offset)
+
+    def pwrite(self, data: bytes, offset: int) -> int:
+        return self._mutating(lambda: self.inner.pwrite(data, offset))
+
+    def truncate(self, size: int) -> None:
+        self._mutating(lambda: self.inner.truncate(size))
+
+    def fsync(self, datasync: bool = False) -> None:
+        self.inner.fsync(datasync)
+
+    def fstat(self) -> Attr:
+        return self.inner.fstat()
+
+    def chmod(self, mode: int) -> None:
+        self._mutating(lambda: self.inner.chmod(mode))
+
+    def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._mutating(lambda: self.inner.utime(mtime_ns, atime_ns))
+
+    def listxattr(self) -> list[str]:
+        return self.inner.listxattr()
+
+    def getxattr(self, name: str) -> bytes:
+        return self.inner.getxattr(name)
+
+    def setxattr(self, name: str, value: bytes) -> None:
+        self._mutating(lambda: self.inner.setxattr(name, value))
+
+    def removexattr(self, name: str) -> None:
+        self._mutating(lambda: self.inner.removexattr(name))
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+
+class RecordingHostFS(HostFS):
+    """``inner`` with every mutating call recorded in ``journal`` (default: a new
+    :class:`OwnWrites` looking through ``inner``). Reads pass straight through; other
+    attributes (``root``, …) are ``inner``'s."""
+
+    def __init__(self, inner: HostFS, journal: OwnWrites | None = None):
+        self.inner = inner
+        self.journal = journal if journal is not None else OwnWrites.for_fs(inner)
+        self.name = inner.name
+        # one mutation at a time (the undo core already runs them under its interceptor
+        # lock): each end() then sees exactly its own call's effect, never a half-done
+        # rename of an ancestor by another thread of ours
+        self.mutex = threading.RLock()
+
+    def __getattr__(self, attr: str):
+        if attr == "inner":  # not set yet (during unpickling/__init__ failures)
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+    def __repr__(self) -> str:
+        return f"<RecordingHostFS {self.inner!r}>"
+
+    @contextmanager
+    def _rec(self, paths: list[str], parents: list[str] = ()) -> Iterator[None]:
+        # parents are not journalled: an entry change shows up in inotify as an event on
+        # the entry, never on its directory, and a directory's own signature ignores its
+        # times (see signature) — recording them cost two lstats per call for nothing
+        with self.mutex, self.journal.writing(paths):
+            yield
+
+    # ------------------------------------------------------------------ reads
+
+    def lstat(self, path: str) -> Stat:
+        return self.inner.lstat(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def getattr(self, path: str) -> Attr:
+        return self.inner.getattr(path)
+
+    def statfs(self) -> StatFS:
+        return self.inner.statfs()
+
+    def listdir(self, path: str) -> list[str]:
+        return self.inner.listdir(path)
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        return self.inner.read(path, offset, length)
+
+    def read_all(self, path: str, chunk_bytes: int = 1 << 20) -> bytes:
+        return self.inner.read_all(path, chunk_bytes)
+
+    def readlink(self, path: str) -> str:
+        return self.inner.readlink(path)
+
+    def listxattr(self, path: str) -> list[str]:
+        return self.inner.listxattr(path)
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        return self.inner.getxattr(path, name)
+
+    def xattrs(self, path: str) -> dict[str, bytes]:
+        return self.inner.xattrs(path)
+
+    def fsync(self, path: str) -> None:
+        self.inner.fsync(path)
+
+    # ------------------------------------------------------------------ mutations
+
+    def open(self, path: str, flags: int) -> FileHandle:
+        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & (os.O_CREAT | os.O_TRUNC):
+            handle = self.inner.open(path, flags)  # a read-only handle may still chmod, utime, set xattrs
+        else:
+            with self._rec([path]):  # open never creates or truncates (EINVAL), but be exact
+                handle = self.inner.open(path, flags)
+        return self._wrap(handle)
+
+    def _wrap(self, handle: FileHandle) -> RecordingFileHandle:
+        try:
+            return RecordingFileHandle(handle, self.journal, self.mutex)
+        except BaseException:
+            handle.close()
+            raise
+
+    def create(self, path: str, mode: int) -> None:
+        with self._rec([path], [parent_of(path)]):
+            self.inner.create(path, mode)
+
+    def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> FileHandle:
+        with self._rec([path], [parent_of(path)]):
+            handle = self.inner.create_handle(path, mode, flags)
+        return self._wrap(handle)
+
+    def write(self, path: str, offset: int, data: bytes) -> int:
+        with self._rec([path]):
+            return self.inner.write(path, offset, data)
+
+    def write_all(self, path: str, offset: int, data: bytes) -> None:
+        with self._rec([path]):  # one record for the whole loop, not one per chunk
+            self.inner.write_all(path, offset, data)
+
+    def truncate(self, path: str, size: int) -> None:
+        with self._rec([path]):
+            self.inner.truncate(path, size)
+
+    @contextmanager
+    def _unlinking(self, path: str, paths: list[str], parents: list[str]) -> Iterator[None]:
+        """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
+        at ``path``: the file's other names see its link count and ctime change, so its
+        new state is recorded for its inode (through a handle held across the call)."""
+        with self.mutex:
+            handle = None
+            try:
+                st = self.inner.lstat(path)
+                if st.kind == REG and st.nlink > 1:
+                    handle = self.inner.open(path, os.O_RDONLY)
+            except OSError:
+                handle = None  # absent, or unreadable: its other names may be reported
+            try:
+                if handle is None:
+                    with self.journal.writing(paths):
+                        yield
+                    return
+                ino = handle.fstat().ino
+                self.journal.begin_inode(ino)
+                try:
+                    with self.journal.writing(paths):
+                        yield
+                finally:
+                    self.journal.end_inode(ino, handle.fstat)
+            finally:
+                if handle is not None:
+                    handle.close()
+
+    def unlink(self, path: str) -> None:
+        with self._unlinking(path, [path], [parent_of(path)]):
+            self.inner.unlink(path)
+
+    def rmdir(self, path: str) -> None:
+        with self._rec([path], [parent_of(path)]):
+            self.inner.rmdir(path)
+
+    def mkdir(self, path: str, mode: int) -> None:
+        with self._rec([path], [parent_of(path)]):
+            self.inner.mkdir(path, mode)
+
+    def rename(self, src: str, dst: str) -> None:
+        with self._unlinking(dst, [src, dst], [parent_of(src), parent_of(dst)]):  # dst may be replaced
+            self.inner.rename(src, dst)
+
+    def symlink(self, target: str, path: str) -> None:
+        with self._rec([path], [parent_of(path)]):
+            self.inner.symlink(target, path)
+
+    def link(self, existing: str, new: str) -> None:
+        with self._rec([new, existing], [parent_of(new)]):  # existing: its nlink and ctime
+            self.inner.link(existing, new)
+
+    def chmod(self, path: str, mode: int) -> None:
+        with self._rec([path]):
+            self.inner.chmod(path, mode)
+
+    def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
+        with self._rec([path]):
+            self.inner.utime(path, mtime_ns, atime_ns)
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        with self._rec([path]):
+            self.inner.setxattr(path, name, value)
+
+    def removexattr(self, path: str, name: str) -> None:
+        with self._rec([path]):
+            self.inner.removexattr(path, name)
+
+    def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
+        with self._rec([path]):
+            self.inner.fallocate(path, offset, length, mode)
+
+    def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
+        with self._rec([dst]):
+            return self.inner.copy_file_range(src, dst, src_offset, dst_offset, length)
+
+    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
+        """Reflink out of this folder (a read here); a recording destination is unwrapped
+        (so two real filesystems still share extents) and the new file recorded there."""
+        if isinstance(dst_fs, RecordingHostFS):
+            with dst_fs._rec([dst_path], [parent_of(dst_path)]):
+                self.inner.clone_to(path, dst_fs.inner, dst_path)
+        else:
+            self.inner.clone_to(path, dst_fs, dst_path)
+
+    def lock(self, path: str) -> Lock:
+        with self._rec([path], [parent_of(path)]):  # creates and writes the lock file
+            return self.inner.lock(path)

@@ -1,0 +1,134 @@
+# The guest's PID 1 (busybox sh). sandbox.vm.image prepends the start: busybox applets,
+# /proc /sys /dev mounted, the kernel modules loaded. Diagnostics go to the serial console.
+#
+# Kernel command line (set by sandbox.session.runtime):
+#   sandbox.probe=1          print SANDBOX-PROBE-OK and power off (the KVM probe)
+#   (the shares come from the fw_cfg file opt/sandbox/mounts: 9P over TCP to 10.0.2.100:PORT,
+#    QEMU guestfwd -> the host's 9P server, one port per share)
+#   sandbox.msize=BYTES      9P msize for them
+#   sandbox.net=MODE         disabled | open | allowlist
+#   sandbox.allow=CIDR,…     allowlist: the only destinations routed out (via 10.0.2.2)
+#   sandbox.upper=tmpfs|disk the writable layer over the read-only host root: tmpfs
+#                            (ephemeral) or the ext4 disk /dev/vda (persistent)
+#
+# Invariants: the host root is mounted read-only (QEMU 9p, tag hostroot) and is never
+# written; the control port is reachable by root only; the shim is restarted if it dies;
+# SANDBOX-READY is printed once everything is mounted and the shim has been started.
+
+say() { echo "sandbox-init: $*"; }
+fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
+
+MSIZE=524288 NET=disabled UPPER=tmpfs ALLOW=
+for x in $(cat /proc/cmdline); do
+  case "$x" in
+    sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
+    sandbox.msize=*) MSIZE=${x#*=} ;;
+    sandbox.net=*) NET=${x#*=} ;;
+    sandbox.upper=*) UPPER=${x#*=} ;;
+    sandbox.allow=*) ALLOW=${x#*=} ;;
+  esac
+done
+
+# -- the guest userland: the host root, read-only, under a writable overlay
+mkdir -p /host /upper /merged
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose hostroot /host || fail "cannot mount the host root"
+if [ "$UPPER" = disk ]; then
+  mount -t ext4 /dev/vda /upper || fail "cannot mount the persistent disk /dev/vda"
+else
+  mount -t tmpfs -o mode=0755 tmpfs /upper
+fi
+mkdir -p /upper/root /upper/work
+mount -t overlay overlay -o lowerdir=/host,upperdir=/upper/root,workdir=/upper/work /merged || fail "cannot mount the overlay"
+mount -t proc proc /merged/proc
+mount -t sysfs sys /merged/sys
+mount -t devtmpfs dev /merged/dev
+mkdir -p /merged/dev/pts /merged/dev/shm
+mount -t devpts devpts /merged/dev/pts
+mount -t tmpfs tmpfs /merged/dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /merged/tmp
+mount -t tmpfs -o mode=0755 tmpfs /merged/run
+
+# -- network. The 9P shares (10.0.2.100, QEMU guestfwd) are always reachable.
+# open: the usual user-networking setup (default route, DNS).
+# disabled: QEMU's restrict=on cuts the guest off; /32 addressing and no routes besides.
+# allowlist: /32 addressing and routes to the listed networks only (via 10.0.2.2), plus —
+#   when the host root has nft — an nftables output policy that drops everything else.
+#   DNS only if 10.0.2.3 is listed. A guest-side policy like seed §4.1.1's firewall rules:
+#   root inside the guest could undo it. 10.0.2.2 is QEMU's gateway and reaches the host's
+#   loopback, so it is reachable whenever anything is allowed.
+ip link set lo up
+ip link set eth0 up
+if [ "$NET" = open ]; then
+  ip addr add 10.0.2.15/24 dev eth0
+  ip route add default via 10.0.2.2
+  echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf
+else
+  ip addr add 10.0.2.15/32 dev eth0
+  ip route add 10.0.2.100/32 dev eth0
+  if [ "$NET" = allowlist ]; then
+    ip route add 10.0.2.2/32 dev eth0
+    set=10.0.2.100
+    for net in $(echo "$ALLOW" | tr ',' ' '); do
+      set="$set, $net"
+      case "$net" in
+        10.0.2.2/32) ;;
+        10.0.2.3/32) ip route add 10.0.2.3/32 dev eth0 && echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf ;;
+        *) ip route add "$net" via 10.0.2.2 || say "cannot route $net" ;;
+      esac
+    done
+    if [ -x /merged/usr/sbin/nft ]; then
+      chroot /merged /usr/sbin/nft -f - <<NFT || fail "cannot install the network allowlist"
+table inet sandbox {
+  chain out {
+    type filter hook output priority 0; policy drop;
+    oif "lo" accept
+    ip daddr { $set } accept
+  }
+}
+NFT
+      echo "sandbox-net: allowlist firewall installed"
+    else
+      echo "sandbox-net: no nft in the host root: the allowlist is enforced by routes only"
+    fi
+  fi
+fi
+
+# -- the shares: the host's mount table (fw_cfg opt/sandbox/mounts), shallowest first.
+# One line per share: PORT ANAME ro|rw TARGET (the target is the rest of the line).
+MOUNTS=/sys/firmware/qemu_fw_cfg/by_name/opt/sandbox/mounts/raw
+: > /mounts
+[ -r "$MOUNTS" ] && cat "$MOUNTS" > /mounts
+while read -r port aname mode target; do
+  [ -n "$port" ] || continue
+  opts="trans=tcp,port=$port,version=9p2000.L,cache=none,msize=$MSIZE,aname=$aname"
+  [ "$mode" = ro ] && opts="$opts,ro"
+  mkdir -p "/merged$target" || fail "cannot make the mount point $target"
+  mount -t 9p -o "$opts" 10.0.2.100 "/merged$target" || fail "cannot mount share $aname at $target"
+done < /mounts
+
+# -- the control port (no udev here: find the virtio-serial port named "control")
+find_port() {
+  for n in /sys/class/virtio-ports/vport*; do
+    [ "$(cat "$n/name" 2>/dev/null)" = "$1" ] && { echo "/dev/${n##*/}"; return 0; }
+  done
+  return 1
+}
+tries=0
+until port=$(find_port control); do  # the name can appear a moment after the device
+  tries=$((tries + 1))
+  [ "$tries" -gt 100 ] && fail "no virtio-serial port named control"
+  sleep 0.1
+done
+mkdir -p /merged/dev/virtio-ports
+ln -sf "$port" /merged/dev/virtio-ports/control
+chmod 600 "$port" /merged"$port"
+mkdir -p /merged/run/sandbox
+cp /shim.py /merged/run/sandbox/shim.py
+
+echo SANDBOX-READY
+while true; do
+  chroot /merged /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+    LANG=C.UTF-8 TERM=dumb /usr/bin/python3 /run/sandbox/shim.py --port /dev/virtio-ports/control
+  say "the shim exited ($?); restarting it"
+  sleep 1
+done

@@ -1,0 +1,741 @@
+"""MemoryHostFS: an in-memory filesystem with the semantics and errnos of RealHostFS.
+
+It models what the undo core must get right: file types (regular, directory, symlink,
+plus "other" special files that are never opened), all 12 mode bits, nanosecond
+mtimes and ctimes from a deterministic clock, xattrs, symlink targets, and hardlinks
+(shared inodes with a link count; a directory's count is 2 + its subdirectories, as on
+ext4). Where filesystems differ (timestamps touched by ``fallocate``, xattr rules), the
+reference is Linux on ext4; ``sandbox_sim/test_hostfs.py`` checks both implementations agree.
+
+Every public operation first calls ``fault_hook(fs, op, path, nbytes)``. The hook may
+raise (a simulated crash, ``ENOSPC``, ``EIO``) or, for ``write``, return a byte count
+smaller than requested: the write is then *torn* — that prefix lands and the hook's
+``after_torn_write`` is called (which normally raises the crash). See ``sandbox_sim/faults.py``.
+
+Open handles (:class:`MemoryFileHandle`) hold the inode itself, so they follow it through
+renames and outlive an unlink, as a kernel file description does. Their calls go through
+the same fault hook with the path-based op names (``read``, ``write`` — torn like a path
+write —, ``truncate``, ``fsync``; plus ``open`` and ``fstat``) and change the inode exactly
+as the path-based calls do; ``close`` calls no hook.
+
+A simulated process death (:meth:`crash`) drops the locks the dead process held, as the
+kernel drops ``flock`` locks of a killed process, and closes its open handles (any later
+call on one is ``EBADF``): a handle from before a crash never writes into the next run.
+
+Timestamps: atime is set at creation and by ``utime`` only (as with ``noatime``); the
+parity suite compares it only after an explicit ``utime``.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import stat as _stat
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from . import (
+    DIR,
+    LNK,
+    OTHER,
+    REG,
+    Attr,
+    FileHandle,
+    HostFS,
+    Stat,
+    StatFS,
+    StoreBusy,
+    check_open_flags,
+    parent_of,
+)
+
+FaultHook = Callable[["MemoryHostFS", str, str, int], Optional[int]]
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_FALLOC_FL_ZERO_RANGE = 0x10
+
+_SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
+_PATH_MAX = 4095  # longest path one syscall accepts (PATH_MAX with the NUL)
+_NAME_MAX = 255
+_XATTR_NAME_MAX = 255
+_XATTR_PREFIXES = ("user.", "trusted.", "security.")
+
+
+class SimClock:
+    """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
+
+    def __init__(self, start_ns: int = 1_700_000_000_000_000_000):
+        self._now = start_ns
+
+    def __call__(self) -> int:
+        self._now += 1_000_001
+        return self._now
+
+
+@dataclass(slots=True)
+class _Inode:
+    ino: int
+    kind: str
+    mode: int
+    mtime_ns: int
+    ctime_ns: int
+    data: bytearray = field(default_factory=bytearray)
+    target: str = ""
+    entries: dict[str, "_Inode"] = field(default_factory=dict)
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    nlink: int = 1
+    durable_meta: tuple | None = None  # metadata as of the last journal commit (see power_loss)
+    durable_data: bytes | None = None  # bytes as of this inode's last fsync
+    atime_ns: int | None = None  # None: the mtime given at creation
+    fmt: int = 0  # S_IFMT bits; 0: the usual one for ``kind`` (an OTHER is a fifo)
+
+    def __post_init__(self) -> None:
+        if self.atime_ns is None:
+            self.atime_ns = self.mtime_ns
+        if not self.fmt:
+            self.fmt = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}.get(self.kind, _stat.S_IFIFO)
+
+    def meta(self) -> tuple:
+        return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
+                self.atime_ns)
+
+    def stat(self) -> Stat:
+        size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
+        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink)
+
+    def attr(self) -> Attr:
+        """As ext4 reports it: owner root, whole 4 KiB blocks, symlinks under 60 bytes inline."""
+        st = self.stat()
+        if self.kind in (REG, DIR):
+            blocks = -(-st.size // 4096) * 8
+        elif self.kind == LNK:
+            blocks = 0 if st.size < 60 else 8
+        else:
+            blocks = 0
+        return Attr(self.kind, self.fmt, self.mode, st.size, self.nlink, 0, 0, 0, 4096, blocks, self.atime_ns,
+                    self.mtime_ns, self.ctime_ns, self.ino)
+
+
+def _err(code: int, path: str) -> OSError:
+    return OSError(code, os.strerror(code), path)
+
+
+class _SimLock:
+    def __init__(self, fs: "MemoryHostFS", path: str):
+        self._fs, self._path = fs, path
+
+    def release(self) -> None:
+        # like closing the flock'd fd: drops this lock only, and only once
+        held = self._fs._locks.get(self._path)
+        if held is not None and held[1] is self:
+            del self._fs._locks[self._path]
+
+
+class MemoryFileHandle(FileHandle):
+    """A regular file opened by :meth:`MemoryHostFS.open`: holds the inode, not the path."""
+
+    def __init__(self, fs: "MemoryHostFS", node: _Inode, path: str, flags: int):
+        self.path = path
+        self.flags = flags
+        self._fs = fs
+        self._node = node
+        self._epoch = fs._epoch  # a crash of the process that opened it closes it
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._epoch != self._fs._epoch
+
+    def _call(self, op: str, nbytes: int = 0) -> Optional[int]:
+        """EBADF if closed (no host call happens), else the fault hook, as a path call."""
+        if self.closed:
+            raise _err(errno.EBADF, self.path)
+        return self._fs._fault(op, self.path, nbytes)
+
+    def _can(self, write: bool) -> bool:
+        acc = self.flags & os.O_ACCMODE
+        return acc in (os.O_WRONLY, os.O_RDWR) if write else acc in (os.O_RDONLY, os.O_RDWR)
+
+    def pread(self, length: int, offset: int) -> bytes:
+        self._call("read")
+        if offset < 0 or length < 0:
+            raise _err(errno.EINVAL, self.path)
+        if not self._can(write=False):
+            raise _err(errno.EBADF, self.path)
+        return bytes(self._node.data[offset : offset + length])
+
+    def pwrite(self, data: bytes, offset: int) -> int:
+        limit = self._call("write", len(data))
+        if offset < 0:  # checked before O_APPEND moves the offset, as pwrite(2) does
+            raise _err(errno.EINVAL, self.path)
+        if not self._can(write=True):
+            raise _err(errno.EBADF, self.path)
+        if self.flags & os.O_APPEND:
+            offset = len(self._node.data)
+        return self._fs._write_node(self._node, offset, data, limit, self.path)
+
+    def truncate(self, size: int) -> None:
+        self._call("truncate")
+        if size < 0 or not self._can(write=True):  # ftruncate(2) of a read-only fd: EINVAL
+            raise _err(errno.EINVAL, self.path)
+        self._fs._truncate_node(self._node, size)
+
+    def fsync(self, datasync: bool = False) -> None:
+        """``fsync`` commits like :meth:`MemoryHostFS.fsync`; ``fdatasync`` makes only this
+        file's bytes durable (the strict reading: no journal commit is promised)."""
+        self._call("fsync")
+        if datasync:
+            self._node.durable_data = bytes(self._node.data)
+        else:
+            self._fs._fsync_node(self._node)
+
+    def fstat(self) -> Attr:
+        self._call("fstat")
+        return self._node.attr()
+
+    # metadata: the path-based calls' own code, applied to the held inode
+
+    def chmod(self, mode: int) -> None:
+        self._call("chmod")
+        self._fs._chmod_node(self._node, mode)
+
+    def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._call("utime")
+        self._fs._utime_node(self._node, mtime_ns, atime_ns)
+
+    def listxattr(self) -> list[str]:
+        self._call("listxattr")
+        return list(self._node.xattrs)
+
+    def getxattr(self, name: str) -> bytes:
+        self._call("getxattr")
+        return self._fs._getxattr_node(self._node, name, self.path)
+
+    def setxattr(self, name: str, value: bytes) -> None:
+        self._call("setxattr", len(value))
+        self._fs._setxattr_node(self._node, name, value, self.path)
+
+    def removexattr(self, name: str) -> None:
+        self._call("removexattr")
+        self._fs._removexattr_node(self._node, name, self.path)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class MemoryHostFS(HostFS):
+    """An in-memory directory tree. ``clock`` supplies timestamps (ns)."""
+
+    def __init__(self, name: str = "work", clock: Callable[[], int] | None = None, fault_hook: FaultHook | None = None, pid: int = 4242):
+        self.name = name
+        self.clock = clock or SimClock()
+        self.fault_hook = fault_hook
+        self.pid = pid
+        self._inos = itertools.count(2)
+        now = self.clock()
+        self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
+        self._locks: dict[str, tuple[int, object]] = {}
+        self._epoch = 0  # bumped by a process death: handles opened before it are closed
+
+    # -- simulation controls (not part of HostFS) --
+
+    def crash(self) -> None:
+        """The process using this filesystem died: its locks and open handles are gone, data stays."""
+        self._locks.clear()
+        self._epoch += 1
+
+    def make_special(self, path: str, mode: int = 0o644, fmt: int = _stat.S_IFIFO) -> None:
+        """Place a special file (a fifo unless ``fmt`` says otherwise) for tests of 'never opened'."""
+        if fmt in (0, _stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK) or fmt & ~0o170000:
+            raise ValueError(f"not a special file type: {fmt:#o}")
+        parent, name = self._parent(path)
+        if self._child(parent, name, path) is not None:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now, fmt=fmt)
+        self._touch_dir(parent, now)
+
+    # -- internals --
+
+    def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
+        if self.fault_hook is not None:
+            return self.fault_hook(self, op, path, nbytes)
+        return None
+
+    @staticmethod
+    def _child(d: _Inode, name: str, path: str) -> Optional[_Inode]:
+        """Look ``name`` up in directory ``d``; a name no directory can hold is ENAMETOOLONG."""
+        if len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        return d.entries.get(name)
+
+    def _walk(self, path: str) -> _Inode:
+        """Resolve a whole path, as RealHostFS's single openat2 of it does."""
+        node = self._root
+        if not path:
+            return node
+        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        for part in path.split("/"):
+            if node.kind == LNK:
+                raise _err(errno.ELOOP, path)
+            if node.kind != DIR:
+                raise _err(errno.ENOTDIR, path)
+            child = self._child(node, part, path)
+            if child is None:
+                raise _err(errno.ENOENT, path)
+            node = child
+        return node
+
+    def _entry(self, path: str) -> _Inode:
+        """Resolve the parent, then the final name, as RealHostFS's ``*at()`` calls do."""
+        if not path:
+            return self._root
+        parent, name = self._parent(path)
+        node = self._child(parent, name, path)
+        if node is None:
+            raise _err(errno.ENOENT, path)
+        return node
+
+    def _parent(self, path: str) -> tuple[_Inode, str]:
+        if not path:
+            raise _err(errno.EBUSY, path)
+        parent = self._walk(parent_of(path))
+        if parent.kind == LNK:
+            raise _err(errno.ELOOP, path)
+        if parent.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        return parent, path.rsplit("/", 1)[-1]
+
+    def _file(self, path: str) -> _Inode:
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.ELOOP, path)
+        if node.kind == DIR:
+            raise _err(errno.EISDIR, path)
+        if node.kind != REG:
+            raise _err(errno.EPERM, path)
+        return node
+
+    @staticmethod
+    def _touch_dir(d: _Inode, now: int) -> None:
+        d.mtime_ns = now
+        d.ctime_ns = now
+
+    # -- queries --
+
+    def lstat(self, path: str) -> Stat:
+        self._fault("lstat", path)
+        return self._entry(path).stat()
+
+    def getattr(self, path: str) -> Attr:
+        self._fault("getattr", path)
+        return self._entry(path).attr()
+
+    def statfs(self) -> StatFS:
+        self._fault("statfs", "")
+        return super().statfs()
+
+    def listdir(self, path: str) -> list[str]:
+        self._fault("listdir", path)
+        node = self._walk(path)
+        # a final symlink is not followed, and is not a directory: the kernel checks
+        # O_DIRECTORY before it would refuse to open a symlink (ELOOP)
+        if node.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        return list(node.entries)
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        self._fault("read", path)
+        node = self._file(path)
+        if offset < 0 or length < 0:
+            raise _err(errno.EINVAL, path)
+        return bytes(node.data[offset : offset + length])
+
+    def open(self, path: str, flags: int) -> MemoryFileHandle:
+        self._fault("open", path)
+        check_open_flags(flags, path)
+        return MemoryFileHandle(self, self._file(path), path, flags)
+
+    def readlink(self, path: str) -> str:
+        self._fault("readlink", path)
+        node = self._entry(path)
+        if node.kind != LNK:
+            raise _err(errno.EINVAL, path)
+        return node.target
+
+    # -- mutations --
+
+    def create(self, path: str, mode: int) -> None:
+        self._fault("create", path)
+        self._create_node(path, mode)
+
+    def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> MemoryFileHandle:
+        self._fault("create", path)
+        check_open_flags(flags, path)
+        return MemoryFileHandle(self, self._create_node(path, mode), path, flags)
+
+    def _create_node(self, path: str, mode: int) -> _Inode:
+        parent, name = self._parent(path)
+        if self._child(parent, name, path) is not None:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now)
+        self._touch_dir(parent, now)
+        return node
+
+    def write(self, path: str, offset: int, data: bytes) -> int:
+        limit = self._fault("write", path, len(data))
+        node = self._file(path)
+        if offset < 0:
+            raise _err(errno.EINVAL, path)
+        return self._write_node(node, offset, data, limit, path)
+
+    def _write_node(self, node: _Inode, offset: int, data: bytes, limit: Optional[int], path: str) -> int:
+        """The write itself (path or handle): ``limit`` from the fault hook tears it."""
+        n = len(data) if limit is None else max(0, min(limit, len(data)))
+        if n:  # a zero-byte write changes nothing: no zero-fill, no timestamps
+            if offset > len(node.data):
+                node.data.extend(b"\0" * (offset - len(node.data)))
+            node.data[offset : offset + n] = data[:n]
+            now = self.clock()
+            node.mtime_ns = node.ctime_ns = now
+        if limit is not None and n < len(data) and self.fault_hook is not None:
+            after = getattr(self.fault_hook, "after_torn_write", None)
+            if after is not None:
+                after(self, path, n)
+        return n
+
+    def truncate(self, path: str, size: int) -> None:
+        self._fault("truncate", path)
+        node = self._file(path)
+        if size < 0:
+            raise _err(errno.EINVAL, path)
+        self._truncate_node(node, size)
+
+    def _truncate_node(self, node: _Inode, size: int) -> None:
+        if size < len(node.data):
+            del node.data[size:]
+        else:
+            node.data.extend(b"\0" * (size - len(node.data)))
+        now = self.clock()
+        node.mtime_ns = node.ctime_ns = now
+
+    def unlink(self, path: str) -> None:
+        self._fault("unlink", path)
+        parent, name = self._parent(path)
+        node = self._child(parent, name, path)
+        if node is None:
+            raise _err(errno.ENOENT, path)
+        if node.kind == DIR:
+            raise _err(errno.EISDIR, path)
+        del parent.entries[name]
+        now = self.clock()
+        node.nlink -= 1
+        node.ctime_ns = now
+        self._touch_dir(parent, now)
+
+    def rmdir(self, path: str) -> None:
+        self._fault("rmdir", path)
+        parent, name = self._parent(path)
+        node = self._child(parent, name, path)
+        if node is None:
+            raise _err(errno.ENOENT, path)
+        if node.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        if node.entries:
+            raise _err(errno.ENOTEMPTY, path)
+        del parent.entries[name]
+        node.nlink = 0
+        parent.nlink -= 1
+        self._touch_dir(parent, self.clock())
+
+    def mkdir(self, path: str, mode: int) -> None:
+        self._fault("mkdir", path)
+        parent, name = self._parent(path)
+        if self._child(parent, name, path) is not None:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2)
+        parent.nlink += 1
+        self._touch_dir(parent, now)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._fault("rename", src)
+        sparent, sname = self._parent(src)
+        dparent, dname = self._parent(dst)
+        node = self._child(sparent, sname, src)
+        if node is None:
+            raise _err(errno.ENOENT, src)
+        if node.kind == DIR and (dst == src or dst.startswith(src + "/")):
+            if dst == src:
+                return
+            raise _err(errno.EINVAL, dst)  # source is an ancestor of the target
+        if src.startswith(dst + "/"):
+            raise _err(errno.ENOTEMPTY, dst)  # target is an ancestor of the source
+        existing = self._child(dparent, dname, dst)
+        if existing is node:
+            return  # same inode (or same path): POSIX says do nothing
+        if existing is not None:
+            if node.kind == DIR and existing.kind != DIR:
+                raise _err(errno.ENOTDIR, dst)
+            if node.kind != DIR and existing.kind == DIR:
+                raise _err(errno.EISDIR, dst)
+            if existing.kind == DIR and existing.entries:
+                raise _err(errno.ENOTEMPTY, dst)
+        now = self.clock()
+        del sparent.entries[sname]
+        if existing is not None:
+            if existing.kind == DIR:
+                existing.nlink = 0
+                dparent.nlink -= 1
+            else:
+                existing.nlink -= 1
+            existing.ctime_ns = now
+        if node.kind == DIR:
+            sparent.nlink -= 1
+            dparent.nlink += 1
+        dparent.entries[dname] = node
+        node.ctime_ns = now
+        self._touch_dir(sparent, now)
+        self._touch_dir(dparent, now)
+
+    def symlink(self, target: str, path: str) -> None:
+        self._fault("symlink", path)
+        # the kernel copies the target in before it looks at the new path
+        if not target:
+            raise _err(errno.ENOENT, path)
+        if "\0" in target:
+            raise _err(errno.EINVAL, path)
+        if len(target.encode("utf-8", "surrogateescape")) > _SYMLINK_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        parent, name = self._parent(path)
+        if self._child(parent, name, path) is not None:
+            raise _err(errno.EEXIST, path)
+        now = self.clock()
+        parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target)
+        self._touch_dir(parent, now)
+
+    def link(self, existing: str, new: str) -> None:
+        self._fault("link", new)
+        sparent, sname = self._parent(existing)
+        node = self._child(sparent, sname, existing)
+        if node is None:
+            raise _err(errno.ENOENT, existing)
+        dparent, dname = self._parent(new)
+        if self._child(dparent, dname, new) is not None:
+            raise _err(errno.EEXIST, new)
+        if node.kind == DIR:
+            raise _err(errno.EPERM, existing)
+        now = self.clock()
+        dparent.entries[dname] = node
+        node.nlink += 1
+        node.ctime_ns = now
+        self._touch_dir(dparent, now)
+
+    def chmod(self, path: str, mode: int) -> None:
+        self._fault("chmod", path)
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.EOPNOTSUPP, path)
+        self._chmod_node(node, mode)
+
+    def _chmod_node(self, node: _Inode, mode: int) -> None:
+        node.mode = mode & 0o7777
+        node.ctime_ns = self.clock()
+
+    def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._fault("utime", path)
+        self._utime_node(self._entry(path), mtime_ns, atime_ns)
+
+    def _utime_node(self, node: _Inode, mtime_ns: int, atime_ns: int | None) -> None:
+        node.mtime_ns = mtime_ns
+        if atime_ns is not None:
+            node.atime_ns = atime_ns
+        node.ctime_ns = self.clock()
+
+    def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
+        """The inode whose xattr ``name`` is read (``write`` False) or changed.
+
+        The order of checks is RealHostFS's: the lookup, then symlinks (no xattrs at
+        all), then the kernel's name checks, then its rule that ``user.`` names live
+        only on regular files and directories.
+        """
+        node = self._walk(path)
+        if node.kind == LNK:
+            raise _err(errno.EPERM if write else errno.ENODATA, path)
+        return self._xattr_checks(node, name, write, path)
+
+    @staticmethod
+    def _xattr_checks(node: _Inode, name: str, write: bool, path: str) -> _Inode:
+        size = len(name.encode("utf-8", "surrogateescape"))
+        if size == 0 or size > _XATTR_NAME_MAX:
+            raise _err(errno.ERANGE, path)
+        prefix = next((p for p in _XATTR_PREFIXES if name.startswith(p)), None)
+        if prefix == "user." and node.kind not in (REG, DIR):
+            raise _err(errno.EPERM if write else errno.ENODATA, path)
+        if prefix is None:
+            raise _err(errno.EOPNOTSUPP, path)
+        if name == prefix:
+            raise _err(errno.EINVAL, path)
+        return node
+
+    def listxattr(self, path: str) -> list[str]:
+        self._fault("listxattr", path)
+        node = self._walk(path)
+        return [] if node.kind == LNK else list(node.xattrs)
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        self._fault("getxattr", path)
+        return self._getxattr_node(self._xattr_node(path, name, write=False), name, path)
+
+    def _getxattr_node(self, node: _Inode, name: str, path: str) -> bytes:
+        self._xattr_checks(node, name, False, path)
+        if name not in node.xattrs:
+            raise _err(errno.ENODATA, path)
+        return node.xattrs[name]
+
+    def setxattr(self, path: str, name: str, value: bytes) -> None:
+        self._fault("setxattr", path, len(value))
+        self._setxattr_node(self._xattr_node(path, name, write=True), name, value, path)
+
+    def _setxattr_node(self, node: _Inode, name: str, value: bytes, path: str) -> None:
+        self._xattr_checks(node, name, True, path)
+        if len(value) > 65536:
+            raise _err(errno.E2BIG, path)
+        node.xattrs[name] = bytes(value)
+        node.ctime_ns = self.clock()
+
+    def removexattr(self, path: str, name: str) -> None:
+        self._fault("removexattr", path)
+        self._removexattr_node(self._xattr_node(path, name, write=True), name, path)
+
+    def _removexattr_node(self, node: _Inode, name: str, path: str) -> None:
+        self._xattr_checks(node, name, True, path)
+        if name not in node.xattrs:
+            raise _err(errno.ENODATA, path)
+        del node.xattrs[name]
+        node.ctime_ns = self.clock()
+
+    def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
+        """Modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE[|KEEP_SIZE].
+
+        As on ext4, every successful call sets mtime and ctime, even one that changes
+        no byte (preallocation inside the file, or beyond it with KEEP_SIZE).
+        """
+        self._fault("fallocate", path, length)
+        node = self._file(path)
+        if offset < 0 or length <= 0:
+            raise _err(errno.EINVAL, path)
+        kind = mode & ~_FALLOC_FL_KEEP_SIZE
+        if kind not in (0, _FALLOC_FL_PUNCH_HOLE, _FALLOC_FL_ZERO_RANGE):
+            raise _err(errno.EOPNOTSUPP, path)
+        if kind == _FALLOC_FL_PUNCH_HOLE and not mode & _FALLOC_FL_KEEP_SIZE:
+            raise _err(errno.EOPNOTSUPP, path)
+        end = offset + length
+        if mode & (_FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_ZERO_RANGE):
+            stop = min(end, len(node.data))
+            if offset < stop:
+                node.data[offset:stop] = b"\0" * (stop - offset)
+        if not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
+            node.data.extend(b"\0" * (end - len(node.data)))
+        now = self.clock()
+        node.mtime_ns = node.ctime_ns = now
+
+    def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
+        self._fault("copy_file_range", dst, length)
+        s = self._file(src)
+        d = self._file(dst)
+        if length < 0:
+            raise _err(errno.EINVAL, dst)
+        if src_offset < 0 or dst_offset < 0:
+            raise _err(errno.EOVERFLOW, dst)
+        chunk = bytes(s.data[src_offset : src_offset + length])
+        if s is d and dst_offset + len(chunk) > src_offset and dst_offset < src_offset + len(chunk):
+            raise _err(errno.EINVAL, dst)  # overlapping ranges of one file
+        if not chunk:
+            return 0
+        if dst_offset > len(d.data):
+            d.data.extend(b"\0" * (dst_offset - len(d.data)))
+        d.data[dst_offset : dst_offset + len(chunk)] = chunk
+        now = self.clock()
+        d.mtime_ns = d.ctime_ns = now
+        return len(chunk)
+
+    def fsync(self, path: str) -> None:
+        """This inode's bytes become durable, and so does all metadata so far (one journal)."""
+        self._fault("fsync", path)
+        self._fsync_node(self._walk(path))
+
+    def _fsync_node(self, node: _Inode) -> None:
+        self._commit_metadata()
+        node.durable_data = bytes(node.data)
+
+    # -- power loss (simulation control, not part of HostFS) --
+    #
+    # The model is a journaling filesystem (ext4 data=ordered, xfs): metadata — directory
+    # entries, modes, times, xattrs, symlink targets — is journaled and committed in order,
+    # so a rename is atomic and any fsync commits every earlier metadata change; file *data*
+    # survives only its own file's fsync. Power loss keeps the last committed metadata, and
+    # per file the last fsynced bytes (none if never fsynced).
+
+    def _reachable(self) -> list[_Inode]:
+        seen: dict[int, _Inode] = {}
+        stack = [self._root]
+        while stack:
+            node = stack.pop()
+            if node.ino not in seen:
+                seen[node.ino] = node
+                stack.extend(node.entries.values())
+        return list(seen.values())
+
+    def _commit_metadata(self) -> None:
+        for node in self._reachable():
+            node.durable_meta = node.meta()
+
+    def sync_all(self) -> None:
+        """Everything now on the disk is durable (a tree that has been there for a while)."""
+        for node in self._reachable():
+            node.durable_meta = node.meta()
+            node.durable_data = bytes(node.data)
+
+    def power_loss(self) -> None:
+        """The machine lost power: back to the last committed metadata and fsynced data."""
+        if self._root.durable_meta is None:
+            self._root.entries, self._root.xattrs = {}, {}
+        revert_stack, seen = [self._root], set()
+        while revert_stack:
+            node = revert_stack.pop()
+            if node.ino in seen:
+                continue
+            seen.add(node.ino)
+            if node.durable_meta is not None:
+                node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns = node.durable_meta
+                node.entries, node.xattrs = dict(entries), dict(xattrs)
+            node.data = bytearray(node.durable_data or b"")
+            revert_stack.extend(node.entries.values())
+        self._locks.clear()
+        self._epoch += 1  # the process died with the machine: its handles are gone
+
+    def lock(self, path: str) -> _SimLock:
+        """Lock the regular file ``path`` (created 0600 if missing) and write the pid in it.
+
+        Like RealHostFS: the root is ``EBUSY``, a symlink ``ELOOP``, a directory
+        ``EISDIR``, a special file ``EPERM`` (never opened); a lock held by anyone —
+        including this process through another handle — is :class:`StoreBusy`.
+        """
+        self._fault("lock", path)
+        parent, name = self._parent(path)
+        if self._child(parent, name, path) is None:
+            self.create(path, 0o600)
+        node = self._file(path)
+        holder = self._locks.get(path)
+        if holder is not None:
+            raise StoreBusy(f"<{self.name}>/{parent_of(path)}", holder[0])
+        lock = _SimLock(self, path)
+        self._locks[path] = (self.pid, lock)
+        node.data[:] = f"{self.pid}\n".encode()
+        node.mtime_ns = node.ctime_ns = self.clock()
+        return lock

@@ -1,0 +1,612 @@
+"""A session: a guest running commands on the user's folders, every write undoable.
+
+What :meth:`Session.start` puts together (SPEC §3, §5):
+
+* the **mount table** (:class:`~sandbox.mounts.table.MountTable`): every working folder and
+  every in-memory tree at its guest path (folders default to ``/mnt/working/<i>``);
+* one :class:`~sandbox.core.workspace.Workspace` per read-write working folder (its undo
+  store outside the folder), a read-only provider per read-only folder, an in-memory
+  provider per injected tree (seed 000: never undo-tracked);
+* one :class:`~sandbox.ninep.server.NinePServer` on a unix socket in a private run
+  directory, exporting each share under its attach name (folder *i* is ``"i"``, tree *j*
+  is ``"m<j>"``);
+* for each read-write folder, when ``external_policy`` is set, the external-modification
+  watcher (:mod:`sandbox.barriers.watch`): the workspace's host filesystem records the
+  sandbox's own writes (:mod:`sandbox.barriers.journal`), so only changes made by
+  something else are reported — ``barrier`` places an undo barrier, ``warn`` only
+  reports, ``lock`` also bind-mounts the folder read-only for everyone else
+  (:mod:`sandbox.barriers.lock`);
+* the guest (:mod:`sandbox.vm.guest`): a QEMU VM, or the scripted test double.
+
+:meth:`run` makes one command one step: the host opens the step (its id is the host's),
+relays ``exec``, and after ``step_completed`` lets the step drain (in-flight 9P requests
+reach zero or the quiescence window passes) before it closes — so late writes still
+belong to it.
+
+Invariants: every exit path of :meth:`start` and :meth:`stop` (errors, Ctrl-C) releases what
+was acquired — the guest stopped, the server closed, watchers stopped, locks undone,
+sockets and the run directory removed, the workspaces closed (active steps closed,
+stores unlocked).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..core.safeguard import SafeguardConfig
+from ..core.store import Limits
+from ..core.workspace import Workspace, default_state_dir
+from ..limits import ServerLimits
+from ..mounts import Provider, memory_tree
+from ..mounts.table import Mount, MountTable, check_mount_points
+from ..ninep.server import NinePServer, ServerConfig, ServerThread
+from ..vm.control import ControlClosed
+from ..vm.guest import BOOT_TIMEOUT_S, GuestError, GuestMount, VmGuest
+
+log = logging.getLogger("sandbox.session")
+NETWORKS = ("disabled", "open", "allowlist")
+VM_MODES = ("ephemeral", "persistent")
+EXTERNAL_POLICIES = ("barrier", "warn", "lock")
+FOLDERS_MAX = 8
+MEMORY_MOUNTS_MAX = 8
+PERSISTENT_DISK_BYTES = 8 << 30  # sparse
+
+
+class SessionError(GuestError):
+    """The session cannot start or go on; the message says why and what was seen."""
+
+
+class LockUnavailable(SessionError):
+    """external_policy="lock" needs the right to bind-mount (root / CAP_SYS_ADMIN)."""
+
+
+@dataclass
+class Folder:
+    path: str
+    read_only: bool = False
+    target: str | None = None  # guest path; default /mnt/working/<i>
+    label: str = ""
+    state_dir: str | None = None  # the undo store; default beside the user's state
+
+    @classmethod
+    def parse(cls, spec: str) -> "Folder":
+        """``DIR`` or ``DIR:ro`` / ``DIR:rw`` (the CLI's ``--workdir``)."""
+        path, sep, mode = spec.rpartition(":")
+        if sep and mode in ("ro", "rw"):
+            return cls(path, mode == "ro")
+        return cls(spec)
+
+
+@dataclass
+class MemoryMount:
+    """Seed 000: files a host injects at ``target`` (read-only unless ``writable``)."""
+
+    target: str
+    files: dict[str, bytes]
+    writable: bool = False
+    label: str = ""
+
+
+@dataclass
+class StepResult:
+    step_id: int | None  # None for a session without read-write folders (nothing to undo)
+    exit_code: int
+    signal: int | None = None
+    cancelled: bool = False
+    step_ids: list = field(default_factory=list)  # per folder: its step id, or None
+
+
+@dataclass
+class _Started:
+    run_dir: str
+    server: ServerThread | None = None
+    guest: object = None
+    workspaces: list = field(default_factory=list)
+    providers: dict = field(default_factory=dict)  # attach name -> Provider
+    detectors: list = field(default_factory=list)
+    unlocks: list = field(default_factory=list)
+
+
+def _cidrs(items: list[str]) -> list[str]:
+    """Normalised IPv4 networks (``1.2.3.4`` → ``1.2.3.4/32``); ValueError names a bad one."""
+    import ipaddress
+
+    out = []
+    for item in items:
+        try:
+            net = ipaddress.ip_network(item.strip(), strict=False)
+        except ValueError:
+            raise ValueError(f"not an IP address or CIDR: {item!r}") from None
+        if net.version != 4:
+            raise ValueError(f"only IPv4 is routed into the guest (QEMU user networking): {item!r}")
+        out.append(str(net))
+    return out
+
+
+def vm_state_dir(folder: str) -> str:
+    """Where a persistent VM's disk lives: beside the first folder's undo store."""
+    return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
+
+
+def open_workspace(path: str, *, watched: bool = False, **kwargs) -> Workspace:
+    """:meth:`Workspace.open`; ``watched``: its host filesystem also journals the sandbox's own
+    writes in ``ws.own_writes`` (what :class:`~sandbox.barriers.watch.ExternalChangeDetector`
+    needs to tell them from external ones)."""
+    if not watched:
+        return Workspace.open(path, **kwargs)
+    from ..barriers.journal import OwnWrites, RecordingHostFS, lstat_or_none
+
+    inner = {}
+    journal = OwnWrites(lambda p: lstat_or_none(inner["fs"])(p))
+
+    def wrap(fs):
+        inner["fs"] = fs
+        return RecordingHostFS(fs, journal)
+
+    ws = Workspace.open(path, wrap_work=wrap, **kwargs)
+    ws.own_writes = journal
+    return ws
+
+
+def watch_workspace(ws: Workspace, path: str, on_external: Callable[[list[str]], None] | None = None,
+                    on_warning: Callable[[str], None] | None = None):
+    """Start the external-modification watcher on ``path``, the folder of a workspace
+    opened with ``open_workspace(watched=True)``; returns it (``stop()`` it before closing
+    ``ws``). Without callbacks, what it finds is logged."""
+    from ..barriers.watch import ExternalChangeDetector
+
+    d = ExternalChangeDetector(os.path.realpath(path), ws.own_writes,
+                               on_external or (lambda paths: log.warning("external modification: %s", paths[:5])),
+                               on_warning or (lambda message: log.warning("%s", message)))
+    d.start()
+    return d
+
+
+def build_table(folders: list[Folder], memory: list[MemoryMount]) -> MountTable:
+    """The session's mount table: folder *i* is export ``"i"``, tree *j* is ``"m<j>"``."""
+    mounts = [Mount(target=f.target or f"/mnt/working/{i}", name=str(i), read_only=f.read_only,
+                    label=f.label, source=os.path.realpath(f.path), kind="folder") for i, f in enumerate(folders)]
+    mounts += [Mount(target=m.target, name=f"m{j}", read_only=not m.writable, label=m.label, source=None, kind="memory")
+               for j, m in enumerate(memory)]
+    return MountTable(mounts)
+
+
+class Session:
+    def __init__(self, folders: list[Folder], *, network: str = "disabled", allow: list[str] | None = None,
+                 vm_mode: str = "ephemeral", memory_mb: int = 1024, cpus: int = 2,
+                 safeguard: SafeguardConfig | None = None, limits: Limits | None = None,
+                 decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
+                 progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
+                 mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
+                 external_policy: str | None = None, guest: str | Callable = "vm"):
+        """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
+        factory ``(run_dir) -> guest``. ``external_policy``: None (no watcher) or one of
+        ``barrier``/``warn``/``lock``."""
+        if not folders:
+            raise ValueError("at least one working folder")
+        if len(folders) > FOLDERS_MAX:
+            raise ValueError(f"at most {FOLDERS_MAX} working folders")
+        mounts = list(mounts or [])
+        if len(mounts) > MEMORY_MOUNTS_MAX:
+            raise ValueError(f"at most {MEMORY_MOUNTS_MAX} in-memory mounts")
+        if network not in NETWORKS:
+            raise ValueError(f"network must be one of {', '.join(NETWORKS)}")
+        self.allow = _cidrs(allow or []) if network == "allowlist" else []
+        if network == "allowlist" and not self.allow:
+            raise ValueError("network allowlist needs at least one IP or CIDR")
+        if vm_mode not in VM_MODES:
+            raise ValueError(f"vm_mode must be one of {', '.join(VM_MODES)}")
+        if external_policy is not None and external_policy not in EXTERNAL_POLICIES:
+            raise ValueError(f"external_modification_policy must be one of {', '.join(EXTERNAL_POLICIES)}")
+        for f in folders:
+            if not os.path.isdir(f.path):
+                raise ValueError(f"working folder {f.path!r} does not exist or is not a directory")
+        if state_dirs is not None:
+            for f, sd in zip(folders, state_dirs):
+                f.state_dir = f.state_dir or sd
+        for p in python_path or []:
+            if not isinstance(p, str) or not p.startswith("/") or ":" in p or "\0" in p:
+                raise ValueError(f"python_path entries are absolute guest paths without ':': {p!r}")
+        self.folders = folders
+        self.memory_mounts = mounts
+        self.table = build_table(folders, mounts)  # validates targets, labels
+        check_mount_points(self.table, self._mount_point_exists)
+        self.python_path = list(python_path or [])
+        self.network = network
+        self.vm_mode = vm_mode
+        self.memory_mb = memory_mb
+        self.cpus = cpus
+        self.safeguard = safeguard
+        self.limits = limits
+        self.decide = decide
+        self.on_event = on_event
+        self.external_policy = external_policy
+        self.progress = progress or (lambda msg: log.info("%s", msg))
+        self.guest_kind = guest
+        self.started_at: float | None = None
+        self._s: _Started | None = None
+        self._lock = threading.Lock()  # one command at a time through run()
+
+    @property
+    def state_dirs(self) -> list[str | None]:
+        return [f.state_dir for f in self.folders]
+
+    def _mount_point_exists(self, parent: Mount, rel: str) -> bool:
+        if parent.kind == "memory":
+            files = self.memory_mounts[int(parent.name[1:])].files
+            return any(k.strip("/").startswith(rel + "/") for k in files)
+        try:
+            return os.path.isdir(os.path.join(parent.source, rel)) and not os.path.islink(os.path.join(parent.source, rel))
+        except OSError:
+            return False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def workspaces(self) -> list[Workspace | None]:
+        """Per folder: its Workspace, or None for a read-only folder."""
+        return list(self._s.workspaces) if self._s else []
+
+    def provider(self, name: str) -> Provider:
+        """The provider serving the share with attach name ``name`` (see :func:`build_table`)."""
+        return self._require().providers[name]
+
+    @property
+    def running(self) -> bool:
+        return self._s is not None
+
+    def guest_path(self, i: int = 0) -> str:
+        return self.table.folders[i].target
+
+    @property
+    def accel(self):
+        g = self._s.guest if self._s else None
+        return getattr(g, "accel", None)
+
+    @property
+    def boot_s(self) -> float | None:
+        g = self._s.guest if self._s else None
+        return getattr(g, "boot_s", None)
+
+    def start(self) -> "Session":
+        if self._s is not None:
+            raise SessionError("the session is already started")
+        s = _Started(tempfile.mkdtemp(prefix="sandbox-vm-"))
+        self._s = s
+        try:
+            self._start(s)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_at = time.time()
+        log.info("session started: %s guest, %d folder(s), %d in-memory mount(s), external modifications: %s",
+                 "scripted" if self.guest_kind == "scripted" else "vm", len(self.folders), len(self.memory_mounts),
+                 self.external_policy or "not watched")
+        return self
+
+    def _folder_events(self, i: int) -> Callable[[dict], None] | None:
+        if self.on_event is None:
+            return None
+        return lambda event: self.on_event({**event, "directory": i})
+
+    def _open_workspace(self, s: _Started, i: int, f: Folder) -> Workspace:
+        """The folder's workspace; with a watcher, its host filesystem records our own writes.
+
+        Under the lock policy, a read-only bind mount already on the folder was left by a
+        crashed session if nobody holds the folder's undo store: it is removed first, so the
+        workspace's directory fd (and its crash recovery) is on the writable mount."""
+        if self.external_policy == "lock":
+            self._clear_stale_lock(f)
+        return self._open_workspace_once(i, f)
+
+    def _clear_stale_lock(self, f: Folder) -> None:
+        from ..barriers.lock import is_locked, unlock_folder
+        from ..hostfs.real import RealHostFS
+
+        real = os.path.realpath(f.path)
+        if not is_locked(real):
+            return
+        state = os.path.realpath(f.state_dir or default_state_dir(real))
+        os.makedirs(state, mode=0o700, exist_ok=True)
+        store = RealHostFS(state, name="store")
+        try:
+            held = store.lock("lock")  # StoreBusy if a live session has the folder
+            try:
+                log.warning("removing a stale lock (read-only bind mount) on %s left by a crashed session", real)
+                unlock_folder(real)
+            finally:
+                held.release()
+        finally:
+            store.close()
+
+    def _open_workspace_once(self, i: int, f: Folder) -> Workspace:
+        return open_workspace(f.path, watched=self.external_policy is not None, state_dir=f.state_dir,
+                              safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
+
+    def _watch(self, s: _Started, i: int, ws: Workspace, path: str) -> None:
+        def on_external(paths: list[str]) -> None:
+            self._external(i, ws, paths)
+
+        def on_warning(message: str) -> None:
+            if self.on_event is not None:
+                self.on_event({"type": "event.warning", "message": message, "directory": i})
+
+        if self.external_policy == "lock":
+            from ..barriers.lock import lock_folder
+
+            real = os.path.realpath(path)
+            try:
+                s.unlocks.append(lock_folder(real))
+            except PermissionError as e:
+                raise LockUnavailable(f"external_modification_policy lock: {e}") from None
+        s.detectors.append(watch_workspace(ws, path, on_external, on_warning))
+
+    def _external(self, i: int, ws: Workspace, paths: list[str]) -> None:
+        """Something other than the sandbox changed folder ``i``."""
+        log.info("external modification of %d path(s) in folder %d: %s", len(paths), i, ", ".join(paths[:5]))
+        if self.external_policy in ("barrier", "lock"):
+            ws.record_external_modification(paths)  # emits event.external_modification with the barrier
+        elif self.on_event is not None:
+            self.on_event({"type": "event.external_modification", "paths": list(paths), "barrier_id": None,
+                           "directory": i})
+
+    def _start(self, s: _Started) -> None:
+        for i, f in enumerate(self.folders):
+            mount = self.table.folders[i]
+            if f.read_only:
+                s.workspaces.append(None)
+                s.providers[mount.name] = Provider.read_only_dir(f.path, label=mount.label or os.path.basename(f.path))
+            else:
+                ws = self._open_workspace(s, i, f)
+                s.workspaces.append(ws)
+                s.providers[mount.name] = Provider.intercepted(ws, label=mount.label or os.path.basename(f.path))
+        for j, m in enumerate(self.memory_mounts):
+            s.providers[f"m{j}"] = memory_tree(m.files, writable=m.writable, label=m.label or m.target)
+        if self.external_policy is not None:
+            for i, (f, ws) in enumerate(zip(self.folders, s.workspaces)):
+                if ws is not None:
+                    self._watch(s, i, ws, f.path)
+        sock = os.path.join(s.run_dir, "9p.sock")
+        # one connection per guest mount, and room for a remount (limits: sandbox/limits.py)
+        limits = ServerLimits(connections_max=max(ServerLimits().connections_max, 2 * len(self.table.mounts)))
+        server = NinePServer(dict(s.providers), ServerConfig(limits),
+                             decide=self._decide if self.decide else None)
+        s.server = ServerThread(server, unix_path=sock).__enter__()
+        s.guest = self._make_guest(s.run_dir)
+        guest_mounts = [GuestMount(m.name, m.target, m.read_only) for m in self.table.mounts]
+        try:
+            s.guest.boot(socket_path=sock, mounts=guest_mounts, loop=s.server.loop, timeout_s=BOOT_TIMEOUT_S)
+        except GuestError as e:
+            raise SessionError(str(e)) from None
+
+    def _make_guest(self, run_dir: str):
+        if callable(self.guest_kind):
+            return self.guest_kind(run_dir)
+        if self.guest_kind == "scripted":
+            from ..scripted.guest import ScriptedGuest
+
+            return ScriptedGuest()
+        if self.guest_kind != "vm":
+            raise ValueError(f"guest must be 'vm' or 'scripted', not {self.guest_kind!r}")
+        disk = self._persistent_disk() if self.vm_mode == "persistent" else None
+        return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
+                       cpus=self.cpus, disk=disk, progress=self.progress)
+
+    def _persistent_disk(self) -> str:
+        d = os.path.normpath(vm_state_dir(self.folders[0].path))
+        os.makedirs(d, exist_ok=True)
+        disk = os.path.join(d, "overlay.ext4")
+        if not os.path.exists(disk):
+            tmp = disk + ".new"
+            with open(tmp, "wb") as f:
+                f.truncate(PERSISTENT_DISK_BYTES)
+            p = subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "sandbox-vm", tmp], capture_output=True, text=True)
+            if p.returncode != 0:
+                os.unlink(tmp)
+                raise SessionError(f"cannot make the persistent VM disk: {p.stderr.strip()}")
+            os.rename(tmp, disk)
+        return disk
+
+    def reset(self) -> None:
+        """Forget a persistent VM's disk (the next start boots a fresh one). Not while running."""
+        if self._s is not None:
+            raise SessionError("stop the session before resetting its VM")
+        shutil.rmtree(os.path.normpath(vm_state_dir(self.folders[0].path)), ignore_errors=True)
+
+    def stop(self) -> None:
+        """Shut everything down; safe to call more than once and after a failed start."""
+        s, self._s = self._s, None
+        if s is None:
+            return
+        self.started_at = None
+        errors = []
+        if s.guest is not None:
+            try:
+                s.guest.stop()
+            except Exception as e:
+                errors.append(e)
+        if s.server is not None:
+            try:
+                s.server.__exit__(None, None, None)
+            except Exception as e:
+                errors.append(e)
+        for d in s.detectors:
+            try:
+                d.stop()
+            except Exception as e:
+                errors.append(e)
+        for unlock in s.unlocks:
+            try:
+                unlock()
+            except Exception as e:
+                errors.append(e)
+        for p in s.providers.values():
+            p.close()
+        for ws in s.workspaces:
+            if ws is not None:
+                ws.close()
+        shutil.rmtree(s.run_dir, ignore_errors=True)
+        if errors:
+            log.warning("errors while stopping the session: %s", errors)
+        log.info("session stopped")
+
+    def __enter__(self) -> "Session":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ commands
+
+    def run(self, command: str, on_output: Callable[[str, str], None] | None = None, *, cwd: str | None = None,
+            env: dict[str, str] | None = None, cancel: threading.Event | None = None) -> StepResult:
+        """Run ``command`` in the guest's shell as one step of every read-write folder.
+
+        ``on_output(stream, text)`` is called as output arrives (on the session's I/O
+        thread). Setting ``cancel`` cancels the command (SIGTERM, then SIGKILL)."""
+        s = self._require()
+        env = dict(env or {})
+        if self.python_path:  # user paths first (seed 000)
+            env["PYTHONPATH"] = ":".join(self.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        with self._lock:
+            ids = [ws.begin_step(command) if ws is not None else None for ws in s.workspaces]
+            step_id = next((i for i in ids if i is not None), None)
+            log.info("step %s: exec %s", step_id, command[:200], extra={"step_id": step_id})
+            exec_id = step_id if step_id is not None else int(time.time() * 1000) % (1 << 31)
+            result = None
+            try:
+                try:
+                    ex = s.server.run(s.guest.exec(exec_id, command, cwd or self.guest_path(0), env, on_output))
+                    done = self._wait(ex.completed, cancel, exec_id)
+                except (ControlClosed, RuntimeError) as e:  # the shim went away, or refused the command
+                    raise SessionError(f"{e}; console:\n" + "\n".join(s.guest.tail(20))) from None
+                result = StepResult(step_id, int(done.get("exit_code", 1)), done.get("signal"),
+                                    cancelled=cancel is not None and cancel.is_set(), step_ids=ids)
+                return result
+            finally:
+                code = result.exit_code if result is not None else 1
+                for ws, sid in zip(s.workspaces, ids):
+                    if ws is not None and sid is not None:
+                        self._close_step(ws, sid, code)
+
+    def _wait(self, fut, cancel: threading.Event | None, exec_id: int) -> dict:
+        s = self._s
+        sent_cancel = False
+
+        async def wait_some():
+            return await asyncio.wait_for(asyncio.shield(fut), 0.2)
+
+        while True:
+            try:
+                return s.server.run(wait_some(), timeout_s=30)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass
+            except KeyboardInterrupt:
+                if cancel is None:
+                    cancel = threading.Event()
+                cancel.set()
+            if cancel is not None and cancel.is_set() and not sent_cancel:
+                s.server.run(s.guest.cancel(exec_id))
+                sent_cancel = True
+            if not s.guest.alive():
+                raise SessionError("the guest exited while the command was running; console:\n" + "\n".join(s.guest.tail(20)))
+
+    def _close_step(self, ws: Workspace, step_id: int, exit_code: int) -> None:
+        """step_completed: drain late writes (in flight → 0, or the quiescence window), then close."""
+        with ws.interceptor.lock:
+            if ws.tracker.active is None or ws.tracker.active.id != step_id:
+                return
+            ws.complete_step(step_id, exit_code)
+        drained = threading.Event()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            ws.poll()
+            if ws.tracker.active is None or ws.tracker.active.id != step_id:
+                return
+            drained.wait(0.02)
+        with ws.interceptor.lock:
+            ws.interceptor.close_now()
+
+    # ------------------------------------------------------------------ undo
+
+    def undo(self, n: int = 1, force: bool = False, folder: int = 0) -> dict:
+        """Roll back the newest ``n`` steps of ``folder`` while the guest runs; the guest sees
+        the restored files at once (cache=none) and the shim is told."""
+        s = self._require()
+        ws = s.workspaces[folder]
+        if ws is None:
+            raise SessionError(f"working folder {folder} is read-only: it has no undo history")
+        result = ws.rollback(n, force=force)
+        for sid in result.get("step_ids", []):
+            try:
+                s.server.run(s.guest.rollback_notify(sid), timeout_s=10)
+            except Exception as e:
+                log.warning("could not notify the guest of the rollback: %s", e)
+        return result
+
+    def status(self) -> dict:
+        """What is running: the accelerator and why, boot time, folders, and the VM's QMP state."""
+        s = self._s
+        vm = "stopped"
+        if s is not None:
+            try:
+                vm = s.server.run(s.guest.vm_status(), timeout_s=10)
+            except Exception as e:
+                vm = f"unknown ({e})"
+        return {
+            "vm": vm,
+            "accel": self.accel,
+            "accel_reason": getattr(s.guest, "accel_reason", None) if s else None,
+            "boot_s": self.boot_s,
+            "guest": "vm" if isinstance(getattr(s, "guest", None), VmGuest) else (None if s is None else "scripted"),
+            "python_path": list(self.python_path),
+            "external_modification_policy": self.external_policy,
+            "network": self.network,
+            "allow": list(self.allow),
+            "vm_mode": self.vm_mode,
+            "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
+                         "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
+            "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,
+                        "files": len(m.files)} for m in self.memory_mounts],
+        }
+
+    def history(self, folder: int = 0) -> list[dict]:
+        ws = self._require().workspaces[folder]
+        return [] if ws is None else ws.history()
+
+    def _require(self) -> _Started:
+        if self._s is None:
+            raise SessionError("the session is not running")
+        return self._s
+
+    # ------------------------------------------------------------------ safeguards
+
+    async def _decide(self, hold) -> str:
+        """Pause the VM over QMP (when available) while the user decides; resume after."""
+        s = self._s
+        paused = False
+        if s is not None:
+            try:
+                paused = await s.guest.pause()
+            except Exception as e:
+                log.warning("could not pause the VM: %s", e)
+        try:
+            if asyncio.iscoroutinefunction(self.decide):
+                return await self.decide(hold)
+            # a prompt blocks: keep the server's loop (reads, other folders) going meanwhile
+            return await asyncio.get_running_loop().run_in_executor(None, self.decide, hold)
+        finally:
+            if paused:
+                try:
+                    await s.guest.resume()
+                except Exception as e:
+                    log.warning("could not resume the VM: %s", e)

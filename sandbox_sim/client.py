@@ -1,0 +1,274 @@
+"""A simulated filesystem client: what a guest kernel sends for common programs.
+
+Each method issues the same primitive sequence a v9fs/virtiofs client would send to
+the server for that program, through the :class:`InterceptedFS` the servers call —
+so the simulation exercises exactly the code behind the wire.
+
+:func:`random_op` draws one such program over a small namespace (so names collide,
+get reused and move around often) and applies it. Failures with an ``OSError`` are a
+normal outcome (renaming a missing file, rmdir of a non-empty directory …): the op is
+reported as failed and the tree must be exactly as the failed call left it.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+
+from sandbox.core.intercepted_fs import InterceptedFS
+from sandbox.hostfs import DIR, LNK, REG, join, parent_of
+
+NAMES = ("a", "b", "c", "d")
+DIRS = ("", "d1", "d2", "d1/e", "d2/e", "d1/e/f")
+MODES = (0o644, 0o600, 0o755, 0o700, 0o4755, 0o2750, 0o1777, 0o444)
+# trusted.* needs CAP_SYS_ADMIN on a real host (EPERM otherwise, a tolerated failure); over the
+# wire it is a guest's privileged name, kept by the server as user.sandbox.x.trusted.three
+XATTR_NAMES = ("user.one", "user.two", "trusted.three")
+
+
+class SimClient:
+    def __init__(self, fs: InterceptedFS):
+        self.fs = fs
+
+    # -- programs --
+
+    def echo_to(self, path: str, data: bytes) -> None:
+        """``echo data > path``: open(O_CREAT|O_TRUNC) then write."""
+        self.fs.write_file(path, data)
+
+    def append(self, path: str, data: bytes) -> None:
+        """``echo data >> path``."""
+        size = self.fs.lstat(path).size
+        self.fs.write(path, size, data)
+
+    def write_at(self, path: str, offset: int, data: bytes) -> None:
+        """``dd conv=notrunc``: overwrite in the middle."""
+        self.fs.write(path, offset, data)
+
+    def editor_save(self, path: str, data: bytes) -> None:
+        """An editor's safe save: write a temp file beside it, then rename over."""
+        tmp = join(parent_of(path), "." + path.rsplit("/", 1)[-1] + ".swp")
+        self.fs.create(tmp, 0o644)
+        self.fs.write(tmp, 0, data)
+        self.fs.rename(tmp, path)
+
+    def rm_rf(self, path: str) -> None:
+        self.fs.remove_tree(path)
+
+    def mkdir_p(self, path: str, mode: int = 0o755) -> None:
+        self.fs.makedirs(path, mode)
+
+    def cp(self, src: str, dst: str) -> None:
+        """``cp src dst`` with copy_file_range, like coreutils."""
+        size = self.fs.lstat(src).size
+        if not self.fs.exists(dst):
+            self.fs.create(dst, 0o644)
+        else:
+            self.fs.open_trunc(dst)
+        done = 0
+        while done < size:
+            n = self.fs.copy_file_range(src, dst, done, done, size - done)
+            if n == 0:
+                break
+            done += n
+
+    def touch_d(self, path: str, mtime_ns: int) -> None:
+        self.fs.utime(path, mtime_ns)
+
+
+def _tree(fs: InterceptedFS) -> tuple[list[str], list[str], list[str]]:
+    files, dirs, links = [], [], []
+
+    def walk(p: str) -> None:
+        for name in sorted(fs.host.listdir(p)):
+            c = join(p, name)
+            st = fs.host.lstat(c)
+            if st.kind == DIR:
+                dirs.append(c)
+                walk(c)
+            elif st.kind == REG:
+                files.append(c)
+            elif st.kind == LNK:
+                links.append(c)
+
+    walk("")
+    return files, dirs, links
+
+
+def _data(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.15:
+        return b""
+    if kind < 0.8:
+        return (rng.choice([b"hello ", b"world ", b"undo "]) * rng.randint(1, 40))[: rng.randint(1, 200)]
+    return rng.randbytes(rng.randint(1, 9000))  # big enough to leave the inline path
+
+
+def _new_path(rng: random.Random) -> str:
+    """A name for a new file, link or directory: usually a file name, sometimes the name of a
+    directory (which may have been removed — in this step or an earlier one), so that a path
+    can change kind and later paths can run into (or through) what took a directory's place."""
+    if rng.random() < 0.1:
+        return rng.choice(DIRS[1:])
+    return join(rng.choice(DIRS), rng.choice(NAMES))
+
+
+#: where a symlink that replaces a directory points: a directory inside the folder, outside
+#: it (absolute and relative), nowhere (dangling) — a release-directory switch, a package
+#: manager's `rm -rf d && ln -s …`
+REPLACEMENT_LINK_TARGETS = ("d2", "d1/e", "/outside/of/the/root", "../../outside", "nowhere/at/all")
+
+# Hard links are left out of random workloads: undo is path-based for them, and a link that a
+# later step replaces comes back as a separate file (documented; see sandbox_sim/test_core.py).
+OPS = ("echo", "append", "write_at", "editor_save", "rm_rf", "mkdir_p", "cp", "chmod", "touch", "symlink",
+       "setxattr", "removexattr", "fallocate", "punch", "truncate", "rename", "rename_dir", "unlink", "rmdir",
+       "mkdir", "replace_dir_by_symlink", "replace_file_by_dir", "replace_symlink_by_dir", "replace_dir_by_file")
+OPS_WITH_HARDLINKS = OPS + ("hardlink",)
+
+
+def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[str, ...] = OPS) -> tuple[str, bool]:
+    """Apply one random program; returns (description, succeeded)."""
+    fs = client.fs
+    files, dirs, links = _tree(fs)
+    anything = files + dirs + links
+    op = rng.choice(ops)
+    pick = lambda xs, fallback: rng.choice(xs) if xs else fallback  # noqa: E731
+    try:
+        if op == "echo":
+            p = pick(files, _new_path(rng)) if rng.random() < 0.6 else _new_path(rng)
+            desc = f"echo > {p}"
+            client.echo_to(p, _data(rng))
+        elif op == "append":
+            p = pick(files, _new_path(rng))
+            desc = f"echo >> {p}"
+            client.append(p, _data(rng) or b"x")
+        elif op == "write_at":
+            p = pick(files, _new_path(rng))
+            desc = f"dd {p}"
+            client.write_at(p, rng.randint(0, 300), _data(rng) or b"y")
+        elif op == "editor_save":
+            p = pick(files, _new_path(rng))
+            desc = f"save {p}"
+            client.editor_save(p, _data(rng))
+        elif op == "rm_rf":
+            p = pick(anything, "d1")
+            desc = f"rm -rf {p}"
+            client.rm_rf(p)
+        elif op == "mkdir_p":
+            p = rng.choice(DIRS[1:]) + rng.choice(("", "/g", "/g/h"))
+            desc = f"mkdir -p {p}"
+            client.mkdir_p(p, rng.choice((0o755, 0o700, 0o2775)))
+        elif op == "cp":
+            s, d = pick(files, "a"), _new_path(rng)
+            desc = f"cp {s} {d}"
+            client.cp(s, d)
+        elif op == "chmod":
+            p = pick(files + dirs, "")
+            m = rng.choice(MODES)
+            desc = f"chmod {m:o} {p or '.'}"
+            fs.chmod(p, m)
+        elif op == "touch":
+            p = pick(anything, "")
+            t = clock_ns - rng.randint(0, 10**12)
+            desc = f"touch -h -d @{t} {p or '.'}"
+            client.touch_d(p, t)
+        elif op == "symlink":
+            p = _new_path(rng)
+            target = rng.choice(("a", "../b", "/etc/passwd", "d1/e", "nowhere/x", "../../../outside"))
+            desc = f"ln -s {target} {p}"
+            fs.symlink(target, p)
+        elif op == "hardlink":
+            s, d = pick(files, "a"), _new_path(rng)
+            desc = f"ln {s} {d}"
+            fs.link(s, d)
+        elif op == "setxattr":
+            p = pick(files + dirs, "")
+            n = rng.choice(XATTR_NAMES)
+            desc = f"setfattr -n {n} {p or '.'}"
+            fs.setxattr(p, n, rng.randbytes(rng.randint(0, 30)))
+        elif op == "removexattr":
+            p = pick(files + dirs, "")
+            n = rng.choice(XATTR_NAMES)
+            desc = f"setfattr -x {n} {p or '.'}"
+            fs.removexattr(p, n)
+        elif op == "fallocate":
+            p = pick(files, _new_path(rng))
+            desc = f"fallocate {p}"
+            fs.fallocate(p, rng.randint(0, 500), rng.randint(1, 5000), rng.choice((0, 1)))
+        elif op == "punch":
+            p = pick(files, _new_path(rng))
+            desc = f"fallocate -p {p}"
+            fs.fallocate(p, rng.randint(0, 100), rng.randint(1, 200), 3)
+        elif op == "truncate":
+            p = pick(files, _new_path(rng))
+            desc = f"truncate {p}"
+            fs.truncate(p, rng.randint(0, 400))
+        elif op == "rename":
+            s, d = pick(files + links, "a"), pick(files, _new_path(rng)) if rng.random() < 0.4 else _new_path(rng)
+            desc = f"mv {s} {d}"
+            fs.rename(s, d)
+        elif op == "rename_dir":
+            s = pick(dirs, "d1")
+            d = pick(dirs, "d3") if rng.random() < 0.3 else rng.choice(("d3", "d2/moved", "d1/e/moved", "x"))
+            desc = f"mv {s}/ {d}"
+            fs.rename(s, d)
+        elif op == "unlink":
+            p = pick(files + links, "a")
+            desc = f"rm {p}"
+            fs.unlink(p)
+        elif op == "mkdir":  # a directory where a file or a link is (EEXIST) or was
+            p = _new_path(rng)
+            desc = f"mkdir {p}"
+            fs.mkdir(p, rng.choice((0o755, 0o700)))
+        elif op == "replace_dir_by_symlink":
+            p = pick(dirs, rng.choice(DIRS[1:])) if rng.random() < 0.8 else rng.choice(DIRS[1:])
+            target = rng.choice(REPLACEMENT_LINK_TARGETS)
+            desc = f"rm -rf {p} && ln -s {target} {p}"
+            client.rm_rf(p)
+            fs.symlink(target, p)
+        elif op == "replace_file_by_dir":
+            p = pick(files, _new_path(rng))
+            desc = f"rm -f {p} && mkdir {p}"
+            client.rm_rf(p)
+            client.mkdir_p(p, rng.choice((0o755, 0o700)))
+            if rng.random() < 0.5:
+                client.echo_to(join(p, rng.choice(NAMES)), _data(rng))
+        elif op == "replace_symlink_by_dir":
+            p = pick(links, _new_path(rng))
+            desc = f"rm -f {p} && mkdir {p}"
+            client.rm_rf(p)
+            fs.mkdir(p, 0o755)
+        elif op == "replace_dir_by_file":
+            p = pick(dirs, rng.choice(DIRS[1:]))
+            desc = f"rm -rf {p} && echo > {p}"
+            client.rm_rf(p)
+            client.echo_to(p, _data(rng))
+        else:
+            p = pick(dirs, "d1")
+            desc = f"rmdir {p}"
+            fs.rmdir(p)
+    except OSError as e:
+        if e.errno is None or isinstance(e, PermissionError) and e.errno != errno.EPERM:
+            raise
+        return f"{desc} -> {errno.errorcode.get(e.errno, e.errno)}", False
+    return desc, True
+
+
+def seed_tree(fs, rng: random.Random, files: int = 8) -> None:
+    """Populate a raw HostFS (not intercepted) with a small mixed tree."""
+    for d in ("d1", "d2", "d1/e"):
+        fs.mkdir(d, 0o755)
+    for i in range(files):
+        p = join(rng.choice(("", "d1", "d2", "d1/e")), rng.choice(NAMES))
+        try:
+            fs.create(p, rng.choice(MODES))
+        except FileExistsError:
+            continue
+        data = _data(rng)
+        if data:
+            fs.write_all(p, 0, data)
+        if rng.random() < 0.3:
+            fs.setxattr(p, "user.one", b"seeded")
+    fs.symlink("a", "d2/link")
+    fs.setxattr("d1", "user.two", b"dir-xattr")
+    fs.utime("", 1_600_000_000_123_456_789)

@@ -1,0 +1,88 @@
+"""Fault injection for MemoryHostFS.
+
+One :class:`FaultInjector` is attached to every simulated filesystem of a world (the
+working folder and the undo store), so "the k-th host call" counts across both, as
+SQLite's I/O-error tests fail the N-th operation for every N.
+
+Faults:
+
+* ``crash_at=k`` — the k-th call (0-based) raises :class:`SimulatedCrash` *before* it
+  runs; so does every later call (the process is dead).
+* ``torn_at=k`` — the k-th call, if it is a write of more than one byte, writes only a
+  prefix of its data and then the process crashes.
+* ``error_at=(j, errno)`` — the j-th *mutating call on the undo store* fails with that
+  errno (ENOSPC, EIO); the process lives on.
+* ``error_if=(predicate, errno)`` — *every* call for which ``predicate(fs_name, op, path)``
+  holds fails with that errno, for as long as this injector is armed: a disk that stays
+  full, a sector that stays bad (the process lives on).
+
+:class:`SimulatedCrash` derives from ``BaseException`` so that no ``except Exception``
+in the code under test can swallow a death.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from typing import Callable
+import os
+import random
+
+STORE_MUTATIONS = frozenset({"create", "write", "truncate", "unlink", "rmdir", "mkdir", "rename", "symlink", "link",
+                             "chmod", "utime", "setxattr", "removexattr", "fallocate", "copy_file_range", "fsync"})
+
+
+class SimulatedCrash(BaseException):
+    """The process died at this host call."""
+
+
+class FaultInjector:
+    def __init__(self, crash_at: int | None = None, torn_at: int | None = None,
+                 error_at: tuple[int, int] | None = None, seed: int = 0,
+                 error_if: tuple[Callable[[str, str, str], bool], int] | None = None):
+        self.crash_at = crash_at
+        self.torn_at = torn_at
+        self.error_at = error_at
+        self.error_if = error_if
+        self.rng = random.Random(seed)
+        self.calls = 0
+        self.store_mutations = 0
+        self.crashed = False
+        self.injected: list[str] = []
+        self.trace: list[tuple[str, str, str]] | None = None
+
+    def disarm(self) -> None:
+        """After a crash: the next process starts with no faults planned."""
+        self.crash_at = self.torn_at = self.error_at = self.error_if = None
+        self.crashed = False
+
+    def __call__(self, fs, op: str, path: str, nbytes: int):
+        if self.crashed:
+            raise SimulatedCrash(f"process already dead ({fs.name}.{op} {path!r})")
+        k = self.calls
+        self.calls += 1
+        if self.trace is not None:
+            self.trace.append((fs.name, op, path))
+        if self.crash_at == k:
+            self.crashed = True
+            self.injected.append(f"crash before call {k} ({fs.name}.{op} {path!r})")
+            raise SimulatedCrash(f"crash at call {k}: {fs.name}.{op} {path!r}")
+        if self.torn_at == k and op == "write" and nbytes > 1:
+            n = self.rng.randrange(1, nbytes)
+            self.injected.append(f"torn write at call {k} ({fs.name} {path!r}: {n}/{nbytes} bytes)")
+            return n
+        if self.error_if is not None and self.error_if[0](fs.name, op, path):
+            code = self.error_if[1]
+            self.injected.append(f"{_errno.errorcode[code]} on {fs.name}.{op} {path!r} (persistent)")
+            raise OSError(code, os.strerror(code), path)
+        if fs.name == "store" and op in STORE_MUTATIONS:
+            j = self.store_mutations
+            self.store_mutations += 1
+            if self.error_at is not None and self.error_at[0] == j:
+                code = self.error_at[1]
+                self.injected.append(f"{_errno.errorcode[code]} on store call {j} ({op} {path!r})")
+                raise OSError(code, os.strerror(code), path)
+        return None
+
+    def after_torn_write(self, fs, path: str, written: int) -> None:
+        self.crashed = True
+        raise SimulatedCrash(f"crash after a torn write of {written} bytes to {fs.name}:{path!r}")

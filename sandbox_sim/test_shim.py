@@ -1,0 +1,449 @@
+"""The guest shim (guest/shim.py) as a black box: the real file runs as a subprocess on
+one end of a socketpair (``--fd``) and the tests speak JSON Lines to it.
+
+Nothing of the shim is imported or mocked; every assertion is on bytes on the wire or on
+processes in /proc. No sleeps: every wait is a socket timeout, a pidfd poll or
+``Popen.wait(timeout=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tty
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+SHIM = Path(__file__).resolve().parent.parent / "sandbox" / "guest" / "shim.py"
+RECV_TIMEOUT_S = 20.0
+EXIT_TIMEOUT_S = 15.0
+
+
+class ShimProcess:
+    """A running shim and the host end of its control socket."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.sock, theirs = socket.socketpair()
+        self._log = open(tmp_path / "shim.log", "wb")  # noqa: SIM115 — closed by close()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SHIM), "--fd", str(theirs.fileno()), *args],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+        )
+        theirs.close()
+        self.sock.settimeout(RECV_TIMEOUT_S)
+        self._buf = bytearray()
+        ready = self.recv()
+        assert ready == {"type": "ready", "version": 1, "pid": self.proc.pid}
+
+    def send(self, obj) -> None:
+        self.send_raw(json.dumps(obj).encode() + b"\n")
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self) -> dict:
+        while (newline := self._buf.find(b"\n")) < 0:
+            chunk = self.sock.recv(1 << 20)
+            assert chunk, "shim closed the control channel"
+            self._buf += chunk
+        line = bytes(self._buf[:newline])
+        del self._buf[: newline + 1]
+        return json.loads(line)
+
+    def exec(self, cid: int, command: str, **fields) -> None:
+        self.send({"type": "exec", "id": cid, "command": command, **fields})
+
+    def collect(self, *ids: int) -> dict[int, list[dict]]:
+        """Every message for ``ids`` until each has completed; nothing else may arrive."""
+        got: dict[int, list[dict]] = {cid: [] for cid in ids}
+        pending = set(ids)
+        while pending:
+            msg = self.recv()
+            assert msg.get("id") in pending, msg
+            got[msg["id"]].append(msg)
+            if msg["type"] == "step_completed":
+                pending.discard(msg["id"])
+        return got
+
+    def run(self, cid: int, command: str, **fields) -> list[dict]:
+        self.exec(cid, command, **fields)
+        return self.collect(cid)[cid]
+
+    def close(self) -> int:
+        self.sock.close()
+        try:
+            return self.proc.wait(timeout=EXIT_TIMEOUT_S)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+
+
+@pytest.fixture
+def shim(tmp_path):
+    s = ShimProcess(tmp_path)
+    yield s
+    assert s.close() == 0
+
+
+def text_of(messages: list[dict], stream: str) -> str:
+    return "".join(m["data"] for m in messages if m["type"] == "output" and m["stream"] == stream)
+
+
+def assert_step_shape(messages: list[dict]) -> dict:
+    """started first, completed last, only output between; returns the completion."""
+    assert messages[0]["type"] == "step_started"
+    assert messages[-1]["type"] == "step_completed"
+    assert all(m["type"] == "output" for m in messages[1:-1]), messages
+    return messages[-1]
+
+
+def assert_exited(fd: int) -> None:
+    """A pidfd becomes readable when its process has exited (zombie or reaped)."""
+    readable, _, _ = select.select([fd], [], [], EXIT_TIMEOUT_S)
+    assert readable, "process still alive"
+    os.close(fd)
+
+
+# ---------------------------------------------------------------- exec basics
+
+
+def test_echo_started_output_completed_in_order(shim):
+    messages = shim.run(1, "echo hello")
+    assert messages == [
+        {"type": "step_started", "id": 1},
+        {"type": "output", "id": 1, "stream": "stdout", "data": "hello\n"},
+        {"type": "step_completed", "id": 1, "exit_code": 0},
+    ]
+
+
+def test_stderr_stream(shim):
+    messages = shim.run(2, "echo out; echo err >&2")
+    assert assert_step_shape(messages)["exit_code"] == 0
+    assert text_of(messages, "stdout") == "out\n"
+    assert text_of(messages, "stderr") == "err\n"
+
+
+def test_exit_code(shim):
+    done = assert_step_shape(shim.run(3, "exit 3"))
+    assert done == {"type": "step_completed", "id": 3, "exit_code": 3}
+
+
+def test_signal_death_reports_128_plus_signal(shim):
+    done = assert_step_shape(shim.run(4, "kill -9 $$"))
+    assert done == {"type": "step_completed", "id": 4, "exit_code": 137, "signal": 9}
+
+
+def test_env_and_cwd_honoured(shim, tmp_path):
+    messages = shim.run(5, 'echo "$GREETING"; pwd', env={"GREETING": "hi there"}, cwd=str(tmp_path))
+    assert assert_step_shape(messages)["exit_code"] == 0
+    assert text_of(messages, "stdout") == f"hi there\n{tmp_path}\n"
+
+
+def test_default_cwd_is_root_and_stdin_is_devnull(shim):
+    messages = shim.run(6, "pwd; cat; echo done")
+    assert text_of(messages, "stdout") == "/\ndone\n"
+
+
+def test_missing_cwd_gives_started_stderr_127(shim, tmp_path):
+    messages = shim.run(7, "echo never", cwd=str(tmp_path / "missing"))
+    done = assert_step_shape(messages)
+    assert done == {"type": "step_completed", "id": 7, "exit_code": 127}
+    assert "missing" in text_of(messages, "stderr")
+    assert text_of(messages, "stdout") == ""
+
+
+# ---------------------------------------------------------------- output streaming
+
+
+def test_large_output_complete_and_in_order(shim):
+    messages = shim.run(8, "seq 1 700000")  # ~4.9 MB
+    assert assert_step_shape(messages)["exit_code"] == 0
+    assert all(len(m["data"].encode()) <= 64 * 1024 for m in messages[1:-1])
+    assert len(messages) > 3
+    assert text_of(messages, "stdout") == "".join(f"{i}\n" for i in range(1, 700001))
+
+
+def test_output_complete_when_host_reads_slowly(tmp_path):
+    """20 MB through a small socket buffer: the shim's out-queue fills and pauses the
+    child's pipe; nothing is lost and a ping is still answered in between."""
+    shim = ShimProcess(tmp_path)
+    shim.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    shim.exec(1, "head -c 20000000 /dev/zero | tr '\\0' x")
+    shim.send({"type": "ping", "id": "mid"})
+    total_chars, pong_seen = 0, False
+    while True:
+        msg = shim.recv()
+        if msg["type"] == "pong":
+            pong_seen = True
+            continue
+        assert msg["id"] == 1
+        if msg["type"] == "output":
+            assert set(msg["data"]) == {"x"}
+            total_chars += len(msg["data"])
+        elif msg["type"] == "step_completed":
+            assert msg["exit_code"] == 0
+            break
+    assert total_chars == 20_000_000 and pong_seen
+    assert shim.close() == 0
+
+
+def test_head_c_five_megabytes(shim):
+    messages = shim.run(9, "head -c 5000000 /dev/zero | tr '\\0' x")
+    assert text_of(messages, "stdout") == "x" * 5_000_000
+
+
+def test_utf8_multibyte_split_across_chunks(shim):
+    # 3-byte characters: 64 KiB reads cannot all end on a character boundary.
+    messages = shim.run(10, "yes '€€€€' | head -c 1300000")
+    text = text_of(messages, "stdout")
+    assert text == ("€€€€\n" * 100000)
+    assert len([m for m in messages if m["type"] == "output"]) > 1
+    # And a character split by the writer itself, across two writes.
+    messages = shim.run(11, "printf '\\342\\202'; sleep 0.1; printf '\\254\\n'")
+    assert text_of(messages, "stdout") == "€\n"
+
+
+def test_undecodable_bytes_become_replacement_char(shim):
+    messages = shim.run(12, "printf 'a\\377b\\342\\202'")
+    assert text_of(messages, "stdout") == "a\ufffdb\ufffd"
+
+
+def test_concurrent_commands_each_stream_ordered(shim, tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    # 1 cannot finish before 2 has run: it blocks on the fifo that 2 writes.
+    env = {"F": str(fifo)}
+    shim.exec(1, 'for i in $(seq 2000); do echo a$i; done; cat "$F"; for i in $(seq 2001 4000); do echo a$i; done', env=env)
+    shim.exec(2, 'for i in $(seq 4000); do echo b$i; done; echo go > "$F"', env=env)
+    got = shim.collect(1, 2)
+    for cid in (1, 2):
+        assert assert_step_shape(got[cid])["exit_code"] == 0
+    a = [f"a{i}\n" for i in range(1, 2001)] + ["go\n"] + [f"a{i}\n" for i in range(2001, 4001)]
+    assert text_of(got[1], "stdout") == "".join(a)
+    assert text_of(got[2], "stdout") == "".join(f"b{i}\n" for i in range(1, 4001))
+
+
+def test_too_many_concurrent_commands(shim):
+    for cid in range(64):
+        shim.exec(cid, "exec sleep 1000")
+    for cid in range(64):
+        assert shim.recv() == {"type": "step_started", "id": cid}
+    shim.exec(64, "echo no")
+    err = shim.recv()
+    assert err["type"] == "error" and err["id"] == 64
+    shim.send({"type": "cancel", "id": 0})
+    assert shim.collect(0)[0][-1]["exit_code"] == 143
+    assert assert_step_shape(shim.run(64, "echo yes"))["exit_code"] == 0
+    # the other 63 are killed when the host goes away (fixture teardown)
+
+
+# ---------------------------------------------------------------- cancel
+
+
+def start_with_pids(shim, cid: int, command: str) -> tuple[list[dict], int, int]:
+    """Run ``command`` (which first prints "$$ $!") until its pid line arrives."""
+    shim.exec(cid, command)
+    messages = [shim.recv(), shim.recv()]
+    assert messages[0] == {"type": "step_started", "id": cid}
+    assert messages[1]["type"] == "output" and messages[1]["data"].endswith("\n"), messages
+    shell_pid, child_pid = map(int, messages[1]["data"].split())
+    return messages, shell_pid, child_pid
+
+
+def test_cancel_plain_sleep(shim):
+    shim.exec(20, "sleep 1000")
+    assert shim.recv() == {"type": "step_started", "id": 20}
+    shim.send({"type": "cancel", "id": 20})
+    assert shim.collect(20)[20] == [{"type": "step_completed", "id": 20, "exit_code": 143, "signal": 15}]
+
+
+def test_cancel_kills_whole_process_group(shim):
+    _, shell_pid, child_pid = start_with_pids(shim, 21, "sleep 1000 & echo $$ $!; wait")
+    fds = [os.pidfd_open(shell_pid), os.pidfd_open(child_pid)]
+    shim.send({"type": "cancel", "id": 21})
+    done = shim.collect(21)[21][-1]
+    assert done == {"type": "step_completed", "id": 21, "exit_code": 143, "signal": 15}
+    for fd in fds:
+        assert_exited(fd)
+
+
+def test_cancel_escalates_to_sigkill_after_grace(tmp_path):
+    grace_s = 0.3
+    shim = ShimProcess(tmp_path, "--kill-grace-s", str(grace_s))
+    _, shell_pid, child_pid = start_with_pids(shim, 22, "trap '' TERM; sleep 1000 & echo $$ $!; wait")
+    fds = [os.pidfd_open(shell_pid), os.pidfd_open(child_pid)]
+    sent_at = time.monotonic()
+    shim.send({"type": "cancel", "id": 22})
+    done = shim.collect(22)[22][-1]
+    assert time.monotonic() - sent_at >= grace_s
+    assert done == {"type": "step_completed", "id": 22, "exit_code": 137, "signal": 9}
+    for fd in fds:
+        assert_exited(fd)
+    assert shim.close() == 0
+
+
+def test_cancel_unknown_id_is_an_error(shim):
+    shim.send({"type": "cancel", "id": 999})
+    err = shim.recv()
+    assert err["type"] == "error" and err["id"] == 999 and "999" in err["message"]
+    assert assert_step_shape(shim.run(1, "true"))["exit_code"] == 0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BAD_LINES = {
+    "malformed json": (b'{"type": "exec", "id": 1,', None),
+    "array": (b'[1, 2, 3]', None),
+    "string": (b'"exec"', None),
+    "unknown type": (b'{"type": "launch", "id": 5}', 5),
+    "missing type": (b'{"id": 5}', 5),
+    "missing id": (b'{"type": "exec", "command": "echo x"}', None),
+    "bool id": (b'{"type": "exec", "id": true, "command": "echo x"}', None),
+    "float id": (b'{"type": "exec", "id": 1.5, "command": "echo x"}', None),
+    "huge id": (b'{"type": "exec", "id": 99999999999999999999999, "command": "echo x"}', None),
+    "missing command": (b'{"type": "exec", "id": 6}', 6),
+    "non-string command": (b'{"type": "exec", "id": 6, "command": ["ls"]}', 6),
+    "bad env value": (b'{"type": "exec", "id": 7, "command": "true", "env": {"A": 1}}', 7),
+    "env not object": (b'{"type": "exec", "id": 7, "command": "true", "env": ["A=1"]}', 7),
+    "env key with =": (b'{"type": "exec", "id": 7, "command": "true", "env": {"A=B": "1"}}', 7),
+    "bad cwd": (b'{"type": "exec", "id": 8, "command": "true", "cwd": 3}', 8),
+    "NUL in command": (b'{"type": "exec", "id": 8, "command": "echo \\u0000"}', 8),
+    "NaN": (b'{"type": "ping", "id": NaN}', None),
+    "invalid utf-8": (b'{"type": "ping", "id": "\xff"}', None),
+    "deep nesting": (b"[" * 200000 + b"]" * 200000, None),
+    "bad step_id": (b'{"type": "rollback_notify", "step_id": "x"}', None),
+    "cancel missing id": (b'{"type": "cancel"}', None),
+}
+
+
+@pytest.mark.parametrize("line,err_id", BAD_LINES.values(), ids=BAD_LINES.keys())
+def test_bad_input_is_an_error_and_the_shim_keeps_working(shim, line, err_id):
+    shim.send_raw(line + b"\n")
+    err = shim.recv()
+    assert err["type"] == "error" and err["id"] == err_id, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert assert_step_shape(shim.run(100, "echo ok"))["exit_code"] == 0
+
+
+def test_blank_lines_are_ignored(shim):
+    shim.send_raw(b"\n  \r\n")
+    shim.send({"type": "ping", "id": "x"})
+    assert shim.recv() == {"type": "pong", "id": "x"}
+
+
+def test_oversized_line_reported_once_then_normal(tmp_path):
+    shim = ShimProcess(tmp_path, "--line-max-bytes", "1024")
+    shim.send_raw(b'{"type": "ping", "id": "' + b"x" * 3000)
+    shim.send_raw(b"y" * 3000)  # still the same line, arriving later
+    shim.send_raw(b'"}\n')
+    shim.send({"type": "ping", "id": 1})
+    err = shim.recv()
+    assert err["type"] == "error" and err["id"] is None and "1024" in err["message"]
+    assert shim.recv() == {"type": "pong", "id": 1}
+    # A complete oversized line in one piece, then lines just under the limit.
+    shim.send_raw(b"z" * 2000 + b"\n")
+    assert shim.recv()["type"] == "error"
+    shim.send({"type": "ping", "id": "p" * 900})
+    assert shim.recv() == {"type": "pong", "id": "p" * 900}
+    assert assert_step_shape(shim.run(1, "echo ok"))["exit_code"] == 0
+    assert shim.close() == 0
+
+
+def test_duplicate_running_id_is_an_error(shim):
+    shim.exec(30, "exec sleep 1000")
+    assert shim.recv() == {"type": "step_started", "id": 30}
+    shim.exec(30, "echo again")
+    err = shim.recv()
+    assert err["type"] == "error" and err["id"] == 30
+    shim.send({"type": "cancel", "id": 30})
+    assert shim.collect(30)[30][-1]["exit_code"] == 143
+    # the id is free again once completed
+    assert assert_step_shape(shim.run(30, "echo again"))["exit_code"] == 0
+
+
+# ---------------------------------------------------------------- other messages
+
+
+def test_ping_pong(shim):
+    for ping_id in (1, "abc", None, {"nested": [1, 2]}):
+        shim.send({"type": "ping", "id": ping_id})
+        assert shim.recv() == {"type": "pong", "id": ping_id}
+
+
+def test_rollback_notify_is_acknowledged(shim):
+    shim.send({"type": "rollback_notify", "step_id": 42})
+    assert shim.recv() == {"type": "rollback_noted", "step_id": 42}
+
+
+# ---------------------------------------------------------------- end of input
+
+
+def test_eof_on_fd_exits_zero_and_kills_commands(tmp_path):
+    shim = ShimProcess(tmp_path)
+    _, shell_pid, child_pid = start_with_pids(shim, 40, "sleep 1000 & echo $$ $!; wait")
+    shim.exec(41, "exec sleep 1000")
+    assert shim.recv() == {"type": "step_started", "id": 41}
+    fds = [os.pidfd_open(shell_pid), os.pidfd_open(child_pid)]
+    assert shim.close() == 0
+    for fd in fds:
+        assert_exited(fd)
+
+
+def test_sigterm_exits_zero(shim):
+    shim.exec(1, "exec sleep 1000")
+    assert shim.recv() == {"type": "step_started", "id": 1}
+    shim.proc.send_signal(signal.SIGTERM)
+    assert shim.proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+
+
+def test_port_mode_on_a_pty(tmp_path):
+    """``--port`` opens a character device by path; a raw pty stands in for virtio-serial."""
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    with open(tmp_path / "shim.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(SHIM), "--port", os.ttyname(slave)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    buf = bytearray()
+
+    def recv() -> dict:
+        nonlocal buf
+        while (newline := buf.find(b"\n")) < 0:
+            readable, _, _ = select.select([master], [], [], RECV_TIMEOUT_S)
+            assert readable, "no message from shim"
+            buf += os.read(master, 65536)
+        line = bytes(buf[:newline])
+        del buf[: newline + 1]
+        return json.loads(line)
+
+    try:
+        assert recv() == {"type": "ready", "version": 1, "pid": proc.pid}
+        os.write(master, b'{"type":"ping","id":7}\n{"type":"exec","id":1,"command":"echo pty"}\n')
+        assert recv() == {"type": "pong", "id": 7}
+        assert [recv() for _ in range(3)] == [
+            {"type": "step_started", "id": 1},
+            {"type": "output", "id": 1, "stream": "stdout", "data": "pty\n"},
+            {"type": "step_completed", "id": 1, "exit_code": 0},
+        ]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+        os.close(slave)

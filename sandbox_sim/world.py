@@ -1,0 +1,203 @@
+"""A world: a working folder and its undo store that can crash and be reopened.
+
+``World("sim")`` keeps both in memory (MemoryHostFS, deterministic clock, fault hook
+built in); ``World("sim-reflink")`` is the same on a simulated disk that can share
+extents (:class:`ReflinkMemoryHostFS`), so large preimages are stored raw as on XFS. ``World("real", tmp)`` uses two real temp directories; faults are injected
+by :class:`FaultyHostFS`, a wrapper calling the same injector before each call. The
+same model tests run on both, so the simulation never drifts from a real filesystem.
+
+``crash(ws)`` is process death: the workspace object is abandoned without any cleanup
+(no step closed, no lock released by our code), and the lock drops as the kernel
+would drop a dead process's ``flock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+
+from sandbox.core.workspace import Workspace
+from sandbox.hostfs import HostFS
+from sandbox.hostfs.real import RealHostFS
+from sandbox.hostfs.memory import SimClock, MemoryHostFS
+
+from . import oracle
+from .faults import FaultInjector, SimulatedCrash
+
+
+class FaultyHandle:
+    """A handle of a :class:`FaultyHostFS`: the injector is called before each call, with
+    the op names MemoryFileHandle uses (``pwrite`` is a ``write``, torn like a path write)."""
+
+    _OPS = {"pread": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync", "fstat": "fstat",
+            "chmod": "chmod", "utime": "utime", "listxattr": "listxattr", "getxattr": "getxattr",
+            "setxattr": "setxattr", "removexattr": "removexattr"}
+
+    def __init__(self, fs: "FaultyHostFS", inner):
+        self._fs = fs
+        self.inner = inner
+
+    def __getattr__(self, attr):
+        fn = getattr(self.inner, attr)
+        op = self._OPS.get(attr)
+        if op is None:
+            return fn
+
+        def call(*args, **kwargs):
+            nbytes = len(args[0]) if op == "write" else len(args[-1]) if op == "setxattr" else 0
+            limit = self._fs.injector(self._fs, op, self.inner.path, nbytes)
+            if op == "write" and limit is not None:
+                data, offset = args
+                self.inner.pwrite(data[:limit], offset)
+                self._fs.injector.after_torn_write(self._fs, self.inner.path, limit)
+            return fn(*args, **kwargs)
+
+        return call
+
+    def pwrite_all(self, data: bytes, offset: int) -> None:
+        type(self.inner).pwrite_all(self, data, offset)  # the loop, over the faulty pwrite
+
+    def xattrs(self) -> dict:
+        return type(self.inner).xattrs(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.inner.close()
+
+
+class FaultyHostFS(HostFS):
+    """Any HostFS with the injector called before each operation (used for real dirs);
+    the handles it opens are wrapped in a :class:`FaultyHandle`."""
+
+    def __init__(self, inner: HostFS, injector: FaultInjector):
+        self.inner = inner
+        self.name = inner.name
+        self.injector = injector
+
+    def __getattr__(self, op):
+        fn = getattr(self.inner, op)
+
+        def call(*args):
+            nbytes = len(args[-1]) if op in ("write", "setxattr") else 0
+            path = args[0] if args and isinstance(args[0], str) else ""
+            limit = self.injector(self, op, path, nbytes)
+            if op == "write" and limit is not None:
+                path, offset, data = args
+                self.inner.write(path, offset, data[:limit])
+                self.injector.after_torn_write(self, path, limit)
+            result = fn(*args)
+            return FaultyHandle(self, result) if op in ("open", "create_handle") else result
+
+        return call
+
+
+# HostFS declares these abstract; route them all through __getattr__'s wrapper.
+for _name in list(HostFS.__abstractmethods__) + ["clone_to"]:
+    setattr(FaultyHostFS, _name, property(lambda self, _n=_name: FaultyHostFS.__getattr__(self, _n)))
+FaultyHostFS.__abstractmethods__ = frozenset()
+
+
+class ReflinkMemoryHostFS(MemoryHostFS):
+    """A simulated disk that can clone files to another one (what FICLONE does on XFS or
+    btrfs): the clone holds the same bytes, so the undo store keeps large preimages raw."""
+
+    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
+        if not isinstance(dst_fs, ReflinkMemoryHostFS):
+            raise OSError(errno.EOPNOTSUPP, "reflink needs two simulated reflink disks")
+        self._fault("clone_to", path)
+        data = self.read_all(path)
+        dst_fs.create(dst_path, 0o600)
+        dst_fs.write_all(dst_path, 0, data)
+
+
+class World:
+    def __init__(self, kind: str = "sim", tmp: str | None = None):
+        self.kind = kind
+        self.injector = FaultInjector()
+        self.injector_paused = False
+        if kind in ("sim", "sim-reflink"):
+            disk = ReflinkMemoryHostFS if kind == "sim-reflink" else MemoryHostFS
+            clock = SimClock()
+            self.clock_ns = clock
+            self.work = disk("work", clock=clock, fault_hook=self._hook_obj())
+            self.store = disk("store", clock=clock, fault_hook=self._hook_obj())
+            self._work_view, self._store_view = self.work, self.store
+        elif kind == "real":
+            assert tmp is not None
+            os.makedirs(os.path.join(tmp, "work"), exist_ok=True)
+            os.makedirs(os.path.join(tmp, "store"), exist_ok=True)
+            self.work = RealHostFS(os.path.join(tmp, "work"), name="work")
+            self.store = RealHostFS(os.path.join(tmp, "store"), name="store")
+            self.clock_ns = None
+            self._work_view = FaultyHostFS(self.work, self._hook_obj())
+            self._store_view = FaultyHostFS(self.store, self._hook_obj())
+        else:
+            raise ValueError(kind)
+        self.now_s = 1000.0  # the workspace's step clock (ambient idle, quiescence, holds)
+
+    # the injector can be swapped per run; the filesystems keep calling through here
+    def _hook(self, fs, op, path, nbytes):
+        if self.injector_paused:
+            return None
+        return self.injector(fs, op, path, nbytes)
+
+    def _hook_obj(self):
+        world = self
+
+        class _H:
+            def __call__(self, fs, op, path, nbytes):
+                return world._hook(fs, op, path, nbytes)
+
+            def after_torn_write(self, fs, path, n):
+                return world.injector.after_torn_write(fs, path, n)
+
+        return _H()
+
+    def clock_s(self) -> float:
+        return self.now_s
+
+    def open(self, **kwargs) -> Workspace:
+        kwargs.setdefault("clock_s", self.clock_s)
+        if self.clock_ns is not None:
+            kwargs.setdefault("clock_ns", self.clock_ns)
+        return Workspace.open_on(self._work_view, self._store_view, **kwargs)
+
+    def crash(self, ws: Workspace | None, power_loss: bool = False) -> None:
+        """Process death: drop locks, forget the workspace, start the next process fault-free.
+
+        ``power_loss`` (simulated disk only): the machine died too — everything not fsynced
+        is lost (``MemoryHostFS.power_loss``)."""
+        if ws is not None and ws.log._lock is not None:
+            ws.log._lock.release()
+            ws.log._lock = None
+        if self.kind != "real":
+            self.work.crash()
+            self.store.crash()
+            if power_loss:
+                self.work.power_loss()
+                self.store.power_loss()
+        elif power_loss:
+            raise ValueError("power loss can only be simulated on the simulated disk")
+        self.injector.disarm()
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Host calls made by the test itself (oracle, external edits) are not counted."""
+        old, self.injector_paused = self.injector_paused, True
+        try:
+            yield
+        finally:
+            self.injector_paused = old
+
+    def snapshot(self) -> oracle.Snapshot:
+        with self.paused():
+            return oracle.snapshot(self.work)
+
+    def __getattr__(self, name):
+        raise AttributeError(name)
+
+
+__all__ = ["World", "FaultyHostFS", "SimulatedCrash", "FaultInjector"]
