@@ -686,7 +686,7 @@ def test_limits_live_in_one_place_and_the_9p_doc_says_the_code_s_numbers():
     with open(NINEP_DOC) as f:
         text = " ".join(f.read().split())
     para = text[text.index("Limits (`ServerLimits`"):]
-    para = para[:para.index("## ")]
+    para = para.split("## ", 1)[0]  # to the next heading, or the end of the page
     for number, what in [(LIMITS.fids_per_connection_max, "fids"),
                          (LIMITS.open_files_per_connection_max, "open files"),
                          (LIMITS.connections_max, "connections"),
