@@ -640,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Run the host agent for a frontend (GUI, IDE plugin, script): one JSON request per line on\n"
         "stdin, responses and events as JSON lines on stdout, logs as JSON lines on stderr. Start with\n"
         '{"type":"hello","request_id":"1","payload":{"protocol_version":1}}, then session.start.\n'
-        "The protocol (every operation, event and error code) is in the README; the JSON Schemas are\n"
+        "The protocol (every operation, event and error code) is in docs/stdio-api.md; the JSON Schemas are\n"
         "printed by --print-schema. When stdin closes, the requests received are finished, the\n"
         "session is stopped and it exits; SIGTERM/Ctrl-C cancels the running command first.\n\n"
         "Try it without a VM:\n"

@@ -44,7 +44,7 @@ from sandbox.ninep.wirefs import serve
 
 pytestmark = pytest.mark.timeout(180)
 LIMITS = ServerLimits()
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+NINEP_DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "9p.md")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -675,7 +675,7 @@ def test_descriptor_budget_arithmetic():
 # --------------------------------------------------------------------------- one place, documented
 
 
-def test_limits_live_in_one_place_and_the_readme_says_the_code_s_numbers():
+def test_limits_live_in_one_place_and_the_9p_doc_says_the_code_s_numbers():
     from sandbox.mounts.holds import QUEUE_MAX
     from sandbox.mounts.provider import XATTR_SIZE_MAX
     from sandbox.ninep.locks import LOCKS_MAX
@@ -683,10 +683,10 @@ def test_limits_live_in_one_place_and_the_readme_says_the_code_s_numbers():
     assert (QUEUE_MAX, LOCKS_MAX, XATTR_SIZE_MAX) == (
         LIMITS.held_requests_per_export_max, LIMITS.locks_per_export_max, LIMITS.xattr_value_bytes_max)
     assert ServerConfig().limits == LIMITS
-    with open(README) as f:
+    with open(NINEP_DOC) as f:
         text = " ".join(f.read().split())
     para = text[text.index("Limits (`ServerLimits`"):]
-    para = para[:para.index("## ")]
+    para = para.split("## ", 1)[0]  # to the next heading, or the end of the page
     for number, what in [(LIMITS.fids_per_connection_max, "fids"),
                          (LIMITS.open_files_per_connection_max, "open files"),
                          (LIMITS.connections_max, "connections"),

@@ -128,19 +128,24 @@ def test_every_operation_needs_a_session_except_hello_and_status(api):
     assert c.error("safeguard.confirm", {"safeguard_id": "sg_x", "action": "allow"})["code"] == "safeguard.unknown_id"
 
 
-def test_every_error_code_is_in_the_readme():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    missing = [code for code in errors.CODES if f"`{code}`" not in readme]
-    assert not missing, f"README lacks error codes: {missing}"
+STDIO_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "stdio-api.md")
 
 
-def test_the_readme_documents_every_operation_and_event_and_embeds_the_schema():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    missing = [t for t in [*schema.REQUESTS, *schema.EVENTS] if f"| `{t}` |" not in readme]
-    assert not missing, f"README's tables lack: {missing}"
-    start = readme.index("<!-- protocol.schema.json -->")
-    block = readme[start:].split("```json\n", 1)[1].split("```", 1)[0]
-    assert json.loads(block) == schema.shipped(), "re-embed: python -m sandbox.api.schema --readme"
+def test_every_error_code_is_in_the_protocol_reference():
+    with open(STDIO_DOC) as f:
+        doc = f.read()
+    missing = [code for code in errors.CODES if f"`{code}`" not in doc]
+    assert not missing, f"docs/stdio-api.md lacks error codes: {missing}"
+
+
+def test_the_protocol_reference_documents_every_operation_and_event_and_embeds_the_schema():
+    with open(STDIO_DOC) as f:
+        doc = f.read()
+    missing = [t for t in [*schema.REQUESTS, *schema.EVENTS] if f"| `{t}` |" not in doc]
+    assert not missing, f"docs/stdio-api.md's tables lack: {missing}"
+    start = doc.index("<!-- protocol.schema.json -->")
+    block = doc[start:].split("```json\n", 1)[1].split("```", 1)[0]
+    assert json.loads(block) == schema.shipped(), "re-embed: python -m sandbox.api.schema --doc"
 
 
 def test_the_shipped_schema_is_current_and_valid():

@@ -16,7 +16,7 @@ import errno
 
 from ..core.errors import SandboxError
 
-#: code -> what it means (and the ``data`` fields it carries). The README's table is checked against it.
+#: code -> what it means (and the ``data`` fields it carries). docs/stdio-api.md's table is checked against it.
 CODES: dict[str, str] = {
     # protocol: the message itself
     "protocol.invalid_json": "The line is not valid JSON (data: position).",

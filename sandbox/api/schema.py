@@ -314,25 +314,27 @@ def _clip(text: str, chars_max: int = 300) -> str:
     return text if len(text) <= chars_max else text[:chars_max] + "…"
 
 
-README_MARK = "<!-- protocol.schema.json -->"
+DOC_PATH = "docs/stdio-api.md"
+DOC_MARK = "<!-- protocol.schema.json -->"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--write``: regenerate the shipped file; ``--readme PATH``: re-embed it in the README
-    (after the marker line, in a ``json`` code block); otherwise print it."""
+    """``--write``: regenerate the shipped file; ``--doc [PATH]``: re-embed it in the protocol
+    reference (default ``docs/stdio-api.md``, after the marker line, in a ``json`` code block);
+    otherwise print it."""
     argv = sys.argv[1:] if argv is None else argv
     text = json.dumps(document(), indent=1, sort_keys=True) + "\n"
     if argv == ["--write"]:
         with open(SCHEMA_PATH, "w") as f:
             f.write(text)
         return 0
-    if argv[:1] == ["--readme"]:
-        path = argv[1] if len(argv) > 1 else "README.md"
+    if argv[:1] == ["--doc"]:
+        path = argv[1] if len(argv) > 1 else DOC_PATH
         with open(path) as f:
-            readme = f.read()
-        head, sep, rest = readme.partition(README_MARK)
+            doc = f.read()
+        head, sep, rest = doc.partition(DOC_MARK)
         if not sep:
-            raise SystemExit(f"{path}: no {README_MARK} line")
+            raise SystemExit(f"{path}: no {DOC_MARK} line")
         after = rest.split("```json\n", 1)[1].split("```", 1)[1]
         with open(path, "w") as f:
             f.write(head + sep + "\n\n```json\n" + text + "```" + after)
