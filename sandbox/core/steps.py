@@ -86,12 +86,15 @@ class Step:
     state: StepState = S.OPEN
     drain_deadline_s: float = 0.0
     exit_code: int | None = None
+    #: the states it has been in, in order (bounded: the graph has no cycle, so at most 4)
+    trail: tuple[StepState, ...] = (S.OPEN,)
 
     def _transition(self, to: StepState) -> None:
         """The only place ``state`` changes; an edge outside :data:`EDGES` is a bug."""
         if to not in EDGES[self.state]:
             raise AssertionError(f"step {self.id}: illegal transition {self.state.name} -> {to.name}")
         self.state = to
+        self.trail += (to,)
 
     @property
     def draining(self) -> bool:
@@ -120,6 +123,7 @@ class StepTracker:
         self.quiescence_s = quiescence_s
         self.active: Step | None = None  # OPEN, COMPLETING or DENIED
         self.ended: Step | None = None  # ENDED: waits to be recorded (its promotion failed so far)
+        self.last: Step | None = None  # the newest step in a final state
         self.in_flight = 0
 
     def begin(self, step_id: int, step_type: str, command: str) -> Step:
@@ -187,7 +191,7 @@ class StepTracker:
         if e is None:
             return None
         e._transition(S.ROLLED_BACK if outcome_denied else S.CLOSED)
-        self.ended = None
+        self.ended, self.last = None, e
         return e
 
     def discarded(self) -> Step | None:
@@ -196,5 +200,5 @@ class StepTracker:
         if e is None:
             return None
         e._transition(S.DISCARDED)
-        self.ended = None
+        self.ended, self.last = None, e
         return e

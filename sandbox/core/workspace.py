@@ -200,25 +200,26 @@ class Workspace:
         """For servers: the command ended; the step drains, then closes (see poll)."""
         self._interceptor.complete_step(step_id, exit_code)
 
-    def close_step(self, step_id: int, exit_code: int | None, drain_s: float = DRAIN_S_MAX) -> None:
+    def close_step(self, step_id: int, exit_code: int | None, drain_s: float = DRAIN_S_MAX) -> bool:
         """The command of step ``step_id`` ended with ``exit_code``: let the step drain —
         until no request is in flight (:meth:`op_finished`) or its quiescence window has
         passed — then close it; after ``drain_s`` (wall clock) it is closed regardless.
-        Returns once the step has ended. No-op if ``step_id`` is not the active step (it
-        was closed already, e.g. by an undo or the session stopping)."""
+        Returns once the step has ended: True if it drained, False if ``drain_s`` cut it
+        off (a request still in flight then lands in the next step). No-op (True) if
+        ``step_id`` is not the active step (closed already, e.g. by an undo or a stop)."""
         deadline = time.monotonic() + max(0.0, drain_s)
         t = self._tracker
         with self._settled:  # the interceptor's lock: waiting releases it
             a = t.active
             if a is None or a.id != step_id:
-                return
+                return True
             if not a.draining:
                 self._interceptor.complete_step(step_id, exit_code)
             while True:
                 self._interceptor.poll()
                 a = t.active
                 if a is None or a.id != step_id:
-                    return
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -227,6 +228,7 @@ class Workspace:
                 quiet_in_s = a.drain_deadline_s - t.clock_s()
                 self._settled.wait(min(left, max(quiet_in_s, DRAIN_WAKE_S_MIN)))
             self._interceptor.close_now()
+            return False
 
     def poll(self) -> None:
         """Advance time-driven state: ambient idle close, quiescence, hold timeouts."""
@@ -280,12 +282,17 @@ class Workspace:
         return self._interceptor.current_step()
 
     def step_state(self, step_id: int | None = None) -> StepState | None:
-        """The lifecycle state of the active step, or of the step that has ended and waits
-        to be recorded (ENDED); with ``step_id``, only if it is that step. None otherwise."""
+        """The lifecycle state (:class:`~sandbox.core.steps.StepState`) of the active step,
+        or of the step that has ended and waits to be recorded (ENDED); with ``step_id``,
+        that step's — also the final state (CLOSED, ROLLED_BACK, DISCARDED) of the newest
+        step that reached one. None for anything else."""
         with self._interceptor.lock:
             for s in (self._tracker.active, self._tracker.ended):
                 if s is not None and (step_id is None or s.id == step_id):
                     return s.state
+            last = self._tracker.last
+            if step_id is not None and last is not None and last.id == step_id:
+                return last.state
             return None
 
     # ------------------------------------------------------------------ safeguards
