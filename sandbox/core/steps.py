@@ -16,20 +16,19 @@ A step's lifecycle is a named state machine (:class:`StepState`). Every change o
 goes through :meth:`Step._transition`, which refuses (``AssertionError``) any edge not in
 :data:`EDGES` — the way SQLite's pager names its states and asserts each move::
 
-                 complete(exit code)
-        OPEN ─────────────────────────► COMPLETING          (draining: in flight → 0,
-         │  ╲                         ╱     │                 or the quiescence window)
-         │   ╲ a hold is denied      ╱      │
-         │    ╲   (writes undone     ╱ deny  │
-         │     ▼   at once)         ▼       │
-         │        DENIED ◄─────────┘        │
-         │  idle (ambient),  │ ends          │ drained, or closed now
-         │  closed now       ▼               ▼
-         └─────────────────► ENDED ◄─────────┘     (in the WAL; not yet in history)
-                               │
-             ┌─────────────────┼──────────────────────┐
-             ▼ recorded        ▼ recorded as denied    ▼ history discarded first
-           CLOSED          ROLLED_BACK             DISCARDED
+    begin ─► OPEN ───── complete(exit code) ─────► COMPLETING  (draining: until nothing is
+              │  │                                   │  │       in flight, or the quiescence
+              │  └─ deny ─► DENIED ◄──── deny ───────┘  │       window has passed)
+              │    (a hold   │  (refuses writes)        │
+              │    refused:  │                          │
+              │    writes    │ ends                     │ drained, or closed now
+              │    undone)   ▼                          │
+              └──────────► ENDED ◄──────────────────────┘
+        idle (ambient),      │   (in the WAL; not yet in history)
+        or closed now        │
+             ┌───────────────┼───────────────────────┐
+             ▼ recorded      ▼ recorded as denied    ▼ history discarded first
+           CLOSED        ROLLED_BACK             DISCARDED
 
 OPEN, COMPLETING and DENIED are *active* (writes are attributed to the step; a DENIED
 one refuses them). A DENIED step whose command has exited still drains before it ends:
@@ -86,7 +85,7 @@ class Step:
     state: StepState = S.OPEN
     drain_deadline_s: float = 0.0
     exit_code: int | None = None
-    #: the states it has been in, in order (bounded: the graph has no cycle, so at most 4)
+    #: the states it has been in, in order (bounded: the graph has no cycle, so at most 5)
     trail: tuple[StepState, ...] = (S.OPEN,)
 
     def _transition(self, to: StepState) -> None:
@@ -110,8 +109,6 @@ class Step:
         """A command or API step whose command has not exited (undo and new steps wait)."""
         return self.state in ACTIVE_STATES and self.type != AMBIENT and not self.draining
 
-
-ActiveStep = Step  # the name callers knew
 
 
 class StepTracker:

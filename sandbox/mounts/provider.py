@@ -95,6 +95,12 @@ class Provider:
     def interceptor(self):
         return self.fs.interceptor
 
+    @property
+    def workspace(self):
+        """The :class:`~sandbox.core.workspace.Workspace` behind an intercepted export (its
+        doors: ``resolve_hold``, ``pending_hold``, in-flight accounting), else None."""
+        return self._workspace
+
     # ------------------------------------------------------------------ housekeeping
 
     def poll(self) -> None:
