@@ -124,10 +124,10 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
         elif side in ("ours", "plain", "watched"):
             detector = None
             if side in ("ours", "watched"):
-                ws = open_workspace(work, watched=side == "watched", state_dir=work + ".state")
+                ws, own_writes = open_workspace(work, watched=side == "watched", state_dir=work + ".state")
                 provider = Provider.intercepted(ws)
                 if side == "watched":
-                    detector = watch_workspace(ws, work)  # logs anything it (wrongly) finds
+                    detector = watch_workspace(own_writes, work)  # logs anything it (wrongly) finds
             else:
                 provider = Provider(RealHostFS(work), None, read_only=False)
             try:

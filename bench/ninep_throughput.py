@@ -107,9 +107,9 @@ def run_side(side: str, base: str, args) -> dict[str, float]:
         ws = Workspace.open(work, state_dir=state)
         provider = Provider.intercepted(ws)
     elif side == "watched":
-        ws = open_workspace(work, watched=True, state_dir=state)
+        ws, own_writes = open_workspace(work, watched=True, state_dir=state)
         provider = Provider.intercepted(ws)
-        detector = watch_workspace(ws, work)  # logs anything it (wrongly) finds
+        detector = watch_workspace(own_writes, work)  # logs anything it (wrongly) finds
     else:
         provider = Provider(RealHostFS(work), None, read_only=False)
     try:

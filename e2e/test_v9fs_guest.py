@@ -146,7 +146,7 @@ readlink build/latest
     assert os.stat(project / "build" / "out" / "app.bin").st_mtime == pytest.approx(981173106, abs=86400)
     assert os.path.getsize(project / "build" / "zeros") == 1000
     assert os.readlink(project / "build" / "latest") == "out/app.bin"
-    ws.interceptor.close_now()
+    ws.close_active()
     hist = ws.history()
     assert hist and all(h["type"] == "ambient" for h in hist)
     ws.rollback(len(hist))
@@ -204,7 +204,7 @@ stat -c '%n %a' tool shared README.md
     assert os.lstat(project / "tool").st_mode & 0o7777 == 0o755
     assert os.lstat(project / "shared").st_mode & 0o7777 == 0o775
     assert not os.lstat(project / "README.md").st_mode & 0o6000
-    ws.interceptor.close_now()
+    ws.close_active()
     ws.rollback(len(ws.history()))
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's set-id changes")
     ws.close()
@@ -258,7 +258,7 @@ python3 -c "import os, json; print(json.dumps(sorted(os.listdir('.'))))"
     lines = [line for line in out.split("\n") if not line.startswith("[")]  # kernel messages may interleave
     assert lines[:2] == ["2", "0"], out
     assert (project / ".git" / "HEAD").exists()
-    ws.interceptor.close_now()
+    ws.close_active()
     ws.rollback(len(ws.history()))
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of git in the guest")
     ws.close()
@@ -289,7 +289,7 @@ PY
     assert not [n for n in names if not n.startswith("user.sandbox.x.")], names
     with pytest.raises(OSError):
         os.getxattr(project / "tool", "security.capability")  # no real file capability
-    ws.interceptor.close_now()
+    ws.close_active()
     ws.rollback(len(ws.history()))
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's privileged xattrs")
     ws.close()

@@ -79,10 +79,10 @@ class Driver:
         self.checker.sync(self.ws, tree=tree, rolled_back=rolled_back)
 
     def _top_seqs(self, n: int) -> tuple[int, ...]:
-        return tuple(s.seq for s in self.ws.log.steps()[-n:])
+        return tuple(s.seq for s in self.ws.steps()[-n:])
 
     def history_len(self) -> int:
-        return len(self.ws.log.steps())
+        return len(self.ws.steps())
 
     # ------------------------------------------------------------------ actions
 
@@ -95,7 +95,7 @@ class Driver:
         self._ops(seed, count)  # no step open: an ambient step opens by itself
         self.world.now_s += 5.0  # idle for the ambient timeout
         self.ws.poll()
-        assert self.ws.tracker.active is None, "ambient step did not close after 5 s idle"
+        assert self.ws.active_step_id is None, "ambient step did not close after 5 s idle"
         self.checker.sync(self.ws)
 
     def rollback(self, n: int) -> None:
@@ -160,9 +160,9 @@ class Driver:
         except OSError as e:
             assert e.errno == code, e
             self._disarm()
-            self.ws.interceptor.close_now()  # closing is retried once the disk recovers
+            self.ws.close_active()  # closing is retried once the disk recovers
         self._disarm()
-        assert self.ws.tracker.active is None
+        assert self.ws.active_step_id is None
         self.checker.sync(self.ws)
 
     def crash_in_rollback(self, n: int, k: int, power: bool = False) -> None:
@@ -238,7 +238,7 @@ class Driver:
 
     def check(self, what: str = "after action") -> None:
         self.checker.check(self.ws, what)
-        assert len(self.ws.log.steps()) <= self.limits.max_step_count or self.ws.log.eviction_pending
+        assert len(self.ws.steps()) <= self.limits.max_step_count or self.ws.eviction_pending
 
     def run(self, action: tuple) -> None:
         getattr(self, action[0])(*action[1:])

@@ -188,10 +188,10 @@ class BarrierModel(RuleBasedStateMachine):
         else:
             self.world.work.unlink(path)
 
-    @precondition(lambda self: self.ws is not None and self.ws.log.steps())
+    @precondition(lambda self: self.ws is not None and self.ws.steps())
     @rule(n=st.integers(1, 3))
     def rollback(self, n):
-        steps = self.ws.log.steps()
+        steps = self.ws.steps()
         n = min(n, len(steps))
         oldest = steps[-n].seq
         must_refuse = any(seq >= oldest for seq in self.barrier_seqs)
@@ -211,10 +211,10 @@ class BarrierModel(RuleBasedStateMachine):
                 now = self._state(path)
                 assert now == data, f"rollback clobbered the user's edit of {path!r}: {data!r} -> {now!r}"
 
-    @precondition(lambda self: self.ws is not None and self.ws.log.steps())
+    @precondition(lambda self: self.ws is not None and self.ws.steps())
     @rule()
     def forced_rollback(self):
-        oldest = self.ws.log.steps()[-1].seq
+        oldest = self.ws.steps()[-1].seq
         try:
             self.ws.rollback(1, force=True)
         except StepUnprotected:
@@ -228,7 +228,7 @@ class BarrierModel(RuleBasedStateMachine):
     def barriers_are_visible(self):
         if self.ws is not None:
             shown = sum(len(h["barriers"]) for h in self.ws.history())
-            live = len([b for b in self.ws.barriers() if any(s.seq == b["after_seq"] for s in self.ws.log.steps())])
+            live = len([b for b in self.ws.barriers() if any(s.seq == b["after_seq"] for s in self.ws.steps())])
             assert shown == live
 
 

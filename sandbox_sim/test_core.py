@@ -157,7 +157,7 @@ def test_missing_version_with_history_is_a_mismatch_not_a_reset(world):
     with world.paused():
         world.store.unlink("VERSION")
     ws = _open(world)
-    assert not ws.undo_available and "VERSION" in ws.log.version_problem
+    assert not ws.undo_available and "VERSION" in ws.undo_unavailable_reason
     assert world.store.listdir("steps")
 
 
@@ -248,7 +248,7 @@ def test_create_vs_open_trunc_and_exact_metadata_restore(world):
         ws.fs.setxattr("dir", "user.x", b"y")
         ws.fs.chmod("dir", 0o700)
         ws.fs.utime("", 5)
-    recs = ws.log.records_of(ws.log.steps()[-1])
+    recs = ws.records()
     assert {r["op"] for r in recs if r.get("path") == "old"} == {"pre"}
     assert {r["op"] for r in recs if r.get("path") == "dir/new"} == {"created"}
     ws.rollback(1)
@@ -266,8 +266,8 @@ def test_directory_rename_costs_one_record_not_a_copy(world):
     with ws.step("mv big moved"):
         ws.fs.rename("big", "moved")
         ws.fs.write_file("moved/f7", b"edited after the move")
-    info = ws.log.steps()[-1]
-    recs = ws.log.records_of(info)
+    info = ws.steps()[-1]
+    recs = ws.records(info.id)
     assert len(recs) <= 5, recs
     assert info.size_bytes < 20_000  # one 2 KB preimage (f7) and a few records, not 600 KB
     ws.rollback(1)
@@ -303,16 +303,16 @@ def test_hardlinks_path_based(world):
 def test_ambient_steps_have_negative_ids_and_close_after_idle(world):
     ws = _open(world)
     ws.fs.write_file("x", b"1")
-    assert ws.interceptor.current_step() == -1
+    assert ws.current_step() == -1
     world.now_s += 4.9
     ws.poll()
     ws.fs.write_file("y", b"2")  # still the same ambient step: idle time restarts
     world.now_s += 4.9
-    assert ws.interceptor.current_step() == -1
+    assert ws.current_step() == -1
     world.now_s += 0.2
-    assert ws.interceptor.current_step() is None
+    assert ws.current_step() is None
     ws.fs.write_file("z", b"3")
-    assert ws.interceptor.current_step() == -2
+    assert ws.current_step() == -2
     with ws.step("cmd") as s:  # a command step closes the ambient one first
         assert s.id == 1
         ws.fs.write_file("w", b"4")
@@ -341,22 +341,22 @@ def test_quiescence_drains_late_writes_into_the_finished_step(world):
     ws = _open(world)
     step_id = ws.begin_step("make")
     ws.fs.write_file("early", b"1")
-    ws.tracker.op_started()  # a request still in flight when the command ends
+    ws.op_started()  # a request still in flight when the command ends
     ws.complete_step(step_id, 0)
     ws.fs.write_file("late", b"2")  # the in-flight write lands after step_completed
-    assert ws.interceptor.current_step() == step_id
-    ws.tracker.op_finished()
+    assert ws.current_step() == step_id
+    ws.op_finished()
     ws.poll()
-    assert ws.interceptor.current_step() is None
+    assert ws.current_step() is None
     assert sorted(ws.history()[0]["paths"]) == ["", "early", "late"]
     # without in-flight requests the window is bounded by time alone
     step2 = ws.begin_step("again")
-    ws.tracker.op_started()
+    ws.op_started()
     ws.complete_step(step2, 3)
     world.now_s += 0.2
     ws.poll()
-    assert ws.interceptor.current_step() is None and ws.history()[0]["exit_code"] == 3
-    ws.tracker.op_finished()
+    assert ws.current_step() is None and ws.history()[0]["exit_code"] == 3
+    ws.op_finished()
 
 
 def test_recovery_reports_paths_restored(world):
@@ -402,7 +402,7 @@ def test_hold_is_raised_before_the_crossing_delete_without_a_decider(world):
     with pytest.raises(HoldRequired):
         ws.fs.write_file("other", b"queued behind the hold")  # every mutation waits
     assert ws.fs.read_file("f4") == b"content of f4"  # reads keep working
-    ws.interceptor.resolve_hold(hold.id, "allow")
+    ws.resolve_hold(hold.id, "allow")
     ws.fs.unlink("f3")  # retried: runs
     ws.fs.unlink("f4")  # allowed for the rest of the step
     ws.complete_step(sid, 0)
@@ -419,7 +419,7 @@ def test_deny_rolls_back_and_fails_further_writes_until_the_step_ends(world):
     ws.fs.unlink("f1")
     with pytest.raises(HoldRequired) as held:
         ws.fs.unlink("f2")
-    ws.interceptor.resolve_hold(held.value.hold.id, "deny")
+    ws.resolve_hold(held.value.hold.id, "deny")
     oracle.assert_same(before, world.snapshot(), "after deny")
     with pytest.raises(SafeguardDenied) as e:
         ws.fs.write_file("more", b"x")
@@ -440,10 +440,10 @@ def test_hold_times_out_to_deny(world):
         ws.fs.unlink("f1")
     world.now_s += 29
     ws.poll()
-    assert ws.interceptor.safeguard.pending is not None
+    assert ws.pending_hold is not None
     world.now_s += 1
     ws.poll()
-    assert ws.interceptor.safeguard.pending is None
+    assert ws.pending_hold is None
     assert any("timed out" in e.get("message", "") for e in events)
     oracle.assert_same(before, world.snapshot())
 
@@ -580,7 +580,7 @@ def test_log_size_limit_evicts_oldest(world):
             world.work.write_all(f"f{i}", 0, os.urandom(20_000))
         with ws.step(f"s{i}"):
             ws.fs.write_file(f"f{i}", b"small")
-    assert ws.log.total_size_bytes() <= 60_000
+    assert ws.store_size_bytes <= 60_000
     assert [h["command"] for h in ws.history()][-1] != "s0"
 
 
@@ -645,7 +645,7 @@ def test_deny_interrupted_by_an_io_error_is_finished_when_the_step_closes(world)
         ws.fs.unlink("f3")
     world.injector = FaultInjector(error_at=(2, errno.EIO))  # the deny's third store write fails
     with pytest.raises(OSError) as e:
-        ws.interceptor.resolve_hold(held.value.hold.id, "deny")
+        ws.resolve_hold(held.value.hold.id, "deny")
     assert e.value.errno == errno.EIO
     world.injector = FaultInjector()
     with pytest.raises(SafeguardDenied):
@@ -687,7 +687,7 @@ def test_renames_and_links_that_must_fail_record_no_intent(world):
                 op()
             assert e.value.errno == code
         ws.fs.rename("f", "hard")  # the same inode: rename(2) does nothing
-    recs = ws.log.records_of(ws.log.steps()[-1])
+    recs = ws.records()
     assert not [r for r in recs if r["op"] in ("created", "renamed")], recs
     assert world.snapshot() == before
     ws.rollback(1)
@@ -786,7 +786,7 @@ def test_reads_through_intercepted_fs_never_journal(world):
         world.work.symlink("a", "ln")
     assert ws.fs.read("a", 0, 7) == b"content" and ws.fs.readlink("ln") == "a" and ws.fs.xattrs("a") == {}
     assert ws.fs.listdir() and ws.fs.exists("a") and ws.fs.lstat("a").size == 12
-    assert ws.interceptor.current_step() is None
+    assert ws.current_step() is None
 
 
 def test_tracker_and_step_api_validation(world):

@@ -162,7 +162,7 @@ def test_store_error_at_every_store_mutation_of_a_step(code, tmp_path):
             assert e.errno == code, f"store error {j}: unexpected {e!r}"
             failed_ops += 1
             w.injector = FaultInjector()
-            ws.interceptor.close_now()  # the disk recovered: closing is retried
+            ws.close_active()  # the disk recovered: closing is retried
         w.injector = FaultInjector()
         if ws.history()[0]["command"] != "workload":
             # the error hit opening the step: it never started, and nothing was touched

@@ -82,7 +82,7 @@ def host_has_no_privileged_xattrs(p) -> None:
 
 
 def undo_all(ws) -> None:
-    ws.interceptor.close_now()
+    ws.close_active()
     ws.rollback(len(ws.history()))
 
 

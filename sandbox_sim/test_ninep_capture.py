@@ -294,7 +294,7 @@ def test_replay_matches_recorded_replies(tmp_path, work, name):
         }
         assert name != SESSION or os.readlink(work / "link") == "d/moved.txt"
 
-        ws.interceptor.close_now()  # the ambient step would close after 5 s idle
+        ws.close_active()  # the ambient step would close after 5 s idle
         hist = ws.history()
         assert hist, "the replayed writes are in the undo history"
         ws.rollback(len(hist))

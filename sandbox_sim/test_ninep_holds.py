@@ -61,13 +61,13 @@ def test_allow_releases_the_held_and_queued_requests_in_order(tmp_path):
         hold_id, kind, queued = gate_state(st)
         assert kind == "delete" and queued == 2
         assert present(tmp_path) == ["f2", "f3", "f4", "f5"]  # the held delete has not run
-        assert st.call(lambda: ws.tracker.in_flight) == 3  # the step's quiescence waits for them
+        assert st.call(lambda: ws.requests_in_flight) == 3  # the step's quiescence waits for them
         assert any(e["type"] == "event.safeguard_triggered" and e["safeguard_id"] == hold_id for e in ws.events)
         assert st.call(lambda: st.server.resolve(hold_id, "allow"))
         order = [c.recv() for _ in range(3)]
         assert [t for t, _r in order] == tags[2:] and all(isinstance(r, m.Runlinkat) for _t, r in order)
         assert present(tmp_path) == ["f5"]
-        assert st.call(lambda: ws.tracker.in_flight) == 0
+        assert st.call(lambda: ws.requests_in_flight) == 0
     ws.close()
 
 
@@ -88,7 +88,7 @@ def test_deny_rolls_the_step_back_and_fails_queued_requests_with_eio(tmp_path):
         with pytest.raises(NinePError) as e:  # the denied step refuses further writes
             c.unlinkat(root, "f5", 0)
         assert e.value.errno == errno.EIO
-    ws.interceptor.close_now()
+    ws.close_active()
     assert ws.history()[0]["outcome"] == "denied"
     ws.close()
 

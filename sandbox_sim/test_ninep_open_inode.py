@@ -192,19 +192,19 @@ def test_hooks_capture_the_path_only_while_it_names_the_handles_inode(ws, work):
     h = fs.open("x", os.O_RDWR)
     fs.unlink("x")
     fs.write_file("x", NEW)  # the new file is older than the next step and untouched by it
-    ws.interceptor.close_now()
+    ws.close_active()
     before = oracle.snapshot(fs.host)
-    with ws.step("through the old handle"):
+    with ws.step("through the old handle") as step:
         fs.fchmod(h, "x", 0o600)
         fs.fsetxattr(h, "x", "user.a", b"1")
         fs.fremovexattr(h, "x", "user.keep")
         fs.ftruncate(h, "x", 1)
         fs.pwrite(h, "x", 0, b"Z")
         fs.futime(h, "x", 10**9)
-        assert [r for r in ws.log.open_step.records if r.get("path") == "x"] == []
+        assert [r for r in ws.records(step.id) if r.get("path") == "x"] == []
         g = fs.open("other", os.O_RDONLY)
         fs.fchmod(g, "other", 0o600)  # the path names the handle's file: captured first
-        assert [r["op"] for r in ws.log.open_step.records if r.get("path") == "other"] == ["meta"]
+        assert [r["op"] for r in ws.records(step.id) if r.get("path") == "other"] == ["meta"]
     assert (work / "x").read_bytes() == NEW and h.pread(10, 0) == b"Z"
     a = h.fstat()
     assert (a.mode, a.mtime_ns, h.xattrs()) == (0o600, 10**9, {"user.a": b"1"})

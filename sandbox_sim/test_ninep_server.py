@@ -105,7 +105,7 @@ def test_write_read_rename_unlink_land_on_host_and_undo_exactly(ws, work, served
         assert os.readlink(work / "link") == "dir/moved.txt"
         assert stat.S_IMODE(os.stat(work / "new.txt").st_mode) == 0o600
         assert fs.read_file("dir/moved.txt") == b"deep\n"
-    ws.interceptor.close_now()  # the ambient step would close after 5 s idle
+    ws.close_active()  # the ambient step would close after 5 s idle
     hist = ws.history()
     assert hist and hist[0]["type"] == "ambient" and hist[0]["id"] < 0
     ws.rollback(len(hist))
@@ -117,7 +117,7 @@ def test_writes_join_the_step_the_tracker_says_is_current(ws, work, client):
     with ws.step("echo > a") as step:
         fs.write_file("a", b"in a command step")
     fs.write_file("b", b"ambient")
-    ws.interceptor.close_now()
+    ws.close_active()
     hist = ws.history()
     assert [h["type"] for h in hist] == ["ambient", "command"]
     assert hist[1]["id"] == step.id and "a" in hist[1]["paths"] and "b" not in hist[1]["paths"]

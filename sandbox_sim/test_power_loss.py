@@ -153,7 +153,7 @@ def test_failed_fsync_then_power_loss_in_rollback():
                         pass  # the operation failed: it did not happen
         except OSError:  # opening or closing the step failed; closing is retried
             w.injector = FaultInjector()
-            ws.interceptor.close_now()
+            ws.close_active()
         w.injector = FaultInjector()
         return w, ws, pre
 

@@ -84,7 +84,7 @@ class Rig:
         finally:
             if step_id is not None:
                 self.ws.complete_step(step_id, code)
-                self.ws.interceptor.close_now()
+                self.ws.close_active()
         return Result(done["exit_code"], done["signal"],
                       "".join(t for s, t in chunks if s == "stdout"), "".join(t for s, t in chunks if s == "stderr"),
                       step_id)
@@ -460,7 +460,7 @@ def test_a_safeguard_hold_blocks_the_script_until_decided(rig_factory, action):
     decider.answer(action)
     done = rig.wait(ex)
     rig.ws.complete_step(step_id, done["exit_code"])
-    rig.ws.interceptor.close_now()
+    rig.ws.close_active()
     out = "".join(t for s, t in chunks if s == "stdout")
     err = "".join(t for s, t in chunks if s == "stderr")
     if action == "deny":

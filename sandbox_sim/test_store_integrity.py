@@ -700,13 +700,13 @@ def test_restore_checks_each_preimage_before_it_touches_the_path(kind, in_memory
     ws.close()
     b = build(World(kind))
     ws = b.world.open()
-    rec = _rec(ws.log.records_of(ws.log.steps()[-1]), "big2.bin")
+    rec = _rec(ws.records(), "big2.bin")
     assert rec["enc"] == ("raw" if kind == "sim-reflink" else "zstd")
     blob = f"{b.dirs[2]}/{rec['blob']}"
     damage(b.world, blob, "flip", 8 * (len(b.world.store.read_all(blob)) - 40))  # near the end
     before = b.world.snapshot()
     with pytest.raises(CorruptStep, match=r"big2\.bin"):
-        ws.log.rollback_top(ws.work)
+        ws._log.rollback_top(ws.work)
     assert b.world.snapshot()["big2.bin"] == before["big2.bin"]  # neither truncated nor half-written
     ws.close()
 
@@ -717,7 +717,7 @@ def test_bytes_a_failed_append_left_past_the_journal_do_not_make_the_step_corrup
     with ws.step("s"):
         ws.fs.write_file("a", b"1")
         with world.paused():  # what an append that failed part-way (ENOSPC) leaves behind
-            off = ws.log.open_step.journal_offset
+            off = ws._log.open_step.journal_offset
             world.store.write_all("wal/in_progress/journal.jsonl", off, b'{"op":"pre","path":"b","kind":"reg","mo' + b"x" * 300)
         ws.fs.write_file("c", b"3")  # overwrites part of it; the rest stays past the last line
     ws.close()

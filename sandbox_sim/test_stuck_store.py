@@ -200,7 +200,7 @@ def test_recovery_finishes_through_a_symlink_the_user_put_in_its_way(world):
         ws.fs.makedirs("d")
         ws.fs.write_file("d/a", b"a")
     before = world.snapshot()
-    ws.interceptor.begin_step("command", "mv d/a x")
+    ws.begin_step("mv d/a x")
     ws.fs.rename("d/a", "x")
     world.crash(ws)
     with world.paused():
@@ -232,7 +232,7 @@ def test_a_promotion_that_fails_is_a_warning_then_retried_at_the_next_boundary()
             ws.fs.write_file("b", b"the agent's work")
     assert e.value.errno == errno.ENOSPC
     assert any(f"step {s.id}" in m and "No space left" in m for m in _warnings(ws))
-    assert ws.tracker.active is None  # the step has ended; its undo data waits in the WAL
+    assert ws.active_step_id is None  # the step has ended; its undo data waits in the WAL
     assert [h["command"] for h in ws.history()] == ["seed"]
     n_warnings = len(_warnings(ws))
     ws.poll()  # time passing retries nothing (no error loop) …
@@ -242,7 +242,7 @@ def test_a_promotion_that_fails_is_a_warning_then_retried_at_the_next_boundary()
     assert len(_warnings(ws)) == n_warnings  # warned once per step, not once per retry
     w.injector = FaultInjector()  # space freed
     ws.fs.write_file("c", b"c")  # promotes the waiting step first
-    ws.interceptor.close_now()
+    ws.close_active()
     assert [h["command"] for h in ws.history()] == ["", "work that must not be lost", "seed"]
     completed = [e["step_id"] for e in ws.events if e["type"] == "event.step_completed"]
     assert s.id in completed
@@ -276,7 +276,7 @@ def test_history_is_readable_while_the_store_disk_is_full():
     ws = w.open()
     with ws.step("seed"):
         ws.fs.write_file("a", b"a")
-    ws.interceptor.begin_step("command", "interrupted")
+    ws.begin_step("interrupted")
     ws.fs.write_file("b", b"b")
     w.crash(ws)  # the process dies mid-step
     w.injector = FaultInjector(error_if=(_store_full, errno.ENOSPC))

@@ -170,9 +170,9 @@ class World:
 
         ``power_loss`` (simulated disk only): the machine died too — everything not fsynced
         is lost (``MemoryHostFS.power_loss``)."""
-        if ws is not None and ws.log._lock is not None:
-            ws.log._lock.release()
-            ws.log._lock = None
+        if ws is not None and ws._log._lock is not None:
+            ws._log._lock.release()
+            ws._log._lock = None
         if self.kind != "real":
             self.work.crash()
             self.store.crash()

@@ -382,7 +382,7 @@ class Agent:
             ws.configure_limits(**limits)
         except (TypeError, ValueError) as e:
             raise ApiError("undo.invalid_limits", str(e)) from None
-        return {"directory": i, "limits": dict(ws.log.limits.__dict__)}
+        return {"directory": i, "limits": dict(ws.limits.__dict__)}
 
     @staticmethod
     def _limits(p: dict) -> dict:
@@ -578,7 +578,7 @@ class Agent:
             [(i, ws) for i, ws in enumerate(s.workspaces) if ws is not None]
         config = None
         for _i, ws in targets:
-            config = self._safeguard_config(ws.interceptor.safeguard.config, keys)
+            config = self._safeguard_config(ws.safeguard_config, keys)
             ws.configure_safeguard(**config.__dict__)
         if config is None:
             config = self._safeguard_config(SafeguardConfig(), keys)
@@ -604,7 +604,7 @@ class Agent:
                            safeguard_id=sid)
         ws = s.workspaces[h["directory"]]
         try:
-            ws.interceptor.resolve_hold(sid, action)  # a deny rolls the step back here, before we answer
+            ws.resolve_hold(sid, action)  # a deny rolls the step back here, before we answer
         except KeyError:
             raise ApiError("safeguard.unknown_id", f"safeguard {sid!r} is no longer pending (it timed out)",
                            safeguard_id=sid) from None

@@ -85,7 +85,7 @@ class UndoInterceptor:
         with self.lock:
             if self.tracker.active is not None:
                 a = self.tracker.active
-                if a.type != AMBIENT and not a.draining:
+                if a.running:
                     raise RuntimeError(f"step {a.id} is still running")
                 self._close_active()
             if step_id is None:
@@ -134,18 +134,29 @@ class UndoInterceptor:
         if self.log.available:
             self._promote()  # a step that ended but waits for its promotion goes first
             self.log.begin(step_id, step_type, command)
+        self._settle_ended()
         self.tracker.begin(step_id, step_type, command)
 
     def _close_active(self) -> None:
         """End the active step and promote it (OSError if the promotion fails: the step has
         ended all the same, and waits in the WAL for :meth:`_promote`)."""
         a = self.tracker.active
+        denied = a.denied
         self.tracker.end()
         self.safeguard.step_ended(a.id)
         self._marks = {}
         if self.log.open_step is not None:
-            self.log.open_step.closing = (a.exit_code, a.denied)
+            self.log.open_step.closing = (a.exit_code, denied)
             self._promote()
+        else:
+            self.tracker.recorded(denied)  # no store (undo unavailable): nothing to record it in
+
+    def _settle_ended(self) -> None:
+        """An ended step that is no longer in the WAL, and was not recorded, went with the
+        history (:meth:`Workspace.discard`, or a store wiped under us): DISCARDED."""
+        ended = self.tracker.ended
+        if ended is not None and (self.log.open_step is None or self.log.open_step.id != ended.id):
+            self.tracker.discarded()
 
     def _promote(self) -> None:
         """Promote the step that has ended (WAL rule 4) and report it; no-op if none waits.
@@ -155,13 +166,18 @@ class UndoInterceptor:
         open rolls the step back (rule 5) and reports it (``event.recovery``)."""
         step = self.log.open_step
         if step is None or step.closing is None:
+            self._settle_ended()
             return
+        ended = self.tracker.ended
+        assert ended is None or ended.id == step.id, f"step {ended.id} ended, but the WAL holds step {step.id}"
         exit_code, denied = step.closing
         try:
             if denied and step.outcome != "denied":
                 self.log.deny_open(self.work)  # a deny that failed half-way (I/O error): finish it first
             info = self.log.finish(self.work, exit_code)
         except OSError as e:
+            if self.log.open_step is not step:  # promoted: a sync after the rename failed
+                self.tracker.recorded(denied)
             if not step.closing_warned:
                 step.closing_warned = True
                 self._emit({"type": "event.warning", "code": "undo.promotion_failed", "step_id": step.id,
@@ -170,6 +186,7 @@ class UndoInterceptor:
                                        "next write, step or undo — if the sandbox stops first, the step is rolled back "
                                        "when the folder is next opened"})
             raise
+        self.tracker.recorded(info is not None and info.outcome == "denied")
         if info is not None:
             paths = sorted(info.paths)
             self._emit({"type": "event.step_completed", "step_id": info.id, "step_type": info.type,
@@ -185,8 +202,8 @@ class UndoInterceptor:
             hold = self.safeguard.resolve(hold_id, action)
             if action == "deny":
                 a = self.tracker.active
-                if a is not None and a.id == hold.step_id:
-                    a.denied = True
+                if a is not None and a.id == hold.step_id and not a.denied:
+                    self.tracker.deny()
                     if self.log.open_step is not None:
                         self.log.deny_open(self.work)
                     self._marks = {}

@@ -6,6 +6,12 @@
     ws.history()                            # newest first
     ws.rollback(1)
 
+Servers use the doors below, never the parts behind them (the interceptor, the step
+tracker and the undo log are private): ``begin_step``/``close_step`` (a command's step,
+drained of late writes), ``op_started``/``op_finished`` (requests in flight),
+``resolve_hold``/``pending_hold``, ``safeguard_config``/``limits``, ``active_step_id``/
+``step_state``. A step's lifecycle is the state machine of :mod:`sandbox.core.steps`.
+
 The store lives outside the working folder: by default under the user's state
 directory, keyed by the folder's real path; ``state_dir=`` overrides it.
 """
@@ -16,6 +22,9 @@ import collections
 import contextlib
 import hashlib
 import os
+import threading
+import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -25,11 +34,15 @@ from . import preimage
 from .errors import BarrierInTheWay, CorruptStep, ExternalChange, NothingToUndo, StepError, StepUnprotected, UndoUnavailable
 from .intercepted_fs import Decide, InterceptedFS
 from .interceptor import UndoInterceptor
-from .safeguard import Safeguard, SafeguardConfig
-from .steps import AMBIENT, API, COMMAND, StepTracker
-from .store import Limits, UndoLog
+from .safeguard import Hold, Safeguard, SafeguardConfig
+from .steps import API, COMMAND, StepState, StepTracker
+from .store import Limits, StepInfo, UndoLog
 
 EVENTS_MAX = 1000
+#: the longest :meth:`Workspace.close_step` waits for a step's late writes (wall clock)
+DRAIN_S_MAX = 5.0
+#: the shortest wait between two drain checks (no busy loop if the clocks disagree)
+DRAIN_WAKE_S_MIN = 0.001
 
 
 def default_state_dir(workdir: str) -> str:
@@ -61,11 +74,13 @@ class Workspace:
         self.work = work
         self.store = store
         self.label = label
-        self.log = UndoLog(store, limits, clock_ns=clock_ns, emit=self._emit, durable=durable)
-        self.recovery = self.log.open(work, label)
-        self.tracker = StepTracker(clock_s, ambient_idle_s=ambient_idle_s, quiescence_s=quiescence_s)
-        self.interceptor = UndoInterceptor(work, self.log, self.tracker, Safeguard(safeguard, clock_s), emit=self._emit)
-        self.fs = InterceptedFS(work, self.interceptor, decide)
+        self._log = UndoLog(store, limits, clock_ns=clock_ns, emit=self._emit, durable=durable)
+        self.recovery = self._log.open(work, label)
+        self._tracker = StepTracker(clock_s, ambient_idle_s=ambient_idle_s, quiescence_s=quiescence_s)
+        self._interceptor = UndoInterceptor(work, self._log, self._tracker, Safeguard(safeguard, clock_s), emit=self._emit)
+        # signalled when a request finishes or a step ends: close_step's drain waits on it
+        self._settled = threading.Condition(self._interceptor.lock)
+        self.fs = InterceptedFS(work, self._interceptor, decide)
         self._closed = False
         self.unrecorded_step_id: int | None = None  # see close()
 
@@ -122,9 +137,9 @@ class Workspace:
         if self._closed:
             return
         try:
-            self.interceptor.close_now()
+            self._interceptor.close_now()
         except OSError as e:
-            step = self.log.open_step
+            step = self._log.open_step
             if step is None or step.closing is None:
                 raise
             self.unrecorded_step_id = step.id
@@ -133,7 +148,7 @@ class Workspace:
                                    "stay in the folder, and it will be rolled back when the folder is next opened"})
         finally:
             self._closed = True
-            self.log.close()
+            self._log.close()
             for fs in (self.work, self.store, *getattr(self, "_real_fs", ())):
                 if isinstance(fs, RealHostFS):
                     fs.close()
@@ -159,7 +174,7 @@ class Workspace:
         """
         if type not in (COMMAND, API):
             raise ValueError("step type must be 'command' or 'api' (ambient steps open by themselves)")
-        step_id = self.interceptor.begin_step(type, command)
+        step_id = self._interceptor.begin_step(type, command)
         handle = StepHandle(step_id, type, command)
         try:
             yield handle
@@ -168,32 +183,155 @@ class Workspace:
                 handle.exit_code = 1
             raise
         finally:
-            with self.interceptor.lock:
-                if self.tracker.active is not None and self.tracker.active.id == step_id:
-                    self.tracker.complete(step_id, handle.exit_code if handle.exit_code is not None else 0)
-                    self.interceptor.close_now()
+            with self._interceptor.lock:
+                a = self._tracker.active
+                if a is not None and a.id == step_id:
+                    if not a.draining:
+                        self._tracker.complete(step_id, handle.exit_code if handle.exit_code is not None else 0)
+                    self._interceptor.close_now()
 
     def begin_step(self, command: str, type: str = COMMAND) -> int:
         """For servers: open a command step (the control channel's exec)."""
-        return self.interceptor.begin_step(type, command)
+        if type not in (COMMAND, API):
+            raise ValueError("step type must be 'command' or 'api' (ambient steps open by themselves)")
+        return self._interceptor.begin_step(type, command)
 
     def complete_step(self, step_id: int, exit_code: int | None) -> None:
         """For servers: the command ended; the step drains, then closes (see poll)."""
-        self.interceptor.complete_step(step_id, exit_code)
+        self._interceptor.complete_step(step_id, exit_code)
+
+    def close_step(self, step_id: int, exit_code: int | None, drain_s: float = DRAIN_S_MAX) -> bool:
+        """The command of step ``step_id`` ended with ``exit_code``: let the step drain —
+        until no request is in flight (:meth:`op_finished`) or its quiescence window has
+        passed — then close it; after ``drain_s`` (wall clock) it is closed regardless.
+        Returns once the step has ended: True if it drained, False if ``drain_s`` cut it
+        off (a request still in flight then lands in the next step). No-op (True) if
+        ``step_id`` is not the active step (closed already, e.g. by an undo or a stop)."""
+        deadline = time.monotonic() + max(0.0, drain_s)
+        t = self._tracker
+        with self._settled:  # the interceptor's lock: waiting releases it
+            a = t.active
+            if a is None or a.id != step_id:
+                return True
+            if not a.draining:
+                self._interceptor.complete_step(step_id, exit_code)
+            while True:
+                self._interceptor.poll()
+                a = t.active
+                if a is None or a.id != step_id:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # still here: a request is in flight and the quiescence window is open; wake
+                # when a request finishes (op_finished) or when the window is due to close
+                quiet_in_s = a.drain_deadline_s - t.clock_s()
+                self._settled.wait(min(left, max(quiet_in_s, DRAIN_WAKE_S_MIN)))
+            self._interceptor.close_now()
+            return False
 
     def poll(self) -> None:
         """Advance time-driven state: ambient idle close, quiescence, hold timeouts."""
-        self.interceptor.poll()
+        self._interceptor.poll()
+
+    def close_active(self) -> None:
+        """Close whatever step is active now, without waiting for it to drain or idle; or
+        retry recording a step that has ended but could not be recorded yet (OSError if
+        that fails again)."""
+        self._interceptor.close_now()
+
+    # ------------------------------------------------------------------ in flight
+
+    def op_started(self) -> None:
+        """A server received a request that may write: a draining step waits for it."""
+        with self._interceptor.lock:
+            self._tracker.op_started()
+
+    def op_finished(self) -> None:
+        """That request is answered (or abandoned)."""
+        with self._settled:
+            self._tracker.op_finished()
+            self._settled.notify_all()
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """``op_started`` … ``op_finished`` around a block."""
+        self.op_started()
+        try:
+            yield
+        finally:
+            self.op_finished()
+
+    @property
+    def requests_in_flight(self) -> int:
+        with self._interceptor.lock:
+            return self._tracker.in_flight
+
+    # ------------------------------------------------------------------ step state
+
+    @property
+    def active_step_id(self) -> int | None:
+        """The step writes are attributed to now (OPEN, COMPLETING or DENIED), as of the
+        last poll; None: the next write opens an ambient step."""
+        with self._interceptor.lock:
+            a = self._tracker.active
+            return a.id if a is not None else None
+
+    def current_step(self) -> int | None:
+        """:attr:`active_step_id` after a :meth:`poll` (time-driven closes applied)."""
+        return self._interceptor.current_step()
+
+    def step_state(self, step_id: int | None = None) -> StepState | None:
+        """The lifecycle state (:class:`~sandbox.core.steps.StepState`) of the active step,
+        or of the step that has ended and waits to be recorded (ENDED); with ``step_id``,
+        that step's — also the final state (CLOSED, ROLLED_BACK, DISCARDED) of the newest
+        step that reached one. None for anything else."""
+        with self._interceptor.lock:
+            for s in (self._tracker.active, self._tracker.ended):
+                if s is not None and (step_id is None or s.id == step_id):
+                    return s.state
+            last = self._tracker.last
+            if step_id is not None and last is not None and last.id == step_id:
+                return last.state
+            return None
+
+    # ------------------------------------------------------------------ safeguards
+
+    def resolve_hold(self, hold_id: str, action: str) -> Hold:
+        """Answer a pending hold: ``allow`` (the held operation may be retried) or ``deny``
+        (the step is rolled back now, and refuses further writes). KeyError if no such hold
+        is pending (answered, or timed out)."""
+        if action not in ("allow", "deny"):
+            raise ValueError("action must be 'allow' or 'deny'")
+        return self._interceptor.resolve_hold(hold_id, action)
+
+    @property
+    def pending_hold(self) -> Hold | None:
+        """The hold every mutation waits behind (at most one per workspace), or None."""
+        with self._interceptor.lock:
+            return self._interceptor.safeguard.pending
+
+    @property
+    def safeguard_config(self) -> SafeguardConfig:
+        """A copy of the safeguard settings (change them with :meth:`configure_safeguard`)."""
+        with self._interceptor.lock:
+            return dataclasses.replace(self._interceptor.safeguard.config)
+
+    @property
+    def limits(self) -> Limits:
+        """A copy of the undo store's limits (change them with :meth:`configure_limits`)."""
+        with self._interceptor.lock:
+            return dataclasses.replace(self._log.limits)
 
     # ------------------------------------------------------------------ history
 
     def history(self) -> list[dict]:
         """Finished steps, newest first, with the barriers that sit after each."""
-        self.log.require_available()
-        with self.interceptor.lock:
-            barriers = self.log.barriers()
+        self._log.require_available()
+        with self._interceptor.lock:
+            barriers = self._log.barriers()
             out = []
-            for s in reversed(self.log.steps()):
+            for s in reversed(self._log.steps()):
                 entry = {"id": s.id, "seq": s.seq, "type": s.type, "command": s.command, "paths": list(s.paths),
                          "exit_code": s.exit_code, "outcome": s.outcome, "unprotected": s.unprotected,
                          "size_bytes": s.size_bytes, "started_ns": s.started_ns, "ended_ns": s.ended_ns,
@@ -205,12 +343,12 @@ class Workspace:
             return out
 
     def barriers(self) -> list[dict]:
-        return [b.__dict__.copy() for b in self.log.barriers()]
+        return [b.__dict__.copy() for b in self._log.barriers()]
 
     def record_external_modification(self, paths: list[str], reason: str = "external modification") -> dict:
         """A change to the folder that did not come through us: place a barrier after the newest step."""
-        with self.interceptor.lock:
-            b = self.log.add_barrier(list(paths), reason)
+        with self._interceptor.lock:
+            b = self._log.add_barrier(list(paths), reason)
             self._emit({"type": "event.external_modification", "paths": b.paths, "barrier_id": b.id})
             return b.__dict__.copy()
 
@@ -224,28 +362,28 @@ class Workspace:
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError("n must be a positive integer")
-        i = self.interceptor
+        i = self._interceptor
         with i.lock:
-            self.log.require_available()
-            a = self.tracker.active
-            if a is not None and a.type != AMBIENT and not a.draining:
+            self._log.require_available()
+            a = self._tracker.active
+            if a is not None and a.running:
                 raise StepError(f"step {a.id} is still running; undo when it has finished", step_id=a.id)
             i.close_now()  # also promotes a step that ended but waits to be recorded (OSError if it still cannot)
-            self.log.finish_recovery()  # RollbackIncomplete if an earlier rollback still cannot finish
-            steps = self.log.steps()
+            self._log.finish_recovery()  # RollbackIncomplete if an earlier rollback still cannot finish
+            steps = self._log.steps()
             if len(steps) < n:
                 raise NothingToUndo(f"only {len(steps)} step(s) in history, cannot undo {n}", available=len(steps))
             targets = steps[-n:]
             try:
                 for s in reversed(targets):
                     if s.corrupt:
-                        raise self.log.corrupt(s)
+                        raise self._log.corrupt(s)
                     if s.unprotected:
                         raise StepUnprotected(f"step {s.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=s.id)
                 # every journal line, count and preimage checksum, before anything is touched
-                records = {s.seq: self.log.records_of(s) for s in targets}
+                records = {s.seq: self._log.records_of(s) for s in targets}
                 for s in targets:
-                    self.log.check_content(s, records[s.seq])
+                    self._log.check_content(s, records[s.seq])
             except CorruptStep as e:
                 raise CorruptStep(f"cannot undo: {e.message}; nothing was undone", **e.data) from None
             if not force:
@@ -253,7 +391,7 @@ class Workspace:
                 self._check_unchanged(targets, records)
             undone, paths = [], set()
             for s in reversed(targets):
-                self.log.rollback_top(self.work, force=force)
+                self._log.rollback_top(self.work, force=force)
                 undone.append(s.id)
                 paths.update(s.paths)
             self._emit({"type": "event.rollback", "step_ids": undone, "paths_restored": len(paths)})
@@ -263,19 +401,19 @@ class Workspace:
         """Finish a rollback interrupted by an I/O error (also done before the next step,
         rollback or open). Returns what it restored, or None if nothing was pending;
         :class:`RollbackIncomplete` if it still cannot finish."""
-        with self.interceptor.lock:
-            return self.log.finish_recovery()
+        with self._interceptor.lock:
+            return self._log.finish_recovery()
 
     @property
     def rollback_pending(self) -> bool:
         """An undo or a recovery stopped part-way and is not finished yet (see
         :class:`RollbackIncomplete`): undo and new steps are refused until it is."""
-        with self.interceptor.lock:
-            return self.log.rollback_pending
+        with self._interceptor.lock:
+            return self._log.rollback_pending
 
     def _check_barriers(self, targets) -> None:
         oldest = targets[0].seq
-        blocking = [b for b in self.log.barriers() if b.after_seq >= oldest]
+        blocking = [b for b in self._log.barriers() if b.after_seq >= oldest]
         if blocking:
             names = sorted({p for b in blocking for p in b.paths})
             raise BarrierInTheWay(
@@ -341,31 +479,72 @@ class Workspace:
     # ------------------------------------------------------------------ configuration
 
     def configure_limits(self, **limits) -> None:
-        with self.interceptor.lock:
-            current = self.log.limits.__dict__.copy()
+        with self._interceptor.lock:
+            current = self._log.limits.__dict__.copy()
             current.update(limits)
-            self.log.limits = Limits(**current)
-            self.log.enforce_limits()
+            self._log.limits = Limits(**current)
+            self._log.enforce_limits()
 
     def configure_safeguard(self, **config) -> None:
-        with self.interceptor.lock:
-            current = self.interceptor.safeguard.config.__dict__.copy()
+        with self._interceptor.lock:
+            current = self._interceptor.safeguard.config.__dict__.copy()
             current.update(config)
-            self.interceptor.safeguard.config = SafeguardConfig(**current)
+            self._interceptor.safeguard.config = SafeguardConfig(**current)
 
     def discard(self) -> None:
         """Delete all undo history (the way out of a version mismatch)."""
-        with self.interceptor.lock:
+        with self._interceptor.lock:
             try:
-                self.interceptor.close_now()
+                self._interceptor.close_now()
             except OSError:
-                if self.log.open_step is None or self.log.open_step.closing is None:
+                if self._log.open_step is None or self._log.open_step.closing is None:
                     raise  # a step waiting for its promotion is discarded with the rest
-            self.log.discard(self.label)
+            self._log.discard(self.label)
+            self._tracker.discarded()
 
     @property
     def undo_available(self) -> bool:
-        return self.log.available
+        return self._log.available
+
+    @property
+    def undo_unavailable_reason(self) -> str | None:
+        """Why undo is unavailable (a foreign store version, …), or None."""
+        return self._log.version_problem
+
+    # ------------------------------------------------------------------ inspection (read-only)
+
+    def records(self, step_id: int | None = None) -> list[dict]:
+        """The journal records of a step, oldest first — what undoing it applies: the
+        newest finished step by default; the step in the write-ahead log (active or ended)
+        if ``step_id`` names it. KeyError if there is no such step. For tools and tests."""
+        with self._interceptor.lock:
+            wal = self._log.open_step
+            if wal is not None and step_id == wal.id:
+                return [dict(r) for r in wal.records]
+            steps = self._log.steps()
+            info = steps[-1] if step_id is None and steps else next((s for s in steps if s.id == step_id), None)
+            if info is None:
+                raise KeyError(f"no step {step_id}" if step_id is not None else "no finished step")
+            return self._log.records_of(info)
+
+    def steps(self) -> list[StepInfo]:
+        """Finished steps as the store holds them, oldest first (:meth:`history` is the
+        public summary). Copies: changing them changes nothing."""
+        with self._interceptor.lock:
+            return [dataclasses.replace(s, paths=list(s.paths), fingerprints=dict(s.fingerprints)) for s in self._log.steps()]
+
+    @property
+    def store_size_bytes(self) -> int:
+        """What the finished steps take in the undo store (limits apply to this)."""
+        with self._interceptor.lock:
+            return self._log.total_size_bytes()
+
+    @property
+    def eviction_pending(self) -> bool:
+        """The store is over a limit and evicting the oldest step failed (I/O error): it
+        is retried at the next step boundary."""
+        with self._interceptor.lock:
+            return self._log.eviction_pending
 
 
 def _store_path(workdir: str, state_dir: str | None) -> tuple[str, str]:

@@ -64,14 +64,14 @@ class Provider:
     """A tree served to clients. See the module docstring for the three kinds."""
 
     def __init__(self, host: HostFS, fs: InterceptedFS | None, *, read_only: bool, label: str = "",
-                 poll: Callable[[], None] | None = None, tracker=None):
+                 poll: Callable[[], None] | None = None, workspace=None):
         self.host = host
         self.fs = fs if fs is not None else InterceptedFS(host, None)
         self.read_only = read_only
         self.view: str | None = ""  # "" everything; a relative path: that subtree; None: nothing
         self.label = label or host.name
         self._poll = poll
-        self._tracker = tracker
+        self._workspace = workspace  # its in-flight accounting (op_started/op_finished)
 
     # ------------------------------------------------------------------ constructors
 
@@ -79,7 +79,7 @@ class Provider:
     def intercepted(cls, workspace, label: str = "") -> "Provider":
         """The working folder of ``workspace``; every mutation is undo-tracked."""
         ws = workspace
-        return cls(ws.work, ws.fs, read_only=False, label=label or "work", poll=ws.poll, tracker=ws.tracker)
+        return cls(ws.work, ws.fs, read_only=False, label=label or "work", poll=ws.poll, workspace=ws)
 
     @classmethod
     def read_only_dir(cls, root: str, label: str = "") -> "Provider":
@@ -95,6 +95,12 @@ class Provider:
     def interceptor(self):
         return self.fs.interceptor
 
+    @property
+    def workspace(self):
+        """The :class:`~sandbox.core.workspace.Workspace` behind an intercepted export (its
+        doors: ``resolve_hold``, ``pending_hold``, in-flight accounting), else None."""
+        return self._workspace
+
     # ------------------------------------------------------------------ housekeeping
 
     def poll(self) -> None:
@@ -104,14 +110,12 @@ class Provider:
 
     def op_started(self) -> None:
         """A request that may write was received (the step's quiescence waits for it)."""
-        if self._tracker is not None:
-            with self.fs.interceptor.lock:
-                self._tracker.op_started()
+        if self._workspace is not None:
+            self._workspace.op_started()
 
     def op_finished(self) -> None:
-        if self._tracker is not None:
-            with self.fs.interceptor.lock:
-                self._tracker.op_finished()
+        if self._workspace is not None:
+            self._workspace.op_finished()
 
     def close(self) -> None:
         close = getattr(self.host, "close", None)

@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
@@ -114,6 +114,7 @@ class _Started:
     providers: dict = field(default_factory=dict)  # attach name -> Provider
     detectors: list = field(default_factory=list)
     unlocks: list = field(default_factory=list)
+    own_writes: list = field(default_factory=list)  # per folder: its OwnWrites journal, or None
 
 
 def _cidrs(items: list[str]) -> list[str]:
@@ -137,12 +138,20 @@ def vm_state_dir(folder: str) -> str:
     return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
 
 
-def open_workspace(path: str, *, watched: bool = False, **kwargs) -> Workspace:
+class OpenedWorkspace(NamedTuple):
+    """A workspace and, if it is watched, the journal of the sandbox's own writes to its
+    folder (:class:`~sandbox.barriers.journal.OwnWrites`): the watcher's, not the workspace's."""
+
+    workspace: Workspace
+    own_writes: object | None = None
+
+
+def open_workspace(path: str, *, watched: bool = False, **kwargs) -> OpenedWorkspace:
     """:meth:`Workspace.open`; ``watched``: its host filesystem also journals the sandbox's own
-    writes in ``ws.own_writes`` (what :class:`~sandbox.barriers.watch.ExternalChangeDetector`
+    writes in the returned ``own_writes`` (what :class:`~sandbox.barriers.watch.ExternalChangeDetector`
     needs to tell them from external ones)."""
     if not watched:
-        return Workspace.open(path, **kwargs)
+        return OpenedWorkspace(Workspace.open(path, **kwargs))
     from ..barriers.journal import OwnWrites, RecordingHostFS, lstat_or_none
 
     inner = {}
@@ -152,19 +161,19 @@ def open_workspace(path: str, *, watched: bool = False, **kwargs) -> Workspace:
         inner["fs"] = fs
         return RecordingHostFS(fs, journal)
 
-    ws = Workspace.open(path, wrap_work=wrap, **kwargs)
-    ws.own_writes = journal
-    return ws
+    return OpenedWorkspace(Workspace.open(path, wrap_work=wrap, **kwargs), journal)
 
 
-def watch_workspace(ws: Workspace, path: str, on_external: Callable[[list[str]], None] | None = None,
+def watch_workspace(own_writes, path: str, on_external: Callable[[list[str]], None] | None = None,
                     on_warning: Callable[[str], None] | None = None):
     """Start the external-modification watcher on ``path``, the folder of a workspace
-    opened with ``open_workspace(watched=True)``; returns it (``stop()`` it before closing
-    ``ws``). Without callbacks, what it finds is logged."""
+    opened with ``open_workspace(watched=True)``, given that call's ``own_writes``; returns
+    it (``stop()`` it before closing the workspace). Without callbacks, what it finds is logged."""
     from ..barriers.watch import ExternalChangeDetector
 
-    d = ExternalChangeDetector(os.path.realpath(path), ws.own_writes,
+    if own_writes is None:
+        raise ValueError("the workspace was not opened with open_workspace(watched=True)")
+    d = ExternalChangeDetector(os.path.realpath(path), own_writes,
                                on_external or (lambda paths: log.warning("external modification: %s", paths[:5])),
                                on_warning or (lambda message: log.warning("%s", message)))
     d.start()
@@ -298,7 +307,7 @@ class Session:
             return None
         return lambda event: self.on_event({**event, "directory": i})
 
-    def _open_workspace(self, s: _Started, i: int, f: Folder) -> Workspace:
+    def _open_workspace(self, s: _Started, i: int, f: Folder) -> OpenedWorkspace:
         """The folder's workspace; with a watcher, its host filesystem records our own writes.
 
         Under the lock policy, a read-only bind mount already on the folder was left by a
@@ -328,11 +337,11 @@ class Session:
         finally:
             store.close()
 
-    def _open_workspace_once(self, i: int, f: Folder) -> Workspace:
+    def _open_workspace_once(self, i: int, f: Folder) -> OpenedWorkspace:
         return open_workspace(f.path, watched=self.external_policy is not None, state_dir=f.state_dir,
                               safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
 
-    def _watch(self, s: _Started, i: int, ws: Workspace, path: str) -> None:
+    def _watch(self, s: _Started, i: int, ws: Workspace, own_writes, path: str) -> None:
         def on_external(paths: list[str]) -> None:
             self._external(i, ws, paths)
 
@@ -348,7 +357,7 @@ class Session:
                 s.unlocks.append(lock_folder(real))
             except PermissionError as e:
                 raise LockUnavailable(f"external_modification_policy lock: {e}") from None
-        s.detectors.append(watch_workspace(ws, path, on_external, on_warning))
+        s.detectors.append(watch_workspace(own_writes, path, on_external, on_warning))
 
     def _external(self, i: int, ws: Workspace, paths: list[str]) -> None:
         """Something other than the sandbox changed folder ``i``."""
@@ -364,17 +373,19 @@ class Session:
             mount = self.table.folders[i]
             if f.read_only:
                 s.workspaces.append(None)
+                s.own_writes.append(None)
                 s.providers[mount.name] = Provider.read_only_dir(f.path, label=mount.label or os.path.basename(f.path))
             else:
-                ws = self._open_workspace(s, i, f)
+                ws, journal = self._open_workspace(s, i, f)
                 s.workspaces.append(ws)
+                s.own_writes.append(journal)
                 s.providers[mount.name] = Provider.intercepted(ws, label=mount.label or os.path.basename(f.path))
         for j, m in enumerate(self.memory_mounts):
             s.providers[f"m{j}"] = memory_tree(m.files, writable=m.writable, label=m.label or m.target)
         if self.external_policy is not None:
-            for i, (f, ws) in enumerate(zip(self.folders, s.workspaces)):
+            for i, (f, ws, journal) in enumerate(zip(self.folders, s.workspaces, s.own_writes)):
                 if ws is not None:
-                    self._watch(s, i, ws, f.path)
+                    self._watch(s, i, ws, journal, f.path)
         sock = os.path.join(s.run_dir, "9p.sock")
         # one connection per guest mount, and room for a remount (limits: sandbox/limits.py)
         limits = ServerLimits(connections_max=max(ServerLimits().connections_max, 2 * len(self.table.mounts)))
@@ -522,19 +533,7 @@ class Session:
 
     def _close_step(self, ws: Workspace, step_id: int, exit_code: int) -> None:
         """step_completed: drain late writes (in flight → 0, or the quiescence window), then close."""
-        with ws.interceptor.lock:
-            if ws.tracker.active is None or ws.tracker.active.id != step_id:
-                return
-            ws.complete_step(step_id, exit_code)
-        drained = threading.Event()
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            ws.poll()
-            if ws.tracker.active is None or ws.tracker.active.id != step_id:
-                return
-            drained.wait(0.02)
-        with ws.interceptor.lock:
-            ws.interceptor.close_now()
+        ws.close_step(step_id, exit_code)
 
     # ------------------------------------------------------------------ undo
 
