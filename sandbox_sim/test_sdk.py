@@ -149,6 +149,12 @@ async def test_mounts_and_python_path(proj, tmp_path):
         assert r.exit_code == 1  # in-memory mounts are read-only unless writable
 
 
+async def test_a_vfs_mounted_at_start(proj, tmp_path):
+    async with make(proj, tmp_path, mounts={"/mnt/cat": Catalog()}) as sb:
+        assert (await sb.run("cat /mnt/cat/readme.txt")).stdout == "from the embedder\n"
+        assert {"guest_path": "/mnt/cat", "read_only": True, "label": "", "live": False} in (await sb.status())["mounts"]
+
+
 async def test_cancelling_run_cancels_the_command(proj, tmp_path):
     async with make(proj, tmp_path) as sb:
         started = asyncio.Event()
@@ -459,3 +465,67 @@ def _in_a_loop(fn):
 for _name, _fn in list(globals().items()):
     if _name.startswith("test_") and asyncio.iscoroutinefunction(_fn):
         globals()[_name] = _in_a_loop(_fn)
+
+
+# ---------------------------------------------------------------------------- units: VFS adapter, table changes
+
+
+def test_vfs_hostfs_reads_and_refuses_as_documented():
+    from sandbox.mounts.vfs import VFS_FILE_BYTES_MAX, VfsHostFS
+
+    cat = Catalog()
+    ro = VfsHostFS(cat)
+    assert ro.listdir("") == ["count.txt", "readme.txt"]
+    assert ro.getattr("readme.txt").mode == 0o444 and ro.getattr("").kind == "dir"
+    with ro.open("readme.txt", os.O_RDONLY) as h:
+        assert h.pread(4, 5) == b"the " and h.pread(10, 1000) == b""
+    for call, code in [(lambda: ro.open("readme.txt", os.O_WRONLY), errno.EROFS),
+                       (lambda: ro.create("x", 0o644), errno.EROFS),
+                       (lambda: ro.unlink("readme.txt"), errno.EROFS),
+                       (lambda: ro.lstat("missing"), errno.ENOENT),
+                       (lambda: ro.open("", os.O_RDONLY), errno.EISDIR),
+                       (lambda: ro.open("readme.txt", os.O_RDONLY | os.O_CREAT), errno.EINVAL),
+                       (lambda: ro.listdir("readme.txt"), errno.ENOTDIR)]:
+        with pytest.raises(OSError) as e:
+            call()
+        assert e.value.errno == code
+    rw = VfsHostFS(cat, writable=True)
+    with rw.create_handle("n", 0o644, os.O_RDWR) as h:
+        h.pwrite(b"abc", 0)
+        h.pwrite(b"Z", 5)
+    assert cat.written["n"] == b"abc\0\0Z"
+    rw.truncate("n", 2)
+    assert cat.written["n"] == b"ab"
+    with pytest.raises(OSError) as e:
+        rw.mkdir("d", 0o755)
+    assert e.value.errno == errno.EPERM
+
+    class Huge(Catalog):
+        def read(self, path):
+            return b"x" * (VFS_FILE_BYTES_MAX + 1)
+
+    with pytest.raises(OSError) as e:
+        VfsHostFS(Huge()).open("readme.txt", os.O_RDONLY)
+    assert e.value.errno == errno.EFBIG
+
+    class BadNames(Catalog):
+        def list(self, path):
+            return ["ok", "a/b"]
+
+    with pytest.raises(OSError) as e:
+        VfsHostFS(BadNames()).listdir("")
+    assert e.value.errno == errno.EIO
+
+
+def test_mount_table_with_mount_and_without_return_new_tables():
+    from sandbox.mounts.table import Mount, MountTable
+
+    t = MountTable([Mount("/w", "0", False, "", "/host", "folder")])
+    t2 = t.with_mount(Mount("/mnt/x/", "l0", True, "", None, "memory"))
+    assert [m.target for m in t.mounts] == ["/w"] and [m.target for m in t2.mounts] == ["/w", "/mnt/x"]
+    assert t2.resolve("/mnt/x/f")[1] == "f"
+    with pytest.raises(MountError, match="share the target"):
+        t2.with_mount(Mount("/mnt/x", "l1", True, "", None, "memory"))
+    assert t2.without("/mnt/x/") == t
+    with pytest.raises(MountError, match="no mount at"):
+        t.without("/mnt/x")
