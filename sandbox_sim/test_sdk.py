@@ -179,7 +179,11 @@ async def test_create_context_manager_and_start_stop(proj, tmp_path):
         await sb2.stop()
         await sb2.stop()  # idempotent
     assert not sb2.running
-    assert [e async for e in sb2.events()] == [] or True  # ends at once after stop (no hang)
+
+    async def everything():
+        return [e async for e in sb2.events()]  # wait=True: ends because the sandbox stopped
+
+    assert all(e["type"] != "step_completed" for e in await asyncio.wait_for(everything(), WAIT_S))
 
 
 # ---------------------------------------------------------------------------- configuration errors
