@@ -2,6 +2,9 @@
 
 The embedding API (everything else is internal and may move):
 
+* :class:`Sandbox` — a whole session (a guest, host volumes, undo, live mounts), async;
+  :class:`SyncSandbox` the same for scripts; :class:`Volume`, :class:`StepResult`,
+  :class:`VirtualFileSystem`/:class:`FileStat` (trees an embedder mounts), :class:`Guest`;
 * :class:`Workspace` — the undo core for one working folder.
 * :class:`Limits`, :class:`SafeguardConfig` — its configuration.
 * the errors below, each with a stable ``code``.
@@ -28,7 +31,29 @@ from .hostfs import PathError, StoreBusy
 
 __version__ = "0.1.0"
 
+# the session layer is imported on first use: the undo core alone stays light
+_LAZY = {
+    "Sandbox": "sandbox.session.sdk", "SyncSandbox": "sandbox.session.sdk", "Volume": "sandbox.session.sdk",
+    "StepResult": "sandbox.session.sdk", "Output": "sandbox.session.sdk",
+    "VirtualFileSystem": "sandbox.mounts.vfs", "FileStat": "sandbox.mounts.vfs",
+    "Guest": "sandbox.session.guest", "MountError": "sandbox.mounts.table", "SessionError": "sandbox.session.runtime",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sandbox' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
+    "Sandbox", "SyncSandbox", "Volume", "StepResult", "Output", "VirtualFileSystem", "FileStat", "Guest",
+    "MountError", "SessionError",
     "Workspace", "Limits", "SafeguardConfig", "Hold",
     "SandboxError", "UndoError", "NothingToUndo", "UndoUnavailable", "BarrierInTheWay", "ExternalChange",
     "StepUnprotected", "CorruptStep", "RollbackIncomplete", "StepError", "HoldRequired", "SafeguardDenied", "PathError", "StoreBusy",

@@ -345,7 +345,7 @@ def test_in_memory_mounts_and_python_path(api, project, cmds, state_home):
     start(c, project, mounts=[{"path": "/mnt/tools", "files": {"hello.sh": hello, "lib/mod.py": base64.b64encode(b"X = 1\n").decode()}}],
           python_path=["/mnt/tools/lib", "/opt/other"])
     st = c.ok("session.status")
-    assert st["mounts"] == [{"guest_path": "/mnt/tools", "read_only": True, "label": "", "files": 2}]
+    assert st["mounts"] == [{"guest_path": "/mnt/tools", "read_only": True, "label": "", "files": 2, "live": False}]
     assert c.ok("fs.read", {"path": "/mnt/tools/lib/mod.py"})["data"] == "X = 1\n"
     assert {e["name"] for e in c.ok("fs.list", {"path": "/mnt/tools"})["entries"]} == {"hello.sh", "lib"}
     m = c.mark()

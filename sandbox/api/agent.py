@@ -661,6 +661,43 @@ class Agent:
         self.event(name, e)
 
 
+    # ------------------------------------------------------------------ live mounts (seed 000)
+    # issue 12 (helper D): mount.add / mount.remove; with helper C's dispatch table these two
+    # need entries "mount.add" -> op_mount_add, "mount.remove" -> op_mount_remove.
+
+    def op_mount_add(self, p: dict, rid) -> dict:
+        s = self._require()
+        files, total = {}, 0
+        for rel, b64 in p["files"].items():
+            try:
+                data = base64.b64decode(b64, validate=True)
+            except (binascii.Error, ValueError):
+                raise ApiError("protocol.invalid_request", f"files[{rel!r}] is not valid base64",
+                               path=f"$.files[{rel!r}]") from None
+            total += len(data)
+            if total > MEMORY_BYTES_MAX:
+                raise ApiError("protocol.invalid_request", f"the mount exceeds {MEMORY_BYTES_MAX} bytes", path="$.files")
+            files[rel] = data
+        try:
+            m = s.mount(p["path"], files, writable=p.get("writable", False), label=p.get("label", ""))
+        except ValueError as e:  # a bad file path in the tree (MountError has its own code)
+            raise ApiError("session.invalid_mounts", str(e)) from None
+        self._view_follows_table(s)
+        mounts = s.status()["mounts"]
+        return {"mount": next(x for x in mounts if x["live"] and x["guest_path"] == m.target), "mounts": mounts}
+
+    def op_mount_remove(self, p: dict, rid) -> dict:
+        s = self._require()
+        s.unmount(p["path"])
+        self._view_follows_table(s)
+        return {"mounts": s.status()["mounts"]}
+
+    def _view_follows_table(self, s: Session) -> None:
+        """The API's view keeps its subtree and read-only flag over the session's new table."""
+        if self.view is not None:
+            sub = None if self.view.view == "/" else self.view.view
+            self.view = s.table.restrict(sub, self.view.read_only)
+
 
 def _integral(value):
     """``value`` with every integral float an int (see :meth:`Agent.handle`)."""

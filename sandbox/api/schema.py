@@ -161,13 +161,20 @@ REQUESTS: dict[str, dict] = {
                      "encoding": {"enum": ["utf-8", "base64"]}}, ["path"]),
     "fs.status": _obj({"directory": DIRECTORY}),
     "safeguard.configure": _obj({"directory": DIRECTORY, **SAFEGUARD_CONFIG}),
+    # live mounts (seed 000): an in-memory tree mounted into the running guest, never undo-tracked
+    "mount.add": _obj({"path": ABS, "files": {"type": "object", "maxProperties": MEMORY_FILES_MAX,
+                                              "propertyNames": PATH, "additionalProperties": _str(CONTENT_CHARS_MAX),
+                                              "description": "relative path -> base64 contents"},
+                       "writable": BOOL, "label": NAME}, ["path", "files"]),
+    "mount.remove": _obj({"path": ABS}, ["path"]),
     "safeguard.confirm": _obj({"safeguard_id": _str(NAME_CHARS_MAX, 1), "action": {"enum": ["allow", "deny"]}},
                               ["safeguard_id", "action"]),
 }
 
 FOLDER = _open({"index": NONNEG, "label": STR, "path": STR, "guest_path": STR, "access": {"enum": ["read_write", "read_only"]},
                 "undo_available": BOOL}, ["index", "label", "path", "guest_path", "access"])
-MOUNT = _open({"guest_path": STR, "label": STR, "read_only": BOOL, "files": NONNEG}, ["guest_path", "read_only"])
+MOUNT = _open({"guest_path": STR, "label": STR, "read_only": BOOL, "files": NONNEG, "live": BOOL},
+              ["guest_path", "read_only"])
 # a step whose undo data is damaged is still listed: "corrupt" says why, and if neither its
 # manifest nor its journal header can be read, its type is "unknown" and ended_ns null
 STEP = _open({"id": INT, "type": {"enum": ["command", "api", "ambient", "unknown"]}, "command": STR, "paths": STRS,
@@ -216,6 +223,8 @@ RESULTS: dict[str, dict] = {
                         "truncated": BOOL}, ["warnings"]),
     "safeguard.configure": _open({"config": _open(SAFEGUARD_CONFIG)}, ["config"]),
     "safeguard.confirm": _open({"safeguard_id": STR, "action": STR}),
+    "mount.add": _open({"mount": MOUNT, "mounts": {"type": "array", "items": MOUNT}}, ["mount", "mounts"]),
+    "mount.remove": _open({"mounts": {"type": "array", "items": MOUNT}}, ["mounts"]),
 }
 
 _DIR = {"directory": NONNEG}

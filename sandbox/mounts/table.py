@@ -391,6 +391,26 @@ class MountTable:
                 raise PathOutside(f"cannot restrict to {view}: it is not inside any mount", path=view)
         return MountTable(self._given, view=view, read_only=ro)
 
+    # -- live mounts (seed 000)
+
+    def with_mount(self, mount: Mount) -> MountTable:
+        """A new table with ``mount`` added after the others (same view and read-only flag).
+
+        The usual checks apply (unique target, name and label, at most :data:`MAX_MOUNTS`):
+        a violation is :class:`MountError`; this table is unchanged either way."""
+        if not isinstance(mount, Mount):
+            raise MountError(f"with_mount needs a Mount, not {type(mount).__name__}")
+        return MountTable(self._given + (mount,), view=self._view, read_only=self._read_only)
+
+    def without(self, target: str) -> MountTable:
+        """A new table without the mount at ``target``; :class:`MountError` if none is there.
+        Folder indexes of the remaining folders keep their order."""
+        t = _config_path(target, "mount target")
+        kept = tuple(m for m in self._given if m.target != t)
+        if len(kept) == len(self._given):
+            raise MountError(f"no mount at {t}", target=t)
+        return MountTable(kept, view=self._view, read_only=self._read_only)
+
     # -- serialisation
 
     def as_dict(self) -> dict:

@@ -373,6 +373,23 @@ class NinePServer:
         """Answer a pending safeguard hold on whichever export has it."""
         return any(e.gate.resolve(hold_id, action) for e in self.exports.values() if e.gate is not None)
 
+    def add_export(self, name: str, provider: Provider) -> None:
+        """Serve ``provider`` under the attach name ``name`` from now on (a live mount).
+        Call on the server's loop. ``ValueError`` if the name is taken."""
+        name = name.strip("/")
+        if not name or name in self.exports:
+            raise ValueError(f"export name {name!r} is empty or already served")
+        # connections share this dict: a new attach finds the export at once
+        self.exports[name] = Export(provider, None, self.config.limits)
+
+    def remove_export(self, name: str) -> Provider:
+        """Stop serving ``name`` to new attaches; fids already attached keep their export
+        until clunked. Returns the provider (the caller closes it). Call on the loop."""
+        name = name.strip("/")
+        if len(self.exports) <= 1 or name not in self.exports:
+            raise ValueError(f"no removable export named {name!r}")
+        return self.exports.pop(name).provider
+
     async def close(self) -> None:
         for srv in self._servers:
             srv.close()

@@ -16,7 +16,14 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
   something else are reported — ``barrier`` places an undo barrier, ``warn`` only
   reports, ``lock`` also bind-mounts the folder read-only for everyone else
   (:mod:`sandbox.barriers.lock`);
-* the guest (:mod:`sandbox.vm.guest`): a QEMU VM, or the scripted test double.
+* the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, or a
+  caller's factory; the share transport is ``share="9p"`` (the only one today).
+
+**Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
+``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
+export (attach name ``l<k>``) on the running server, enters the mount table (so listings
+see it) and the guest mounts it at once. At most :data:`LIVE_MOUNTS_MAX`; never undo-tracked
+and never persisted; gone when the session stops.
 
 :meth:`run` makes one command one step: the host opens the step (its id is the host's),
 relays ``exec``, and after ``step_completed`` lets the step drain (in-flight 9P requests
@@ -47,18 +54,25 @@ from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
 from ..limits import ServerLimits
 from ..mounts import Provider, memory_tree
-from ..mounts.table import Mount, MountTable, check_mount_points
+from ..mounts.table import MEMORY, Mount, MountError, MountTable, PathDenied, check_mount_points, guest_path
+from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from ..vm.control import ControlClosed
 from ..vm.guest import BOOT_TIMEOUT_S, GuestError, GuestMount, VmGuest
+from .guest import check_share
 
 log = logging.getLogger("sandbox.session")
 NETWORKS = ("disabled", "open", "allowlist")
 VM_MODES = ("ephemeral", "persistent")
 EXTERNAL_POLICIES = ("barrier", "warn", "lock")
 FOLDERS_MAX = 8
+LIVE_MOUNT_TIMEOUT_S = 60.0  # the guest mounting (or unmounting) one live mount
 MEMORY_MOUNTS_MAX = 8
 PERSISTENT_DISK_BYTES = 8 << 30  # sparse
+try:  # issue 12 seam (helper E): the guest control protocol owns the number of spare guest ports
+    from ..guest.control import LIVE_MOUNTS_MAX
+except ImportError:  # until sandbox/guest/control.py is merged
+    LIVE_MOUNTS_MAX = 8
 
 
 class SessionError(GuestError):
@@ -88,10 +102,11 @@ class Folder:
 
 @dataclass
 class MemoryMount:
-    """Seed 000: files a host injects at ``target`` (read-only unless ``writable``)."""
+    """Seed 000: files a host injects at ``target`` (read-only unless ``writable``): a flat
+    ``{rel: bytes}`` snapshot, or a live :class:`~sandbox.mounts.vfs.VirtualFileSystem`."""
 
     target: str
-    files: dict[str, bytes]
+    files: dict[str, bytes] | object
     writable: bool = False
     label: str = ""
 
@@ -103,6 +118,9 @@ class StepResult:
     signal: int | None = None
     cancelled: bool = False
     step_ids: list = field(default_factory=list)  # per folder: its step id, or None
+    stdout: str = ""  # what the SDK collected (bounded: sandbox.session.sdk.OUTPUT_CHARS_MAX)
+    stderr: str = ""
+    output_truncated: bool = False
 
 
 @dataclass
@@ -115,6 +133,7 @@ class _Started:
     detectors: list = field(default_factory=list)
     unlocks: list = field(default_factory=list)
     own_writes: list = field(default_factory=list)  # per folder: its OwnWrites journal, or None
+    live: dict = field(default_factory=dict)  # live mount target -> (Mount, MemoryMount)
 
 
 def _cidrs(items: list[str]) -> list[str]:
@@ -180,6 +199,15 @@ def watch_workspace(own_writes, path: str, on_external: Callable[[list[str]], No
     return d
 
 
+def _tree(files, writable: bool, label: str) -> Provider:
+    """The provider of an in-memory mount: a snapshot of a dict, or a live VFS."""
+    if is_vfs(files):
+        return vfs_tree(files, writable=writable, label=label)
+    if not isinstance(files, dict):
+        raise ValueError(f"a mount's files are a {{path: bytes}} dict or a VirtualFileSystem, not {type(files).__name__}")
+    return memory_tree(files, writable=writable, label=label)
+
+
 def build_table(folders: list[Folder], memory: list[MemoryMount]) -> MountTable:
     """The session's mount table: folder *i* is export ``"i"``, tree *j* is ``"m<j>"``."""
     mounts = [Mount(target=f.target or f"/mnt/working/{i}", name=str(i), read_only=f.read_only,
@@ -196,10 +224,14 @@ class Session:
                  decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
-                 external_policy: str | None = None, guest: str | Callable = "vm"):
+                 external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p"):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
-        factory ``(run_dir) -> guest``. ``external_policy``: None (no watcher) or one of
-        ``barrier``/``warn``/``lock``."""
+        factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
+        ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
+        ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet)."""
+        self.share = check_share(share)
+        if not (callable(guest) or guest in ("vm", "scripted")):
+            raise ValueError(f"guest must be 'vm', 'scripted' or a factory, not {guest!r}")
         if not folders:
             raise ValueError("at least one working folder")
         if len(folders) > FOLDERS_MAX:
@@ -244,6 +276,9 @@ class Session:
         self.started_at: float | None = None
         self._s: _Started | None = None
         self._lock = threading.Lock()  # one command at a time through run()
+        self._mount_lock = threading.Lock()  # live mounts: one change at a time
+        self._live_seq = 0  # attach names l0, l1, … are never reused within a session
+        self._boot_table = self.table
 
     @property
     def state_dirs(self) -> list[str | None]:
@@ -251,7 +286,17 @@ class Session:
 
     def _mount_point_exists(self, parent: Mount, rel: str) -> bool:
         if parent.kind == "memory":
+            if parent.name.startswith("l"):  # a live mount: ask what it serves
+                try:
+                    return self._require().providers[parent.name].host.lstat(rel).kind == "dir"
+                except (OSError, KeyError):
+                    return False
             files = self.memory_mounts[int(parent.name[1:])].files
+            if is_vfs(files):
+                try:
+                    return vfs_tree(files).host.lstat(rel).kind == "dir"
+                except OSError:
+                    return False
             return any(k.strip("/").startswith(rel + "/") for k in files)
         try:
             return os.path.isdir(os.path.join(parent.source, rel)) and not os.path.islink(os.path.join(parent.source, rel))
@@ -298,7 +343,7 @@ class Session:
             raise
         self.started_at = time.time()
         log.info("session started: %s guest, %d folder(s), %d in-memory mount(s), external modifications: %s",
-                 "scripted" if self.guest_kind == "scripted" else "vm", len(self.folders), len(self.memory_mounts),
+                 self.guest_kind if isinstance(self.guest_kind, str) else "custom", len(self.folders), len(self.memory_mounts),
                  self.external_policy or "not watched")
         return self
 
@@ -381,14 +426,15 @@ class Session:
                 s.own_writes.append(journal)
                 s.providers[mount.name] = Provider.intercepted(ws, label=mount.label or os.path.basename(f.path))
         for j, m in enumerate(self.memory_mounts):
-            s.providers[f"m{j}"] = memory_tree(m.files, writable=m.writable, label=m.label or m.target)
+            s.providers[f"m{j}"] = _tree(m.files, m.writable, m.label or m.target)
         if self.external_policy is not None:
             for i, (f, ws, journal) in enumerate(zip(self.folders, s.workspaces, s.own_writes)):
                 if ws is not None:
                     self._watch(s, i, ws, journal, f.path)
         sock = os.path.join(s.run_dir, "9p.sock")
         # one connection per guest mount, and room for a remount (limits: sandbox/limits.py)
-        limits = ServerLimits(connections_max=max(ServerLimits().connections_max, 2 * len(self.table.mounts)))
+        limits = ServerLimits(connections_max=max(ServerLimits().connections_max,
+                                                  2 * (len(self.table.mounts) + LIVE_MOUNTS_MAX)))
         server = NinePServer(dict(s.providers), ServerConfig(limits),
                              decide=self._decide if self.decide else None)
         s.server = ServerThread(server, unix_path=sock).__enter__()
@@ -438,6 +484,7 @@ class Session:
         s, self._s = self._s, None
         if s is None:
             return
+        self.table = self._boot_table  # live mounts end with the session
         self.started_at = None
         errors = []
         if s.guest is not None:
@@ -575,8 +622,85 @@ class Session:
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,
-                        "files": len(m.files)} for m in self.memory_mounts],
+                        **({} if is_vfs(m.files) else {"files": len(m.files)}), "live": live}
+                       for live, ms in ((False, self.memory_mounts), (True, self.live_mounts)) for m in ms],
         }
+
+    # ------------------------------------------------------------------ live mounts (seed 000)
+
+    @property
+    def live_mounts(self) -> list[MemoryMount]:
+        """The live mounts made since start, in the order made."""
+        return [mm for _m, mm in self._s.live.values()] if self._s else []
+
+    def mount(self, target: str, files, *, writable: bool = False, label: str = "") -> Mount:
+        """Mount ``files`` (a ``{rel: bytes}`` dict, snapshotted now, or a
+        :class:`~sandbox.mounts.vfs.VirtualFileSystem`, asked live) at the guest path
+        ``target`` while the session runs; the guest sees it when this returns.
+
+        :class:`~sandbox.mounts.table.MountError` (``session.invalid_mounts``) for a bad or
+        taken target, a mount point that does not exist inside an enclosing share, or more
+        than :data:`LIVE_MOUNTS_MAX` live mounts; :class:`SessionError` if the guest cannot
+        mount it (then nothing of it is left)."""
+        s = self._require()
+        with self._mount_lock:
+            if len(s.live) >= LIVE_MOUNTS_MAX:
+                raise MountError(f"at most {LIVE_MOUNTS_MAX} live mounts (unmount one first)", count=len(s.live))
+            name = f"l{self._live_seq}"
+            m = Mount(target=target, name=name, read_only=not writable, label=label, source=None, kind=MEMORY)
+            table = self.table.with_mount(m)  # unique target/label, MAX_MOUNTS
+            provider = _tree(files, writable, label or m.target)
+            try:
+                s.providers[name] = provider  # _mount_point_exists may look at live parents
+                check_mount_points(table, self._mount_point_exists)
+                s.server.call(lambda: s.server.server.add_export(name, provider))
+            except BaseException:
+                s.providers.pop(name, None)
+                provider.close()
+                raise
+            self._live_seq += 1
+            try:
+                s.server.run(s.guest.mount(GuestMount(name, m.target, m.read_only)), timeout_s=LIVE_MOUNT_TIMEOUT_S)
+            except BaseException as e:
+                self._drop_export(s, name)
+                if isinstance(e, Exception) and not isinstance(e, MountError):
+                    raise SessionError(f"the guest could not mount {m.target}: {e}") from None
+                raise
+            self.table = table
+            s.live[m.target] = (m, MemoryMount(m.target, files, writable=writable, label=label))
+            log.info("live mount %s at %s (%s)", name, m.target, "rw" if writable else "ro")
+            return m
+
+    def unmount(self, target: str) -> None:
+        """Undo :meth:`mount` of ``target`` (the guest unmounts it first, then the export
+        goes). ``MountError`` if no live mount is there (boot-time mounts stay)."""
+        s = self._require()
+        with self._mount_lock:
+            try:
+                entry = s.live.get(guest_path(target))
+            except PathDenied as e:
+                raise MountError(f"mount target: {e.message}", target=target) from None
+            if entry is None:
+                raise MountError(f"{target} is not a live mount (only mounts made after start can be unmounted)",
+                                 target=target)
+            mount, _mm = entry
+            try:
+                s.server.run(s.guest.unmount(mount.target), timeout_s=LIVE_MOUNT_TIMEOUT_S)
+            except Exception as e:
+                raise SessionError(f"the guest could not unmount {mount.target}: {e}") from None
+            self._drop_export(s, mount.name)
+            del s.live[mount.target]
+            self.table = self.table.without(mount.target)
+            log.info("live mount %s at %s removed", mount.name, mount.target)
+
+    def _drop_export(self, s: _Started, name: str) -> None:
+        try:
+            s.server.call(lambda: s.server.server.remove_export(name))
+        except Exception as e:  # not served (the add failed): nothing to remove
+            log.debug("remove_export %s: %s", name, e)
+        p = s.providers.pop(name, None)
+        if p is not None:
+            p.close()
 
     def history(self, folder: int = 0) -> list[dict]:
         ws = self._require().workspaces[folder]
