@@ -62,7 +62,7 @@ import os
 import stat as _stat
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from .api.errors import ApiError, to_api_error
 from .core.errors import HoldRequired

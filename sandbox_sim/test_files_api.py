@@ -13,7 +13,11 @@ import pytest
 
 from sandbox.api import schema
 from sandbox.files import HANDLES_MAX, READ_CALL_BYTES_MAX
-from sandbox_sim.test_stdio_api import api, cmds, guest, project, start, state_home  # noqa: F401 (fixtures)
+from sandbox_sim import test_stdio_api as base
+from sandbox_sim.test_stdio_api import start
+
+# the STDIO tests' fixtures: a `sandbox serve` client factory, the project, the scripted guest
+api, cmds, guest, project, state_home = base.api, base.cmds, base.guest, base.project, base.state_home
 
 pytestmark = pytest.mark.timeout(180)
 
