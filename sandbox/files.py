@@ -176,7 +176,7 @@ class FileService:
             self._providers[mount.name] = p
         return p
 
-    def _guest(self, path: str, directory=None) -> str:
+    def guest_path(self, path: str, directory=None) -> str:
         """The absolute guest path of ``path``: absolute as given, relative to ``directory``
         (a folder index/label/path) or else to the view (or the first folder)."""
         if not isinstance(path, str) or "\0" in path:
@@ -188,7 +188,7 @@ class FileService:
         return base.rstrip("/") + "/" + path if path not in ("", ".") else base
 
     def _locate(self, path: str, directory=None, write: bool = False) -> _Loc:
-        guest = self._guest(path, directory)
+        guest = self.guest_path(path, directory)
         mount, rel = self._view.resolve(guest, write=write)
         return _Loc(mount, rel, mount.target + ("/" + rel if rel else ""), self._provider(mount))
 
@@ -555,7 +555,7 @@ class FileService:
         A directory above the mounts (``/``, ``/mnt``) lists the way down: one ``dir``
         entry per next component of a mount inside the view."""
         with self._op("list", path=path):
-            guest = guest_path(self._guest(path, directory))
+            guest = guest_path(self.guest_path(path, directory))
             above = self._above_mounts(guest)
             if above is not None:
                 names = sorted(above)

@@ -193,3 +193,17 @@ def test_an_open_write_handle_does_not_block_a_command_or_an_undo(api, project, 
         ("api", ["log.txt"]), ("command", ["cmd.txt"]), ("api", ["log.txt"])]
     c.ok("undo.rollback", {"count": 3})
     assert not (project / "log.txt").exists() and not (project / "cmd.txt").exists()
+
+
+def test_an_api_write_that_trips_a_safeguard_is_denied_and_its_step_rolled_back(api, project):
+    c = api()
+    start(c, project, safeguard={"delete_threshold": 3})
+    before = sorted(p.name for p in (project / "victims").iterdir())
+    m = c.mark()
+    e = c.error("fs.remove", {"path": "victims", "recursive": True})
+    assert e["code"] == "safeguard.denied"
+    assert c.events("event.safeguard_triggered", m)  # the frontend is told what happened
+    assert sorted(p.name for p in (project / "victims").iterdir()) == before  # rolled back
+    assert c.ok("session.status")["pending_safeguards"] == []
+    c.ok("fs.write", {"path": "after.txt", "data": "ok"})  # the next API step is fine
+    assert (project / "after.txt").read_text() == "ok"

@@ -132,7 +132,9 @@ class Agent:
                            known=sorted(schema.REQUESTS))
         try:
             return fn(_integral(payload), request_id)
-        except ApiError:
+        except ApiError as e:
+            if e.code == "safeguard.denied" and type_.startswith("fs.") and "safeguard_id" in e.data:
+                self._answer(e.data["safeguard_id"], "deny")  # an API write's hold: denied at once (sandbox.files)
             raise
         except SessionError as e:
             raise ApiError("session.guest_failed", str(e)) from e
@@ -521,7 +523,7 @@ class Agent:
 
     def op_fs_open(self, p: dict, rid) -> dict:
         files = self._files()
-        guest = files._guest(p["path"], p.get("directory"))
+        guest = files.guest_path(p["path"], p.get("directory"))
         h = files.open(guest, p.get("mode", "r"))
         return {"handle": h, "path": guest, "mode": p.get("mode", "r")}
 
@@ -557,7 +559,7 @@ class Agent:
 
     def op_fs_remove(self, p: dict, rid) -> dict:
         files = self._files()
-        guest = files._guest(p["path"], p.get("directory"))
+        guest = files.guest_path(p["path"], p.get("directory"))
         return {"path": guest, "removed": files.remove(guest, p.get("recursive", False))}
 
     def op_fs_rename(self, p: dict, rid) -> dict:
