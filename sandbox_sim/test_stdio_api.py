@@ -1038,13 +1038,21 @@ def test_boundary_values_of_every_request_field_are_answered_never_internal(api,
 
     settings_ = dict(deadline=None, suppress_health_check=list(HealthCheck))
 
-    @settings(max_examples=scale(150, 2000), **settings_)
-    @given(requests(set(schema.REQUESTS) - lifecycle, [str(project)]))
-    def with_session(req):
-        r = send(a, *req)
-        if req[0] == "session.restrict" and r["status"] == "ok":  # restrictions only narrow: start afresh
-            a.ok("session.stop")
-            start(a, project)
+    def with_session_of(types, examples):
+        @settings(max_examples=examples, **settings_)
+        @given(requests(types, [str(project)]))
+        def run(req):
+            r = send(a, *req)
+            if req[0] == "session.restrict" and r["status"] == "ok":  # restrictions only narrow: start afresh
+                a.ok("session.stop")
+                start(a, project)
+
+        run()
+
+    def with_session():
+        with_session_of(set(schema.REQUESTS) - lifecycle, scale(150, 2000))
+        for t in sorted(set(schema.REQUESTS) - lifecycle - {t for t, _ in seen}):  # every type, however many there are
+            with_session_of({t}, 5)
 
     @settings(max_examples=scale(40, 400), **settings_)
     @given(requests(lifecycle | {"hello", "session.status"}, [str(other), str(other / "d")],

@@ -28,14 +28,13 @@ import binascii
 import logging
 import os
 import shlex
-import stat as _stat
 import threading
 from dataclasses import dataclass
 
 from .. import __version__
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
-from ..hostfs import DIR, LNK, REG, join
+from ..files import READ_FILE_BYTES_MAX, FileService
 from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
@@ -43,12 +42,9 @@ from .errors import ApiError, to_api_error
 
 log = logging.getLogger("sandbox.api")
 
-READ_BYTES_MAX = 16 << 20  # per fs.read
-LIST_ENTRIES_MAX = 10_000  # per fs.list
-STATUS_ENTRIES_MAX = 100_000  # scanned by fs.status
+READ_BYTES_MAX = READ_FILE_BYTES_MAX  # per fs.read by path (a handle's read: sandbox.files.READ_CALL_BYTES_MAX)
 MEMORY_BYTES_MAX = 256 << 20  # all in-memory mounts together, decoded
 FORWARDED_EVENTS = set(schema.EVENTS)
-_TYPE = {REG: "file", DIR: "dir", LNK: "symlink"}
 
 
 def _exec_text(path: str, value: str, env_name: bool = False) -> None:
@@ -92,6 +88,39 @@ class Agent:
         self._holds: dict[str, dict] = {}  # safeguard id -> {"event": payload, "directory": i, "future": (loop, fut)}
         self._start_payload: dict | None = None
         self._failed: str | None = None
+        self.files: FileService | None = None  # this client's file operations (fs.*), made at session.start
+        #: request type -> handler(payload, request_id) -> ok payload; exactly the types of schema.REQUESTS
+        self._dispatch = {
+            "hello": self.op_hello,
+            "session.start": self.op_session_start,
+            "session.stop": self.op_session_stop,
+            "session.reset": self.op_session_reset,
+            "session.status": self.op_session_status,
+            "session.restrict": self.op_session_restrict,
+            "undo.rollback": self.op_undo_rollback,
+            "undo.history": self.op_undo_history,
+            "undo.configure": self.op_undo_configure,
+            "undo.discard": self.op_undo_discard,
+            "agent.execute": self.op_agent_execute,
+            "agent.prompt": self.op_agent_prompt,
+            "agent.cancel": self.op_agent_cancel,
+            "fs.list": self.op_fs_list,
+            "fs.read": self.op_fs_read,
+            "fs.status": self.op_fs_status,
+            "fs.open": self.op_fs_open,
+            "fs.write": self.op_fs_write,
+            "fs.seek": self.op_fs_seek,
+            "fs.stat": self.op_fs_stat,
+            "fs.close": self.op_fs_close,
+            "fs.create_temp": self.op_fs_create_temp,
+            "fs.mkdir": self.op_fs_mkdir,
+            "fs.remove": self.op_fs_remove,
+            "fs.rename": self.op_fs_rename,
+            "safeguard.configure": self.op_safeguard_configure,
+            "safeguard.confirm": self.op_safeguard_confirm,
+            "mount.add": self.op_mount_add,
+            "mount.remove": self.op_mount_remove,
+        }
 
     # ------------------------------------------------------------------ dispatch
 
@@ -99,13 +128,15 @@ class Agent:
         """Carry out one request whose payload matched its schema (hence bounded and shallow).
         Integral floats are made ints first: JSON Schema's ``integer`` accepts ``1e9`` and
         ``2.0``, and the handlers count, index and seek with them."""
-        fn = getattr(self, "op_" + type_.replace(".", "_"), None)
+        fn = self._dispatch.get(type_) if isinstance(type_, str) else None
         if fn is None or type_ not in schema.REQUESTS:
             raise ApiError("protocol.unknown_type", f"unknown request type {type_!r}", type=type_,
                            known=sorted(schema.REQUESTS))
         try:
             return fn(_integral(payload), request_id)
-        except ApiError:
+        except ApiError as e:
+            if e.code == "safeguard.denied" and type_.startswith("fs.") and "safeguard_id" in e.data:
+                self._answer(e.data["safeguard_id"], "deny")  # an API write's hold: denied at once (sandbox.files)
             raise
         except SessionError as e:
             raise ApiError("session.guest_failed", str(e)) from e
@@ -156,6 +187,7 @@ class Agent:
             self.session = session
             self._start_payload = p
             self.view = session.table
+            self.files = FileService(session, self.view, client="stdio")
             self._failed = None
             try:
                 if restrict:
@@ -262,6 +294,9 @@ class Agent:
     def _stop(self) -> None:
         s, self.session = self.session, None
         self.view = None
+        files, self.files = self.files, None
+        if files is not None:
+            files.close_all()
         self._deny_all_holds()
         if s is not None:
             s.stop()
@@ -306,7 +341,8 @@ class Agent:
                 "running": None if r is None else {"request_id": r.request_id},
                 "pending_safeguards": [h["event"] for h in list(self._holds.values()) if h.get("event")],
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
-                "external_modification_policy": st["external_modification_policy"]}
+                "external_modification_policy": st["external_modification_policy"],
+                "files": self.files.counters() if self.files is not None else None}
 
     def op_session_restrict(self, p: dict, rid) -> dict:
         self._require()
@@ -315,17 +351,12 @@ class Agent:
 
     def _restrict(self, path: str | None, readonly: bool | None) -> None:
         """Narrow the view (seed 004) — for the API's file access and for the guest: every
-        share hides what is outside the view (EACCES) and, if read-only, refuses writes (EROFS)."""
-        self.view = self.view.restrict(path, readonly)
-        v = self.view.view
-        for m in self.session.table.mounts:
-            if v == "/" or _within(m.target, v):
-                rel = ""
-            elif _within(v, m.target):
-                rel = v[len(m.target):].strip("/")
-            else:
-                rel = None
-            self.session.provider(m.name).restrict(rel, self.view.read_only)
+        share hides what is outside the view (EACCES) and, if read-only, refuses writes (EROFS).
+        Nothing is mutated: the guest's exports and this client's files get new narrowed providers."""
+        view = self.view.restrict(path, readonly)
+        self.session.restrict(view)
+        self.files.narrow(view)
+        self.view = view
 
     # ------------------------------------------------------------------ directories
 
@@ -465,109 +496,76 @@ class Agent:
 
     # ------------------------------------------------------------------ files
 
-    def _locate(self, path: str, directory) -> tuple[object, str, str]:
-        """(provider, relative path, guest path) for an fs.* path: absolute = guest path,
-        relative = inside ``directory`` (default the first, or the restricted view)."""
-        s = self._require()
-        if not isinstance(path, str) or "\0" in path:
-            raise ApiError("fs.invalid_path", "path must be a string without NUL")
-        if path.startswith("/"):
-            guest = path
-        else:
-            base = self.view.view if directory is None and self.view.view != "/" else \
-                self.view.folders[self._directory(directory)].target
-            guest = base.rstrip("/") + "/" + path if path not in ("", ".") else base
-        mount, rel = self.view.resolve(guest)
-        provider = s.provider(mount.name)
-        return provider, rel, mount.target + ("/" + rel if rel else "")
+    def _files(self) -> FileService:
+        self._require()
+        return self.files
 
     def op_fs_list(self, p: dict, rid) -> dict:
-        provider, rel, guest = self._locate(p.get("path", ""), p.get("directory"))
-        attr = provider.getattr(rel)
-        if attr.kind != DIR:
-            raise ApiError("fs.not_a_directory", f"{guest} is not a directory")
-        names = sorted(provider.listdir(rel))
-        entries = []
-        for name in names[:LIST_ENTRIES_MAX]:
-            child = join(rel, name)
-            try:
-                a = provider.getattr(child)
-            except OSError:
-                continue  # vanished meanwhile
-            e = {"name": name, "type": _TYPE.get(a.kind, "other"), "size": a.size, "mode": a.mode, "mtime_ns": a.mtime_ns}
-            if a.kind == LNK:
-                try:
-                    e["target"] = provider.readlink(child)
-                except OSError:
-                    pass
-            entries.append(e)
-        return {"path": guest, "entries": entries, "truncated": len(names) > LIST_ENTRIES_MAX}
+        return self._files().list(p.get("path", ""), p.get("directory"))
 
     def op_fs_read(self, p: dict, rid) -> dict:
+        """By ``path`` (one-shot, a range of the file) or by ``handle`` (at its position)."""
+        files = self._files()
+        encoding = p.get("encoding", "utf-8")
+        if "handle" in p:
+            data = files.read(p["handle"], p.get("length", -1))
+            text, encoding = _encode(data, encoding)
+            return {"handle": p["handle"], "data": text, "encoding": encoding, "bytes": len(data), "eof": not data}
         want = p.get("length")
         if want is not None and want > READ_BYTES_MAX:
             raise ApiError("fs.too_large", f"at most {READ_BYTES_MAX} bytes per fs.read", limit_bytes=READ_BYTES_MAX)
-        provider, rel, guest = self._locate(p["path"], p.get("directory"))
-        attr = provider.getattr(rel)
-        if attr.kind == DIR:
-            raise ApiError("fs.is_a_directory", f"{guest} is a directory: use fs.list")
-        if attr.kind == LNK:
-            raise ApiError("fs.symlink", f"{guest} is a symlink (to {provider.readlink(rel)!r}); it is not followed")
-        if attr.kind != REG:
-            raise ApiError("fs.not_a_file", f"{guest} is a special file: never opened")
         offset = p.get("offset", 0)
-        remaining = max(0, attr.size - offset)  # nothing is read at or past the end (offsets up to 2**63-1 are valid)
-        length = min(remaining, READ_BYTES_MAX if want is None else want)
-        with provider.open(rel, os.O_RDONLY) as fh:
-            data = fh.pread(length, offset) if length else b""
-        encoding = p.get("encoding", "utf-8")
-        text = None
-        if encoding == "utf-8":
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                encoding = "base64"
-        if text is None:
-            text = base64.b64encode(data).decode()
-        return {"path": guest, "size": attr.size, "offset": offset, "data": text, "encoding": encoding,
-                "eof": offset + len(data) >= attr.size}
+        guest, size, data = files.read_range(p["path"], offset, want, p.get("directory"))
+        text, encoding = _encode(data, encoding)
+        return {"path": guest, "size": size, "offset": offset, "data": text, "encoding": encoding,
+                "eof": offset + len(data) >= size}
 
     def op_fs_status(self, p: dict, rid) -> dict:
-        """Translation warnings: special files (listed, never opened), symlinks whose target
-        leaves the folder (they resolve in the guest's namespace, not the host's), names
-        that differ only by case (a case-insensitive host would collide)."""
-        provider, rel, guest = self._locate("", p.get("directory"))
-        warnings, seen, stack = [], 0, [rel]
-        while stack and seen < STATUS_ENTRIES_MAX:
-            d = stack.pop()
-            try:
-                names = sorted(provider.listdir(d))
-            except OSError:
-                continue
-            lower: dict[str, str] = {}
-            for name in names:
-                seen += 1
-                child = join(d, name)
-                other = lower.setdefault(name.lower(), name)
-                if other != name:
-                    warnings.append({"kind": "case_collision", "path": child,
-                                     "message": f"{child} and {join(d, other)} differ only by case"})
-                try:
-                    a = provider.getattr(child)
-                except OSError:
-                    continue
-                if a.kind == DIR:
-                    stack.append(child)
-                elif a.kind == LNK:
-                    target = provider.readlink(child)
-                    depth = len(d.split("/")) if d else 0
-                    if target.startswith("/") or _escapes(target, depth):
-                        warnings.append({"kind": "symlink_outside", "path": child,
-                                         "message": f"{child} -> {target} points outside the folder; the guest resolves it in its own namespace"})
-                elif a.kind != REG:
-                    warnings.append({"kind": "special_file", "path": child,
-                                     "message": f"{child} is a {_stat.filemode(a.st_mode)[0]!r}-type special file: listed but never opened"})
-        return {"warnings": warnings, "truncated": bool(stack)}
+        return self._files().status(p.get("directory"))
+
+    def op_fs_open(self, p: dict, rid) -> dict:
+        files = self._files()
+        guest = files.guest_path(p["path"], p.get("directory"))
+        h = files.open(guest, p.get("mode", "r"))
+        return {"handle": h, "path": guest, "mode": p.get("mode", "r")}
+
+    def op_fs_write(self, p: dict, rid) -> dict:
+        """By ``handle`` (at its position) or by ``path`` (create or replace the file: one API step)."""
+        files = self._files()
+        data = _decode(p["data"], p.get("encoding", "utf-8"))
+        if "handle" in p:
+            n = files.write(p["handle"], data)
+            return {"handle": p["handle"], "bytes_written": n}
+        guest = files.write_file(p["path"], data, p.get("directory"))
+        return {"path": guest, "bytes_written": len(data)}
+
+    def op_fs_seek(self, p: dict, rid) -> dict:
+        whence = {"set": 0, "cur": 1, "end": 2}[p.get("whence", "set")]
+        return {"handle": p["handle"], "position": self._files().seek(p["handle"], p["offset"], whence)}
+
+    def op_fs_stat(self, p: dict, rid) -> dict:
+        files = self._files()
+        if "handle" in p:
+            return {"handle": p["handle"], **files.stat(p["handle"])}
+        return files.stat(p["path"], p.get("directory"))
+
+    def op_fs_close(self, p: dict, rid) -> dict:
+        self._files().close(p["handle"])
+        return {"handle": p["handle"]}
+
+    def op_fs_create_temp(self, p: dict, rid) -> dict:
+        return {"handle": self._files().create_temp()}
+
+    def op_fs_mkdir(self, p: dict, rid) -> dict:
+        return {"path": self._files().mkdir(p["path"], p.get("parents", False), p.get("directory"))}
+
+    def op_fs_remove(self, p: dict, rid) -> dict:
+        files = self._files()
+        guest = files.guest_path(p["path"], p.get("directory"))
+        return {"path": guest, "removed": files.remove(guest, p.get("recursive", False))}
+
+    def op_fs_rename(self, p: dict, rid) -> dict:
+        return {"path": self._files().rename(p["src"], p["dst"], p.get("directory"))}
 
     # ------------------------------------------------------------------ safeguards
 
@@ -697,6 +695,8 @@ class Agent:
         if self.view is not None:
             sub = None if self.view.view == "/" else self.view.view
             self.view = s.table.restrict(sub, self.view.read_only)
+            if self.files is not None:
+                self.files.narrow(self.view)  # the same narrowing over the new table: a live mount is reachable
 
 
 def _integral(value):
@@ -721,14 +721,25 @@ def _within(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix.rstrip("/") + "/")
 
 
-def _escapes(target: str, depth: int) -> bool:
-    """A relative symlink target climbing above the folder root from ``depth`` levels down."""
-    level = depth
-    for part in target.split("/"):
-        if part == "..":
-            level -= 1
-            if level < 0:
-                return True
-        elif part not in ("", "."):
-            level += 1
-    return False
+def _encode(data: bytes, encoding: str) -> tuple[str, str]:
+    """``data`` as UTF-8 text if asked and it is, else base64; and the encoding used."""
+    if encoding == "utf-8":
+        try:
+            return data.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            pass
+    return base64.b64encode(data).decode(), "base64"
+
+
+def _decode(text: str, encoding: str) -> bytes:
+    """A request's ``data`` in ``encoding`` → bytes (``fs.invalid_argument`` if it is not)."""
+    if encoding == "base64":
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError("fs.invalid_argument", "data is not valid base64", errno="EINVAL", field="data") from None
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("fs.invalid_argument", "data is not valid Unicode text (a lone surrogate): send base64",
+                       errno="EINVAL", field="data") from None

@@ -64,6 +64,14 @@ CODES: dict[str, str] = {
     "fs.too_large": "More than the per-request limit (data: limit_bytes); read it in ranges.",
     "fs.invalid_path": "The path is malformed (NUL, too long, not a string).",
     "fs.io_error": "The host reported an I/O error (data: errno).",
+    "fs.invalid_argument": "A bad argument to a file operation: an unknown mode, a negative or too large offset, a handle not open for reading/writing, data that is not valid base64 (data: errno EINVAL or EBADF, field).",
+    "fs.invalid_handle": "No open handle has this number: closed, never opened, or another client's (data: errno EINVAL, handle).",
+    "fs.too_many_handles": "This client has as many handles open as it may (data: errno EMFILE, limit); close some.",
+    "fs.not_supported": "The operation is not supported there (data: errno ENOTSUP).",
+    "fs.exists": "The path exists already: fs.open mode x, fs.mkdir without parents (data: errno EEXIST).",
+    "fs.not_empty": "fs.remove of a directory that is not empty, without recursive (data: errno ENOTEMPTY).",
+    "fs.busy": "A mount point (or a directory holding one) cannot be removed, renamed or replaced (data: errno EBUSY).",
+    "fs.cross_mount": "fs.rename between two mounts: copy, then remove (data: errno EXDEV).",
     # safeguard
     "safeguard.unknown_id": "No pending safeguard has this id (already answered, timed out, or never existed).",
     "safeguard.invalid_config": "safeguard.configure: a threshold or timeout is out of range.",
@@ -92,6 +100,7 @@ _ERRNO_CODES = {
     errno.EACCES: "fs.access_denied", errno.EPERM: "fs.access_denied", errno.EROFS: "fs.access_denied",
     errno.ELOOP: "fs.symlink", errno.EXDEV: "fs.outside_mounts", errno.ENAMETOOLONG: "fs.invalid_path",
     errno.EINVAL: "fs.invalid_path", errno.EFBIG: "fs.too_large", errno.ENXIO: "fs.not_a_file",
+    errno.EEXIST: "fs.exists", errno.ENOTEMPTY: "fs.not_empty", errno.EBUSY: "fs.busy", errno.ENOTSUP: "fs.not_supported",
 }
 
 

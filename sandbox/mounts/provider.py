@@ -28,7 +28,8 @@ Invariants:
   ``trusted.*``) are stored under ``user.sandbox.x.``; the reserved names are invisible;
 * a mutation may raise :class:`~sandbox.core.errors.HoldRequired` *before* it has any
   effect; the server queues it and calls it again once the hold is resolved;
-* a restricted **view** (:meth:`Provider.restrict`, seed 004) only narrows: outside it
+* a restricted **view** (:meth:`Provider.narrowed`, seed 004: a new provider, the
+  original unchanged) only narrows: outside it
   every access is ``EACCES``; the directories above it can be looked up and listed (the
   listing shows only the way down), never changed; ``read_only`` never goes back to
   writable.
@@ -72,6 +73,7 @@ class Provider:
         self.label = label or host.name
         self._poll = poll
         self._workspace = workspace  # its in-flight accounting (op_started/op_finished)
+        self._owner = True  # close() closes the host (see narrowed)
 
     # ------------------------------------------------------------------ constructors
 
@@ -119,22 +121,30 @@ class Provider:
 
     def close(self) -> None:
         close = getattr(self.host, "close", None)
-        if close is not None and self.fs.interceptor is None:
+        if close is not None and self.fs.interceptor is None and self._owner:
             close()  # an intercepted host belongs to its workspace
 
     # ------------------------------------------------------------------ views
 
-    def restrict(self, view: str | None = "", read_only: bool = False) -> None:
-        """Narrow what clients see to the subtree ``view`` ("" all, None nothing), and make
-        it read-only if asked. Never widens: a view outside the current one is nothing."""
+    def narrowed(self, view: str | None = "", read_only: bool = False) -> "Provider":
+        """A NEW provider over the same tree (the same host filesystem, undo interception and
+        step accounting) that shows only the subtree ``view`` ("" all, None nothing), read-only
+        if asked or if this one is. ``self`` is not changed, so different clients can hold
+        different views of one tree. Never widens: a view outside this one's is nothing."""
         cur = self.view
         if cur is None or view is None:
-            self.view = None
+            v = None
         elif is_within(view, cur):
-            self.view = view
-        elif not is_within(cur, view):
-            self.view = None  # disjoint: nothing left
-        self.read_only = self.read_only or read_only
+            v = view
+        elif is_within(cur, view):
+            v = cur
+        else:
+            v = None  # disjoint: nothing left
+        out = Provider(self.host, self.fs, read_only=self.read_only or read_only, label=self.label,
+                       poll=self._poll, workspace=self._workspace)
+        out.view = v
+        out._owner = False  # the host belongs to the provider this one narrows
+        return out
 
     def _see(self, path: str, *, above_ok: bool = True) -> None:
         v = self.view

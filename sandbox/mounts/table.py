@@ -363,6 +363,16 @@ class MountTable:
         target = mount.target if isinstance(mount, Mount) else repr(mount)
         raise self._unknown(target, f"{target} is not a working folder of this session")
 
+    def view_within(self, mount: Mount) -> str | None:
+        """The view as a path relative to ``mount``'s root: ``""`` if the whole mount is in
+        the view, the subtree if the view lies inside it, None if they do not overlap (what
+        :meth:`~sandbox.mounts.provider.Provider.narrowed` takes)."""
+        if _within(mount.target, self._view):
+            return ""
+        if _within(self._view, mount.target):
+            return _rel(self._view, mount.target)
+        return None
+
     # -- narrowing
 
     def restrict(self, subtree: str | None = None, read_only: bool | None = None) -> MountTable:

@@ -279,6 +279,9 @@ class Session:
         self._mount_lock = threading.Lock()  # live mounts: one change at a time
         self._live_seq = 0  # attach names l0, l1, … are never reused within a session
         self._boot_table = self.table
+        #: called (under command_lock) before a command step opens or an undo runs: API clients
+        #: end their open API steps there (sandbox.files.FileService.end_steps)
+        self.before_step: list[Callable[[], None]] = []
 
     @property
     def state_dirs(self) -> list[str | None]:
@@ -313,6 +316,25 @@ class Session:
     def provider(self, name: str) -> Provider:
         """The provider serving the share with attach name ``name`` (see :func:`build_table`)."""
         return self._require().providers[name]
+
+    @property
+    def command_lock(self) -> threading.Lock:
+        """Held while a command runs (:meth:`run`): API steps take it without waiting, to
+        know that no command is running and to keep one from starting meanwhile."""
+        return self._lock
+
+    def restrict(self, view: MountTable) -> None:
+        """From now on the guest sees only ``view`` (seed 004): each export is served by a
+        provider narrowed to it (outside: ``EACCES``; read-only: ``EROFS``). The session's
+        own providers (:meth:`provider`) stay whole — API clients narrow them for themselves."""
+        s = self._require()
+        exports = s.server.server.exports
+        for m in self.table.mounts:
+            exports[m.name].provider = s.providers[m.name].narrowed(view.view_within(m), view.read_only)
+
+    def _before_step(self) -> None:
+        for hook in list(self.before_step):
+            hook()
 
     @property
     def running(self) -> bool:
@@ -536,6 +558,7 @@ class Session:
         if self.python_path:  # user paths first (seed 000)
             env["PYTHONPATH"] = ":".join(self.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with self._lock:
+            self._before_step()
             ids = [ws.begin_step(command) if ws is not None else None for ws in s.workspaces]
             step_id = next((i for i in ids if i is not None), None)
             log.info("step %s: exec %s", step_id, command[:200], extra={"step_id": step_id})
@@ -591,6 +614,11 @@ class Session:
         ws = s.workspaces[folder]
         if ws is None:
             raise SessionError(f"working folder {folder} is read-only: it has no undo history")
+        if self._lock.acquire(blocking=False):  # a running command: rollback refuses anyway (undo.step_running)
+            try:
+                self._before_step()
+            finally:
+                self._lock.release()
         result = ws.rollback(n, force=force)
         for sid in result.get("step_ids", []):
             try:
