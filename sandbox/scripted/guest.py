@@ -12,7 +12,10 @@ The interface is the one the session drives for the QEMU guest: ``boot`` (connec
 attach, blocking), ``exec`` (returns an :class:`Execution` whose ``completed`` future
 resolves to ``{"type": "step_completed", "id", "exit_code", "signal"}``), ``cancel``,
 ``rollback_notify``, ``pause``/``resume`` (it cannot pause: ``pause`` returns False),
-``vm_status``, ``alive``, ``tail`` and ``stop``.
+``vm_status``, ``alive``, ``tail`` and ``stop`` — and live mounts: ``mount(GuestMount)``
+attaches one more 9P client to the same socket (as the VM mounts on a spare forwarded
+port), ``unmount(target)`` closes it; at most ``LIVE_MOUNTS_MAX`` at once, and only live
+mounts can be unmounted.
 
 Script language
 ===============
@@ -132,7 +135,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..vm.guest import GuestMount  # noqa: F401 — the session passes these
+from ..guest.control import LIVE_MOUNTS_MAX, check_aname, check_target
+from ..vm.guest import GuestError, GuestMount  # noqa: F401 — the session passes these
 from ..hostfs import DIR, LNK, REG
 from ..ninep.client import Client
 from ..ninep.messages import ProtocolError
@@ -341,6 +345,7 @@ class _Mount:
     parts: tuple[str, ...]
     client: Client
     fs: _MountFS
+    live: bool = False  # mounted after boot (``ScriptedGuest.mount``)
 
 
 @dataclass
@@ -564,6 +569,8 @@ class _Script:
             raise _Fail(f"{self.cmd}: '': No such file or directory")
         parts = _components(path, self.cwd)
         for mount in self.guest._mounts:  # deepest target first
+            if mount.fs is None:
+                continue  # a live mount still attaching
             k = len(mount.parts)
             if parts[:k] == mount.parts:
                 return _Target(mount, "/".join(parts[k:]), path)
@@ -960,7 +967,8 @@ class ScriptedGuest:
         self.reply_timeout_s = reply_timeout_s
         self.rollbacks: list[int] = []
         self.boot_s: float | None = None  # how long boot took (connect + attach)
-        self._mounts: list[_Mount] = []  # deepest target first
+        self._mounts: list[_Mount] = []  # deepest target first; replaced whole, never mutated (scripts read it)
+        self._socket_path: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._current: Execution | None = None
@@ -994,6 +1002,7 @@ class ScriptedGuest:
                 raise RuntimeError("the scripted guest was already booted")
             self._booted = True
         self._loop = loop
+        self._socket_path = socket_path
         t0 = time.monotonic()
         opened: list[_Mount] = []
         try:
@@ -1032,6 +1041,62 @@ class ScriptedGuest:
         self.boot_s = time.monotonic() - t0
         self._log(f"ready: {len(opened)} share(s)")
 
+    # -- live mounts --
+
+    async def mount(self, m: GuestMount) -> None:
+        """Attach a new 9P client to export ``m.aname`` and mount it at ``m.target``.
+        Raises GuestError (not running, target taken, LIVE_MOUNTS_MAX reached, the server
+        refused the attach) or ValueError (a target or attach name the protocol refuses)."""
+        check_target(m.target)
+        check_aname(m.aname)
+        parts = _components(m.target)
+        with self._lock:
+            if not self.alive() or self._socket_path is None:
+                raise GuestError("the scripted guest is not running")
+            if any(mt.parts == parts for mt in self._mounts):
+                raise GuestError(f"a share is already mounted at {m.target}")
+            if sum(mt.live for mt in self._mounts) >= LIVE_MOUNTS_MAX:
+                raise GuestError(f"no free port for a live mount: {LIVE_MOUNTS_MAX} at most (LIVE_MOUNTS_MAX)")
+            placeholder = _Mount(m, parts, None, None, live=True)  # reserves the target and the count
+            self._mounts = sorted([*self._mounts, placeholder], key=lambda mt: len(mt.parts), reverse=True)
+        try:  # blocking client calls answered by the server on ``loop``: off the loop
+            client, fs = await asyncio.get_running_loop().run_in_executor(None, self._attach, m)
+        except BaseException as e:
+            with self._lock:
+                self._mounts = [mt for mt in self._mounts if mt is not placeholder]
+            if isinstance(e, (OSError, ProtocolError)):
+                raise GuestError(f"cannot mount {m.aname!r} at {m.target}: {_strerror(e)}") from None
+            raise
+        with self._lock:
+            stopped = self._stopped
+            self._mounts = sorted([_Mount(m, parts, client, fs, live=True) if mt is placeholder else mt
+                                   for mt in self._mounts], key=lambda mt: len(mt.parts), reverse=True)
+        if stopped:
+            client.close()
+            raise GuestError("the scripted guest was stopped while mounting")
+        self._log(f"mount: attached {m.aname!r} at {m.target} ({'ro' if m.read_only else 'rw'})")
+
+    def _attach(self, m: GuestMount) -> tuple[Client, _MountFS]:
+        client = Client.connect_unix(self._socket_path, timeout_s=JOIN_TIMEOUT_S)
+        try:
+            fs = _MountFS(client, m.aname)
+        except BaseException:
+            client.close()
+            raise
+        client.sock.settimeout(self.reply_timeout_s)
+        return client, fs
+
+    async def unmount(self, target: str) -> None:
+        """Unmount the live mount at ``target`` (its client is closed). GuestError if there is none."""
+        parts = _components(target)
+        with self._lock:
+            found = [mt for mt in self._mounts if mt.parts == parts and mt.live and mt.client is not None]
+            if not found:
+                raise GuestError(f"no live mount at {target}")
+            self._mounts = [mt for mt in self._mounts if mt is not found[0]]
+        found[0].client.close()
+        self._log(f"unmount: {target}")
+
     def alive(self) -> bool:
         return self._booted and not self._stopped and not getattr(self, "_halted", False)
 
@@ -1056,6 +1121,8 @@ class ScriptedGuest:
         if current is not None:
             current._cancel.set()
         for mount in self._mounts:
+            if mount.client is None:
+                continue  # a live mount still attaching: mount() closes it on seeing _stopped
             with contextlib.suppress(OSError):
                 mount.client.sock.shutdown(socket.SHUT_RDWR)  # wakes a recv blocked on a held reply
         for t in workers:
@@ -1065,7 +1132,8 @@ class ScriptedGuest:
             if t.is_alive():
                 log.warning("scripted guest: worker %s did not end within %.0f s", t.name, JOIN_TIMEOUT_S)
         for mount in self._mounts:
-            mount.client.close()
+            if mount.client is not None:
+                mount.client.close()
         self._log("stopped")
 
     # -- commands --
