@@ -22,9 +22,12 @@ import pytest
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.mounts import Provider, memory_tree
+from sandbox.guest.control import LIVE_MOUNTS_MAX
+from sandbox.ninep.connection import Export
 from sandbox.ninep.server import NinePServer, ServerConfig, ServerThread
 from sandbox_sim import oracle
 from sandbox.scripted.guest import (
+    GuestError,
     GuestMount,
     ScriptedGuest,
     ScriptSyntaxError,
@@ -540,3 +543,40 @@ def test_boot_failure_leaves_nothing_open(rig):
             g.boot(socket_path=rig.sock, mounts=mounts, loop=rig.st.loop)
         assert not g.alive()
         g.stop()
+
+
+# ---------------------------------------------------------------------------- live mounts
+
+
+def test_a_live_mount_is_visible_at_once_then_gone_after_unmount(rig):
+    add = {"hello.txt": b"live\n", "sub/x": b"x\n"}
+    rig.st.call(lambda: rig.st.server.exports.__setitem__(
+        "l0", Export(memory_tree(add), None, rig.st.server.config.limits)))
+    assert rig.run("cat /mnt/live/hello.txt", step=False).err == "cat: /mnt/live/hello.txt: not in a shared folder\n"
+    rig.st.run(rig.guest.mount(GuestMount("l0", "/mnt/live", True)))
+    r = rig.run("cat /mnt/live/hello.txt; ls /mnt/live/sub", step=False)
+    assert (r.exit_code, r.out) == (0, "live\nx\n"), r
+    r = rig.run("write /mnt/live/new x", step=False)
+    assert r.err == f"write: /mnt/live/new: {os.strerror(errno.EROFS)}\n"
+    with pytest.raises(GuestError, match="already mounted"):
+        rig.st.run(rig.guest.mount(GuestMount("l0", "/mnt/live", True)))
+    rig.st.run(rig.guest.unmount("/mnt/live"))
+    assert rig.run("cat /mnt/live/hello.txt", step=False).exit_code == 1
+    with pytest.raises(GuestError, match="no live mount"):
+        rig.st.run(rig.guest.unmount("/mnt/live"))
+    with pytest.raises(GuestError, match="no live mount"):
+        rig.st.run(rig.guest.unmount(TOOLS))  # a boot share is not a live mount
+
+
+def test_live_mounts_are_bounded_and_a_refused_attach_is_a_guest_error(rig):
+    for k in range(LIVE_MOUNTS_MAX):
+        rig.st.run(rig.guest.mount(GuestMount("m0", f"/mnt/l{k}", True)))
+    with pytest.raises(GuestError, match="LIVE_MOUNTS_MAX"):
+        rig.st.run(rig.guest.mount(GuestMount("m0", "/mnt/one-more", True)))
+    rig.st.run(rig.guest.unmount("/mnt/l0"))
+    with pytest.raises(GuestError, match="cannot mount 'nosuch'"):
+        rig.st.run(rig.guest.mount(GuestMount("nosuch", "/mnt/l0", True)))
+    with pytest.raises(ValueError):
+        rig.st.run(rig.guest.mount(GuestMount("m0", "/mnt/../x", True)))
+    rig.st.run(rig.guest.mount(GuestMount("m0", "/mnt/l0", True)))
+    assert rig.run("cat /mnt/l0/README /mnt/l3/README", step=False).out == "tools\ntools\n"

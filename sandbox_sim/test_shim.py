@@ -1,7 +1,8 @@
-"""The guest shim (guest/shim.py) as a black box: the real file runs as a subprocess on
+"""The guest shim (sandbox/guest/shim.py) as a black box: the real file runs as a subprocess on
 one end of a socketpair (``--fd``) and the tests speak JSON Lines to it.
 
-Nothing of the shim is imported or mocked; every assertion is on bytes on the wire or on
+Nothing of the shim is imported or mocked (only the protocol's constants, from
+sandbox/guest/control.py, which the shim imports too); every assertion is on bytes on the wire or on
 processes in /proc. No sleeps: every wait is a socket timeout, a pidfd poll or
 ``Popen.wait(timeout=...)``.
 """
@@ -20,6 +21,8 @@ import tty
 from pathlib import Path
 
 import pytest
+
+from sandbox.guest import control as proto
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -45,7 +48,7 @@ class ShimProcess:
         self.sock.settimeout(RECV_TIMEOUT_S)
         self._buf = bytearray()
         ready = self.recv()
-        assert ready == {"type": "ready", "version": 1, "pid": self.proc.pid}
+        assert ready == {"type": "ready", "version": proto.PROTOCOL_VERSION, "pid": self.proc.pid}
 
     def send(self, obj) -> None:
         self.send_raw(json.dumps(obj).encode() + b"\n")
@@ -431,7 +434,7 @@ def test_port_mode_on_a_pty(tmp_path):
         return json.loads(line)
 
     try:
-        assert recv() == {"type": "ready", "version": 1, "pid": proc.pid}
+        assert recv() == {"type": "ready", "version": proto.PROTOCOL_VERSION, "pid": proc.pid}
         os.write(master, b'{"type":"ping","id":7}\n{"type":"exec","id":1,"command":"echo pty"}\n')
         assert recv() == {"type": "pong", "id": 7}
         assert [recv() for _ in range(3)] == [
@@ -447,3 +450,90 @@ def test_port_mode_on_a_pty(tmp_path):
             proc.wait()
         os.close(master)
         os.close(slave)
+
+
+# ---------------------------------------------------------------- live mounts
+
+
+def _mounted(target: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(target) for line in f)
+
+
+def _mount_msg(cid, where, **over):
+    msg = {"type": "mount", "id": cid, "port": proto.live_mount_ports()[0], "aname": "l0",
+           "target": str(where), "read_only": True}
+    msg.update(over)
+    return msg
+
+
+BAD_MOUNTS = {
+    "share port": {"port": proto.NINEP_PORT},
+    "port as string": {"port": str(proto.live_mount_ports()[0])},
+    "aname with comma": {"aname": "l0,trans=virtio"},
+    "aname with space": {"aname": "l 0"},
+    "empty aname": {"aname": ""},
+    "relative target": {"target": "mnt/x"},
+    "root target": {"target": "/"},
+    "dotdot target": {"target": "/mnt/../etc"},
+    "double slash": {"target": "/mnt//x"},
+    "newline target": {"target": "/mnt/x\nro"},
+    "read_only as int": {"read_only": 1},
+    "msize too small": {"msize": 100},
+}
+
+
+@pytest.mark.parametrize("override", BAD_MOUNTS.values(), ids=BAD_MOUNTS.keys())
+def test_bad_mount_fails_with_its_id_and_the_shim_keeps_working(shim, tmp_path, override):
+    shim.send(_mount_msg(70, tmp_path / "m", **override))
+    reply = shim.recv()
+    assert reply["type"] == "mount_failed" and reply["id"] == 70, reply
+    assert reply["message"].startswith("mount:"), reply
+    assert not (tmp_path / "m").exists()
+    assert assert_step_shape(shim.run(100, "echo ok"))["exit_code"] == 0
+
+
+def test_mount_without_a_valid_id_is_an_error(shim, tmp_path):
+    shim.send(_mount_msg("x", tmp_path / "m"))
+    assert shim.recv()["type"] == "error"
+    shim.send({"type": "unmount", "id": None, "target": str(tmp_path)})
+    err = shim.recv()
+    assert err["type"] == "error" and err["id"] is None
+
+
+def test_unmount_of_what_is_not_mounted_fails(shim, tmp_path):
+    shim.send({"type": "unmount", "id": 71, "target": str(tmp_path)})
+    reply = shim.recv()
+    assert reply["type"] == "unmount_failed" and reply["id"] == 71 and reply["target"] == str(tmp_path)
+    assert reply["message"].startswith(f"unmount {tmp_path}: ")
+
+
+def test_unmount_removes_a_real_mount(shim, tmp_path):
+    """The forked helper really calls umount2 (a tmpfs stands in for a 9P share)."""
+    target = tmp_path / "mnt"
+    target.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount permission)")
+    try:
+        assert _mounted(target)
+        shim.send({"type": "unmount", "id": 72, "target": str(target)})
+        assert shim.recv() == {"type": "unmounted", "id": 72, "target": str(target)}
+        assert not _mounted(target)
+    finally:
+        if _mounted(target):
+            subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_mount_makes_the_mount_point_and_reports_the_kernel_error(shim, tmp_path):
+    """Where the kernel has no 9p filesystem the mount fails with ENODEV — after the shim
+    made the missing directories; the real mount is exercised in e2e/test_guest_mounts.py."""
+    with open("/proc/filesystems") as f:
+        if any(line.split()[-1] == "9p" for line in f if line.strip()):
+            pytest.skip("this kernel has 9p: the mount would try to reach the guest's 9P address")
+    target = tmp_path / "a" / "b"
+    shim.send(_mount_msg(73, target))
+    reply = shim.recv()
+    assert reply["type"] == "mount_failed" and reply["id"] == 73 and reply["target"] == str(target), reply
+    assert os.strerror(19) in reply["message"] or os.strerror(1) in reply["message"], reply
+    assert target.is_dir()
+    assert assert_step_shape(shim.run(100, "echo ok"))["exit_code"] == 0

@@ -5,6 +5,8 @@
 #   sandbox.probe=1          print SANDBOX-PROBE-OK and power off (the KVM probe)
 #   (the shares come from the fw_cfg file opt/sandbox/mounts: 9P over TCP to 10.0.2.100:PORT,
 #    QEMU guestfwd -> the host's 9P server, one port per share)
+#   (live mounts: the shim mounts more shares later, on spare forwarded ports; see
+#    sandbox/guest/control.py)
 #   sandbox.msize=BYTES      9P msize for them
 #   sandbox.net=MODE         disabled | open | allowlist
 #   sandbox.allow=CIDR,…     allowlist: the only destinations routed out (via 10.0.2.2)
@@ -123,7 +125,7 @@ mkdir -p /merged/dev/virtio-ports
 ln -sf "$port" /merged/dev/virtio-ports/control
 chmod 600 "$port" /merged"$port"
 mkdir -p /merged/run/sandbox
-cp /shim.py /merged/run/sandbox/shim.py
+cp /shim.py /control.py /merged/run/sandbox/  # the shim imports control.py beside it
 
 echo SANDBOX-READY
 while true; do

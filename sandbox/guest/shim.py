@@ -5,11 +5,11 @@ Runs inside the guest as root, stdlib only, one file. It reads and writes the co
 channel — the virtio-serial port ``/dev/virtio-ports/control`` (``--port``) or an
 inherited, connected fd (``--fd``, used by tests) — one JSON object per line, UTF-8.
 
-Host → guest: ``exec`` {id, command, env?, cwd?}, ``cancel`` {id},
-``rollback_notify`` {step_id}, ``ping`` {id}.
-Guest → host: ``ready`` {version, pid}, ``step_started`` {id}, ``output`` {id, stream,
-data}, ``step_completed`` {id, exit_code, signal?}, ``rollback_noted`` {step_id},
-``pong`` {id}, ``error`` {id, message}.
+The messages, their fields and the limits are defined once in ``control.py`` (beside
+this file, stdlib only, shared with the host): ``exec``/``cancel``/``rollback_notify``/
+``ping``/``mount``/``unmount`` in, ``ready``/``step_started``/``output``/``step_completed``/
+``rollback_noted``/``pong``/``error``/``mounted``/``mount_failed``/``unmounted``/
+``unmount_failed`` out.
 
 Invariants:
 
@@ -31,6 +31,11 @@ Invariants:
 * A command runs in its own session (setsid), so its process group is its pid;
   ``cancel`` signals the whole group: SIGTERM, then SIGKILL after ``--kill-grace-s``
   if the step has not completed.
+* A ``mount``/``unmount`` with a valid id gets exactly one reply (``mounted`` or
+  ``mount_failed``, ``unmounted`` or ``unmount_failed``). The syscall runs in a forked
+  child (it may wait on the 9P server); the child's exit status is the errno; it is
+  reaped on SIGCHLD and SIGKILLed after ``MOUNT_TIMEOUT_S``; at most
+  ``MOUNT_OPS_RUNNING_MAX`` run at once.
 * End of input: on ``--fd`` the host is gone — cancel everything, exit 0 once the
   commands are gone (SIGKILL at the grace, exit at most ``EXIT_GRACE_S`` later). On
   ``--port`` EOF (or EIO) means the host is not connected: close, reopen every
@@ -43,7 +48,8 @@ from __future__ import annotations
 import argparse
 import codecs
 import collections
-import json
+import ctypes
+import errno
 import os
 import selectors
 import signal
@@ -52,52 +58,33 @@ import sys
 import time
 from typing import Any
 
-PROTOCOL_VERSION = 1
-DEFAULT_PORT = "/dev/virtio-ports/control"
-READ_CHUNK_BYTES_MAX = 64 * 1024
-COMMANDS_RUNNING_MAX = 64
-OUT_QUEUE_BYTES_MAX = 4 * 1024 * 1024
-LINE_MAX_BYTES_DEFAULT = 1024 * 1024
-LINE_MAX_BYTES_MIN = 1024
-LINE_MAX_BYTES_MAX = 64 * 1024 * 1024
-KILL_GRACE_S_MAX = 3600.0
+if __package__:  # imported from the package (sandbox.guest.shim)
+    from . import control as proto
+else:  # run as a script: control.py is beside this file (in the guest: /run/sandbox/)
+    import control as proto
+
+PROTOCOL_VERSION = proto.PROTOCOL_VERSION
+DEFAULT_PORT = proto.DEFAULT_PORT
+READ_CHUNK_BYTES_MAX = proto.READ_CHUNK_BYTES_MAX
+COMMANDS_RUNNING_MAX = proto.COMMANDS_RUNNING_MAX
+OUT_QUEUE_BYTES_MAX = proto.OUT_QUEUE_BYTES_MAX
 EXIT_GRACE_S = 2.0
 RECONNECT_INTERVAL_S = 0.25
-MESSAGE_CHARS_MAX = 300
-ID_MIN, ID_MAX = -(2**63), 2**63 - 1  # ids must fit the host's i64
-SPAWN_FAILED_EXIT_CODE = 127
+SPAWN_FAILED_EXIT_CODE = proto.SPAWN_FAILED_EXIT_CODE
+MS_RDONLY = 1
 
 _Utf8Decoder = codecs.getincrementaldecoder("utf-8")
+_clip = proto.clip
+_encode = proto.encode
+_describe = proto.describe
+_valid_id = proto.valid_id
 
 
-def _clip(text: str) -> str:
-    return text if len(text) <= MESSAGE_CHARS_MAX else text[:MESSAGE_CHARS_MAX] + "…"
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _encode(obj: dict) -> bytes:
-    """One wire line. ASCII-escaped only if a string holds a lone surrogate (echoed ids)."""
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+def _kill(pid: int, sig: int) -> None:
     try:
-        return text.encode("utf-8") + b"\n"
-    except UnicodeEncodeError:
-        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii") + b"\n"
-
-
-def _describe(value: Any) -> str:
-    """A short, safe rendering of an untrusted JSON value for an error message."""
-    if isinstance(value, str):
-        return repr(_clip(value))
-    if value is None or isinstance(value, (bool, int, float)):
-        return _clip(str(value))
-    return type(value).__name__
-
-
-def _valid_id(value: Any) -> bool:
-    return type(value) is int and ID_MIN <= value <= ID_MAX
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _killpg(pgid: int, sig: int) -> None:
@@ -124,6 +111,53 @@ class _Command:
         self.kill_at: float | None = None  # SIGKILL deadline once cancelled; None after it fired
 
 
+class _MountOp:
+    """One ``mount``/``unmount`` running in a forked child (the syscall can block on the
+    9P server for as long as it likes; the loop must not). The child's exit status is the
+    errno (0: done); it is SIGKILLed at ``kill_at``."""
+
+    __slots__ = ("id", "kill_at", "kind", "pid", "target", "timed_out")
+
+    def __init__(self, op_id: int, kind: str, target: str, pid: int) -> None:
+        self.id = op_id
+        self.kind = kind  # "mount" | "unmount"
+        self.target = target
+        self.pid = pid
+        self.kill_at: float | None = time.monotonic() + proto.MOUNT_TIMEOUT_S
+        self.timed_out = False
+
+
+_libc: Any = None
+
+
+def _libc_calls() -> Any:
+    """libc's mount/umount2 with argtypes set (loaded once, in the shim, before any fork)."""
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+        libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        _libc = libc
+    return _libc
+
+
+def _mount_9p(req: dict) -> int:
+    """In the child: make the mount point's missing directories, mount; the errno or 0."""
+    try:
+        os.makedirs(req["target"], mode=0o755, exist_ok=True)
+    except OSError as exc:
+        return exc.errno or errno.EIO
+    data = proto.ninep_mount_options(req["port"], req["aname"], req["msize"])
+    rc = _libc_calls().mount(proto.NINEP_ADDR.encode(), req["target"].encode(), b"9p",
+                             MS_RDONLY if req["read_only"] else 0, data.encode())
+    return 0 if rc == 0 else (ctypes.get_errno() or errno.EIO)
+
+
+def _unmount(req: dict) -> int:
+    rc = _libc_calls().umount2(req["target"].encode(), 0)
+    return 0 if rc == 0 else (ctypes.get_errno() or errno.EIO)
+
+
 class Shim:
     """The loop: exactly one of ``port`` (a path) and ``fd`` (inherited) names the host link."""
 
@@ -146,6 +180,7 @@ class Shim:
         self._out_offset = 0  # bytes of _out[0] already written
         self._ready_line = _encode({"type": "ready", "version": PROTOCOL_VERSION, "pid": os.getpid()})
         self._commands: dict[int, _Command] = {}
+        self._mount_ops: dict[int, _MountOp] = {}  # by child pid
         self._pipes_registered: set[int] = set()
         self._reconnect_at: float | None = None
         self._exit_at: float | None = None  # set once shutting down
@@ -178,10 +213,13 @@ class Shim:
                     self._on_pipe(key.fd, *key.data)
         for cmd in self._commands.values():
             _killpg(cmd.proc.pid, signal.SIGKILL)
+        for op in self._mount_ops.values():
+            _kill(op.pid, signal.SIGKILL)
         return 0
 
     def _timeout(self, now: float) -> float | None:
         deadlines = [c.kill_at for c in self._commands.values() if c.kill_at is not None]
+        deadlines += [op.kill_at for op in self._mount_ops.values() if op.kill_at is not None]
         deadlines += [t for t in (self._reconnect_at, self._exit_at) if t is not None]
         return max(0.0, min(deadlines) - now) if deadlines else None
 
@@ -190,6 +228,11 @@ class Shim:
             if cmd.kill_at is not None and now >= cmd.kill_at:
                 cmd.kill_at = None
                 _killpg(cmd.proc.pid, signal.SIGKILL)
+        for op in self._mount_ops.values():
+            if op.kill_at is not None and now >= op.kill_at:
+                op.kill_at = None
+                op.timed_out = True
+                _kill(op.pid, signal.SIGKILL)
         if self._reconnect_at is not None and now >= self._reconnect_at:
             self._reconnect_at = None
             self._reopen()
@@ -340,12 +383,9 @@ class Shim:
         if not line.strip():
             return
         try:
-            msg = json.loads(line, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            self._error(None, f"malformed JSON: {exc}")
-            return
-        if not isinstance(msg, dict):
-            self._error(None, "message must be a JSON object")
+            msg = proto.decode(line, self._line_max_bytes)
+        except proto.ProtocolError as exc:
+            self._error(None, str(exc))
             return
         kind = msg.get("type")
         handler = {
@@ -353,6 +393,8 @@ class Shim:
             "cancel": self._on_cancel,
             "rollback_notify": self._on_rollback_notify,
             "ping": self._on_ping,
+            "mount": self._on_mount,
+            "unmount": self._on_unmount,
         }.get(kind) if isinstance(kind, str) else None
         if handler is None:
             self._error(msg.get("id"), f"unknown message type: {_describe(kind)}")
@@ -437,6 +479,72 @@ class Shim:
             return
         self._send_line(line)
 
+    # ---------------------------------------------------------------- live mounts
+
+    def _on_mount(self, msg: dict) -> None:
+        self._start_mount_op(msg, "mount", proto.parse_mount, _mount_9p)
+
+    def _on_unmount(self, msg: dict) -> None:
+        self._start_mount_op(msg, "unmount", proto.parse_unmount, _unmount)
+
+    def _start_mount_op(self, msg: dict, kind: str, parse, work) -> None:
+        """Check, then fork the child that does the syscall; its reply comes at reaping."""
+        op_id = msg.get("id")
+        if not _valid_id(op_id):
+            self._error(None, f"{kind}: id must be an integer in the i64 range")
+            return
+        target = msg.get("target")
+        shown = target if isinstance(target, str) else None
+        try:
+            req = parse(msg)
+        except proto.ProtocolError as exc:
+            self._mount_reply(kind, op_id, shown, str(exc))
+            return
+        if len(self._mount_ops) >= proto.MOUNT_OPS_RUNNING_MAX:
+            self._mount_reply(kind, op_id, shown, f"{kind}: {proto.MOUNT_OPS_RUNNING_MAX} mount operations "
+                                                  "already running")
+            return
+        try:
+            _libc_calls()
+            pid = os.fork()
+        except OSError as exc:
+            self._mount_reply(kind, op_id, shown, f"{kind}: cannot fork: {exc}")
+            return
+        if pid == 0:  # the child: the syscall, then the errno as exit status
+            code = 255
+            try:
+                signal.set_wakeup_fd(-1)
+                code = work(req)
+            finally:
+                os._exit(code)
+        self._mount_ops[pid] = _MountOp(op_id, kind, req["target"], pid)
+
+    def _mount_reply(self, kind: str, op_id: int, target: str | None, failure: str | None) -> None:
+        if failure is None:
+            self._send({"type": "mounted" if kind == "mount" else "unmounted", "id": op_id, "target": target})
+        else:
+            self._send({"type": f"{kind}_failed", "id": op_id, "target": target, "message": _clip(failure)})
+
+    def _reap_mount_ops(self) -> None:
+        for pid, op in list(self._mount_ops.items()):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 255 << 8
+            if done == 0:
+                continue
+            del self._mount_ops[pid]
+            code = os.waitstatus_to_exitcode(status)
+            if code == 0:
+                self._mount_reply(op.kind, op.id, op.target, None)
+            elif op.timed_out:
+                self._mount_reply(op.kind, op.id, op.target,
+                                  f"{op.kind} {op.target}: no answer within {proto.MOUNT_TIMEOUT_S:.0f} s")
+            elif 0 < code < 255:
+                self._mount_reply(op.kind, op.id, op.target, f"{op.kind} {op.target}: {os.strerror(code)}")
+            else:
+                self._mount_reply(op.kind, op.id, op.target, f"{op.kind} {op.target}: the helper failed ({code})")
+
     # ---------------------------------------------------------------- children
 
     def _on_pipe(self, fd: int, cmd: _Command, stream: str) -> None:
@@ -483,6 +591,7 @@ class Shim:
             signums += chunk
         if signal.SIGTERM in signums or signal.SIGINT in signums:
             self._shutdown()
+        self._reap_mount_ops()
         for cmd in list(self._commands.values()):
             if cmd.proc.returncode is None:
                 cmd.proc.poll()
@@ -505,14 +614,14 @@ class Shim:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     def grace(text: str) -> float:
         value = float(text)
-        if not 0.0 <= value <= KILL_GRACE_S_MAX:
-            raise argparse.ArgumentTypeError(f"must be within [0, {KILL_GRACE_S_MAX}]")
+        if not 0.0 <= value <= proto.KILL_GRACE_S_MAX:
+            raise argparse.ArgumentTypeError(f"must be within [0, {proto.KILL_GRACE_S_MAX}]")
         return value
 
     def line_max(text: str) -> int:
         value = int(text)
-        if not LINE_MAX_BYTES_MIN <= value <= LINE_MAX_BYTES_MAX:
-            raise argparse.ArgumentTypeError(f"must be within [{LINE_MAX_BYTES_MIN}, {LINE_MAX_BYTES_MAX}]")
+        if not proto.LINE_MAX_BYTES_MIN <= value <= proto.LINE_MAX_BYTES_MAX:
+            raise argparse.ArgumentTypeError(f"must be within [{proto.LINE_MAX_BYTES_MIN}, {proto.LINE_MAX_BYTES_MAX}]")
         return value
 
     def fd_number(text: str) -> int:
@@ -527,7 +636,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--fd", type=fd_number, help="an inherited, connected socket/pipe fd; EOF = host gone")
     parser.add_argument("--shell", default="/bin/sh")
     parser.add_argument("--kill-grace-s", type=grace, default=2.0)
-    parser.add_argument("--line-max-bytes", type=line_max, default=LINE_MAX_BYTES_DEFAULT)
+    parser.add_argument("--line-max-bytes", type=line_max, default=proto.LINE_MAX_BYTES_DEFAULT)
     args = parser.parse_args(argv)
     if args.port is None and args.fd is None:
         args.port = DEFAULT_PORT

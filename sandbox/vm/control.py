@@ -1,26 +1,36 @@
 """The host end of the control channel: JSON Lines to and from the guest shim (seed §4.2).
 
 QEMU exposes the guest's virtio-serial port ``control`` as a unix socket; this client
-connects to it, sends ``exec``/``cancel``/``rollback_notify`` and routes what the
-shim sends back: ``ready``, ``step_started`` (an acknowledgement — step ids are the
-host's), ``output`` chunks, ``step_completed``, ``error``.
+connects to it, sends ``exec``/``cancel``/``rollback_notify``/``mount``/``unmount`` and
+routes what the shim sends back: ``ready``, ``step_started`` (an acknowledgement — step
+ids are the host's), ``output`` chunks, ``step_completed``, ``error``, and the mount
+replies. The messages, fields and limits are those of :mod:`sandbox.guest.control`, the
+one definition both ends import.
 
 Invariants: one reader task per connection, owned by the client and cancelled by
 :meth:`close`; a line longer than ``line_max_bytes`` or not a JSON object is dropped with
-a warning, never fatal; every waiter has a timeout or is woken by the connection closing
+a warning, never fatal; mount requests have their own id space (their replies are
+never ``error``); every waiter has a timeout or is woken by the connection closing
 (:class:`ControlClosed`), so nothing waits forever on a dead guest.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..guest import control as proto
+
 log = logging.getLogger("sandbox.control")
-LINE_MAX_BYTES = 1 << 20
+LINE_MAX_BYTES = proto.LINE_MAX_BYTES_DEFAULT
+ERRORS_KEPT_MAX = 100
+
+
+class MountError(OSError):
+    """The guest could not mount or unmount (``mount_failed``/``unmount_failed``)."""
 
 
 class ControlClosed(ConnectionError):
@@ -45,7 +55,9 @@ class ControlClient:
         self._task: asyncio.Task | None = None
         self._ready: asyncio.Future | None = None
         self._execs: dict[int, _Exec] = {}
-        self.errors: list[dict] = []  # error messages from the shim (bounded)
+        self._mount_ops: dict[int, asyncio.Future] = {}  # by mount request id
+        self._mount_ids = itertools.count(1)
+        self.errors: list[dict] = []  # error messages from the shim (at most ERRORS_KEPT_MAX)
 
     async def connect(self, path: str, timeout_s: float = 30.0) -> None:
         loop = asyncio.get_running_loop()
@@ -78,12 +90,11 @@ class ControlClient:
                 except asyncio.IncompleteReadError:
                     break
                 try:
-                    msg = json.loads(line)
-                except ValueError:
-                    log.warning("control: not JSON from the guest: %r", line[:200])
+                    msg = proto.decode(line, self.line_max_bytes)
+                except proto.ProtocolError as e:
+                    log.warning("control: a bad line from the guest (%s): %r", e, line[:200])
                     continue
-                if isinstance(msg, dict):
-                    self._dispatch(msg)
+                self._dispatch(msg)
         finally:
             self._fail_all(ControlClosed("the guest's control channel closed"))
 
@@ -103,13 +114,21 @@ class ControlClient:
             return
         if kind == "error":
             log.warning("control: the shim reports: %s", msg.get("message"))
-            if len(self.errors) < 100:
+            if len(self.errors) < ERRORS_KEPT_MAX:
                 self.errors.append(msg)
             ex = self._execs.get(msg.get("id"))
             if ex is not None and not ex.started.done():  # the exec itself was refused
                 ex.started.set_exception(RuntimeError(f"the guest refused the command: {msg.get('message')}"))
                 ex.completed.set_exception(RuntimeError(f"the guest refused the command: {msg.get('message')}"))
                 ex.completed.exception()  # whoever awaited `started` has seen it: never "exception was never retrieved"
+            return
+        if kind in ("mounted", "mount_failed", "unmounted", "unmount_failed"):
+            fut = self._mount_ops.pop(msg.get("id"), None) if proto.valid_id(msg.get("id")) else None
+            if fut is not None and not fut.done():
+                if kind.endswith("_failed"):
+                    fut.set_exception(MountError(f"the guest: {msg.get('message')}"))
+                else:
+                    fut.set_result(msg)
             return
         ex = self._execs.get(msg.get("id"))
         if ex is None:
@@ -138,14 +157,18 @@ class ControlClient:
                 if not fut.done():
                     fut.set_exception(exc)
         self._execs.clear()
+        for fut in self._mount_ops.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._mount_ops.clear()
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(exc)
 
     async def send(self, msg: dict) -> None:
         if self._writer is None or self._writer.is_closing():
             raise ControlClosed("the control channel is not connected")
-        # ASCII escapes: any str can be sent (a lone surrogate included); the shim decides
-        self._writer.write(json.dumps(msg, ensure_ascii=True).encode("ascii") + b"\n")
+        # any str can be sent (a lone surrogate goes ASCII-escaped); the shim decides
+        self._writer.write(proto.encode(msg))
         await self._writer.drain()
 
     async def exec(self, exec_id: int, command: str, cwd: str, env: dict[str, str] | None = None,
@@ -168,6 +191,30 @@ class ControlClient:
 
     async def rollback_notify(self, step_id: int) -> None:
         await self.send({"type": "rollback_notify", "step_id": step_id})
+
+    async def mount(self, *, port: int, aname: str, target: str, read_only: bool,
+                    msize: int = proto.MSIZE_DEFAULT, timeout_s: float = proto.MOUNT_TIMEOUT_S + 10) -> dict:
+        """Ask the shim to mount export ``aname`` through forwarded ``port`` at ``target``.
+        Returns the ``mounted`` message; raises :class:`MountError` (the guest's reason),
+        ``ValueError`` (a field the protocol refuses, nothing sent), ``TimeoutError`` or
+        :class:`ControlClosed`."""
+        req_id = next(self._mount_ids)
+        msg = proto.mount_request(req_id, port=port, aname=aname, target=target, read_only=read_only, msize=msize)
+        return await self._mount_op(req_id, msg, timeout_s)
+
+    async def unmount(self, target: str, timeout_s: float = proto.MOUNT_TIMEOUT_S + 10) -> dict:
+        """Ask the shim to unmount ``target``; the ``unmounted`` message, or raises as :meth:`mount`."""
+        req_id = next(self._mount_ids)
+        return await self._mount_op(req_id, proto.unmount_request(req_id, target), timeout_s)
+
+    async def _mount_op(self, req_id: int, msg: dict, timeout_s: float) -> dict:
+        fut = asyncio.get_running_loop().create_future()
+        self._mount_ops[req_id] = fut
+        try:
+            await self.send(msg)
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._mount_ops.pop(req_id, None)
 
     async def close(self) -> None:
         if self._writer is not None:

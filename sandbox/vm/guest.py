@@ -14,10 +14,18 @@ The interface (what :class:`Session` calls; coroutines run on the 9P server's lo
 env, on_output)`` → an object whose ``completed`` future resolves to
 ``{"exit_code", "signal"}``, ``cancel(exec_id)``, ``rollback_notify(step_id)``,
 ``pause() -> bool`` / ``resume()``, ``vm_status()``, ``alive()``, ``tail(n)``, ``stop()``,
-and the attributes ``accel``/``accel_reason``/``boot_s``.
+``mount(GuestMount)`` / ``unmount(target)`` (live mounts after boot; coroutines), and the
+attributes ``accel``/``accel_reason``/``boot_s``.
 
 Invariants of :class:`VmGuest`: :meth:`VmGuest.stop` releases everything :meth:`boot`
 acquired, whatever point boot reached (QEMU killed and reaped, channels closed).
+
+Live mounts: the VM boots with ``LIVE_MOUNTS_MAX`` spare forwarded ports
+(:func:`sandbox.guest.control.live_mount_ports`), each one connection to the 9P server
+socket, attached to nothing until used. :meth:`VmGuest.mount` takes a free port, sends the
+``mount`` control message (the shim mounts 9P with that attach name at the target) and
+keeps the port until :meth:`VmGuest.unmount` succeeds. A port whose mount ended in a
+timeout or a lost channel is never reused (it may still carry a 9P session).
 """
 
 from __future__ import annotations
@@ -28,14 +36,16 @@ import os
 import time
 from dataclasses import dataclass
 
+from ..guest import control as proto
 from .console import BootError, Console
-from .control import ControlClient
+from .control import ControlClient, ControlClosed, MountError
 from .qemu import VmConfig, build_command, probe_accel
 from .qmp import Qmp
 
 log = logging.getLogger("sandbox.session")
-NINEP_PORT = 564
-MSIZE = 512 * 1024
+NINEP_PORT = proto.NINEP_PORT
+LIVE_MOUNTS_MAX = proto.LIVE_MOUNTS_MAX
+MSIZE = proto.MSIZE_DEFAULT
 BOOT_TIMEOUT_S = 300.0  # TCG on a loaded 2-core machine; KVM boots in about a second
 SHIM_TIMEOUT_S = 120.0  # python3 start-up over the 9p host root under TCG is several seconds
 
@@ -85,6 +95,8 @@ class VmGuest:
         self.control: ControlClient | None = None
         self.qmp: Qmp | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._live: dict[str, int] = {}  # live mount target → its forwarded port (also while mounting)
+        self._ports_lost: set[int] = set()  # state unknown after a timeout: never reused
 
     def _run(self, coro, timeout_s: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -110,7 +122,8 @@ class VmGuest:
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
                        control_socket=os.path.join(self.run_dir, "control.sock"), host_root=True,
-                       guestfwds=[(NINEP_PORT + k, socket_path) for k in range(len(mounts))],
+                       guestfwds=[(NINEP_PORT + k, socket_path) for k in range(len(mounts))]
+                       + [(port, socket_path) for port in proto.live_mount_ports()],
                        fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk)
         t0 = time.monotonic()
         self.console = Console(build_command(cfg))
@@ -148,6 +161,56 @@ class VmGuest:
         """``sync`` in the guest, outside any step (it writes no working folder)."""
         ex = await self.control.exec(-1, "sync", "/", {})
         await asyncio.wait_for(ex.completed, 30)
+
+    # ------------------------------------------------------------------ live mounts
+
+    async def mount(self, m: GuestMount) -> None:
+        """Mount export ``m.aname`` at ``m.target`` in the running guest (read-only if asked).
+        Raises GuestError (no free port, the target is taken, the guest's reason) or
+        ValueError (a target or attach name the protocol refuses)."""
+        if self.control is None:
+            raise GuestError("the guest is not running")
+        proto.check_target(m.target)
+        proto.check_aname(m.aname)
+        if m.target in self._live:
+            raise GuestError(f"a live mount is already at {m.target}")
+        busy = set(self._live.values()) | self._ports_lost
+        free = [p for p in proto.live_mount_ports() if p not in busy]
+        if not free:
+            raise GuestError(f"no free port for a live mount: {proto.LIVE_MOUNTS_MAX} at most (LIVE_MOUNTS_MAX)")
+        port = free[0]
+        self._live[m.target] = port  # reserved before the first await
+        try:
+            await self.control.mount(port=port, aname=m.aname, target=m.target, read_only=m.read_only, msize=MSIZE)
+        except MountError as e:
+            del self._live[m.target]
+            raise GuestError(f"cannot mount {m.aname!r} at {m.target}: {e}") from None
+        except (TimeoutError, ControlClosed) as e:
+            del self._live[m.target]
+            self._ports_lost.add(port)
+            raise GuestError(f"mounting {m.aname!r} at {m.target}: {e or type(e).__name__}") from None
+
+    async def unmount(self, target: str) -> None:
+        """Unmount the live mount at ``target``; its port is free again. A busy mount stays
+        (GuestError with the guest's EBUSY)."""
+        if self.control is None:
+            raise GuestError("the guest is not running")
+        port = self._live.get(target)
+        if port is None:
+            raise GuestError(f"no live mount at {target}")
+        try:
+            await self.control.unmount(target)
+        except MountError as e:
+            raise GuestError(f"cannot unmount {target}: {e}") from None
+        except (TimeoutError, ControlClosed) as e:
+            del self._live[target]
+            self._ports_lost.add(port)
+            raise GuestError(f"unmounting {target}: {e or type(e).__name__}") from None
+        del self._live[target]
+
+    def live_mounts(self) -> dict[str, int]:
+        """Live mount targets and their forwarded ports."""
+        return dict(self._live)
 
     async def pause(self) -> bool:
         if self.qmp is None:

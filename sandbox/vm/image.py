@@ -225,6 +225,10 @@ GUEST_MODULES = NINEP_MODULES + ("9pnet_virtio", "overlay", "virtio_console", "v
                                  "virtiofs", "fuse")
 
 
+#: what runs in the guest besides init.sh (sandbox/guest/, package data)
+GUEST_FILES = ("shim.py", "control.py")
+
+
 def guest_dir() -> str:
     """Where the guest's files live: ``sandbox/guest/`` (package data: init.sh, shim.py)."""
     d = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "guest"))
@@ -234,11 +238,15 @@ def guest_dir() -> str:
 
 
 def guest_image(cache: str | None = None) -> Image:
-    """The session guest: Debian's kernel, busybox, GUEST_MODULES, sandbox/guest/init.sh as PID 1 and
-    sandbox/guest/shim.py. Built on first use and cached; rebuilt when any input changes."""
+    """The session guest: Debian's kernel, busybox, GUEST_MODULES, sandbox/guest/init.sh as PID 1,
+    sandbox/guest/shim.py and the protocol module it imports, sandbox/guest/control.py (both at
+    the initramfs root; init.sh copies them side by side). Built on first use and cached;
+    rebuilt when any input changes."""
     g = guest_dir()
     with open(os.path.join(g, "init.sh")) as f:
         init = f.read()
-    with open(os.path.join(g, "shim.py"), "rb") as f:
-        shim = f.read()
-    return build_initramfs(fetch_kernel(cache), init, GUEST_MODULES, files={"shim.py": shim}, cache=cache)
+    files = {}
+    for name in GUEST_FILES:
+        with open(os.path.join(g, name), "rb") as f:
+            files[name] = f.read()
+    return build_initramfs(fetch_kernel(cache), init, GUEST_MODULES, files=files, cache=cache)
