@@ -15,9 +15,11 @@ never a higher one:
  6    ``session.guest``, ``vm``,           the guest seam and its implementations
       ``scripted``
  7    ``session``                          the composition root of a session
- 8    ``api``, ``files``                   frontends over a session (STDIO agent, file ops)
- 9    ``cli``, the package root            entry points (the root: ``sandbox.Sandbox``)
-10    ``__main__``                         ``python -m sandbox``
+ 8    ``api.errors``                       the API's error taxonomy (stable codes)
+ 9    ``files``                            file operations for every API client
+10    ``api``                              the STDIO agent and its schemas
+11    ``cli``, the package root            entry points (the root: ``sandbox.Sandbox``)
+12    ``__main__``                         ``python -m sandbox``
 ====  ===================================  ==================================================
 
 ``sandbox/data/`` is package data (the demo's sample project), not part of the graph.
@@ -46,7 +48,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("ninep",),
     ("session.guest", "vm", "scripted"),
     ("session",),
-    ("api", "files"),
+    ("api.errors",),
+    ("files",),
+    ("api",),
     ("cli", ""),
     ("__main__",),
 ]

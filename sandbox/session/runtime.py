@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from ..core.safeguard import SafeguardConfig
+from ..guest.control import LIVE_MOUNTS_MAX  # the guest's spare share ports bound the live mounts
 from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
 from ..limits import ServerLimits
@@ -69,10 +70,6 @@ FOLDERS_MAX = 8
 LIVE_MOUNT_TIMEOUT_S = 60.0  # the guest mounting (or unmounting) one live mount
 MEMORY_MOUNTS_MAX = 8
 PERSISTENT_DISK_BYTES = 8 << 30  # sparse
-try:  # issue 12 seam (helper E): the guest control protocol owns the number of spare guest ports
-    from ..guest.control import LIVE_MOUNTS_MAX
-except ImportError:  # until sandbox/guest/control.py is merged
-    LIVE_MOUNTS_MAX = 8
 
 
 class SessionError(GuestError):
