@@ -33,8 +33,8 @@ __version__ = "0.1.0"
 
 # the session layer is imported on first use: the undo core alone stays light
 _LAZY = {
-    "Sandbox": "sandbox.session.sdk", "SyncSandbox": "sandbox.session.sdk", "Volume": "sandbox.session.sdk",
-    "StepResult": "sandbox.session.sdk", "Output": "sandbox.session.sdk",
+    "Sandbox": "sandbox.sdk", "SyncSandbox": "sandbox.sdk", "Volume": "sandbox.sdk",
+    "StepResult": "sandbox.sdk", "Output": "sandbox.sdk",
     "VirtualFileSystem": "sandbox.mounts.vfs", "FileStat": "sandbox.mounts.vfs",
     "Guest": "sandbox.session.guest", "MountError": "sandbox.mounts.table", "SessionError": "sandbox.session.runtime",
 }

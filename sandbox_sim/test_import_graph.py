@@ -18,7 +18,7 @@ never a higher one:
  8    ``api.errors``                       the API's error taxonomy (stable codes)
  9    ``files``                            file operations for every API client
 10    ``api``                              the STDIO agent and its schemas
-11    ``cli``, the package root            entry points (the root: ``sandbox.Sandbox``)
+11    ``cli``, ``sdk``, the package root   entry points (``sdk``: ``sandbox.Sandbox``, the composition root)
 12    ``__main__``                         ``python -m sandbox``
 ====  ===================================  ==================================================
 
@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api.errors",),
     ("files",),
     ("api",),
-    ("cli", ""),
+    ("cli", "sdk", ""),
     ("__main__",),
 ]
 #: package data, not code (the demo's sample project)

@@ -26,42 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
 
 
-# issue 12 seam (helper E builds ScriptedGuest.mount/unmount): until it is merged, the SDK's
-# live mounts are tested through this minimal stand-in with the agreed interface.
-if hasattr(ScriptedGuest, "mount"):
-    Guest = ScriptedGuest
-else:
-    from sandbox.ninep.client import Client
-    from sandbox.scripted import guest as _sg
-
-    class Guest(ScriptedGuest):  # type: ignore[no-redef]
-        def boot(self, *, socket_path, mounts, loop, timeout_s=30.0):
-            self._socket_path = socket_path
-            super().boot(socket_path=socket_path, mounts=mounts, loop=loop, timeout_s=timeout_s)
-
-        async def mount(self, spec):
-            def attach():
-                client = Client.connect_unix(self._socket_path, timeout_s=10)
-                try:
-                    fs = _sg._MountFS(client, spec.aname)
-                except BaseException:
-                    client.close()
-                    raise
-                m = _sg._Mount(spec, _sg._components(spec.target), client, fs)
-                with self._lock:
-                    self._mounts = sorted(self._mounts + [m], key=lambda mt: len(mt.parts), reverse=True)
-
-            await asyncio.get_running_loop().run_in_executor(None, attach)
-
-        async def unmount(self, target):
-            parts = _sg._components(target)
-            with self._lock:
-                gone = [m for m in self._mounts if m.parts == parts]
-                self._mounts = [m for m in self._mounts if m.parts != parts]
-            if not gone:
-                raise OSError(errno.EINVAL, f"{target} is not mounted")
-            for m in gone:
-                m.client.close()
+Guest = ScriptedGuest
 
 
 @pytest.fixture
@@ -392,8 +357,6 @@ def test_stdio_mount_add_and_remove(proj, tmp_path):
             "session.invalid_mounts", "protocol.invalid_request")
         assert c.error("mount.add", {"path": "/", "files": {"a": b64}})["code"] == "session.invalid_mounts"
         assert c.error("mount.remove", {"path": "/mnt/none"})["code"] == "session.invalid_mounts"
-        if not hasattr(ScriptedGuest, "mount"):
-            pytest.skip("the scripted guest mounts live trees once issue 12 helper E is merged")
         r = c.ok("mount.add", {"path": "/mnt/up", "files": {"a": b64}})
         assert r["mount"] == {"guest_path": "/mnt/up", "read_only": True, "label": "", "files": 1, "live": True}
         assert c.ok("fs.read", {"path": "/mnt/up/a"})["data"] == "uploaded"
@@ -439,10 +402,7 @@ def test_sync_facade_of_an_async_sandbox(proj, tmp_path):
 
 @pytest.mark.parametrize("cls", [ScriptedGuest, VmGuest])
 def test_guests_implement_the_guest_protocol(cls):
-    missing = guest_protocol.missing_members(cls)
-    if set(missing) <= {"mount", "unmount"} and missing:
-        pytest.skip(f"{cls.__name__}.mount/unmount arrive with issue 12 helper E")
-    assert missing == []
+    assert guest_protocol.missing_members(cls) == []
 
 
 def test_guest_protocol_names_every_member():
@@ -454,21 +414,6 @@ def test_guest_protocol_names_every_member():
         "mount", "unmount"}
 
 
-# ---------------------------------------------------------------------------- async tests without a plugin
-
-
-def _in_a_loop(fn):
-    import functools
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return run
-
-
-for _name, _fn in list(globals().items()):
-    if _name.startswith("test_") and asyncio.iscoroutinefunction(_fn):
-        globals()[_name] = _in_a_loop(_fn)
 
 
 # ---------------------------------------------------------------------------- units: VFS adapter, table changes
@@ -533,3 +478,88 @@ def test_mount_table_with_mount_and_without_return_new_tables():
     assert t2.without("/mnt/x/") == t
     with pytest.raises(MountError, match="no mount at"):
         t.without("/mnt/x")
+
+
+# ---------------------------------------------------------------------------- files (seed 002)
+
+
+async def test_files_handle_is_one_api_step_and_undoes(proj, tmp_path):
+    async with make(proj, tmp_path) as sb:
+        async with await sb.files.open("/workspace/notes.txt", "w") as f:
+            assert await f.write(b"one\n") == 4
+            assert await f.write(b"two\n") == 4
+            assert (await f.stat())["size"] == 8
+        assert (proj / "notes.txt").read_bytes() == b"one\ntwo\n"
+        assert (await sb.run("cat /workspace/notes.txt")).stdout == "one\ntwo\n"  # the guest sees it
+        api = [h for h in await sb.history() if h["type"] == "api"]
+        assert len(api) == 1, await sb.history()
+        newest = [h["id"] for h in await sb.history()]
+        await sb.undo(newest.index(api[0]["id"]) + 1)
+        assert not (proj / "notes.txt").exists()
+
+
+async def test_files_one_shots_list_read_and_in_memory_mounts(proj, tmp_path):
+    async with make(proj, tmp_path, mounts={"/mnt/tools": {"hello.sh": b"echo hi\n"}}) as sb:
+        await sb.files.write_file("/workspace/src/b.txt", b"beta")
+        assert await sb.files.read_file("/workspace/src/b.txt") == b"beta"
+        assert await sb.files.read_file("src/a.txt", 2, 3) == b"pha"  # relative: the first volume
+        names = [e["name"] for e in (await sb.files.list("/workspace/src"))["entries"]]
+        assert names == ["a.txt", "b.txt"]
+        assert [e["name"] for e in (await sb.files.list("/mnt"))["entries"]] == ["tools"]
+        assert await sb.files.read_file("/mnt/tools/hello.sh") == b"echo hi\n"
+        await sb.mount("/mnt/live", {"x": b"live"})
+        assert await sb.files.read_file("/mnt/live/x") == b"live"  # a live mount is reachable at once
+        await sb.files.rename("/workspace/src/b.txt", "/workspace/src/c.txt")
+        assert await sb.files.remove("/workspace/src/c.txt") == 1
+        async with await sb.files.create_temp() as t:
+            await t.write(b"scratch")
+            await t.seek(0)
+            assert await t.read() == b"scratch"
+        assert sorted(p.name for p in (proj / "src").iterdir()) == ["a.txt"]  # the temp file went nowhere
+        c = sb.files.counters()
+        assert c["opens"] >= 1 and c["bytes_in"] >= len(b"beta")
+
+
+async def test_files_bad_input_is_a_stable_error(proj, tmp_path):
+    from sandbox.api.errors import ApiError
+
+    async with make(proj, tmp_path, volumes=[(str(proj), "/workspace"), (str(tmp_path), "/ro", "ro")]) as sb:
+        f = await sb.files.open("/workspace/src/a.txt")
+        await f.close()
+        cases = [(f.read(1), "fs.invalid_handle"),
+                 (sb.files.open("/etc/passwd"), "fs.outside_mounts"),
+                 (sb.files.open("/workspace/src/a.txt", "q"), "fs.invalid_argument"),
+                 (sb.files.write_file("/ro/x", b"x"), "fs.access_denied"),
+                 (sb.files.read_file("/workspace/missing"), "fs.not_found")]
+        for coro, code in cases:
+            with pytest.raises(ApiError) as e:
+                await coro
+            assert e.value.code == code, (code, e.value.code, e.value.message)
+    with pytest.raises(sandbox.SessionError):
+        sb.files  # noqa: B018 — after stop there is no file service
+
+
+def test_sync_facade_files(proj, tmp_path):
+    with make(proj, tmp_path).sync() as sb:
+        with sb.files.open("/workspace/src/a.txt", "a") as f:
+            f.write(b"more\n")
+        assert sb.files.read_file("/workspace/src/a.txt") == b"alpha\nmore\n"
+        assert sb.run("cat /workspace/src/a.txt").stdout == "alpha\nmore\n"
+
+
+# ---------------------------------------------------------------------------- async tests without a plugin
+
+
+def _in_a_loop(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+    return run
+
+
+# last in the file: every async test above runs in its own loop
+for _name, _fn in list(globals().items()):
+    if _name.startswith("test_") and asyncio.iscoroutinefunction(_fn):
+        globals()[_name] = _in_a_loop(_fn)

@@ -115,7 +115,7 @@ class StepResult:
     signal: int | None = None
     cancelled: bool = False
     step_ids: list = field(default_factory=list)  # per folder: its step id, or None
-    stdout: str = ""  # what the SDK collected (bounded: sandbox.session.sdk.OUTPUT_CHARS_MAX)
+    stdout: str = ""  # what the SDK collected (bounded: sandbox.sdk.OUTPUT_CHARS_MAX)
     stderr: str = ""
     output_truncated: bool = False
 

@@ -30,7 +30,7 @@ blocks; output, events and safeguard notifications come back onto the caller's l
 * ``safeguards`` — pending holds, ``confirm(id, "allow"|"deny")``, ``on_hold(callback)``.
 * ``mount(guest_path, files_or_vfs, writable=False)`` / ``unmount(guest_path)`` — live
   mounts (seed 000), never undo-tracked or persisted.
-* ``files`` — the handle-based file API (seed 002), see the property.
+* ``files`` — the handle-based file API (seed 002): :class:`Files`, :class:`FileHandle`.
 
 Invariants: ``stop()`` is idempotent and releases everything ``start()`` acquired (also
 after a failed start); after ``stop()`` the ``events()`` iterators end.
@@ -48,10 +48,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Union
 
-from ..core.safeguard import SafeguardConfig
-from ..core.store import Limits
-from .guest import check_share
-from .runtime import EXTERNAL_POLICIES, Folder, MemoryMount, Session, SessionError, StepResult
+from .core.safeguard import SafeguardConfig
+from .core.store import Limits
+from .files import FileService
+from .session.guest import check_share
+from .session.runtime import EXTERNAL_POLICIES, Folder, MemoryMount, Session, SessionError, StepResult
 
 __all__ = ["Sandbox", "SyncSandbox", "Volume", "Output", "Safeguards", "StepResult",
            "EVENTS_BUFFERED_MAX", "OUTPUT_CHARS_MAX", "SYNC_CALL_TIMEOUT_S"]
@@ -281,6 +282,7 @@ class Sandbox:
         self.events_dropped = 0
         self._unsubscribe: Callable[[], None] | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._files: Files | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -323,6 +325,7 @@ class Sandbox:
         self._events_ready = asyncio.Event()
         await asyncio.to_thread(self._session.start)
         self._unsubscribe = self._holds.subscribe(self._on_hold)
+        self._files = Files(FileService(self._session, client="sdk"))
         return self
 
     async def stop(self) -> None:
@@ -330,6 +333,9 @@ class Sandbox:
             self._unsubscribe()
             self._unsubscribe = None
         self._holds_local.deny_all()
+        files, self._files = self._files, None
+        if files is not None:
+            files._service.close_all()
         await asyncio.to_thread(self._session.stop)
         for t in list(self._tasks):
             t.cancel()
@@ -475,20 +481,133 @@ class Sandbox:
     async def mount(self, guest_path: str, files: Files, *, writable: bool = False, label: str = "") -> dict:
         """Mount ``files`` (``{rel: bytes}`` or a VirtualFileSystem) at ``guest_path`` now."""
         m = await asyncio.to_thread(self._session.mount, guest_path, files, writable=writable, label=label)
+        self._follow_table()
         return {"guest_path": m.target, "read_only": m.read_only, "label": m.label}
 
     async def unmount(self, guest_path: str) -> None:
         await asyncio.to_thread(self._session.unmount, guest_path)
+        self._follow_table()
+
+    def _follow_table(self) -> None:
+        """``files`` sees the session's whole mount table, live mounts included."""
+        if self._files is not None:
+            self._files._service.narrow(self._session.table)
 
     # ------------------------------------------------------------------ files
 
     @property
-    def files(self):
-        """The handle-based file API (seed 002): ``FileService`` wrapped async.
+    def files(self) -> "Files":
+        """The handle-based file API (seed 002) over this session's mount table; see :class:`Files`."""
+        if self._files is None:
+            raise SessionError("the sandbox is not running: files are available between start() and stop()")
+        return self._files
 
-        issue 12 seam (helper C): the integrator fills this with ``sandbox.files.FileService``
-        over ``self._session`` (``client="sdk"``), closed in :meth:`stop`."""
-        raise NotImplementedError("sb.files arrives with sandbox.files.FileService (issue 12, helper C)")
+
+class FileHandle:
+    """An open file of :class:`Files` (``async with await sb.files.open(p, "w") as f``).
+
+    Its writes are one API step from the first to :meth:`close` (one undo reverses them)."""
+
+    def __init__(self, service: FileService, handle: int, path: str):
+        self._service, self.handle, self.path = service, handle, path
+
+    async def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes from the position (at most ``sandbox.files.READ_CALL_BYTES_MAX``
+        per call; ``-1``: as much as that); ``b""`` at the end."""
+        return await asyncio.to_thread(self._service.read, self.handle, n)
+
+    async def write(self, data: bytes) -> int:
+        return await asyncio.to_thread(self._service.write, self.handle, bytes(data))
+
+    async def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return await asyncio.to_thread(self._service.seek, self.handle, offset, whence)
+
+    async def stat(self) -> dict:
+        return await asyncio.to_thread(self._service.stat, self.handle)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._service.close, self.handle)
+
+    async def __aenter__(self) -> "FileHandle":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class Files:
+    """``sb.files``: :class:`sandbox.files.FileService` (the file operations STDIO and MCP use
+    too) made async. Paths are guest paths (``/workspace/notes.txt``) or relative to the first
+    volume; every error is an :class:`~sandbox.api.errors.ApiError` with a stable ``code`` and
+    the ``errno`` in its ``data``. Writes go through the undo core as API steps: a one-shot call
+    is one step, a handle's writes one step until it is closed."""
+
+    def __init__(self, service: FileService):
+        self._service = service
+
+    async def _do(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+    async def open(self, path: str, mode: str = "r") -> FileHandle:
+        """Modes ``r r+ w w+ a a+ x x+`` (binary; a ``b`` is ignored)."""
+        def go():
+            guest = self._service.guest_path(path)
+            return FileHandle(self._service, self._service.open(guest, mode), guest)
+        return await self._do(go)
+
+    async def create_temp(self) -> FileHandle:
+        """An in-memory scratch file that never reaches a working folder."""
+        return FileHandle(self._service, await self._do(self._service.create_temp), "")
+
+    async def read_file(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return await self._do(self._service.read_file, path, offset, length)
+
+    async def write_file(self, path: str, data: bytes) -> str:
+        return await self._do(self._service.write_file, path, bytes(data))
+
+    async def list(self, path: str = "") -> dict:
+        return await self._do(self._service.list, path)
+
+    async def stat(self, path: str) -> dict:
+        return await self._do(self._service.stat, path)
+
+    async def mkdir(self, path: str, parents: bool = False) -> str:
+        return await self._do(self._service.mkdir, path, parents)
+
+    async def remove(self, path: str, recursive: bool = False) -> int:
+        return await self._do(self._service.remove, path, recursive)
+
+    async def rename(self, src: str, dst: str) -> str:
+        return await self._do(self._service.rename, src, dst)
+
+    def counters(self) -> dict:
+        """opens, reads, writes, closes, bytes in/out, rejects, errors, handles open."""
+        return self._service.counters()
+
+
+class _Blocking:
+    """The synchronous face of an async object of the SDK (:class:`Files`, :class:`FileHandle`):
+    each coroutine method becomes a blocking call on the facade's loop; handles come back
+    blocking too, and work as ``with`` blocks."""
+
+    def __init__(self, target, call):
+        self._target, self._call = target, call
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._target, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+
+        def blocking(*args, **kwargs):
+            out = self._call(attr(*args, **kwargs))
+            return _Blocking(out, self._call) if isinstance(out, FileHandle) else out
+        return blocking
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._call(self._target.close())
 
 
 class SyncSandbox:
@@ -582,6 +701,11 @@ class SyncSandbox:
 
     def unmount(self, guest_path: str) -> None:
         self._call(self._sb.unmount(guest_path))
+
+    @property
+    def files(self):
+        """:class:`Files` with blocking methods (handles too: ``with sb.files.open(p, "w") as f``)."""
+        return _Blocking(self._sb.files, self._call)
 
     def events(self) -> Iterator[dict]:
         """The events buffered so far (never blocks)."""
