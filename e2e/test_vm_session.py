@@ -101,7 +101,7 @@ def test_programs_each_undone_exactly(project):
         for cmd in PROGRAMS:
             snaps.append(oracle.snapshot_dir(str(project)))
             out = []
-            r = s.run(cmd, lambda stream, text: out.append(text))
+            r = s.run(cmd, lambda stream, text, out=out: out.append(text))
             assert r.exit_code == 0, f"{cmd}: {''.join(out)}"
         assert os.listdir(project) == []
         hist = s.history()

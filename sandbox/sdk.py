@@ -30,7 +30,7 @@ blocks; output, events and safeguard notifications come back onto the caller's l
 * ``safeguards`` — pending holds, ``confirm(id, "allow"|"deny")``, ``on_hold(callback)``.
 * ``mount(guest_path, files_or_vfs, writable=False)`` / ``unmount(guest_path)`` — live
   mounts (seed 000), never undo-tracked or persisted.
-* ``files`` — the handle-based file API (seed 002): :class:`Files`, :class:`FileHandle`.
+* ``files`` — the handle-based file API (seed 002): :class:`FileAPI`, :class:`FileHandle`.
 
 Invariants: ``stop()`` is idempotent and releases everything ``start()`` acquired (also
 after a failed start); after ``stop()`` the ``events()`` iterators end.
@@ -282,7 +282,7 @@ class Sandbox:
         self.events_dropped = 0
         self._unsubscribe: Callable[[], None] | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._files: Files | None = None
+        self._files: FileAPI | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -325,7 +325,7 @@ class Sandbox:
         self._events_ready = asyncio.Event()
         await asyncio.to_thread(self._session.start)
         self._unsubscribe = self._holds.subscribe(self._on_hold)
-        self._files = Files(FileService(self._session, client="sdk"))
+        self._files = FileAPI(FileService(self._session, client="sdk"))
         return self
 
     async def stop(self) -> None:
@@ -496,15 +496,15 @@ class Sandbox:
     # ------------------------------------------------------------------ files
 
     @property
-    def files(self) -> "Files":
-        """The handle-based file API (seed 002) over this session's mount table; see :class:`Files`."""
+    def files(self) -> "FileAPI":
+        """The handle-based file API (seed 002) over this session's mount table; see :class:`FileAPI`."""
         if self._files is None:
             raise SessionError("the sandbox is not running: files are available between start() and stop()")
         return self._files
 
 
 class FileHandle:
-    """An open file of :class:`Files` (``async with await sb.files.open(p, "w") as f``).
+    """An open file of :class:`FileAPI` (``async with await sb.files.open(p, "w") as f``).
 
     Its writes are one API step from the first to :meth:`close` (one undo reverses them)."""
 
@@ -535,7 +535,7 @@ class FileHandle:
         await self.close()
 
 
-class Files:
+class FileAPI:
     """``sb.files``: :class:`sandbox.files.FileService` (the file operations STDIO and MCP use
     too) made async. Paths are guest paths (``/workspace/notes.txt``) or relative to the first
     volume; every error is an :class:`~sandbox.api.errors.ApiError` with a stable ``code`` and
@@ -586,7 +586,7 @@ class Files:
 
 
 class _Blocking:
-    """The synchronous face of an async object of the SDK (:class:`Files`, :class:`FileHandle`):
+    """The synchronous face of an async object of the SDK (:class:`FileAPI`, :class:`FileHandle`):
     each coroutine method becomes a blocking call on the facade's loop; handles come back
     blocking too, and work as ``with`` blocks."""
 
@@ -704,7 +704,7 @@ class SyncSandbox:
 
     @property
     def files(self):
-        """:class:`Files` with blocking methods (handles too: ``with sb.files.open(p, "w") as f``)."""
+        """:class:`FileAPI` with blocking methods (handles too: ``with sb.files.open(p, "w") as f``)."""
         return _Blocking(self._sb.files, self._call)
 
     def events(self) -> Iterator[dict]:

@@ -171,7 +171,7 @@ class ApiClient:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError("the agent did not exit after stdin closed")
+            raise AssertionError("the agent did not exit after stdin closed") from None
         for t in self._threads:
             t.join(10)
         return rc

@@ -258,7 +258,7 @@ def seed_tree(fs, rng: random.Random, files: int = 8) -> None:
     """Populate a raw HostFS (not intercepted) with a small mixed tree."""
     for d in ("d1", "d2", "d1/e"):
         fs.mkdir(d, 0o755)
-    for i in range(files):
+    for _ in range(files):
         p = join(rng.choice(("", "d1", "d2", "d1/e")), rng.choice(NAMES))
         try:
             fs.create(p, rng.choice(MODES))

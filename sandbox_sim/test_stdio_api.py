@@ -947,7 +947,7 @@ def _boundaries(node: dict, defs: dict, depth: int, specials: list[str], wild: b
         lo, hi = node.get("minimum"), node.get("maximum")
         low = node.get("exclusiveMinimum")
 
-        def fits(v: float) -> bool:
+        def fits(v: float, lo=lo, hi=hi, low=low, t=t) -> bool:
             return wild or ((lo is None or v >= lo) and (hi is None or v <= hi) and (low is None or v > low)
                             and (t == "number" or float(v).is_integer()))
 
