@@ -248,7 +248,8 @@ class Sandbox:
                  vm_mode: str = "ephemeral", memory_mb: int = 1024, cpus: int = 2,
                  safeguard: SafeguardConfig | None = None, limits: Limits | None = None,
                  external_modification_policy: str | None = "barrier", guest: str | Callable = "vm",
-                 share: str = "9p", on_event: Callable[[dict], Any] | None = None,
+                 share: str = "9p", restrict: str | None = None, read_only: bool = False,
+                 on_event: Callable[[dict], Any] | None = None,
                  on_safeguard: Callable[[dict], Any] | None = None, progress: Callable[[str], None] | None = None):
         check_share(share)
         if external_modification_policy not in (None, *EXTERNAL_POLICIES):
@@ -273,6 +274,12 @@ class Sandbox:
                                 python_path=python_path, external_policy=external_modification_policy,
                                 guest=guest, share=share)
         self._on_event = on_event
+        #: the view (seed 004) the guest and ``files`` get: a guest path and read-only flag,
+        #: None/False = everything; applied at start, narrowed further by :meth:`restrict`
+        self._view_args = (restrict, read_only)
+        if restrict or read_only:
+            self._session.table.restrict(restrict, read_only)  # a bad view is refused before anything starts
+        self._view = None
         self.safeguards = Safeguards(self)
         if on_safeguard is not None:
             self.safeguards.on_hold(on_safeguard)
@@ -324,8 +331,16 @@ class Sandbox:
         self._loop = asyncio.get_running_loop()
         self._events_ready = asyncio.Event()
         await asyncio.to_thread(self._session.start)
-        self._unsubscribe = self._holds.subscribe(self._on_hold)
-        self._files = FileAPI(FileService(self._session, client="sdk"))
+        try:
+            self._unsubscribe = self._holds.subscribe(self._on_hold)
+            path, ro = self._view_args
+            self._view = self._session.table.restrict(path, ro) if (path or ro) else self._session.table
+            if path or ro:
+                self._session.restrict(self._view)
+            self._files = FileAPI(FileService(self._session, self._view, client="sdk"))
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     async def stop(self) -> None:
@@ -334,6 +349,7 @@ class Sandbox:
             self._unsubscribe = None
         self._holds_local.deny_all()
         files, self._files = self._files, None
+        self._view = None
         if files is not None:
             files._service.close_all()
         await asyncio.to_thread(self._session.stop)
@@ -489,9 +505,28 @@ class Sandbox:
         self._follow_table()
 
     def _follow_table(self) -> None:
-        """``files`` sees the session's whole mount table, live mounts included."""
+        """The view keeps its subtree and read-only flag over the session's new table (a live
+        mount came or went); ``files`` follows it."""
+        if self._view is None:
+            return
+        v = self._view
+        self._view = self._session.table.restrict(None if v.view == "/" else v.view, v.read_only)
         if self._files is not None:
-            self._files._service.narrow(self._session.table)
+            self._files._service.narrow(self._view)
+
+    async def restrict(self, path: str | None = None, read_only: bool | None = None) -> dict:
+        """Narrow what the guest and ``files`` see (seed 004): only ``path`` (a guest path inside
+        the current view; outside it ``EACCES``), and/or read-only (writes ``EROFS``). It only
+        narrows: widening raises :class:`~sandbox.mounts.table.WidenDenied`."""
+        def go():
+            view = self._view.restrict(path, read_only)
+            self._session.restrict(view)
+            self._files._service.narrow(view)
+            self._view = view
+            return {"view": view.view, "read_only": view.read_only}
+        if self._view is None:
+            raise SessionError("the sandbox is not running")
+        return await asyncio.to_thread(go)
 
     # ------------------------------------------------------------------ files
 
@@ -701,6 +736,9 @@ class SyncSandbox:
 
     def unmount(self, guest_path: str) -> None:
         self._call(self._sb.unmount(guest_path))
+
+    def restrict(self, path: str | None = None, read_only: bool | None = None) -> dict:
+        return self._call(self._sb.restrict(path, read_only))
 
     @property
     def files(self):

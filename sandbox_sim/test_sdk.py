@@ -546,6 +546,29 @@ def test_sync_facade_files(proj, tmp_path):
         assert sb.files.read_file("/workspace/src/a.txt") == b"alpha\nmore\n"
         assert sb.run("cat /workspace/src/a.txt").stdout == "alpha\nmore\n"
 
+async def test_restrict_narrows_the_guest_and_files(proj, tmp_path):
+    from sandbox.api.errors import ApiError
+    from sandbox.mounts.table import WidenDenied
+
+    (proj / "other.txt").write_text("other\n")
+    async with make(proj, tmp_path, restrict="/workspace/src") as sb:
+        assert (await sb.run("cat /workspace/src/a.txt")).stdout == "alpha\n"
+        r = await sb.run("cat /workspace/other.txt")
+        assert r.exit_code != 0 and "Permission denied" in r.stderr  # outside the view: EACCES
+        with pytest.raises(ApiError) as e:
+            await sb.files.read_file("/workspace/other.txt")
+        assert e.value.code == "fs.access_denied"
+        assert await sb.restrict(read_only=True) == {"view": "/workspace/src", "read_only": True}
+        r = await sb.run("write /workspace/src/a.txt changed")
+        assert r.exit_code != 0 and (proj / "src" / "a.txt").read_text() == "alpha\n"  # EROFS
+        with pytest.raises(ApiError):
+            await sb.files.write_file("/workspace/src/a.txt", b"changed")
+        with pytest.raises(WidenDenied):
+            await sb.restrict("/workspace")  # it only narrows
+    with pytest.raises(MountError):
+        make(proj, tmp_path, restrict="/elsewhere")  # refused before anything starts
+
+
 
 # ---------------------------------------------------------------------------- async tests without a plugin
 
