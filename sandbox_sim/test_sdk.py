@@ -548,7 +548,7 @@ def test_sync_facade_files(proj, tmp_path):
 
 async def test_restrict_narrows_the_guest_and_files(proj, tmp_path):
     from sandbox.api.errors import ApiError
-    from sandbox.mounts.table import WidenDenied
+    from sandbox.mounts.table import PathOutside, WidenDenied
 
     (proj / "other.txt").write_text("other\n")
     async with make(proj, tmp_path, restrict="/workspace/src") as sb:
@@ -565,7 +565,7 @@ async def test_restrict_narrows_the_guest_and_files(proj, tmp_path):
             await sb.files.write_file("/workspace/src/a.txt", b"changed")
         with pytest.raises(WidenDenied):
             await sb.restrict("/workspace")  # it only narrows
-    with pytest.raises(MountError):
+    with pytest.raises(PathOutside):
         make(proj, tmp_path, restrict="/elsewhere")  # refused before anything starts
 
 
