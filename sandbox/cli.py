@@ -169,7 +169,7 @@ def cmd_demo(args) -> int:
     base = tempfile.mkdtemp(prefix="sandbox-demo-")
     try:
         work = os.path.join(base, "project")
-        shutil.copytree(sample, work, symlinks=True)
+        shutil.copytree(sample, work, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))  # pip byte-compiles package data
         state = os.path.join(base, "undo-store")
         print(f"working folder: {work}\nundo store:     {state}\n")
 
