@@ -258,5 +258,6 @@ def serve_workspace(ws, config: ServerConfig | None = None, decide=None) -> Iter
         with Client.connect_unix(path) as client:
             fs = WireFS(client, ws.fs.host)
             fs.server = st
-            fs.gate = st.server.exports[""].gate  # tests set ``gate.decide``
+            fs.gate = st.server.exports[""].gate
+            fs.holds = st.server.holds  # tests answer holds, or ``holds.ask(decide)``
             yield fs
