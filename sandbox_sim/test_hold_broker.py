@@ -285,3 +285,65 @@ def test_deny_all_releases_a_request_held_on_the_wire(tmp_path):
             c.wait(tag)
         assert e.value.errno == errno.EIO
     ws.close()
+
+
+# ---------------------------------------------------------------------------- a whole session (scripted guest)
+
+
+def session_with_victims(tmp_path, files: int = 6):
+    from sandbox.session.runtime import Folder, Session
+
+    work = tmp_path / "proj"
+    (work / "many").mkdir(parents=True)
+    for i in range(files):
+        (work / "many" / f"f{i}").write_bytes(b"%d" % i)
+    return work, Session([Folder(str(work), state_dir=str(tmp_path / "state"))], guest="scripted",
+                         safeguard=SafeguardConfig(delete_threshold=3, timeout_s=60))
+
+
+def test_session_holds_are_announced_listed_and_answered_through_session_holds(tmp_path):
+    import queue
+
+    work, s = session_with_victims(tmp_path)
+    heard = queue.Queue()
+    s.holds.subscribe(lambda kind, payload: heard.put((kind, payload)))
+    with s:
+        results = []
+        t = threading.Thread(target=lambda: results.append(s.run("rm -r many")))
+        t.start()
+        kind, p = heard.get(timeout=30)
+        assert kind == "triggered" and p["directory"] == 0 and p["timeout_seconds"] == 60 and p["count"] == 3
+        assert [h["safeguard_id"] for h in s.holds.pending()] == [p["safeguard_id"]]
+        assert s.holds.answer(p["safeguard_id"], "allow")
+        assert not s.holds.answer(p["safeguard_id"], "deny")  # a second answerer is told no
+        t.join(30)
+        assert results[0].exit_code == 0 and not (work / "many").exists()
+        assert heard.get(timeout=30)[0] == "resolved"
+
+
+def test_stopping_a_session_denies_its_pending_holds(tmp_path):
+    import queue
+
+    work, s = session_with_victims(tmp_path)
+    heard = queue.Queue()
+    s.holds.subscribe(lambda kind, payload: heard.put((kind, payload)))
+    s.start()
+    try:
+        t = threading.Thread(target=lambda: _quietly(s.run, "rm -r many"), daemon=True)
+        t.start()
+        kind, p = heard.get(timeout=30)
+        assert kind == "triggered"
+    finally:
+        s.stop()
+    kind, r = heard.get(timeout=30)
+    assert (kind, r["action"], r["reason"]) == ("resolved", "deny", "stopped")
+    assert sorted(x.name for x in (work / "many").iterdir()) == [f"f{i}" for i in range(6)]  # rolled back
+    assert s.holds.pending() == []
+    t.join(30)
+
+
+def _quietly(fn, *args):
+    try:
+        fn(*args)
+    except Exception:
+        pass  # the session stopped under it
