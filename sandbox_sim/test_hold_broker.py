@@ -347,3 +347,39 @@ def _quietly(fn, *args):
         fn(*args)
     except Exception:
         pass  # the session stopped under it
+
+
+def test_the_vm_is_paused_while_a_hold_is_pending_and_resumed_after(tmp_path):
+    """The session's pause hook subscribes to its broker (a guest whose pause works: like QMP's)."""
+    import queue
+
+    from sandbox.scripted.guest import ScriptedGuest
+    from sandbox.session.runtime import Folder, Session
+
+    calls = queue.Queue()
+
+    class PausableGuest(ScriptedGuest):
+        async def pause(self) -> bool:
+            calls.put("pause")
+            return True
+
+        async def resume(self) -> None:
+            calls.put("resume")
+
+    work, _ = session_with_victims(tmp_path)
+    s = Session([Folder(str(work), state_dir=str(tmp_path / "state"))], guest=lambda run_dir: PausableGuest(),
+                safeguard=SafeguardConfig(delete_threshold=3, timeout_s=60))
+    heard = queue.Queue()
+    s.holds.subscribe(lambda kind, payload: heard.put(payload["safeguard_id"]) if kind == "triggered" else None)
+    with s:
+        results = []
+        t = threading.Thread(target=lambda: results.append(s.run("rm -r many")))
+        t.start()
+        hold_id = heard.get(timeout=30)
+        assert calls.get(timeout=30) == "pause"
+        s.holds.answer(hold_id, "deny")
+        assert calls.get(timeout=30) == "resume"
+        t.join(30)
+        assert results[0].exit_code != 0
+    assert calls.empty()  # no second pause/resume
+    assert sorted(x.name for x in (work / "many").iterdir()) == [f"f{i}" for i in range(6)]

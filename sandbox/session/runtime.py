@@ -409,7 +409,7 @@ class Session:
         limits = ServerLimits(connections_max=max(ServerLimits().connections_max, 2 * len(self.table.mounts)))
         server = NinePServer(dict(s.providers), ServerConfig(limits), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
-        s.hold_hooks.append(self.holds.subscribe(self._pause_while_held))
+        s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
             s.hold_hooks.append(self.holds.ask(self.decide))
         s.guest = self._make_guest(s.run_dir)
@@ -629,11 +629,11 @@ class Session:
 
     # ------------------------------------------------------------------ safeguards
 
-    def _pause_while_held(self, kind: str, payload: dict) -> None:
-        """A hold subscriber: the VM is paused (QMP, when available) while any hold is
-        pending, so a guest cannot time out against a frozen share; resumed when none is."""
-        s = self._s
-        if s is None or s.server is None:
+    def _pause_while_held(self, s: _Started) -> None:
+        """A hold subscriber (of the started session ``s``, also while it stops): the VM is
+        paused (QMP, when available) while any hold is pending — the user may take longer
+        than the guest's own timeouts — and resumed when none is."""
+        if s.server is None or s.server.loop.is_closed():
             return
         f = asyncio.run_coroutine_threadsafe(self._pause_sync(s), s.server.loop)
         s.pausing.add(f)
