@@ -383,3 +383,26 @@ def test_the_vm_is_paused_while_a_hold_is_pending_and_resumed_after(tmp_path):
         assert results[0].exit_code != 0
     assert calls.empty()  # no second pause/resume
     assert sorted(x.name for x in (work / "many").iterdir()) == [f"f{i}" for i in range(6)]
+
+
+def test_two_cores_with_the_same_hold_id_get_distinct_public_ids():
+    """Two working folders number their holds independently: an answer names exactly one."""
+    broker, a, b = HoldBroker(), Core(), Core()
+    pa = broker.register(hold("sg_001"), a.resolve, context={"directory": 0})
+    pb = broker.register(hold("sg_001"), b.resolve, context={"directory": 1})
+    assert (pa["safeguard_id"], pb["safeguard_id"]) == ("sg_001", "sg_001.2")
+    assert broker.answer("sg_001.2", "deny")
+    assert (a.told, b.told) == ([], [("sg_001", "deny")])  # the core hears its own id
+    assert asyncio.run(broker.wait(hold("sg_001"), b.resolve)) == "deny"  # b's retry: ended
+    assert [p["safeguard_id"] for p in broker.pending()] == ["sg_001"]  # a's is still pending
+    assert broker.answer("sg_001", "allow") and a.told == [("sg_001", "allow")]
+
+
+def test_a_hold_answered_before_its_request_waits_is_not_raised_again(tmp_path):
+    """deny_all between the gate registering a hold and its task running: the task learns the deny."""
+    broker, core = HoldBroker(), Core()
+    seen, _ = recorder(broker)
+    broker.register(hold(), core.resolve)
+    assert broker.deny_all() == 1
+    assert asyncio.run(broker.wait(hold(), core.resolve)) == "deny"
+    assert [k for k, *_ in seen] == ["triggered", "resolved"] and broker.pending() == []

@@ -53,6 +53,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, TypeVar
@@ -69,6 +70,7 @@ Resolve = Callable[[str, str], object]
 Subscriber = Callable[[str, dict], None]
 Decide = Callable[[Hold], "str | Awaitable[str]"]
 #: ended holds remembered, so a request retried just after the answer does not raise the hold again
+#: (an id is not reused by its core: a restarted session's cores are new objects)
 FINISHED_REMEMBERED_MAX = 4 * HOLDS_PENDING_PER_SESSION_MAX
 log = logging.getLogger("sandbox.safeguard")
 
@@ -85,9 +87,29 @@ def hold_of(payload: dict) -> Hold:
                 0.0, float(payload.get("timeout_seconds", 0.0)))
 
 
+def _scope(resolve: Resolve):
+    """Whose hold it is: the undo core ``resolve`` belongs to (each numbers its holds on its own)."""
+    return getattr(resolve, "__self__", resolve)
+
+
+class _Ref:
+    """A reference to a scope that never confuses a dead one with a new one at the same address."""
+
+    def __init__(self, obj):
+        try:
+            self._get = weakref.ref(obj)
+        except TypeError:
+            self._get = lambda: obj
+
+    def alive_as(self, obj) -> bool:
+        return self._get() is obj
+
+
 @dataclass(eq=False)
 class _Entry:
-    payload: dict  # the event.safeguard_triggered payload
+    payload: dict  # the event.safeguard_triggered payload; its safeguard_id is the public id
+    core_id: str  # the id the undo core knows it by
+    key: tuple  # (id(scope), core_id)
     resolve: Resolve
     registered_s: float
     deadline_s: float
@@ -97,7 +119,11 @@ class _Entry:
 
 
 class HoldBroker:
-    """The session's safeguard holds: pending ones, their answers, their one deadline (module docstring)."""
+    """The session's safeguard holds: pending ones, their answers, their one deadline (module docstring).
+
+    Public ids: a hold keeps its undo core's id (``sg_001``) unless another core's pending
+    hold has it already (two working folders number their holds independently); then it
+    is ``sg_001.2``, ``sg_001.3``, … — an answer always names exactly one hold."""
 
     def __init__(self, *, pending_max: int = HOLDS_PENDING_PER_SESSION_MAX,
                  subscribers_max: int = HOLD_SUBSCRIBERS_MAX, clock_s: Callable[[], float] = time.monotonic):
@@ -107,8 +133,11 @@ class HoldBroker:
         self.subscribers_max = subscribers_max
         self.clock_s = clock_s
         self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._finished: OrderedDict[str, str] = OrderedDict()  # recently ended hold id -> action
+        self._entries: dict[str, _Entry] = {}  # public id -> pending hold
+        self._by_key: dict[tuple, str] = {}  # (id(scope), core id) -> public id, pending holds
+        #: recently ended holds (so a request retried just after the answer does not raise it
+        #: again): (id(scope), core id) -> (action, _Ref(scope))
+        self._finished: OrderedDict[tuple, tuple[str, _Ref]] = OrderedDict()
         self._subscribers: list[_Subscription] = []
 
     # ------------------------------------------------------------------ registering
@@ -117,21 +146,26 @@ class HoldBroker:
                  context: dict | None = None) -> dict | None:
         """Make ``hold`` pending (idempotent: a hold already pending keeps its entry and
         deadline, and subscribers hear of it once). ``hold``: the core's :class:`Hold`, or an
-        ``event.safeguard_triggered`` payload with ``timeout_s``. ``context``: fields added
-        to the payload (e.g. ``directory``). Returns the payload, or None when
-        ``pending_max`` holds are pending already (the caller denies it)."""
+        ``event.safeguard_triggered`` payload with ``timeout_s``; ``resolve``: how the
+        answer reaches that core (a bound method: its object tells cores apart).
+        ``context``: fields added to the payload (e.g. ``directory``). Returns the payload
+        (with the public ``safeguard_id``), or None when ``pending_max`` holds are pending
+        already (the caller denies it)."""
         if isinstance(hold, Hold):
             payload, timeout, exact = hold.as_dict(), max(0.0, hold.deadline_s - hold.created_s), True
         else:
             if timeout_s is None:
                 raise ValueError("a hold given as a payload needs timeout_s")
             payload, timeout, exact = dict(hold), max(0.0, float(timeout_s)), False
-        hold_id = payload["safeguard_id"]
+        core_id = payload["safeguard_id"]
+        scope = _scope(resolve)
+        key = (id(scope), core_id)
         with self._lock:
-            if hold_id in self._finished:  # met again after its answer (a retry racing it): no new hold
+            if self._ended(key, scope) is not None:  # met again after its answer (a retry racing it)
                 return {**payload, **(context or {}), "timeout_seconds": timeout}
-            e = self._entries.get(hold_id)
-            if e is not None:
+            public = self._by_key.get(key)
+            if public is not None:
+                e = self._entries[public]
                 for k, v in (context or {}).items():
                     e.payload.setdefault(k, v)
                 if exact and not e.exact:  # the hold's own timeout is the one that counts
@@ -140,14 +174,26 @@ class HoldBroker:
                 return dict(e.payload)
             if len(self._entries) >= self.pending_max:
                 log.error("safeguard %s: %d holds are pending already (HOLDS_PENDING_PER_SESSION_MAX): denied",
-                          hold_id, len(self._entries))
+                          core_id, len(self._entries))
                 return None
+            public, n = core_id, 1
+            while public in self._entries:
+                n += 1
+                public = f"{core_id}.{n}"
             now = self.clock_s()
-            payload = {**payload, **(context or {}), "timeout_seconds": timeout}
-            self._entries[hold_id] = _Entry(payload, resolve, now, now + timeout, exact)
+            payload = {**payload, **(context or {}), "timeout_seconds": timeout, "safeguard_id": public}
+            self._entries[public] = _Entry(payload, core_id, key, resolve, now, now + timeout, exact)
+            self._by_key[key] = public
             out = dict(payload)
         self._notify("triggered", out)
         return out
+
+    def _ended(self, key: tuple, scope) -> str | None:
+        """The action a hold that ended recently was given, or None. Under the lock."""
+        got = self._finished.get(key)
+        if got is None or not got[1].alive_as(scope):
+            return None
+        return got[0]
 
     async def wait(self, hold: Hold, resolve: Resolve, context: dict | None = None) -> str:
         """Register ``hold`` and wait (on the running loop) until it is answered or its
@@ -156,50 +202,75 @@ class HoldBroker:
             return self._refused(hold.id, resolve)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        with self._lock:
-            e = self._entries.get(hold.id)
-            if e is None:  # answered already
-                return self._finished.get(hold.id, "deny")
-            waiter = (loop, fut)
-            e.waiters.append(waiter)
-            remaining = max(0.0, e.deadline_s - self.clock_s())
+        waiter = (loop, fut)
+        public, remaining = self._attach(hold.id, resolve, waiter)
+        if public is None:
+            return remaining
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), remaining)
-        except asyncio.TimeoutError:
-            self._expire(hold.id)
-            return fut.result() if fut.done() else "deny"
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                remaining = self._past_deadline(public)  # the loop's timer may fire a little early
+                if remaining is None:
+                    return self._outcome(hold.id, resolve)
         finally:
-            self._drop_waiter(hold.id, waiter)
+            self._drop_waiter(public, waiter)
 
     def wait_blocking(self, hold: Hold, resolve: Resolve, context: dict | None = None) -> str:
         """:meth:`wait` for a thread without an event loop (e.g. an ``InterceptedFS.decide``)."""
         if self.register(hold, resolve, context=context) is None:
             return self._refused(hold.id, resolve)
         done = threading.Event()
-        with self._lock:
-            e = self._entries.get(hold.id)
-            if e is None:  # answered already
-                return self._finished.get(hold.id, "deny")
-            waiter = (None, done)
-            e.waiters.append(waiter)
-            remaining = max(0.0, e.deadline_s - self.clock_s())
+        waiter = (None, done)
+        public, remaining = self._attach(hold.id, resolve, waiter)
+        if public is None:
+            return remaining
         try:
-            if not done.wait(remaining):
-                self._expire(hold.id)
-            return getattr(done, "action", "deny")
+            while not done.wait(remaining):
+                remaining = self._past_deadline(public)
+                if remaining is None:
+                    break
+            return getattr(done, "action", None) or self._outcome(hold.id, resolve)
         finally:
-            self._drop_waiter(hold.id, waiter)
+            self._drop_waiter(public, waiter)
 
-    def _refused(self, hold_id: str, resolve: Resolve) -> str:
+    def _attach(self, core_id: str, resolve: Resolve, waiter) -> tuple:
+        """(public id, seconds to wait) with ``waiter`` attached — or (None, action) if it ended."""
+        scope = _scope(resolve)
+        key = (id(scope), core_id)
+        with self._lock:
+            public = self._by_key.get(key)
+            if public is None:
+                return None, self._ended(key, scope) or "deny"
+            e = self._entries[public]
+            e.waiters.append(waiter)
+            return public, max(0.0, e.deadline_s - self.clock_s())
+
+    def _outcome(self, core_id: str, resolve: Resolve) -> str:
+        scope = _scope(resolve)
+        with self._lock:
+            return self._ended((id(scope), core_id), scope) or "deny"
+
+    def _past_deadline(self, public: str) -> float | None:
+        """A waiter's timer ran out: deny the hold if its deadline has passed. None if it
+        has ended (here or elsewhere), else the seconds still to wait."""
+        self._expire(public)
+        with self._lock:
+            e = self._entries.get(public)
+            return None if e is None else max(0.0, e.deadline_s - self.clock_s())
+
+    def _refused(self, core_id: str, resolve: Resolve) -> str:
         try:
-            resolve(hold_id, "deny")
+            resolve(core_id, "deny")
         except KeyError:
             pass
         return "deny"
 
-    def _drop_waiter(self, hold_id: str, waiter) -> None:
+    def _drop_waiter(self, public: str, waiter) -> None:
         with self._lock:
-            e = self._entries.get(hold_id)
+            e = self._entries.get(public)
             if e is not None and waiter in e.waiters:
                 e.waiters.remove(waiter)
 
@@ -211,23 +282,18 @@ class HoldBroker:
             return [dict(e.payload) for e in self._entries.values()]
 
     def answer(self, hold_id: str, action: str) -> bool:
-        """Decide a pending hold: the undo core hears it (a deny rolls the step back) before
-        this returns. False if no such hold is pending (answered, timed out, unknown) — or if
-        the core had already let it go (its own expiry): then it is denied."""
+        """Decide a pending hold (its public id): the undo core hears it (a deny rolls the
+        step back) before this returns. False if no such hold is pending (answered, timed
+        out, unknown) — or if the core had already let it go (its own expiry): then it is
+        denied."""
         _check_action(action)
         return self._finish(hold_id, action, "answered")
 
     def deny_all(self, reason: str = "stopped") -> int:
-        """Deny every pending hold (the session stops, the command is cancelled); how many.
-        With ``reason="stopped"`` the memory of ended holds is cleared too: a restarted
-        session's undo core numbers its holds from the start again."""
+        """Deny every pending hold (the session stops, the command is cancelled); how many."""
         with self._lock:
             ids = list(self._entries)
-        n = sum(self._finish(i, "deny", reason) for i in ids)
-        if reason == "stopped":
-            with self._lock:
-                self._finished.clear()
-        return n
+        return sum(self._finish(i, "deny", reason) for i in ids)
 
     def poll(self) -> int:
         """Deny the holds whose deadline has passed (nobody may be waiting on them); how many."""
@@ -236,29 +302,31 @@ class HoldBroker:
             due = [i for i, e in self._entries.items() if e.deadline_s <= now]
         return sum(self._expire(i) for i in due)
 
-    def _expire(self, hold_id: str) -> bool:
+    def _expire(self, public: str) -> bool:
         with self._lock:
-            e = self._entries.get(hold_id)
+            e = self._entries.get(public)
             if e is None or e.deadline_s > self.clock_s():
                 return False
-        log.warning("safeguard %s timed out after %.1f s: denied", hold_id, e.deadline_s - e.registered_s)
-        return self._finish(hold_id, "deny", "timeout")
+        log.warning("safeguard %s timed out after %.1f s: denied", public, e.deadline_s - e.registered_s)
+        return self._finish(public, "deny", "timeout")
 
-    def _finish(self, hold_id: str, action: str, reason: str) -> bool:
+    def _finish(self, public: str, action: str, reason: str) -> bool:
         with self._lock:
-            e = self._entries.pop(hold_id, None)
+            e = self._entries.pop(public, None)
             if e is None:
                 return False
-            self._finished[hold_id] = action
+            del self._by_key[e.key]
+            ref = _Ref(_scope(e.resolve))
+            self._finished[e.key] = (action, ref)
             while len(self._finished) > FINISHED_REMEMBERED_MAX:
                 self._finished.popitem(last=False)
         decided, error = True, None
         try:
-            e.resolve(hold_id, action)
+            e.resolve(e.core_id, action)
         except KeyError:  # the core let it go already (its own expiry): it was denied
             decided, action, reason = False, "deny", "timeout"
             with self._lock:
-                self._finished[hold_id] = action
+                self._finished[e.key] = (action, ref)
         except BaseException as exc:  # a failed rollback: the waiters still learn it from the core
             error = exc
         for loop, w in e.waiters:

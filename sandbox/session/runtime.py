@@ -324,7 +324,10 @@ class Session:
         if ws is None:
             return event
         payload = {k: v for k, v in event.items() if k != "type"}
-        registered = self.holds.register(payload, _resolver(ws), timeout_s=_hold_timeout_s(ws))
+        provider = s.providers.get(self.table.folders[i].name)
+        # the resolver the export's gate uses too: the broker tells holds of different cores apart by it
+        resolve = provider.interceptor.resolve_hold if provider is not None else _resolver(ws)
+        registered = self.holds.register(payload, resolve, timeout_s=_hold_timeout_s(ws))
         return {"type": event["type"], **(registered or payload)}
 
     def _open_workspace(self, s: _Started, i: int, f: Folder) -> Workspace:
