@@ -268,7 +268,7 @@ class FileService:
             try:
                 yield
             except HoldRequired as held:
-                ws.resolve_hold(held.hold.id, "deny")
+                self.session.deny_hold(folder, held.hold.id)  # the session's broker forgets it too
                 self._end_step(folder)
                 raise ApiError("safeguard.denied", f"{held.hold.message} An API write cannot wait for a confirmation: "
                                "denied, and its API step was rolled back.", **held.data) from None
@@ -413,10 +413,11 @@ class FileService:
                 if pos - len(hd.data) > WRITE_HOLE_BYTES_MAX or self._temp_bytes + grow > TEMP_BYTES_MAX:
                     raise _err("fs.too_large", f"temporary files hold at most {TEMP_BYTES_MAX} bytes together",
                                errno.EFBIG, limit_bytes=TEMP_BYTES_MAX)
-                if pos > len(hd.data):
-                    hd.data.extend(bytes(pos - len(hd.data)))
-                hd.data[pos:pos + len(data)] = data
-                self._temp_bytes += grow
+                if data:  # an empty write never extends a file (POSIX), here as on the host
+                    if pos > len(hd.data):
+                        hd.data.extend(bytes(pos - len(hd.data)))
+                    hd.data[pos:pos + len(data)] = data
+                    self._temp_bytes += grow
             else:
                 size = hd.fh.fstat().size
                 pos = size if hd.append else hd.pos

@@ -36,10 +36,17 @@ limit (``ServerLimits`` field)                    default     when exceeded
                                                               least recently used is dropped (re-read on
                                                               demand, offsets stay valid); a listing
                                                               larger than the whole budget is never kept
-``held_requests_per_export_max``                  10,000      ``ENOSPC`` (:mod:`sandbox.mounts.holds`)
-``locks_per_export_max``                          100,000     ``ENOLCK`` (:mod:`sandbox.ninep.locks`)
+``held_requests_per_export_max``                  10,000      ``ENOSPC`` (:mod:`sandbox.serving.holds`)
+``locks_per_export_max``                          100,000     ``ENOLCK`` (:mod:`sandbox.serving.locks`)
 ``xattr_value_bytes_max`` (the kernel's)          64 KiB      ``E2BIG``
 ================================================  ==========  ==========================================
+
+Safeguard holds are per session, not per server (:class:`~sandbox.serving.holds.HoldBroker`):
+at most ``HOLDS_PENDING_PER_SESSION_MAX`` holds pending at once (one more is denied at
+once, logged — the core keeps at most one per working folder, so this only bounds a
+broken caller) and ``HOLD_SUBSCRIBERS_MAX`` subscribers (one more: ``RuntimeError``). How
+long a hold may wait is the safeguard's ``timeout_s`` (:class:`~sandbox.core.safeguard.SafeguardConfig`,
+default 30 s); the broker enforces that one deadline.
 
 Worst case per connection, all limits reached at once (measured by
 ``sandbox_sim/test_ninep_limits.py``): unsent replies up to twice ``write_buffer_bytes_max`` while
@@ -75,6 +82,8 @@ MSIZE_BYTES_MIN = 8192  # the smallest msize_bytes_max a server may be configure
 XATTR_VALUE_BYTES_MAX = 64 * KiB  # the kernel's XATTR_SIZE_MAX (and XATTR_LIST_MAX)
 HELD_REQUESTS_PER_EXPORT_MAX = 10_000
 LOCKS_PER_EXPORT_MAX = 100_000
+HOLDS_PENDING_PER_SESSION_MAX = 64  # safeguard holds waiting for an answer, all folders of a session
+HOLD_SUBSCRIBERS_MAX = 32  # servers, STDIO, SDK, MCP, the VM pause hook, decide callbacks
 #: descriptors of RLIMIT_NOFILE that clients can never take: the undo core, sockets, logs, children
 DESCRIPTORS_RESERVED = 256
 #: what one cached directory entry costs beyond its name's bytes (a str object and a list slot)

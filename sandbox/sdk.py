@@ -112,92 +112,6 @@ def _event_out(e: dict) -> dict:
     return e
 
 
-class _LocalHolds:
-    """A stand-in with the interface of helper A's ``HoldBroker`` (``pending``, ``answer``,
-    ``subscribe``) built on the session's ``decide`` callback and core events.
-
-    issue 12 seam (A): used only while ``Session.holds`` does not exist; delete it once the
-    broker is merged (``Sandbox._holds`` then uses ``session.holds`` alone)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._pending: dict[str, dict] = {}
-        self._answers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._early: dict[str, str] = {}  # answered before the gate asked (bounded by _pending)
-        self._subscribers: list[Callable[[str, dict], None]] = []
-
-    def subscribe(self, callback: Callable[[str, dict], None]) -> Callable[[], None]:
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-        return unsubscribe
-
-    def _notify(self, kind: str, payload: dict) -> None:
-        with self._lock:
-            subs = list(self._subscribers)
-        for cb in subs:
-            try:
-                cb(kind, payload)
-            except Exception:
-                log.exception("safeguard subscriber failed")
-
-    def pending(self) -> list[dict]:
-        with self._lock:
-            return [dict(p) for p in self._pending.values()]
-
-    def triggered(self, event: dict) -> None:
-        """A core ``event.safeguard_triggered`` (any thread)."""
-        payload = {k: v for k, v in event.items() if k != "type"}
-        with self._lock:
-            self._pending[payload["safeguard_id"]] = payload
-        self._notify("triggered", payload)
-
-    def answer(self, hold_id: str, action: str) -> bool:
-        if action not in ("allow", "deny"):
-            raise ValueError(f"action must be 'allow' or 'deny', not {action!r}")
-        with self._lock:
-            fut = self._answers.get(hold_id)
-            if fut is None:
-                if hold_id not in self._pending or hold_id in self._early:
-                    return False
-                # triggered, but the gate has not asked yet: decide() finds the answer
-                self._early[hold_id] = action
-                return True
-        loop, f = fut
-        loop.call_soon_threadsafe(lambda: f.done() or f.set_result(action))
-        return True
-
-    async def decide(self, hold) -> str:
-        """The server's decision callback: wait for :meth:`answer` (the gate times out)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        with self._lock:
-            early = self._early.pop(hold.id, None)
-            if early is not None:
-                fut.set_result(early)
-            self._answers[hold.id] = (loop, fut)
-        action = "deny"
-        try:
-            action = await fut
-            return action
-        finally:
-            with self._lock:
-                self._answers.pop(hold.id, None)
-                self._pending.pop(hold.id, None)
-                self._early.pop(hold.id, None)
-            self._notify("resolved", {"safeguard_id": hold.id, "action": action})
-
-    def deny_all(self) -> None:
-        with self._lock:
-            ids = list(self._answers)
-        for i in ids:
-            self.answer(i, "deny")
-
-
 class Safeguards:
     """``sb.safeguards``: answer holds (SPEC §4: deny rolls the step back; no answer within
     the configured timeout denies). Either register ``on_hold(callback)`` — called on the
@@ -213,12 +127,12 @@ class Safeguards:
         self._callback = callback
 
     def pending(self) -> list[dict]:
-        return self._sb._holds.pending() if self._sb._holds is not None else []
+        """The ``safeguard_triggered`` payloads of the holds still waiting for an answer."""
+        return self._sb._holds.pending()
 
     def confirm(self, safeguard_id: str, action: str) -> bool:
-        """Answer a pending hold; False if it is not pending (answered, timed out, unknown)."""
-        if self._sb._holds is None:
-            return False
+        """Answer a pending hold; False if it is not pending (answered, timed out, unknown).
+        A deny has rolled the step back when this returns."""
         return self._sb._holds.answer(safeguard_id, action)
 
     async def _triggered(self, payload: dict) -> None:
@@ -267,9 +181,8 @@ class Sandbox:
                 if not isinstance(m, MemoryMount):
                     raise ValueError(f"mounts is {{guest_path: files}} or a list of MemoryMount, not {m!r}")
                 mems.append(m)
-        self._holds_local = _LocalHolds()
         self._session = Session(folders, network=network, allow=allow, vm_mode=vm_mode, memory_mb=memory_mb,
-                                cpus=cpus, safeguard=safeguard, limits=limits, decide=self._holds_local.decide,
+                                cpus=cpus, safeguard=safeguard, limits=limits,
                                 on_event=self._on_core_event, progress=progress, mounts=mems,
                                 python_path=python_path, external_policy=external_modification_policy,
                                 guest=guest, share=share)
@@ -322,8 +235,8 @@ class Sandbox:
 
     @property
     def _holds(self):
-        # issue 12 seam (A): the session's HoldBroker once merged, else the local stand-in
-        return getattr(self._session, "holds", None) or self._holds_local
+        """The session's one :class:`~sandbox.serving.holds.HoldBroker`."""
+        return self._session.holds
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -347,7 +260,6 @@ class Sandbox:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        self._holds_local.deny_all()
         files, self._files = self._files, None
         self._view = None
         if files is not None:
@@ -400,8 +312,6 @@ class Sandbox:
 
     def _on_core_event(self, e: dict) -> None:
         """Events from the undo core and the watcher (any thread)."""
-        if e.get("type") == "event.safeguard_triggered" and getattr(self._session, "holds", None) is None:
-            self._holds_local.triggered(e)  # the broker (A) learns this itself; the stand-in here
         self._call_soon(self._deliver, _event_out(e))
 
     def _on_hold(self, kind: str, payload: dict) -> None:

@@ -279,6 +279,19 @@ def test_handles_on_a_real_directory(real_session):
                                                            deadline=None, suppress_health_check=list(HealthCheck)))
 
 
+def test_an_empty_write_past_the_end_never_extends_a_file():
+    """Found by the model on a real directory: a temporary file grew by an empty write."""
+    s = DiskSession()
+    try:
+        files = FileService(s)
+        for h in (files.create_temp(), files.open(f"{TARGET}/empty", "w+")):
+            files.seek(h, 5)
+            assert files.write(h, b"") == 0
+            assert files.seek(h, 0, 2) == 0 and files.stat(h)["size"] == 0
+    finally:
+        s.ws.close()
+
+
 def test_handles_are_per_client_bounded_and_closed_at_close_all():
     s = DiskSession()
     try:

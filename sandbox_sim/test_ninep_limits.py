@@ -676,11 +676,14 @@ def test_descriptor_budget_arithmetic():
 
 
 def test_limits_live_in_one_place_and_the_9p_doc_says_the_code_s_numbers():
-    from sandbox.mounts.holds import QUEUE_MAX
-    from sandbox.mounts.provider import XATTR_SIZE_MAX
-    from sandbox.ninep.locks import LOCKS_MAX
+    import inspect
 
-    assert (QUEUE_MAX, LOCKS_MAX, XATTR_SIZE_MAX) == (
+    from sandbox.mounts.provider import XATTR_SIZE_MAX
+    from sandbox.serving.holds import HoldGate
+    from sandbox.serving.locks import LOCKS_MAX
+
+    queue_max = inspect.signature(HoldGate).parameters["queue_max"].default
+    assert (queue_max, LOCKS_MAX, XATTR_SIZE_MAX) == (
         LIMITS.held_requests_per_export_max, LIMITS.locks_per_export_max, LIMITS.xattr_value_bytes_max)
     assert ServerConfig().limits == LIMITS
     with open(NINEP_DOC) as f:

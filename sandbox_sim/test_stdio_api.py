@@ -413,6 +413,7 @@ def test_safeguard_holds_the_step_until_confirmed(api, project, cmds, answer):
     ev = c.wait_event("event.safeguard_triggered", since=m)["payload"]
     assert ev["kind"] == "delete" and ev["count"] == 5 and ev["delete_count"] == 5 and ev["sample_paths"]
     assert ev["message"] and ev["directory"] == 0
+    assert ev["timeout_seconds"] == (2 if answer == "timeout" else 120)  # the safeguard's own timeout, defined once
     assert len(os.listdir(project / "victims")) == 20 - 4  # the 5th deletion has not reached the host
     if answer != "timeout":
         st = c.ok("session.status")

@@ -31,7 +31,11 @@ class WireDriver(Driver):
         self.client = SimClient(self.wire)
 
     def _set_decide(self, decide) -> None:
-        self.wire.gate.decide = decide
+        """The server's hold broker puts holds to ``decide`` (None: nobody answers)."""
+        unask = getattr(self, "_unask", None)
+        if unask is not None:
+            unask()
+        self._unask = self.wire.server.server.holds.ask(decide) if decide is not None else None
 
     def reopen(self) -> None:
         self._serving.close()

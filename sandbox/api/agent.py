@@ -14,15 +14,14 @@ Invariants:
   is ``agent.busy`` at once, never queued behind an unbounded wait;
 * the events of an operation are emitted before its response is returned (the core emits
   ``event.step_completed`` while the step closes, inside :meth:`Session.run`);
-* a ``safeguard.confirm`` answers through the undo core synchronously, so a deny's
-  rollback is complete when the response is sent;
+* a ``safeguard.confirm`` answers through the session's hold broker, which tells the undo
+  core synchronously, so a deny's rollback is complete when the response is sent;
 * file access (``fs.*``) goes through the same providers the guest uses — dir-fd relative,
   no symlink followed, nothing outside a mount; the restricted view only narrows.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import logging
@@ -85,7 +84,6 @@ class Agent:
         self._lifecycle = threading.RLock()
         self._state_lock = threading.Lock()
         self._running: _Running | None = None
-        self._holds: dict[str, dict] = {}  # safeguard id -> {"event": payload, "directory": i, "future": (loop, fut)}
         self._start_payload: dict | None = None
         self._failed: str | None = None
         self.files: FileService | None = None  # this client's file operations (fs.*), made at session.start
@@ -134,9 +132,7 @@ class Agent:
                            known=sorted(schema.REQUESTS))
         try:
             return fn(_integral(payload), request_id)
-        except ApiError as e:
-            if e.code == "safeguard.denied" and type_.startswith("fs.") and "safeguard_id" in e.data:
-                self._answer(e.data["safeguard_id"], "deny")  # an API write's hold: denied at once (sandbox.files)
+        except ApiError:
             raise
         except SessionError as e:
             raise ApiError("session.guest_failed", str(e)) from e
@@ -258,7 +254,7 @@ class Agent:
                 folders, network=p.get("network_policy", "disabled"), allow=p.get("network_allowlist"),
                 vm_mode=p.get("vm_mode", "ephemeral"), memory_mb=p.get("memory_mb", 1024), cpus=p.get("cpus", 2),
                 safeguard=self._safeguard_config(SafeguardConfig(), sg), limits=Limits(**self._limits(limits)) if limits else None,
-                decide=self._decide, on_event=self._on_core_event, progress=self.progress, mounts=mem,
+                on_event=self._on_core_event, progress=self.progress, mounts=mem,
                 python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
                 guest=self.guest)
         except ApiError:
@@ -297,7 +293,7 @@ class Agent:
         files, self.files = self.files, None
         if files is not None:
             files.close_all()
-        self._deny_all_holds()
+        self._deny_all_holds(s)
         if s is not None:
             s.stop()
 
@@ -339,7 +335,7 @@ class Agent:
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
                 "vm_mode": st["vm_mode"], "folders": self._folders(s), "mounts": st["mounts"],
                 "running": None if r is None else {"request_id": r.request_id},
-                "pending_safeguards": [h["event"] for h in list(self._holds.values()) if h.get("event")],
+                "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
                 "external_modification_policy": st["external_modification_policy"],
                 "files": self.files.counters() if self.files is not None else None}
@@ -595,42 +591,22 @@ class Agent:
 
     def op_safeguard_confirm(self, p: dict, rid) -> dict:
         sid, action = p["safeguard_id"], p["action"]
-        h = self._holds.get(sid)
         s = self.session
-        if h is None or s is None or not s.running:
+        # the broker tells the undo core before it returns: a deny's rollback is done here, before we answer
+        if s is None or not s.running or not self._answer(s, sid, action):
             raise ApiError("safeguard.unknown_id", f"no pending safeguard {sid!r} (answered, timed out, or unknown)",
                            safeguard_id=sid)
-        ws = s.workspaces[h["directory"]]
-        try:
-            ws.resolve_hold(sid, action)  # a deny rolls the step back here, before we answer
-        except KeyError:
-            raise ApiError("safeguard.unknown_id", f"safeguard {sid!r} is no longer pending (it timed out)",
-                           safeguard_id=sid) from None
-        self._answer(sid, action)
         log.info("safeguard %s: %s", sid, action, extra={"component": "safeguard"})
         return {"safeguard_id": sid, "action": action}
 
-    def _answer(self, sid: str, action: str) -> None:
-        h = self._holds.pop(sid, None)
-        fut = h and h.get("future")
-        if fut:
-            loop, f = fut
-            loop.call_soon_threadsafe(lambda: f.done() or f.set_result(action))
+    @staticmethod
+    def _answer(s: Session, sid: str, action: str) -> bool:
+        return s.holds.answer(sid, action)
 
-    def _deny_all_holds(self) -> None:
-        for sid in list(self._holds):
-            self._answer(sid, "deny")
-
-    async def _decide(self, hold) -> str:
-        """The server's decision callback: wait for safeguard.confirm (the gate times out)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        h = self._holds.setdefault(hold.id, {"event": None, "directory": 0})
-        h["future"] = (loop, fut)
-        try:
-            return await fut
-        finally:
-            self._holds.pop(hold.id, None)
+    def _deny_all_holds(self, s: Session | None = None) -> None:
+        s = s if s is not None else self.session
+        if s is not None:
+            s.holds.deny_all("cancelled" if s is self.session else "stopped")
 
     # ------------------------------------------------------------------ core events
 
@@ -641,12 +617,7 @@ class Agent:
         if name not in FORWARDED_EVENTS:
             log.debug("core event %s not forwarded", name)
             return
-        if name == "event.safeguard_triggered":
-            s = self.session
-            e.setdefault("timeout_seconds", getattr(s.safeguard, "timeout_s", None) if s and s.safeguard else 30.0)
-            h = self._holds.setdefault(e["safeguard_id"], {})
-            h["event"] = e
-            h["directory"] = e.get("directory", 0)
+        if name == "event.safeguard_triggered":  # the session registered it with its hold broker already
             log.info("safeguard %s triggered: %s", e["safeguard_id"], e.get("message"),
                      extra={"component": "safeguard", "step_id": e.get("step_id")})
         elif name == "event.recovery":

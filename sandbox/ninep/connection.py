@@ -13,7 +13,8 @@ Invariants:
   host access goes through the provider's HostFS, which never leaves the root nor
   follows a symlink;
 * a rename through any connection moves every live fid below the old name (the export
-  keeps the registry), so fids follow their files as a local file descriptor would;
+  keeps the registry, :class:`~sandbox.serving.exports.Export`), so fids follow their
+  files as a local file descriptor would;
 * a fid remembers the inode it was walked to; a change of attributes or xattrs through
   it goes to that inode — through its own open handle, or another open fid's handle on
   the same inode — never to a different file now at its path (an unlink or rename and
@@ -38,12 +39,13 @@ from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, is_within, parent_of
+from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
 from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
-from ..mounts import HoldGate, Provider, child
+from ..mounts import child
 from ..mounts.provider import XATTR_SIZE_MAX
+from ..serving.exports import Export
+from ..serving.locks import INF
 from . import messages as m
-from .locks import INF, LockTable
 
 V9FS_MAGIC = 0x01021997
 READDIR_HEADER = 11  # size[4] type[1] tag[2] count[4]
@@ -86,48 +88,6 @@ def _dtype(a: Attr) -> int:
     if a.kind != OTHER:
         return _DT[a.kind]
     return (a.fmt >> 12) & 0xF  # DT_* is S_IFMT >> 12
-
-
-class Export:
-    """One provider as served: shared by every connection that attached to it."""
-
-    def __init__(self, provider: Provider, decide=None, limits: ServerLimits = ServerLimits()):
-        self.provider = provider
-        self.gate = (HoldGate(provider.interceptor, decide, limits.held_requests_per_export_max)
-                     if provider.interceptor is not None else None)
-        self.locks = LockTable(limits.locks_per_export_max)
-        self._by_path: dict[str, set["Fid"]] = {}  # every live fid of every connection, by path
-
-    def add(self, f: "Fid") -> None:
-        fids = self._by_path.get(f.path)
-        if fids is None:
-            self._by_path[f.path] = {f}
-        else:
-            f.path = next(iter(fids)).path  # one string per path, however many fids (a path is ≤ 4 KiB)
-            fids.add(f)
-
-    def discard(self, f: "Fid") -> None:
-        fids = self._by_path.get(f.path)
-        if fids is not None:
-            fids.discard(f)
-            if not fids:
-                del self._by_path[f.path]
-
-    def move(self, f: "Fid", path: str) -> None:
-        self.discard(f)
-        f.path = path
-        self.add(f)
-
-    def fids_at(self, path: str) -> "set[Fid]":
-        """Every live fid (of any connection) whose path is ``path``."""
-        return self._by_path.get(path, set())
-
-    def renamed(self, src: str, dst: str, is_dir: bool) -> None:
-        """Fids follow their files: those at ``src`` (and below it, for a directory) move."""
-        paths = [p for p in self._by_path if is_within(p, src)] if is_dir else [src]
-        for p in paths:
-            for f in list(self._by_path.get(p, ())):
-                self.move(f, dst + p[len(src):])
 
 
 @dataclass(eq=False, slots=True)
@@ -204,7 +164,9 @@ class Connection:
         return h(msg)
 
     def gated_export(self, msg: m.Message) -> Export | None:
-        """The export whose hold gate ``msg`` must pass (it may mutate an intercepted tree)."""
+        """The export whose hold gate ``msg`` must pass (it may mutate an intercepted tree):
+        9P's part of export gating — which messages are mutations; the rest is
+        :class:`~sandbox.serving.pipeline.RequestPipeline`'s."""
         t = type(msg)
         if t in (m.Tlcreate, m.Tsetattr, m.Tsymlink, m.Tmknod, m.Tmkdir, m.Tunlinkat, m.Tremove, m.Tlink,
                  m.Trenameat, m.Trename):

@@ -4,8 +4,12 @@ A thin loop around the codec (``codec``) and the per-connection :class:`~sandbox
 frames are split and decoded as bytes arrive; each request is handled at once in the
 event loop (host calls are short and never block — special files are never opened)
 and its reply written. A request that must wait — a mutation queued behind a
-safeguard hold — becomes a task owned by its connection, keyed by its tag, so later
-requests on the same connection go on (pipelining) and ``Tflush`` can cancel it.
+safeguard hold — becomes a task owned by its connection's
+:class:`~sandbox.serving.pipeline.RequestPipeline`, keyed by its tag, so later requests
+on the same connection go on (pipelining) and ``Tflush`` can cancel it. The holds are
+decided through the session's :class:`~sandbox.serving.holds.HoldBroker` (``holds=``);
+the export registry and gates are :mod:`sandbox.serving`'s — 9P keeps framing, Tflush
+and its message table.
 
 Invariants:
 
@@ -50,9 +54,10 @@ from typing import Callable
 from ..core.errors import HoldRequired
 from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, raise_nofile_soft_limit
 from ..mounts import Provider
+from ..serving import Export, HoldBroker, RequestPipeline
 from . import messages as m
 from .codec import FrameSplitter, ProtocolError, decode, encode
-from .connection import Connection, Export
+from .connection import Connection
 
 log = logging.getLogger("sandbox.fs_backend")
 
@@ -83,8 +88,7 @@ class _Connection(asyncio.Protocol):
         self.conn = Connection(server.exports, conn_id, limits, server.descriptors)
         self.splitter = FrameSplitter(limits.frame_bytes_before_version_max)
         self.inbox: deque[bytes] = deque()  # frames received, not yet handled (reading paused)
-        self.tasks: dict[int, asyncio.Task] = {}
-        self.held_bytes = 0  # frame bytes of requests waiting behind a safeguard hold
+        self.pipeline = RequestPipeline(on_settled=self._pump)  # tasks by tag; held_bytes
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.refused = False
@@ -114,12 +118,9 @@ class _Connection(asyncio.Protocol):
             return
         self.inbox.clear()
         self.server._connections.discard(self)
-        for t in self.tasks.values():
-            t.cancel()
-        self.server._spawn(self._finish())
+        self.server._spawn(self._finish(self.pipeline.cancel_all()))
 
-    async def _finish(self) -> None:
-        tasks = list(self.tasks.values())
+    async def _finish(self, tasks: list) -> None:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         self.conn.close()
@@ -146,7 +147,7 @@ class _Connection(asyncio.Protocol):
 
     def _over_limits(self) -> bool:
         return (self.transport.get_write_buffer_size() > self.limits.write_buffer_bytes_max
-                or self.held_bytes > self.limits.held_request_bytes_per_connection_max)
+                or self.pipeline.held_bytes > self.limits.held_request_bytes_per_connection_max)
 
     def _pump(self) -> None:
         """Handle received frames in order while the connection is within its limits;
@@ -208,7 +209,7 @@ class _Connection(asyncio.Protocol):
                 log.info("9p connection %d: bad request (tag %d): %s", self.conn_id, e.tag, e)
                 self._send(e.tag, m.Rlerror(errno.EINVAL))
             return
-        if tag in self.tasks:
+        if tag in self.pipeline:
             log.warning("9p connection %d: tag %d reused while in flight; closing it", self.conn_id, tag)
             self.transport.close()
             return
@@ -219,33 +220,13 @@ class _Connection(asyncio.Protocol):
             export = self.conn.gated_export(msg)
         except Exception:  # pragma: no cover - gated_export only reads the fid table
             export = None
-        if export is None:
-            self._send(tag, self._call(msg))
-            if isinstance(msg, m.Tversion):  # frames are bounded by the msize now agreed
-                self.splitter.msize = self.conn.msize or self.limits.frame_bytes_before_version_max
-            return
-        provider, gate = export.provider, export.gate
-        provider.op_started()
-        op = lambda: self.conn.handle(msg)  # noqa: E731
-        try:
-            if gate.busy:
-                self._defer(tag, msg, gate.submit(op), provider, len(frame))
-                return
-            try:
-                reply = op()
-            except HoldRequired as held:
-                self._defer(tag, msg, gate.submit(op, held.hold), provider, len(frame))
-                return
-        except Exception as e:
-            reply = self._error(msg, e)
-        provider.op_finished()
-        self._send(tag, reply)
 
-    def _call(self, msg: m.Message) -> m.Message:
-        try:
-            return self.conn.handle(msg)
-        except Exception as e:
-            return self._error(msg, e)
+        def reply(result, error) -> None:
+            self._send(tag, result if error is None else self._error(msg, error))
+
+        self.pipeline.run(tag, export, lambda: self.conn.handle(msg), len(frame), reply)
+        if isinstance(msg, m.Tversion):  # frames are bounded by the msize now agreed
+            self.splitter.msize = self.conn.msize or self.limits.frame_bytes_before_version_max
 
     def _error(self, msg: m.Message, e: BaseException) -> m.Rlerror:
         if isinstance(e, HoldRequired):  # pragma: no cover - only gated requests can hold
@@ -254,50 +235,37 @@ class _Connection(asyncio.Protocol):
             log.exception("9p: %s failed unexpectedly", type(msg).__name__, exc_info=e)
         return m.Rlerror(_errno_of(e))
 
-    def _defer(self, tag: int, msg: m.Message, task: asyncio.Task, provider: Provider, size: int) -> None:
-        """``msg`` (a frame of ``size`` bytes) waits in its export's hold gate; its reply
-        goes out when ``task`` ends (none if it was cancelled: flushed, or the connection
-        closed)."""
-        self.tasks[tag] = task
-        self.held_bytes += size
-
-        def done(t: asyncio.Task) -> None:
-            provider.op_finished()
-            self.tasks.pop(tag, None)
-            self.held_bytes -= size
-            if t.cancelled():
-                return
-            e = t.exception()
-            self._send(tag, t.result() if e is None else self._error(msg, e))
-            self._pump()  # under the bound again: read on
-
-        task.add_done_callback(done)
-
     def _flush(self, tag: int, oldtag: int) -> None:
-        t = self.tasks.get(oldtag)
+        t = self.pipeline.cancel(oldtag)
         if t is None:
             self._send(tag, m.Rflush())
             return
-        t.cancel()
 
         async def answer():
             await asyncio.gather(t, return_exceptions=True)
             self._send(tag, m.Rflush())
 
-        self.tasks[tag] = task = asyncio.get_running_loop().create_task(answer())
-        task.add_done_callback(lambda _t: self.tasks.pop(tag, None))
+        self.pipeline.own(tag, asyncio.get_running_loop().create_task(answer()))
 
 
 class NinePServer:
-    """Serve one or more providers (selected by the attach name; the first is the default)."""
+    """Serve one or more providers (selected by the attach name; the first is the default).
+
+    ``holds``: the session's :class:`~sandbox.serving.holds.HoldBroker` (a server of its
+    own gets one). ``decide(hold) -> "allow"|"deny"`` (sync or async), if given, is
+    subscribed to it (:meth:`HoldBroker.ask`) until the server closes."""
 
     def __init__(self, exports: Provider | dict[str, Provider], config: ServerConfig | None = None,
-                 decide: Callable | None = None, descriptors: DescriptorBudget = PROCESS_DESCRIPTORS):
+                 decide: Callable | None = None, descriptors: DescriptorBudget = PROCESS_DESCRIPTORS,
+                 *, holds: HoldBroker | None = None):
         self.config = config or ServerConfig()
         self.descriptors = descriptors
+        self.holds = holds if holds is not None else HoldBroker()
+        self._unask = self.holds.ask(decide) if decide is not None else None
         if isinstance(exports, Provider):
             exports = {"": exports}
-        self.exports = {name.strip("/"): Export(p, decide, self.config.limits) for name, p in exports.items()}
+        self.exports = {name.strip("/"): Export(p, self.holds, self.config.limits, name=name.strip("/"))
+                        for name, p in exports.items()}
         self._sockets_reserved = 0
         self._servers: list[asyncio.base_events.Server] = []
         self._connections: set[_Connection] = set()
@@ -334,6 +302,7 @@ class NinePServer:
     async def _poll_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.poll_interval_s)
+            self.holds.poll()  # deadlines of holds nobody waits on (their connection closed)
             for e in self.exports.values():
                 try:
                     e.provider.poll()
@@ -370,8 +339,8 @@ class NinePServer:
         return srv.sockets[0].getsockname()[1]
 
     def resolve(self, hold_id: str, action: str) -> bool:
-        """Answer a pending safeguard hold on whichever export has it."""
-        return any(e.gate.resolve(hold_id, action) for e in self.exports.values() if e.gate is not None)
+        """Answer a pending safeguard hold (``self.holds.answer``)."""
+        return self.holds.answer(hold_id, action)
 
     def add_export(self, name: str, provider: Provider) -> None:
         """Serve ``provider`` under the attach name ``name`` from now on (a live mount).
@@ -391,6 +360,9 @@ class NinePServer:
         return self.exports.pop(name).provider
 
     async def close(self) -> None:
+        if self._unask is not None:
+            self._unask()
+            self._unask = None
         for srv in self._servers:
             srv.close()
         for conn in list(self._connections):

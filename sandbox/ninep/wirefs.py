@@ -237,12 +237,14 @@ class WireFS(TreeOps):
 
 
 @contextlib.contextmanager
-def serve(provider: Provider | dict, config: ServerConfig | None = None, decide=None) -> Iterator[tuple[ServerThread, str]]:
-    """A server on ``provider`` in a background thread, listening on a fresh unix socket."""
+def serve(provider: Provider | dict, config: ServerConfig | None = None, decide=None, *,
+          holds=None) -> Iterator[tuple[ServerThread, str]]:
+    """A server on ``provider`` in a background thread, listening on a fresh unix socket
+    (``holds``: the :class:`~sandbox.serving.holds.HoldBroker` deciding its holds)."""
     d = tempfile.mkdtemp(prefix="sandbox-9p-")
     path = os.path.join(d, "9p.sock")
     try:
-        with ServerThread(NinePServer(provider, config, decide), unix_path=path) as st:
+        with ServerThread(NinePServer(provider, config, decide, holds=holds), unix_path=path) as st:
             yield st, path
     finally:
         try:
@@ -258,5 +260,6 @@ def serve_workspace(ws, config: ServerConfig | None = None, decide=None) -> Iter
         with Client.connect_unix(path) as client:
             fs = WireFS(client, ws.fs.host)
             fs.server = st
-            fs.gate = st.server.exports[""].gate  # tests set ``gate.decide``
+            fs.gate = st.server.exports[""].gate
+            fs.holds = st.server.holds  # tests answer holds, or ``holds.ask(decide)``
             yield fs

@@ -16,6 +16,12 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
   something else are reported — ``barrier`` places an undo barrier, ``warn`` only
   reports, ``lock`` also bind-mounts the folder read-only for everyone else
   (:mod:`sandbox.barriers.lock`);
+* the session's one :class:`~sandbox.serving.holds.HoldBroker` (:attr:`Session.holds`):
+  every safeguard hold of every folder is registered with it when the undo core reports
+  it (``event.safeguard_triggered`` carries ``timeout_seconds`` and ``directory``); the
+  server's gates wait on it; embedders subscribe and answer through it; the VM is paused
+  while any hold is pending and resumed when none is; ``decide`` is subscribed to it;
+  :meth:`stop` denies what is still pending.
 * the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, or a
   caller's factory; the share transport is ``share="9p"`` (the only one today).
 
@@ -58,6 +64,7 @@ from ..mounts import Provider, memory_tree
 from ..mounts.table import MEMORY, Mount, MountError, MountTable, PathDenied, check_mount_points, guest_path
 from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
+from ..serving.holds import HoldBroker
 from ..vm.control import ControlClosed
 from ..vm.guest import BOOT_TIMEOUT_S, GuestError, GuestMount, VmGuest
 from .guest import check_share
@@ -131,6 +138,10 @@ class _Started:
     unlocks: list = field(default_factory=list)
     own_writes: list = field(default_factory=list)  # per folder: its OwnWrites journal, or None
     live: dict = field(default_factory=dict)  # live mount target -> (Mount, MemoryMount)
+    hold_hooks: list = field(default_factory=list)  # unsubscribe() of the session's own hold subscribers
+    pausing: set = field(default_factory=set)  # concurrent futures of _pause_sync runs not finished
+    paused: bool = False  # the VM was paused for a pending hold
+    pause_lock: asyncio.Lock | None = None
 
 
 def _cidrs(items: list[str]) -> list[str]:
@@ -266,6 +277,8 @@ class Session:
         self.safeguard = safeguard
         self.limits = limits
         self.decide = decide
+        #: the session's safeguard holds: ``pending()``, ``answer(id, action)``, ``subscribe(cb)``
+        self.holds = HoldBroker()
         self.on_event = on_event
         self.external_policy = external_policy
         self.progress = progress or (lambda msg: log.info("%s", msg))
@@ -366,10 +379,42 @@ class Session:
                  self.external_policy or "not watched")
         return self
 
-    def _folder_events(self, i: int) -> Callable[[dict], None] | None:
-        if self.on_event is None:
-            return None
-        return lambda event: self.on_event({**event, "directory": i})
+    def _folder_events(self, i: int) -> Callable[[dict], None]:
+        """Folder ``i``'s undo-core events: a safeguard hold is registered with :attr:`holds`
+        before anyone hears of it (so an answer can never arrive before the hold is known)."""
+        def on_event(event: dict) -> None:
+            event = {**event, "directory": i}
+            if event.get("type") == "event.safeguard_triggered":
+                event = self._hold_triggered(i, event)
+            if self.on_event is not None:
+                self.on_event(event)
+
+        return on_event
+
+    def _hold_triggered(self, i: int, event: dict) -> dict:
+        s = self._s
+        ws = s.workspaces[i] if s is not None and i < len(s.workspaces) else None
+        if ws is None:
+            return event
+        payload = {k: v for k, v in event.items() if k != "type"}
+        provider = s.providers.get(self.table.folders[i].name)
+        # the resolver the export's gate uses too: the broker tells holds of different cores apart by it
+        resolve = provider.interceptor.resolve_hold if provider is not None else _resolver(ws)
+        registered = self.holds.register(payload, resolve, timeout_s=_hold_timeout_s(ws))
+        return {"type": event["type"], **(registered or payload)}
+
+    def deny_hold(self, i: int, core_id: str) -> None:
+        """Deny folder ``i``'s hold ``core_id`` now (an in-process caller that cannot wait, e.g.
+        an API write): through :attr:`holds` when it is registered there, so nobody is left
+        listing it, else straight to the undo core. The step is rolled back on return."""
+        s = self._require()
+        provider = s.providers.get(self.table.folders[i].name)
+        resolve = provider.interceptor.resolve_hold if provider is not None else _resolver(s.workspaces[i])
+        if not self.holds.answer_core(resolve, core_id, "deny"):
+            try:
+                resolve(core_id, "deny")
+            except KeyError:
+                pass  # resolved meanwhile (its deadline, or the session stopping)
 
     def _open_workspace(self, s: _Started, i: int, f: Folder) -> OpenedWorkspace:
         """The folder's workspace; with a watcher, its host filesystem records our own writes.
@@ -454,9 +499,11 @@ class Session:
         # one connection per guest mount, and room for a remount (limits: sandbox/limits.py)
         limits = ServerLimits(connections_max=max(ServerLimits().connections_max,
                                                   2 * (len(self.table.mounts) + LIVE_MOUNTS_MAX)))
-        server = NinePServer(dict(s.providers), ServerConfig(limits),
-                             decide=self._decide if self.decide else None)
+        server = NinePServer(dict(s.providers), ServerConfig(limits), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
+        s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
+        if self.decide is not None:
+            s.hold_hooks.append(self.holds.ask(self.decide))
         s.guest = self._make_guest(s.run_dir)
         guest_mounts = [GuestMount(m.name, m.target, m.read_only) for m in self.table.mounts]
         try:
@@ -506,6 +553,14 @@ class Session:
         self.table = self._boot_table  # live mounts end with the session
         self.started_at = None
         errors = []
+        self.holds.deny_all()  # nobody can answer any more: the steps roll back, held requests fail
+        for unsubscribe in s.hold_hooks:
+            unsubscribe()
+        for f in list(s.pausing):  # the VM resumes before it is stopped
+            try:
+                f.result(timeout=10)
+            except Exception as e:
+                log.warning("could not resume the VM after the last hold: %s", e)
         if s.guest is not None:
             try:
                 s.guest.stop()
@@ -738,23 +793,45 @@ class Session:
 
     # ------------------------------------------------------------------ safeguards
 
-    async def _decide(self, hold) -> str:
-        """Pause the VM over QMP (when available) while the user decides; resume after."""
-        s = self._s
-        paused = False
-        if s is not None:
-            try:
-                paused = await s.guest.pause()
-            except Exception as e:
-                log.warning("could not pause the VM: %s", e)
-        try:
-            if asyncio.iscoroutinefunction(self.decide):
-                return await self.decide(hold)
-            # a prompt blocks: keep the server's loop (reads, other folders) going meanwhile
-            return await asyncio.get_running_loop().run_in_executor(None, self.decide, hold)
-        finally:
-            if paused:
+    def _pause_while_held(self, s: _Started) -> None:
+        """A hold subscriber (of the started session ``s``, also while it stops): the VM is
+        paused (QMP, when available) while any hold is pending — the user may take longer
+        than the guest's own timeouts — and resumed when none is."""
+        if s.server is None or s.server.loop.is_closed():
+            return
+        f = asyncio.run_coroutine_threadsafe(self._pause_sync(s), s.server.loop)
+        s.pausing.add(f)
+        f.add_done_callback(s.pausing.discard)
+
+    async def _pause_sync(self, s: _Started) -> None:
+        """Make the VM's state match the broker's: paused iff a hold is pending. Runs on the
+        server's loop only, one run at a time (each awaits QMP), so the last one wins."""
+        if s.pause_lock is None:
+            s.pause_lock = asyncio.Lock()  # on the server's loop, the only one using it
+        async with s.pause_lock:
+            want = bool(self.holds.pending())
+            if want and not s.paused:
+                try:
+                    s.paused = bool(await s.guest.pause())
+                except Exception as e:
+                    log.warning("could not pause the VM: %s", e)
+            elif not want and s.paused:
+                s.paused = False
                 try:
                     await s.guest.resume()
                 except Exception as e:
                     log.warning("could not resume the VM: %s", e)
+
+
+def _resolver(ws: Workspace):
+    """How a hold of ``ws`` reaches its undo core (the workspace's door, when it has one)."""
+    door = getattr(ws, "resolve_hold", None)
+    return door if door is not None else ws.interceptor.resolve_hold
+
+
+def _hold_timeout_s(ws: Workspace) -> float:
+    """The safeguard's ``timeout_s`` for ``ws`` (SafeguardConfig: defined there only)."""
+    config = getattr(ws, "safeguard_config", None)
+    if config is None:
+        config = ws.interceptor.safeguard.config
+    return config.timeout_s
