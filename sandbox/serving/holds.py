@@ -378,7 +378,7 @@ class HoldBroker:
             if kind != "triggered":
                 return
             hold = hold_of(payload)
-            if inspect.iscoroutinefunction(decide) or inspect.iscoroutinefunction(getattr(decide, "__call__", None)):
+            if inspect.iscoroutinefunction(decide) or inspect.iscoroutinefunction(getattr(decide, "__call__", None)):  # noqa: B004 — is its __call__ a coroutine function, not "is it callable"
                 try:
                     loop = asyncio.get_running_loop()
                 except RuntimeError:
