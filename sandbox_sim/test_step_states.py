@@ -92,6 +92,55 @@ def test_a_command_step_drains_its_late_write_then_closes(world):
     assert ws.history()[0]["id"] == sid and "late" in ws.history()[0]["paths"]
 
 
+def _held_ambient(world, timeout_s=30.0):
+    """A workspace whose ambient step (guest writes outside any command) is held by a safeguard."""
+    for i in range(3):
+        world.work.create(f"f{i}", 0o644)
+    ws = world.open(safeguard=SafeguardConfig(delete_threshold=2, timeout_s=timeout_s))
+    ws.fs.unlink("f0")
+    with pytest.raises(HoldRequired) as e:
+        ws.fs.unlink("f1")  # the second delete reaches delete_threshold: held before it runs
+    return ws, e.value.hold
+
+
+def test_a_held_ambient_step_does_not_idle_out_and_a_late_deny_still_rolls_it_back(world):
+    ws, hold = _held_ambient(world)
+    world.now_s += 10  # past ambient_idle_s (5 s): an unheld ambient step would have ended
+    ws.poll()
+    assert ws.active_step_id == hold.step_id and ws.step_state(hold.step_id) is S.OPEN
+    ws.resolve_hold(hold.id, "deny")
+    assert sorted(world.work.listdir("")) == ["f0", "f1", "f2"]  # the step's deletes are undone
+
+
+def test_a_held_step_ended_by_the_next_step_is_denied_first(world):
+    ws, hold = _held_ambient(world)
+    sid = ws.begin_step("make")  # the next command begins before anyone answered
+    assert ws.step_state(hold.step_id) is S.ROLLED_BACK and ws.pending_hold is None
+    assert sorted(world.work.listdir("")) == ["f0", "f1", "f2"]
+    with pytest.raises(KeyError):
+        ws.resolve_hold(hold.id, "allow")  # too late: it was denied
+    assert ws.active_step_id == sid
+
+
+def test_a_held_command_step_does_not_close_at_quiescence(world):
+    for i in range(3):
+        world.work.create(f"f{i}", 0o644)
+    ws = world.open(safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30.0))
+    sid = ws.begin_step("rm -f f*")
+    ws.fs.unlink("f0")
+    with pytest.raises(HoldRequired) as e:
+        ws.fs.unlink("f1")
+    ws.complete_step(sid, 0)  # the command exited; the held request is still unanswered
+    world.now_s += 1  # past the 100 ms quiescence window
+    ws.poll()
+    assert ws.step_state(sid) is S.COMPLETING
+    world.now_s += 60  # past the hold's deadline: no answer is a deny, then the step closes
+    ws.poll()
+    ws.poll()
+    assert ws.step_state(sid) is S.ROLLED_BACK and e.value.hold.step_id == sid
+    assert sorted(world.work.listdir("")) == ["f0", "f1", "f2"]
+
+
 def test_close_step_waits_for_the_request_in_flight_and_keeps_its_write(world):
     ws = world.open()  # the world's clock stands still: only op_finished can end the drain
     sid = ws.begin_step("make")
@@ -256,13 +305,11 @@ class DoorMachine(RuleBasedStateMachine):
         hold = self.ws.pending_hold
         was_active = self.ws.active_step_id == hold.step_id
         self.ws.resolve_hold(hold.id, action)
+        # a held step never ends by time (idling out, quiescence), and ending it otherwise (the
+        # next begin_step, closing it now) denies the hold first: an answer always meets its step
+        assert was_active, (hold, self.ws.active_step_id)
         if action == "deny":
-            # today a hold outlives its step if that step ends first (an ambient step idling
-            # out, or closed by the next begin_step): the deny then rolls nothing back
-            if was_active:
-                assert self.ws.step_state(hold.step_id) is S.DENIED
-            else:
-                assert self.ws.step_state(hold.step_id) in (S.CLOSED, None)  # None: an older step
+            assert self.ws.step_state(hold.step_id) is S.DENIED
             self.files = {f for f in self.files if self.world.work.exists(f)}
 
     @rule()

@@ -122,12 +122,17 @@ class UndoInterceptor:
             if hold is not None:
                 self._emit({"type": "event.warning", "message": f"safeguard {hold.id} timed out: denied"})
                 self.resolve_hold(hold.id, "deny")
-            if self.tracker.due():
+            if self.tracker.due() and not self._held():  # a held step waits for its answer (or deadline)
                 try:
                     self._close_active()
                 except OSError:
                     if self.log.open_step is None or self.log.open_step.closing is None:
                         raise  # not a promotion waiting for a boundary
+
+    def _held(self) -> bool:
+        """The active step has a safeguard hold waiting for an answer: it may not end by time."""
+        hold, a = self.safeguard.pending, self.tracker.active
+        return hold is not None and a is not None and hold.step_id == a.id
 
     def _open(self, step_id: int, step_type: str, command: str) -> None:
         self._marks = {}
@@ -141,6 +146,11 @@ class UndoInterceptor:
         """End the active step and promote it (OSError if the promotion fails: the step has
         ended all the same, and waits in the WAL for :meth:`_promote`)."""
         a = self.tracker.active
+        if self._held():  # ended before anyone answered (the next step began, or closed now): no answer is a deny
+            hold = self.safeguard.pending
+            self._emit({"type": "event.warning",
+                        "message": f"safeguard {hold.id}: step {a.id} ended before it was answered: denied"})
+            self.resolve_hold(hold.id, "deny")
         denied = a.denied
         self.tracker.end()
         self.safeguard.step_ended(a.id)
