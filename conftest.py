@@ -69,3 +69,19 @@ def _isolated_state_home(tmp_path, monkeypatch):
     """Default undo stores go under a per-test XDG_STATE_HOME, never the user's."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
     yield
+
+
+@pytest.fixture(scope="session")
+def vm_guest():
+    """The session guest's image (kernel + initramfs), or a skip with the reason: QEMU is not
+    installed, or the image cannot be built here. Every suite that boots a session VM asks for it."""
+    import shutil
+
+    from sandbox.vm import image as vm_image
+
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed (./dev setup installs qemu-system-x86)")
+    try:
+        return vm_image.guest_image()
+    except vm_image.ImageError as e:
+        pytest.skip(f"cannot build the guest image here: {e}")

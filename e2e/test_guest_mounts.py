@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import shutil
 
 import pytest
 
@@ -21,7 +20,6 @@ from sandbox.mounts.memory import memory_tree
 from sandbox.mounts.provider import Provider
 from sandbox.ninep.connection import Export
 from sandbox.ninep.server import NinePServer, ServerThread
-from sandbox.vm import image as vm_image
 from sandbox.vm.guest import GuestError, GuestMount, VmGuest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -29,13 +27,8 @@ COMMAND_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module", autouse=True)
-def guest_available():
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 is not installed (./dev setup installs qemu-system-x86)")
-    try:
-        vm_image.guest_image()
-    except vm_image.ImageError as e:
-        pytest.skip(f"cannot build the guest image here: {e}")
+def guest_available(vm_guest):
+    """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
 
 
 def add_export(server: NinePServer, name: str, provider: Provider) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.vm import image as vm_image
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,14 +77,8 @@ def test_the_package_data_is_installed_byte_for_byte(installed):
     assert lost == [], "executable bits lost"
 
 
-def test_the_installed_sandbox_demo_runs(installed, tmp_path):
+def test_the_installed_sandbox_demo_runs(installed, tmp_path, vm_guest):
     venv, _pkg = installed
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 is not installed (./dev setup installs qemu-system-x86)")
-    try:
-        vm_image.guest_image()
-    except vm_image.ImageError as e:
-        pytest.skip(f"cannot build the guest image here: {e}")
     r = _run([str(venv / "bin" / "sandbox"), "demo"], cwd=tmp_path, timeout=800)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "guest ready" in r.stdout and "IDENTICAL to the original" in r.stdout, r.stdout

@@ -9,25 +9,18 @@ reason where QEMU or the guest image cannot be had.
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import pytest
 
 import sandbox
-from sandbox.vm import image as vm_image
 from sandbox_sim import oracle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def guest_available():
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 is not installed (./dev setup installs qemu-system-x86)")
-    try:
-        vm_image.guest_image()
-    except vm_image.ImageError as e:
-        pytest.skip(f"cannot build the guest image here: {e}")
+def guest_available(vm_guest):
+    """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
 
 
 @pytest.fixture

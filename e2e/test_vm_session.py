@@ -20,7 +20,6 @@ import threading
 import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
-from sandbox.vm import image as vm_image
 from sandbox.session.runtime import Folder, Session
 from sandbox_sim import oracle
 
@@ -29,13 +28,8 @@ SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def guest_available():
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("qemu-system-x86_64 is not installed (./dev setup installs qemu-system-x86)")
-    try:
-        vm_image.guest_image()
-    except vm_image.ImageError as e:
-        pytest.skip(f"cannot build the guest image here: {e}")
+def guest_available(vm_guest):
+    """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
 
 
 @pytest.fixture
