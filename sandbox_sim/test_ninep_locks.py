@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from sandbox.ninep.locks import INF, RDLCK, UNLCK, WRLCK, LockTable
+from sandbox.serving.locks import INF, RDLCK, UNLCK, WRLCK, LockTable
 
 A, B = ("c1", "a", 1), ("c1", "b", 2)
 
