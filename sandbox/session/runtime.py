@@ -145,6 +145,13 @@ class _Started:
 
 
 # -- network allowlist (issue 13)
+#: what a command in an allowlist guest sees: the host proxy (sandbox.vm.netproxy) on QEMU's
+#: forward address; both spellings, since tools read one or the other
+PROXY_ENV = {k: v for name in ("http_proxy", "https_proxy", "all_proxy")
+             for k, v in ((name, "http://10.0.2.100:3128"), (name.upper(), "http://10.0.2.100:3128"))}
+PROXY_ENV.update(no_proxy="localhost,127.0.0.1,10.0.2.100", NO_PROXY="localhost,127.0.0.1,10.0.2.100")
+
+
 def _allow_items(items: list[str]) -> list[str]:
     """Normalised allowlist items: IPv4 networks (``1.2.3.4`` → ``1.2.3.4/32``) and domain
     names (lower-case; each allows its subdomains); ValueError names a bad one."""
@@ -604,6 +611,8 @@ class Session:
         thread). Setting ``cancel`` cancels the command (SIGTERM, then SIGKILL)."""
         s = self._require()
         env = dict(env or {})
+        if self.network == "allowlist":  # -- network allowlist (issue 13)
+            env = {**PROXY_ENV, **env}
         if self.python_path:  # user paths first (seed 000)
             env["PYTHONPATH"] = ":".join(self.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with self._lock:

@@ -81,13 +81,15 @@ class VmGuest:
 
     def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
                  memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None,
-                 on_refused=None, net_resolve=None):
+                 on_refused=None, net_resolve=None, net_dial=None):
         self.run_dir = run_dir
         # -- network allowlist (issue 13): the host-side proxy (sandbox.vm.netproxy) is the guest's
         # only egress; ``on_refused(message, destination)`` hears each refusal, ``net_resolve`` maps
-        # a name to IPv4 addresses host-side (default: the host's resolver)
+        # a name to IPv4 addresses host-side (default: the host's resolver), ``net_dial`` where an
+        # allowed address is connected (tests: onto the loopback)
         self.on_refused = on_refused
         self.net_resolve = net_resolve
+        self.net_dial = net_dial
         self.netproxy = None
         self.network = network
         self.allow = list(allow or [])
@@ -129,7 +131,7 @@ class VmGuest:
             from . import netproxy
 
             self.netproxy = netproxy.NetProxy(netproxy.AllowList.parse(self.allow), resolve=self.net_resolve,
-                                              on_refused=self.on_refused)
+                                              on_refused=self.on_refused, dial=self.net_dial)
             psock, dsock = os.path.join(self.run_dir, "proxy.sock"), os.path.join(self.run_dir, "dns.sock")
             self._run(self.netproxy.start(psock, dsock))
             fwd_cmds = [(netproxy.PROXY_PORT, netproxy.relay_command(psock)),

@@ -308,11 +308,15 @@ class NetProxy:
     """The proxy and DNS endpoints of one guest (see the module docstring).
 
     ``resolve`` maps a name to IPv4 addresses host-side (default: :func:`resolve_host`);
-    ``on_refused(message, destination)`` hears each refusal (called on the loop)."""
+    ``on_refused(message, destination)`` hears each refusal (called on the loop); ``dial``
+    maps an allowed (address, port) to where it is actually connected (default: itself —
+    tests map TEST-NET addresses onto this machine's loopback)."""
 
     def __init__(self, allow: AllowList, *, resolve: Resolver | None = None,
-                 on_refused: Callable[[str, str], None] | None = None, limits: ProxyLimits = ProxyLimits()):
+                 on_refused: Callable[[str, str], None] | None = None, limits: ProxyLimits = ProxyLimits(),
+                 dial: Callable[[str, int], tuple[str, int]] | None = None):
         self.allow = allow
+        self.dial = dial or (lambda addr, port: (addr, port))
         self.resolve = resolve or resolve_host
         self.on_refused = on_refused
         self.limits = limits
@@ -413,7 +417,7 @@ class NetProxy:
             last: Exception | None = None
             for addr in await self._addresses(host):
                 try:
-                    return await asyncio.open_connection(addr, port, limit=self.limits.splice_chunk_bytes)
+                    return await asyncio.open_connection(*self.dial(addr, port), limit=self.limits.splice_chunk_bytes)
                 except OSError as e:
                     last = e
             raise last or OSError(f"{host} has no IPv4 address")
