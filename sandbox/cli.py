@@ -239,7 +239,7 @@ def _session(args):
         decide = _hold_decider(args.on_hold)
     network, _, allow = args.network.partition(":")
     if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
-        raise CliError(f"--network wants disabled, open or allowlist:CIDR,…, not {args.network!r}", EXIT_USAGE)
+        raise CliError(f"--network wants disabled, open or allowlist:CIDR|DOMAIN,…, not {args.network!r}", EXIT_USAGE)
     try:
         return Session(folders, network=network, allow=allow.split(",") if allow else None, vm_mode=args.vm_mode,
                        memory_mb=args.memory, safeguard=safeguard, decide=decide,
@@ -558,9 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--workdir", action="append", required=True, metavar="DIR[:ro]",
                         help="a working folder, mounted at /mnt/working/0, /1, … (repeatable, up to 8; "
                              ":ro = read-only, no undo)")
-        sp.add_argument("--network", default="disabled", metavar="disabled|open|allowlist:CIDR,…",
-                        help="guest networking: disabled (default; QEMU restrict=on), open, or allowlist:CIDR,… "
-                             "(only routes to those networks; a guest-side policy root in the guest could undo)")
+        # -- network allowlist (issue 13)
+        sp.add_argument("--network", default="disabled", metavar="disabled|open|allowlist:CIDR|DOMAIN,…",
+                        help="guest networking: disabled (default; QEMU restrict=on), open, or "
+                             "allowlist:example.org,10.0.0.0/8 (the guest's only way out is a proxy on the host "
+                             "that allows those networks and domains and their subdomains, and answers DNS "
+                             "for allowed names only)")
         sp.add_argument("--vm-mode", choices=["ephemeral", "persistent"], default="ephemeral",
                         help="ephemeral: a fresh guest root each time (tmpfs); persistent: changes outside the working "
                              "folders (installed packages …) are kept on a disk beside the undo state")

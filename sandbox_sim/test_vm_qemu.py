@@ -138,13 +138,25 @@ def test_guestfwds_one_per_port_commas_escaped_twice(boot_files, tmp_path):
                         f"guestfwd=tcp:10.0.2.100:565-unix:{tmp_path}/a,,,,b/9p.sock"]
 
 
-@pytest.mark.parametrize("network, restricted", [("disabled", True), ("open", False), ("allowlist", False)])
+@pytest.mark.parametrize("network, restricted", [("disabled", True), ("open", False), ("allowlist", True)])
 def test_restrict_only_when_network_disabled(boot_files, tmp_path, network, restricted):
     cmd = qemu.build_command(cfg(boot_files, network=network, guestfwds=[(564, str(tmp_path / "s"))]))
     opts = netdev(cmd)
     assert ("restrict=on" in opts) is restricted
     assert not any(o.startswith("restrict") for o in opts if o != "restrict=on")
     assert f"guestfwd=tcp:10.0.2.100:564-unix:{tmp_path}/s" in opts  # the shares work either way
+
+
+def test_guestfwd_commands_for_the_allowlist_proxy(boot_files, tmp_path):
+    cmd = qemu.build_command(cfg(boot_files, network="allowlist", guestfwds=[(564, str(tmp_path / "s"))],
+                                 guestfwd_cmds=[(3128, "/usr/bin/python3 -I relay.py '/r,un/p.sock'")]))
+    opts = netdev(cmd)
+    assert "restrict=on" in opts  # the proxy is the only way out
+    assert "guestfwd=tcp:10.0.2.100:3128-cmd:/usr/bin/python3 -I relay.py '/r,,un/p.sock'" in ",".join(opts)
+    with pytest.raises(ValueError, match="given twice"):
+        qemu.build_command(cfg(boot_files, guestfwds=[(53, str(tmp_path / "s"))], guestfwd_cmds=[(53, "x")]))
+    with pytest.raises(ValueError, match="one line"):
+        qemu.build_command(cfg(boot_files, guestfwd_cmds=[(53, "a\nb")]))
 
 
 def test_qmp_socket_escaped(boot_files, tmp_path):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from sandbox.session.runtime import Folder, Session, _cidrs
+from sandbox.session.runtime import Folder, Session, _allow_items
 
 
 def test_folder_spec():
@@ -17,11 +17,12 @@ def test_folder_spec():
     assert Folder.parse("/a:b") == Folder("/a:b")  # a colon that is not a mode stays in the path
 
 
-def test_cidrs_are_normalised_and_checked():
-    assert _cidrs(["10.0.2.2", "192.168.0.0/16", " 1.2.3.4/24 "]) == ["10.0.2.2/32", "192.168.0.0/16", "1.2.3.0/24"]
-    for bad in (["nope"], ["::1"], ["300.1.1.1"]):
+def test_allow_items_are_normalised_and_checked():
+    assert _allow_items(["10.0.2.2", "192.168.0.0/16", " 1.2.3.4/24 ", "Example.org"]) == \
+        ["10.0.2.2/32", "192.168.0.0/16", "1.2.3.0/24", "example.org"]
+    for bad in (["nope"], ["::1"], ["300.1.1.1"], ["a b.org"]):
         with pytest.raises(ValueError):
-            _cidrs(bad)
+            _allow_items(bad)
 
 
 def test_session_validates_before_booting(tmp_path):

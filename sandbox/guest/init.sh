@@ -9,7 +9,6 @@
 #    sandbox/guest/control.py)
 #   sandbox.msize=BYTES      9P msize for them
 #   sandbox.net=MODE         disabled | open | allowlist
-#   sandbox.allow=CIDR,…     allowlist: the only destinations routed out (via 10.0.2.2)
 #   sandbox.upper=tmpfs|disk the writable layer over the read-only host root: tmpfs
 #                            (ephemeral) or the ext4 disk /dev/vda (persistent)
 #
@@ -20,14 +19,13 @@
 say() { echo "sandbox-init: $*"; }
 fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
 
-MSIZE=524288 NET=disabled UPPER=tmpfs ALLOW=
+MSIZE=524288 NET=disabled UPPER=tmpfs
 for x in $(cat /proc/cmdline); do
   case "$x" in
     sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
     sandbox.msize=*) MSIZE=${x#*=} ;;
     sandbox.net=*) NET=${x#*=} ;;
     sandbox.upper=*) UPPER=${x#*=} ;;
-    sandbox.allow=*) ALLOW=${x#*=} ;;
   esac
 done
 
@@ -50,14 +48,15 @@ mount -t tmpfs tmpfs /merged/dev/shm
 mount -t tmpfs -o mode=1777 tmpfs /merged/tmp
 mount -t tmpfs -o mode=0755 tmpfs /merged/run
 
-# -- network. The 9P shares (10.0.2.100, QEMU guestfwd) are always reachable.
+# -- network (issue 13). The 9P shares (10.0.2.100, QEMU guestfwd) are always reachable.
 # open: the usual user-networking setup (default route, DNS).
 # disabled: QEMU's restrict=on cuts the guest off; /32 addressing and no routes besides.
-# allowlist: /32 addressing and routes to the listed networks only (via 10.0.2.2), plus —
-#   when the host root has nft — an nftables output policy that drops everything else.
-#   DNS only if 10.0.2.3 is listed. A guest-side policy like seed §4.1.1's firewall rules:
-#   root inside the guest could undo it. 10.0.2.2 is QEMU's gateway and reaches the host's
-#   loopback, so it is reachable whenever anything is allowed.
+# allowlist: restrict=on as well: the guest's only egress is the host's proxy
+#   (sandbox/vm/netproxy.py, which enforces the list) on 10.0.2.100:3128 (HTTP proxy, CONNECT)
+#   and :53 (DNS over TCP). netstub.py adapts guest traffic to it: a DNS stub on 127.0.0.1:53
+#   (resolv.conf) and a redirector on 127.0.0.1:3129 that nftables sends all other outgoing TCP
+#   to (when the guest root has nft). None of this is a policy: guest root can flush it and
+#   still reach nothing but the proxy. The commands' HTTP(S)_PROXY/NO_PROXY come from the host.
 ip link set lo up
 ip link set eth0 up
 if [ "$NET" = open ]; then
@@ -69,28 +68,23 @@ else
   ip route add 10.0.2.100/32 dev eth0
   if [ "$NET" = allowlist ]; then
     ip route add 10.0.2.2/32 dev eth0
-    set=10.0.2.100
-    for net in $(echo "$ALLOW" | tr ',' ' '); do
-      set="$set, $net"
-      case "$net" in
-        10.0.2.2/32) ;;
-        10.0.2.3/32) ip route add 10.0.2.3/32 dev eth0 && echo "nameserver 10.0.2.3" > /merged/etc/resolv.conf ;;
-        *) ip route add "$net" via 10.0.2.2 || say "cannot route $net" ;;
-      esac
-    done
+    ip route add default via 10.0.2.2  # packets need a route to reach the nat hook; QEMU drops them
+    echo "nameserver 127.0.0.1" > /merged/etc/resolv.conf
+    mkdir -p /merged/run/sandbox-net
+    cp /netstub.py /merged/run/sandbox-net/
+    chroot /merged /usr/bin/python3 -I /run/sandbox-net/netstub.py </dev/null &
     if [ -x /merged/usr/sbin/nft ]; then
-      chroot /merged /usr/sbin/nft -f - <<NFT || fail "cannot install the network allowlist"
-table inet sandbox {
+      chroot /merged /usr/sbin/nft -f - <<NFT || say "cannot install the transparent redirection"
+table ip sandbox_redirect {
   chain out {
-    type filter hook output priority 0; policy drop;
-    oif "lo" accept
-    ip daddr { $set } accept
+    type nat hook output priority -100; policy accept;
+    ip daddr { 127.0.0.0/8, 10.0.2.100 } return
+    meta l4proto tcp redirect to :3129
   }
 }
 NFT
-      echo "sandbox-net: allowlist firewall installed"
     else
-      echo "sandbox-net: no nft in the host root: the allowlist is enforced by routes only"
+      echo "sandbox-net: no nft in the guest root: only proxy-aware tools reach the allowlist"
     fi
   fi
 fi

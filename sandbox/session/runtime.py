@@ -144,20 +144,20 @@ class _Started:
     pause_lock: asyncio.Lock | None = None
 
 
-def _cidrs(items: list[str]) -> list[str]:
-    """Normalised IPv4 networks (``1.2.3.4`` → ``1.2.3.4/32``); ValueError names a bad one."""
-    import ipaddress
+# -- network allowlist (issue 13)
+#: what a command in an allowlist guest sees: the host proxy (sandbox.vm.netproxy) on QEMU's
+#: forward address; both spellings, since tools read one or the other
+PROXY_ENV = {k: v for name in ("http_proxy", "https_proxy", "all_proxy")
+             for k, v in ((name, "http://10.0.2.100:3128"), (name.upper(), "http://10.0.2.100:3128"))}
+PROXY_ENV.update(no_proxy="localhost,127.0.0.1,10.0.2.100", NO_PROXY="localhost,127.0.0.1,10.0.2.100")
 
-    out = []
-    for item in items:
-        try:
-            net = ipaddress.ip_network(item.strip(), strict=False)
-        except ValueError:
-            raise ValueError(f"not an IP address or CIDR: {item!r}") from None
-        if net.version != 4:
-            raise ValueError(f"only IPv4 is routed into the guest (QEMU user networking): {item!r}")
-        out.append(str(net))
-    return out
+
+def _allow_items(items: list[str]) -> list[str]:
+    """Normalised allowlist items: IPv4 networks (``1.2.3.4`` → ``1.2.3.4/32``) and domain
+    names (lower-case; each allows its subdomains); ValueError names a bad one."""
+    from ..vm.netproxy import AllowList
+
+    return AllowList.parse(items).items()
 
 
 def vm_state_dir(folder: str) -> str:
@@ -249,9 +249,9 @@ class Session:
             raise ValueError(f"at most {MEMORY_MOUNTS_MAX} in-memory mounts")
         if network not in NETWORKS:
             raise ValueError(f"network must be one of {', '.join(NETWORKS)}")
-        self.allow = _cidrs(allow or []) if network == "allowlist" else []
+        self.allow = _allow_items(allow or []) if network == "allowlist" else []
         if network == "allowlist" and not self.allow:
-            raise ValueError("network allowlist needs at least one IP or CIDR")
+            raise ValueError("network allowlist needs at least one IP, CIDR or domain name")
         if vm_mode not in VM_MODES:
             raise ValueError(f"vm_mode must be one of {', '.join(VM_MODES)}")
         if external_policy is not None and external_policy not in EXTERNAL_POLICIES:
@@ -522,7 +522,11 @@ class Session:
             raise ValueError(f"guest must be 'vm' or 'scripted', not {self.guest_kind!r}")
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
         return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
-                       cpus=self.cpus, disk=disk, progress=self.progress)
+                       cpus=self.cpus, disk=disk, progress=self.progress, on_refused=self._net_refused)
+
+    def _net_refused(self, message: str, destination: str) -> None:  # -- network allowlist (issue 13)
+        if self.on_event is not None:
+            self.on_event({"type": "event.warning", "message": message, "destination": destination})
 
     def _persistent_disk(self) -> str:
         d = os.path.normpath(vm_state_dir(self.folders[0].path))
@@ -607,6 +611,8 @@ class Session:
         thread). Setting ``cancel`` cancels the command (SIGTERM, then SIGKILL)."""
         s = self._require()
         env = dict(env or {})
+        if self.network == "allowlist":  # -- network allowlist (issue 13)
+            env = {**PROXY_ENV, **env}
         if self.python_path:  # user paths first (seed 000)
             env["PYTHONPATH"] = ":".join(self.python_path + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         with self._lock:

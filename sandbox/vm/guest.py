@@ -80,8 +80,17 @@ class VmGuest:
     """A QEMU guest (see the module docstring)."""
 
     def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
-                 memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None):
+                 memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None,
+                 on_refused=None, net_resolve=None, net_dial=None):
         self.run_dir = run_dir
+        # -- network allowlist (issue 13): the host-side proxy (sandbox.vm.netproxy) is the guest's
+        # only egress; ``on_refused(message, destination)`` hears each refusal, ``net_resolve`` maps
+        # a name to IPv4 addresses host-side (default: the host's resolver), ``net_dial`` where an
+        # allowed address is connected (tests: onto the loopback)
+        self.on_refused = on_refused
+        self.net_resolve = net_resolve
+        self.net_dial = net_dial
+        self.netproxy = None
         self.network = network
         self.allow = list(allow or [])
         self.memory_mb = memory_mb
@@ -116,15 +125,25 @@ class VmGuest:
             f.write(mount_table_text(mounts))
         append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} "
                   f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
-        if self.allow:
-            append += f" sandbox.allow={','.join(self.allow)}"
+        # -- network allowlist (issue 13): the guest learns nothing of the list; the host enforces it
+        fwd_cmds = []
+        if self.network == "allowlist":
+            from . import netproxy
+
+            self.netproxy = netproxy.NetProxy(netproxy.AllowList.parse(self.allow), resolve=self.net_resolve,
+                                              on_refused=self.on_refused, dial=self.net_dial)
+            psock, dsock = os.path.join(self.run_dir, "proxy.sock"), os.path.join(self.run_dir, "dns.sock")
+            self._run(self.netproxy.start(psock, dsock))
+            fwd_cmds = [(netproxy.PROXY_PORT, netproxy.relay_command(psock)),
+                        (netproxy.DNS_PORT, netproxy.relay_command(dsock))]
         cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=choice.accel, cpu=choice.cpu,
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
                        control_socket=os.path.join(self.run_dir, "control.sock"), host_root=True,
                        guestfwds=[(NINEP_PORT + k, socket_path) for k in range(len(mounts))]
                        + [(port, socket_path) for port in proto.live_mount_ports()],
-                       fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk)
+                       fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk,
+                       guestfwd_cmds=fwd_cmds)
         t0 = time.monotonic()
         self.console = Console(build_command(cfg))
         try:
@@ -250,5 +269,11 @@ class VmGuest:
         self.control = self.qmp = None
         if self.console is not None:
             self.console.terminate(timeout_s=10)
+        if self.netproxy is not None and self._loop is not None:  # -- network allowlist (issue 13)
+            try:
+                self._run(self.netproxy.close(), timeout_s=10)
+            except Exception as e:
+                errors.append(e)
+            self.netproxy = None
         if errors:
             log.warning("errors while stopping the guest: %s", errors)

@@ -221,12 +221,12 @@ def build_initramfs(kernel: Kernel, init_script: str, modules: tuple[str, ...] =
 #: virtio for the host root), overlay for the writable layer, the control port, a disk for
 #: persistent mode, and the virtiofs/FUSE modules the virtiofs backend will use
 GUEST_MODULES = NINEP_MODULES + ("9pnet_virtio", "overlay", "virtio_console", "virtio_blk", "crc32c_generic", "ext4",
-                                 "nf_tables", "qemu_fw_cfg",
+                                 "nf_tables", "nft_chain_nat", "nft_redir", "qemu_fw_cfg",
                                  "virtiofs", "fuse")
 
 
 #: what runs in the guest besides init.sh (sandbox/guest/, package data)
-GUEST_FILES = ("shim.py", "control.py")
+GUEST_FILES = ("shim.py", "control.py", "netstub.py")
 
 
 def guest_dir() -> str:

@@ -83,7 +83,10 @@ class VmConfig:
     host_root: bool = True  # the host's / as 9p tag "hostroot", read-only
     #: (guest TCP port on 10.0.2.100, host unix socket path)
     guestfwds: list[tuple[int, str]] = field(default_factory=list)
-    network: str = "disabled"  # "disabled" (restrict=on) | "open" | "allowlist" (the guest enforces)
+    network: str = "disabled"  # "disabled" | "allowlist" (both restrict=on) | "open"
+    # -- network allowlist (issue 13): (guest TCP port on 10.0.2.100, host program QEMU spawns
+    # for each guest connection, stdin/stdout = the connection; see sandbox.vm.netproxy)
+    guestfwd_cmds: list[tuple[int, str]] = field(default_factory=list)
     disk: str | None = None  # a raw disk image, the guest's /dev/vda
     #: (name, host file) pairs exposed to the guest with ``-fw_cfg`` (names start ``opt/``)
     fw_cfg: list[tuple[str, str]] = field(default_factory=list)
@@ -153,13 +156,17 @@ def _validate(cfg: VmConfig) -> None:
     if cfg.control_socket is not None:
         _check_socket_path("control_socket", cfg.control_socket)
     ports: set[int] = set()
-    for port, path in cfg.guestfwds:
+    for port, path in cfg.guestfwds + cfg.guestfwd_cmds:
         if not isinstance(port, int) or not (1 <= port <= 65535):
             raise ValueError(f"guestfwd port must be in [1, 65535], not {port!r}")
         if port in ports:
             raise ValueError(f"guestfwd port {port} given twice (QEMU names forwards by port)")
         ports.add(port)
-        _check_socket_path(f"guestfwd {port}", path)
+        if (port, path) in cfg.guestfwd_cmds:
+            if not path.strip() or "\0" in path or "\n" in path:
+                raise ValueError(f"guestfwd {port}: a command on one line, not {path!r}")
+        else:
+            _check_socket_path(f"guestfwd {port}", path)
     if cfg.disk is not None:
         _check_path("disk", cfg.disk)
         if not os.path.isfile(cfg.disk):
@@ -189,11 +196,13 @@ def build_command(cfg: VmConfig) -> list[str]:
     cmd += ["-kernel", cfg.kernel, "-initrd", cfg.initrd,
             "-append", f"{BASE_APPEND} {cfg.append}".strip()]
     netdev = "user,id=n0"
-    if cfg.network == "disabled":
+    if cfg.network in ("disabled", "allowlist"):  # allowlist: the host proxy is the only way out
         netdev += ",restrict=on"
     for port, path in cfg.guestfwds:
         # parsed twice (netdev option, then chardev spec): a comma is doubled twice
         netdev += f",guestfwd=tcp:{GUESTFWD_ADDR}:{port}-unix:{escape_opt(escape_opt(path))}"
+    for port, command in cfg.guestfwd_cmds:  # parsed once as an option value, then split by the shell rules
+        netdev += f",guestfwd=tcp:{GUESTFWD_ADDR}:{port}-cmd:{escape_opt(command)}"
     cmd += ["-netdev", netdev, "-device", "virtio-net-pci,netdev=n0"]
     cmd += ["-device", "virtio-rng-pci"]  # entropy early in boot (python3 start-up, TLS)
     if cfg.host_root:
