@@ -445,6 +445,23 @@ def cmd_serve_9p(args) -> int:
         provider = Provider.intercepted(ws)
         what = f"intercepted; undo store {_state_dir(args)}"
 
+    # -- confinement (issue 13): before asyncio.run, while this is the only thread (Landlock
+    # confines the calling thread and what it starts later); the socket is bound afterwards
+    from . import confine
+
+    try:
+        confine.confine(read_write=[] if args.read_only else [os.path.realpath(_state_dir(args)),
+                                                             os.path.realpath(args.root)],
+                        read_only=[os.path.realpath(args.root)] if args.read_only else [],
+                        socket_dirs=[os.path.dirname(os.path.abspath(args.socket))] if args.socket else [],
+                        tcp_bind_ports=None if tcp_port == 0 else ([tcp_port] if tcp_port else []))
+    except (confine.ConfineError, OSError) as e:
+        provider.close()
+        if ws is not None:
+            ws.close()
+        raise CliError(f"cannot confine the server: {e}", EXIT_FAILED) from None
+    # -- end confinement
+
     async def serve() -> None:
         server = NinePServer(provider, config)
         stop = asyncio.Event()

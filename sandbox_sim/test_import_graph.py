@@ -5,8 +5,9 @@ layer, never one of its own layer's other units unless they are listed together 
 never a higher one:
 
 ====  ===================================  ==================================================
- 0    ``limits``, ``guest``                leaves: nothing of the package (``guest/`` is what
-                                           runs in the VM: the standard library only)
+ 0    ``limits``, ``guest``,               leaves: nothing of the package (``guest/`` is what
+      ``lifeline``, ``confine``            runs in the VM: the standard library only; process
+                                           lifetime and confinement syscalls)
  1    ``hostfs``                           the narrow host-filesystem interface (SPEC §2)
  2    ``core``                             the undo core: no asyncio, no sockets
  3    ``barriers``, ``mounts``             external modifications; providers and mount table
@@ -40,7 +41,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, ...]] = [
-    ("limits", "guest"),
+    ("limits", "guest", "lifeline", "confine"),
     ("hostfs",),
     ("core",),
     ("barriers", "mounts"),

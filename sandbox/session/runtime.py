@@ -45,9 +45,11 @@ stores unlocked).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -77,6 +79,66 @@ FOLDERS_MAX = 8
 LIVE_MOUNT_TIMEOUT_S = 60.0  # the guest mounting (or unmounting) one live mount
 MEMORY_MOUNTS_MAX = 8
 PERSISTENT_DISK_BYTES = 8 << 30  # sparse
+
+
+# -- stale run directories (issue 13)
+RUN_DIR_PREFIX = "sandbox-vm-"
+RUN_LOCK_NAME = "owner.lock"
+STALE_RUN_DIRS_MAX = 256  # looked at per start; the rest wait for the next start
+
+
+def new_run_dir(base: str | None = None) -> tuple[str, int]:
+    """A private run directory (sockets, mount table) and the descriptor that holds its
+    ``flock``: the lock lives exactly as long as the owning process — the kernel drops it
+    however the owner dies — so a directory whose lock can be taken is stale. The lock
+    file is locked before it gets its name, so a named lock file is never free while its
+    owner lives."""
+    d = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=base)
+    tmp = os.path.join(d, RUN_LOCK_NAME + ".new")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, os.path.join(d, RUN_LOCK_NAME))
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
+        raise
+    return d, fd
+
+
+def remove_stale_run_dirs(base: str | None = None) -> list[str]:
+    """Remove the run directories (and the sockets in them) that a killed session left in
+    ``base`` (the temp dir): ours (same uid), with a lock file nobody holds. A directory
+    without a lock file is skipped (being created, or not ours to judge). Returns the paths."""
+    base = base or tempfile.gettempdir()
+    removed = []
+    try:
+        names = sorted(n for n in os.listdir(base) if n.startswith(RUN_DIR_PREFIX))[:STALE_RUN_DIRS_MAX]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(os.path.join(path, RUN_LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its session is alive
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d run director%s left by killed sessions: %s", len(removed),
+                 "y" if len(removed) == 1 else "ies", ", ".join(removed))
+    return removed
+# -- end stale run directories
 
 
 class SessionError(GuestError):
@@ -130,6 +192,7 @@ class StepResult:
 @dataclass
 class _Started:
     run_dir: str
+    run_lock_fd: int | None = None  # holds the run directory's flock (see new_run_dir)
     server: ServerThread | None = None
     guest: object = None
     workspaces: list = field(default_factory=list)
@@ -366,7 +429,8 @@ class Session:
     def start(self) -> "Session":
         if self._s is not None:
             raise SessionError("the session is already started")
-        s = _Started(tempfile.mkdtemp(prefix="sandbox-vm-"))
+        remove_stale_run_dirs()
+        s = _Started(*new_run_dir())
         self._s = s
         try:
             self._start(s)
@@ -591,6 +655,8 @@ class Session:
             if ws is not None:
                 ws.close()
         shutil.rmtree(s.run_dir, ignore_errors=True)
+        if s.run_lock_fd is not None:
+            os.close(s.run_lock_fd)  # after the removal: nobody may take the directory for stale before
         if errors:
             log.warning("errors while stopping the session: %s", errors)
         log.info("session stopped")

@@ -12,7 +12,10 @@ the child is reaped in exactly one place (:meth:`Console._reap`, under the lock)
 two threads race on ``waitpid``; signals go to the process group only while the leader
 is unreaped (its pid, hence the group id, cannot have been reused); :meth:`terminate`
 always ends with the child reaped (SIGTERM, then SIGKILL), the reader joined and the pty
-closed, and may be called any number of times.
+closed, and may be called any number of times. QEMU never outlives the agent: it is
+forked by :mod:`sandbox.lifeline`'s spawner thread with ``PR_SET_PDEATHSIG=SIGKILL``, so
+even a SIGKILLed agent (no ``finally``, no ``__del__``) takes it along — a pty hang-up
+alone would not: QEMU may ignore SIGHUP, and another holder of the pty keeps it open.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import threading
 import time
 
 import pexpect
+
+from .. import lifeline
 
 LINES_MAX = 1000
 TAIL_IN_ERRORS = 40
@@ -83,8 +88,11 @@ class Console:
         self._log = open(log_path, "a", encoding="utf-8") if log_path else None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         try:
-            self._child = pexpect.spawn(cmd[0], cmd[1:], encoding="utf-8", codec_errors="replace", timeout=timeout_s,
-                                        env=env, echo=False)
+            # from the spawner thread, with the parent-death signal: QEMU dies with the agent
+            preexec = lifeline.child_setup(os.getpid())
+            self._child = lifeline.run_in_spawner(lambda: pexpect.spawn(
+                cmd[0], cmd[1:], encoding="utf-8", codec_errors="replace", timeout=timeout_s, env=env, echo=False,
+                preexec_fn=preexec))
         except BaseException:
             if self._log:
                 self._log.close()
