@@ -80,8 +80,12 @@ class VmGuest:
     """A QEMU guest (see the module docstring)."""
 
     def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
-                 memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None):
+                 memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None,
+                 user_ids: tuple[int, int] = (1000, 1000), as_root: bool = False):
         self.run_dir = run_dir
+        # -- the guest user (issue 13): commands run as `agent` with these ids unless as_root
+        self.user_ids = user_ids
+        self.as_root = as_root
         self.network = network
         self.allow = list(allow or [])
         self.memory_mb = memory_mb
@@ -118,6 +122,8 @@ class VmGuest:
                   f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
         if self.allow:
             append += f" sandbox.allow={','.join(self.allow)}"
+        # -- the guest user (issue 13)
+        append += f" sandbox.uid={self.user_ids[0]} sandbox.gid={self.user_ids[1]}" + (" sandbox.root=1" if self.as_root else "")
         cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=choice.accel, cpu=choice.cpu,
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
