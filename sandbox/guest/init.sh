@@ -137,13 +137,20 @@ cp /shim.py /control.py /merged/run/sandbox/  # the shim imports control.py besi
 chmod 0600 /merged/run/sandbox/shim.py /merged/run/sandbox/control.py
 
 # -- the guest user (issue 13): `agent` (uid/gid from the host: the working folder's owner),
-# home in the guest's writable layer; passwd/group lines added unless the root has them.
+# home in the guest's writable layer. passwd/group (the guest's copies, in the writable layer):
+# exactly one `agent` entry with these ids, and no other name for them; idempotent.
 case "$AGENT_UID:$AGENT_GID" in
   *[!0-9:]*|0:*|*:0|:*|*:) fail "bad guest user ids $AGENT_UID:$AGENT_GID" ;;
 esac
-grep -q '^agent:' /merged/etc/passwd 2>/dev/null ||
-  echo "agent:x:$AGENT_UID:$AGENT_GID:sandbox agent:/home/agent:/bin/sh" >> /merged/etc/passwd
-grep -q '^agent:' /merged/etc/group 2>/dev/null || echo "agent:x:$AGENT_GID:" >> /merged/etc/group
+pw="agent:x:$AGENT_UID:$AGENT_GID:sandbox agent:/home/agent:/bin/sh" gr="agent:x:$AGENT_GID:"
+if ! grep -qx "$pw" /merged/etc/passwd 2>/dev/null || [ "$(grep -c "^[^:]*:[^:]*:$AGENT_UID:" /merged/etc/passwd)" != 1 ]; then
+  sed -i -e '/^agent:/d' -e "/^[^:]*:[^:]*:$AGENT_UID:/d" /merged/etc/passwd 2>/dev/null
+  echo "$pw" >> /merged/etc/passwd
+fi
+if ! grep -qx "$gr" /merged/etc/group 2>/dev/null || [ "$(grep -c "^[^:]*:[^:]*:$AGENT_GID:" /merged/etc/group)" != 1 ]; then
+  sed -i -e '/^agent:/d' -e "/^[^:]*:[^:]*:$AGENT_GID:/d" /merged/etc/group 2>/dev/null
+  echo "$gr" >> /merged/etc/group
+fi
 mkdir -p /merged/home/agent
 chown "$AGENT_UID:$AGENT_GID" /merged/home/agent && chmod 0700 /merged/home/agent
 SHIM_USER="--user $AGENT_UID:$AGENT_GID"
