@@ -250,18 +250,20 @@ def test_sigkill_of_the_agent_mid_rm_then_recovery(project, tmp_path):
 
 @pytest.mark.slow
 def test_persistent_vm_keeps_its_root_and_reset_forgets_it(project, tmp_path, monkeypatch):
+    """The guest user's home (in the writable layer) stands for the guest root: it is kept on the
+    persistent disk (root-only places such as /root need as_root=True)."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     with Session([Folder(str(project))], vm_mode="persistent") as s:
-        assert s.run("echo kept > /root/persist-test").exit_code == 0
+        assert s.run("echo kept > /home/agent/persist-test").exit_code == 0
     with Session([Folder(str(project))], vm_mode="persistent") as s:
         out = []
-        s.run("cat /root/persist-test", lambda st, t: out.append(t))
+        s.run("cat /home/agent/persist-test", lambda st, t: out.append(t))
         assert "".join(out) == "kept\n"
     with Session([Folder(str(project))]) as s:  # ephemeral: a fresh root
-        assert s.run("test -e /root/persist-test").exit_code == 1
+        assert s.run("test -e /home/agent/persist-test").exit_code == 1
     Session([Folder(str(project))]).reset()
     with Session([Folder(str(project))], vm_mode="persistent") as s:
-        assert s.run("test -e /root/persist-test").exit_code == 1
+        assert s.run("test -e /home/agent/persist-test").exit_code == 1
 
 
 def test_sandbox_shell_interactive_undo(project, tmp_path):

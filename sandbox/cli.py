@@ -203,7 +203,7 @@ def cmd_demo(args) -> int:
 
             progress = lambda msg: print(f"sandbox: {msg}", flush=True)  # noqa: E731
             try:
-                with Session([Folder(work)], state_dirs=[state], progress=progress) as session:
+                with Session([Folder(work)], state_dirs=[state], progress=progress, as_root=args.as_root) as session:
                     print(f"\nguest$ cd /mnt/working/0 && {destructive} && ls -la", flush=True)
                     r = session.run(destructive + " && ls -la", _stream)
                     print(f"(step {r.step_id}, exit {r.exit_code}; the VM is stopped now)", flush=True)
@@ -244,6 +244,7 @@ def _session(args):
         return Session(folders, network=network, allow=allow.split(",") if allow else None, vm_mode=args.vm_mode,
                        memory_mb=args.memory, safeguard=safeguard, decide=decide,
                        state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
+                       as_root=args.as_root,  # -- the guest user (issue 13)
                        progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
@@ -395,7 +396,8 @@ def cmd_serve(args) -> int:
     protocol_out = os.fdopen(os.dup(1), "wb")  # os.dup: not inherited by children
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes)
+    server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
+                         as_root=args.as_root)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -585,6 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ephemeral: a fresh guest root each time (tmpfs); persistent: changes outside the working "
                              "folders (installed packages …) are kept on a disk beside the undo state")
         sp.add_argument("--memory", type=int, default=1024, metavar="MB", help="guest memory (default 1024)")
+        # -- the guest user (issue 13)
+        sp.add_argument("--as-root", action="store_true",
+                        help="run commands as root in the guest (default: as the unprivileged user `agent`, "
+                             "uid/gid of the first working folder's owner, 1000 if root owns it)")
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",
@@ -675,6 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-line-bytes", type=int, default=64 << 20, metavar="N",
                     help="longest request line accepted (default 64 MiB)")
     sv.add_argument("--print-schema", action="store_true", help="print the protocol's JSON Schema document and exit")
+    # -- the guest user (issue 13)
+    sv.add_argument("--as-root", action="store_true",
+                    help="sessions run commands as root in the guest unless session.start says as_root: false "
+                         "(default: as the unprivileged user `agent`)")
     sv.set_defaults(fn=cmd_serve)
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
@@ -688,6 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="keep the temporary copy")
     demo.add_argument("--in-process", action="store_true", help="make the step through the undo core directly "
                       "instead of in a VM (no QEMU needed)")
+    demo.add_argument("--as-root", action="store_true",  # -- the guest user (issue 13)
+                      help="run the destructive command as root in the guest (default: as the user `agent`)")
     demo.set_defaults(fn=cmd_demo)
     return p
 

@@ -391,3 +391,48 @@ def test_xattr_names_map_into_user_and_back(name):
                                        "user.sandbox.other", identity.MAPPED_PREFIX, identity.MAPPED_PREFIX + "user.a"])
 def test_host_names_the_guest_never_sees(host_name):
     assert identity.guest_xattr_name(host_name) is None
+
+
+# --------------------------------------------------------------------------- owners (issue 13)
+
+
+def _owner_of(c: Client, path: str) -> tuple[int, int]:
+    if c.root_fid is None:
+        WireFS(c)  # version + attach
+    fid = c.walk_path(path)
+    try:
+        r = c.getattr(fid)
+        return r.uid, r.gid
+    finally:
+        c.clunk(fid)
+
+
+def test_the_guest_user_sees_the_folder_owners_and_the_servers_files_as_its_own(work):
+    """A VM session's commands run as the guest user (uid/gid 4242 here): the server reports the
+    working folder owner's files and the files it creates itself as that user's, so the guest
+    kernel's permission checks let the user work in its share; every other owner is reported
+    as it is on the host."""
+    st = os.stat(work)
+    if os.geteuid() == 0:
+        os.chown(work / "tool", 31337, 31338)  # someone else's file: shown as it is
+    owners = identity.OwnerMap(host_uids=frozenset({st.st_uid, os.geteuid()}),
+                               host_gids=frozenset({st.st_gid, os.getegid()}), guest_uid=4242, guest_gid=4243)
+    from sandbox.ninep.server import ServerConfig
+
+    with serve(Provider.read_only_dir(str(work)), ServerConfig(owners=owners)) as (_st, path), \
+            Client.connect_unix(path) as c:
+        assert _owner_of(c, "") == (4242, 4243)
+        assert _owner_of(c, "dir") == (4242, 4243)
+        if os.geteuid() == 0:
+            assert _owner_of(c, "tool") == (31337, 31338)
+    with serve(Provider.read_only_dir(str(work))) as (_st, path), Client.connect_unix(path) as c:
+        assert _owner_of(c, "dir") == (st.st_uid, st.st_gid)  # without a map: the host's owners
+
+
+def test_owner_map_is_total_on_ids():
+    owners = identity.OwnerMap(host_uids=frozenset({0, 1000}), host_gids=frozenset({0}), guest_uid=1000,
+                               guest_gid=1000)
+    assert [owners.uid(u) for u in (0, 1000, 7)] == [1000, 1000, 7]
+    assert [owners.gid(g) for g in (0, 1000, 7)] == [1000, 1000, 7]
+    with pytest.raises(ValueError):
+        identity.OwnerMap(host_uids=frozenset({1}), host_gids=frozenset(), guest_uid=0, guest_gid=1)

@@ -537,3 +537,85 @@ def test_mount_makes_the_mount_point_and_reports_the_kernel_error(shim, tmp_path
     assert os.strerror(19) in reply["message"] or os.strerror(1) in reply["message"], reply
     assert target.is_dir()
     assert assert_step_shape(shim.run(100, "echo ok"))["exit_code"] == 0
+
+
+# ---------------------------------------------------------------- the guest user (issue 13)
+
+AGENT_UID = AGENT_GID = 4242  # no such user on the host: nothing here can grant it anything
+
+
+def _as_root_or_skip() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("switching to another user needs root (the shim runs as root in the guest)")
+
+
+@pytest.fixture
+def agent_shim(tmp_path):
+    """A shim (running as root) told to run commands as AGENT_UID:AGENT_GID."""
+    _as_root_or_skip()
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, AGENT_UID, AGENT_GID)
+    os.chmod(tmp_path, 0o755)
+    s = ShimProcess(tmp_path, "--user", f"{AGENT_UID}:{AGENT_GID}", "--home", str(home))
+    yield s
+    assert s.close() == 0
+
+
+def test_user_runs_commands_with_its_ids_and_no_supplementary_groups(agent_shim, tmp_path):
+    messages = agent_shim.run(200, 'id -u; id -g; id -G; echo "$HOME $USER $LOGNAME"')
+    assert assert_step_shape(messages)["exit_code"] == 0
+    assert text_of(messages, "stdout") == f"{AGENT_UID}\n{AGENT_GID}\n{AGENT_GID}\n{tmp_path / 'home'} agent agent\n"
+
+
+def test_user_commands_have_no_new_privileges(agent_shim):
+    """no_new_privs: a set-uid binary (sudo, su) cannot raise the user back to root."""
+    messages = agent_shim.run(201, "grep -E '^(NoNewPrivs|CapEff|CapPrm):' /proc/self/status")
+    assert assert_step_shape(messages)["exit_code"] == 0
+    fields = dict(line.split(":\t") for line in text_of(messages, "stdout").splitlines())
+    assert fields == {"NoNewPrivs": "1", "CapPrm": "0000000000000000", "CapEff": "0000000000000000"}
+
+
+def test_user_cannot_signal_the_shim(agent_shim):
+    messages = agent_shim.run(202, f"kill -9 {agent_shim.proc.pid}")
+    assert assert_step_shape(messages)["exit_code"] != 0
+    assert "not permitted" in text_of(messages, "stderr").lower()
+    assert agent_shim.proc.poll() is None
+    assert assert_step_shape(agent_shim.run(203, "echo alive"))["exit_code"] == 0
+
+
+def test_user_command_inherits_no_shim_descriptor(agent_shim):
+    """Only stdin/stdout/stderr reach the command: the control fd and the wake-up pipe are CLOEXEC."""
+    messages = agent_shim.run(204, "ls /proc/self/fd")
+    assert assert_step_shape(messages)["exit_code"] == 0
+    # ls itself holds one descriptor open on the directory it lists
+    assert len(text_of(messages, "stdout").split()) == 4, text_of(messages, "stdout")
+
+
+def test_user_cannot_read_a_root_only_file(agent_shim, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    messages = agent_shim.run(205, f"cat {secret}")
+    assert assert_step_shape(messages)["exit_code"] != 0
+    assert "Permission denied" in text_of(messages, "stderr")
+
+
+def test_cancel_reaches_the_users_process_group(agent_shim):
+    agent_shim.exec(206, "sleep 60")
+    assert agent_shim.recv() == {"type": "step_started", "id": 206}
+    agent_shim.send({"type": "cancel", "id": 206})
+    done = agent_shim.collect(206)[206][-1]
+    assert done["type"] == "step_completed" and done.get("signal") == signal.SIGTERM, done
+
+
+def test_without_user_commands_run_as_the_shims_user(shim):
+    messages = shim.run(207, "id -u")
+    assert text_of(messages, "stdout") == f"{os.geteuid()}\n"
+
+
+@pytest.mark.parametrize("bad", ["0:0", "1000", "a:b", "-1:5", "1000:", "4294967295:1"])
+def test_bad_user_is_a_usage_error(tmp_path, bad):
+    p = subprocess.run([sys.executable, str(SHIM), "--fd", "0", "--user", bad],
+                       stdin=subprocess.DEVNULL, capture_output=True, timeout=EXIT_TIMEOUT_S)
+    assert p.returncode == 2 and b"--user" in p.stderr, p.stderr

@@ -181,6 +181,17 @@ def test_session_start_status_stop_and_directories(api, project, tmp_path):
     assert c.close() == 0
 
 
+def test_as_root_is_a_session_option_reported_by_status(api, project):
+    """Commands run as the unprivileged guest user unless session.start asks for root (issue 13)."""
+    c = api()
+    start(c, project)
+    assert c.ok("session.status")["as_root"] is False
+    c.ok("session.stop")
+    start(c, project, as_root=True)
+    assert c.ok("session.status")["as_root"] is True
+    assert c.close() == 0
+
+
 def test_session_reset_starts_the_same_session_fresh(api, project, cmds):
     c = api()
     start(c, project, vm_mode="persistent", working_directories=[{"path": str(project), "label": "p"}])
@@ -208,6 +219,7 @@ def test_session_reset_starts_the_same_session_fresh(api, project, cmds):
     ({"working_directories": [{"path": "/tmp"}], "safeguard": {"delete_threshold": 0}}, "protocol.invalid_request"),
     ({"working_directories": [{"path": "/tmp"}, {"path": "/tmp/"}]}, "session.invalid_config"),
     ({"root": "/tmp", "mounts": [{"source": "/tmp", "target": "/again"}]}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "as_root": "yes"}, "protocol.invalid_request"),
 ])
 def test_bad_session_configs_are_clear_errors_and_leave_nothing_running(api, payload, code):
     c = api()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from sandbox.session.runtime import Folder, Session, _allow_items
+from sandbox.session.runtime import Folder, Session, _allow_items, guest_owner_map, guest_user_ids
 
 
 def test_folder_spec():
@@ -56,3 +57,33 @@ def test_run_missing_workdir_exits_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sandbox", "run", "--workdir", str(tmp_path / "nope"), "--", "true"],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+# -- the guest user (issue 13)
+
+
+def test_the_guest_user_is_the_folder_owner_or_1000_for_root(tmp_path):
+    if os.geteuid() != 0:
+        assert guest_user_ids(str(tmp_path)) == (os.geteuid(), os.getegid())
+        pytest.skip("chown to another owner needs root")
+    os.chown(tmp_path, 0, 0)
+    assert guest_user_ids(str(tmp_path)) == (1000, 1000)
+    os.chown(tmp_path, 4321, 4322)
+    assert guest_user_ids(str(tmp_path)) == (4321, 4322)
+    owners = guest_owner_map(str(tmp_path), as_root=False)
+    assert (owners.uid(4321), owners.gid(4322), owners.uid(os.geteuid()), owners.uid(77)) == (4321, 4322, 4321, 77)
+    assert guest_owner_map(str(tmp_path), as_root=True) is None
+
+
+def test_as_root_is_checked_and_reported(tmp_path):
+    with pytest.raises(ValueError, match="as_root"):
+        Session([Folder(str(tmp_path))], as_root="yes")
+    assert Session([Folder(str(tmp_path))]).status()["as_root"] is False
+    assert Session([Folder(str(tmp_path))], as_root=True).status()["as_root"] is True
+
+
+def test_as_root_is_a_flag_of_every_session_command():
+    for cmd in ("run", "shell", "serve", "demo"):
+        r = subprocess.run([sys.executable, "-m", "sandbox", cmd, "--help"], capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL, timeout=60)
+        assert r.returncode == 0 and "--as-root" in r.stdout, (cmd, r.stderr)

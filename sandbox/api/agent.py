@@ -72,10 +72,12 @@ class _Running:
 
 
 class Agent:
-    def __init__(self, emit, *, guest: str = "vm", progress=None):
-        """``emit(message)`` gets every event; ``guest``: ``"vm"`` or ``"scripted"`` (tests)."""
+    def __init__(self, emit, *, guest: str = "vm", progress=None, as_root: bool = False):
+        """``emit(message)`` gets every event; ``guest``: ``"vm"`` or ``"scripted"`` (tests);
+        ``as_root``: the default of ``session.start``'s ``as_root`` (``sandbox serve --as-root``)."""
         self.emit = emit
         self.guest = guest
+        self.as_root = as_root
         self.progress = progress or (lambda msg: log.info("%s", msg))
         self.session: Session | None = None
         self.view: MountTable | None = None
@@ -256,7 +258,7 @@ class Agent:
                 safeguard=self._safeguard_config(SafeguardConfig(), sg), limits=Limits(**self._limits(limits)) if limits else None,
                 on_event=self._on_core_event, progress=self.progress, mounts=mem,
                 python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
-                guest=self.guest)
+                guest=self.guest, as_root=p.get("as_root", self.as_root))
         except ApiError:
             raise
         except Exception as e:  # the mount table's own codes stand; anything else is the payload's fault
@@ -333,7 +335,7 @@ class Agent:
             state = "stopped" if st["vm"] == "stopped" else "error"
         return {"state": state, "vm": st["vm"], "guest": st["guest"], "accel": st["accel"],
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
-                "vm_mode": st["vm_mode"], "folders": self._folders(s), "mounts": st["mounts"],
+                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "folders": self._folders(s), "mounts": st["mounts"],
                 "running": None if r is None else {"request_id": r.request_id},
                 "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",

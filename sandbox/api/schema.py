@@ -139,6 +139,9 @@ REQUESTS: dict[str, dict] = {
         "network_policy": {"enum": ["disabled", "open", "allowlist"]},
         "network_allowlist": {"type": "array", "items": _str(NAME_CHARS_MAX, 1), "maxItems": 256},
         "vm_mode": {"enum": ["ephemeral", "persistent"]},
+        "as_root": {**BOOL, "description": "Commands run as root in the guest. Default false: as the unprivileged "
+                    "user `agent` (uid/gid of the first working directory's owner; 1000 if root owns it), no sudo; "
+                    "the control port and the shim are unreachable from it."},
         "external_modification_policy": {"enum": ["barrier", "warn", "lock"]},
         "safeguard": _obj(SAFEGUARD_CONFIG),
         "undo_limits": _obj(UNDO_LIMITS),
@@ -217,6 +220,7 @@ RESULTS: dict[str, dict] = {
     "session.reset": _open({}),
     "session.status": _open({"state": {"enum": ["not_started", "idle", "running", "stopped", "error"]},
                              "vm": STR, "guest": {"type": ["string", "null"]}, "accel": {"type": ["string", "null"]},
+                             "as_root": BOOL,
                              "folders": {"type": "array", "items": FOLDER}, "mounts": {"type": "array", "items": MOUNT},
                              "running": {"type": ["object", "null"]},
                              "pending_safeguards": {"type": "array", "items": _ref("event.safeguard_triggered")},

@@ -129,7 +129,7 @@ def _encode(msg: dict) -> bytes:
 class StdioServer:
     def __init__(self, infile: BinaryIO, outfile: BinaryIO, *, guest: str = "vm",
                  max_line_bytes: int = LINE_BYTES_MAX, max_in_flight: int = IN_FLIGHT_MAX,
-                 max_json_depth: int = JSON_DEPTH_MAX):
+                 max_json_depth: int = JSON_DEPTH_MAX, as_root: bool = False):
         self.infile = infile
         self.outfile = outfile
         self.max_line_bytes = max_line_bytes
@@ -142,7 +142,7 @@ class StdioServer:
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
         self._workers: set[threading.Thread] = set()
         self._workers_lock = threading.Lock()
-        self.agent = Agent(self.send, guest=guest)
+        self.agent = Agent(self.send, guest=guest, as_root=as_root)
 
     # ------------------------------------------------------------------ output
 

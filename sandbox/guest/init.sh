@@ -11,6 +11,8 @@
 #   sandbox.net=MODE         disabled | open | allowlist
 #   sandbox.upper=tmpfs|disk the writable layer over the read-only host root: tmpfs
 #                            (ephemeral) or the ext4 disk /dev/vda (persistent)
+#   sandbox.uid=U sandbox.gid=G  the guest user `agent` commands run as (default 1000:1000)
+#   sandbox.root=1           commands run as root instead (--as-root)
 #
 # Invariants: the host root is mounted read-only (QEMU 9p, tag hostroot) and is never
 # written; the control port is reachable by root only; the shim is restarted if it dies;
@@ -20,12 +22,17 @@ say() { echo "sandbox-init: $*"; }
 fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
 
 MSIZE=524288 NET=disabled UPPER=tmpfs
+AGENT_UID=1000 AGENT_GID=1000 AS_ROOT=0
 for x in $(cat /proc/cmdline); do
   case "$x" in
     sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
     sandbox.msize=*) MSIZE=${x#*=} ;;
     sandbox.net=*) NET=${x#*=} ;;
     sandbox.upper=*) UPPER=${x#*=} ;;
+    # -- the guest user (issue 13)
+    sandbox.uid=*) AGENT_UID=${x#*=} ;;
+    sandbox.gid=*) AGENT_GID=${x#*=} ;;
+    sandbox.root=1) AS_ROOT=1 ;;
   esac
 done
 
@@ -118,13 +125,35 @@ done
 mkdir -p /merged/dev/virtio-ports
 ln -sf "$port" /merged/dev/virtio-ports/control
 chmod 600 "$port" /merged"$port"
-mkdir -p /merged/run/sandbox
+mkdir -p -m 0700 /merged/run/sandbox
+chmod 0700 /merged/run/sandbox
 cp /shim.py /control.py /merged/run/sandbox/  # the shim imports control.py beside it
+chmod 0600 /merged/run/sandbox/shim.py /merged/run/sandbox/control.py
+
+# -- the guest user (issue 13): `agent` (uid/gid from the host: the working folder's owner),
+# home in the guest's writable layer. passwd/group (the guest's copies, in the writable layer):
+# exactly one `agent` entry with these ids, and no other name for them; idempotent.
+case "$AGENT_UID:$AGENT_GID" in
+  *[!0-9:]*|0:*|*:0|:*|*:) fail "bad guest user ids $AGENT_UID:$AGENT_GID" ;;
+esac
+pw="agent:x:$AGENT_UID:$AGENT_GID:sandbox agent:/home/agent:/bin/sh" gr="agent:x:$AGENT_GID:"
+if ! grep -qx "$pw" /merged/etc/passwd 2>/dev/null || [ "$(grep -c "^[^:]*:[^:]*:$AGENT_UID:" /merged/etc/passwd)" != 1 ]; then
+  sed -i -e '/^agent:/d' -e "/^[^:]*:[^:]*:$AGENT_UID:/d" /merged/etc/passwd 2>/dev/null
+  echo "$pw" >> /merged/etc/passwd
+fi
+if ! grep -qx "$gr" /merged/etc/group 2>/dev/null || [ "$(grep -c "^[^:]*:[^:]*:$AGENT_GID:" /merged/etc/group)" != 1 ]; then
+  sed -i -e '/^agent:/d' -e "/^[^:]*:[^:]*:$AGENT_GID:/d" /merged/etc/group 2>/dev/null
+  echo "$gr" >> /merged/etc/group
+fi
+mkdir -p /merged/home/agent
+chown "$AGENT_UID:$AGENT_GID" /merged/home/agent && chmod 0700 /merged/home/agent
+SHIM_USER="--user $AGENT_UID:$AGENT_GID"
+[ "$AS_ROOT" = 1 ] && SHIM_USER=
 
 echo SANDBOX-READY
 while true; do
   chroot /merged /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
-    LANG=C.UTF-8 TERM=dumb /usr/bin/python3 /run/sandbox/shim.py --port /dev/virtio-ports/control
+    LANG=C.UTF-8 TERM=dumb /usr/bin/python3 /run/sandbox/shim.py --port /dev/virtio-ports/control $SHIM_USER
   say "the shim exited ($?); restarting it"
   sleep 1
 done

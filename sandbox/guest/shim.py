@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The VM-side shim (design §4.2): runs shell commands for the host over JSON Lines.
 
-Runs inside the guest as root, stdlib only, one file. It reads and writes the control
+Runs inside the guest as root, stdlib only, one file. Commands run as the guest user
+(``--user UID:GID``, issue 13) unless that is omitted (``--as-root`` sessions). It reads and writes the control
 channel — the virtio-serial port ``/dev/virtio-ports/control`` (``--port``) or an
 inherited, connected fd (``--fd``, used by tests) — one JSON object per line, UTF-8.
 
@@ -36,6 +37,10 @@ Invariants:
   child (it may wait on the 9P server); the child's exit status is the errno; it is
   reaped on SIGCHLD and SIGKILLed after ``MOUNT_TIMEOUT_S``; at most
   ``MOUNT_OPS_RUNNING_MAX`` run at once.
+* The guest user (``--user``): every command runs with exactly that uid and gid, no
+  supplementary groups, no capabilities, ``no_new_privs`` set (a set-uid ``sudo``/``su``
+  cannot raise it), ``HOME``/``USER``/``LOGNAME`` naming it. The shim stays root: the user
+  can neither signal nor ptrace it, and inherits none of its descriptors (all CLOEXEC).
 * End of input: on ``--fd`` the host is gone — cancel everything, exit 0 once the
   commands are gone (SIGKILL at the grace, exit at most ``EXIT_GRACE_S`` later). On
   ``--port`` EOF (or EIO) means the host is not connected: close, reopen every
@@ -72,6 +77,10 @@ EXIT_GRACE_S = 2.0
 RECONNECT_INTERVAL_S = 0.25
 SPAWN_FAILED_EXIT_CODE = proto.SPAWN_FAILED_EXIT_CODE
 MS_RDONLY = 1
+PR_SET_NO_NEW_PRIVS = 38
+GUEST_USER_NAME = "agent"
+GUEST_HOME_DEFAULT = "/home/agent"
+ID_MAX = 0xFFFFFFFE  # (uid_t)-1 means "unchanged" to the kernel: never a user
 
 _Utf8Decoder = codecs.getincrementaldecoder("utf-8")
 _clip = proto.clip
@@ -137,6 +146,7 @@ def _libc_calls() -> Any:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
         libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
         _libc = libc
     return _libc
 
@@ -158,11 +168,36 @@ def _unmount(req: dict) -> int:
     return 0 if rc == 0 else (ctypes.get_errno() or errno.EIO)
 
 
+class GuestUser:
+    """Who commands run as: ``uid``/``gid`` (never 0) and ``home``."""
+
+    __slots__ = ("gid", "home", "uid")
+
+    def __init__(self, uid: int, gid: int, home: str) -> None:
+        assert 0 < uid <= ID_MAX and 0 < gid <= ID_MAX
+        self.uid, self.gid, self.home = uid, gid, home
+
+    def env(self) -> dict[str, str]:
+        return {"HOME": self.home, "USER": GUEST_USER_NAME, "LOGNAME": GUEST_USER_NAME}
+
+    def popen_kwargs(self) -> dict[str, Any]:
+        """Popen's credential switch: groups, then gid, then uid (all before exec, in the child),
+        then ``no_new_privs`` (``preexec_fn`` runs after the switch)."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": [], "preexec_fn": _no_new_privs}
+
+
+def _no_new_privs() -> None:
+    """In the child, before exec: set-uid/set-gid bits and file capabilities stop working."""
+    if _libc_calls().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
 class Shim:
     """The loop: exactly one of ``port`` (a path) and ``fd`` (inherited) names the host link."""
 
     def __init__(
-        self, *, port: str | None, fd: int | None, shell: str, kill_grace_s: float, line_max_bytes: int
+        self, *, port: str | None, fd: int | None, shell: str, kill_grace_s: float, line_max_bytes: int,
+        user: GuestUser | None = None,
     ) -> None:
         assert (port is None) != (fd is None)
         self._port = port
@@ -171,6 +206,9 @@ class Shim:
         self._shell = shell
         self._kill_grace_s = kill_grace_s
         self._line_max_bytes = line_max_bytes
+        self._user = user
+        if user is not None:
+            _libc_calls()  # loaded before any fork: the child only calls it
         self._sel = selectors.DefaultSelector()
         self._control_events = 0
         self._inbuf = bytearray()
@@ -428,6 +466,7 @@ class Shim:
         if len(self._commands) >= COMMANDS_RUNNING_MAX:
             self._error(cid, f"exec: {COMMANDS_RUNNING_MAX} commands already running")
             return
+        user = self._user
         try:
             proc = subprocess.Popen(
                 [self._shell, "-c", command],
@@ -435,9 +474,10 @@ class Shim:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
-                env={**os.environ, **env},
+                env={**os.environ, **(user.env() if user else {}), **env},
                 start_new_session=True,
                 close_fds=True,
+                **(user.popen_kwargs() if user else {}),
             )
         except (OSError, ValueError, subprocess.SubprocessError) as exc:
             self._send({"type": "step_started", "id": cid})
@@ -630,6 +670,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise argparse.ArgumentTypeError("must be >= 0")
         return value
 
+    def ids(text: str) -> tuple[int, int]:
+        uid, sep, gid = text.partition(":")
+        try:
+            pair = (int(uid), int(gid))
+        except ValueError:
+            pair = None
+        if not sep or pair is None or not all(0 < n <= ID_MAX for n in pair):
+            raise argparse.ArgumentTypeError(f"UID:GID, both in [1, {ID_MAX}] (omit --user to run as root)")
+        return pair
+
     parser = argparse.ArgumentParser(description="VM-side shim: runs commands for the host over JSON Lines.")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--port", help=f"control character device (default {DEFAULT_PORT})")
@@ -637,6 +687,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shell", default="/bin/sh")
     parser.add_argument("--kill-grace-s", type=grace, default=2.0)
     parser.add_argument("--line-max-bytes", type=line_max, default=proto.LINE_MAX_BYTES_DEFAULT)
+    parser.add_argument("--user", type=ids, metavar="UID:GID",
+                        help="run commands as this unprivileged user (default: as the shim's own user)")
+    parser.add_argument("--home", default=GUEST_HOME_DEFAULT, help="the user's HOME (with --user)")
     args = parser.parse_args(argv)
     if args.port is None and args.fd is None:
         args.port = DEFAULT_PORT
@@ -657,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
         shell=args.shell,
         kill_grace_s=args.kill_grace_s,
         line_max_bytes=args.line_max_bytes,
+        user=GuestUser(*args.user, args.home) if args.user else None,
     )
     return shim.run()
 

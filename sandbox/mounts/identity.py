@@ -30,6 +30,11 @@ applies them to every client request; ``docs/identity.md`` tells the whole model
   every write, whoever writes.)
 * **owners are never applied** (the Provider accepts ``chown`` and does nothing): files the
   server creates belong to the server's user, as they always did.
+* **owners are reported for the guest user** (issue 13, :class:`OwnerMap`): a VM's commands
+  run as an unprivileged guest user; the server reports the working folder owner's and its
+  own uid/gid as that user's, so the guest kernel's permission checks let the user work in
+  its shares. A presentation only: nothing on the host changes, other owners are shown as
+  they are, and the host still checks every access as the server's user.
 
 Invariants (``sandbox_sim/test_identity.py`` checks them for every mode and name it generates):
 ``host_mode(m, cur) & SETID_BITS ⊆ cur & SETID_BITS``; ``host_mode(m, cur)`` equals ``m``
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import errno
 import stat as _stat
+from dataclasses import dataclass
 
 #: the mode bits a guest may never give a host file: set-user-id and set-group-id
 SETID_BITS = _stat.S_ISUID | _stat.S_ISGID  # 0o6000
@@ -59,6 +65,28 @@ MAPPED_PREFIX = RESERVED_PREFIX + "x."
 XATTR_NAME_BYTES_MAX = 255
 #: longest :data:`MODE_XATTR` value read back (``b"7777"`` is 4); longer is not ours
 MODE_VALUE_BYTES_MAX = 8
+
+
+@dataclass(frozen=True)
+class OwnerMap:
+    """The owners the guest sees: a uid in ``host_uids`` is reported as ``guest_uid``, a gid in
+    ``host_gids`` as ``guest_gid``; every other id as it is. The guest ids are never 0 (a map
+    that made host files root's in the guest would hand the guest user nothing, and hide owners)."""
+
+    host_uids: frozenset[int]
+    host_gids: frozenset[int]
+    guest_uid: int
+    guest_gid: int
+
+    def __post_init__(self):
+        if not (0 < self.guest_uid < 0xFFFFFFFF and 0 < self.guest_gid < 0xFFFFFFFF):
+            raise ValueError(f"guest ids must be in [1, 2**32-2], not {self.guest_uid}:{self.guest_gid}")
+
+    def uid(self, host_uid: int) -> int:
+        return self.guest_uid if host_uid in self.host_uids else host_uid
+
+    def gid(self, host_gid: int) -> int:
+        return self.guest_gid if host_gid in self.host_gids else host_gid
 
 
 def _name_bytes(name: str) -> int:

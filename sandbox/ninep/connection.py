@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
 from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
 from ..mounts import child
+from ..mounts.identity import OwnerMap
 from ..mounts.provider import XATTR_SIZE_MAX
 from ..serving.exports import Export
 from ..serving.locks import INF
@@ -122,7 +123,7 @@ _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)  # nothing at the path (a sym
 
 class Connection:
     def __init__(self, exports: dict[str, Export], conn_id: int, limits: ServerLimits = ServerLimits(),
-                 descriptors: DescriptorBudget = PROCESS_DESCRIPTORS):
+                 descriptors: DescriptorBudget = PROCESS_DESCRIPTORS, owners: OwnerMap | None = None):
         if not exports:
             raise ValueError("at least one export")
         self.exports = exports
@@ -130,6 +131,7 @@ class Connection:
         self.conn_id = conn_id
         self.limits = limits
         self.descriptors = descriptors
+        self.owners = owners  # what Rgetattr reports as owners (None: the host's)
         self.msize_max = limits.msize_bytes_max
         self.msize = 0  # 0 until Tversion
         self.fids_max = limits.fids_per_connection_max
@@ -464,8 +466,9 @@ class Connection:
     def _getattr(self, msg: m.Tgetattr) -> m.Rgetattr:
         f = self._fid(msg.fid)
         a = self._attr(f)
+        uid, gid = (a.uid, a.gid) if self.owners is None else (self.owners.uid(a.uid), self.owners.gid(a.gid))
         return m.Rgetattr(
-            m.GETATTR_BASIC, qid_of(a), a.fmt | a.mode, a.uid, a.gid, a.nlink, a.rdev, a.size, a.blksize, a.blocks,
+            m.GETATTR_BASIC, qid_of(a), a.fmt | a.mode, uid, gid, a.nlink, a.rdev, a.size, a.blksize, a.blocks,
             a.atime_ns // 10**9, a.atime_ns % 10**9, a.mtime_ns // 10**9, a.mtime_ns % 10**9,
             a.ctime_ns // 10**9, a.ctime_ns % 10**9, 0, 0, 0, 0)
 

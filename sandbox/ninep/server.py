@@ -54,6 +54,7 @@ from typing import Callable
 from ..core.errors import HoldRequired
 from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, raise_nofile_soft_limit
 from ..mounts import Provider
+from ..mounts.identity import OwnerMap
 from ..serving import Export, HoldBroker, RequestPipeline
 from . import messages as m
 from .codec import FrameSplitter, ProtocolError, decode, encode
@@ -68,6 +69,8 @@ class ServerConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     #: how often the undo core's time-driven transitions run (ambient step close, hold expiry)
     poll_interval_s: float = 0.2
+    #: the owners the guest sees (issue 13: the guest user's; :class:`sandbox.mounts.identity.OwnerMap`)
+    owners: OwnerMap | None = None
 
     def __post_init__(self):
         if self.poll_interval_s <= 0:
@@ -85,7 +88,7 @@ class _Connection(asyncio.Protocol):
         self.server = server
         self.conn_id = conn_id
         self.limits = limits = server.config.limits
-        self.conn = Connection(server.exports, conn_id, limits, server.descriptors)
+        self.conn = Connection(server.exports, conn_id, limits, server.descriptors, owners=server.config.owners)
         self.splitter = FrameSplitter(limits.frame_bytes_before_version_max)
         self.inbox: deque[bytes] = deque()  # frames received, not yet handled (reading paused)
         self.pipeline = RequestPipeline(on_settled=self._pump)  # tasks by tag; held_bytes

@@ -63,6 +63,7 @@ from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
 from ..limits import ServerLimits
 from ..mounts import Provider, memory_tree
+from ..mounts.identity import OwnerMap
 from ..mounts.table import MEMORY, Mount, MountError, MountTable, PathDenied, check_mount_points, guest_path
 from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
@@ -223,6 +224,30 @@ def _allow_items(items: list[str]) -> list[str]:
     return AllowList.parse(items).items()
 
 
+# -- the guest user (issue 13)
+GUEST_UID_FALLBACK = GUEST_GID_FALLBACK = 1000  # when root owns the working folder
+
+
+def guest_user_ids(folder: str) -> tuple[int, int]:
+    """The guest user's uid/gid: the working folder's owner, or 1000/1000 if root owns it."""
+    st = os.stat(folder)
+    if st.st_uid == 0:
+        return GUEST_UID_FALLBACK, GUEST_GID_FALLBACK
+    return st.st_uid, st.st_gid or GUEST_GID_FALLBACK
+
+
+def guest_owner_map(folder: str, as_root: bool) -> OwnerMap | None:
+    """What the 9P server reports as owners to a VM guest: the folder owner's and the server's
+    own files are the guest user's (else the user could not write where the server creates
+    files as itself); None with ``as_root`` (the guest's root passes every check anyway)."""
+    if as_root:
+        return None
+    st = os.stat(folder)
+    uid, gid = guest_user_ids(folder)
+    return OwnerMap(host_uids=frozenset({st.st_uid, os.geteuid()}), host_gids=frozenset({st.st_gid, os.getegid()}),
+                    guest_uid=uid, guest_gid=gid)
+
+
 def vm_state_dir(folder: str) -> str:
     """Where a persistent VM's disk lives: beside the first folder's undo store."""
     return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
@@ -295,11 +320,14 @@ class Session:
                  decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
-                 external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p"):
+                 external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p",
+                 as_root: bool = False):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
-        ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet)."""
+        ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet).
+        ``as_root``: a VM's commands run as root instead of the unprivileged guest user
+        ``agent`` (:func:`guest_user_ids`)."""
         self.share = check_share(share)
         if not (callable(guest) or guest in ("vm", "scripted")):
             raise ValueError(f"guest must be 'vm', 'scripted' or a factory, not {guest!r}")
@@ -334,6 +362,10 @@ class Session:
         check_mount_points(self.table, self._mount_point_exists)
         self.python_path = list(python_path or [])
         self.network = network
+        # -- the guest user (issue 13)
+        if not isinstance(as_root, bool):
+            raise ValueError(f"as_root must be true or false, not {as_root!r}")
+        self.as_root = as_root
         self.vm_mode = vm_mode
         self.memory_mb = memory_mb
         self.cpus = cpus
@@ -563,7 +595,9 @@ class Session:
         # one connection per guest mount, and room for a remount (limits: sandbox/limits.py)
         limits = ServerLimits(connections_max=max(ServerLimits().connections_max,
                                                   2 * (len(self.table.mounts) + LIVE_MOUNTS_MAX)))
-        server = NinePServer(dict(s.providers), ServerConfig(limits), holds=self.holds)
+        # -- the guest user (issue 13): a VM guest's user sees the folder owner's files as its own
+        owners = guest_owner_map(self.folders[0].path, self.as_root) if self.guest_kind == "vm" else None
+        server = NinePServer(dict(s.providers), ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
         s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
@@ -586,7 +620,8 @@ class Session:
             raise ValueError(f"guest must be 'vm' or 'scripted', not {self.guest_kind!r}")
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
         return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
-                       cpus=self.cpus, disk=disk, progress=self.progress, on_refused=self._net_refused)
+                       cpus=self.cpus, disk=disk, progress=self.progress, on_refused=self._net_refused,
+                       user_ids=guest_user_ids(self.folders[0].path), as_root=self.as_root)
 
     def _net_refused(self, message: str, destination: str) -> None:  # -- network allowlist (issue 13)
         if self.on_event is not None:
@@ -771,6 +806,7 @@ class Session:
             "network": self.network,
             "allow": list(self.allow),
             "vm_mode": self.vm_mode,
+            "as_root": self.as_root,
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,

@@ -81,7 +81,8 @@ class VmGuest:
 
     def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
                  memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None,
-                 on_refused=None, net_resolve=None, net_dial=None):
+                 on_refused=None, net_resolve=None, net_dial=None,
+                 user_ids: tuple[int, int] = (1000, 1000), as_root: bool = False):
         self.run_dir = run_dir
         # -- network allowlist (issue 13): the host-side proxy (sandbox.vm.netproxy) is the guest's
         # only egress; ``on_refused(message, destination)`` hears each refusal, ``net_resolve`` maps
@@ -91,6 +92,9 @@ class VmGuest:
         self.net_resolve = net_resolve
         self.net_dial = net_dial
         self.netproxy = None
+        # -- the guest user (issue 13): commands run as `agent` with these ids unless as_root
+        self.user_ids = user_ids
+        self.as_root = as_root
         self.network = network
         self.allow = list(allow or [])
         self.memory_mb = memory_mb
@@ -136,6 +140,8 @@ class VmGuest:
             self._run(self.netproxy.start(psock, dsock))
             fwd_cmds = [(netproxy.PROXY_PORT, netproxy.relay_command(psock)),
                         (netproxy.DNS_PORT, netproxy.relay_command(dsock))]
+        # -- the guest user (issue 13)
+        append += f" sandbox.uid={self.user_ids[0]} sandbox.gid={self.user_ids[1]}" + (" sandbox.root=1" if self.as_root else "")
         cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=choice.accel, cpu=choice.cpu,
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
