@@ -66,7 +66,8 @@ from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from ..serving.holds import HoldBroker
 from ..vm.control import ControlClosed
-from ..vm.guest import BOOT_TIMEOUT_S, GuestError, GuestMount, VmGuest
+from ..vm import guestroot
+from ..vm.guest import BOOT_TIMEOUT_S, GUEST_ROOTS, GuestError, GuestMount, VmGuest
 from .guest import check_share
 
 log = logging.getLogger("sandbox.session")
@@ -232,11 +233,18 @@ class Session:
                  decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
-                 external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p"):
+                 external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p",
+                 guest_root: str = "host-usr"):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
-        ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet)."""
+        ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet).
+        ``guest_root``: the VM's userland — ``"host-usr"`` (the host's /usr and an allowlisted
+        /etc; :mod:`sandbox.vm.guestroot`) (``"image"``: not yet)."""
+        # -- guest root (issue 13)
+        if guest_root not in GUEST_ROOTS:
+            raise ValueError(f"guest_root must be one of {', '.join(GUEST_ROOTS)}, not {guest_root!r}")
+        self.guest_root = guest_root
         self.share = check_share(share)
         if not (callable(guest) or guest in ("vm", "scripted")):
             raise ValueError(f"guest must be 'vm', 'scripted' or a factory, not {guest!r}")
@@ -522,7 +530,8 @@ class Session:
             raise ValueError(f"guest must be 'vm' or 'scripted', not {self.guest_kind!r}")
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
         return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
-                       cpus=self.cpus, disk=disk, progress=self.progress)
+                       cpus=self.cpus, disk=disk, progress=self.progress,
+                       guest_root=self.guest_root, user_ids=guestroot.user_ids(self.folders[0].path))
 
     def _persistent_disk(self) -> str:
         d = os.path.normpath(vm_state_dir(self.folders[0].path))
