@@ -118,3 +118,11 @@ def test_this_hosts_skeleton_has_no_secret(tmp_path):
         assert not any(part in ("shadow", "gshadow", "ssh", "private", "sudoers") for part in rel.split("/")), rel
         if os.path.isfile(path) and not os.path.islink(path) and rel not in guestroot.generated_etc(1000, 1000):
             assert os.stat(os.path.join("/etc", rel)).st_mode & 0o004, rel
+
+
+@pytest.mark.parametrize("kind", ["image", "host", ""])
+def test_a_session_refuses_a_guest_root_kind_it_cannot_make(tmp_path, kind):
+    from sandbox.session.runtime import Folder, Session
+
+    with pytest.raises(ValueError, match="guest_root must be one of host-usr"):
+        Session([Folder(str(tmp_path))], guest_root=kind)
