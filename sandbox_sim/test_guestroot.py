@@ -126,3 +126,11 @@ def test_a_session_refuses_a_guest_root_kind_it_cannot_make(tmp_path, kind):
 
     with pytest.raises(ValueError, match="guest_root must be one of host-usr"):
         Session([Folder(str(tmp_path))], guest_root=kind)
+
+
+def test_the_sdk_passes_the_guest_root_kind(tmp_path):
+    from sandbox import Sandbox
+
+    assert Sandbox(volumes=[(str(tmp_path), "/w")], guest_root="host-usr")._session.guest_root == "host-usr"
+    with pytest.raises(ValueError, match="guest_root must be one of"):
+        Sandbox(volumes=[(str(tmp_path), "/w")], guest_root="image")
