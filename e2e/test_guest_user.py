@@ -13,7 +13,8 @@ import os
 
 import pytest
 
-from sandbox.session.runtime import Folder, Session, guest_user_ids
+from sandbox.session.runtime import Folder, Session
+from sandbox.vm.guestroot import user_ids as guest_user_ids
 from sandbox_sim import oracle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -88,7 +88,7 @@ def test_tcg_defaults(boot_files):
     assert values(cmd, "-append") == ["console=ttyS0 panic=-1"]
     assert netdev(cmd) == ["user", "id=n0", "restrict=on"]
     assert "virtio-net-pci,netdev=n0" in values(cmd, "-device")
-    assert values(cmd, "-virtfs") == ["local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
+    assert "-virtfs" not in cmd  # nothing of the host's files unless asked
     assert "-qmp" not in cmd and "-drive" not in cmd and "-chardev" not in cmd
 
 
@@ -176,8 +176,30 @@ def test_disk(boot_files, tmp_path):
     assert {"if=virtio", "format=raw", "cache=writeback"} <= set(opts[1:])
 
 
-def test_no_host_root(boot_files):
-    assert "-virtfs" not in qemu.build_command(cfg(boot_files, host_root=False))
+def test_host_root_only_when_asked(boot_files):
+    assert values(qemu.build_command(cfg(boot_files, host_root=True)), "-virtfs") == [
+        "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
+
+
+def test_read_only_exports(boot_files, tmp_path):
+    skel = tmp_path / "ro,ot"
+    skel.mkdir()
+    cmd = qemu.build_command(cfg(boot_files, virtfs_ro=[("hostusr", "/usr"), ("rootskel", str(skel))]))
+    assert values(cmd, "-virtfs") == [
+        "local,path=/usr,mount_tag=hostusr,security_model=none,readonly=on,multidevs=remap",
+        f"local,path={tmp_path}/ro,,ot,mount_tag=rootskel,security_model=none,readonly=on,multidevs=remap"]
+
+
+@pytest.mark.parametrize("tag, path, match", [
+    ("bad tag", "/usr", "one word"), ("x" * 32, "/usr", "one word"), ("t", "/nonexistent-dir", "does not exist")])
+def test_read_only_exports_are_validated(boot_files, tag, path, match):
+    with pytest.raises(ValueError, match=match):
+        qemu.build_command(cfg(boot_files, virtfs_ro=[(tag, path)]))
+
+
+def test_a_read_only_export_tag_is_given_once(boot_files):
+    with pytest.raises(ValueError, match="given twice"):
+        qemu.build_command(cfg(boot_files, virtfs_ro=[("usr", "/usr"), ("usr", "/usr")]))
 
 
 def test_a_full_session_config(boot_files, tmp_path):
@@ -186,13 +208,13 @@ def test_a_full_session_config(boot_files, tmp_path):
     c = cfg(boot_files, accel="kvm", cpu="max", append="quiet", memory_mb=2048, cpus=4,
             qmp_socket=str(tmp_path / "q.sock"), control_socket=str(tmp_path / "c.sock"),
             guestfwds=[(564, str(tmp_path / "9p.sock")), (565, str(tmp_path / "9p.sock"))],
-            network="open", disk=str(disk))
+            network="open", disk=str(disk), virtfs_ro=[("hostusr", "/usr"), ("rootskel", str(tmp_path))])
     cmd = qemu.build_command(c)
     assert cmd == qemu.build_command(c)  # pure
     assert len(values(cmd, "-netdev")) == 1 and "restrict=on" not in netdev(cmd)
     assert [o for o in netdev(cmd) if o.startswith("guestfwd=")] == [
         f"guestfwd=tcp:10.0.2.100:{p}-unix:{tmp_path}/9p.sock" for p in (564, 565)]
-    assert len(values(cmd, "-qmp")) == 1 and len(values(cmd, "-drive")) == 1 and len(values(cmd, "-virtfs")) == 1
+    assert len(values(cmd, "-qmp")) == 1 and len(values(cmd, "-drive")) == 1 and len(values(cmd, "-virtfs")) == 2
 
 
 @pytest.mark.parametrize("change, message", [

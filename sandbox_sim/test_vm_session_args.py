@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from sandbox.session.runtime import Folder, Session, _allow_items, guest_owner_map, guest_user_ids
+from sandbox.session.runtime import Folder, Session, _allow_items, guest_owner_map
+from sandbox.vm.guestroot import user_ids as guest_user_ids
 
 
 def test_folder_spec():

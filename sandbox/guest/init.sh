@@ -9,19 +9,22 @@
 #    sandbox/guest/control.py)
 #   sandbox.msize=BYTES      9P msize for them
 #   sandbox.net=MODE         disabled | open | allowlist
-#   sandbox.upper=tmpfs|disk the writable layer over the read-only host root: tmpfs
+#   sandbox.upper=tmpfs|disk the writable layer over the read-only guest root: tmpfs
 #                            (ephemeral) or the ext4 disk /dev/vda (persistent)
+#   sandbox.rootfs=host-usr  the guest root: the host's /usr (QEMU 9p, tag hostusr) and a
+#                            root skeleton synthesized by the host (tag rootskel; see
+#                            sandbox/vm/guestroot.py), both read-only
 #   sandbox.uid=U sandbox.gid=G  the guest user `agent` commands run as (default 1000:1000)
 #   sandbox.root=1           commands run as root instead (--as-root)
 #
-# Invariants: the host root is mounted read-only (QEMU 9p, tag hostroot) and is never
-# written; the control port is reachable by root only; the shim is restarted if it dies;
+# Invariants: no host file but /usr and the skeleton reaches the guest; both exports are
+# mounted read-only and never written (the skeleton's export is unmounted once copied); the control port is reachable by root only; the shim is restarted if it dies;
 # SANDBOX-READY is printed once everything is mounted and the shim has been started.
 
 say() { echo "sandbox-init: $*"; }
 fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
 
-MSIZE=524288 NET=disabled UPPER=tmpfs
+MSIZE=524288 NET=disabled UPPER=tmpfs ROOTFS=host-usr
 AGENT_UID=1000 AGENT_GID=1000 AS_ROOT=0
 for x in $(cat /proc/cmdline); do
   case "$x" in
@@ -29,6 +32,7 @@ for x in $(cat /proc/cmdline); do
     sandbox.msize=*) MSIZE=${x#*=} ;;
     sandbox.net=*) NET=${x#*=} ;;
     sandbox.upper=*) UPPER=${x#*=} ;;
+    sandbox.rootfs=*) ROOTFS=${x#*=} ;;
     # -- the guest user (issue 13)
     sandbox.uid=*) AGENT_UID=${x#*=} ;;
     sandbox.gid=*) AGENT_GID=${x#*=} ;;
@@ -36,16 +40,26 @@ for x in $(cat /proc/cmdline); do
   esac
 done
 
-# -- the guest userland: the host root, read-only, under a writable overlay
-mkdir -p /host /upper /merged
-mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose hostroot /host || fail "cannot mount the host root"
+# -- guest userland (issue 13): a root without host data. The skeleton (merged-usr links,
+# empty directories, the allowlisted /etc) is copied into a tmpfs that root owns — the export
+# shows the host's owners — and the host's /usr is mounted beside it. Each gets a writable
+# overlay: /upper/root over the skeleton, /upper/usr over /usr (tmpfs, or the persistent disk).
+[ "$ROOTFS" = host-usr ] || fail "unknown guest root kind $ROOTFS"
+mkdir -p /hostusr /skel /lower /upper /merged
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose hostusr /hostusr || fail "cannot mount the host's /usr"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro rootskel /skel || fail "cannot mount the root skeleton"
+mount -t tmpfs -o mode=0755 tmpfs /lower
+cp -a /skel/. /lower/ || fail "cannot copy the root skeleton"
+umount /skel
+chown -R -h 0:0 /lower
 if [ "$UPPER" = disk ]; then
   mount -t ext4 /dev/vda /upper || fail "cannot mount the persistent disk /dev/vda"
 else
   mount -t tmpfs -o mode=0755 tmpfs /upper
 fi
-mkdir -p /upper/root /upper/work
-mount -t overlay overlay -o lowerdir=/host,upperdir=/upper/root,workdir=/upper/work /merged || fail "cannot mount the overlay"
+mkdir -p /upper/root /upper/work /upper/usr /upper/usrwork
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/upper/root,workdir=/upper/work /merged || fail "cannot mount the root overlay"
+mount -t overlay overlay -o lowerdir=/hostusr,upperdir=/upper/usr,workdir=/upper/usrwork /merged/usr || fail "cannot mount the /usr overlay"
 mount -t proc proc /merged/proc
 mount -t sysfs sys /merged/sys
 mount -t devtmpfs dev /merged/dev

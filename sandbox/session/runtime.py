@@ -69,7 +69,8 @@ from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from ..serving.holds import HoldBroker
 from ..vm.control import ControlClosed
-from ..vm.guest import BOOT_TIMEOUT_S, GuestError, GuestMount, VmGuest
+from ..vm import guestroot
+from ..vm.guest import BOOT_TIMEOUT_S, GUEST_ROOTS, GuestError, GuestMount, VmGuest
 from .guest import check_share
 
 log = logging.getLogger("sandbox.session")
@@ -225,17 +226,6 @@ def _allow_items(items: list[str]) -> list[str]:
 
 
 # -- the guest user (issue 13)
-GUEST_UID_FALLBACK = GUEST_GID_FALLBACK = 1000  # when root owns the working folder
-
-
-def guest_user_ids(folder: str) -> tuple[int, int]:
-    """The guest user's uid/gid: the working folder's owner, or 1000/1000 if root owns it."""
-    st = os.stat(folder)
-    if st.st_uid == 0:
-        return GUEST_UID_FALLBACK, GUEST_GID_FALLBACK
-    return st.st_uid, st.st_gid or GUEST_GID_FALLBACK
-
-
 def guest_owner_map(folder: str, as_root: bool) -> OwnerMap | None:
     """What the 9P server reports as owners to a VM guest: the folder owner's and the server's
     own files are the guest user's (else the user could not write where the server creates
@@ -243,7 +233,7 @@ def guest_owner_map(folder: str, as_root: bool) -> OwnerMap | None:
     if as_root:
         return None
     st = os.stat(folder)
-    uid, gid = guest_user_ids(folder)
+    uid, gid = guestroot.user_ids(folder)
     return OwnerMap(host_uids=frozenset({st.st_uid, os.geteuid()}), host_gids=frozenset({st.st_gid, os.getegid()}),
                     guest_uid=uid, guest_gid=gid)
 
@@ -321,13 +311,19 @@ class Session:
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
                  external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p",
-                 as_root: bool = False):
+                 as_root: bool = False, guest_root: str = "host-usr"):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
         ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet).
         ``as_root``: a VM's commands run as root instead of the unprivileged guest user
-        ``agent`` (:func:`guest_user_ids`)."""
+        ``agent`` (:func:`~sandbox.vm.guestroot.user_ids`).
+        ``guest_root``: the VM's userland — ``"host-usr"`` (the host's /usr and an allowlisted
+        /etc; :mod:`sandbox.vm.guestroot`) (``"image"``: not yet)."""
+        # -- guest root (issue 13)
+        if guest_root not in GUEST_ROOTS:
+            raise ValueError(f"guest_root must be one of {', '.join(GUEST_ROOTS)}, not {guest_root!r}")
+        self.guest_root = guest_root
         self.share = check_share(share)
         if not (callable(guest) or guest in ("vm", "scripted")):
             raise ValueError(f"guest must be 'vm', 'scripted' or a factory, not {guest!r}")
@@ -621,7 +617,8 @@ class Session:
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
         return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
                        cpus=self.cpus, disk=disk, progress=self.progress, on_refused=self._net_refused,
-                       user_ids=guest_user_ids(self.folders[0].path), as_root=self.as_root)
+                       guest_root=self.guest_root, user_ids=guestroot.user_ids(self.folders[0].path),
+                       as_root=self.as_root)
 
     def _net_refused(self, message: str, destination: str) -> None:  # -- network allowlist (issue 13)
         if self.on_event is not None:

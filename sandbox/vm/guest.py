@@ -5,7 +5,9 @@ unix socket) at their guest paths and runs commands, relaying output and exit co
 Two implementations share one interface:
 
 * :class:`VmGuest` — a real Linux VM in QEMU (SPEC §5): Debian's kernel, busybox init,
-  the host root read-only under an overlay, the shim on the control channel, QMP;
+  a guest root without host data (the host's ``/usr`` read-only plus a synthesized root
+  skeleton, :mod:`sandbox.vm.guestroot`) under an overlay, the shim on the control
+  channel, QMP;
 * ``sandbox.scripted.guest.ScriptedGuest`` — a test double for the guest only: real 9P
   clients on the same server socket running small file-operation scripts.
 
@@ -37,6 +39,7 @@ import time
 from dataclasses import dataclass
 
 from ..guest import control as proto
+from . import guestroot
 from .console import BootError, Console
 from .control import ControlClient, ControlClosed, MountError
 from .qemu import VmConfig, build_command, probe_accel
@@ -47,7 +50,9 @@ NINEP_PORT = proto.NINEP_PORT
 LIVE_MOUNTS_MAX = proto.LIVE_MOUNTS_MAX
 MSIZE = proto.MSIZE_DEFAULT
 BOOT_TIMEOUT_S = 300.0  # TCG on a loaded 2-core machine; KVM boots in about a second
-SHIM_TIMEOUT_S = 120.0  # python3 start-up over the 9p host root under TCG is several seconds
+SHIM_TIMEOUT_S = 120.0  # python3 start-up over the 9p host /usr under TCG is several seconds
+#: the kinds of guest root (kernel command line ``sandbox.rootfs=``); "image" is not built yet
+GUEST_ROOTS = ("host-usr",)
 
 
 class GuestError(RuntimeError):
@@ -81,8 +86,11 @@ class VmGuest:
 
     def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
                  memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None,
-                 on_refused=None, net_resolve=None, net_dial=None,
-                 user_ids: tuple[int, int] = (1000, 1000), as_root: bool = False):
+                 on_refused=None, net_resolve=None, net_dial=None, guest_root: str = "host-usr",
+                 user_ids: tuple[int, int] = (guestroot.USER_ID_FALLBACK,) * 2, as_root: bool = False):
+        if guest_root not in GUEST_ROOTS:
+            raise ValueError(f"guest_root must be one of {', '.join(GUEST_ROOTS)}, not {guest_root!r}")
+        self.guest_root = guest_root
         self.run_dir = run_dir
         # -- network allowlist (issue 13): the host-side proxy (sandbox.vm.netproxy) is the guest's
         # only egress; ``on_refused(message, destination)`` hears each refusal, ``net_resolve`` maps
@@ -127,7 +135,14 @@ class VmGuest:
         table = os.path.join(self.run_dir, "mounts")
         with open(table, "w") as f:
             f.write(mount_table_text(mounts))
-        append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} "
+        # -- guest root (issue 13): the host's /usr and a per-session skeleton, both read-only
+        skeleton = os.path.join(self.run_dir, "rootskel")
+        try:
+            guestroot.build_skeleton(skeleton, uid=self.user_ids[0], gid=self.user_ids[1])
+        except (guestroot.GuestRootError, OSError) as e:
+            raise GuestError(f"cannot make the guest root: {e}") from None
+        virtfs = [(guestroot.HOST_USR_TAG, "/usr"), (guestroot.SKELETON_TAG, skeleton)]
+        append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} sandbox.rootfs={self.guest_root} "
                   f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
         # -- network allowlist (issue 13): the guest learns nothing of the list; the host enforces it
         fwd_cmds = []
@@ -145,7 +160,7 @@ class VmGuest:
         cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append=append, accel=choice.accel, cpu=choice.cpu,
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
-                       control_socket=os.path.join(self.run_dir, "control.sock"), host_root=True,
+                       control_socket=os.path.join(self.run_dir, "control.sock"), virtfs_ro=virtfs,
                        guestfwds=[(NINEP_PORT + k, socket_path) for k in range(len(mounts))]
                        + [(port, socket_path) for port in proto.live_mount_ports()],
                        fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk,

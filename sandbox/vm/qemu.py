@@ -13,7 +13,10 @@ Measured facts behind the flags (SPEC §5):
   (never a host TCP port: ~10× slower). QEMU names each forward ``guestfwd.tcp.PORT``,
   so two forwards on one port collide. ``restrict=on`` keeps the guest off the network
   and the forwards still work.
-* The host root is QEMU's built-in 9p, read-only, with ``multidevs=remap``.
+* A session guest's root is the host's ``/usr`` and a per-session root skeleton, each a
+  read-only export of QEMU's built-in 9p with ``multidevs=remap`` (``virtfs_ro``;
+  :mod:`sandbox.vm.guestroot`). ``host_root`` (the host's whole ``/``) is for test
+  harnesses only; no session sets it.
 * The control channel is a virtio-serial port named ``control`` whose chardev is a unix
   socket server on the host.
 * On these machines ``/dev/kvm`` exists but ``-cpu host`` aborts (MSR 0x10a) and other
@@ -80,7 +83,9 @@ class VmConfig:
     qmp_socket: str | None = None
     #: host unix socket (QEMU is the server) behind the virtio-serial port named "control"
     control_socket: str | None = None
-    host_root: bool = True  # the host's / as 9p tag "hostroot", read-only
+    host_root: bool = False  # the host's / as 9p tag "hostroot", read-only (test harnesses only)
+    #: (9p mount tag, host directory) exported read-only with QEMU's built-in 9p
+    virtfs_ro: list[tuple[str, str]] = field(default_factory=list)
     #: (guest TCP port on 10.0.2.100, host unix socket path)
     guestfwds: list[tuple[int, str]] = field(default_factory=list)
     network: str = "disabled"  # "disabled" | "allowlist" (both restrict=on) | "open"
@@ -167,6 +172,14 @@ def _validate(cfg: VmConfig) -> None:
                 raise ValueError(f"guestfwd {port}: a command on one line, not {path!r}")
         else:
             _check_socket_path(f"guestfwd {port}", path)
+    tags = {"hostroot"} if cfg.host_root else set()
+    for tag, path in cfg.virtfs_ro:
+        if not re.fullmatch(r"[A-Za-z0-9_]{1,31}", tag) or tag in tags:
+            raise ValueError(f"virtfs tag {tag!r}: one word of [A-Za-z0-9_], at most 31, not given twice")
+        tags.add(tag)
+        _check_path(f"virtfs {tag}", path)
+        if not os.path.isdir(path):
+            raise ValueError(f"virtfs {tag}: directory {path!r} does not exist")
     if cfg.disk is not None:
         _check_path("disk", cfg.disk)
         if not os.path.isfile(cfg.disk):
@@ -207,6 +220,8 @@ def build_command(cfg: VmConfig) -> list[str]:
     cmd += ["-device", "virtio-rng-pci"]  # entropy early in boot (python3 start-up, TLS)
     if cfg.host_root:
         cmd += ["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]
+    for tag, path in cfg.virtfs_ro:
+        cmd += ["-virtfs", f"local,path={escape_opt(path)},mount_tag={tag},security_model=none,readonly=on,multidevs=remap"]
     if cfg.control_socket is not None:
         cmd += ["-chardev", f"socket,id=control,path={escape_opt(cfg.control_socket)},server=on,wait=off",
                 "-device", "virtio-serial-pci",
