@@ -7,6 +7,7 @@ image's userland; the host's secrets are absent; the image's own python3/git are
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -25,9 +26,13 @@ def image_root(vm_guest):
 
 
 def test_a_command_runs_in_a_guest_on_an_image_root(image_root, tmp_path):
-    (tmp_path / "hello.txt").write_text("hi\n")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "hello.txt").write_text("hi\n")
     out: list[str] = []
-    with Session([Folder(str(tmp_path))], guest_root="image", guest_packages=PACKAGES) as s:
+    t0 = time.monotonic()
+    with Session([Folder(str(project))], guest_root="image", guest_packages=PACKAGES) as s:
+        print(f"image root: session start {time.monotonic() - t0:.1f} s (boot_s {s.status()['boot_s']})")
         r = s.run("id -un; cat /etc/os-release | grep ^VERSION_CODENAME; git --version; "
                   "python3 -c 'import sys; print(sys.version_info[:2])'; cat hello.txt; "
                   "test -e /etc/shadow && echo SHADOW-PRESENT; grep -c . /etc/passwd; "
@@ -41,4 +46,4 @@ def test_a_command_runs_in_a_guest_on_an_image_root(image_root, tmp_path):
     assert "hi\n" in text and "usr-mounted" in text
     assert "SHADOW-PRESENT" not in text  # neither the host's nor the image's shadow file
     assert "3\n" in text  # root, agent, nobody: the generated passwd
-    assert (tmp_path / "new.txt").read_text() == "made\n"
+    assert (project / "new.txt").read_text() == "made\n"
