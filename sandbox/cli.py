@@ -203,7 +203,8 @@ def cmd_demo(args) -> int:
 
             progress = lambda msg: print(f"sandbox: {msg}", flush=True)  # noqa: E731
             try:
-                with Session([Folder(work)], state_dirs=[state], progress=progress, as_root=args.as_root) as session:
+                with Session([Folder(work)], state_dirs=[state], progress=progress, as_root=args.as_root,
+                             guest_root=args.guest_root, guest_packages=_guest_packages(args)) as session:
                     print(f"\nguest$ cd /mnt/working/0 && {destructive} && ls -la", flush=True)
                     r = session.run(destructive + " && ls -la", _stream)
                     print(f"(step {r.step_id}, exit {r.exit_code}; the VM is stopped now)", flush=True)
@@ -222,6 +223,34 @@ def cmd_demo(args) -> int:
             shutil.rmtree(base, ignore_errors=True)
         else:
             print(f"kept {base}")
+
+
+def _guest_root_args(sp, build: bool = False) -> None:
+    """--guest-root/--guest-packages (issue 13) on the session commands and `guest build`."""
+    sp.add_argument("--guest-root", choices=["host-usr", "image"], default="host-usr",
+                    help=("also build (or locate) this guest root: image builds the Debian root a session with "
+                          "--guest-root image uses (default host-usr: nothing to build)" if build else
+                          "the guest's userland: host-usr (default; the host's /usr read-only and an allowlisted /etc) "
+                          "or image (a Debian root built once by mmdebstrap from the host's apt sources, cached)"))
+    sp.add_argument("--guest-packages", metavar="PKG,…",
+                    help="the image root's Debian packages (default: " + ",".join(_default_packages())
+                         + "; python3 is always added)")
+
+
+def _default_packages():
+    from .vm.imageroot import DEFAULT_PACKAGES
+    return DEFAULT_PACKAGES
+
+
+def _guest_packages(args) -> list[str] | None:
+    """The --guest-packages list (None when not given); a usage error without --guest-root image."""
+    from .vm.imageroot import parse_packages
+
+    if args.guest_packages is None:
+        return None
+    if args.guest_root != "image":
+        raise CliError("--guest-packages needs --guest-root image", EXIT_USAGE)
+    return parse_packages(args.guest_packages)
 
 
 def _session(args):
@@ -245,6 +274,7 @@ def _session(args):
                        memory_mb=args.memory, safeguard=safeguard, decide=decide,
                        state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
                        as_root=args.as_root,  # -- the guest user (issue 13)
+                       guest_root=args.guest_root, guest_packages=_guest_packages(args),  # -- guest root (issue 13)
                        progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
@@ -362,12 +392,27 @@ def cmd_guest(args) -> int:
     from .session.runtime import Folder, Session
 
     if args.action == "build":
+        if args.guest_root == "image":  # refuse a bad package list before any download
+            from .vm.imageroot import validate_packages
+            try:
+                validate_packages(_guest_packages(args))
+            except ValueError as e:
+                raise CliError(str(e), EXIT_USAGE) from None
         print("sandbox: fetching Debian's kernel package and building the initramfs (cached) …", file=sys.stderr)
         try:
             img = vm_image.guest_image()
         except vm_image.ImageError as e:
             raise CliError(str(e), EXIT_FAILED) from None
         print(f"kernel:    {img.vmlinuz}\ninitramfs: {img.initrd}")
+        if args.guest_root == "image":  # -- guest root (issue 13)
+            from .vm import imageroot
+
+            try:
+                root = imageroot.ensure_root(_guest_packages(args),
+                                             progress=lambda m: print(f"sandbox: {m}", file=sys.stderr, flush=True))
+            except (ValueError, imageroot.ImageRootError) as e:
+                raise CliError(str(e), EXIT_FAILED if isinstance(e, imageroot.ImageRootError) else EXIT_USAGE) from None
+            print(f"image root: {root}")
         return EXIT_OK
     if not args.workdir:
         raise CliError("guest reset needs --workdir DIR (the first working folder of the persistent VM)", EXIT_USAGE)
@@ -591,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--as-root", action="store_true",
                         help="run commands as root in the guest (default: as the unprivileged user `agent`, "
                              "uid/gid of the first working folder's owner, 1000 if root owns it)")
+        _guest_root_args(sp)
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",
@@ -626,6 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
         [(0, "done"), (1, "the image cannot be built here (the message says why)"), (2, "bad usage")])
     g.add_argument("action", choices=["build", "reset"])
     g.add_argument("--workdir", metavar="DIR", help="for reset: the session's first working folder")
+    _guest_root_args(g, build=True)
     g.set_defaults(fn=cmd_guest)
     s9 = command(
         "serve-9p", "serve a folder to 9P2000.L clients; every write lands in an undoable step",
@@ -700,6 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "instead of in a VM (no QEMU needed)")
     demo.add_argument("--as-root", action="store_true",  # -- the guest user (issue 13)
                       help="run the destructive command as root in the guest (default: as the user `agent`)")
+    _guest_root_args(demo)
     demo.set_defaults(fn=cmd_demo)
     return p
 

@@ -163,7 +163,7 @@ class Sandbox:
                  safeguard: SafeguardConfig | None = None, limits: Limits | None = None,
                  external_modification_policy: str | None = "barrier", guest: str | Callable = "vm",
                  share: str = "9p", restrict: str | None = None, read_only: bool = False,
-                 guest_root: str = "host-usr",
+                 guest_root: str = "host-usr", guest_packages: list[str] | None = None,
                  on_event: Callable[[dict], Any] | None = None,
                  on_safeguard: Callable[[dict], Any] | None = None, progress: Callable[[str], None] | None = None,
                  as_root: bool = False):
@@ -187,7 +187,8 @@ class Sandbox:
                                 cpus=cpus, safeguard=safeguard, limits=limits,
                                 on_event=self._on_core_event, progress=progress, mounts=mems,
                                 python_path=python_path, external_policy=external_modification_policy,
-                                guest=guest, share=share, as_root=as_root, guest_root=guest_root)
+                                guest=guest, share=share, as_root=as_root, guest_root=guest_root,
+                                guest_packages=guest_packages)
         self._on_event = on_event
         #: the view (seed 004) the guest and ``files`` get: a guest path and read-only flag,
         #: None/False = everything; applied at start, narrowed further by :meth:`restrict`

@@ -120,7 +120,7 @@ def test_this_hosts_skeleton_has_no_secret(tmp_path):
             assert os.stat(os.path.join("/etc", rel)).st_mode & 0o004, rel
 
 
-@pytest.mark.parametrize("kind", ["image", "host", ""])
+@pytest.mark.parametrize("kind", ["debian", "host", ""])
 def test_a_session_refuses_a_guest_root_kind_it_cannot_make(tmp_path, kind):
     from sandbox.session.runtime import Folder, Session
 
@@ -132,5 +132,7 @@ def test_the_sdk_passes_the_guest_root_kind(tmp_path):
     from sandbox import Sandbox
 
     assert Sandbox(volumes=[(str(tmp_path), "/w")], guest_root="host-usr")._session.guest_root == "host-usr"
+    sb = Sandbox(volumes=[(str(tmp_path), "/w")], guest_root="image", guest_packages=["git"])
+    assert (sb._session.guest_root, sb._session.guest_packages) == ("image", ["git", "python3"])
     with pytest.raises(ValueError, match="guest_root must be one of"):
-        Sandbox(volumes=[(str(tmp_path), "/w")], guest_root="image")
+        Sandbox(volumes=[(str(tmp_path), "/w")], guest_root="debian")

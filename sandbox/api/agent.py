@@ -258,7 +258,8 @@ class Agent:
                 safeguard=self._safeguard_config(SafeguardConfig(), sg), limits=Limits(**self._limits(limits)) if limits else None,
                 on_event=self._on_core_event, progress=self.progress, mounts=mem,
                 python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
-                guest=self.guest, as_root=p.get("as_root", self.as_root))
+                guest=self.guest, as_root=p.get("as_root", self.as_root),
+                guest_root=p.get("guest_root", "host-usr"), guest_packages=p.get("guest_packages"))
         except ApiError:
             raise
         except Exception as e:  # the mount table's own codes stand; anything else is the payload's fault
@@ -335,7 +336,7 @@ class Agent:
             state = "stopped" if st["vm"] == "stopped" else "error"
         return {"state": state, "vm": st["vm"], "guest": st["guest"], "accel": st["accel"],
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
-                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "folders": self._folders(s), "mounts": st["mounts"],
+                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"], "folders": self._folders(s), "mounts": st["mounts"],
                 "running": None if r is None else {"request_id": r.request_id},
                 "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",

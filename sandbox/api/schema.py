@@ -142,6 +142,15 @@ REQUESTS: dict[str, dict] = {
         "as_root": {**BOOL, "description": "Commands run as root in the guest. Default false: as the unprivileged "
                     "user `agent` (uid/gid of the first working directory's owner; 1000 if root owns it), no sudo; "
                     "the control port and the shim are unreachable from it."},
+        "guest_root": {"enum": ["host-usr", "image"], "description": "The guest's userland. host-usr (default): the "
+                       "host's /usr read-only and an /etc synthesized from an allowlist of non-secret files; image: a "
+                       "Debian root built once by mmdebstrap from the host's apt sources (cached under "
+                       "~/.cache/sandbox/guest/roots/; the first start downloads its packages)."},
+        "guest_packages": {"type": "array", "maxItems": 256, "uniqueItems": True,
+                           "items": _str(128, 2, pattern="^[a-z0-9][a-z0-9+.-]+$"),
+                           "description": "The image root's Debian packages (only with guest_root image; default "
+                           "python3, python3-venv, python3-pip, git, ca-certificates, build-essential, nftables; "
+                           "python3 is always added)."},
         "external_modification_policy": {"enum": ["barrier", "warn", "lock"]},
         "safeguard": _obj(SAFEGUARD_CONFIG),
         "undo_limits": _obj(UNDO_LIMITS),
@@ -220,7 +229,7 @@ RESULTS: dict[str, dict] = {
     "session.reset": _open({}),
     "session.status": _open({"state": {"enum": ["not_started", "idle", "running", "stopped", "error"]},
                              "vm": STR, "guest": {"type": ["string", "null"]}, "accel": {"type": ["string", "null"]},
-                             "as_root": BOOL,
+                             "as_root": BOOL, "guest_root": {"enum": ["host-usr", "image"]},
                              "folders": {"type": "array", "items": FOLDER}, "mounts": {"type": "array", "items": MOUNT},
                              "running": {"type": ["object", "null"]},
                              "pending_safeguards": {"type": "array", "items": _ref("event.safeguard_triggered")},

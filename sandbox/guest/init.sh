@@ -14,6 +14,8 @@
 #   sandbox.rootfs=host-usr  the guest root: the host's /usr (QEMU 9p, tag hostusr) and a
 #                            root skeleton synthesized by the host (tag rootskel; see
 #                            sandbox/vm/guestroot.py), both read-only
+#   sandbox.rootfs=image     the same with a cached Debian root's /usr (tag imageusr) and a
+#                            skeleton with its /etc (sandbox/vm/imageroot.py)
 #   sandbox.uid=U sandbox.gid=G  the guest user `agent` commands run as (default 1000:1000)
 #   sandbox.root=1           commands run as root instead (--as-root)
 #
@@ -44,9 +46,13 @@ done
 # empty directories, the allowlisted /etc) is copied into a tmpfs that root owns — the export
 # shows the host's owners — and the host's /usr is mounted beside it. Each gets a writable
 # overlay: /upper/root over the skeleton, /upper/usr over /usr (tmpfs, or the persistent disk).
-[ "$ROOTFS" = host-usr ] || fail "unknown guest root kind $ROOTFS"
+case "$ROOTFS" in
+  host-usr) USRTAG=hostusr ;;
+  image) USRTAG=imageusr ;;
+  *) fail "unknown guest root kind $ROOTFS" ;;
+esac
 mkdir -p /hostusr /skel /lower /upper /merged
-mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose hostusr /hostusr || fail "cannot mount the host's /usr"
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose $USRTAG /hostusr || fail "cannot mount the guest root's /usr ($USRTAG)"
 mount -t 9p -o trans=virtio,version=9p2000.L,ro rootskel /skel || fail "cannot mount the root skeleton"
 mount -t tmpfs -o mode=0755 tmpfs /lower
 cp -a /skel/. /lower/ || fail "cannot copy the root skeleton"

@@ -69,7 +69,7 @@ from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from ..serving.holds import HoldBroker
 from ..vm.control import ControlClosed
-from ..vm import guestroot
+from ..vm import guestroot, imageroot
 from ..vm.guest import BOOT_TIMEOUT_S, GUEST_ROOTS, GuestError, GuestMount, VmGuest
 from .guest import check_share
 
@@ -311,7 +311,7 @@ class Session:
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
                  external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p",
-                 as_root: bool = False, guest_root: str = "host-usr"):
+                 as_root: bool = False, guest_root: str = "host-usr", guest_packages: list[str] | None = None):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
@@ -319,11 +319,17 @@ class Session:
         ``as_root``: a VM's commands run as root instead of the unprivileged guest user
         ``agent`` (:func:`~sandbox.vm.guestroot.user_ids`).
         ``guest_root``: the VM's userland — ``"host-usr"`` (the host's /usr and an allowlisted
-        /etc; :mod:`sandbox.vm.guestroot`) (``"image"``: not yet)."""
+        /etc; :mod:`sandbox.vm.guestroot`) or ``"image"`` (a cached Debian root built by
+        mmdebstrap; :mod:`sandbox.vm.imageroot`). ``guest_packages``: the image root's Debian
+        packages (default :data:`~sandbox.vm.imageroot.DEFAULT_PACKAGES`; python3 always);
+        only with ``guest_root="image"``."""
         # -- guest root (issue 13)
         if guest_root not in GUEST_ROOTS:
             raise ValueError(f"guest_root must be one of {', '.join(GUEST_ROOTS)}, not {guest_root!r}")
         self.guest_root = guest_root
+        if guest_packages is not None and guest_root != "image":
+            raise ValueError("guest_packages needs guest_root='image' (host-usr has the host's software)")
+        self.guest_packages = list(imageroot.validate_packages(guest_packages)) if guest_root == "image" else None
         self.share = check_share(share)
         if not (callable(guest) or guest in ("vm", "scripted")):
             raise ValueError(f"guest must be 'vm', 'scripted' or a factory, not {guest!r}")
@@ -618,7 +624,7 @@ class Session:
         return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
                        cpus=self.cpus, disk=disk, progress=self.progress, on_refused=self._net_refused,
                        guest_root=self.guest_root, user_ids=guestroot.user_ids(self.folders[0].path),
-                       as_root=self.as_root)
+                       as_root=self.as_root, guest_packages=self.guest_packages)
 
     def _net_refused(self, message: str, destination: str) -> None:  # -- network allowlist (issue 13)
         if self.on_event is not None:
@@ -804,6 +810,8 @@ class Session:
             "allow": list(self.allow),
             "vm_mode": self.vm_mode,
             "as_root": self.as_root,
+            "guest_root": self.guest_root,
+            "guest_packages": self.guest_packages,
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 
 from ..guest import control as proto
-from . import guestroot
+from . import guestroot, imageroot
 from .console import BootError, Console
 from .control import ControlClient, ControlClosed, MountError
 from .qemu import VmConfig, build_command, probe_accel
@@ -51,8 +51,9 @@ LIVE_MOUNTS_MAX = proto.LIVE_MOUNTS_MAX
 MSIZE = proto.MSIZE_DEFAULT
 BOOT_TIMEOUT_S = 300.0  # TCG on a loaded 2-core machine; KVM boots in about a second
 SHIM_TIMEOUT_S = 120.0  # python3 start-up over the 9p host /usr under TCG is several seconds
-#: the kinds of guest root (kernel command line ``sandbox.rootfs=``); "image" is not built yet
-GUEST_ROOTS = ("host-usr",)
+#: the kinds of guest root (kernel command line ``sandbox.rootfs=``): the host's /usr
+#: (:mod:`sandbox.vm.guestroot`) or a cached Debian root (:mod:`sandbox.vm.imageroot`)
+GUEST_ROOTS = ("host-usr", "image")
 
 
 class GuestError(RuntimeError):
@@ -87,10 +88,13 @@ class VmGuest:
     def __init__(self, *, run_dir: str, network: str = "disabled", allow: list[str] | None = None,
                  memory_mb: int = 1024, cpus: int = 2, disk: str | None = None, progress=None,
                  on_refused=None, net_resolve=None, net_dial=None, guest_root: str = "host-usr",
-                 user_ids: tuple[int, int] = (guestroot.USER_ID_FALLBACK,) * 2, as_root: bool = False):
+                 user_ids: tuple[int, int] = (guestroot.USER_ID_FALLBACK,) * 2, as_root: bool = False,
+                 guest_packages=None):
         if guest_root not in GUEST_ROOTS:
             raise ValueError(f"guest_root must be one of {', '.join(GUEST_ROOTS)}, not {guest_root!r}")
         self.guest_root = guest_root
+        #: the image root's packages (validated; None for host-usr)
+        self.guest_packages = imageroot.validate_packages(guest_packages) if guest_root == "image" else None
         self.run_dir = run_dir
         # -- network allowlist (issue 13): the host-side proxy (sandbox.vm.netproxy) is the guest's
         # only egress; ``on_refused(message, destination)`` hears each refusal, ``net_resolve`` maps
@@ -135,13 +139,21 @@ class VmGuest:
         table = os.path.join(self.run_dir, "mounts")
         with open(table, "w") as f:
             f.write(mount_table_text(mounts))
-        # -- guest root (issue 13): the host's /usr and a per-session skeleton, both read-only
+        # -- guest root (issue 13): a /usr (the host's, or a cached image root's) and a
+        # per-session skeleton, both read-only
         skeleton = os.path.join(self.run_dir, "rootskel")
         try:
-            guestroot.build_skeleton(skeleton, uid=self.user_ids[0], gid=self.user_ids[1])
+            if self.guest_root == "image":
+                root = imageroot.ensure_root(list(self.guest_packages), progress=self.progress)
+                guestroot.build_skeleton(skeleton, uid=self.user_ids[0], gid=self.user_ids[1], host_root=root,
+                                         etc_entries=imageroot.etc_entries(root))
+                usr = (imageroot.IMAGE_USR_TAG, os.path.join(root, "usr"))
+            else:
+                guestroot.build_skeleton(skeleton, uid=self.user_ids[0], gid=self.user_ids[1])
+                usr = (guestroot.HOST_USR_TAG, "/usr")
         except (guestroot.GuestRootError, OSError) as e:
             raise GuestError(f"cannot make the guest root: {e}") from None
-        virtfs = [(guestroot.HOST_USR_TAG, "/usr"), (guestroot.SKELETON_TAG, skeleton)]
+        virtfs = [usr, (guestroot.SKELETON_TAG, skeleton)]
         append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} sandbox.rootfs={self.guest_root} "
                   f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
         # -- network allowlist (issue 13): the guest learns nothing of the list; the host enforces it

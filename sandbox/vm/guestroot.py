@@ -149,10 +149,12 @@ def merged_usr_links(host_root: str = "/") -> dict[str, str]:
     return links
 
 
-def build_skeleton(dest: str, *, uid: int, gid: int, host_root: str = "/") -> None:
+def build_skeleton(dest: str, *, uid: int, gid: int, host_root: str = "/", etc_entries: list[str] | None = None) -> None:
     """Write the root skeleton (everything of the guest root but ``/usr``'s contents) into
     the new directory ``dest``. Raises GuestRootError when the host cannot lend its /usr
-    or its allowlisted /etc is over the bounds."""
+    or its allowlisted /etc is over the bounds. ``etc_entries`` (relative to
+    ``host_root``/etc, sorted): what of /etc to copy instead of the allowlist — an image root's
+    own /etc (:func:`sandbox.vm.imageroot.etc_entries`); the same checks and bounds apply."""
     host_etc = os.path.join(host_root, "etc")
     links = merged_usr_links(host_root)
     os.makedirs(dest)
@@ -164,7 +166,7 @@ def build_skeleton(dest: str, *, uid: int, gid: int, host_root: str = "/") -> No
         os.chmod(p, mode)
     etc = os.path.join(dest, "etc")
     os.mkdir(etc, 0o755)
-    entries = allowed_etc(host_etc)
+    entries = allowed_etc(host_etc) if etc_entries is None else [e for e in etc_entries if not _never(e)]
     if len(entries) > ETC_ENTRIES_MAX:
         raise GuestRootError(f"the allowlisted /etc has {len(entries)} entries, more than {ETC_ENTRIES_MAX}")
     total = 0
