@@ -30,16 +30,36 @@ SHARE_SOURCE = "10.0.2.100"  # the 9P shares: QEMU guestfwd to the session's ser
 RUNTIME_PREFIXES = ("/run/", "/tmp/", "/home/agent", "/mnt/working", "/etc/resolv.conf", "/root/", "/var/tmp/")
 
 
-@pytest.fixture(scope="module")
-def guest(vm_guest, tmp_path_factory):
-    """One session VM for the probes; its project folder, undo store and XDG state are known."""
+def _session(tmp_path_factory, as_root: bool):
     base = tmp_path_factory.mktemp("iso")
     project = base / "project"
     project.mkdir()
     (project / "hello.txt").write_text("hi\n")
     state = base / "undo-store"
-    with Session([Folder(str(project), state_dir=str(state))]) as s:
+    return Session([Folder(str(project), state_dir=str(state))], as_root=as_root), project, state
+
+
+@pytest.fixture(scope="module")
+def guest(vm_guest, tmp_path_factory):
+    """One session VM for the probes, commands as the agent's user; its project folder, undo
+    store and XDG state are known."""
+    s, project, state = _session(tmp_path_factory, as_root=False)
+    with s:
         yield s, project, state
+
+
+@pytest.fixture(scope="module")
+def root_guest(vm_guest, tmp_path_factory):
+    """The same with commands as guest root (``as_root``): the strongest prober."""
+    s, project, state = _session(tmp_path_factory, as_root=True)
+    with s:
+        yield s, project, state
+
+
+@pytest.fixture(params=["agent", "root"])
+def prober(request):
+    """The probes run as the agent's user and as guest root."""
+    return request.getfixturevalue("guest" if request.param == "agent" else "root_guest")
 
 
 def sh(s: Session, command: str) -> tuple[int, str]:
@@ -48,8 +68,8 @@ def sh(s: Session, command: str) -> tuple[int, str]:
     return r.exit_code, "".join(out)
 
 
-def test_host_secrets_homes_checkout_and_undo_store_are_absent(guest):
-    s, project, state = guest
+def test_host_secrets_homes_checkout_and_undo_store_are_absent(prober):
+    s, project, state = prober
     assert state.is_dir() and os.listdir(state), "the undo store exists on the host"
     probes = ["/etc/shadow", "/etc/gshadow", "/etc/sudoers", "/etc/ssh", "/etc/ssl/private", "/etc/pip.conf",
               "/etc/gitconfig", CHECKOUT, str(state), str(project), os.path.expanduser("~/.ssh"),
@@ -67,17 +87,19 @@ def test_host_secrets_homes_checkout_and_undo_store_are_absent(guest):
     assert root_line.strip() in ("ROOT:", ) or "Permission denied" in root_line, root_line
 
 
-def test_shadow_reads_fail_in_the_guest(guest):
-    s, _project, _state = guest
+def test_shadow_reads_fail_in_the_guest(prober):
+    s, _project, _state = prober
     code, out = sh(s, "cat /etc/shadow /etc/ssh/ssh_host_ed25519_key 2>&1; echo rc=$?")
     assert "rc=1" in out and "No such file" in out, out
     assert "root:$" not in out and "PRIVATE KEY" not in out, out
 
 
-def test_the_guest_root_outside_usr_is_the_skeleton(guest, tmp_path):
+def test_the_guest_root_outside_usr_is_the_skeleton(root_guest, tmp_path):
     """Every path of the guest root outside /usr and the pseudo filesystems was made by
-    the host's skeleton builder or at run time — nothing else of the host's."""
-    s, _project, _state = guest
+    the host's skeleton builder or at run time — nothing else of the host's (found as guest
+    root, who can read every directory)."""
+    s, _project, _state = root_guest
+    guest = root_guest
     skel = tmp_path / "skel"
     uid, gid = guestroot.user_ids(str(guest[1]))
     guestroot.build_skeleton(str(skel), uid=uid, gid=gid)

@@ -18,7 +18,6 @@ import pytest
 from sandbox.guest import control as proto
 from sandbox.mounts.memory import memory_tree
 from sandbox.mounts.provider import Provider
-from sandbox.ninep.connection import Export
 from sandbox.ninep.server import NinePServer, ServerThread
 from sandbox.vm.guest import GuestError, GuestMount, VmGuest
 
@@ -29,11 +28,6 @@ COMMAND_TIMEOUT_S = 120.0
 @pytest.fixture(scope="module", autouse=True)
 def guest_available(vm_guest):
     """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
-
-
-def add_export(server: NinePServer, name: str, provider: Provider) -> None:
-    """What the session does for a live mount: one more export on the running server (on its loop)."""
-    server.exports[name] = Export(provider, None, server.config.limits)
 
 
 class Vm:
@@ -65,7 +59,9 @@ def vm(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     server = NinePServer({"w0": Provider.read_only_dir(str(share))})
     with ServerThread(server, unix_path=str(run_dir / "9p.sock")) as st:
-        guest = VmGuest(run_dir=str(run_dir), memory_mb=512, cpus=1)
+        # as root: this suite is about the mount mechanism; the share's files belong to whoever runs
+        # the tests, without the session's owner mapping (e2e/test_guest_user.py covers the user)
+        guest = VmGuest(run_dir=str(run_dir), memory_mb=512, cpus=1, as_root=True)
         try:
             guest.boot(socket_path=str(run_dir / "9p.sock"), mounts=[GuestMount("w0", "/mnt/w", True)], loop=st.loop)
             yield Vm(st, guest)
@@ -74,7 +70,7 @@ def vm(tmp_path_factory):
 
 
 def test_a_live_export_mounted_after_boot_is_read_in_the_guest(vm):
-    vm.st.call(lambda: add_export(vm.st.server, "l0", memory_tree({"hello.txt": b"live\n", "sub/x.txt": b"x\n"})))
+    vm.st.call(lambda: vm.st.server.add_export("l0", memory_tree({"hello.txt": b"live\n", "sub/x.txt": b"x\n"})))
     vm.mount("l0", "/mnt/tools/live")
     code, out, err = vm.sh("cat /mnt/tools/live/hello.txt /mnt/w/a.txt; ls /mnt/tools/live/sub")
     assert (code, out) == (0, "live\nboot share\nx.txt\n"), err
@@ -93,7 +89,7 @@ def test_a_live_export_mounted_after_boot_is_read_in_the_guest(vm):
 def test_every_spare_port_mounts_again_after_unmount_and_one_more_is_refused(vm):
     files = {f"l{k}": {"who": f"export {k}\n".encode()} for k in range(1, proto.LIVE_MOUNTS_MAX + 2)}
     for name, tree in files.items():
-        vm.st.call(lambda name=name, tree=tree: add_export(vm.st.server, name, memory_tree(tree, writable=True)))
+        vm.st.call(lambda name=name, tree=tree: vm.st.server.add_export(name, memory_tree(tree, writable=True)))
     names = list(files)[: proto.LIVE_MOUNTS_MAX]
     for k, name in enumerate(names):  # the first port was used and released by the test above
         vm.mount(name, f"/mnt/m{k}", read_only=(k % 2 == 0))

@@ -18,7 +18,7 @@ import pytest
 from sandbox.session.runtime import Folder, Session
 from sandbox.vm.guest import VmGuest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]  # the allowlist is threat-model evidence: in the default run
 
 NAMES = {"allowed.test": ["192.0.2.3"], "blocked.test": ["192.0.2.2"]}
 

@@ -23,7 +23,6 @@ from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.mounts import Provider, memory_tree
 from sandbox.guest.control import LIVE_MOUNTS_MAX
-from sandbox.ninep.connection import Export
 from sandbox.ninep.server import NinePServer, ServerConfig, ServerThread
 from sandbox_sim import oracle
 from sandbox.scripted.guest import (
@@ -550,8 +549,7 @@ def test_boot_failure_leaves_nothing_open(rig):
 
 def test_a_live_mount_is_visible_at_once_then_gone_after_unmount(rig):
     add = {"hello.txt": b"live\n", "sub/x": b"x\n"}
-    rig.st.call(lambda: rig.st.server.exports.__setitem__(
-        "l0", Export(memory_tree(add), None, rig.st.server.config.limits)))
+    rig.st.call(lambda: rig.st.server.add_export("l0", memory_tree(add)))
     assert rig.run("cat /mnt/live/hello.txt", step=False).err == "cat: /mnt/live/hello.txt: not in a shared folder\n"
     rig.st.run(rig.guest.mount(GuestMount("l0", "/mnt/live", True)))
     r = rig.run("cat /mnt/live/hello.txt; ls /mnt/live/sub", step=False)
