@@ -2,8 +2,9 @@
 
 Every guest program runs as one step; each step is then undone on its own, newest first,
 and the tree must equal the snapshot taken before it (the tree oracle, byte-exact). The
-guest is Debian's kernel under QEMU (TCG here), the host's userland read-only under an
-overlay, the working folders over the intercepting 9P server. Skipped with the reason
+guest is Debian's kernel under QEMU (TCG here) on the session's guest root (the host's /usr
+and an allowlisted /etc, under an overlay), commands as the user ``agent``, the working
+folders over the intercepting 9P server. Skipped with the reason
 where QEMU or the guest image cannot be had. The default run boots a few guests (about
 10 s each under TCG); the rest is marked slow (the full run).
 """
