@@ -64,9 +64,9 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from ..hostfs import ABSENT_ERRNOS, DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
+from ..hostfs import DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
 
-__all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "lstat_or_none", "OURS", "EXTERNAL", "BUSY"]
+__all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "OURS", "EXTERNAL", "BUSY"]
 
 OURS = "ours"
 EXTERNAL = "external"
@@ -91,20 +91,6 @@ def signature(st: Stat | Attr | None) -> Signature | None:
     if st.kind == DIR:
         return (st.kind, st.ino, st.mode)
     return (st.kind, st.ino, st.mode, st.size, st.mtime_ns, st.ctime_ns, st.nlink)
-
-
-def lstat_or_none(fs: HostFS) -> Callable[[str], Stat | None]:
-    """``fs.lstat`` with "nothing there" (``ENOENT``, ``ENOTDIR``, a symlink on the way) as ``None``."""
-
-    def lstat(path: str) -> Stat | None:
-        try:
-            return fs.lstat(path)
-        except OSError as e:
-            if e.errno in ABSENT_ERRNOS:
-                return None
-            raise
-
-    return lstat
 
 
 class _Rec:
@@ -143,8 +129,8 @@ class OwnWrites:
 
     @classmethod
     def for_fs(cls, fs: HostFS, **kwargs) -> "OwnWrites":
-        """A journal that looks at the folder through ``fs`` (see :func:`lstat_or_none`)."""
-        return cls(lstat_or_none(fs), **kwargs)
+        """A journal that looks at the folder through ``fs`` (``fs.lstat_or_none``)."""
+        return cls(fs.lstat_or_none, **kwargs)
 
     # ------------------------------------------------------------------ recording
 

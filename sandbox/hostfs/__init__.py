@@ -372,6 +372,17 @@ class Lock(Protocol):
     def release(self) -> None: ...
 
 
+
+def absent_as_none(lstat, path: str):
+    """``lstat(path)``, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`: ``ENOENT``,
+    ``ENOTDIR``, a symlink on the way) — the one rule every "is it there?" uses."""
+    try:
+        return lstat(path)
+    except OSError as e:
+        if e.errno in ABSENT_ERRNOS:
+            return None
+        raise
+
 class HostFS(ABC):
     """Every host operation the core performs. Paths are normalised and relative."""
 
@@ -384,22 +395,11 @@ class HostFS(ABC):
     def exists(self, path: str) -> bool:
         """Is an object at ``path``, reachable without following a symlink? A file or a
         symlink as a parent means "no" (:data:`ABSENT_ERRNOS`)."""
-        try:
-            self.lstat(path)
-        except OSError as e:
-            if e.errno in ABSENT_ERRNOS:
-                return False
-            raise
-        return True
+        return self.lstat_or_none(path) is not None
 
     def lstat_or_none(self, path: str) -> Stat | None:
         """:meth:`lstat`, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`)."""
-        try:
-            return self.lstat(path)
-        except OSError as e:
-            if e.errno in ABSENT_ERRNOS:
-                return None
-            raise
+        return absent_as_none(self.lstat, path)
 
     @abstractmethod
     def getattr(self, path: str) -> Attr:

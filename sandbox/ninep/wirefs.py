@@ -21,7 +21,7 @@ import tempfile
 from typing import Iterator
 
 from ..core.intercepted_fs import TreeOps
-from ..hostfs import ABSENT_ERRNOS, DIR, LNK, OTHER, REG, Stat, normalize, parent_of
+from ..hostfs import absent_as_none, DIR, LNK, OTHER, REG, Stat, normalize, parent_of
 from ..mounts import Provider
 from . import messages as m
 from .client import Client
@@ -90,13 +90,7 @@ class WireFS(TreeOps):
 
     def exists(self, path: str) -> bool:
         """As ``HostFS.exists``: a file or a symlink on the way means "no"."""
-        try:
-            self.lstat(path)
-        except OSError as e:
-            if e.errno in ABSENT_ERRNOS:
-                return False
-            raise
-        return True
+        return absent_as_none(self.lstat, path) is not None
 
     def listdir(self, path: str = "") -> list[str]:
         with self._fid(path) as fid:

@@ -257,10 +257,10 @@ def open_workspace(path: str, *, watched: bool = False, **kwargs) -> OpenedWorks
     needs to tell them from external ones)."""
     if not watched:
         return OpenedWorkspace(Workspace.open(path, **kwargs))
-    from ..barriers.journal import OwnWrites, RecordingHostFS, lstat_or_none
+    from ..barriers.journal import OwnWrites, RecordingHostFS
 
     inner = {}
-    journal = OwnWrites(lambda p: lstat_or_none(inner["fs"])(p))
+    journal = OwnWrites(lambda p: inner["fs"].lstat_or_none(p))
 
     def wrap(fs):
         inner["fs"] = fs
