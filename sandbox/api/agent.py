@@ -634,8 +634,7 @@ class Agent:
 
 
     # ------------------------------------------------------------------ live mounts (seed 000)
-    # issue 12 (helper D): mount.add / mount.remove; with helper C's dispatch table these two
-    # need entries "mount.add" -> op_mount_add, "mount.remove" -> op_mount_remove.
+    # mount.add / mount.remove: in-memory trees mounted into the running guest (Session.mount)
 
     def op_mount_add(self, p: dict, rid) -> dict:
         s = self._require()
