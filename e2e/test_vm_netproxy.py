@@ -70,7 +70,13 @@ def get(host, port):
         s = socket.create_connection((host, port), timeout=8)
         s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
         s.settimeout(8)
-        data = s.recv(4096).decode(errors="replace")
+        chunks = []
+        while True:  # to EOF: the reply may arrive in several segments through the relays
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        data = b"".join(chunks).decode(errors="replace")
         return "server-" + data.split("server-", 1)[1].strip() if "server-" in data else "nothing"
     except OSError as e:
         return "failed " + type(e).__name__
