@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass
 
 from .. import __version__
+from ..core.diff import step_diff
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..files import READ_FILE_BYTES_MAX, FileService
@@ -101,6 +102,7 @@ class Agent:
             "undo.history": self.op_undo_history,
             "undo.configure": self.op_undo_configure,
             "undo.discard": self.op_undo_discard,
+            "undo.diff": self.op_undo_diff,
             "agent.execute": self.op_agent_execute,
             "agent.prompt": self.op_agent_prompt,
             "agent.cancel": self.op_agent_cancel,
@@ -404,6 +406,11 @@ class Agent:
                              "after_seq": b.get("after_seq"), "blocks_rollback_of": sorted(blocked),
                              "note": "rollback of the listed steps is refused unless force is true"})
         return {"directory": i, "steps": steps, "barriers": barriers, "undo_available": True}
+
+    def op_undo_diff(self, p: dict, rid) -> dict:
+        """What a step changed, preimage vs now (:func:`sandbox.core.diff.step_diff`): reads only."""
+        i, ws = self._workspace(p.get("directory"))
+        return {**step_diff(ws, p.get("step_id")), "directory": i}
 
     def op_undo_configure(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))
