@@ -129,6 +129,23 @@ def test_older_step_is_preimage_vs_now_and_history_is_kept():
     assert [h["command"] for h in ws.history()] == ["second", "first", "seed"]
 
 
+def test_older_step_whose_result_is_gone_since():
+    ws = _ws()
+    _seed(ws)
+    with ws.step("mv") as mv:
+        ws.fs.rename("src", "lib")
+    with ws.step("rm"):
+        ws.fs.remove_tree("lib")
+    d = _diff(ws, mv.id)
+    assert d["approximate"] is True  # lib, which the mv left, is gone: its journal alone cannot rebuild src
+    assert not _diff(ws)["approximate"]
+    deep = "/".join(["d"] * 600)  # deeper than Python's recursion limit would allow by recursion
+    with ws.step("deep"):
+        ws.fs.makedirs(deep)
+        ws.fs.write_file(deep + "/f", b"x\n")
+    assert _by_path(_diff(ws))[deep + "/f"]["change"] == "created"
+
+
 def test_unknown_step_is_no_such_step():
     ws = _ws()
     with pytest.raises(NoSuchStep) as e:

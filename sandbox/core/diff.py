@@ -21,9 +21,10 @@ Invariants:
   nothing outside the folder is reached), never with ``open()`` on a joined path.
 * **"Now" is the current tree.** For the newest step this is exactly what the step left;
   for an older one, later steps' effects on the same paths show too (the issue's
-  "preimage vs now"). If the current tree has moved so far that the replay cannot apply
-  (a later step removed a directory this one renamed, say) the result says
-  ``"approximate": true``.
+  "preimage vs now"). If something the step left is gone or replaced since (a later step
+  removed a directory this one renamed, say) — or the replay cannot apply — the result
+  says ``"approximate": true``: what a rename moved there is no longer in the tree, and
+  this step's journal alone cannot rebuild it.
 * **Path-based**, like ``diff -r``: a rename is its source ``deleted`` and its
   destination ``created`` (or ``modified``), each file of a renamed directory included.
 * **Change kinds.** ``created``: absent before, present now. ``deleted``: present before,
@@ -58,6 +59,7 @@ from ..hostfs import DIR, LNK, OTHER, REG, HostFS, Stat, join, parent_of
 from ..hostfs.memory import MemoryHostFS
 from . import preimage
 from .errors import CorruptStep
+from .store import UndoLog
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -109,32 +111,40 @@ class _Mirror:
 
     def path(self, p: str) -> None:
         """``p`` and its parents, if they exist now (a parent that is not a directory ends it)."""
-        if p in self.copied:
-            return
-        parent = parent_of(p)
-        self.path(parent)
-        pst = self.copied.get(parent)
-        if pst is None or pst.kind != DIR:
-            return
-        st = self.work.lstat_or_none(p)
-        if st is None:
-            return
-        if len(self.copied) >= self.entries_max:
-            self.incomplete = True
-            return
-        self._copy(p, st)
+        chain = []
+        while p not in self.copied:
+            chain.append(p)
+            p = parent_of(p)
+        for q in reversed(chain):  # shallowest first; no recursion, however deep the path
+            pst = self.copied.get(parent_of(q))
+            st = self.work.lstat_or_none(q) if pst is not None and pst.kind == DIR else None
+            if st is None:
+                return
+            if len(self.copied) >= self.entries_max:
+                self.incomplete = True
+                return
+            self._copy(q, st)
 
     def subtree(self, p: str) -> None:
         """``p`` and, if it is a directory now, everything below it (up to the entry limit)."""
         self.path(p)
-        st = self.copied.get(p)
-        if st is None or st.kind != DIR:
-            return
-        for name in sorted(self.work.listdir(p)):
-            if len(self.copied) >= self.entries_max:
-                self.incomplete = True
-                return
-            self.subtree(join(p, name))
+        todo = [p]
+        while todo:
+            q = todo.pop()
+            st = self.copied.get(q)
+            if st is None or st.kind != DIR:
+                continue
+            for name in sorted(self.work.listdir(q)):
+                if len(self.copied) >= self.entries_max:
+                    self.incomplete = True
+                    return
+                child = join(q, name)
+                if child not in self.copied:
+                    st = self.work.lstat_or_none(child)  # gone since the listing (the guest is writing)
+                    if st is None:
+                        continue
+                    self._copy(child, st)
+                todo.append(child)
 
     def _copy(self, p: str, st: Stat) -> None:
         fs = self.fs
@@ -167,12 +177,27 @@ def _copy_xattrs(src: HostFS, dst: HostFS, p: str) -> None:
             pass
 
 
-def _all_paths(fs: HostFS, p: str = "") -> list[str]:
-    out = [p]
-    st = fs.lstat(p)
-    if st.kind == DIR:
-        for name in sorted(fs.listdir(p)):
-            out.extend(_all_paths(fs, join(p, name)))
+def _left_since(work: HostFS, info) -> bool:
+    """Something the step left (its fingerprints) is gone or of another type now: a later
+    change removed or replaced it, so what a rename of the step moved there is no longer
+    in the tree, and the before-state rebuilt from this step's journal alone may miss it."""
+    for path, fp in info.fingerprints.items():
+        if fp is None:
+            continue
+        st = work.lstat_or_none(path)
+        if st is None or st.kind != fp[0]:
+            return True
+    return False
+
+
+def _all_paths(fs: HostFS) -> list[str]:
+    """Every path of the scratch tree, the root ``""`` included (no recursion)."""
+    out, todo = [], [""]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        if fs.lstat(p).kind == DIR:
+            todo.extend(join(p, name) for name in fs.listdir(p))
     return out
 
 
@@ -189,8 +214,6 @@ def step_diff(workspace, step_id: int | None = None) -> dict:
     work: HostFS = workspace.work
     token = b"\0sandbox-diff:" + os.urandom(8).hex().encode() + b":"
     mirror = _Mirror(work, token)
-    from ..core.store import UndoLog  # the journal's path helpers (no state)
-
     for p in UndoLog.touched_paths(records) + list(UndoLog.final_paths(records)):
         mirror.path(p)
     for r in records:
@@ -203,7 +226,7 @@ def step_diff(workspace, step_id: int | None = None) -> dict:
     def content(rec: dict):
         return (token + b"P" + str(index[id(rec)]).encode(),)
 
-    approximate = False
+    approximate = _left_since(work, info)
     try:
         workspace.replay_undo_onto(info, records, mirror.fs, content)
     except OSError:
