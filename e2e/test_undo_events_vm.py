@@ -40,7 +40,7 @@ def test_a_command_reads_the_restored_paths_after_an_undo(tmp_path):
             assert r.exit_code == 0, r.stderr
             undone = await sb.undo(1)
             assert undone["step_ids"] == [r.step_id]
-            r2 = await sb.run('cat "$SANDBOX_UNDO_EVENTS"; echo x >> "$SANDBOX_UNDO_EVENTS" 2>/dev/null && echo WROTE')
+            r2 = await sb.run('cat "$SANDBOX_UNDO_EVENTS"; { echo x >> "$SANDBOX_UNDO_EVENTS"; } 2>/dev/null && echo WROTE; true')
             assert r2.exit_code == 0, r2.stderr
             return uid, r2.stdout, undone
 
