@@ -81,3 +81,14 @@ def test_sandbox_diff_cli(tmp_path):
     assert (work / "a.txt").read_bytes() == b"two\n"
     with sandbox.Workspace.open(str(work), state_dir=state) as ws:
         assert [h["command"] for h in ws.history()] == ["second", "first"]
+
+
+def test_undo_diff_in_a_restricted_view_lists_only_paths_inside_it(api, project, cmds):  # noqa: F811
+    c = api()
+    start(c, project)
+    c.ok("agent.execute", {"command": f"{cmds.write('src/app.py', 'x')}; {cmds.write('README.md', 'secret')}"})
+    assert {e["path"] for e in c.ok("undo.diff")["paths"]} == {"src/app.py", "README.md"}
+    c.ok("session.restrict", {"path": "/mnt/working/0/src"})
+    d = c.ok("undo.diff")
+    assert [e["path"] for e in d["paths"]] == ["src/app.py"] and d["paths_total"] == 1
+    assert "secret" not in json.dumps(d["paths"])

@@ -35,7 +35,7 @@ from ..core.diff import step_diff
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..files import READ_FILE_BYTES_MAX, FileService
-from ..mounts.table import MountTable, from_docker_style
+from ..mounts.table import MountTable, PathDenied, PathOutside, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
 from .errors import ApiError, to_api_error
@@ -408,9 +408,22 @@ class Agent:
         return {"directory": i, "steps": steps, "barriers": barriers, "undo_available": True}
 
     def op_undo_diff(self, p: dict, rid) -> dict:
-        """What a step changed, preimage vs now (:func:`sandbox.core.diff.step_diff`): reads only."""
+        """What a step changed, preimage vs now (:func:`sandbox.core.diff.step_diff`): reads
+        only. A restricted view sees only the paths inside it (``paths_total`` counts those)."""
         i, ws = self._workspace(p.get("directory"))
-        return {**step_diff(ws, p.get("step_id")), "directory": i}
+        d = step_diff(ws, p.get("step_id"))
+        folder = self._require().table.folders[i]
+        if self.view.view != "/":
+            d["paths"] = [e for e in d["paths"] if self._visible(folder, e["path"])]
+            d["paths_total"] = len(d["paths"])
+        return {**d, "directory": i}
+
+    def _visible(self, folder, rel: str) -> bool:
+        try:
+            m, _ = self.view.resolve(folder.target if rel == "." else folder.target + "/" + rel)
+        except (PathDenied, PathOutside):
+            return False
+        return m is folder
 
     def op_undo_configure(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))
