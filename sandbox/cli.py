@@ -150,6 +150,39 @@ def cmd_undo(args) -> int:
         return EXIT_OK
 
 
+# -- step diffs (issue 14): `sandbox diff`
+def cmd_diff(args) -> int:
+    """What one step changed, preimage vs now, from the folder's undo store (no VM, reads only)."""
+    from .core.diff import step_diff
+
+    if args.step is None and args.n < 1:
+        raise CliError("-n must be at least 1", EXIT_USAGE)
+    with _open(args) as ws:
+        step_id = args.step
+        if step_id is None:
+            hist = ws.history()
+            if len(hist) < args.n:
+                raise CliError(f"only {len(hist)} step(s) in the undo history of {os.path.realpath(args.workdir)}",
+                               EXIT_FAILED)
+            step_id = hist[args.n - 1]["id"]
+        d = step_diff(ws, step_id)
+    if args.json:
+        json.dump(d, sys.stdout, indent=2)
+        print()
+        return EXIT_OK
+    more = f", {len(d['paths'])} listed" if d["paths_truncated"] else ""
+    print(f"step {d['step_id']} ({d['type']}): {d['command']}\n{d['paths_total']} path(s) changed{more}"
+          + (" (approximate: the folder has changed a lot since)" if d.get("approximate") else ""))
+    for e in d["paths"]:
+        print(f"{e['change']:9} {e['kind']:8} {e['path']}" + (f"  ({e['summary']})" if e["summary"] else ""))
+        if e["diff"]:
+            sys.stdout.write(e["diff"])
+        if e["diff_truncated"] and e["diff"]:
+            print("[diff truncated]")
+    return EXIT_OK
+# -- end step diffs
+
+
 def cmd_discard(args) -> int:
     if not args.yes:
         raise CliError("discarding deletes all undo history for this folder; confirm with --yes", EXIT_USAGE)
@@ -618,6 +651,20 @@ def build_parser() -> argparse.ArgumentParser:
         [(0, "discarded"), no_history, (2, "bad usage (--yes missing, --workdir is not a directory)"), busy]))
     d.add_argument("--yes", action="store_true", help="confirm")
     d.set_defaults(fn=cmd_discard)
+    # -- step diffs (issue 14): `sandbox diff`
+    df = with_workdir(command(
+        "diff", "show what a step changed (unified diffs of text files, preimage vs now)",
+        "Show what the N-th newest step (-n, default 1) or step --step ID of the working folder\n"
+        "--workdir DIR changed, from its undo store, without a VM and without changing anything:\n"
+        "each path created, modified, deleted or with only its metadata changed; a unified diff\n"
+        "for text files (the preimage against the file as it is now), a summary otherwise.",
+        [(0, "shown"), (1, "no such step, or no undo history for the folder"), bad_usage,
+         (4, "undo unavailable (format version mismatch) or the step's journal is corrupt"), busy]))
+    df.add_argument("-n", type=int, default=1, metavar="N", help="the N-th newest step (default 1: the newest)")
+    df.add_argument("--step", type=int, metavar="ID", help="the step with this id (as `sandbox history` lists it)")
+    df.add_argument("--json", action="store_true", help="machine-readable output (the undo.diff result)")
+    df.set_defaults(fn=cmd_diff)
+    # -- end step diffs
     def with_session(sp):
         sp.add_argument("--workdir", action="append", required=True, metavar="DIR[:ro]",
                         help="a working folder, mounted at /mnt/working/0, /1, … (repeatable, up to 8; "

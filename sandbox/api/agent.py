@@ -31,10 +31,11 @@ import threading
 from dataclasses import dataclass
 
 from .. import __version__
+from ..core.diff import step_diff
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..files import READ_FILE_BYTES_MAX, FileService
-from ..mounts.table import MountTable, from_docker_style
+from ..mounts.table import MountTable, PathDenied, PathOutside, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
 from .errors import ApiError, to_api_error
@@ -101,6 +102,7 @@ class Agent:
             "undo.history": self.op_undo_history,
             "undo.configure": self.op_undo_configure,
             "undo.discard": self.op_undo_discard,
+            "undo.diff": self.op_undo_diff,
             "agent.execute": self.op_agent_execute,
             "agent.prompt": self.op_agent_prompt,
             "agent.cancel": self.op_agent_cancel,
@@ -404,6 +406,24 @@ class Agent:
                              "after_seq": b.get("after_seq"), "blocks_rollback_of": sorted(blocked),
                              "note": "rollback of the listed steps is refused unless force is true"})
         return {"directory": i, "steps": steps, "barriers": barriers, "undo_available": True}
+
+    def op_undo_diff(self, p: dict, rid) -> dict:
+        """What a step changed, preimage vs now (:func:`sandbox.core.diff.step_diff`): reads
+        only. A restricted view sees only the paths inside it (``paths_total`` counts those)."""
+        i, ws = self._workspace(p.get("directory"))
+        d = step_diff(ws, p.get("step_id"))
+        folder = self._require().table.folders[i]
+        if self.view.view != "/":
+            d["paths"] = [e for e in d["paths"] if self._visible(folder, e["path"])]
+            d["paths_total"] = len(d["paths"])
+        return {**d, "directory": i}
+
+    def _visible(self, folder, rel: str) -> bool:
+        try:
+            m, _ = self.view.resolve(folder.target if rel == "." else folder.target + "/" + rel)
+        except (PathDenied, PathOutside):
+            return False
+        return m is folder
 
     def op_undo_configure(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))

@@ -47,6 +47,7 @@ CODES: dict[str, str] = {
     "undo.nothing_to_undo": "Fewer steps in history than asked for (data: available).",
     "undo.barrier": "An external modification (barrier) lies between now and the target step (data: barrier_ids, paths); retry with force to overwrite them.",
     "undo.external_change": "A path the rollback would touch is not as the sandbox left it (data: paths); retry with force.",
+    "undo.no_such_step": "No finished step in this directory's history has this id: never made, undone, evicted or discarded (data: step_id).",
     "undo.unprotected": "The step exceeded max_single_step_size and cannot be rolled back (data: step_id).",
     "undo.corrupt_step": "A step's undo data (manifest, journal or a preimage) is damaged or unreadable; nothing was undone, other steps stay usable (data: step_id, seq, reason).",
     "undo.version_mismatch": "The undo store was written by an incompatible version: undo is off until undo.discard.",

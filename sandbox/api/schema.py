@@ -167,6 +167,8 @@ REQUESTS: dict[str, dict] = {
     "undo.history": _obj({"directory": DIRECTORY, "limit": STEP_COUNT}),
     "undo.configure": _obj({"directory": DIRECTORY, **UNDO_LIMITS}),
     "undo.discard": _obj({"directory": DIRECTORY}),
+    "undo.diff": _obj({"directory": DIRECTORY, "step_id": {**_int(INT64_MIN, INT64_MAX, nullable=True),
+                                                           "description": "A step of undo.history (default: the newest)."}}),
     "agent.execute": _obj({"command": _str(TEXT_CHARS_MAX, 1), "cwd": ABS, "env": ENV}, ["command"]),
     "agent.prompt": _obj({"text": _str(TEXT_CHARS_MAX)}, ["text"]),
     "agent.cancel": _obj({"request_id": REQUEST_ID}),
@@ -212,6 +214,12 @@ STEP = _open({"id": INT, "type": {"enum": ["command", "api", "ambient", "unknown
               "barriers": {"type": "array", "items": _ref("barrier")}}, ["id", "type", "paths", "outcome", "barriers"])
 BARRIER = _open({"id": INT, "paths": STRS, "created_ns": INT, "reason": STR,
                  "blocks_rollback_of": {"type": "array", "items": INT}}, ["id", "paths", "created_ns"])
+# -- step diffs and restored paths (issue 14)
+ROLLBACK_PATH = _open({"path": STR, "change": {"enum": ["restored", "removed", "recreated"]}}, ["path", "change"])
+DIFF_PATH = _open({"path": STR, "change": {"enum": ["created", "modified", "deleted", "metadata"]},
+                   "kind": {"enum": ["file", "dir", "symlink", "other"]}, "diff": {"type": ["string", "null"]},
+                   "binary": BOOL, "summary": STR, "diff_truncated": BOOL},
+                  ["path", "change", "kind", "diff", "binary", "summary", "diff_truncated"])
 ENTRY = _open({"name": STR, "type": {"enum": ["file", "dir", "symlink", "other"]}, "size": NONNEG, "mode": NONNEG,
                "mtime_ns": INT, "target": STR}, ["name", "type"])
 COMMAND_RESULT = _open({"step_id": NULLABLE_INT, "step_ids": {"type": "array", "items": NULLABLE_INT},
@@ -236,7 +244,11 @@ RESULTS: dict[str, dict] = {
                              "view": STR, "read_only": BOOL}, ["state"]),
     "session.restrict": _open({"view": STR, "read_only": BOOL}, ["view", "read_only"]),
     "undo.rollback": _open({"step_ids": {"type": "array", "items": INT}, "paths_restored": NONNEG, "directory": NONNEG,
-                            "forced": BOOL}, ["step_ids", "paths_restored"]),
+                            "forced": BOOL, "paths": {"type": "array", "items": ROLLBACK_PATH},
+                            "paths_truncated": BOOL}, ["step_ids", "paths_restored", "paths", "paths_truncated"]),
+    "undo.diff": _open({"directory": NONNEG, "step_id": INT, "command": STR, "type": STR,
+                        "paths": {"type": "array", "items": DIFF_PATH}, "paths_total": NONNEG, "paths_truncated": BOOL,
+                        "approximate": BOOL}, ["step_id", "command", "type", "paths", "paths_total", "paths_truncated"]),
     "undo.history": _open({"directory": NONNEG, "steps": {"type": "array", "items": STEP},
                            "barriers": {"type": "array", "items": _ref("barrier")}, "undo_available": BOOL},
                           ["steps", "barriers", "undo_available"]),

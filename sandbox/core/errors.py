@@ -24,6 +24,12 @@ class NothingToUndo(UndoError):
     code = "undo.nothing_to_undo"
 
 
+class NoSuchStep(UndoError):
+    """No finished step in history has this id (never made, undone, evicted or discarded)."""
+
+    code = "undo.no_such_step"
+
+
 class UndoUnavailable(UndoError):
     """The store's format version is not ours: undo is off until the store is discarded."""
 

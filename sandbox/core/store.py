@@ -1028,7 +1028,8 @@ class UndoLog:
                                   not_restored=not_restored)
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
-                      user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None) -> int:
+                      user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None,
+                      open_content: Callable[[dict], Iterable[bytes]] | None = None) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
         Pass 2: directory metadata, deepest first (idempotent, so always redone whole).
 
@@ -1039,8 +1040,9 @@ class UndoLog:
         fails is skipped (that path keeps the step's version, never wrong bytes); a damaged
         line stops pass 1 there — what it was is unknown (it may have voided an older
         intent), so the older records stay as the step left them, and the tree is as it was
-        at that point of the step, a state that really existed."""
-        open_content = self._open_content(where)
+        at that point of the step, a state that really existed. ``open_content``: what a
+        ``pre`` record of a regular file restores (default: its checked preimage bytes)."""
+        open_content = open_content or self._open_content(where)
         done = start
         stop = 0
         for i in range(len(records) - start - 1, -1, -1):
@@ -1073,6 +1075,25 @@ class UndoLog:
             preimage.apply_dir_meta(work, rec)
         self.sync_work(work, *(rec["path"] for rec in plan))
         return done - start
+
+    # ------------------------------------------------------------------ inspection (read-only)
+
+    def preimage_bytes(self, info: StepInfo, rec: dict, max_bytes: int) -> bytes | None:
+        """The preimage bytes of ``rec`` (a ``pre`` record of a regular file of the finished
+        step ``info``, from :meth:`records_of`), checked against its size and hash; None if
+        it is over ``max_bytes`` (nothing is decoded then). :class:`CorruptStep` if they are
+        damaged or gone (an unprotected step keeps no blobs). Reads only."""
+        if rec["size"] > max_bytes:
+            return None
+        return b"".join(self._preimage_chunks(info.dirname, rec))
+
+    def replay_undo(self, info: StepInfo, records: list[dict], onto: HostFS,
+                    open_content: Callable[[dict], Iterable[bytes]]) -> None:
+        """Apply the undo of the finished step ``info`` (its ``records``) to ``onto`` — another
+        filesystem, never the working folder — exactly as :meth:`rollback_top` would, with
+        ``open_content`` standing in for the preimage bytes. The store is only read: no
+        progress file, no rename, the step stays in history."""
+        self._undo_records(onto, info.dirname, records, start=0, progress=None, open_content=open_content)
 
     def _to_trash(self, path: str, name: str) -> None:
         """Atomically retire ``path`` (one rename), then delete it. If the deletion fails

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 from ..hostfs import HostFS, is_within
 from ..hostfs.real import RealHostFS
 from . import preimage
-from .errors import BarrierInTheWay, CorruptStep, ExternalChange, NothingToUndo, StepError, StepUnprotected, UndoUnavailable
+from .errors import BarrierInTheWay, CorruptStep, ExternalChange, NoSuchStep, NothingToUndo, StepError, StepUnprotected, UndoUnavailable
 from .intercepted_fs import Decide, InterceptedFS
 from .interceptor import UndoInterceptor
 from .safeguard import Hold, Safeguard, SafeguardConfig
@@ -39,6 +39,8 @@ from .steps import API, COMMAND, StepState, StepTracker
 from .store import Limits, StepInfo, UndoLog
 
 EVENTS_MAX = 1000
+#: paths named in a rollback's result (``paths``; ``paths_truncated`` says more were undone, ``paths_restored`` counts all)
+ROLLBACK_PATHS_LISTED_MAX = 1000
 #: the longest :meth:`Workspace.close_step` waits for a step's late writes (wall clock)
 DRAIN_S_MAX = 5.0
 #: the shortest wait between two drain checks (no busy loop if the clocks disagree)
@@ -359,6 +361,10 @@ class Workspace:
 
         Refused, before anything is touched, if a barrier or an external change is in
         the way (unless ``force``), or if a step is unprotected or corrupt.
+
+        Returns ``step_ids`` (undone, newest first), ``paths_restored`` (how many paths the
+        steps touched), ``paths`` — ``{"path", "change": "restored"|"removed"|"recreated"}``
+        per path, sorted, bounded (:func:`_rollback_paths`) — and ``paths_truncated``.
         """
         if not isinstance(n, int) or n < 1:
             raise ValueError("n must be a positive integer")
@@ -389,13 +395,15 @@ class Workspace:
             if not force:
                 self._check_barriers(targets)
                 self._check_unchanged(targets, records)
-            undone, paths = [], set()
+            touched = sorted({p for s in targets for p in s.paths})
+            present = {p for p in touched if self.work.lstat_or_none(p) is not None}
+            undone = []
             for s in reversed(targets):
                 self._log.rollback_top(self.work, force=force)
                 undone.append(s.id)
-                paths.update(s.paths)
-            self._emit({"type": "event.rollback", "step_ids": undone, "paths_restored": len(paths)})
-            return {"step_ids": undone, "paths_restored": len(paths)}
+            listed, truncated = _rollback_paths(self.work, touched, present)
+            self._emit({"type": "event.rollback", "step_ids": undone, "paths_restored": len(touched)})
+            return {"step_ids": undone, "paths_restored": len(touched), "paths": listed, "paths_truncated": truncated}
 
     def finish_pending(self) -> dict | None:
         """Finish a rollback interrupted by an I/O error (also done before the next step,
@@ -527,6 +535,39 @@ class Workspace:
                 raise KeyError(f"no step {step_id}" if step_id is not None else "no finished step")
             return self._log.records_of(info)
 
+    def step_info(self, step_id: int | None = None) -> StepInfo:
+        """The finished step ``step_id`` (None: the newest) as the store holds it (a copy);
+        :class:`NoSuchStep` if history has none such (never made, undone, evicted)."""
+        self._log.require_available()
+        with self._interceptor.lock:
+            steps = self._log.steps()
+            info = steps[-1] if step_id is None and steps else next((s for s in steps if s.id == step_id), None)
+            if info is None:
+                what = f"no step {step_id} in history" if step_id is not None else "no finished step in history"
+                raise NoSuchStep(what, step_id=step_id)
+            return dataclasses.replace(info, paths=list(info.paths), fingerprints=dict(info.fingerprints))
+
+    def step_records(self, info: StepInfo) -> list[dict]:
+        """The checked journal records of the finished step ``info`` (:meth:`step_info`),
+        oldest first; :class:`CorruptStep` if its journal is damaged. Reads only."""
+        with self._interceptor.lock:
+            return self._log.records_of(info)
+
+    def step_preimage(self, info: StepInfo, rec: dict, max_bytes: int) -> bytes | None:
+        """The checked preimage bytes of ``rec`` (a regular file's ``pre`` record of ``info``),
+        None if over ``max_bytes``; :class:`CorruptStep` if damaged or not kept. Reads only."""
+        with self._interceptor.lock:
+            return self._log.preimage_bytes(info, rec, max_bytes)
+
+    def replay_undo_onto(self, info: StepInfo, records: list[dict], onto: HostFS, open_content) -> None:
+        """Apply the undo of ``info`` to ``onto`` (a scratch filesystem, never :attr:`work`),
+        as a rollback would; ``open_content(rec)`` gives a ``pre`` record's bytes. The store
+        and the working folder are only read (:mod:`sandbox.core.diff` uses it)."""
+        if onto is self.work:
+            raise ValueError("replay_undo_onto never writes the working folder: use rollback")
+        with self._interceptor.lock:
+            self._log.replay_undo(info, records, onto, open_content)
+
     def steps(self) -> list[StepInfo]:
         """Finished steps as the store holds them, oldest first (:meth:`history` is the
         public summary). Copies: changing them changes nothing."""
@@ -547,6 +588,24 @@ class Workspace:
             return self._log.eviction_pending
 
 
+def _rollback_paths(work: HostFS, touched: list[str], present: set[str]) -> tuple[list[dict], bool]:
+    """What an undo did to each path its steps touched (``touched``, sorted; ``present``:
+    those that existed just before it), at most :data:`ROLLBACK_PATHS_LISTED_MAX`, and
+    whether more were left off: ``restored`` (there before and after the undo: content or
+    metadata put back), ``recreated`` (absent before: the step had deleted it), ``removed``
+    (the step had made it). A path absent both times (made and removed within the undone
+    steps) is not listed. The working root is ``"."``."""
+    out: list[dict] = []
+    for p in touched:
+        was, now = p in present, work.lstat_or_none(p) is not None
+        if not (was or now):
+            continue
+        if len(out) == ROLLBACK_PATHS_LISTED_MAX:
+            return out, True
+        out.append({"path": p or ".", "change": "restored" if was and now else "recreated" if now else "removed"})
+    return out, False
+
+
 def _store_path(workdir: str, state_dir: str | None) -> tuple[str, str]:
     """(real path of the working folder, real path of its undo store), checked: the store
     must be outside the folder (the guest would see it)."""
@@ -560,4 +619,4 @@ def _store_path(workdir: str, state_dir: str | None) -> tuple[str, str]:
     return real, state
 
 
-__all__ = ["Workspace", "StepHandle", "default_state_dir", "UndoUnavailable"]
+__all__ = ["Workspace", "StepHandle", "default_state_dir", "UndoUnavailable", "ROLLBACK_PATHS_LISTED_MAX"]

@@ -14,7 +14,12 @@ Host → guest::
     exec            {id, command, env?, cwd?}      run ``sh -c command`` (env: name → str)
     cancel          {id}                           SIGTERM the command's process group,
                                                    SIGKILL after the shim's grace
-    rollback_notify {step_id}                      a step was undone (the guest may drop caches)
+    rollback_notify {step_id, step_ids?, folder?, paths?, paths_truncated?}
+                                                   an undo happened (``step_ids``: all it undid,
+                                                   newest first; ``folder``: the working folder's
+                                                   guest path; ``paths``: [{path (relative to it),
+                                                   change}], bounded): the shim appends one line
+                                                   to UNDO_EVENTS_PATH (see "Undo notifications")
     ping            {id}                           any JSON id, echoed in ``pong``
     mount           {id, port, aname, target, read_only, msize?}
                                                    mount 9P at ``target``: trans=tcp to
@@ -82,6 +87,18 @@ ANAME_CHARS_MAX = 255
 TARGET_BYTES_MAX = 4095  # PATH_MAX - 1
 MOUNT_TIMEOUT_S = 60.0  # the shim kills a mount/unmount still running after this
 MOUNT_OPS_RUNNING_MAX = 2 * LIVE_MOUNTS_MAX  # mount/unmount operations in flight in the shim
+
+# ---------------------------------------------------------------------------- undo notifications
+# The convention guest processes use to learn of an undo (docs/vm.md "Undo notifications in the
+# guest"): the shim appends one JSON line per undo to UNDO_EVENTS_PATH (0644, in a 0755 root-owned
+# directory) and sets UNDO_EVENTS_ENV to that path for every command. No signals.
+UNDO_EVENTS_PATH = "/run/sandbox-undo/events.jsonl"
+UNDO_EVENTS_ENV = "SANDBOX_UNDO_EVENTS"
+UNDO_EVENTS_BYTES_MAX = 1024 * 1024  # a line that would take the file past this rotates it to <path>.1 first
+ROLLBACK_NOTIFY_PATHS_MAX = 1000  # paths in one rollback_notify (then paths_truncated)
+ROLLBACK_NOTIFY_PATH_BYTES_MAX = 128 * 1024  # their UTF-8 bytes in all (then paths_truncated); JSON-escaped at worst 6x: under the line limit
+ROLLBACK_NOTIFY_STEP_IDS_MAX = 100_000  # the most steps one undo can undo (the store's step count ceiling)
+ROLLBACK_CHANGES = ("restored", "removed", "recreated")
 
 HOST_TO_GUEST = frozenset({"exec", "cancel", "rollback_notify", "ping", "mount", "unmount"})
 GUEST_TO_HOST = frozenset({"ready", "step_started", "output", "step_completed", "rollback_noted", "pong", "error",
@@ -230,3 +247,60 @@ def parse_unmount(msg: dict) -> dict:
 def ninep_mount_options(port: int, aname: str, msize: int) -> str:
     """The 9P mount data for a share on ``port`` (the same options init.sh uses at boot)."""
     return f"trans=tcp,port={port},version=9p2000.L,cache=none,msize={msize},aname={aname}"
+
+
+# ---------------------------------------------------------------------------- rollback_notify
+
+
+def rollback_notify_request(step_id: int, *, step_ids: list[int] | None = None, folder: str | None = None,
+                            paths: list[dict] | None = None, paths_truncated: bool = False) -> dict:
+    """A ``rollback_notify`` message, bounded as :func:`parse_rollback_notify` requires: paths
+    past ROLLBACK_NOTIFY_PATHS_MAX or ROLLBACK_NOTIFY_PATH_BYTES_MAX are left off and
+    ``paths_truncated`` says so."""
+    kept, size = [], 0
+    for p in paths or ():
+        size += len(p["path"].encode("utf-8", "surrogatepass"))
+        if len(kept) == ROLLBACK_NOTIFY_PATHS_MAX or size > ROLLBACK_NOTIFY_PATH_BYTES_MAX:
+            paths_truncated = True
+            break
+        kept.append({"path": p["path"], "change": p["change"]})
+    msg = {"type": "rollback_notify", "step_id": step_id, "step_ids": list(step_ids or [step_id])[:ROLLBACK_NOTIFY_STEP_IDS_MAX],
+           "paths": kept, "paths_truncated": bool(paths_truncated)}
+    if folder is not None:
+        msg["folder"] = folder
+    parse_rollback_notify(msg)
+    return msg
+
+
+def parse_rollback_notify(msg: dict) -> dict:
+    """The checked fields of a ``rollback_notify``: ``step_id``, ``step_ids`` (default
+    ``[step_id]``), ``folder`` (None, or a guest path as :func:`check_target`), ``paths``
+    (relative, no NUL or line break, ``change`` one of ROLLBACK_CHANGES; bounded by
+    ROLLBACK_NOTIFY_PATHS_MAX and ROLLBACK_NOTIFY_PATH_BYTES_MAX), ``paths_truncated``.
+    Raises ProtocolError with the reason."""
+    step_id = msg.get("step_id")
+    if not valid_id(step_id):
+        raise ProtocolError("rollback_notify: step_id must be an integer in the i64 range")
+    step_ids = msg.get("step_ids", [step_id])
+    if (not isinstance(step_ids, list) or not 1 <= len(step_ids) <= ROLLBACK_NOTIFY_STEP_IDS_MAX
+            or not all(valid_id(i) for i in step_ids)):
+        raise ProtocolError("rollback_notify: step_ids must be a non-empty list of ids")
+    folder = msg.get("folder")
+    if folder is not None:
+        check_target(folder)
+    paths = msg.get("paths", [])
+    if not isinstance(paths, list) or len(paths) > ROLLBACK_NOTIFY_PATHS_MAX:
+        raise ProtocolError(f"rollback_notify: paths must be a list of at most {ROLLBACK_NOTIFY_PATHS_MAX}")
+    size = 0
+    for p in paths:
+        path = p.get("path") if isinstance(p, dict) else None
+        if (not isinstance(path, str) or not path or path.startswith("/") or "\0" in path or "\n" in path
+                or "\r" in path or p.get("change") not in ROLLBACK_CHANGES):
+            raise ProtocolError(f"rollback_notify: a path must be {{path: relative, change: one of {ROLLBACK_CHANGES}}}")
+        size += len(path.encode("utf-8", "surrogatepass"))
+    if size > ROLLBACK_NOTIFY_PATH_BYTES_MAX:
+        raise ProtocolError(f"rollback_notify: paths longer than {ROLLBACK_NOTIFY_PATH_BYTES_MAX} bytes in all")
+    truncated = msg.get("paths_truncated", False)
+    if not isinstance(truncated, bool):
+        raise ProtocolError("rollback_notify: paths_truncated must be a boolean")
+    return {"step_id": step_id, "step_ids": step_ids, "folder": folder, "paths": paths, "paths_truncated": truncated}

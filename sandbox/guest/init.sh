@@ -173,7 +173,8 @@ SHIM_USER="--user $AGENT_UID:$AGENT_GID"
 echo SANDBOX-READY
 while true; do
   chroot /merged /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
-    LANG=C.UTF-8 TERM=dumb /usr/bin/python3 /run/sandbox/shim.py --port /dev/virtio-ports/control $SHIM_USER
+    LANG=C.UTF-8 TERM=dumb /usr/bin/python3 /run/sandbox/shim.py --port /dev/virtio-ports/control $SHIM_USER \
+    --undo-events /run/sandbox-undo/events.jsonl  # control.UNDO_EVENTS_PATH (docs/vm.md: undo notifications)
   say "the shim exited ($?); restarting it"
   sleep 1
 done

@@ -103,6 +103,49 @@ def _killpg(pgid: int, sig: int) -> None:
         pass
 
 
+class UndoEvents:
+    """The undo-notification file (docs/vm.md "Undo notifications in the guest").
+
+    Invariants: the directory is made 0755 and the file 0644, both by the shim (root), so
+    the agent user can read but never write or replace them; one ``append`` writes one
+    whole JSON line with one ``write`` (O_APPEND), so a reader sees whole lines; a line that
+    would take the file past ``UNDO_EVENTS_BYTES_MAX`` first renames it to ``<path>.1``
+    (replacing the older one), so the pair never holds more than twice that. Symlinks are
+    not followed. Failures are reported on stderr and never stop the shim.
+    """
+
+    def __init__(self, path: str, bytes_max: int = proto.UNDO_EVENTS_BYTES_MAX) -> None:
+        self.path = path
+        self.bytes_max = bytes_max
+
+    def prepare(self) -> None:
+        """Make the directory and an empty file, so tools can open it before any undo."""
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o755, exist_ok=True)
+            self._open().close()
+        except OSError as exc:
+            print(f"shim: undo events file {self.path}: {exc}", file=sys.stderr)
+
+    def _open(self):
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        os.fchmod(fd, 0o644)  # whatever the umask
+        return os.fdopen(fd, "ab", buffering=0)
+
+    def append(self, event: dict) -> None:
+        line = _encode(event)
+        try:
+            try:
+                size = os.lstat(self.path).st_size
+            except FileNotFoundError:
+                size = 0
+            if size and size + len(line) > self.bytes_max:
+                os.replace(self.path, self.path + ".1")
+            with self._open() as f:
+                f.write(line)
+        except OSError as exc:
+            print(f"shim: undo events file {self.path}: {exc}", file=sys.stderr)
+
+
 class _Command:
     """One exec between spawn and ``step_completed``.
 
@@ -197,9 +240,12 @@ class Shim:
 
     def __init__(
         self, *, port: str | None, fd: int | None, shell: str, kill_grace_s: float, line_max_bytes: int,
-        user: GuestUser | None = None,
+        user: GuestUser | None = None, undo_events: str | None = None,
     ) -> None:
         assert (port is None) != (fd is None)
+        self._undo_events = UndoEvents(undo_events) if undo_events else None
+        if self._undo_events is not None:
+            self._undo_events.prepare()
         self._port = port
         self._fd: int | None = None
         self._inherited_fd = fd
@@ -474,7 +520,7 @@ class Shim:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
-                env={**os.environ, **(user.env() if user else {}), **env},
+                env={**os.environ, **(user.env() if user else {}), **self._undo_env(), **env},
                 start_new_session=True,
                 close_fds=True,
                 **(user.popen_kwargs() if user else {}),
@@ -504,12 +550,26 @@ class Shim:
             _killpg(cmd.proc.pid, signal.SIGTERM)
             cmd.kill_at = time.monotonic() + self._kill_grace_s
 
+    def _undo_env(self) -> dict[str, str]:
+        return {proto.UNDO_EVENTS_ENV: self._undo_events.path} if self._undo_events is not None else {}
+
     def _on_rollback_notify(self, msg: dict) -> None:
-        step_id = msg.get("step_id")
-        if not _valid_id(step_id):
-            self._error(None, "rollback_notify: step_id must be an integer in the i64 range")
+        try:
+            n = proto.parse_rollback_notify(msg)
+        except proto.ProtocolError as exc:
+            self._error(None, str(exc))
             return
-        self._send({"type": "rollback_noted", "step_id": step_id})
+        if self._undo_events is not None:
+            folder = n["folder"]
+
+            def where(rel: str) -> str:
+                return rel if folder is None else folder if rel == "." else folder + "/" + rel
+
+            self._undo_events.append({
+                "step_ids": n["step_ids"], "folder": folder, "time_ns": time.time_ns(),
+                "paths": [{"path": where(p["path"]), "change": p["change"]} for p in n["paths"]],
+                "paths_truncated": n["paths_truncated"]})
+        self._send({"type": "rollback_noted", "step_id": n["step_id"]})
 
     def _on_ping(self, msg: dict) -> None:
         try:
@@ -690,6 +750,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--user", type=ids, metavar="UID:GID",
                         help="run commands as this unprivileged user (default: as the shim's own user)")
     parser.add_argument("--home", default=GUEST_HOME_DEFAULT, help="the user's HOME (with --user)")
+    parser.add_argument("--undo-events", default="", metavar="PATH",
+                        help=f"keep the undo notification file here and name it in ${proto.UNDO_EVENTS_ENV} for every "
+                             f"command (the guest's init passes {proto.UNDO_EVENTS_PATH}; default: none)")
     args = parser.parse_args(argv)
     if args.port is None and args.fd is None:
         args.port = DEFAULT_PORT
@@ -711,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         kill_grace_s=args.kill_grace_s,
         line_max_bytes=args.line_max_bytes,
         user=GuestUser(*args.user, args.home) if args.user else None,
+        undo_events=args.undo_events or None,
     )
     return shim.run()
 

@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..guest import control as proto
 from ..guest.control import LIVE_MOUNTS_MAX, check_aname, check_target
 from ..ninep.client import Client
 from ..ninep.messages import ProtocolError
@@ -54,6 +55,9 @@ log = logging.getLogger("sandbox.scripted_guest")
 
 TAIL_LINES_MAX = 2000
 JOIN_TIMEOUT_S = 10.0
+
+#: undo notifications the scripted guest keeps (older ones are dropped)
+UNDO_EVENTS_RECORDED_MAX = 1000
 
 
 @dataclass
@@ -110,6 +114,8 @@ class ScriptedGuest:
         the kernel waits on a held reply; ``stop`` still ends the wait)."""
         self.reply_timeout_s = reply_timeout_s
         self.rollbacks: list[int] = []
+        #: what the shim would append to its undo events file, one per undo (the newest UNDO_EVENTS_RECORDED_MAX)
+        self.undo_events: collections.deque[dict] = collections.deque(maxlen=UNDO_EVENTS_RECORDED_MAX)
         self.boot_s: float | None = None  # how long boot took (connect + attach)
         self._mounts: list[_Mount] = []  # deepest target first; replaced whole, never mutated (scripts read it)
         self._socket_path: str | None = None
@@ -341,6 +347,13 @@ class ScriptedGuest:
         self._log(f"cancel {exec_id}")
         current._cancel.set()
 
-    async def rollback_notify(self, step_id: int) -> None:
+    async def rollback_notify(self, step_id: int, paths: list[dict] | None = None, *, step_ids: list[int] | None = None,
+                              folder: str | None = None, paths_truncated: bool = False) -> None:
+        """Records it: ``rollbacks`` (step ids, as before) and ``undo_events`` — the line the
+        VM's shim would append to its undo events file, built by the same protocol code."""
+        msg = proto.rollback_notify_request(step_id, step_ids=step_ids, folder=folder, paths=paths,
+                                            paths_truncated=paths_truncated)
         self.rollbacks.append(step_id)
+        self.undo_events.append({"step_ids": msg["step_ids"], "folder": folder, "paths": msg["paths"],
+                                 "paths_truncated": msg["paths_truncated"]})
         self._log(f"rollback_notify {step_id}")

@@ -59,8 +59,12 @@ class Guest(Protocol):
     async def cancel(self, exec_id: int) -> None:
         """SIGTERM (then SIGKILL) the command ``exec_id``; a no-op if it is not running."""
 
-    async def rollback_notify(self, step_id: int) -> None:
-        """Tell the guest a step was undone (its caches may be stale)."""
+    async def rollback_notify(self, step_id: int, paths: list[dict] | None = None, *, step_ids: list[int] | None = None,
+                              folder: str | None = None, paths_truncated: bool = False) -> None:
+        """Tell the guest an undo happened (its caches may be stale; its processes read it
+        from the undo events file): ``step_ids`` undone, newest first (default
+        ``[step_id]``), ``folder`` the working folder's guest path, ``paths`` the
+        rollback's ``[{path, change}]`` relative to it."""
 
     async def pause(self) -> bool:
         """Freeze the guest while a safeguard is decided; False if it cannot."""

@@ -782,9 +782,10 @@ class Session:
             finally:
                 self._lock.release()
         result = ws.rollback(n, force=force)
-        for sid in result.get("step_ids", []):
+        for sid in result.get("step_ids", [])[:1]:  # one notification per undo: every step and path (diff helper, issue 14)
             try:
-                s.server.run(s.guest.rollback_notify(sid), timeout_s=10)
+                s.server.run(s.guest.rollback_notify(sid, result.get("paths"), step_ids=result["step_ids"], folder=self.guest_path(
+                    folder), paths_truncated=result.get("paths_truncated", False)), timeout_s=10)
             except Exception as e:
                 log.warning("could not notify the guest of the rollback: %s", e)
         return result

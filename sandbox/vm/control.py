@@ -189,8 +189,12 @@ class ControlClient:
     async def cancel(self, exec_id: int) -> None:
         await self.send({"type": "cancel", "id": exec_id})
 
-    async def rollback_notify(self, step_id: int) -> None:
-        await self.send({"type": "rollback_notify", "step_id": step_id})
+    async def rollback_notify(self, step_id: int, paths: list[dict] | None = None, *, step_ids: list[int] | None = None,
+                              folder: str | None = None, paths_truncated: bool = False) -> None:
+        """An undo happened: the shim appends it to the guest's undo events file (the paths
+        bounded by :func:`sandbox.guest.control.rollback_notify_request`)."""
+        await self.send(proto.rollback_notify_request(step_id, step_ids=step_ids, folder=folder, paths=paths,
+                                                      paths_truncated=paths_truncated))
 
     async def mount(self, *, port: int, aname: str, target: str, read_only: bool,
                     msize: int = proto.MSIZE_DEFAULT, timeout_s: float = proto.MOUNT_TIMEOUT_S + 10) -> dict:

@@ -206,8 +206,8 @@ class VmGuest:
     async def cancel(self, exec_id: int) -> None:
         await self.control.cancel(exec_id)
 
-    async def rollback_notify(self, step_id: int) -> None:
-        await self.control.rollback_notify(step_id)
+    async def rollback_notify(self, step_id: int, paths: list[dict] | None = None, **undo) -> None:
+        await self.control.rollback_notify(step_id, paths, **undo)
 
     async def sync(self) -> None:
         """``sync`` in the guest, outside any step (it writes no working folder)."""
