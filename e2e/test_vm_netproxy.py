@@ -101,7 +101,7 @@ def test_allowlist_reaches_only_the_allowed_even_for_guest_root(vm_guest, tmp_pa
     try:
         s = Session([Folder(str(project))], network="allowlist", allow=["192.0.2.1", "allowed.test"],
                     on_event=events.append,
-                    guest=lambda run_dir: VmGuest(run_dir=run_dir, network="allowlist", allow=s.allow,
+                    guest=lambda run_dir: VmGuest(run_dir=run_dir, network="allowlist", allow=s.allow, as_root=True,
                                                   on_refused=s._net_refused, net_resolve=resolve, net_dial=dial))
         with s:
             def run(cmd):
@@ -118,7 +118,12 @@ def test_allowlist_reaches_only_the_allowed_even_for_guest_root(vm_guest, tmp_pa
             probe = PY_PROBE.replace("PA", str(pa)).replace("PB", str(pb)).replace("PC", str(pc))
             _, plain = run(probe)
             # guest root widens nothing: no firewall, a default route, a raw socket
-            _, flushed = run("nft flush ruleset; ip route replace default via 10.0.2.2 dev eth0; " + probe)
+            _, flushed = run("echo uid=$(id -u); nft flush ruleset; ip route replace default via 10.0.2.2 dev eth0; " + probe)
+            # the DNS stub killed by guest root comes back (init respawns it): a condition wait, ≤ 30 s
+            _, respawn = run("n=0; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q '[n]etstub.py' "
+                             "&& kill -9 ${p#/proc/} && n=$((n+1)); done; echo killed $n; for i in $(seq 60); do python3 -c \"import socket; "
+                             "print('dns again', socket.gethostbyname('allowed.test'))\" 2>/dev/null && break; "
+                             "sleep 0.5; done")
             _, raw = run("python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_RAW, "
                          "socket.IPPROTO_TCP); s.sendto(bytes(40), (\"192.0.2.2\", 0)); print(\"raw sent\")'")
     finally:
@@ -131,7 +136,9 @@ def test_allowlist_reaches_only_the_allowed_even_for_guest_root(vm_guest, tmp_pa
     assert "dns allowed.test 192.0.2.3" in plain and "dns blocked.test failed" in plain, plain
     assert "raw A server-A" in plain and "raw B server-B" in plain, plain
     assert "raw C server-C" not in plain and "host C server-C" not in plain, plain
+    assert "uid=0" in flushed, flushed  # the widening attempts ran as guest root
     assert "server-C" not in flushed and "dns blocked.test failed" in flushed, flushed
+    assert "killed 1" in respawn and "dns again 192.0.2.3" in respawn, respawn
     assert servers["C"].hits == 0  # nothing ever reached the non-listed server
     warnings = [e for e in events if e.get("type") == "event.warning"]
     assert any("192.0.2.2" in e["message"] for e in warnings), warnings

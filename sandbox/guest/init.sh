@@ -99,7 +99,12 @@ else
     echo "nameserver 127.0.0.1" > /merged/etc/resolv.conf
     mkdir -p /merged/run/sandbox-net
     cp /netstub.py /merged/run/sandbox-net/
-    chroot /merged /usr/bin/python3 -I /run/sandbox-net/netstub.py </dev/null &
+    # respawned if it dies (a crash fails closed: no DNS, no redirection; the proxy is still the only way out)
+    ( while :; do
+        chroot /merged /usr/bin/python3 -I /run/sandbox-net/netstub.py </dev/null
+        say "netstub exited ($?); restarting it"
+        sleep 1
+      done ) &
     if [ -x /merged/usr/sbin/nft ]; then
       chroot /merged /usr/sbin/nft -f - <<NFT || say "cannot install the transparent redirection"
 table ip sandbox_redirect {
