@@ -576,3 +576,22 @@ def test_stdout_carries_only_json_rpc(project, state, tmp_path):
     assert by_id[3]["result"]["structuredContent"]["stdout"] == "on-stdout\n"
     assert by_id[4]["error"]["code"] == -32601
     assert all(json.loads(line) for line in err.splitlines())
+
+
+# ---------------------------------------------------------------------------- the reference
+
+
+def test_docs_mcp_quotes_the_code_s_limits_codes_and_tools():
+    from sandbox.api.mcp import limits, models
+    from sandbox.api.mcp.errors import MCP_CODES
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "mcp.md")) as f:
+        doc = f.read()
+    names = [n for n in dir(limits) if n.isupper()] + ["COMMAND_CHARS_MAX", "UNDO_COUNT_MAX", "PATH_CHARS_MAX"]
+    for name in names:
+        value = getattr(limits, name, None) if hasattr(limits, name) else getattr(models, name)
+        assert f"| `{name}` | {value:,} |" in doc, (name, value)
+    for code in MCP_CODES:
+        assert f"| `{code}` |" in doc, code
+    for spec in TOOLS:
+        assert f"| `{spec.name}` |" in doc, spec.name
