@@ -173,8 +173,11 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                 assert not session.running
                 messages = []
 
+                values = []
+
                 async def progress(p, total, msg):
                     messages.append(msg)
+                    values.append(p)
                     boot.set()
 
                 async with anyio.create_task_group() as tg:
@@ -187,7 +190,8 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                     await boot.wait()  # a progress notification while it boots
                     assert not session.running and "starting" in messages[0]
                     release.set()
-                assert result["r"]["stdout"] == "booted\n"
+                assert result["r"]["stdout"] == "booted\n" and messages[-1] == "booted\n"
+                assert values == sorted(set(values))  # one token: progress only increases, boot news then output
     run(go)
 
 
@@ -375,9 +379,15 @@ def _roots(*paths):
     return list_roots
 
 
+@pytest.mark.filterwarnings("ignore:The roots capability is deprecated")  # 2026-07-28 drops roots; 2025-11-25 has them
 def test_roots_narrow_the_view_for_files_and_commands(project, state):
     async def go():
-        async with connected(make_host(project, state), list_roots_callback=_roots(project / "src")) as c:
+        roots = [project / "src"]
+
+        async def list_roots(ctx):
+            return types.ListRootsResult(roots=[types.Root(uri=f"file://{p}") for p in roots])
+
+        async with connected(make_host(project, state), list_roots_callback=list_roots) as c:
             st = await c.ok("get_session_status")
             assert st["view"] == "/mnt/working/0/src" and st["roots"] == ["/mnt/working/0/src"]
             assert st["roots_refused"] == []
@@ -388,6 +398,9 @@ def test_roots_narrow_the_view_for_files_and_commands(project, state):
             r = await c.ok("execute_command", {"command": "ls; cat /mnt/working/0/README.md"})
             assert r["stdout"].split() == ["main.py", "util.py"] and r["exit_code"] != 0  # the guest sees the view only
             assert (project / "README.md").exists()
+            roots[:] = [project / "build"]
+            await c.s.send_roots_list_changed()  # the client's roots changed: re-read at the next call
+            assert (await c.ok("get_session_status"))["view"] == "/mnt/working/0/build"
     run(go)
 
 
@@ -478,6 +491,25 @@ def test_without_elicitation_the_on_hold_policy_decides(project, state, on_hold)
             else:
                 assert r["exit_code"] != 0
                 oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after a denied step")
+    run(go)
+
+
+def test_a_timeout_while_the_user_is_being_asked_denies_the_hold_and_restores_the_tree(project, state):
+    async def go():
+        before = oracle.snapshot_dir(str(project))
+        asked = anyio.Event()
+
+        async def never_answers(ctx, params):
+            asked.set()
+            await anyio.sleep_forever()
+
+        host = make_host(project, state, safeguard=SafeguardConfig(delete_threshold=5))
+        with anyio.fail_after(WAIT_S):
+            async with connected(host, elicitation_callback=never_answers) as c:
+                r = await c.ok("execute_command", {"command": "rm -r build", "timeout_s": 1})
+                assert asked.is_set() and r["timed_out"] and r["exit_code"] != 0
+                oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after the timed-out, held step")
+                assert (await c.ok("get_session_status"))["pending_safeguards"] == 0
     run(go)
 
 
