@@ -627,3 +627,34 @@ def test_docs_mcp_quotes_the_code_s_limits_codes_and_tools():
         assert f"| `{code}` |" in doc, code
     for spec in TOOLS:
         assert f"| `{spec.name}` |" in doc, spec.name
+
+
+def test_sigterm_mid_command_stops_the_session_and_leaves_an_undoable_step(project, state, tmp_path):
+    before = oracle.snapshot_dir(str(project))
+    err = open(tmp_path / "stderr", "w")
+    p = subprocess.Popen([SANDBOX, "mcp", "--workdir", str(project), "--state-dir", state, "--guest", "scripted"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    msgs = [{"jsonrpc": "2.0", "id": 1, "method": "initialize",
+             "params": {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+             "params": {"name": "execute_command", "_meta": {"progressToken": "t"},
+                        "arguments": {"command": "rm -r src; echo started; wait"}}}]
+    p.stdin.write("".join(json.dumps(m) + "\n" for m in msgs))
+    p.stdin.flush()
+    while True:  # until the command's output arrives as progress: it is running
+        line = p.stdout.readline()
+        assert line, "stdout ended early"
+        m = json.loads(line)
+        if m.get("method") == "notifications/progress" and "started" in m["params"].get("message", ""):
+            break
+    p.terminate()
+    assert p.wait(WAIT_S) == 0
+    err.close()
+    logs = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines()]
+    assert any(e["message"] == "session stopped" for e in logs)
+    assert not (project / "src").exists()
+    u = subprocess.run([SANDBOX, "undo", "--workdir", str(project), "--state-dir", state], capture_output=True,
+                       text=True, timeout=WAIT_S)
+    assert u.returncode == 0, u.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after undoing the interrupted step")
