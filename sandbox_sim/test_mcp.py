@@ -613,6 +613,17 @@ def test_stdout_carries_only_json_rpc(project, state, tmp_path):
 # ---------------------------------------------------------------------------- the reference
 
 
+def test_sandbox_mcp_help_explains_itself():
+    r = subprocess.run([SANDBOX, "mcp", "--help"], capture_output=True, text=True, timeout=WAIT_S)
+    assert r.returncode == 0 and r.stdout.startswith("usage: sandbox mcp ")
+    for words in ("--workdir DIR[:ro]", "--on-hold {deny,allow}", "elicitation", "--guest {vm,scripted}",
+                  "claude mcp add sandbox -- sandbox mcp --workdir .", "docs/mcp.md", "exit codes:\n  0  "):
+        assert words in r.stdout, words
+    r = subprocess.run([SANDBOX, "mcp", "--workdir", "/nonexistent-dir"], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, timeout=WAIT_S)
+    assert r.returncode == 2 and "does not exist" in r.stderr and not r.stdout
+
+
 def test_docs_mcp_quotes_the_code_s_limits_codes_and_tools():
     from sandbox.api.mcp import limits, models
     from sandbox.api.mcp.errors import MCP_CODES
