@@ -21,12 +21,14 @@ import anyio
 import jsonschema
 import mcp_types as types
 import pytest
+from hypothesis import given, settings, strategies as st
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 from mcp.shared.exceptions import MCPError
 from mcp.shared.memory import create_client_server_memory_streams
 
 from sandbox import __version__
+from sandbox.api.mcp.client import BoundedText
 from sandbox.api.mcp.host import OwnSessionHost
 from sandbox.api.mcp.server import serve_streams
 from sandbox.api.mcp.tools import TOOLS
@@ -322,6 +324,19 @@ def test_execute_command_timeout_cancels_the_command_and_bounds_its_output(proje
             assert r["stdout_truncated"] and len(r["stdout"]) < 40_000 and "characters omitted" in r["stdout"]
             assert r["stdout"].startswith("yyy") and r["stdout"].endswith("y\n")
     run(go)
+
+
+@settings(max_examples=200, deadline=None)
+@given(chunks=st.lists(st.text(max_size=30), max_size=30), limit=st.integers(1, 60))
+def test_bounded_output_keeps_the_head_and_the_tail_and_counts_the_rest(chunks, limit):
+    b = BoundedText(limit)
+    for c in chunks:
+        b.add(c)
+    full = "".join(chunks)
+    kept = "".join(b.head) + "".join(b.tail)
+    assert len(kept) <= 2 * (limit // 2 or 1) and b.omitted == len(full) - len(kept)
+    assert full.startswith("".join(b.head)) and full.endswith("".join(b.tail))
+    assert b.truncated == (b.omitted > 0) and (b.text() == full) == (not b.truncated)
 
 
 # ---------------------------------------------------------------------------- bad input
