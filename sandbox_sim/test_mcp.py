@@ -460,6 +460,33 @@ def test_a_server_view_is_narrowed_further_by_roots_but_never_widened(project, s
     run(go)
 
 
+@pytest.mark.filterwarnings("ignore:The roots capability is deprecated")
+def test_one_server_object_keeps_each_connection_s_view_and_files_apart(project, state):
+    from sandbox.api.mcp.server import build_server
+
+    async def go():
+        host = make_host(project, state)
+        server = build_server(host)  # as a listener serving many connections uses it
+
+        @asynccontextmanager
+        async def connection(**kw):
+            async with create_client_server_memory_streams() as ((cr, cw), (sr, sw)):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: server.run(sr, sw, server.create_initialization_options()))
+                    async with ClientSession(cr, cw, **kw) as cs:
+                        await cs.initialize()
+                        yield Client(cs, {t.name: t for t in (await cs.list_tools()).tools})
+                    await cw.aclose()
+
+        async with connection(list_roots_callback=_roots(project / "src")) as a, connection() as b:
+            assert (await a.ok("get_session_status"))["view"] == "/mnt/working/0/src"
+            assert (await b.ok("read_file", {"path": "README.md"}))["content"] == "# demo\n"  # b's view is whole
+            assert (await a.ok("read_file", {"path": "main.py"}))["path"] == "/mnt/working/0/src/main.py"
+            assert (await a.error("read_file", {"path": "/mnt/working/0/README.md"}))["code"] == "fs.access_denied"
+        await host.close()
+    run(go)
+
+
 # ---------------------------------------------------------------------------- safeguards
 
 
@@ -490,6 +517,19 @@ def test_a_safeguard_is_asked_through_elicitation(project, state, decision):
                 assert d["action"] == "deny" and r["exit_code"] != 0
                 oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after a denied step")
             assert (await c.ok("get_session_status"))["pending_safeguards"] == 0
+    run(go)
+
+
+def test_an_elicitation_the_client_fails_falls_back_to_the_policy(project, state):
+    async def go():
+        async def fails(ctx, params):
+            return types.ErrorData(code=types.INTERNAL_ERROR, message="no UI here")
+
+        host = make_host(project, state, on_hold="allow", safeguard=SafeguardConfig(delete_threshold=5))
+        async with connected(host, elicitation_callback=fails) as c:
+            r = await c.ok("execute_command", {"command": "rm -r build"})
+            assert [(d["action"], d["decided_by"]) for d in r["safeguards"]] == [("allow", "policy")]
+            assert r["exit_code"] == 0 and not (project / "build").exists()
     run(go)
 
 
