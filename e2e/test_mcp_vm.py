@@ -2,8 +2,8 @@
 
 The same client as the fast tier's ``sandbox_sim/test_mcp.py``, but the guest is Debian's
 kernel under QEMU running real programs: ``execute_command "rm -rf src"`` then ``undo``,
-and ``write_file`` then ``undo`` — each must leave the tree byte-exact as before (the tree
-oracle). One VM boot for the whole suite (about 10 s under TCG); skipped with the reason
+``write_file`` then ``undo``, and an ``rm -rf`` held by the safeguard, put to the user by
+elicitation and denied — each must leave the tree byte-exact as before (the tree oracle). One VM boot for the whole suite (about 10 s under TCG); skipped with the reason
 where QEMU or the guest image cannot be had.
 """
 
@@ -15,6 +15,7 @@ import shutil
 import sys
 
 import anyio
+import mcp_types as types
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -31,14 +32,21 @@ def guest_available(vm_guest):
     """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
 
 
-def test_rm_rf_and_write_file_through_mcp_are_undone_exactly(tmp_path):
+def test_rm_rf_write_file_and_a_denied_safeguard_through_mcp_are_undone_exactly(tmp_path):
     project = tmp_path / "project"
     shutil.copytree(SAMPLE, project, symlinks=True)
     state = str(tmp_path / "state")
 
     async def go():
         before = oracle.snapshot_dir(str(project))
-        params = StdioServerParameters(command=SANDBOX, args=["mcp", "--workdir", str(project), "--state-dir", state])
+        params = StdioServerParameters(command=SANDBOX, args=["mcp", "--workdir", str(project), "--state-dir", state,
+                                                               "--delete-threshold", "10"])
+        asked = []
+
+        async def deny(ctx, params):  # the user, asked through the client
+            asked.append(params.message)
+            return types.ElicitResult(action="accept", content={"decision": "deny"})
+
         boot_messages = []
 
         async def progress(p, total, msg):
@@ -46,7 +54,7 @@ def test_rm_rf_and_write_file_through_mcp_are_undone_exactly(tmp_path):
 
         with open(tmp_path / "stderr", "w") as err:
             async with stdio_client(params, errlog=err) as (r, w):
-                async with ClientSession(r, w) as c:
+                async with ClientSession(r, w, elicitation_callback=deny) as c:
                     await c.initialize()
                     assert len((await c.list_tools()).tools) == 8  # answered while the VM boots
                     x = await c.call_tool("execute_command", {"command": "rm -rf src && ls"}, progress_callback=progress)
@@ -64,6 +72,16 @@ def test_rm_rf_and_write_file_through_mcp_are_undone_exactly(tmp_path):
                     assert seen.structured_content["stdout"] == "overwritten\n"  # the guest sees the API write
                     await c.call_tool("undo", {"count": 2})  # the cat's (empty) step, then the write
                     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after undoing write_file")
+
+                    gen = await c.call_tool("execute_command", {"command": "mkdir out && for i in $(seq 30); do "
+                                                                "echo $i > out/f$i; done"})
+                    assert gen.structured_content["exit_code"] == 0 and len(os.listdir(project / "out")) == 30
+                    held = (await c.call_tool("execute_command", {"command": "rm -rf out"})).structured_content
+                    assert len(asked) == 1 and "out" in asked[0]  # the 10th deletion was held and put to the user
+                    assert [d["action"] for d in held["safeguards"]] == ["deny"] and held["exit_code"] != 0
+                    assert len(os.listdir(project / "out")) == 30  # denied: rolled back
+                    await c.call_tool("undo", {"count": 2})  # the denied step, then the one that made out/
+                    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after the denied rm -rf")
         logs = [json.loads(line) for line in (tmp_path / "stderr").read_text().splitlines()]
         assert any(entry["message"] == "session stopped" for entry in logs)
 
