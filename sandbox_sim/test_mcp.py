@@ -571,15 +571,25 @@ def test_a_timeout_while_the_user_is_being_asked_denies_the_hold_and_restores_th
 # ---------------------------------------------------------------------------- disconnect
 
 
-def test_a_client_disconnect_mid_command_cancels_the_command_and_closes_its_step(project, state):
+@pytest.mark.parametrize("while_", ["running", "held"])
+def test_a_client_disconnect_mid_command_cancels_the_command_and_closes_its_step(project, state, while_):
+    """Running: the command is cancelled. Held by a safeguard while the user is being asked:
+    the hold is denied (the step rolled back) — the command cannot end otherwise."""
     async def go():
-        host = make_host(project, state)
+        before = oracle.snapshot_dir(str(project))
+        held = while_ == "held"
+        host = make_host(project, state, safeguard=SafeguardConfig(delete_threshold=5) if held else None)
         started = anyio.Event()
 
         async def progress(p, total, msg):
             if "started" in msg:
                 started.set()
 
+        async def ask_forever(ctx, params):
+            started.set()
+            await anyio.sleep_forever()
+
+        command = "rm -r build" if held else "write a.txt x; echo started; wait"
         with anyio.fail_after(WAIT_S):
             async with create_client_server_memory_streams() as ((cr, cw), (sr, sw)):
                 async with anyio.create_task_group() as tg:
@@ -590,12 +600,12 @@ def test_a_client_disconnect_mid_command_cancels_the_command_and_closes_its_step
                         served.set()
 
                     tg.start_soon(serve)
-                    async with ClientSession(cr, cw) as cs:
+                    async with ClientSession(cr, cw, elicitation_callback=ask_forever) as cs:
                         await cs.initialize()
+
                         async def call():
                             with pytest.raises(MCPError, match="Connection closed"):
-                                await cs.call_tool("execute_command", {"command": "write a.txt x; echo started; wait"},
-                                                   progress_callback=progress)
+                                await cs.call_tool("execute_command", {"command": command}, progress_callback=progress)
 
                         async with anyio.create_task_group() as calls:
                             calls.start_soon(call)
@@ -604,9 +614,12 @@ def test_a_client_disconnect_mid_command_cancels_the_command_and_closes_its_step
                             await served.wait()  # the server's connection ended …
                             calls.cancel_scope.cancel()
             s = host.session
-            assert not s.command_lock.locked()  # … after the command ended
+            assert not s.command_lock.locked() and s.holds.pending() == []  # … after the command ended
             [step] = s.history()
-            assert step["command"].startswith("write a.txt") and step["ended_ns"]
+            assert step["command"] == command and step["ended_ns"]
+            if held:
+                assert step["outcome"] == "denied"
+                oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after the disconnect denied the hold")
         await host.close()
     run(go)
 

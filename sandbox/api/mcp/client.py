@@ -41,7 +41,7 @@ import os
 import threading
 import urllib.parse
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
@@ -314,7 +314,7 @@ class McpClient:
         try:
             async with anyio.create_task_group() as tg:
                 if not self.host.decides_holds_elsewhere():
-                    unsubscribe = self._answer_holds(ctx, s, tg, a.command, decisions, held)
+                    unsubscribe = self._answer_holds(ctx, s, tg, a.command, decisions, held, cancel)
                 tg.start_soon(send_progress)
                 if a.timeout_s is not None:
                     tg.start_soon(timer)
@@ -350,9 +350,11 @@ class McpClient:
         return result, _command_text(result)
 
     def _answer_holds(self, ctx: Ctx, s: Session, tg, command: str, decisions: list[m.SafeguardDecision],
-                      held: set[str]) -> Callable[[], None]:
+                      held: set[str], cancel: threading.Event) -> Callable[[], None]:
         """Subscribe to the session's holds for this command: each is decided in ``tg``
-        (and its id kept in ``held``, so a cancelled command's holds can be denied)."""
+        (and its id kept in ``held``, so a cancelled command's holds can be denied); once
+        the command is cancelled, a new hold is denied at once (from a thread of its own:
+        a subscriber must not answer synchronously)."""
         loop = asyncio.get_running_loop()
         send, receive = anyio.create_memory_object_stream[dict](HOLDS_PENDING_PER_SESSION_MAX)
 
@@ -365,6 +367,10 @@ class McpClient:
         def on_hold(kind: str, payload: dict) -> None:  # any thread; must not block nor answer here
             if kind == "triggered":
                 held.add(payload["safeguard_id"])
+                if cancel.is_set():
+                    threading.Thread(target=s.holds.answer, args=(payload["safeguard_id"], "deny"),
+                                     name="mcp-deny-hold", daemon=True).start()
+                    return
                 try:
                     loop.call_soon_threadsafe(queue, payload)
                 except RuntimeError:
@@ -641,5 +647,3 @@ def _command_text(r: m.ExecuteCommandOut) -> str:
     lines.append(r.undo_hint)
     return "\n".join(lines)
 
-
-ToolFn = Callable[[Ctx, object], Awaitable[tuple[object, str]]]
