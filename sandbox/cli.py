@@ -286,8 +286,11 @@ def _guest_packages(args) -> list[str] | None:
     return parse_packages(args.guest_packages)
 
 
-def _session(args):
-    """A vm.Session from run/shell arguments (imported lazily: history/undo need no VM code)."""
+def _session(args, *, ask: bool = True, progress=None, **session_kw):
+    """A vm.Session from run/shell/mcp arguments (imported lazily: history/undo need no VM code).
+    ``ask``: holds are decided here by --on-hold (False: the caller answers them through
+    the session's hold broker); ``progress``: boot messages (default: plain lines on stderr);
+    ``session_kw``: more Session options (``guest``, ``external_policy``)."""
     from .core.safeguard import SafeguardConfig
     from .session.runtime import Folder, Session
 
@@ -297,7 +300,7 @@ def _session(args):
             raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
     safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
     decide = None
-    if args.delete_threshold:
+    if args.delete_threshold and ask:
         decide = _hold_decider(args.on_hold)
     network, _, allow = args.network.partition(":")
     if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
@@ -308,7 +311,8 @@ def _session(args):
                        state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
                        as_root=args.as_root,  # -- the guest user (issue 13)
                        guest_root=args.guest_root, guest_packages=_guest_packages(args),  # -- guest root (issue 13)
-                       progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+                       **session_kw,
+                       progress=progress or (lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True)))
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
 
@@ -482,6 +486,60 @@ def cmd_serve(args) -> int:
 
     signal.signal(signal.SIGTERM, interrupt)  # cancel the running command, stop the session, exit 0
     return server.serve()
+
+
+# -- MCP server (issue 14)
+def cmd_mcp(args) -> int:
+    """MCP over stdio until the client closes stdin (or SIGTERM): its own session, booted at once."""
+    import logging
+    import signal
+
+    import anyio
+    import anyio.to_thread
+
+    from .api.logs import level_number
+    from .api.mcp.host import OwnSessionHost
+    from .api.mcp.server import route_sdk_logs, serve_stdio
+
+    handler = setup_logging(args.log_level)
+    route_sdk_logs(handler, level_number(args.log_level))
+    boot_log = logging.getLogger("sandbox.mcp")
+    # external edits (the user's editor) become barriers: undo will not silently overwrite them
+    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
+                       progress=lambda msg: boot_log.info("%s", msg))
+    host = OwnSessionHost(session, on_hold=args.on_hold)
+
+    async def serve() -> None:
+        async with anyio.create_task_group() as tg:
+            async def on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _signum in signals:
+                        # stop the session (its command is cancelled, holds denied), then leave at
+                        # once: the stdin reader sits in a read no cancellation can interrupt
+                        await anyio.to_thread.run_sync(host.stop)
+                        logging.shutdown()
+                        os._exit(EXIT_OK)
+
+            tg.start_soon(on_signal)
+            await serve_stdio(host)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(serve)
+    finally:
+        host.stop()
+    return EXIT_OK
+
+
+def _mcp_on_hold(sp) -> None:
+    """`sandbox mcp`'s --on-hold: what a hold gets when the client cannot be asked (no elicitation)."""
+    for action in sp._actions:
+        if action.dest == "on_hold":
+            action.choices, action.default = ["deny", "allow"], "deny"
+            action.help = ("a safeguard hold is put to the user through the MCP client (elicitation) when it "
+                           "supports that; otherwise, or if the user does not answer: deny (default; the "
+                           "command's changes are rolled back) or allow")
+# -- end MCP server
 
 
 def cmd_serve_9p(args) -> int:
@@ -780,6 +838,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sessions run commands as root in the guest unless session.start says as_root: false "
                          "(default: as the unprivileged user `agent`)")
     sv.set_defaults(fn=cmd_serve)
+    # -- MCP server (issue 14)
+    mc = with_session(command(
+        "mcp", "an MCP server on stdio: an MCP client (Claude Code, Cursor, …) drives a sandbox session",
+        "Serve the Model Context Protocol on stdin/stdout for one client, with a session of its own on the\n"
+        "--workdir folders (booted at once, in the background; the first tool call waits for it). Tools:\n"
+        "execute_command, read_file, write_file, edit_file, list_directory, undo, get_undo_history,\n"
+        "get_session_status — every command and every file write is one undoable step. stdout carries\n"
+        "only JSON-RPC; logs are JSON lines on stderr. The session stops when the client closes stdin.\n\n"
+        "Claude Code:  claude mcp add sandbox -- sandbox mcp --workdir .\n"
+        "Reference (tools, results, limits, errors, elicitation, roots): docs/mcp.md.",
+        [(0, "the client closed stdin (or SIGTERM): session stopped"), (2, "bad usage")]))
+    mc.add_argument("--guest", default="vm", choices=["vm", "scripted"],
+                    help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
+                         "(sandbox/scripted/script.py; for tests)")
+    mc.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                    help="least severe log level written to stderr (default info)")
+    _mcp_on_hold(mc)
+    mc.set_defaults(fn=cmd_mcp)
+    # -- end MCP server
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"
