@@ -20,6 +20,7 @@ import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
+from sandbox.api.mcp.tools import TOOLS
 from sandbox_sim import oracle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -56,12 +57,15 @@ def test_rm_rf_write_file_and_a_denied_safeguard_through_mcp_are_undone_exactly(
             async with stdio_client(params, errlog=err) as (r, w):
                 async with ClientSession(r, w, elicitation_callback=deny) as c:
                     await c.initialize()
-                    assert len((await c.list_tools()).tools) == 8  # answered while the VM boots
+                    assert len((await c.list_tools()).tools) == len(TOOLS)  # answered while the VM boots
                     x = await c.call_tool("execute_command", {"command": "rm -rf src && ls"}, progress_callback=progress)
                     assert not x.is_error, x.content[0].text
                     sc = x.structured_content
                     assert sc["exit_code"] == 0 and isinstance(sc["step_id"], int), sc
                     assert not (project / "src").exists() and sc["changes"]["paths_total"] > 0
+                    d = (await c.call_tool("diff_step", {})).structured_content
+                    assert d["step_id"] == sc["step_id"] and d["paths"], d
+                    assert {p["change"] for p in d["paths"]} == {"deleted"}, d
                     u = await c.call_tool("undo", {})
                     assert not u.is_error, u.content[0].text
                     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after undoing rm -rf src")

@@ -119,7 +119,7 @@ def test_every_tool_has_explicit_annotations_and_schemas_from_its_models(project
     async def go():
         async with connected(make_host(project, state)) as c:
             assert list(c.tools) == ["execute_command", "read_file", "write_file", "edit_file", "list_directory",
-                                     "undo", "get_undo_history", "get_session_status"]
+                                     "undo", "get_undo_history", "get_session_status", "diff_step"]
             for spec in TOOLS:
                 t = c.tools[spec.name]
                 a = t.annotations
@@ -129,7 +129,7 @@ def test_every_tool_has_explicit_annotations_and_schemas_from_its_models(project
                 jsonschema.Draft202012Validator.check_schema(t.input_schema)
                 jsonschema.Draft202012Validator.check_schema(t.output_schema)
                 assert t.output_schema["type"] == "object"
-            reads = {"read_file", "list_directory", "get_undo_history", "get_session_status"}
+            reads = {"read_file", "list_directory", "get_undo_history", "get_session_status", "diff_step"}
             for name, t in c.tools.items():
                 a = t.annotations
                 assert a.read_only_hint is (name in reads)
@@ -142,7 +142,8 @@ def test_every_tool_has_explicit_annotations_and_schemas_from_its_models(project
             assert arg_names == {"execute_command": ["command", "timeout_s"], "read_file": ["length", "offset", "path"],
                                  "write_file": ["content", "encoding", "path"],
                                  "edit_file": ["dry_run", "new_text", "old_text", "path"], "list_directory": ["path"],
-                                 "undo": ["count", "force"], "get_undo_history": [], "get_session_status": []}
+                                 "undo": ["count", "force"], "get_undo_history": [], "get_session_status": [],
+                                 "diff_step": ["step_id"]}
             assert c.s.initialize_result.server_info.version == __version__
     run(go)
 
@@ -207,7 +208,7 @@ def test_a_boot_failure_is_a_clear_tool_error_and_the_server_goes_on(project, st
             e = await c.error("execute_command", {"command": "echo x"})
             assert e["code"] == "session.boot_failed" and "no KVM" in e["message"]
             assert (await c.error("get_session_status"))["code"] == "session.boot_failed"
-            assert len(c.tools) == 8  # still answering
+            assert len(c.tools) == len(TOOLS)  # still answering
     run(go)
 
 
@@ -228,14 +229,14 @@ def test_execute_command_reports_output_step_and_changed_paths_and_undo_restores
             assert isinstance(r["step_id"], int) and "undo" in r["undo_hint"]
             ch = r["changes"]
             assert ch["paths_total"] >= 3
-            sample = {p["path"] for p in ch["sample"]}
-            assert "/mnt/working/0/src/main.py" in sample
+            sample = {p["path"]: p["change"] for p in ch["sample"]}
+            assert sample["/mnt/working/0/src/main.py"] == "deleted" and ch["deleted"] == ch["paths_total"]
             assert "".join(chunks) == "removing\n"  # output came as progress too
             assert not (project / "src").exists()
             u = await c.ok("undo")
             assert u["step_ids"] == [r["step_id"]] and u["paths_restored"] >= 3 and "re-read" in u["reread_hint"]
-            for p in u["paths"]:  # the rollback's path list (when the core gives one): guest paths
-                assert p["path"].startswith("/mnt/working/0")
+            restored = {p["path"]: p["change"] for p in u["paths"]}
+            assert restored["/mnt/working/0/src/main.py"] == "recreated" and len(restored) == u["paths_restored"]
             oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after undo")
     run(go)
 
@@ -272,6 +273,35 @@ def test_write_file_and_edit_file_are_one_api_step_each_and_undo_exactly(project
             await c.ok("undo", {"count": 2})  # raw.bin, then new.txt
             oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after undoing every API step")
             assert mid != before
+    run(go)
+
+
+def test_diff_step_shows_each_path_s_change_with_a_unified_diff_and_reads_only(project, state):
+    async def go():
+        async with connected(make_host(project, state)) as c:
+            r = await c.ok("execute_command", {"command": "write src/util.py Y = 7; rm src/main.py; write notes.txt new; "
+                                                           "chmod 755 README.md"})
+            before = oracle.snapshot_dir(str(project))
+            d = await c.ok("diff_step")
+            assert d["step_id"] == r["step_id"] and d["folder"] == "/mnt/working/0" and not d["approximate"]
+            by = {p["path"]: p for p in d["paths"]}
+            util = by["/mnt/working/0/src/util.py"]
+            assert util["change"] == "modified" and util["kind"] == "file" and not util["binary"]
+            assert "-X = 1" in util["diff"] and "-Y = 1" in util["diff"] and "+Y = 7" in util["diff"]
+            assert by["/mnt/working/0/src/main.py"]["change"] == "deleted"
+            assert "-def main():" in by["/mnt/working/0/src/main.py"]["diff"]
+            assert by["/mnt/working/0/notes.txt"]["change"] == "created"
+            readme = by["/mnt/working/0/README.md"]
+            assert readme["change"] == "metadata" and "755" in readme["summary"] and not readme["diff"]
+            assert d["paths_total"] == len(d["paths"]) == 4
+            assert (await c.ok("diff_step", {"step_id": r["step_id"]})) == d
+            oracle.assert_same(before, oracle.snapshot_dir(str(project)), "diff_step changed nothing")
+            assert [s["step_id"] for s in (await c.ok("get_undo_history"))["steps"]] == [r["step_id"]]
+
+            e = await c.error("diff_step", {"step_id": r["step_id"] + 100})
+            assert e["code"] == "undo.no_such_step"
+            e = await c.error("diff_step", {"step_id": 0})
+            assert e["code"] == "protocol.invalid_request"
     run(go)
 
 
@@ -672,7 +702,7 @@ def test_stdout_carries_only_json_rpc(project, state, tmp_path):
     assert all(o["jsonrpc"] == "2.0" for o in out)
     by_id = {o["id"]: o for o in out if "id" in o}
     assert by_id[1]["result"]["serverInfo"]["version"] == __version__
-    assert len(by_id[2]["result"]["tools"]) == 8
+    assert len(by_id[2]["result"]["tools"]) == len(TOOLS)
     assert by_id[3]["result"]["structuredContent"]["stdout"] == "on-stdout\n"
     assert by_id[4]["error"]["code"] == -32601
     assert all(json.loads(line) for line in err.splitlines())

@@ -31,15 +31,14 @@ import threading
 from dataclasses import dataclass
 
 from .. import __version__
-from ..core.diff import step_diff
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..files import READ_FILE_BYTES_MAX, FileService
-from ..mounts.table import MountTable, PathDenied, PathOutside, from_docker_style
+from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
 from .errors import ApiError, to_api_error
-from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, encode_data as _encode
+from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode
 
 log = logging.getLogger("sandbox.api")
 
@@ -390,22 +389,10 @@ class Agent:
         return {"directory": i, "steps": steps, "barriers": barriers, "undo_available": True}
 
     def op_undo_diff(self, p: dict, rid) -> dict:
-        """What a step changed, preimage vs now (:func:`sandbox.core.diff.step_diff`): reads
-        only. A restricted view sees only the paths inside it (``paths_total`` counts those)."""
+        """What a step changed, preimage vs now (:func:`sandbox.api.payloads.diff_in_view`):
+        reads only; a restricted view sees only the paths inside it."""
         i, ws = self._workspace(p.get("directory"))
-        d = step_diff(ws, p.get("step_id"))
-        folder = self._require().table.folders[i]
-        if self.view.view != "/":
-            d["paths"] = [e for e in d["paths"] if self._visible(folder, e["path"])]
-            d["paths_total"] = len(d["paths"])
-        return {**d, "directory": i}
-
-    def _visible(self, folder, rel: str) -> bool:
-        try:
-            m, _ = self.view.resolve(folder.target if rel == "." else folder.target + "/" + rel)
-        except (PathDenied, PathOutside):
-            return False
-        return m is folder
+        return {**diff_in_view(ws, p.get("step_id"), self.view, self._require().table.folders[i]), "directory": i}
 
     def op_undo_configure(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))

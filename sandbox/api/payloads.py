@@ -2,7 +2,8 @@
 
 * :func:`check_exec_text` — text a process can receive (command, env, cwd);
 * :func:`encode_data` / :func:`decode_data` — file content as UTF-8 text or base64;
-* :func:`default_cwd` — where a command runs when the client names no directory.
+* :func:`default_cwd` — where a command runs when the client names no directory;
+* :func:`diff_in_view` — a step's diff (:func:`sandbox.core.diff.step_diff`) cut to a client's view.
 
 Each refuses bad input with an :class:`~sandbox.api.errors.ApiError` (a stable code),
 never anything else.
@@ -13,7 +14,8 @@ from __future__ import annotations
 import base64
 import binascii
 
-from ..mounts.table import MountTable
+from ..core.diff import step_diff
+from ..mounts.table import Mount, MountTable, PathDenied, PathOutside
 from .errors import ApiError
 
 
@@ -72,3 +74,22 @@ def default_cwd(view: MountTable) -> str:
         except Exception:
             pass
     return view.folders[0].target
+
+
+def diff_in_view(ws, step_id: int | None, view: MountTable, folder: Mount) -> dict:
+    """What step ``step_id`` (None: the newest) of ``folder``'s workspace ``ws`` changed,
+    preimage vs now, reading only; a client whose view is narrower than the folder sees only
+    the paths inside its view, and ``paths_total`` counts those."""
+    d = step_diff(ws, step_id)
+    if view.view != "/":
+        d["paths"] = [e for e in d["paths"] if _visible(view, folder, e["path"])]
+        d["paths_total"] = len(d["paths"])
+    return d
+
+
+def _visible(view: MountTable, folder: Mount, rel: str) -> bool:
+    try:
+        m, _ = view.resolve(folder.target if rel == "." else folder.target + "/" + rel)
+    except (PathDenied, PathOutside):
+        return False
+    return m is folder

@@ -55,11 +55,12 @@ from ...limits import HOLDS_PENDING_PER_SESSION_MAX
 from ...mounts.table import MountTable, PathDenied, guest_path
 from ...session.runtime import Session, SessionError
 from ..errors import ApiError
-from ..payloads import check_exec_text, decode_data, default_cwd, encode_data
+from ...core.diff import step_diff
+from ..payloads import check_exec_text, decode_data, default_cwd, diff_in_view, encode_data
 from . import models as m
 from .errors import McpToolError, tool_error
 from .host import McpHost
-from .limits import (COMMAND_OUTPUT_CHARS_MAX, EDIT_DIFF_CHARS_MAX, ELICITATION_TIMEOUT_S, HISTORY_STEPS_MAX,
+from .limits import (COMMAND_OUTPUT_CHARS_MAX, DIFF_PATHS_LISTED_MAX, DIFF_TEXT_CHARS_MAX, EDIT_DIFF_CHARS_MAX, ELICITATION_TIMEOUT_S, HISTORY_STEPS_MAX,
                      LIST_ENTRIES_MAX, PROGRESS_CHUNK_CHARS_MAX, PROGRESS_PENDING_MAX, READ_DEFAULT_BYTES, ROOTS_MAX,
                      ROOTS_TIMEOUT_S, STEP_PATHS_SAMPLE_MAX, UNDO_PATHS_LISTED_MAX)
 
@@ -529,6 +530,44 @@ class McpClient:
                  + (f", exit {h.exit_code}" if h.exit_code is not None else "") for h in out]
         return r, f"{target}, newest first:\n" + ("\n".join(lines) or "  (no steps)")
 
+    async def diff_step(self, ctx: Ctx, a: m.DiffStepIn) -> tuple[m.DiffStepOut, str]:
+        s = await self.ready(ctx)
+        i = self._diff_folder(s)
+        folder = s.table.folders[i]
+        d = await anyio.to_thread.run_sync(diff_in_view, s.workspaces[i], a.step_id, self.view, folder)
+        paths, budget = [], DIFF_TEXT_CHARS_MAX
+        for e in d["paths"][:DIFF_PATHS_LISTED_MAX]:
+            diff = e.get("diff")
+            cut = bool(e.get("diff_truncated"))
+            if diff is not None and len(diff) > budget:
+                diff, cut = None, True
+            budget -= len(diff or "")
+            paths.append(m.DiffPath(path=_guest_of(folder.target, e["path"]), change=e["change"], kind=e["kind"],
+                                    diff=diff, binary=bool(e["binary"]), summary=str(e.get("summary", "")),
+                                    diff_truncated=cut))
+        r = m.DiffStepOut(folder=folder.target, step_id=d["step_id"], command=str(d.get("command", "")),
+                          type=str(d.get("type", "command")), paths=paths, paths_total=d["paths_total"],
+                          paths_truncated=bool(d["paths_truncated"]) or len(d["paths"]) > len(paths),
+                          approximate=bool(d.get("approximate")))
+        lines = [f"step {r.step_id} [{r.type}] {r.command[:80]!r}: {r.paths_total} path(s)"
+                 + (" (approximate: changed since)" if r.approximate else "")]
+        for p in paths:
+            lines.append(f"{p.change}: {p.path}" + (f" — {p.summary}" if p.summary else ""))
+            if p.diff:
+                lines.append(p.diff.rstrip("\n"))
+            elif p.diff_truncated:
+                lines.append("  (diff left out: too long here; `sandbox diff` shows it)")
+        if r.paths_truncated:
+            lines.append(f"… {r.paths_total - len(paths)} more path(s)")
+        return r, "\n".join(lines)
+
+    def _diff_folder(self, s: Session) -> int:
+        """The first working folder with undo in the view (a read: a read-only view may look)."""
+        for i, (mnt, ws) in enumerate(zip(s.table.folders, s.workspaces)):
+            if ws is not None and self.view.view_within(mnt) is not None:
+                return i
+        raise ApiError("session.read_only_directory", "no working folder with undo is in view: no steps to show")
+
     async def get_session_status(self, ctx: Ctx, a: m.NoArgsIn) -> tuple[m.GetSessionStatusOut, str]:
         s = await self.ready(ctx)
         st = await anyio.to_thread.run_sync(s.status)
@@ -589,8 +628,8 @@ def _guest_of(target: str, rel: str) -> str:
 
 def _step_changes(s: Session, step_ids: list) -> m.StepChanges | None:
     """Counts and a sample of the paths the command's steps changed, per kind of change
-    (``sandbox.core.diff.step_diff`` when it is there; else the history's path list, kind unknown)."""
-    counts = {"created": 0, "modified": 0, "deleted": 0, "metadata": 0, "changed": 0}
+    (:func:`sandbox.core.diff.step_diff`)."""
+    counts = {"created": 0, "modified": 0, "deleted": 0, "metadata": 0}
     sample: list[m.PathChange] = []
     total, any_step = 0, False
     for i, sid in enumerate(step_ids or []):
@@ -606,7 +645,7 @@ def _step_changes(s: Session, step_ids: list) -> m.StepChanges | None:
         any_step = True
         total += len(changed)
         for path, change in changed:
-            counts[change if change in counts else "changed"] += 1
+            counts[change] += 1
             if len(sample) < STEP_PATHS_SAMPLE_MAX:
                 sample.append(m.PathChange(path=_guest_of(target, path), change=change))
     if not any_step:
@@ -615,13 +654,6 @@ def _step_changes(s: Session, step_ids: list) -> m.StepChanges | None:
 
 
 def _changed_paths(ws, step_id: int) -> list[tuple[str, str]]:
-    try:
-        from ...core.diff import step_diff
-    except ImportError:  # the diff module is not there: the history's path list, kind unknown
-        for st in ws.history():
-            if st["id"] == step_id:
-                return [(p, "changed") for p in st["paths"]]
-        raise LookupError(f"step {step_id} is not in the history") from None
     d = step_diff(ws, step_id)
     return [(p["path"], p["change"]) for p in d["paths"]]
 
@@ -635,8 +667,6 @@ def _command_text(r: m.ExecuteCommandOut) -> str:
         parts = [f"{c.created} created", f"{c.modified} modified", f"{c.deleted} deleted"]
         if c.metadata:
             parts.append(f"{c.metadata} metadata")
-        if c.changed:
-            parts.append(f"{c.changed} changed")
         lines.append("paths: " + ", ".join(parts) + (": " + ", ".join(p.path for p in c.sample[:10]) if c.sample else ""))
     for d in r.safeguards:
         lines.append(f"safeguard {d.safeguard_id}: {d.action} ({d.decided_by})")

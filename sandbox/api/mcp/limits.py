@@ -30,3 +30,8 @@ ELICITATION_TIMEOUT_S = 300.0
 ROOTS_MAX = 64
 #: seconds to wait for the client's roots/list answer; on timeout the view stays as it is
 ROOTS_TIMEOUT_S = 10.0
+#: paths listed in diff_step's result (the rest are counted: paths_total, paths_truncated)
+DIFF_PATHS_LISTED_MAX = 200
+#: characters of unified diff text in one diff_step result, all paths together; past it a path's
+#: diff is left out (diff_truncated) — ask sandbox diff / undo.diff for the whole thing
+DIFF_TEXT_CHARS_MAX = 64_000

@@ -79,12 +79,17 @@ class NoArgsIn(_In):
     pass
 
 
+class DiffStepIn(_In):
+    step_id: int | None = Field(default=None, ge=1, description="the step to show (default: the newest); "
+                                "ids come from execute_command, write_file, edit_file and get_undo_history")
+
+
 # ---------------------------------------------------------------------------- outputs
 
 
 class PathChange(_Out):
     path: str = Field(description="guest path")
-    change: str = Field(description="created | modified | deleted | metadata | changed (kind unknown)")
+    change: str = Field(description="created | modified | deleted | metadata")
 
 
 class StepChanges(_Out):
@@ -92,7 +97,6 @@ class StepChanges(_Out):
     modified: int
     deleted: int
     metadata: int
-    changed: int = Field(description="paths whose kind of change is not known")
     paths_total: int
     sample: list[PathChange]
     sample_truncated: bool
@@ -172,6 +176,28 @@ class UndoOut(_Out):
     paths_truncated: bool
     forced: bool
     reread_hint: str
+
+
+class DiffPath(_Out):
+    path: str = Field(description="guest path")
+    change: str = Field(description="created | modified | deleted | metadata")
+    kind: str = Field(description="file | dir | symlink | other")
+    diff: str | None = Field(description="unified diff, before the step vs now (text files)")
+    binary: bool
+    summary: str = Field(description="one line: sizes, mode, symlink target …")
+    diff_truncated: bool
+
+
+class DiffStepOut(_Out):
+    folder: str = Field(description="guest path of the folder the step belongs to")
+    step_id: int
+    command: str
+    type: str
+    paths: list[DiffPath]
+    paths_total: int
+    paths_truncated: bool
+    approximate: bool = Field(description="something the step left was changed or removed since: "
+                              "paths may be missing")
 
 
 class HistoryStep(_Out):

@@ -15,9 +15,8 @@ list_directory      yes       no           yes         no
 undo                no        yes          no          no
 get_undo_history    yes       no           yes         no
 get_session_status  yes       no           yes         no
+diff_step           yes       no           yes         no
 ==================  ========  ===========  ==========  ==========================
-
-``diff_step{step_id?}`` (a read) joins this table once ``sandbox.core.diff`` is merged.
 """
 
 from __future__ import annotations
@@ -87,6 +86,9 @@ TOOLS: tuple[ToolSpec, ...] = (
     _read("get_session_status", "Show the session's state", "The sandbox session: VM state, network policy, "
           "working folders, the effective view (after the client's roots), pending safeguards.",
           m.NoArgsIn, m.GetSessionStatusOut),
-    # -- diff_step (issue 14): added here after sandbox.core.diff.step_diff is merged
+    _read("diff_step", "Show what a step changed",
+          "What one undo step changed (default: the newest), path by path: created/modified/deleted/metadata, "
+          "with a unified diff for text files (before the step vs now) and a summary otherwise.",
+          m.DiffStepIn, m.DiffStepOut),
 )
 BY_NAME: dict[str, ToolSpec] = {t.name: t for t in TOOLS}
