@@ -441,14 +441,31 @@ def cmd_serve(args) -> int:
     protocol_out = os.fdopen(os.dup(1), "wb")  # os.dup: not inherited by children
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
-                         as_root=args.as_root)
+    # -- MCP socket (issue 14): the STDIO agent's session shared with MCP clients on a unix socket
+    mcp_socket = None
+    if args.mcp_socket:
+        from .api.mcp.shared import SharedMcpSocket, SharedSessionAgent
+
+        server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
+                             as_root=args.as_root, agent_class=SharedSessionAgent)
+        try:
+            mcp_socket = SharedMcpSocket(args.mcp_socket, server.agent)
+        except (ValueError, OSError) as e:
+            raise CliError(f"--mcp-socket {args.mcp_socket}: {e}", EXIT_USAGE) from None
+    else:
+        server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
+                             as_root=args.as_root)
+    # -- end MCP socket
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)  # cancel the running command, stop the session, exit 0
-    return server.serve()
+    try:
+        return server.serve()
+    finally:
+        if mcp_socket is not None:  # -- MCP socket (issue 14)
+            mcp_socket.close()
 
 
 def cmd_serve_9p(args) -> int:
@@ -732,6 +749,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--as-root", action="store_true",
                     help="sessions run commands as root in the guest unless session.start says as_root: false "
                          "(default: as the unprivileged user `agent`)")
+    # -- MCP socket (issue 14)
+    sv.add_argument("--mcp-socket", metavar="PATH",
+                    help="also serve MCP on this unix socket, over the session the STDIO client starts "
+                         "(`sandbox mcp --attach PATH` connects an MCP client). The socket is 0600 in a 0700 "
+                         "directory of yours (created if missing), its token in PATH.token (0600); see docs/mcp.md")
+    # -- end MCP socket
     sv.set_defaults(fn=cmd_serve)
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",

@@ -1,0 +1,1 @@
+"""The MCP server (issue 14)."""
