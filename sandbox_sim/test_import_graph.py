@@ -19,8 +19,9 @@ never a higher one:
  8    ``api.errors``                       the API's error taxonomy (stable codes)
  9    ``files``                            file operations for every API client
 10    ``api``                              the STDIO agent and its schemas
-11    ``cli``, ``sdk``, the package root   entry points (``sdk``: ``sandbox.Sandbox``, the composition root)
-12    ``__main__``                         ``python -m sandbox``
+11    ``api.mcp``                          the MCP server (issue 14)
+12    ``cli``, ``sdk``, the package root   entry points (``sdk``: ``sandbox.Sandbox``, the composition root)
+13    ``__main__``                         ``python -m sandbox``
 ====  ===================================  ==================================================
 
 ``sandbox/data/`` is package data (the demo's sample project), not part of the graph.
@@ -52,6 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api.errors",),
     ("files",),
     ("api",),
+    ("api.mcp",),  # -- MCP server (issue 14): the tools over the shared API machinery
     ("cli", "sdk", ""),
     ("__main__",),
 ]

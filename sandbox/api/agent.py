@@ -38,31 +38,13 @@ from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
 from .errors import ApiError, to_api_error
+from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, encode_data as _encode
 
 log = logging.getLogger("sandbox.api")
 
 READ_BYTES_MAX = READ_FILE_BYTES_MAX  # per fs.read by path (a handle's read: sandbox.files.READ_CALL_BYTES_MAX)
 MEMORY_BYTES_MAX = 256 << 20  # all in-memory mounts together, decoded
 FORWARDED_EVENTS = set(schema.EVENTS)
-
-
-def _exec_text(path: str, value: str, env_name: bool = False) -> None:
-    """Refuse text no process can receive — as an argument, an environment entry or a
-    directory: a NUL, or a lone surrogate (not Unicode, so not encodable for the guest);
-    an environment name also may not be empty or hold ``=``. Checked before anything
-    reaches a guest, so every guest answers the same (``protocol.invalid_request``)."""
-    reason = None
-    if "\0" in value:
-        reason = "contains a NUL character"
-    elif env_name and (not value or "=" in value):
-        reason = "an environment name must be non-empty and without '='"
-    else:
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            reason = "is not valid Unicode text (a lone surrogate)"
-    if reason is not None:
-        raise ApiError("protocol.invalid_request", f"{path}: {reason}", path=path, reason=reason)
 
 
 @dataclass
@@ -483,15 +465,7 @@ class Agent:
                 self._running = None
 
     def _default_cwd(self) -> str:
-        v = self.view.view
-        if v != "/":
-            try:
-                m, _rel = self.view.resolve(v)
-                if m.kind == "folder":
-                    return v
-            except Exception:
-                pass
-        return self.view.folders[0].target
+        return default_cwd(self.view)
 
     # ------------------------------------------------------------------ files
 
@@ -692,27 +666,3 @@ def _safeguard_out(c: SafeguardConfig) -> dict:
 def _within(path: str, prefix: str) -> bool:
     """Guest path ``path`` is ``prefix`` or below it (whole components)."""
     return path == prefix or path.startswith(prefix.rstrip("/") + "/")
-
-
-def _encode(data: bytes, encoding: str) -> tuple[str, str]:
-    """``data`` as UTF-8 text if asked and it is, else base64; and the encoding used."""
-    if encoding == "utf-8":
-        try:
-            return data.decode("utf-8"), "utf-8"
-        except UnicodeDecodeError:
-            pass
-    return base64.b64encode(data).decode(), "base64"
-
-
-def _decode(text: str, encoding: str) -> bytes:
-    """A request's ``data`` in ``encoding`` → bytes (``fs.invalid_argument`` if it is not)."""
-    if encoding == "base64":
-        try:
-            return base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError):
-            raise ApiError("fs.invalid_argument", "data is not valid base64", errno="EINVAL", field="data") from None
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ApiError("fs.invalid_argument", "data is not valid Unicode text (a lone surrogate): send base64",
-                       errno="EINVAL", field="data") from None

@@ -1,0 +1,74 @@
+"""Checks and conversions every API front end applies to a client's payloads (STDIO, MCP).
+
+* :func:`check_exec_text` — text a process can receive (command, env, cwd);
+* :func:`encode_data` / :func:`decode_data` — file content as UTF-8 text or base64;
+* :func:`default_cwd` — where a command runs when the client names no directory.
+
+Each refuses bad input with an :class:`~sandbox.api.errors.ApiError` (a stable code),
+never anything else.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from ..mounts.table import MountTable
+from .errors import ApiError
+
+
+def check_exec_text(path: str, value: str, env_name: bool = False) -> None:
+    """Refuse text no process can receive — as an argument, an environment entry or a
+    directory: a NUL, or a lone surrogate (not Unicode, so not encodable for the guest);
+    an environment name also may not be empty or hold ``=``. Checked before anything
+    reaches a guest, so every guest answers the same (``protocol.invalid_request``)."""
+    reason = None
+    if "\0" in value:
+        reason = "contains a NUL character"
+    elif env_name and (not value or "=" in value):
+        reason = "an environment name must be non-empty and without '='"
+    else:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            reason = "is not valid Unicode text (a lone surrogate)"
+    if reason is not None:
+        raise ApiError("protocol.invalid_request", f"{path}: {reason}", path=path, reason=reason)
+
+
+def encode_data(data: bytes, encoding: str) -> tuple[str, str]:
+    """``data`` as UTF-8 text if asked and it is, else base64; and the encoding used."""
+    if encoding == "utf-8":
+        try:
+            return data.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            pass
+    return base64.b64encode(data).decode(), "base64"
+
+
+def decode_data(text: str, encoding: str) -> bytes:
+    """A request's ``data`` in ``encoding`` → bytes (``fs.invalid_argument`` if it is not)."""
+    if encoding == "base64":
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError("fs.invalid_argument", "data is not valid base64", errno="EINVAL", field="data") from None
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError("fs.invalid_argument", "data is not valid Unicode text (a lone surrogate): send base64",
+                       errno="EINVAL", field="data") from None
+
+
+def default_cwd(view: MountTable) -> str:
+    """A command's working directory when none is given: the view, if it is a folder's
+    subtree; else the first working folder."""
+    v = view.view
+    if v != "/":
+        try:
+            m, _rel = view.resolve(v)
+            if m.kind == "folder":
+                return v
+        except Exception:
+            pass
+    return view.folders[0].target
