@@ -41,6 +41,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
+from .host import McpHost
 from .lines import MESSAGE_BYTES_MAX
 
 log = logging.getLogger("sandbox.mcp")
@@ -210,3 +211,50 @@ async def serve_http(serve_connection: ServeConnection, sock: socket.socket, tok
 
 def new_token() -> str:
     return secrets.token_hex(TOKEN_BYTES)
+
+
+class _SharedByConnections(McpHost):
+    """``host`` as every HTTP session sees it: they share its session, so one client's roots do not
+    narrow the guest for the others (each connection's own view still narrows), and a session
+    ending closes nothing — the server closes ``host`` when it stops."""
+
+    def __init__(self, host: McpHost):
+        self.inner = host
+        self.on_hold = host.on_hold
+
+    async def wait_session(self, progress=None):
+        return await self.inner.wait_session(progress)
+
+    def decides_holds_elsewhere(self) -> bool:
+        return self.inner.decides_holds_elsewhere()
+
+    @property
+    def network(self) -> str:
+        return self.inner.network
+
+
+def run(host: McpHost, spec: str) -> None:
+    """``sandbox mcp --http SPEC``: serve until SIGINT/SIGTERM, then close ``host``. The URL and
+    the token are logged once listening (a JSON line on stderr: fields ``url`` and ``token``).
+    :class:`HttpBindError` for a non-loopback ``spec``, ``OSError`` if it cannot be bound."""
+    from .server import serve_streams
+
+    bind_host, port = parse_bind(spec)
+    sock = bind(bind_host, port)
+    token = new_token()
+    shared = _SharedByConnections(host)
+    url = url_of(bind_host, sock.getsockname()[1])
+
+    async def main() -> None:
+        try:
+            log.info("MCP over streamable HTTP at %s (send the header Authorization: Bearer <token>)", url,
+                     extra={"component": "mcp", "url": url, "token": token})
+            await serve_http(lambda read, write: serve_streams(shared, read, write), sock, token)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await host.close()
+
+    try:
+        anyio.run(main)
+    finally:
+        sock.close()

@@ -17,7 +17,7 @@ Invariants:
   ``safeguard.confirm`` answers it; while the frontend is connected MCP does not elicit
   (:meth:`SharedSessionHost.decides_holds_elsewhere`);
 * the LLM sees no more than the frontend: the MCP connection's view is the agent's current
-  view (:meth:`SharedSessionHost.view`, narrowed further by the client's roots, never widened).
+  view (:meth:`SharedSessionHost.view_of`, narrowed further by the client's roots, never widened).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class SharedSessionHost(McpHost):
         s = self._running()
         return s.network if s is not None else "open"
 
-    def view(self, session: Session):
+    def view_of(self, session: Session):
         """The frontend's current view of ``session`` (its ``session.restrict``), or the whole table."""
         v = self.agent.view
         return v if v is not None and self.agent.session is session else session.table
