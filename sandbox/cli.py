@@ -253,8 +253,11 @@ def _guest_packages(args) -> list[str] | None:
     return parse_packages(args.guest_packages)
 
 
-def _session(args):
-    """A vm.Session from run/shell arguments (imported lazily: history/undo need no VM code)."""
+def _session(args, *, ask: bool = True, progress=None, **session_kw):
+    """A vm.Session from run/shell/mcp arguments (imported lazily: history/undo need no VM code).
+    ``ask``: holds are decided here by --on-hold (False: the caller answers them through
+    the session's hold broker); ``progress``: boot messages (default: plain lines on stderr);
+    ``session_kw``: more Session options (``guest``, ``external_policy``)."""
     from .core.safeguard import SafeguardConfig
     from .session.runtime import Folder, Session
 
@@ -264,7 +267,7 @@ def _session(args):
             raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
     safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
     decide = None
-    if args.delete_threshold:
+    if args.delete_threshold and ask:
         decide = _hold_decider(args.on_hold)
     network, _, allow = args.network.partition(":")
     if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
@@ -275,7 +278,8 @@ def _session(args):
                        state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
                        as_root=args.as_root,  # -- the guest user (issue 13)
                        guest_root=args.guest_root, guest_packages=_guest_packages(args),  # -- guest root (issue 13)
-                       progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+                       **session_kw,
+                       progress=progress or (lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True)))
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
 
@@ -466,6 +470,50 @@ def cmd_serve(args) -> int:
     finally:
         if mcp_socket is not None:  # -- MCP socket (issue 14)
             mcp_socket.close()
+
+
+# -- MCP server (issue 14)
+def cmd_mcp(args) -> int:
+    """MCP over stdio until the client closes stdin (or SIGTERM): its own session, booted at once."""
+    import logging
+    import signal
+
+    import anyio
+
+    from .api.logs import level_number
+    from .api.mcp.host import OwnSessionHost
+    from .api.mcp.server import route_sdk_logs, serve_stdio
+
+    handler = setup_logging(args.log_level)
+    route_sdk_logs(handler, level_number(args.log_level))
+    boot_log = logging.getLogger("sandbox.mcp")
+    # external edits (the user's editor) become barriers: undo will not silently overwrite them
+    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
+                       progress=lambda msg: boot_log.info("%s", msg))
+    host = OwnSessionHost(session, on_hold=args.on_hold)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # stop the session, exit 0
+    try:
+        anyio.run(serve_stdio, host)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        host.stop()
+    return EXIT_OK
+
+
+def _mcp_on_hold(sp) -> None:
+    """`sandbox mcp`'s --on-hold: what a hold gets when the client cannot be asked (no elicitation)."""
+    for action in sp._actions:
+        if action.dest == "on_hold":
+            action.choices, action.default = ["deny", "allow"], "deny"
+            action.help = ("a safeguard hold is put to the user through the MCP client (elicitation) when it "
+                           "supports that; otherwise, or if the user does not answer: deny (default; the "
+                           "command's changes are rolled back) or allow")
+# -- end MCP server
 
 
 def cmd_serve_9p(args) -> int:
@@ -756,6 +804,25 @@ def build_parser() -> argparse.ArgumentParser:
                          "directory of yours (created if missing), its token in PATH.token (0600); see docs/mcp.md")
     # -- end MCP socket
     sv.set_defaults(fn=cmd_serve)
+    # -- MCP server (issue 14)
+    mc = with_session(command(
+        "mcp", "an MCP server on stdio: an MCP client (Claude Code, Cursor, …) drives a sandbox session",
+        "Serve the Model Context Protocol on stdin/stdout for one client, with a session of its own on the\n"
+        "--workdir folders (booted at once, in the background; the first tool call waits for it). Tools:\n"
+        "execute_command, read_file, write_file, edit_file, list_directory, undo, get_undo_history,\n"
+        "get_session_status — every command and every file write is one undoable step. stdout carries\n"
+        "only JSON-RPC; logs are JSON lines on stderr. The session stops when the client closes stdin.\n\n"
+        "Claude Code:  claude mcp add sandbox -- sandbox mcp --workdir .\n"
+        "Reference (tools, results, limits, errors, elicitation, roots): docs/mcp.md.",
+        [(0, "the client closed stdin (or SIGTERM): session stopped"), (2, "bad usage")]))
+    mc.add_argument("--guest", default="vm", choices=["vm", "scripted"],
+                    help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
+                         "(sandbox/scripted/script.py; for tests)")
+    mc.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                    help="least severe log level written to stderr (default info)")
+    _mcp_on_hold(mc)
+    mc.set_defaults(fn=cmd_mcp)
+    # -- end MCP server
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"

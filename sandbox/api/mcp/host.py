@@ -144,14 +144,16 @@ class OwnSessionHost(McpHost):
         return self.session
 
     async def close(self) -> None:
+        await anyio.to_thread.run_sync(self.stop)
+
+    def stop(self) -> None:
+        """Stop the session (blocking; idempotent): a boot in progress ends first (its own
+        timeouts bound it), pending holds are denied, then the session stops."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        await anyio.to_thread.run_sync(self._stop)
-
-    def _stop(self) -> None:
-        self._thread.join()  # a boot in progress ends first (its own timeouts bound it)
+        self._thread.join()
         if self.session.running:
             self.session.holds.deny_all("stopped")
             self.session.stop()

@@ -124,11 +124,24 @@ async def serve_streams(host: McpHost, read_stream, write_stream, *, view: Mount
 
 
 async def serve_stdio(host: McpHost) -> None:
-    """``sandbox mcp``: one connection over stdin/stdout; the host is closed when it ends."""
+    """``sandbox mcp``: one connection over stdin/stdout; the host is closed when it ends.
+
+    The protocol gets a private descriptor for stdout; fd 1 becomes stderr, so nothing
+    else — a stray print, a library, a child process (QEMU) — can write into the protocol."""
+    import io
+    import os
+    import sys
+
+    import anyio
     from mcp.server.stdio import stdio_server
 
+    sys.stdout.flush()
+    protocol_fd = os.dup(1)  # os.dup: not inherited by children
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    out = anyio.wrap_file(io.TextIOWrapper(os.fdopen(protocol_fd, "wb"), encoding="utf-8"))
     try:
-        async with stdio_server() as (read_stream, write_stream):
+        async with stdio_server(stdout=out) as (read_stream, write_stream):
             await serve_streams(host, read_stream, write_stream)
     finally:
         await host.close()
