@@ -438,7 +438,7 @@ def cmd_serve(args) -> int:
         raise CliError("--max-line-bytes must be at least 1024", EXIT_USAGE)
     import signal
 
-    setup_logging(args.log_level)
+    handler = setup_logging(args.log_level)
     # The protocol stream gets a private descriptor; fd 1 becomes stderr, so nothing else —
     # a stray print, a library, a child process — can ever write into the protocol.
     sys.stdout.flush()
@@ -448,7 +448,11 @@ def cmd_serve(args) -> int:
     # -- MCP socket (issue 14): the STDIO agent's session shared with MCP clients on a unix socket
     mcp_socket = None
     if args.mcp_socket:
+        from .api.logs import level_number
+        from .api.mcp.server import route_sdk_logs
         from .api.mcp.shared import SharedMcpSocket, SharedSessionAgent
+
+        route_sdk_logs(handler, level_number(args.log_level))
 
         server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
                              as_root=args.as_root, agent_class=SharedSessionAgent)
@@ -514,6 +518,50 @@ def _mcp_on_hold(sp) -> None:
                            "supports that; otherwise, or if the user does not answer: deny (default; the "
                            "command's changes are rolled back) or allow")
 # -- end MCP server
+
+
+# -- MCP transports (issue 14): `mcp --attach PATH` (to `serve --mcp-socket`), `mcp --http HOST:PORT`
+def cmd_mcp_net(args) -> int:
+    """`sandbox mcp`: --attach bridges to a shared session's socket; --http serves streamable HTTP;
+    otherwise MCP on stdio (cmd_mcp)."""
+    if args.attach:
+        given = sorted(d for d, default in args.mcp_session_defaults.items() if getattr(args, d) != default)
+        if given or args.http:
+            names = ", ".join("--" + d.replace("_", "-") for d in given + (["http"] if args.http else []))
+            raise CliError(f"--attach joins the session of `sandbox serve --mcp-socket`: no {names} with it",
+                           EXIT_USAGE)
+        from .api.mcp.attach import attach
+
+        return attach(args.attach)
+    if not args.workdir:
+        raise CliError("give --workdir DIR (a session of its own) or --attach PATH (a shared session)", EXIT_USAGE)
+    if not args.http:
+        return cmd_mcp(args)
+    import logging
+
+    from .api.logs import level_number
+    from .api.mcp.host import OwnSessionHost
+    from .api.mcp.http import HttpBindError, parse_bind, run
+    from .api.mcp.server import route_sdk_logs
+
+    try:
+        parse_bind(args.http)  # refused before anything boots
+    except HttpBindError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    handler = setup_logging(args.log_level)
+    route_sdk_logs(handler, level_number(args.log_level))
+    boot_log = logging.getLogger("sandbox.mcp")
+    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
+                       progress=lambda msg: boot_log.info("%s", msg))
+    host = OwnSessionHost(session, on_hold=args.on_hold)
+    try:
+        run(host, args.http)
+    except OSError as e:
+        raise CliError(f"--http {args.http}: {e.strerror or e}", EXIT_FAILED) from None
+    finally:
+        host.stop()
+    return EXIT_OK
+# -- end MCP transports
 
 
 def cmd_serve_9p(args) -> int:
@@ -823,6 +871,22 @@ def build_parser() -> argparse.ArgumentParser:
     _mcp_on_hold(mc)
     mc.set_defaults(fn=cmd_mcp)
     # -- end MCP server
+    # -- MCP transports (issue 14)
+    mc.add_argument("--attach", metavar="PATH",
+                    help="instead of a session of its own, join the session of `sandbox serve --mcp-socket PATH` "
+                         "(a frontend's, which answers its safeguards): bridges this stdio client to that socket, "
+                         "with the token from PATH.token; no session options. Exit 1: no socket there, or the "
+                         "server closed the connection; 3: refused (token, user, too many connections)")
+    mc.add_argument("--http", metavar="127.0.0.1:PORT",
+                    help="serve MCP over streamable HTTP on this loopback address instead of stdio (port 0: any; "
+                         "the URL and a bearer token for this run are logged on stderr). Host and Origin headers "
+                         "are checked; only loopback binds are accepted")
+    session_dests = [a.dest for a in mc._actions if a.dest not in ("help", "attach", "http", "log_level", "guest")]
+    for a in mc._actions:
+        if a.dest == "workdir":
+            a.required = False  # --attach takes none; cmd_mcp_net asks for it otherwise
+    mc.set_defaults(fn=cmd_mcp_net, mcp_session_defaults={d: mc.get_default(d) for d in session_dests})
+    # -- end MCP transports
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"

@@ -12,10 +12,12 @@ the handshake bounds, another uid (as root: a child that drops to ``nobody``).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from contextlib import asynccontextmanager
 
 import anyio
@@ -51,8 +53,13 @@ def project(tmp_path):
 
 
 @pytest.fixture
-def sock_path(tmp_path):
-    return str(tmp_path / "run" / "mcp.sock")  # "run" does not exist: the server creates it 0700
+def sock_path():
+    """In a fresh directory under /tmp (which everyone may traverse, unlike pytest's tmp_path, so
+    another uid's view can be tested); "run" does not exist: the server creates it 0700."""
+    base = tempfile.mkdtemp(prefix="sandbox-mcp-test-", dir="/tmp")
+    os.chmod(base, 0o711)
+    yield os.path.join(base, "run", "mcp.sock")
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
@@ -62,8 +69,7 @@ def frontend(state_home, sock_path):
     def make(*extra: str) -> ApiClient:
         c = ApiClient("--mcp-socket", sock_path, *extra, env={"XDG_STATE_HOME": state_home})
         clients.append(c)
-        c.wait_log = lambda: c._wait(lambda: os.path.exists(token_path(sock_path)), WAIT_S, "the MCP socket")
-        c.wait_log()
+        c._wait(lambda: any(r.get("socket") == sock_path for r in c.logs), WAIT_S, "the MCP socket's ready log")
         return c
 
     yield make
@@ -136,7 +142,7 @@ def test_a_safeguard_of_the_llms_command_is_answered_by_the_stdio_frontend(front
     if answer == "allow":
         assert not r.is_error and out["exit_code"] == 0, r
         assert not (project / "victims").exists()
-        assert out["changes"]["deleted"] >= 20
+        assert out["changes"]["paths_total"] >= 20, out["changes"]
     else:
         assert oracle.snapshot_dir(str(project)) == before
         assert r.is_error or out["exit_code"] != 0, r
@@ -283,11 +289,17 @@ def test_attach_reports_a_missing_socket_and_a_refused_token(tmp_path, frontend,
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a child as another uid")
 def test_another_uid_is_refused_by_peer_credentials_even_on_an_open_socket(frontend, sock_path):
     frontend()
+    probe = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.settimeout(30)\ns.connect(sys.argv[1])\n"
+             "sys.stdout.write(s.recv(200).decode())\n")  # refused at accept, before any handshake
+
+    def as_nobody() -> subprocess.CompletedProcess:
+        return subprocess.run(["/usr/bin/python3", "-c", probe, sock_path], capture_output=True, timeout=WAIT_S,
+                              preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)), text=True)
+
+    r = as_nobody()
+    assert "PermissionError" in r.stderr and not r.stdout  # the 0700 directory keeps it out
     # a misconfiguration opens the directory and the socket to everyone: SO_PEERCRED still refuses
     os.chmod(os.path.dirname(sock_path), 0o711)
     os.chmod(sock_path, 0o666)
-    probe = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.settimeout(30)\ns.connect(sys.argv[1])\n"
-             "s.sendall(b'x\\n')\nsys.stdout.write(s.recv(200).decode())\n")
-    r = subprocess.run(["/usr/bin/python3", "-c", probe, sock_path], capture_output=True, timeout=WAIT_S,
-                       preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)), text=True)
+    r = as_nobody()
     assert r.stdout.startswith("ERR peer_refused "), (r.stdout, r.stderr)

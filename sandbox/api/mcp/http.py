@@ -234,7 +234,7 @@ class _SharedByConnections(McpHost):
 
 
 def run(host: McpHost, spec: str) -> None:
-    """``sandbox mcp --http SPEC``: serve until SIGINT/SIGTERM, then close ``host``. The URL and
+    """``sandbox mcp --http SPEC``: serve until SIGINT/SIGTERM (the caller then stops ``host``). The URL and
     the token are logged once listening (a JSON line on stderr: fields ``url`` and ``token``).
     :class:`HttpBindError` for a non-loopback ``spec``, ``OSError`` if it cannot be bound."""
     from .server import serve_streams
@@ -246,13 +246,9 @@ def run(host: McpHost, spec: str) -> None:
     url = url_of(bind_host, sock.getsockname()[1])
 
     async def main() -> None:
-        try:
-            log.info("MCP over streamable HTTP at %s (send the header Authorization: Bearer <token>)", url,
-                     extra={"component": "mcp", "url": url, "token": token})
-            await serve_http(lambda read, write: serve_streams(shared, read, write), sock, token)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await host.close()
+        log.info("MCP over streamable HTTP at %s (send the header Authorization: Bearer <token>)", url,
+                 extra={"component": "mcp", "url": url, "token": token})
+        await serve_http(lambda read, write: serve_streams(shared, read, write), sock, token)
 
     try:
         anyio.run(main)
