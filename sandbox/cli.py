@@ -555,7 +555,7 @@ def cmd_mcp_net(args) -> int:
                        progress=lambda msg: boot_log.info("%s", msg))
     host = OwnSessionHost(session, on_hold=args.on_hold)
     try:
-        run(host, args.http)
+        run(host, args.http)  # until SIGINT/SIGTERM
     except OSError as e:
         raise CliError(f"--http {args.http}: {e.strerror or e}", EXIT_FAILED) from None
     finally:

@@ -25,10 +25,12 @@ answers ``404``).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import logging
 import secrets
+import signal
 import socket
 import uuid
 from collections.abc import Awaitable, Callable
@@ -196,16 +198,32 @@ class HttpSessions:
 
 
 async def serve_http(serve_connection: ServeConnection, sock: socket.socket, token: str) -> None:
-    """Serve MCP on the listening ``sock`` until SIGINT/SIGTERM (uvicorn's handlers) or cancellation."""
+    """Serve MCP on the listening ``sock`` until SIGINT/SIGTERM (then a graceful shutdown: open
+    sessions end, ``serve_connection`` tasks are cancelled) or until cancelled. Main thread only
+    (it receives the signals itself; uvicorn's own handling, which re-raises them, is off)."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
 
     port = sock.getsockname()[1]
     async with anyio.create_task_group() as tg:
         app = Guard(RequestBodyLimitMiddleware(HttpSessions(tg, serve_connection), HTTP_BODY_BYTES_MAX),
                     port=port, token=token)
-        config = uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=5)
-        await uvicorn.Server(config).serve(sockets=[sock])
+        server = Server(uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
+                                       timeout_graceful_shutdown=5))
+
+        async def on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("signal %d: stopping the HTTP server", signum, extra={"component": "mcp"})
+                    server.should_exit = True
+                    return
+
+        tg.start_soon(on_signal)
+        await server.serve(sockets=[sock])
         tg.cancel_scope.cancel()
 
 
