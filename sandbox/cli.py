@@ -483,6 +483,7 @@ def cmd_mcp(args) -> int:
     import signal
 
     import anyio
+    import anyio.to_thread
 
     from .api.logs import level_number
     from .api.mcp.host import OwnSessionHost
@@ -496,14 +497,23 @@ def cmd_mcp(args) -> int:
                        progress=lambda msg: boot_log.info("%s", msg))
     host = OwnSessionHost(session, on_hold=args.on_hold)
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+    async def serve() -> None:
+        async with anyio.create_task_group() as tg:
+            async def on_signal() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _signum in signals:
+                        # stop the session (its command is cancelled, holds denied), then leave at
+                        # once: the stdin reader sits in a read no cancellation can interrupt
+                        await anyio.to_thread.run_sync(host.stop)
+                        logging.shutdown()
+                        os._exit(EXIT_OK)
 
-    signal.signal(signal.SIGTERM, interrupt)  # stop the session, exit 0
+            tg.start_soon(on_signal)
+            await serve_stdio(host)
+            tg.cancel_scope.cancel()
+
     try:
-        anyio.run(serve_stdio, host)
-    except KeyboardInterrupt:
-        pass
+        anyio.run(serve)
     finally:
         host.stop()
     return EXIT_OK

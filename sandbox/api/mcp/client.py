@@ -41,7 +41,7 @@ import os
 import threading
 import urllib.parse
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import anyio
 import anyio.to_thread
@@ -149,6 +149,19 @@ class _ProgressPump:
             return out
 
 
+class _Progress:
+    """One call's progress notifications (no-ops unless the client sent a progress token);
+    ``progress`` increases with each, as the protocol requires — boot news, then output."""
+
+    def __init__(self, ctx: Ctx):
+        self.ctx = ctx
+        self.n = 0
+
+    async def __call__(self, message: str) -> None:
+        self.n += 1
+        await self.ctx.session.report_progress(self.n, None, message)
+
+
 class McpClient:
     """One connection: its view, file service, roots, and the tools (module docstring)."""
 
@@ -166,16 +179,9 @@ class McpClient:
 
     # ------------------------------------------------------------------ session, view, roots
 
-    async def ready(self, ctx: Ctx) -> Session:
+    async def ready(self, ctx: Ctx, progress: _Progress | None = None) -> Session:
         """The started session, this connection's file service over it, and its roots applied."""
-        n = 0
-
-        async def progress(msg: str) -> None:
-            nonlocal n
-            n += 1
-            await ctx.session.report_progress(n, None, msg)
-
-        s = await self.host.wait_session(progress)
+        s = await self.host.wait_session(progress or _Progress(ctx))
         async with self._setup:
             if self.session is not s:
                 base = self.base_view if self.base_view is not None else s.table
@@ -252,9 +258,10 @@ class McpClient:
     # ------------------------------------------------------------------ execute_command
 
     async def execute_command(self, ctx: Ctx, a: m.ExecuteCommandIn) -> tuple[m.ExecuteCommandOut, str]:
-        s = await self.ready(ctx)
+        prog = _Progress(ctx)
+        s = await self.ready(ctx, prog)
         check_exec_text("command", a.command)
-        if s.command_lock.locked():
+        if self._commands or s.command_lock.locked():
             raise ApiError("agent.busy", "a command is already running; one runs at a time")
         cwd = default_cwd(self.view)
         cancel, finished = threading.Event(), threading.Event()
@@ -278,19 +285,23 @@ class McpClient:
             finally:
                 finished.set()
 
+        held: set[str] = set()  # this command's holds (a cancelled command cannot end while one holds it)
+
+        def deny_held() -> None:
+            for hid in list(held):
+                s.holds.answer(hid, "deny")  # False if it was decided already
+
         async def timer() -> None:
             nonlocal timed_out
             await anyio.sleep(a.timeout_s)
             timed_out = True
             cancel.set()
+            await anyio.to_thread.run_sync(deny_held)
             log.info("command timed out after %g s: cancelled", a.timeout_s, extra={"component": "mcp"})
-
-        sent = [0]
 
         async def flush() -> None:
             for chunk in pump.take():
-                sent[0] += 1
-                await ctx.session.report_progress(sent[0], None, chunk)
+                await prog(chunk)
 
         async def send_progress() -> None:
             while True:
@@ -303,7 +314,7 @@ class McpClient:
         try:
             async with anyio.create_task_group() as tg:
                 if not self.host.decides_holds_elsewhere():
-                    unsubscribe = self._answer_holds(ctx, s, tg, a.command, decisions)
+                    unsubscribe = self._answer_holds(ctx, s, tg, a.command, decisions, held, cancel)
                 tg.start_soon(send_progress)
                 if a.timeout_s is not None:
                     tg.start_soon(timer)
@@ -312,6 +323,7 @@ class McpClient:
                 except anyio.get_cancelled_exc_class():
                     cancel.set()  # the client cancelled or went away: so does the command
                     with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(deny_held)
                         await anyio.to_thread.run_sync(finished.wait, CANCEL_WAIT_S)
                     log.info("command cancelled: the call was cancelled", extra={"component": "mcp"})
                     raise
@@ -337,9 +349,12 @@ class McpClient:
                 undo_hint=UNDO_HINT if r.step_id is not None else "No read-write folder: nothing to undo.")
         return result, _command_text(result)
 
-    def _answer_holds(self, ctx: Ctx, s: Session, tg, command: str,
-                      decisions: list[m.SafeguardDecision]) -> Callable[[], None]:
-        """Subscribe to the session's holds for this command: each is decided in ``tg``."""
+    def _answer_holds(self, ctx: Ctx, s: Session, tg, command: str, decisions: list[m.SafeguardDecision],
+                      held: set[str], cancel: threading.Event) -> Callable[[], None]:
+        """Subscribe to the session's holds for this command: each is decided in ``tg``
+        (and its id kept in ``held``, so a cancelled command's holds can be denied); once
+        the command is cancelled, a new hold is denied at once (from a thread of its own:
+        a subscriber must not answer synchronously)."""
         loop = asyncio.get_running_loop()
         send, receive = anyio.create_memory_object_stream[dict](HOLDS_PENDING_PER_SESSION_MAX)
 
@@ -351,6 +366,11 @@ class McpClient:
 
         def on_hold(kind: str, payload: dict) -> None:  # any thread; must not block nor answer here
             if kind == "triggered":
+                held.add(payload["safeguard_id"])
+                if cancel.is_set():
+                    threading.Thread(target=s.holds.answer, args=(payload["safeguard_id"], "deny"),
+                                     name="mcp-deny-hold", daemon=True).start()
+                    return
                 try:
                     loop.call_soon_threadsafe(queue, payload)
                 except RuntimeError:
@@ -444,8 +464,7 @@ class McpClient:
         if cut:
             diff = diff[:EDIT_DIFF_CHARS_MAX] + f"\n[… diff cut at {EDIT_DIFF_CHARS_MAX} characters …]\n"
         if not a.dry_run:
-            check_exec_text("new_text", a.new_text)
-            await anyio.to_thread.run_sync(files.write_file, guest, new.encode("utf-8"))
+            await anyio.to_thread.run_sync(files.write_file, guest, decode_data(new, "utf-8"))
         r = m.EditFileOut(path=guest, applied=not a.dry_run, diff=diff, diff_truncated=cut,
                           undo_hint="" if a.dry_run else UNDO_HINT)
         return r, ("dry run, nothing written:\n" if a.dry_run else f"edited {guest}. {UNDO_HINT}\n") + diff
@@ -628,5 +647,3 @@ def _command_text(r: m.ExecuteCommandOut) -> str:
     lines.append(r.undo_hint)
     return "\n".join(lines)
 
-
-ToolFn = Callable[[Ctx, object], Awaitable[tuple[object, str]]]

@@ -15,7 +15,6 @@ MCP_CODES: dict[str, str] = {
     "session.boot_failed": "The session could not start (the VM did not boot); every tool call fails with this (data: reason).",
     "edit.no_match": "edit_file: old_text does not occur in the file.",
     "edit.ambiguous": "edit_file: old_text occurs more than once (data: occurrences); give more context.",
-    "roots.widen_denied": "A root the client listed lies outside the session's view; roots only narrow (data: roots).",
 }
 
 

@@ -144,7 +144,8 @@ async def serve_stdio(host: McpHost) -> None:
         async with stdio_server(stdout=out) as (read_stream, write_stream):
             await serve_streams(host, read_stream, write_stream)
     finally:
-        await host.close()
+        with anyio.CancelScope(shield=True):  # also when the caller cancels us (a signal)
+            await host.close()
 
 
 def route_sdk_logs(handler: logging.Handler, level: int) -> None:

@@ -51,6 +51,11 @@ class ToolSpec:
                 idempotent_hint=self.idempotent, open_world_hint=self.reaches_network and network != "disabled"))
 
 
+def _read(name: str, title: str, description: str, input: type[BaseModel], output: type[BaseModel]) -> ToolSpec:
+    """A tool that only reads: readOnly, not destructive, idempotent, closed world."""
+    return ToolSpec(name, title, description, input, output, read_only=True, destructive=False, idempotent=True)
+
+
 _UNDO = " Undoable with the undo tool."
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("execute_command", "Run a shell command in the sandbox",
@@ -59,9 +64,9 @@ TOOLS: tuple[ToolSpec, ...] = (
              "the output (bounded) and the paths created/modified/deleted." + _UNDO,
              m.ExecuteCommandIn, m.ExecuteCommandOut, read_only=False, destructive=True, idempotent=False,
              reaches_network=True),
-    ToolSpec("read_file", "Read a file",
-             "Read a file of the sandbox (text, or base64 when it is not UTF-8), optionally a byte range.",
-             m.ReadFileIn, m.ReadFileOut, read_only=True, destructive=False, idempotent=True),
+    _read("read_file", "Read a file",
+          "Read a file of the sandbox (text, or base64 when it is not UTF-8), optionally a byte range.",
+          m.ReadFileIn, m.ReadFileOut),
     ToolSpec("write_file", "Write a file",
              "Create or replace a file with the given content: one undo step." + _UNDO,
              m.WriteFileIn, m.WriteFileOut, read_only=False, destructive=True, idempotent=True),
@@ -69,21 +74,19 @@ TOOLS: tuple[ToolSpec, ...] = (
              "Replace old_text, which must occur exactly once in the file, by new_text: one undo step. "
              "dry_run returns the unified diff without writing." + _UNDO,
              m.EditFileIn, m.EditFileOut, read_only=False, destructive=True, idempotent=False),
-    ToolSpec("list_directory", "List a directory",
-             "List a directory of the sandbox (default: the first working folder).",
-             m.ListDirectoryIn, m.ListDirectoryOut, read_only=True, destructive=False, idempotent=True),
+    _read("list_directory", "List a directory", "List a directory of the sandbox (default: the first working folder).",
+          m.ListDirectoryIn, m.ListDirectoryOut),
     ToolSpec("undo", "Undo the newest steps",
              "Undo the newest count steps (commands and file writes), newest first, restoring every file they "
              "changed; the result lists the paths — re-read them. Refused when someone changed those files "
              "outside the sandbox since (undo.barrier): ask the user before retrying with force.",
              m.UndoIn, m.UndoOut, read_only=False, destructive=True, idempotent=False),
-    ToolSpec("get_undo_history", "List the undo history",
-             "The undo steps of the first working folder, newest first: id, command, paths, outcome.",
-             m.NoArgsIn, m.GetUndoHistoryOut, read_only=True, destructive=False, idempotent=True),
-    ToolSpec("get_session_status", "Show the session's state",
-             "The sandbox session: VM state, network policy, working folders, the effective view (after the "
-             "client's roots), pending safeguards.",
-             m.NoArgsIn, m.GetSessionStatusOut, read_only=True, destructive=False, idempotent=True),
+    _read("get_undo_history", "List the undo history",
+          "The undo steps of the first working folder, newest first: id, command, paths, outcome.",
+          m.NoArgsIn, m.GetUndoHistoryOut),
+    _read("get_session_status", "Show the session's state", "The sandbox session: VM state, network policy, "
+          "working folders, the effective view (after the client's roots), pending safeguards.",
+          m.NoArgsIn, m.GetSessionStatusOut),
     # -- diff_step (issue 14): added here after sandbox.core.diff.step_diff is merged
 )
 BY_NAME: dict[str, ToolSpec] = {t.name: t for t in TOOLS}
