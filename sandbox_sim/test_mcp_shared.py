@@ -303,3 +303,25 @@ def test_another_uid_is_refused_by_peer_credentials_even_on_an_open_socket(front
     os.chmod(sock_path, 0o666)
     r = as_nobody()
     assert r.stdout.startswith("ERR peer_refused "), (r.stdout, r.stderr)
+
+
+def test_attach_takes_no_session_options():
+    r = subprocess.run([sys.executable, "-m", "sandbox", "mcp", "--attach", "/nonexistent/mcp.sock", "--workdir", "."],
+                       capture_output=True, timeout=WAIT_S, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and b"no --workdir with it" in r.stderr and not r.stdout
+    r = subprocess.run([sys.executable, "-m", "sandbox", "mcp"], capture_output=True, timeout=WAIT_S,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and b"--attach PATH" in r.stderr
+
+
+def test_docs_mcp_quotes_the_transports_limits():
+    from sandbox.api.mcp import http, lines, shared, unix
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "mcp.md")) as f:
+        doc = f.read()
+    for module, names in [(unix, ["SOCKET_CONNECTIONS_MAX", "HANDSHAKE_LINE_BYTES_MAX", "HANDSHAKE_TIMEOUT_S"]),
+                          (lines, ["MESSAGE_BYTES_MAX", "QUEUED_MESSAGES_MAX"]),
+                          (shared, ["SHARED_WAIT_SESSION_S_MAX", "SHARED_WAIT_PROGRESS_INTERVAL_S"]),
+                          (http, ["HTTP_SESSIONS_MAX", "HTTP_BODY_BYTES_MAX", "HTTP_SESSION_IDLE_S"])]:
+        for name in names:
+            assert f"| `{name}` | {getattr(module, name):,} |" in doc, (module.__name__, name)
