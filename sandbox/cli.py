@@ -485,17 +485,9 @@ def cmd_mcp(args) -> int:
     import anyio
     import anyio.to_thread
 
-    from .api.logs import level_number
-    from .api.mcp.host import OwnSessionHost
-    from .api.mcp.server import route_sdk_logs, serve_stdio
+    from .api.mcp.server import serve_stdio
 
-    handler = setup_logging(args.log_level)
-    route_sdk_logs(handler, level_number(args.log_level))
-    boot_log = logging.getLogger("sandbox.mcp")
-    # external edits (the user's editor) become barriers: undo will not silently overwrite them
-    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
-                       progress=lambda msg: boot_log.info("%s", msg))
-    host = OwnSessionHost(session, on_hold=args.on_hold)
+    host = _mcp_own_host(args)
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
@@ -547,23 +539,13 @@ def cmd_mcp_net(args) -> int:
         raise CliError("give --workdir DIR (a session of its own) or --attach PATH (a shared session)", EXIT_USAGE)
     if not args.http:
         return cmd_mcp(args)
-    import logging
-
-    from .api.logs import level_number
-    from .api.mcp.host import OwnSessionHost
     from .api.mcp.http import HttpBindError, parse_bind, run
-    from .api.mcp.server import route_sdk_logs
 
     try:
         parse_bind(args.http)  # refused before anything boots
     except HttpBindError as e:
         raise CliError(str(e), EXIT_USAGE) from None
-    handler = setup_logging(args.log_level)
-    route_sdk_logs(handler, level_number(args.log_level))
-    boot_log = logging.getLogger("sandbox.mcp")
-    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
-                       progress=lambda msg: boot_log.info("%s", msg))
-    host = OwnSessionHost(session, on_hold=args.on_hold)
+    host = _mcp_own_host(args)
     try:
         run(host, args.http)  # until SIGINT/SIGTERM
     except OSError as e:
@@ -571,6 +553,23 @@ def cmd_mcp_net(args) -> int:
     finally:
         host.stop()
     return EXIT_OK
+
+
+def _mcp_own_host(args):
+    """`sandbox mcp`'s (stdio or --http) logging set up, and the host of its own session, booting."""
+    import logging
+
+    from .api.logs import level_number
+    from .api.mcp.host import OwnSessionHost
+    from .api.mcp.server import route_sdk_logs
+
+    handler = setup_logging(args.log_level)
+    route_sdk_logs(handler, level_number(args.log_level))
+    boot_log = logging.getLogger("sandbox.mcp")
+    # external edits (the user's editor) become barriers: undo will not silently overwrite them
+    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
+                       progress=lambda msg: boot_log.info("%s", msg))
+    return OwnSessionHost(session, on_hold=args.on_hold)
 # -- end MCP transports
 
 

@@ -21,17 +21,11 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
 from sandbox_sim import oracle
+from sandbox_sim import test_mcp
 
+project = test_mcp.project  # the MCP suite's project fixture
 pytestmark = pytest.mark.timeout(180)
 WAIT_S = 60
-
-
-@pytest.fixture
-def project(tmp_path):
-    p = tmp_path / "project"
-    (p / "src").mkdir(parents=True)
-    (p / "src" / "app.py").write_text("print('hello')\n")
-    return p
 
 
 class HttpServer:

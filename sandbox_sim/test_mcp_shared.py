@@ -28,28 +28,16 @@ from mcp.client.stdio import stdio_client
 from sandbox.api.mcp.unix import HANDSHAKE_MAGIC, token_path
 from sandbox_sim import oracle
 from sandbox_sim.api_client import ApiClient, Commands
+from sandbox_sim import test_stdio_api as base
+from sandbox_sim.test_stdio_api import start
+
+# the STDIO tests' fixtures: a `sandbox serve` client factory, the scripted guest, the project (src/,
+# victims/ with 20 files), the state directory
+api, guest, project, state_home = base.api, base.guest, base.project, base.state_home
 
 pytestmark = pytest.mark.timeout(180)
 #: an MCP call or a STDIO wait (the scripted guest answers in milliseconds; this bounds a hang)
 WAIT_S = 60
-
-
-@pytest.fixture
-def state_home(tmp_path):
-    d = tmp_path / "state"
-    d.mkdir()
-    return str(d)
-
-
-@pytest.fixture
-def project(tmp_path):
-    p = tmp_path / "project"
-    (p / "src").mkdir(parents=True)
-    (p / "src" / "app.py").write_text("print('hello')\n")
-    (p / "victims").mkdir()
-    for i in range(20):
-        (p / "victims" / f"v{i:02d}").write_text(f"victim {i}\n")
-    return p
 
 
 @pytest.fixture
@@ -63,25 +51,15 @@ def sock_path():
 
 
 @pytest.fixture
-def frontend(state_home, sock_path):
-    clients = []
+def frontend(api, sock_path):
+    """``sandbox serve --mcp-socket`` clients (the STDIO suite's ``api`` factory: checked and closed)."""
 
     def make(*extra: str) -> ApiClient:
-        c = ApiClient("--mcp-socket", sock_path, *extra, env={"XDG_STATE_HOME": state_home})
-        clients.append(c)
+        c = api("--mcp-socket", sock_path, *extra)
         c._wait(lambda: any(r.get("socket") == sock_path for r in c.logs), WAIT_S, "the MCP socket's ready log")
         return c
 
-    yield make
-    for c in clients:
-        if c.proc.poll() is None:
-            c.close()
-        c.check()
-
-
-def start(c: ApiClient, project, **payload) -> dict:
-    payload.setdefault("working_directories", [{"path": str(project), "label": "project"}])
-    return c.ok("session.start", payload, timeout_s=WAIT_S)
+    return make
 
 
 @asynccontextmanager
