@@ -11,6 +11,7 @@ the handshake bounds, another uid (as root: a child that drops to ``nobody``).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -195,6 +196,38 @@ def test_the_frontend_leaving_ends_the_attached_client_with_a_message(frontend, 
     assert proc.returncode == 1
     assert b"closed the connection" in err
     assert not os.path.exists(sock_path) and not os.path.exists(token_path(sock_path))
+
+
+def test_an_attached_client_killed_mid_command_cancels_it_and_the_frontend_goes_on(frontend, project, sock_path):
+    c = frontend()
+    start(c, project)
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mcp", "--attach", sock_path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+    def send(msg: dict) -> None:
+        proc.stdin.write(json.dumps({"jsonrpc": "2.0", **msg}).encode() + b"\n")
+        proc.stdin.flush()
+
+    try:
+        send({"id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+                                                          "clientInfo": {"name": "raw", "version": "0"}}})
+        assert b'"id":1' in proc.stdout.readline()
+        send({"method": "notifications/initialized"})
+        m = c.mark()
+        send({"id": 2, "method": "tools/call", "params": {
+            "name": "execute_command", "arguments": {"command": "write a.txt x; echo started; wait"},
+            "_meta": {"progressToken": "p"}}})
+        while b"started" not in proc.stdout.readline():  # progress notifications carry the output
+            assert proc.poll() is None
+        proc.kill()  # the MCP client's side of the socket closes mid-command
+        proc.wait(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = c.wait_event("event.step_completed", since=m, timeout_s=WAIT_S)["payload"]
+    assert done["exit_code"] != 0  # cancelled, not finished
+    assert c.ok("undo.history")["steps"][0]["command"] == "write a.txt x; echo started; wait"
+    assert c.ok("agent.execute", {"command": "echo still here"})["exit_code"] == 0  # the session goes on
 
 
 # ---------------------------------------------------------------------------- the socket's guards
