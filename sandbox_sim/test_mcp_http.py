@@ -140,3 +140,20 @@ def test_a_non_loopback_or_malformed_bind_is_refused(project, spec, tmp_path):
                        env={**os.environ, "XDG_STATE_HOME": str(tmp_path)})
     assert r.returncode == 2, r.stderr
     assert b"loopback" in r.stderr
+
+
+def test_sessions_are_bounded_and_a_deleted_one_frees_its_place(http_server):
+    from sandbox.api.mcp.http import HTTP_SESSIONS_MAX
+
+    srv = http_server()
+    auth = {"Authorization": f"Bearer {srv.token}"}
+    ids = []
+    for _ in range(HTTP_SESSIONS_MAX):
+        r = _post(srv, auth)
+        assert r.status_code == 200
+        ids.append(r.headers["mcp-session-id"])
+    assert _post(srv, auth).status_code == 503
+    r = httpx2.delete(srv.url, headers={**auth, "mcp-session-id": ids[0]}, timeout=WAIT_S)
+    assert r.status_code == 200
+    assert httpx2.delete(srv.url, headers={**auth, "mcp-session-id": ids[0]}, timeout=WAIT_S).status_code == 404
+    assert _post(srv, auth).status_code == 200
