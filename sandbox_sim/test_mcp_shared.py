@@ -336,3 +336,37 @@ def test_docs_mcp_quotes_the_transports_limits():
                           (http, ["HTTP_SESSIONS_MAX", "HTTP_BODY_BYTES_MAX", "HTTP_SESSION_IDLE_S"])]:
         for name in names:
             assert f"| `{name}` | {getattr(module, name):,} |" in doc, (module.__name__, name)
+
+
+def test_a_silent_handshake_times_out_and_connections_past_the_limit_are_busy(tmp_path):
+    """The socket server in process with its bounds made small; the connection handler just
+    holds the connection until the test lets it go."""
+    import threading
+
+    from sandbox.api.mcp.unix import McpSocketServer
+
+    release = threading.Event()
+    path = str(tmp_path / "run" / "s.sock")
+
+    async def hold(read_stream, write_stream):
+        await anyio.to_thread.run_sync(release.wait, WAIT_S)
+
+    server = McpSocketServer(path, hold, connections_max=1, handshake_timeout_s=0.5)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.settimeout(WAIT_S)
+            silent.connect(path)
+            assert silent.recv(200).startswith(b"ERR bad_handshake ")  # nothing sent within the deadline
+        with open(token_path(path)) as f:
+            token = f.read().strip()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as first:
+            first.settimeout(WAIT_S)
+            first.connect(path)
+            first.sendall(f"{HANDSHAKE_MAGIC} {token}\n".encode())
+            assert first.recv(3) == b"OK\n"
+            assert _handshake(path, f"{HANDSHAKE_MAGIC} {token}\n".encode()).startswith(b"ERR busy ")
+    finally:
+        release.set()
+        server.close()
+    assert not os.path.exists(path) and not os.path.exists(token_path(path))
