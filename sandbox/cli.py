@@ -471,21 +471,42 @@ def cmd_serve(args) -> int:
         raise CliError("--max-line-bytes must be at least 1024", EXIT_USAGE)
     import signal
 
-    setup_logging(args.log_level)
+    handler = setup_logging(args.log_level)
     # The protocol stream gets a private descriptor; fd 1 becomes stderr, so nothing else —
     # a stray print, a library, a child process — can ever write into the protocol.
     sys.stdout.flush()
     protocol_out = os.fdopen(os.dup(1), "wb")  # os.dup: not inherited by children
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
-                         as_root=args.as_root)
+    # -- MCP socket (issue 14): the STDIO agent's session shared with MCP clients on a unix socket
+    mcp_socket = None
+    if args.mcp_socket:
+        from .api.logs import level_number
+        from .api.mcp.server import route_sdk_logs
+        from .api.mcp.shared import SharedMcpSocket, SharedSessionAgent
+
+        route_sdk_logs(handler, level_number(args.log_level))
+
+        server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
+                             as_root=args.as_root, agent_class=SharedSessionAgent)
+        try:
+            mcp_socket = SharedMcpSocket(args.mcp_socket, server.agent)
+        except (ValueError, OSError) as e:
+            raise CliError(f"--mcp-socket {args.mcp_socket}: {e}", EXIT_USAGE) from None
+    else:
+        server = StdioServer(sys.stdin.buffer, protocol_out, guest=args.guest, max_line_bytes=args.max_line_bytes,
+                             as_root=args.as_root)
+    # -- end MCP socket
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)  # cancel the running command, stop the session, exit 0
-    return server.serve()
+    try:
+        return server.serve()
+    finally:
+        if mcp_socket is not None:  # -- MCP socket (issue 14)
+            mcp_socket.close()
 
 
 # -- MCP server (issue 14)
@@ -497,17 +518,9 @@ def cmd_mcp(args) -> int:
     import anyio
     import anyio.to_thread
 
-    from .api.logs import level_number
-    from .api.mcp.host import OwnSessionHost
-    from .api.mcp.server import route_sdk_logs, serve_stdio
+    from .api.mcp.server import serve_stdio
 
-    handler = setup_logging(args.log_level)
-    route_sdk_logs(handler, level_number(args.log_level))
-    boot_log = logging.getLogger("sandbox.mcp")
-    # external edits (the user's editor) become barriers: undo will not silently overwrite them
-    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
-                       progress=lambda msg: boot_log.info("%s", msg))
-    host = OwnSessionHost(session, on_hold=args.on_hold)
+    host = _mcp_own_host(args)
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
@@ -540,6 +553,57 @@ def _mcp_on_hold(sp) -> None:
                            "supports that; otherwise, or if the user does not answer: deny (default; the "
                            "command's changes are rolled back) or allow")
 # -- end MCP server
+
+
+# -- MCP transports (issue 14): `mcp --attach PATH` (to `serve --mcp-socket`), `mcp --http HOST:PORT`
+def cmd_mcp_net(args) -> int:
+    """`sandbox mcp`: --attach bridges to a shared session's socket; --http serves streamable HTTP;
+    otherwise MCP on stdio (cmd_mcp)."""
+    if args.attach:
+        given = sorted(d for d, default in args.mcp_session_defaults.items() if getattr(args, d) != default)
+        if given or args.http:
+            names = ", ".join("--" + d.replace("_", "-") for d in given + (["http"] if args.http else []))
+            raise CliError(f"--attach joins the session of `sandbox serve --mcp-socket`: no {names} with it",
+                           EXIT_USAGE)
+        from .api.mcp.attach import attach
+
+        return attach(args.attach)
+    if not args.workdir:
+        raise CliError("give --workdir DIR (a session of its own) or --attach PATH (a shared session)", EXIT_USAGE)
+    if not args.http:
+        return cmd_mcp(args)
+    from .api.mcp.http import HttpBindError, parse_bind, run
+
+    try:
+        parse_bind(args.http)  # refused before anything boots
+    except HttpBindError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    host = _mcp_own_host(args)
+    try:
+        run(host, args.http)  # until SIGINT/SIGTERM
+    except OSError as e:
+        raise CliError(f"--http {args.http}: {e.strerror or e}", EXIT_FAILED) from None
+    finally:
+        host.stop()
+    return EXIT_OK
+
+
+def _mcp_own_host(args):
+    """`sandbox mcp`'s (stdio or --http) logging set up, and the host of its own session, booting."""
+    import logging
+
+    from .api.logs import level_number
+    from .api.mcp.host import OwnSessionHost
+    from .api.mcp.server import route_sdk_logs
+
+    handler = setup_logging(args.log_level)
+    route_sdk_logs(handler, level_number(args.log_level))
+    boot_log = logging.getLogger("sandbox.mcp")
+    # external edits (the user's editor) become barriers: undo will not silently overwrite them
+    session = _session(args, guest=args.guest, external_policy="barrier", ask=False,
+                       progress=lambda msg: boot_log.info("%s", msg))
+    return OwnSessionHost(session, on_hold=args.on_hold)
+# -- end MCP transports
 
 
 def cmd_serve_9p(args) -> int:
@@ -837,6 +901,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--as-root", action="store_true",
                     help="sessions run commands as root in the guest unless session.start says as_root: false "
                          "(default: as the unprivileged user `agent`)")
+    # -- MCP socket (issue 14)
+    sv.add_argument("--mcp-socket", metavar="PATH",
+                    help="also serve MCP on this unix socket, over the session the STDIO client starts "
+                         "(`sandbox mcp --attach PATH` connects an MCP client). The socket is 0600 in a 0700 "
+                         "directory of yours (created if missing), its token in PATH.token (0600); see docs/mcp.md")
+    # -- end MCP socket
     sv.set_defaults(fn=cmd_serve)
     # -- MCP server (issue 14)
     mc = with_session(command(
@@ -857,6 +927,22 @@ def build_parser() -> argparse.ArgumentParser:
     _mcp_on_hold(mc)
     mc.set_defaults(fn=cmd_mcp)
     # -- end MCP server
+    # -- MCP transports (issue 14)
+    mc.add_argument("--attach", metavar="PATH",
+                    help="instead of a session of its own, join the session of `sandbox serve --mcp-socket PATH` "
+                         "(a frontend's, which answers its safeguards): bridges this stdio client to that socket, "
+                         "with the token from PATH.token; no session options. Exit 1: no socket there, or the "
+                         "server closed the connection; 3: refused (token, user, too many connections)")
+    mc.add_argument("--http", metavar="127.0.0.1:PORT",
+                    help="serve MCP over streamable HTTP on this loopback address instead of stdio (port 0: any; "
+                         "the URL and a bearer token for this run are logged on stderr). Host and Origin headers "
+                         "are checked; only loopback binds are accepted")
+    session_dests = [a.dest for a in mc._actions if a.dest not in ("help", "attach", "http", "log_level", "guest")]
+    for a in mc._actions:
+        if a.dest == "workdir":
+            a.required = False  # --attach takes none; cmd_mcp_net asks for it otherwise
+    mc.set_defaults(fn=cmd_mcp_net, mcp_session_defaults={d: mc.get_default(d) for d in session_dests})
+    # -- end MCP transports
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"

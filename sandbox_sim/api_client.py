@@ -92,6 +92,7 @@ class ApiClient:
                     self.logs.append(rec)
                 else:
                     self.violations.append(f"stderr line is not a JSON log record: {raw[:200]!r}")
+                self._cond.notify_all()  # a wait may be for a log record
 
     def _wait(self, predicate: Callable[[], object], timeout_s: float | None, what: str):
         with self._cond:

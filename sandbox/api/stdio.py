@@ -129,7 +129,9 @@ def _encode(msg: dict) -> bytes:
 class StdioServer:
     def __init__(self, infile: BinaryIO, outfile: BinaryIO, *, guest: str = "vm",
                  max_line_bytes: int = LINE_BYTES_MAX, max_in_flight: int = IN_FLIGHT_MAX,
-                 max_json_depth: int = JSON_DEPTH_MAX, as_root: bool = False):
+                 max_json_depth: int = JSON_DEPTH_MAX, as_root: bool = False, agent_class: type[Agent] = Agent):
+        """``agent_class``: the :class:`Agent` to build (``sandbox serve --mcp-socket`` passes one that
+        also tells the MCP socket when its session starts and stops)."""
         self.infile = infile
         self.outfile = outfile
         self.max_line_bytes = max_line_bytes
@@ -142,7 +144,7 @@ class StdioServer:
         self._in_flight = threading.BoundedSemaphore(max_in_flight)
         self._workers: set[threading.Thread] = set()
         self._workers_lock = threading.Lock()
-        self.agent = Agent(self.send, guest=guest, as_root=as_root)
+        self.agent = agent_class(self.send, guest=guest, as_root=as_root)
 
     # ------------------------------------------------------------------ output
 
