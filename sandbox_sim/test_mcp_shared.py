@@ -149,6 +149,29 @@ def test_the_llms_steps_are_the_frontends_history_and_either_side_undoes(fronten
     assert oracle.snapshot_dir(str(project)) == before
 
 
+def test_the_frontends_restriction_narrows_the_llms_file_tools_too(frontend, project, sock_path):
+    c = frontend()
+    start(c, project)
+
+    async def body():
+        async with attached(sock_path) as s:
+            seen = await s.call_tool("read_file", {"path": "README.md"})
+            assert not seen.is_error, seen  # the whole folder, before the frontend narrows it
+            view = (await anyio.to_thread.run_sync(lambda: c.ok("session.restrict", {"path": "/mnt/working/0/src"})))
+            assert view["view"] == "/mnt/working/0/src"
+            out = await s.call_tool("read_file", {"path": "/mnt/working/0/README.md"})
+            w = await s.call_tool("write_file", {"path": "/mnt/working/0/planted.txt", "content": "x"})
+            inside = await s.call_tool("list_directory", {"path": "/mnt/working/0/src"})
+            st = (await s.call_tool("get_session_status", {})).structured_content
+            return out, w, inside, st
+
+    out, w, inside, st = run(body)
+    assert out.is_error and out.structured_content["code"] == "fs.access_denied", out
+    assert w.is_error and not (project / "planted.txt").exists(), w
+    assert not inside.is_error, inside
+    assert st["view"] == "/mnt/working/0/src"
+
+
 def test_a_tool_call_waits_for_the_frontend_to_start_the_session(frontend, project, sock_path):
     c = frontend()
     progress: list[str] = []

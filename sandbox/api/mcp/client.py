@@ -170,6 +170,7 @@ class McpClient:
         self.host = host
         self.base_view = view  # the server's view; None: the session's table
         self.view: MountTable | None = None
+        self._base: MountTable | None = None  # the view roots narrow: base_view, else the host's view_of
         self.files: FileService | None = None
         self.session: Session | None = None
         self.roots: list[str] = []
@@ -184,10 +185,14 @@ class McpClient:
         """The started session, this connection's file service over it, and its roots applied."""
         s = await self.host.wait_session(progress or _Progress(ctx))
         async with self._setup:
+            base = self.base_view if self.base_view is not None else self.host.view_of(s)
             if self.session is not s:
-                base = self.base_view if self.base_view is not None else s.table
-                self.session, self.view = s, base
+                self.session, self.view, self._base = s, base, base
                 self.files = FileService(s, base, client="mcp")
+                self.roots_dirty = True
+            elif base is not self._base:  # a frontend narrowed the shared session: so does this client
+                self.view = self._base = base
+                self.files.narrow(base)
                 self.roots_dirty = True
             if self.roots_dirty and _declares_roots(ctx):
                 self.roots_dirty = False
@@ -214,7 +219,7 @@ class McpClient:
     def apply_roots(self, uris: list[str]) -> None:
         """Narrow this connection's view to ``uris``' common subtree within the base view
         (module docstring); refused roots are remembered, never applied."""
-        base = self.base_view if self.base_view is not None else self.session.table
+        base = self._base
         inside, refused = [], []
         for uri in uris:
             g = _root_guest_path(base, uri)

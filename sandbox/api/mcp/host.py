@@ -61,6 +61,11 @@ class McpHost(abc.ABC):
         boots: the tools' ``openWorldHint``. Unknown → ``open`` (the cautious hint)."""
         return "open"
 
+    def view_of(self, session: Session):
+        """The widest view this host's clients may have of ``session`` — their roots only narrow
+        it: the whole mount table, unless a frontend narrowed the session (the shared host)."""
+        return session.table
+
     def narrow_guest(self, view) -> None:
         """The connection's view narrowed (MCP roots): a host whose session serves only this
         connection narrows the guest too; a shared session keeps its own (default)."""
