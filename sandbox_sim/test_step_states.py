@@ -276,6 +276,8 @@ class DoorMachine(RuleBasedStateMachine):
             assert self.ws.step_state() in (S.OPEN, S.DENIED)  # a command step is running
             return
         assert self.ws.step_state() is S.OPEN
+        # beginning ends the previous step, denying (rolling back) a hold still pending there
+        self.files = {f for f in self.files if self.world.work.exists(f)}
 
     @rule()
     def write(self):
