@@ -243,3 +243,69 @@ def test_the_child_killed_mid_session_is_reported_and_the_next_start_recovers(tm
     with s:  # recovery on open: the half-done step is rolled back
         assert (work / "keep.txt").read_text() == "v1"
         assert s.workspaces[0].recovery is not None
+
+
+# ---------------------------------------------------------------------------- API writes (FileService)
+
+
+def test_api_writes_go_through_the_childs_undo_core_and_undo_exactly(tmp_path):
+    from sandbox.files import FileService
+    from sandbox.serving.remotefs import REMOTE_FS_CHUNK_BYTES
+
+    work, s, _events = make_session(tmp_path)
+    big = bytes(range(256)) * (2 * REMOTE_FS_CHUNK_BYTES // 256 + 3)  # more than two chunks
+    with s:
+        files = FileService(s)
+        files.write_file("keep.txt", b"v2")
+        h = files.open("big.bin", "w+")
+        assert files.write(h, big) == len(big)
+        files.seek(h, 0)
+        assert files.read(h, len(big)) == big[:len(big)]  # read back through the child's handle
+        files.close(h)
+        assert files.remove("many", recursive=True) == 4
+        files.mkdir("made/deep", parents=True)
+        files.rename("keep.txt", "moved.txt")
+        assert (work / "moved.txt").read_text() == "v2" and (work / "big.bin").read_bytes() == big
+        steps = s.history()
+        assert [x["type"] for x in steps] == ["api"] * 5
+        assert all(x["outcome"] == "completed" for x in steps)
+        s.undo(5)
+        assert sorted(p.name for p in work.iterdir()) == ["keep.txt", "many"]
+        assert (work / "keep.txt").read_text() == "v1"
+        assert sorted(p.name for p in (work / "many").iterdir()) == ["f0", "f1", "f2"]
+        assert s.history() == []
+
+
+def test_an_api_write_tripping_a_safeguard_in_the_child_is_denied_and_rolled_back(tmp_path):
+    from sandbox.api.errors import ApiError
+    from sandbox.files import FileService
+
+    work, s, _events = make_session(tmp_path, files=6, safeguard=SafeguardConfig(delete_threshold=3, timeout_s=60))
+    with s:
+        files = FileService(s)
+        with pytest.raises(ApiError) as e:
+            files.remove("many", recursive=True)
+        assert e.value.code == "safeguard.denied"
+        assert sorted(x.name for x in (work / "many").iterdir()) == [f"f{i}" for i in range(6)]  # rolled back
+        assert s.workspaces[0].active_step_id is None
+        files.write_file("after.txt", b"ok")  # the next API step is fine
+        assert (work / "after.txt").read_text() == "ok"
+        assert s.holds.pending() == []
+
+
+def test_the_childs_handle_table_is_bounded(tmp_path):
+    import errno
+
+    from sandbox.serving.remotefs import REMOTE_HANDLES_MAX
+
+    _work, s, _ = make_session(tmp_path)
+    with s:
+        p = s.provider("0")
+        handles = [p.create(f"h{i}", 0o644, os.O_WRONLY)[0] for i in range(REMOTE_HANDLES_MAX)]
+        with pytest.raises(OSError) as e:
+            p.create("one-more", 0o644, os.O_WRONLY)
+        assert e.value.errno == errno.EMFILE
+        handles.pop().close()
+        p.create("one-more", 0o644, os.O_WRONLY)[0].close()
+        for fh in handles:
+            fh.close()

@@ -50,6 +50,11 @@ _BUILTIN_ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError, "KeyE
                    "TypeError": TypeError, "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError}
 
 
+def hold_of(d: dict) -> Hold:
+    """A :class:`Hold` from its ``as_dict()`` (times are the child's business: zero here)."""
+    return Hold(d["safeguard_id"], d["step_id"], d["kind"], d["count"], d["path"], list(d["sample_paths"]), 0.0, 0.0)
+
+
 def raise_remote(e: RemoteError):
     """Raise what the child's handler raised, as the same class where it is one we know."""
     if e.type in _CORE_ERRORS:
@@ -58,6 +63,10 @@ def raise_remote(e: RemoteError):
         raise core_errors.RollbackIncomplete(e.message, e.data.pop("errno", None), **e.data) from None
     if e.type == "SafeguardDenied":
         raise core_errors.SafeguardDenied(e.message) from None
+    if e.type == "HoldRequired":  # an API write held by the child's core: the caller denies it
+        raise core_errors.HoldRequired(hold_of(e.data)) from None
+    if isinstance(e.data.get("errno"), int) and "strerror" in e.data:  # the same OSError subclass
+        raise OSError(e.data["errno"], e.data["strerror"] or e.message, e.data.get("filename")) from None
     if e.type in _BUILTIN_ERRORS:
         raise _BUILTIN_ERRORS[e.type](e.message) from None
     if e.type == "OSError":
@@ -289,7 +298,7 @@ class RemoteWorkspace:
         d = self._get("pending_hold")
         if d is None:
             return None
-        return Hold(d["safeguard_id"], d["step_id"], d["kind"], d["count"], d["path"], list(d["sample_paths"]), 0.0, 0.0)
+        return hold_of(d)
 
     # -- state
     @property

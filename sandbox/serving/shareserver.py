@@ -28,7 +28,8 @@ ends here (its deadline) is reported as ``hold_resolved``.
 Requests from the agent (``args`` in brackets) — each runs on its own thread:
 ``call`` [``directory``, ``method`` of :data:`METHODS`, ``args``], ``get`` [``directory``,
 ``name`` of :data:`PROPERTIES`], ``resolve_hold`` [``directory``, ``hold_id``, ``action``],
-``restrict`` [``name``, ``view``, ``read_only``], ``stop`` [], and with
+``restrict`` [``name``, ``view``, ``read_only``], ``fs`` and ``handle`` (an API client's
+writes, :mod:`sandbox.serving.remotefs`), ``stop`` [], and with
 ``SANDBOX_TEST_PROBES=1`` in its environment only, ``probe_open`` [``path``] (the
 confinement's evidence: opens a path and reports the errno).
 
@@ -59,6 +60,7 @@ from ..mounts.identity import OwnerMap
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from .channel import Channel, LineReader, decode_line, encode_line
 from .holds import HoldBroker
+from .remotefs import FsDoor
 from .workspaces import open_workspace, watch_workspace
 
 log = logging.getLogger("sandbox.shareserver")
@@ -100,6 +102,7 @@ class ShareServer:
         self.server: ServerThread | None = None
         self.channel: Channel | None = None
         self.holds = HoldBroker()
+        self.door = FsDoor(lambda i: self.providers[self.names[self._ws_index(i)]].fs)  # API writes (remotefs)
         self._early: list[dict] = []  # events before the channel runs (recovery)
         self._hold_ids: dict[str, tuple[int, str]] = {}  # local public hold id -> (directory, core id)
         self._stopped = threading.Event()
@@ -203,6 +206,11 @@ class ShareServer:
 
     # ------------------------------------------------------------------ requests
 
+    def _ws_index(self, i) -> int:
+        if i not in self.workspaces:
+            raise ValueError(f"no read-write folder {i!r} in this share server")
+        return i
+
     def _ws(self, args: dict):
         ws = self.workspaces.get(args.get("directory"))
         if ws is None:
@@ -221,6 +229,13 @@ class ShareServer:
                 raise ValueError(f"no such workspace property: {name!r}")
             value = getattr(self._ws(args), name)
             return jsonable(value() if callable(value) else value)
+        if op in ("fs", "handle"):  # an API client's mutation / open handle (sandbox.serving.remotefs)
+            try:
+                return jsonable(self.door.fs(args) if op == "fs" else self.door.handle(args))
+            except OSError as e:
+                if not hasattr(e, "data"):  # the same OSError subclass and errno on the agent's side
+                    e.data = {"errno": e.errno, "strerror": e.strerror, "filename": e.filename}
+                raise
         if op == "resolve_hold":
             return self._resolve_hold(args)
         if op == "restrict":
@@ -257,6 +272,7 @@ class ShareServer:
         for d in self.detectors:
             d.stop()
         self.detectors = []
+        self.door.close_all()
         for p in self.providers.values():
             p.close()
         for ws in self.workspaces.values():

@@ -69,6 +69,7 @@ from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from ..serving.holds import HoldBroker
 from ..serving.remote import RemoteWorkspace, ShareProcess
+from ..serving.remotefs import remote_provider
 from ..serving.workspaces import OpenedWorkspace, open_workspace, watch_workspace  # noqa: F401 (re-exported)
 from ..vm.control import ControlClosed
 from ..vm import guestroot, imageroot
@@ -600,10 +601,10 @@ class Session:
     def _start_share_process(self, s: _Started) -> None:
         """The folders' workspaces, providers, 9P server and watchers in a confined child
         (:mod:`sandbox.serving.shareserver`); here: a :class:`RemoteWorkspace` per
-        read-write folder and, for API clients, a provider reading each folder straight
-        from disk. API writes (:class:`~sandbox.files.FileService`) to a folder served
-        by the child are refused (``EROFS``): the undo core that must intercept them is
-        in the child, reached by the guest's 9P connections only — not yet by the API."""
+        read-write folder and, for API clients (:class:`~sandbox.files.FileService`), a
+        provider that reads the folder straight from disk and sends each mutation to the
+        child's undo core (:func:`~sandbox.serving.remotefs.remote_provider`): API writes
+        are API steps there, undoable as in thread mode."""
         as_root = self.as_root or self.guest_kind != "vm"
         owners = guest_owner_map(self.folders[0].path, as_root) if self.guest_kind == "vm" else None
         config = {
@@ -631,7 +632,8 @@ class Session:
         for i, f in enumerate(self.folders):
             mount = self.table.folders[i]
             label = mount.label or os.path.basename(f.path)
-            s.providers[mount.name] = Provider.read_only_dir(f.path, label=label)
+            s.providers[mount.name] = Provider.read_only_dir(f.path, label=label) if f.read_only else \
+                remote_provider(s.share, i, f.path, label)
             s.own_writes.append(None)
             s.workspaces.append(None if f.read_only else
                                 RemoteWorkspace(s.share, i, label, (ready.get("recovery") or {}).get(str(i))))
