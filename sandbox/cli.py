@@ -275,6 +275,7 @@ def _session(args):
                        state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
                        as_root=args.as_root,  # -- the guest user (issue 13)
                        guest_root=args.guest_root, guest_packages=_guest_packages(args),  # -- guest root (issue 13)
+                       share_servers=args.share_servers,  # -- confined share servers (issue 13)
                        progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise CliError(str(e), EXIT_USAGE) from None
@@ -435,6 +436,8 @@ def cmd_serve(args) -> int:
     import signal
 
     setup_logging(args.log_level)
+    if args.share_servers:  # -- confined share servers (issue 13): the sessions' default (Session reads it)
+        os.environ["SANDBOX_SHARE_SERVERS"] = args.share_servers
     # The protocol stream gets a private descriptor; fd 1 becomes stderr, so nothing else —
     # a stray print, a library, a child process — can ever write into the protocol.
     sys.stdout.flush()
@@ -637,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run commands as root in the guest (default: as the unprivileged user `agent`, "
                              "uid/gid of the first working folder's owner, 1000 if root owns it)")
         _guest_root_args(sp)
+        _share_servers_arg(sp)  # -- confined share servers (issue 13)
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",
@@ -732,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--as-root", action="store_true",
                     help="sessions run commands as root in the guest unless session.start says as_root: false "
                          "(default: as the unprivileged user `agent`)")
+    _share_servers_arg(sv)  # -- confined share servers (issue 13)
     sv.set_defaults(fn=cmd_serve)
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
@@ -750,6 +755,15 @@ def build_parser() -> argparse.ArgumentParser:
     _guest_root_args(demo)
     demo.set_defaults(fn=cmd_demo)
     return p
+
+
+# -- confined share servers (issue 13)
+def _share_servers_arg(sp) -> None:
+    sp.add_argument("--share-servers", choices=["thread", "process"], default=None,
+                    help="where the working folders are served: process (a confined child process owns their undo "
+                         "stores and 9P server) or thread (in this process); default: $SANDBOX_SHARE_SERVERS, "
+                         "else thread")
+# -- end confined share servers
 
 
 def _discard_command(args) -> str:

@@ -81,6 +81,7 @@ NETWORKS = ("disabled", "open", "allowlist")
 VM_MODES = ("ephemeral", "persistent")
 EXTERNAL_POLICIES = ("barrier", "warn", "lock")
 SHARE_SERVERS = ("process", "thread")  # -- confined share servers (issue 13)
+SHARE_SERVERS_ENV = "SANDBOX_SHARE_SERVERS"  # the default of share_servers when it is not given
 FOLDERS_MAX = 8
 LIVE_MOUNT_TIMEOUT_S = 60.0  # the guest mounting (or unmounting) one live mount
 MEMORY_MOUNTS_MAX = 8
@@ -290,10 +291,11 @@ class Session:
         only with ``guest_root="image"``.
         ``share_servers``: where the working folders are served (issue 13) — ``"process"``: a
         confined child process (:mod:`sandbox.serving.shareserver`) owns their workspaces and
-        9P server; ``"thread"``: the agent's own server thread. Default ``"thread"``."""
+        9P server; ``"thread"``: the agent's own server thread. Default: the environment
+        variable ``SANDBOX_SHARE_SERVERS`` if set, else ``"thread"``."""
         # -- confined share servers (issue 13)
         if share_servers is None:
-            share_servers = "thread"
+            share_servers = os.environ.get(SHARE_SERVERS_ENV) or "thread"
         if share_servers not in SHARE_SERVERS:
             raise ValueError(f"share_servers must be one of {', '.join(SHARE_SERVERS)}, not {share_servers!r}")
         self.share_servers = share_servers
