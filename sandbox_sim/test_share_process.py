@@ -9,6 +9,7 @@ socket. ``SANDBOX_TEST_PROBES=1`` (set here) compiles in the ``probe_open`` requ
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -309,3 +310,36 @@ def test_the_childs_handle_table_is_bounded(tmp_path):
         p.create("one-more", 0o644, os.O_WRONLY)[0].close()
         for fh in handles:
             fh.close()
+
+
+def test_the_confined_child_watches_for_external_modifications(tmp_path):
+    """The watcher starts after confinement (inotify's libc lookup is done before it) and
+    an outside write becomes a barrier in the child's undo core."""
+    work, s, events = make_session(tmp_path, external_policy="barrier")
+    heard = threading.Event()
+    s.on_event = lambda e: (events.append(e), heard.set() if e["type"] == "event.external_modification" else None)
+    with s:
+        (work / "outside.txt").write_text("not the sandbox")
+        assert heard.wait(WAIT_S)
+        assert s.workspaces[0].barriers()
+
+
+def test_the_childs_log_records_are_logged_by_the_agent(tmp_path, caplog):
+    """The child writes nothing to the stderr it shares with the agent (JSON Lines under
+    ``sandbox serve``): its records arrive as events and are logged here."""
+    caplog.set_level(logging.INFO, logger="sandbox")
+    _work, s, _ = make_session(tmp_path)
+    got = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if record.name == "sandbox.shareserver" and record.getMessage().startswith("share server: serving 1 "):
+                got.set()
+
+    seen = Seen()
+    logging.getLogger("sandbox.shareserver").addHandler(seen)
+    try:
+        with s:
+            assert got.wait(WAIT_S)
+    finally:
+        logging.getLogger("sandbox.shareserver").removeHandler(seen)

@@ -137,6 +137,12 @@ class ShareProcess:
             self.ready = msg
             self._ready.set()
             return
+        if kind == "log":  # the child's log record, logged here the agent's way (shareserver.forward_logs)
+            name = str(msg.get("name") or "")
+            level = msg.get("level")
+            logging.getLogger(name if name.startswith("sandbox") else "sandbox.shareserver").log(
+                level if isinstance(level, int) else logging.WARNING, "share server: %s", msg.get("message"))
+            return
         if kind == "fatal":
             self.died = f"{msg.get('type')}: {msg.get('message')}"
             self._ready.set()

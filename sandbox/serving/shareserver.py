@@ -65,6 +65,7 @@ from .workspaces import open_workspace, watch_workspace
 
 log = logging.getLogger("sandbox.shareserver")
 PROBES_ENV = "SANDBOX_TEST_PROBES"
+EARLY_EVENTS_MAX = 1000  # events (recovery, log records) kept before the channel runs; more are dropped
 #: Workspace methods the agent may call (``call``); results are JSON-able
 METHODS = frozenset({"begin_step", "complete_step", "close_step", "close_active", "rollback", "history", "barriers",
                      "record_external_modification", "finish_pending", "configure_safeguard", "configure_limits",
@@ -113,7 +114,8 @@ class ShareServer:
     def emit(self, event: str, **fields) -> None:
         with self._lock:
             if self.channel is None:
-                self._early.append({"event": event, **fields})
+                if len(self._early) < EARLY_EVENTS_MAX:
+                    self._early.append({"event": event, **fields})
                 return
         try:
             self.channel.send_event(event, **fields)
@@ -163,6 +165,15 @@ class ShareServer:
             self.workspaces[i] = ws
             self.journals[i] = journal
             self.providers[name] = Provider.intercepted(ws, label=f["label"])
+
+    def preload(self) -> None:
+        """Load now what the server would load lazily and cannot once confined: the
+        watchers' ``inotify_simple`` finds libc with ``ctypes.util.find_library``, which
+        runs ``ldconfig`` with a temporary file (no temp directory is writable later)."""
+        if self.config.get("external_policy") is not None:
+            from inotify_simple import INotify
+
+            INotify().close()
 
     def confinement_paths(self) -> dict:
         rw, ro = [], []
@@ -284,6 +295,36 @@ class ShareServer:
         self._stopped.wait()
 
 
+class _ForwardLogs(logging.Handler):
+    """The child's ``sandbox.*`` records go to the agent as ``log`` events; the agent logs
+    them its own way (JSON Lines under ``sandbox serve``), so the child writes nothing to
+    the stderr they share. A record logged while one is being sent is dropped (no loop)."""
+
+    def __init__(self, srv: "ShareServer"):
+        super().__init__()
+        self.srv = srv
+        self._sending = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(self._sending, "on", False):
+            return
+        self._sending.on = True
+        try:
+            self.srv.emit("log", level=record.levelno, name=record.name, message=record.getMessage()[:4096])
+        except Exception:
+            pass
+        finally:
+            self._sending.on = False
+
+
+def forward_logs(srv: "ShareServer", level) -> None:
+    """The ``sandbox`` logger of this process: at the agent's level, to the agent only."""
+    logger = logging.getLogger("sandbox")
+    logger.setLevel(os.environ.get("SANDBOX_SHARE_LOG") or level)
+    logger.addHandler(_ForwardLogs(srv))
+    logger.propagate = False
+
+
 def probe_open(path: str) -> dict:
     """Open ``path`` for reading from inside the server (test builds only): ``{"errno": 0}`` or the error's."""
     try:
@@ -319,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = read_config(sock)
         srv = ShareServer(config, sock)
+        forward_logs(srv, config.get("log_level", logging.WARNING))
         srv.open()
+        srv.preload()
         applied = confine(**srv.confinement_paths())
         srv.serve()
     except BaseException as e:
@@ -335,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
              reason=applied.reason,
              recovery={str(i): jsonable(ws.recovery) for i, ws in srv.workspaces.items()})
     srv.start_channel()
+    log.info("serving %d folder(s) on %s (Landlock ABI %s)", len(srv.providers), config["socket"], applied.abi)
     srv.wait()
     srv.stop()
     return 0

@@ -621,6 +621,7 @@ class Session:
                                                    "guest_uid": owners.guest_uid, "guest_gid": owners.guest_gid},
             "external_policy": self.external_policy,
             "connections_max": 2 * (len(self.table.mounts) + LIVE_MOUNTS_MAX),
+            "log_level": logging.getLogger("sandbox").getEffectiveLevel(),
         }
         if self.external_policy == "lock":
             for f in self.folders:
