@@ -343,3 +343,39 @@ def test_the_childs_log_records_are_logged_by_the_agent(tmp_path, caplog):
             assert got.wait(WAIT_S)
     finally:
         logging.getLogger("sandbox.shareserver").removeHandler(seen)
+
+
+@pytest.mark.skipif(landlock_abi() == 0, reason="Landlock is not available on this kernel")
+def test_each_folder_has_its_own_child_confined_to_it(tmp_path):
+    """One share server per folder: their own pids (more than one core), each confined to its
+    own folder — the other folder is EACCES from inside it — and each folder's steps undo."""
+    import errno
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "keep.txt").write_text(d.name)
+    s = Session([Folder(str(a), state_dir=str(tmp_path / "sa")), Folder(str(b), state_dir=str(tmp_path / "sb"))],
+                guest="scripted", share_servers="process")
+    with s:
+        pids = s.status()["share_server_pids"]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+        first, second = s._s.shares[0], s._s.shares[1]
+        assert first.probe_open(str(a / "keep.txt"))["errno"] == 0
+        assert first.probe_open(str(b / "keep.txt"))["errno"] == errno.EACCES
+        assert second.probe_open(str(a / "keep.txt"))["errno"] == errno.EACCES
+        r = s.run("write /mnt/working/0/keep.txt A2; write /mnt/working/1/keep.txt B2")
+        assert r.exit_code == 0 and (a / "keep.txt").read_text() == "A2" and (b / "keep.txt").read_text() == "B2"
+        s.undo(1, folder=0)
+        s.undo(1, folder=1)
+        assert (a / "keep.txt").read_text() == "a" and (b / "keep.txt").read_text() == "b"
+
+
+def test_a_steps_events_are_handled_before_the_call_that_made_them_returns(tmp_path):
+    """As in thread mode: ``event.step_completed`` is out before ``run`` returns (the STDIO
+    API sends it before the command's response), though it crossed the process boundary."""
+    _work, s, events = make_session(tmp_path)
+    with s:
+        for k in range(1, 6):
+            s.run(f"write f{k}.txt {k}")
+            assert sum(e["type"] == "event.step_completed" for e in events) == k

@@ -41,6 +41,10 @@ from .channel import Channel, ChannelClosed, RemoteError, encode_line
 log = logging.getLogger("sandbox.shareserver")
 SHARE_EVENTS_QUEUED_MAX = 10_000  # child events not yet handled; more are dropped (logged)
 STOP_TIMEOUT_S = 30.0  # the child closing its workspaces after "stop"; then it is killed
+#: an ordered request's reply waits at most this for the events the child sent before it to be
+#: handled (so ``event.step_completed`` comes before ``run`` returns, as in thread mode); then
+#: it returns anyway (logged)
+EVENTS_ORDER_WAIT_S = 30.0
 
 #: the undo core's exceptions a reply may name, rebuilt as themselves
 _CORE_ERRORS = {name: getattr(core_errors, name) for name in
@@ -93,6 +97,9 @@ class ShareProcess:
         self._events: queue.Queue = queue.Queue(SHARE_EVENTS_QUEUED_MAX)
         self._events_thread: threading.Thread | None = None
         self.events_dropped = 0
+        self._events_in = 0  # events queued (by the channel's reader, in the order received)
+        self._events_done = 0  # … and handled
+        self._events_cond = threading.Condition()
 
     @property
     def pid(self) -> int | None:
@@ -148,7 +155,9 @@ class ShareProcess:
             self._ready.set()
             return
         try:
-            self._events.put_nowait(msg)
+            with self._events_cond:
+                self._events.put_nowait(msg)
+                self._events_in += 1
         except queue.Full:
             self.events_dropped += 1
             log.warning("share server event dropped (%d queued: SHARE_EVENTS_QUEUED_MAX): %s",
@@ -163,6 +172,10 @@ class ShareProcess:
                 self.on_event(msg)
             except Exception:
                 log.exception("share server event %s: handler failed", msg.get("event"))
+            finally:
+                with self._events_cond:
+                    self._events_done += 1
+                    self._events_cond.notify_all()
 
     def _closed(self, why: str) -> None:
         if self.died is None:
@@ -182,15 +195,32 @@ class ShareProcess:
 
     # ------------------------------------------------------------------ requests
 
-    def request(self, op: str, args: dict | None = None, timeout_s: float = CONTROL_REPLY_TIMEOUT_S):
+    def request(self, op: str, args: dict | None = None, timeout_s: float = CONTROL_REPLY_TIMEOUT_S, *,
+                ordered: bool = False):
+        """One request; ``ordered``: return only once the events the child sent before the reply
+        are handled (at most :data:`EVENTS_ORDER_WAIT_S`; never on the events thread itself)."""
         if self.channel is None or (self.died is not None and not self._stopping):
             raise self.dead_error(self.died or "the share server is not running")
         try:
-            return self.channel.request(op, args, timeout_s=timeout_s)
+            try:
+                return self.channel.request(op, args, timeout_s=timeout_s)
+            finally:
+                if ordered:
+                    self._wait_events_before()
         except ChannelClosed:
             raise self.dead_error(self.died or "the share server's channel is closed") from None
         except RemoteError as e:
             raise_remote(e)
+
+    def _wait_events_before(self) -> None:
+        if threading.current_thread() is self._events_thread:
+            return  # a handler's own request: the events after it wait for it
+        with self._events_cond:
+            target = self._events_in  # every event received before the reply (the reader's order)
+            if not self._events_cond.wait_for(lambda: self._events_done >= target or self.died is not None,
+                                              EVENTS_ORDER_WAIT_S):
+                log.warning("share server events not handled within %g s (EVENTS_ORDER_WAIT_S): replying anyway",
+                            EVENTS_ORDER_WAIT_S)
 
     def stop(self) -> None:
         """Ask the child to close everything, wait for it (then kill it); idempotent."""
@@ -234,7 +264,8 @@ class RemoteWorkspace:
         self.recovery = recovery
 
     def _call(self, method: str, **args):
-        return self.share.request("call", {"directory": self.directory, "method": method, "args": args})
+        """A workspace method: its reply comes after the events it caused (``ordered``)."""
+        return self.share.request("call", {"directory": self.directory, "method": method, "args": args}, ordered=True)
 
     def _get(self, name: str):
         return self.share.request("get", {"directory": self.directory, "name": name})

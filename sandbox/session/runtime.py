@@ -201,7 +201,8 @@ class _Started:
     run_dir: str
     run_lock_fd: int | None = None  # holds the run directory's flock (see new_run_dir)
     server: ServerThread | None = None
-    share: ShareProcess | None = None  # share_servers="process": the folders' confined server
+    share: ShareProcess | None = None  # share_servers="process": folder 0's confined server
+    shares: dict = field(default_factory=dict)  # share_servers="process": folder index -> its ShareProcess
     share_died: str | None = None  # why the share server went away mid-session
     guest: object = None
     workspaces: list = field(default_factory=list)
@@ -414,7 +415,7 @@ class Session:
         exports = s.server.server.exports
         for m in self.table.mounts:
             if s.share is not None and m.kind == "folder":
-                s.share.request("restrict", {"name": m.name, "view": view.view_within(m), "read_only": view.read_only})
+                s.shares[int(m.name)].request("restrict", {"name": m.name, "view": view.view_within(m), "read_only": view.read_only})
             else:
                 exports[m.name].provider = s.providers[m.name].narrowed(view.view_within(m), view.read_only)
 
@@ -591,8 +592,8 @@ class Session:
         if self.decide is not None:
             s.hold_hooks.append(self.holds.ask(self.decide))
         s.guest = self._make_guest(s.run_dir)
-        share_sock = s.share.config["socket"] if s.share is not None else None
-        guest_mounts = [GuestMount(m.name, m.target, m.read_only, share_sock if m.kind == "folder" else None)
+        guest_mounts = [GuestMount(m.name, m.target, m.read_only,
+                                   s.shares[int(m.name)].config["socket"] if s.shares and m.kind == "folder" else None)
                         for m in self.table.mounts]
         try:
             s.guest.boot(socket_path=sock, mounts=guest_mounts, loop=s.server.loop, timeout_s=BOOT_TIMEOUT_S)
@@ -601,45 +602,63 @@ class Session:
 
     # -- confined share servers (issue 13)
     def _start_share_process(self, s: _Started) -> None:
-        """The folders' workspaces, providers, 9P server and watchers in a confined child
-        (:mod:`sandbox.serving.shareserver`); here: a :class:`RemoteWorkspace` per
-        read-write folder and, for API clients (:class:`~sandbox.files.FileService`), a
-        provider that reads the folder straight from disk and sends each mutation to the
-        child's undo core (:func:`~sandbox.serving.remotefs.remote_provider`): API writes
-        are API steps there, undoable as in thread mode."""
+        """The folders' workspaces, providers, 9P servers and watchers in confined children
+        (:mod:`sandbox.serving.shareserver`), **one per folder** — each confined to its own
+        folder and undo store, each its own interpreter (so shares can use more than one
+        core); started together. Here: a :class:`RemoteWorkspace` per read-write folder and,
+        for API clients (:class:`~sandbox.files.FileService`), a provider that reads the
+        folder straight from disk and sends each mutation to the child's undo core
+        (:func:`~sandbox.serving.remotefs.remote_provider`): API writes are API steps
+        there, undoable as in thread mode."""
         as_root = self.as_root or self.guest_kind != "vm"
         owners = guest_owner_map(self.folders[0].path, as_root) if self.guest_kind == "vm" else None
-        config = {
-            "folders": [{"index": i, "name": self.table.folders[i].name, "path": os.path.realpath(f.path),
-                         "read_only": f.read_only, "state_dir": f.state_dir,
-                         "label": self.table.folders[i].label or os.path.basename(f.path)}
-                        for i, f in enumerate(self.folders)],
-            "socket": os.path.join(s.run_dir, "shares.sock"), "run_dir": s.run_dir,
+        base = {
+            "run_dir": s.run_dir,
             "safeguard": self.safeguard.__dict__ if self.safeguard is not None else None,
             "limits": self.limits.__dict__ if self.limits is not None else None,
             "owners": None if owners is None else {"host_uids": sorted(owners.host_uids), "host_gids": sorted(owners.host_gids),
                                                    "guest_uid": owners.guest_uid, "guest_gid": owners.guest_gid},
             "external_policy": self.external_policy,
-            "connections_max": 2 * (len(self.table.mounts) + LIVE_MOUNTS_MAX),
+            "connections_max": 2 * (1 + LIVE_MOUNTS_MAX),
             "log_level": logging.getLogger("sandbox").getEffectiveLevel(),
         }
         if self.external_policy == "lock":
             for f in self.folders:
                 if not f.read_only:
                     self._clear_stale_lock(f)
-        s.share = ShareProcess(config, on_event=lambda msg: self._share_event(s, msg),
-                               on_died=lambda reason: self._share_died(s, reason), dead_error=SessionError)
-        ready = s.share.start()
-        log.info("share server pid %s: Landlock ABI %s%s", ready.get("pid"), ready.get("landlock_abi"),
-                 f" ({ready['reason']})" if ready.get("reason") else "")
         for i, f in enumerate(self.folders):
+            folder = {"index": i, "name": self.table.folders[i].name, "path": os.path.realpath(f.path),
+                      "read_only": f.read_only, "state_dir": f.state_dir,
+                      "label": self.table.folders[i].label or os.path.basename(f.path)}
+            s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock")},
+                                       on_event=lambda msg: self._share_event(s, msg),
+                                       on_died=lambda reason: self._share_died(s, reason), dead_error=SessionError)
+        s.share = s.shares[0]
+        ready, failed = {}, []
+
+        def start(i: int) -> None:
+            try:
+                ready[i] = s.shares[i].start()
+            except BaseException as e:  # re-raised below, on the starting thread
+                failed.append(e)
+
+        starters = [threading.Thread(target=start, args=(i,), name=f"share-server-{i}") for i in s.shares]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        if failed:
+            raise failed[0]
+        for i, f in enumerate(self.folders):
+            log.info("share server of folder %d: pid %s, Landlock ABI %s%s", i, ready[i].get("pid"),
+                     ready[i].get("landlock_abi"), f" ({ready[i]['reason']})" if ready[i].get("reason") else "")
             mount = self.table.folders[i]
             label = mount.label or os.path.basename(f.path)
             s.providers[mount.name] = Provider.read_only_dir(f.path, label=label) if f.read_only else \
-                remote_provider(s.share, i, f.path, label)
+                remote_provider(s.shares[i], i, f.path, label)
             s.own_writes.append(None)
             s.workspaces.append(None if f.read_only else
-                                RemoteWorkspace(s.share, i, label, (ready.get("recovery") or {}).get(str(i))))
+                                RemoteWorkspace(s.shares[i], i, label, (ready[i].get("recovery") or {}).get(str(i))))
         if self.external_policy == "lock":
             from ..barriers.lock import lock_folder
 
@@ -743,9 +762,9 @@ class Session:
                 s.server.__exit__(None, None, None)
             except Exception as e:
                 errors.append(e)
-        if s.share is not None:
+        for share in s.shares.values():  # each stopped, started or not (stop is idempotent)
             try:
-                s.share.stop()
+                share.stop()
             except Exception as e:
                 errors.append(e)
         for d in s.detectors:
@@ -885,6 +904,7 @@ class Session:
             "guest_packages": self.guest_packages,
             "share_servers": self.share_servers,
             "share_server_pid": s.share.pid if s is not None and s.share is not None else None,
+            "share_server_pids": [sh.pid for sh in s.shares.values()] if s is not None else [],
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,
