@@ -379,3 +379,29 @@ def test_a_steps_events_are_handled_before_the_call_that_made_them_returns(tmp_p
         for k in range(1, 6):
             s.run(f"write f{k}.txt {k}")
             assert sum(e["type"] == "event.step_completed" for e in events) == k
+
+
+def test_the_child_ignores_the_terminals_ctrl_c(tmp_path):
+    """Ctrl-C goes to the terminal's whole process group; the agent decides what stops."""
+    _work, s, _ = make_session(tmp_path)
+    with s:
+        with open(f"/proc/{s._s.share.pid}/status") as f:
+            ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))
+
+
+def test_the_child_imports_lazily_when_started_from_elsewhere(tmp_path, monkeypatch):
+    """Started from another working directory (not on the child's path: ``-P``), the
+    confined child still reads its own package — the watcher's module is imported after
+    confinement — and the agent's working directory is not readable from inside it."""
+    import errno
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "private.txt").write_text("cwd data")
+    monkeypatch.chdir(elsewhere)
+    work, s, _ = make_session(tmp_path, external_policy="barrier")
+    with s:
+        assert s.run("write new.txt ok").exit_code == 0 and (work / "new.txt").read_text() == "ok"
+        if landlock_abi():
+            assert s._s.share.probe_open(str(elsewhere / "private.txt"))["errno"] == errno.EACCES

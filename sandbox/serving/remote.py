@@ -78,6 +78,17 @@ def raise_remote(e: RemoteError):
     raise e
 
 
+def child_env(env) -> dict:
+    """The child's environment: ``env`` with the directory this ``sandbox`` package is in
+    first on ``PYTHONPATH``. The child runs with ``-P`` (the agent's working directory is
+    not on its path, so not among the paths confinement keeps readable), and an editable
+    install's import hook is not a ``sys.path`` entry — this makes the package's own
+    directory one, so it stays importable (readable) once the child is confined."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rest = env.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": here + (os.pathsep + rest if rest else "")}
+
+
 class ShareProcess:
     """One confined share-server child and its control channel (module docstring)."""
 
@@ -112,9 +123,9 @@ class ShareProcess:
             theirs.set_inheritable(True)
             fd = theirs.fileno()
             parent = os.getpid()
-            env = dict(os.environ if self.env is None else self.env)
+            env = child_env(os.environ if self.env is None else self.env)
             self.proc = run_in_spawner(lambda: subprocess.Popen(
-                [sys.executable, "-m", "sandbox.serving.shareserver", "--fd", str(fd)], pass_fds=(fd,),
+                [sys.executable, "-P", "-m", "sandbox.serving.shareserver", "--fd", str(fd)], pass_fds=(fd,),
                 preexec_fn=child_setup(parent), env=env, stdin=subprocess.DEVNULL))
         except BaseException:
             ours.close()

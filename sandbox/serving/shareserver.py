@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -353,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sandbox-share-server")
     ap.add_argument("--fd", type=int, required=True)
     a = ap.parse_args(argv)
+    # Ctrl-C reaches the terminal's whole process group: the agent cancels its command and
+    # stops the session (``stop``); this process ends when told, or when the agent is gone
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("SANDBOX_SHARE_LOG", "WARNING"), stream=sys.stderr,
                         format="share-server %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=a.fd)
