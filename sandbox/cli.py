@@ -762,7 +762,7 @@ def _share_servers_arg(sp) -> None:
     sp.add_argument("--share-servers", choices=["thread", "process"], default=None,
                     help="where the working folders are served: process (a confined child process owns their undo "
                          "stores and 9P server) or thread (in this process); default: $SANDBOX_SHARE_SERVERS, "
-                         "else thread")
+                         "else process for a VM guest, thread for the scripted one")
 # -- end confined share servers
 
 

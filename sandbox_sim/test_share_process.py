@@ -405,3 +405,14 @@ def test_the_child_imports_lazily_when_started_from_elsewhere(tmp_path, monkeypa
         assert s.run("write new.txt ok").exit_code == 0 and (work / "new.txt").read_text() == "ok"
         if landlock_abi():
             assert s._s.share.probe_open(str(elsewhere / "private.txt"))["errno"] == errno.EACCES
+
+
+def test_the_default_is_process_for_a_vm_and_thread_otherwise(tmp_path, monkeypatch):
+    monkeypatch.delenv("SANDBOX_SHARE_SERVERS", raising=False)
+    folder = [Folder(str(tmp_path))]
+    assert Session(folder, guest="vm").share_servers == "process"
+    assert Session(folder, guest="scripted").share_servers == "thread"
+    assert Session(folder, guest=lambda run_dir: None).share_servers == "thread"
+    monkeypatch.setenv("SANDBOX_SHARE_SERVERS", "thread")
+    assert Session(folder, guest="vm").share_servers == "thread"
+    assert Session(folder, guest="vm", share_servers="process").share_servers == "process"

@@ -293,10 +293,11 @@ class Session:
         ``share_servers``: where the working folders are served (issue 13) — ``"process"``: a
         confined child process (:mod:`sandbox.serving.shareserver`) owns their workspaces and
         9P server; ``"thread"``: the agent's own server thread. Default: the environment
-        variable ``SANDBOX_SHARE_SERVERS`` if set, else ``"thread"``."""
+        variable ``SANDBOX_SHARE_SERVERS`` if set, else ``"process"`` for ``guest="vm"`` and
+        ``"thread"`` for the scripted guest and factories."""
         # -- confined share servers (issue 13)
-        if share_servers is None:
-            share_servers = os.environ.get(SHARE_SERVERS_ENV) or "thread"
+        if share_servers is None:  # a VM's folders are served confined; scripted/factory guests: in-process
+            share_servers = os.environ.get(SHARE_SERVERS_ENV) or ("process" if guest == "vm" else "thread")
         if share_servers not in SHARE_SERVERS:
             raise ValueError(f"share_servers must be one of {', '.join(SHARE_SERVERS)}, not {share_servers!r}")
         self.share_servers = share_servers
