@@ -32,7 +32,8 @@ EXIT_WAIT_S = 60.0  # how long QEMU may take to be seen dead after the agent (ne
 RUN_DIR_PREFIX = "sandbox-vm-"
 
 
-def _qemu_children(pid: int) -> list[int]:
+def _children(pid: int, want) -> list[int]:
+    """The pids of ``pid``'s children for which ``want(comm, cmdline)`` is true."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -40,31 +41,50 @@ def _qemu_children(pid: int) -> list[int]:
         try:
             with open(f"/proc/{name}/stat") as f:
                 stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
         comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if int(rest[1]) == pid and comm.startswith("qemu"):
+        if int(rest[1]) == pid and want(comm, cmdline):
             found.append(int(name))
     return found
+
+
+def _qemu_children(pid: int) -> list[int]:
+    return _children(pid, lambda comm, _cmdline: comm.startswith("qemu"))
+
+
+def _share_server_children(pid: int) -> list[int]:  # -- confined share servers (issue 13)
+    return _children(pid, lambda _comm, cmdline: "sandbox.serving.shareserver" in cmdline)
 
 
 def _run_dirs(tmp: str) -> list[str]:
     return sorted(n for n in os.listdir(tmp) if n.startswith(RUN_DIR_PREFIX))
 
 
-def _kill_and_watch_qemu(agent_pid: int, kill) -> None:
-    """SIGKILL the agent (``kill()``); its QEMU must end on its own."""
+def _kill_and_watch_qemu(agent_pid: int, kill, share_servers: int | None = None) -> None:
+    """SIGKILL the agent (``kill()``); its QEMU and its share-server processes (exactly
+    ``share_servers`` of them, unless None: the mode's default) must end on their own."""
     qemus = _qemu_children(agent_pid)
     assert len(qemus) == 1, f"expected one QEMU child of the agent {agent_pid}, found {qemus}"
-    fd = os.pidfd_open(qemus[0])
+    shares = _share_server_children(agent_pid)
+    assert share_servers is None or len(shares) == share_servers, f"expected {share_servers} share server(s) of {agent_pid}, found {shares}"
+    fds = {os.pidfd_open(pid): pid for pid in qemus + shares}
     try:
         kill()
-        ready, _, _ = select.select([fd], [], [], EXIT_WAIT_S)
-        if not ready:
+        waiting = set(fds)
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], EXIT_WAIT_S)
+            if not ready:
+                break
+            waiting -= set(ready)
+        for fd in waiting:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
-        assert ready, f"QEMU {qemus[0]} outlived the SIGKILLed agent"
+        assert not waiting, f"{sorted(fds[fd] for fd in waiting)} outlived the SIGKILLed agent"
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 @pytest.fixture
@@ -83,16 +103,19 @@ def world(tmp_path, vm_guest):
     return project, str(tmp), env
 
 
-def _sandbox_run(env, project, command: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "sandbox", "run", "--workdir", str(project), "--", command],
+def _sandbox_run(env, project, command: str, *options: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "sandbox", "run", *options, "--workdir", str(project), "--", command],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             text=True)
 
 
-def test_sigkilled_sandbox_run_leaves_no_qemu_and_the_next_run_recovers(world):
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+def test_sigkilled_sandbox_run_leaves_no_qemu_and_the_next_run_recovers(world, share_servers):
+    """In process mode the folders' share server dies with the agent too (PDEATHSIG)."""
     project, tmp, env = world
     before = oracle.snapshot_dir(str(project))
-    agent = _sandbox_run(env, project, "echo half > README.md; rm -r victims; echo WRITTEN; sleep 600")
+    agent = _sandbox_run(env, project, "echo half > README.md; rm -r victims; echo WRITTEN; sleep 600",
+                         "--share-servers", share_servers)
     try:
         for line in agent.stdout:
             if "WRITTEN" in line:
@@ -105,7 +128,7 @@ def test_sigkilled_sandbox_run_leaves_no_qemu_and_the_next_run_recovers(world):
             agent.send_signal(signal.SIGKILL)
             assert agent.wait() == -signal.SIGKILL
 
-        _kill_and_watch_qemu(agent.pid, kill)
+        _kill_and_watch_qemu(agent.pid, kill, share_servers=1 if share_servers == "process" else 0)
     finally:
         if agent.poll() is None:
             agent.kill()

@@ -311,6 +311,7 @@ def _session(args, *, ask: bool = True, progress=None, **session_kw):
                        state_dirs=[args.state_dir] + [None] * (len(folders) - 1),
                        as_root=args.as_root,  # -- the guest user (issue 13)
                        guest_root=args.guest_root, guest_packages=_guest_packages(args),  # -- guest root (issue 13)
+                       share_servers=args.share_servers,  # -- confined share servers (issue 13)
                        **session_kw,
                        progress=progress or (lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True)))
     except ValueError as e:
@@ -472,6 +473,8 @@ def cmd_serve(args) -> int:
     import signal
 
     handler = setup_logging(args.log_level)
+    if args.share_servers:  # -- confined share servers (issue 13): the sessions' default (Session reads it)
+        os.environ["SANDBOX_SHARE_SERVERS"] = args.share_servers
     # The protocol stream gets a private descriptor; fd 1 becomes stderr, so nothing else —
     # a stray print, a library, a child process — can ever write into the protocol.
     sys.stdout.flush()
@@ -806,6 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="run commands as root in the guest (default: as the unprivileged user `agent`, "
                              "uid/gid of the first working folder's owner, 1000 if root owns it)")
         _guest_root_args(sp)
+        _share_servers_arg(sp)  # -- confined share servers (issue 13)
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",
@@ -907,6 +911,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(`sandbox mcp --attach PATH` connects an MCP client). The socket is 0600 in a 0700 "
                          "directory of yours (created if missing), its token in PATH.token (0600); see docs/mcp.md")
     # -- end MCP socket
+    _share_servers_arg(sv)  # -- confined share servers (issue 13)
     sv.set_defaults(fn=cmd_serve)
     # -- MCP server (issue 14)
     mc = with_session(command(
@@ -960,6 +965,15 @@ def build_parser() -> argparse.ArgumentParser:
     _guest_root_args(demo)
     demo.set_defaults(fn=cmd_demo)
     return p
+
+
+# -- confined share servers (issue 13)
+def _share_servers_arg(sp) -> None:
+    sp.add_argument("--share-servers", choices=["thread", "process"], default=None,
+                    help="where the working folders are served: process (a confined child process owns their undo "
+                         "stores and 9P server) or thread (in this process); default: $SANDBOX_SHARE_SERVERS, "
+                         "else process for a VM guest, thread for the scripted one")
+# -- end confined share servers
 
 
 def _discard_command(args) -> str:

@@ -84,6 +84,15 @@ HELD_REQUESTS_PER_EXPORT_MAX = 10_000
 LOCKS_PER_EXPORT_MAX = 100_000
 HOLDS_PENDING_PER_SESSION_MAX = 64  # safeguard holds waiting for an answer, all folders of a session
 HOLD_SUBSCRIBERS_MAX = 32  # servers, STDIO, SDK, MCP, the VM pause hook, decide callbacks
+# -- share-server control channel (issue 13): agent <-> confined file-server process
+#: one JSON line on the channel; a longer one closes the channel (framing is lost; the peer is ours: a bug)
+CONTROL_LINE_BYTES_MAX = 1 * MiB
+#: requests one side runs at once for the other; one more is answered ``channel.busy`` at once
+CONTROL_REQUESTS_IN_FLIGHT_MAX = 32
+#: how long the agent waits for one reply (a rollback of a big step, a drain); then ``TimeoutError``
+CONTROL_REPLY_TIMEOUT_S = 300.0
+#: how long the agent waits for the share server to be ready (workspaces opened, recovery done)
+SHARE_SERVER_START_TIMEOUT_S = 120.0
 #: descriptors of RLIMIT_NOFILE that clients can never take: the undo core, sockets, logs, children
 DESCRIPTORS_RESERVED = 256
 #: what one cached directory entry costs beyond its name's bytes (a str object and a list slot)

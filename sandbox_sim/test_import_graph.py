@@ -48,6 +48,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("barriers", "mounts"),
     ("serving",),
     ("ninep",),
+    # -- confined share servers (issue 13): the child process and the agent's proxy of it
+    ("serving.shareserver", "serving.remote"),
     ("session.guest", "vm", "scripted"),
     ("session",),
     ("api.errors",),

@@ -164,7 +164,7 @@ class ScriptedGuest:
                 if parts in seen:
                     raise ValueError(f"two shares mounted at {spec.target!r}")
                 seen.add(parts)
-                client = Client.connect_unix(socket_path, timeout_s=timeout_s)
+                client = Client.connect_unix(spec.socket or socket_path, timeout_s=timeout_s)
                 try:
                     fs = _MountFS(client, spec.aname)
                 except BaseException:

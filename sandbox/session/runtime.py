@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from ..core.safeguard import SafeguardConfig
 from ..guest.control import LIVE_MOUNTS_MAX  # the guest's spare share ports bound the live mounts
@@ -68,6 +68,9 @@ from ..mounts.table import MEMORY, Mount, MountError, MountTable, PathDenied, ch
 from ..mounts.vfs import is_vfs, vfs_tree
 from ..ninep.server import NinePServer, ServerConfig, ServerThread
 from ..serving.holds import HoldBroker
+from ..serving.remote import RemoteWorkspace, ShareProcess
+from ..serving.remotefs import remote_provider
+from ..serving.workspaces import OpenedWorkspace, open_workspace, watch_workspace  # noqa: F401 (re-exported)
 from ..vm.control import ControlClosed
 from ..vm import guestroot, imageroot
 from ..vm.guest import BOOT_TIMEOUT_S, GUEST_ROOTS, GuestError, GuestMount, VmGuest
@@ -77,6 +80,8 @@ log = logging.getLogger("sandbox.session")
 NETWORKS = ("disabled", "open", "allowlist")
 VM_MODES = ("ephemeral", "persistent")
 EXTERNAL_POLICIES = ("barrier", "warn", "lock")
+SHARE_SERVERS = ("process", "thread")  # -- confined share servers (issue 13)
+SHARE_SERVERS_ENV = "SANDBOX_SHARE_SERVERS"  # the default of share_servers when it is not given
 FOLDERS_MAX = 8
 LIVE_MOUNT_TIMEOUT_S = 60.0  # the guest mounting (or unmounting) one live mount
 MEMORY_MOUNTS_MAX = 8
@@ -196,6 +201,9 @@ class _Started:
     run_dir: str
     run_lock_fd: int | None = None  # holds the run directory's flock (see new_run_dir)
     server: ServerThread | None = None
+    share: ShareProcess | None = None  # share_servers="process": folder 0's confined server
+    shares: dict = field(default_factory=dict)  # share_servers="process": folder index -> its ShareProcess
+    share_died: str | None = None  # why the share server went away mid-session
     guest: object = None
     workspaces: list = field(default_factory=list)
     providers: dict = field(default_factory=dict)  # attach name -> Provider
@@ -243,48 +251,6 @@ def vm_state_dir(folder: str) -> str:
     return os.path.join(os.path.dirname(default_state_dir(folder)), "..", "vm", os.path.basename(default_state_dir(folder)))
 
 
-class OpenedWorkspace(NamedTuple):
-    """A workspace and, if it is watched, the journal of the sandbox's own writes to its
-    folder (:class:`~sandbox.barriers.journal.OwnWrites`): the watcher's, not the workspace's."""
-
-    workspace: Workspace
-    own_writes: object | None = None
-
-
-def open_workspace(path: str, *, watched: bool = False, **kwargs) -> OpenedWorkspace:
-    """:meth:`Workspace.open`; ``watched``: its host filesystem also journals the sandbox's own
-    writes in the returned ``own_writes`` (what :class:`~sandbox.barriers.watch.ExternalChangeDetector`
-    needs to tell them from external ones)."""
-    if not watched:
-        return OpenedWorkspace(Workspace.open(path, **kwargs))
-    from ..barriers.journal import OwnWrites, RecordingHostFS
-
-    inner = {}
-    journal = OwnWrites(lambda p: inner["fs"].lstat_or_none(p))
-
-    def wrap(fs):
-        inner["fs"] = fs
-        return RecordingHostFS(fs, journal)
-
-    return OpenedWorkspace(Workspace.open(path, wrap_work=wrap, **kwargs), journal)
-
-
-def watch_workspace(own_writes, path: str, on_external: Callable[[list[str]], None] | None = None,
-                    on_warning: Callable[[str], None] | None = None):
-    """Start the external-modification watcher on ``path``, the folder of a workspace
-    opened with ``open_workspace(watched=True)``, given that call's ``own_writes``; returns
-    it (``stop()`` it before closing the workspace). Without callbacks, what it finds is logged."""
-    from ..barriers.watch import ExternalChangeDetector
-
-    if own_writes is None:
-        raise ValueError("the workspace was not opened with open_workspace(watched=True)")
-    d = ExternalChangeDetector(os.path.realpath(path), own_writes,
-                               on_external or (lambda paths: log.warning("external modification: %s", paths[:5])),
-                               on_warning or (lambda message: log.warning("%s", message)))
-    d.start()
-    return d
-
-
 def _tree(files, writable: bool, label: str) -> Provider:
     """The provider of an in-memory mount: a snapshot of a dict, or a live VFS."""
     if is_vfs(files):
@@ -311,7 +277,8 @@ class Session:
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
                  external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p",
-                 as_root: bool = False, guest_root: str = "host-usr", guest_packages: list[str] | None = None):
+                 as_root: bool = False, guest_root: str = "host-usr", guest_packages: list[str] | None = None,
+                 share_servers: str | None = None):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
@@ -322,7 +289,18 @@ class Session:
         /etc; :mod:`sandbox.vm.guestroot`) or ``"image"`` (a cached Debian root built by
         mmdebstrap; :mod:`sandbox.vm.imageroot`). ``guest_packages``: the image root's Debian
         packages (default :data:`~sandbox.vm.imageroot.DEFAULT_PACKAGES`; python3 always);
-        only with ``guest_root="image"``."""
+        only with ``guest_root="image"``.
+        ``share_servers``: where the working folders are served (issue 13) — ``"process"``: a
+        confined child process (:mod:`sandbox.serving.shareserver`) owns their workspaces and
+        9P server; ``"thread"``: the agent's own server thread. Default: the environment
+        variable ``SANDBOX_SHARE_SERVERS`` if set, else ``"process"`` for ``guest="vm"`` and
+        ``"thread"`` for the scripted guest and factories."""
+        # -- confined share servers (issue 13)
+        if share_servers is None:  # a VM's folders are served confined; scripted/factory guests: in-process
+            share_servers = os.environ.get(SHARE_SERVERS_ENV) or ("process" if guest == "vm" else "thread")
+        if share_servers not in SHARE_SERVERS:
+            raise ValueError(f"share_servers must be one of {', '.join(SHARE_SERVERS)}, not {share_servers!r}")
+        self.share_servers = share_servers
         # -- guest root (issue 13)
         if guest_root not in GUEST_ROOTS:
             raise ValueError(f"guest_root must be one of {', '.join(GUEST_ROOTS)}, not {guest_root!r}")
@@ -437,7 +415,10 @@ class Session:
         s = self._require()
         exports = s.server.server.exports
         for m in self.table.mounts:
-            exports[m.name].provider = s.providers[m.name].narrowed(view.view_within(m), view.read_only)
+            if s.share is not None and m.kind == "folder":
+                s.shares[int(m.name)].request("restrict", {"name": m.name, "view": view.view_within(m), "read_only": view.read_only})
+            else:
+                exports[m.name].provider = s.providers[m.name].narrowed(view.view_within(m), view.read_only)
 
     def _before_step(self) -> None:
         for hook in list(self.before_step):
@@ -497,7 +478,8 @@ class Session:
         payload = {k: v for k, v in event.items() if k != "type"}
         provider = s.providers.get(self.table.folders[i].name)
         # the resolver the export's gate uses too: the broker tells holds of different cores apart by it
-        resolve = provider.interceptor.resolve_hold if provider is not None else _resolver(ws)
+        resolve = provider.interceptor.resolve_hold if provider is not None and provider.interceptor is not None \
+            else _resolver(ws)
         registered = self.holds.register(payload, resolve, timeout_s=_hold_timeout_s(ws))
         return {"type": event["type"], **(registered or payload)}
 
@@ -507,7 +489,8 @@ class Session:
         listing it, else straight to the undo core. The step is rolled back on return."""
         s = self._require()
         provider = s.providers.get(self.table.folders[i].name)
-        resolve = provider.interceptor.resolve_hold if provider is not None else _resolver(s.workspaces[i])
+        resolve = provider.interceptor.resolve_hold if provider is not None and provider.interceptor is not None \
+            else _resolver(s.workspaces[i])
         if not self.holds.answer_core(resolve, core_id, "deny"):
             try:
                 resolve(core_id, "deny")
@@ -576,7 +559,11 @@ class Session:
                            "directory": i})
 
     def _start(self, s: _Started) -> None:
+        if self.share_servers == "process":
+            self._start_share_process(s)
         for i, f in enumerate(self.folders):
+            if s.share is not None:
+                break
             mount = self.table.folders[i]
             if f.read_only:
                 s.workspaces.append(None)
@@ -589,7 +576,7 @@ class Session:
                 s.providers[mount.name] = Provider.intercepted(ws, label=mount.label or os.path.basename(f.path))
         for j, m in enumerate(self.memory_mounts):
             s.providers[f"m{j}"] = _tree(m.files, m.writable, m.label or m.target)
-        if self.external_policy is not None:
+        if self.external_policy is not None and s.share is None:
             for i, (f, ws, journal) in enumerate(zip(self.folders, s.workspaces, s.own_writes)):
                 if ws is not None:
                     self._watch(s, i, ws, journal, f.path)
@@ -599,17 +586,116 @@ class Session:
                                                   2 * (len(self.table.mounts) + LIVE_MOUNTS_MAX)))
         # -- the guest user (issue 13): a VM guest's user sees the folder owner's files as its own
         owners = guest_owner_map(self.folders[0].path, self.as_root) if self.guest_kind == "vm" else None
-        server = NinePServer(dict(s.providers), ServerConfig(limits, owners=owners), holds=self.holds)
+        served = {k: p for k, p in s.providers.items() if s.share is None or not k.isdigit()}
+        server = NinePServer(served, ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
         s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
             s.hold_hooks.append(self.holds.ask(self.decide))
         s.guest = self._make_guest(s.run_dir)
-        guest_mounts = [GuestMount(m.name, m.target, m.read_only) for m in self.table.mounts]
+        guest_mounts = [GuestMount(m.name, m.target, m.read_only,
+                                   s.shares[int(m.name)].config["socket"] if s.shares and m.kind == "folder" else None)
+                        for m in self.table.mounts]
         try:
             s.guest.boot(socket_path=sock, mounts=guest_mounts, loop=s.server.loop, timeout_s=BOOT_TIMEOUT_S)
         except GuestError as e:
             raise SessionError(str(e)) from None
+
+    # -- confined share servers (issue 13)
+    def _start_share_process(self, s: _Started) -> None:
+        """The folders' workspaces, providers, 9P servers and watchers in confined children
+        (:mod:`sandbox.serving.shareserver`), **one per folder** — each confined to its own
+        folder and undo store, each its own interpreter (so shares can use more than one
+        core); started together. Here: a :class:`RemoteWorkspace` per read-write folder and,
+        for API clients (:class:`~sandbox.files.FileService`), a provider that reads the
+        folder straight from disk and sends each mutation to the child's undo core
+        (:func:`~sandbox.serving.remotefs.remote_provider`): API writes are API steps
+        there, undoable as in thread mode."""
+        as_root = self.as_root or self.guest_kind != "vm"
+        owners = guest_owner_map(self.folders[0].path, as_root) if self.guest_kind == "vm" else None
+        base = {
+            "run_dir": s.run_dir,
+            "safeguard": self.safeguard.__dict__ if self.safeguard is not None else None,
+            "limits": self.limits.__dict__ if self.limits is not None else None,
+            "owners": None if owners is None else {"host_uids": sorted(owners.host_uids), "host_gids": sorted(owners.host_gids),
+                                                   "guest_uid": owners.guest_uid, "guest_gid": owners.guest_gid},
+            "external_policy": self.external_policy,
+            "connections_max": 2 * (1 + LIVE_MOUNTS_MAX),
+            "log_level": logging.getLogger("sandbox").getEffectiveLevel(),
+        }
+        if self.external_policy == "lock":
+            for f in self.folders:
+                if not f.read_only:
+                    self._clear_stale_lock(f)
+        for i, f in enumerate(self.folders):
+            folder = {"index": i, "name": self.table.folders[i].name, "path": os.path.realpath(f.path),
+                      "read_only": f.read_only, "state_dir": f.state_dir,
+                      "label": self.table.folders[i].label or os.path.basename(f.path)}
+            s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock")},
+                                       on_event=lambda msg: self._share_event(s, msg),
+                                       on_died=lambda reason: self._share_died(s, reason), dead_error=SessionError)
+        s.share = s.shares[0]
+        ready, failed = {}, []
+
+        def start(i: int) -> None:
+            try:
+                ready[i] = s.shares[i].start()
+            except BaseException as e:  # re-raised below, on the starting thread
+                failed.append(e)
+
+        starters = [threading.Thread(target=start, args=(i,), name=f"share-server-{i}") for i in s.shares]
+        for t in starters:
+            t.start()
+        for t in starters:
+            t.join()
+        if failed:
+            raise failed[0]
+        for i, f in enumerate(self.folders):
+            log.info("share server of folder %d: pid %s, Landlock ABI %s%s", i, ready[i].get("pid"),
+                     ready[i].get("landlock_abi"), f" ({ready[i]['reason']})" if ready[i].get("reason") else "")
+            mount = self.table.folders[i]
+            label = mount.label or os.path.basename(f.path)
+            s.providers[mount.name] = Provider.read_only_dir(f.path, label=label) if f.read_only else \
+                remote_provider(s.shares[i], i, f.path, label)
+            s.own_writes.append(None)
+            s.workspaces.append(None if f.read_only else
+                                RemoteWorkspace(s.shares[i], i, label, (ready[i].get("recovery") or {}).get(str(i))))
+        if self.external_policy == "lock":
+            from ..barriers.lock import lock_folder
+
+            for f in self.folders:
+                if not f.read_only:
+                    try:
+                        s.unlocks.append(lock_folder(os.path.realpath(f.path)))
+                    except PermissionError as e:
+                        raise LockUnavailable(f"external_modification_policy lock: {e}") from None
+
+    def _share_event(self, s: _Started, msg: dict) -> None:
+        """An event of the share server (on its events thread, in order)."""
+        kind = msg.get("event")
+        if kind == "core":
+            payload = dict(msg.get("payload") or {})
+            self._folder_events(int(payload.pop("directory", 0)))(payload)
+        elif kind == "hold_resolved":  # ended in the child (its deadline): the broker forgets it too
+            ws = s.workspaces[msg["directory"]]
+            if ws is not None:
+                self.holds.answer_core(ws.resolve_hold, msg["hold_id"], "deny")
+        elif kind == "external":
+            ws = s.workspaces[msg["directory"]]
+            if ws is not None:
+                self._external(msg["directory"], ws, list(msg.get("paths", [])))
+        elif kind == "warning" and self.on_event is not None:
+            self.on_event({"type": "event.warning", "message": msg.get("message", ""), "directory": msg.get("directory")})
+
+    def _share_died(self, s: _Started, reason: str) -> None:
+        """The share server went away mid-session: say so, stop the guest (its shares are gone)."""
+        s.share_died = reason
+        self.holds.deny_all("share server exited")
+        if self.on_event is not None:
+            self.on_event({"type": "event.warning", "message": f"{reason}: the guest is stopped; the next start "
+                           "recovers the step that was running"})
+        if s.guest is not None:
+            threading.Thread(target=s.guest.stop, name="stop-guest", daemon=True).start()
 
     def _make_guest(self, run_dir: str):
         if callable(self.guest_kind):
@@ -675,6 +761,11 @@ class Session:
         if s.server is not None:
             try:
                 s.server.__exit__(None, None, None)
+            except Exception as e:
+                errors.append(e)
+        for share in s.shares.values():  # each stopped, started or not (stop is idempotent)
+            try:
+                share.stop()
             except Exception as e:
                 errors.append(e)
         for d in s.detectors:
@@ -813,6 +904,9 @@ class Session:
             "as_root": self.as_root,
             "guest_root": self.guest_root,
             "guest_packages": self.guest_packages,
+            "share_servers": self.share_servers,
+            "share_server_pid": s.share.pid if s is not None and s.share is not None else None,
+            "share_server_pids": [sh.pid for sh in s.shares.values()] if s is not None else [],
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,
@@ -903,6 +997,9 @@ class Session:
     def _require(self) -> _Started:
         if self._s is None:
             raise SessionError("the session is not running")
+        if self._s.share_died is not None:
+            raise SessionError(f"{self._s.share_died}; the guest was stopped — stop the session and start it "
+                               "again (the step is recovered on open)")
         return self._s
 
     # ------------------------------------------------------------------ safeguards

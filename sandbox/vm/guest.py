@@ -67,6 +67,9 @@ class GuestMount:
     aname: str
     target: str
     read_only: bool
+    #: the unix socket of the 9P server serving it; None: ``boot``'s ``socket_path`` (issue 13:
+    #: a session's folders may be served by a share-server process, its in-memory trees by the agent)
+    socket: str | None = None
 
 
 def mount_table_text(mounts: list[GuestMount], first_port: int = NINEP_PORT) -> str:
@@ -173,7 +176,7 @@ class VmGuest:
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
                        control_socket=os.path.join(self.run_dir, "control.sock"), virtfs_ro=virtfs,
-                       guestfwds=[(NINEP_PORT + k, socket_path) for k in range(len(mounts))]
+                       guestfwds=[(NINEP_PORT + k, m.socket or socket_path) for k, m in enumerate(mounts)]
                        + [(port, socket_path) for port in proto.live_mount_ports()],
                        fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk,
                        guestfwd_cmds=fwd_cmds)
