@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from sandbox.confine import landlock_abi
-from sandbox.core.errors import NothingToUndo
+from sandbox.core.errors import NoSuchStep, NothingToUndo
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.limits import CONTROL_LINE_BYTES_MAX
 from sandbox.serving.channel import BadLine, Channel, ChannelClosed, LineReader, RemoteError, decode_line, encode_line
@@ -154,6 +154,19 @@ def test_steps_rollback_and_history_go_through_the_child(tmp_path):
     assert any(e["type"] == "event.rollback" for e in events)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped with the session
+
+
+def test_a_step_diff_is_computed_in_the_child_and_its_errors_keep_their_class(tmp_path):
+    work, s, _ = make_session(tmp_path)
+    with s:
+        r = s.run("rm -r many; write keep.txt v2")
+        d = s.workspaces[0].step_diff()
+        assert d["step_id"] == r.step_id
+        by = {p["path"]: p for p in d["paths"]}
+        assert by["many/f1"]["change"] == "deleted" and by["keep.txt"]["change"] == "modified"
+        assert "-v1" in by["keep.txt"]["diff"] and "+v2" in by["keep.txt"]["diff"]
+        with pytest.raises(NoSuchStep):
+            s.workspaces[0].step_diff(r.step_id + 7)
 
 
 def test_safeguard_configuration_reaches_the_child(tmp_path):

@@ -3,7 +3,7 @@
 * :func:`check_exec_text` — text a process can receive (command, env, cwd);
 * :func:`encode_data` / :func:`decode_data` — file content as UTF-8 text or base64;
 * :func:`default_cwd` — where a command runs when the client names no directory;
-* :func:`diff_in_view` — a step's diff (:func:`sandbox.core.diff.step_diff`) cut to a client's view.
+* :func:`diff_in_view` — a step's diff (:meth:`Workspace.step_diff <sandbox.core.workspace.Workspace.step_diff>`) cut to a client's view.
 
 Each refuses bad input with an :class:`~sandbox.api.errors.ApiError` (a stable code),
 never anything else.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 
-from ..core.diff import step_diff
 from ..mounts.table import Mount, MountTable, PathDenied, PathOutside
 from .errors import ApiError
 
@@ -80,7 +79,7 @@ def diff_in_view(ws, step_id: int | None, view: MountTable, folder: Mount) -> di
     """What step ``step_id`` (None: the newest) of ``folder``'s workspace ``ws`` changed,
     preimage vs now, reading only; a client whose view is narrower than the folder sees only
     the paths inside its view, and ``paths_total`` counts those."""
-    d = step_diff(ws, step_id)
+    d = ws.step_diff(step_id)
     if view.view != "/":
         d["paths"] = [e for e in d["paths"] if _visible(view, folder, e["path"])]
         d["paths_total"] = len(d["paths"])

@@ -327,6 +327,14 @@ class Workspace:
 
     # ------------------------------------------------------------------ history
 
+    def step_diff(self, step_id: int | None = None) -> dict:
+        """What the finished step ``step_id`` (None: the newest) changed, preimage vs now —
+        :func:`sandbox.core.diff.step_diff`, a method so a workspace served in another
+        process (:class:`sandbox.serving.remote.RemoteWorkspace`) answers it where its store is."""
+        from .diff import step_diff
+
+        return step_diff(self, step_id)
+
     def history(self) -> list[dict]:
         """Finished steps, newest first, with the barriers that sit after each."""
         self._log.require_available()

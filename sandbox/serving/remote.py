@@ -48,7 +48,7 @@ EVENTS_ORDER_WAIT_S = 30.0
 
 #: the undo core's exceptions a reply may name, rebuilt as themselves
 _CORE_ERRORS = {name: getattr(core_errors, name) for name in
-                ("NothingToUndo", "UndoUnavailable", "BarrierInTheWay", "ExternalChange", "StepUnprotected",
+                ("NothingToUndo", "NoSuchStep", "UndoUnavailable", "BarrierInTheWay", "ExternalChange", "StepUnprotected",
                  "CorruptStep", "StepError", "UndoError", "SandboxError")}
 _BUILTIN_ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError, "KeyError": KeyError,
                    "TypeError": TypeError, "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError}
@@ -306,6 +306,11 @@ class RemoteWorkspace:
 
     def history(self) -> list[dict]:
         return self._call("history")
+
+    def step_diff(self, step_id: int | None = None) -> dict:
+        """Computed in the child, where the store is; a result over the control line's limit
+        (diff text of ~1 MiB) is refused with ``channel.line_too_long``."""
+        return self._call("step_diff", step_id=step_id)
 
     def barriers(self) -> list[dict]:
         return self._call("barriers")

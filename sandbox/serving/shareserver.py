@@ -70,7 +70,7 @@ EARLY_EVENTS_MAX = 1000  # events (recovery, log records) kept before the channe
 #: Workspace methods the agent may call (``call``); results are JSON-able
 METHODS = frozenset({"begin_step", "complete_step", "close_step", "close_active", "rollback", "history", "barriers",
                      "record_external_modification", "finish_pending", "configure_safeguard", "configure_limits",
-                     "discard", "poll"})
+                     "discard", "poll", "step_diff"})
 #: Workspace properties the agent may read (``get``)
 PROPERTIES = frozenset({"active_step_id", "undo_available", "undo_unavailable_reason", "safeguard_config", "limits",
                         "rollback_pending", "pending_hold", "recovery", "unrecorded_step_id", "requests_in_flight",

@@ -55,7 +55,6 @@ from ...limits import HOLDS_PENDING_PER_SESSION_MAX
 from ...mounts.table import MountTable, PathDenied, guest_path
 from ...session.runtime import Session, SessionError
 from ..errors import ApiError
-from ...core.diff import step_diff
 from ..payloads import check_exec_text, decode_data, default_cwd, diff_in_view, encode_data
 from . import models as m
 from .errors import McpToolError, tool_error
@@ -633,7 +632,7 @@ def _guest_of(target: str, rel: str) -> str:
 
 def _step_changes(s: Session, step_ids: list) -> m.StepChanges | None:
     """Counts and a sample of the paths the command's steps changed, per kind of change
-    (:func:`sandbox.core.diff.step_diff`)."""
+    (``Workspace.step_diff``, in the share server's process when the folder is served there)."""
     counts = {"created": 0, "modified": 0, "deleted": 0, "metadata": 0}
     sample: list[m.PathChange] = []
     total, any_step = 0, False
@@ -659,7 +658,7 @@ def _step_changes(s: Session, step_ids: list) -> m.StepChanges | None:
 
 
 def _changed_paths(ws, step_id: int) -> list[tuple[str, str]]:
-    d = step_diff(ws, step_id)
+    d = ws.step_diff(step_id)
     return [(p["path"], p["change"]) for p in d["paths"]]
 
 
