@@ -276,8 +276,6 @@ class DoorMachine(RuleBasedStateMachine):
             assert self.ws.step_state() in (S.OPEN, S.DENIED)  # a command step is running
             return
         assert self.ws.step_state() is S.OPEN
-        # beginning ends the previous step, denying (rolling back) a hold still pending there
-        self.files = {f for f in self.files if self.world.work.exists(f)}
 
     @rule()
     def write(self):
@@ -312,7 +310,6 @@ class DoorMachine(RuleBasedStateMachine):
         assert was_active, (hold, self.ws.active_step_id)
         if action == "deny":
             assert self.ws.step_state(hold.step_id) is S.DENIED
-            self.files = {f for f in self.files if self.world.work.exists(f)}
 
     @rule()
     def start_request(self):
@@ -359,6 +356,12 @@ class DoorMachine(RuleBasedStateMachine):
         state = self.ws.step_state()
         assert (state in ACTIVE_STATES) == (self.ws.active_step_id is not None)
         assert state is not S.ENDED  # the disk never fills here: an ended step is recorded at once
+
+    @invariant()
+    def files_model_follows_rollbacks(self):
+        # any door that ends a held step (answer deny, begin, close_active, close_step) rolls it
+        # back: the files it created are gone again — the model only names files that exist
+        self.files = {f for f in self.files if self.world.work.exists(f)}
 
 
 TestDoorMachine = DoorMachine.TestCase
