@@ -85,3 +85,15 @@ def vm_guest():
         return vm_image.guest_image()
     except vm_image.ImageError as e:
         pytest.skip(f"cannot build the guest image here: {e}")
+
+
+@pytest.fixture
+def sample_project(tmp_path):
+    """A copy of the packaged sample project (``sandbox/data/sample-project``) at ``tmp_path/project``."""
+    import os
+    import shutil
+
+    p = tmp_path / "project"
+    shutil.copytree(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox", "data", "sample-project"), p,
+                    symlinks=True)
+    return p

@@ -1,7 +1,7 @@
 """A SIGKILLed agent leaves no QEMU and no socket behind; the next start recovers its step.
 
-Real guests (each test boots two: about 20 s under TCG). The agent — ``sandbox run`` or
-``sandbox serve`` with a VM session — is SIGKILLed in the middle of a command that has
+Real guests (each test boots two: about 20 s under TCG). The agent — ``sandbox run``,
+``sandbox serve`` or ``sandbox mcp`` with a VM session — is SIGKILLed in the middle of a command that has
 written to the working folder. Then:
 
 * its QEMU (found by pid among the agent's children before the kill, watched through a
@@ -87,6 +87,36 @@ def _kill_and_watch_qemu(agent_pid: int, kill, share_servers: int | None = None)
             os.close(fd)
 
 
+def _sigkill(agent: subprocess.Popen, share_servers: int) -> None:
+    def kill():
+        agent.send_signal(signal.SIGKILL)
+        assert agent.wait() == -signal.SIGKILL
+
+    _kill_and_watch_qemu(agent.pid, kill, share_servers=share_servers)
+
+
+def _reap(agent: subprocess.Popen) -> None:
+    if agent.poll() is None:
+        agent.kill()
+        agent.wait()
+    for f in (agent.stdin, agent.stdout, agent.stderr):
+        if f is not None:
+            f.close()
+
+
+def _next_run_recovers(project, tmp: str, env: dict, before) -> None:
+    """The killed agent left its run directory; the next ``sandbox run`` removes it and rolls the
+    interrupted step back before its own command runs."""
+    left = _run_dirs(tmp)
+    assert len(left) == 1, f"the killed agent's run directory: {left}"
+    again = subprocess.run([sys.executable, "-m", "sandbox", "run", "--workdir", str(project), "--", "cat README.md"],
+                           stdin=subprocess.DEVNULL, capture_output=True, env=env, text=True, timeout=800)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout == "# project\n", "the interrupted step was not rolled back before the next command"
+    assert oracle.snapshot_dir(str(project)) == before
+    assert _run_dirs(tmp) == [], "the killed agent's run directory (and its sockets) survived the next start"
+
+
 @pytest.fixture
 def world(tmp_path, vm_guest):
     project = tmp_path / "project"
@@ -124,25 +154,10 @@ def test_sigkilled_sandbox_run_leaves_no_qemu_and_the_next_run_recovers(world, s
             raise AssertionError(f"sandbox run ended (rc={agent.wait()}): {agent.stderr.read()[-3000:]}")
         assert not (project / "victims").exists()
 
-        def kill():
-            agent.send_signal(signal.SIGKILL)
-            assert agent.wait() == -signal.SIGKILL
-
-        _kill_and_watch_qemu(agent.pid, kill, share_servers=1 if share_servers == "process" else 0)
+        _sigkill(agent, share_servers=1 if share_servers == "process" else 0)
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
-        agent.stdout.close()
-        agent.stderr.close()
-    left = _run_dirs(tmp)
-    assert len(left) == 1, f"the killed run's run directory: {left}"
-    again = subprocess.run([sys.executable, "-m", "sandbox", "run", "--workdir", str(project), "--", "cat README.md"],
-                           stdin=subprocess.DEVNULL, capture_output=True, env=env, text=True, timeout=800)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout == "# project\n", "the interrupted step was not rolled back before the next command"
-    assert oracle.snapshot_dir(str(project)) == before
-    assert _run_dirs(tmp) == [], "the killed run's run directory (and its sockets) survived the next start"
+        _reap(agent)
+    _next_run_recovers(project, tmp, env, before)
 
 
 def test_sigkilled_sandbox_serve_leaves_no_qemu_and_the_next_start_recovers(world):
@@ -180,3 +195,35 @@ def test_sigkilled_sandbox_serve_leaves_no_qemu_and_the_next_start_recovers(worl
         c2.close()
     c2.check()
     assert _run_dirs(tmp) == []
+
+
+def test_sigkilled_sandbox_mcp_leaves_no_qemu_and_no_share_server_and_the_next_run_recovers(world):
+    """``sandbox mcp`` (its own session, process mode by default): SIGKILLed mid-``execute_command``."""
+    import json
+
+    project, tmp, env = world
+    before = oracle.snapshot_dir(str(project))
+    agent = subprocess.Popen([sys.executable, "-m", "sandbox", "mcp", "--workdir", str(project)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        for msg in ({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+                     "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+                                "clientInfo": {"name": "lifecycle", "version": "1"}}},
+                    {"jsonrpc": "2.0", "method": "notifications/initialized"},
+                    {"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                     "params": {"name": "execute_command", "_meta": {"progressToken": "p"},
+                                "arguments": {"command": "echo half > README.md; rm -r victims; echo WRITTEN; "
+                                                         "sleep 600"}}}):
+            agent.stdin.write(json.dumps(msg) + "\n")
+        agent.stdin.flush()
+        for line in agent.stdout:  # the command's output arrives as progress notifications
+            if "WRITTEN" in line:
+                break
+        else:
+            raise AssertionError(f"sandbox mcp ended (rc={agent.wait()}) before the command wrote")
+        assert not (project / "victims").exists()
+
+        _sigkill(agent, share_servers=1)
+    finally:
+        _reap(agent)
+    _next_run_recovers(project, tmp, env, before)

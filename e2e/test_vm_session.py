@@ -12,7 +12,6 @@ where QEMU or the guest image cannot be had. The default run boots a few guests 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,20 +23,13 @@ from sandbox.core.safeguard import SafeguardConfig
 from sandbox.session.runtime import Folder, Session
 from sandbox_sim import oracle
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox", "data", "sample-project")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def guest_available(vm_guest):
-    """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
+# every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("vm_guest")]
 
 
 @pytest.fixture
-def project(tmp_path):
-    p = tmp_path / "project"
-    shutil.copytree(SAMPLE, p, symlinks=True)
-    return p
+def project(sample_project):
+    return sample_project
 
 
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:

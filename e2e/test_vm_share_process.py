@@ -9,7 +9,6 @@ of the child mid-session is reported and the guest stopped; the next start recov
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 
@@ -18,20 +17,13 @@ import pytest
 from sandbox.session.runtime import Folder, Session, SessionError
 from sandbox_sim import oracle
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
-SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox", "data", "sample-project")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def guest_available(vm_guest):
-    """Every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)."""
+# every test here boots a session VM (conftest.vm_guest skips with the reason otherwise)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("vm_guest")]
 
 
 @pytest.fixture
-def project(tmp_path):
-    p = tmp_path / "project"
-    shutil.copytree(SAMPLE, p, symlinks=True)
-    return p
+def project(sample_project):
+    return sample_project
 
 
 def test_rm_rf_and_undo_exact_through_the_share_process(project, tmp_path):
