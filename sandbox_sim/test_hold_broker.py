@@ -290,7 +290,7 @@ def test_deny_all_releases_a_request_held_on_the_wire(tmp_path):
 # ---------------------------------------------------------------------------- a whole session (scripted guest)
 
 
-def session_with_victims(tmp_path, files: int = 6):
+def session_with_victims(tmp_path, files: int = 6, share_servers: str = "thread"):
     from sandbox.session.runtime import Folder, Session
 
     work = tmp_path / "proj"
@@ -298,13 +298,17 @@ def session_with_victims(tmp_path, files: int = 6):
     for i in range(files):
         (work / "many" / f"f{i}").write_bytes(b"%d" % i)
     return work, Session([Folder(str(work), state_dir=str(tmp_path / "state"))], guest="scripted",
-                         safeguard=SafeguardConfig(delete_threshold=3, timeout_s=60))
+                         safeguard=SafeguardConfig(delete_threshold=3, timeout_s=60), share_servers=share_servers)
 
 
-def test_session_holds_are_announced_listed_and_answered_through_session_holds(tmp_path):
+@pytest.mark.parametrize("action", ["allow", "deny"])
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+def test_session_holds_are_announced_listed_and_answered_through_session_holds(tmp_path, share_servers, action):
+    """In process mode the hold is raised in the share server's core and asked over its
+    control channel: the session's broker is the one place it is listed and answered."""
     import queue
 
-    work, s = session_with_victims(tmp_path)
+    work, s = session_with_victims(tmp_path, share_servers=share_servers)
     heard = queue.Queue()
     s.holds.subscribe(lambda kind, payload: heard.put((kind, payload)))
     with s:
@@ -314,17 +318,23 @@ def test_session_holds_are_announced_listed_and_answered_through_session_holds(t
         kind, p = heard.get(timeout=30)
         assert kind == "triggered" and p["directory"] == 0 and p["timeout_seconds"] == 60 and p["count"] == 3
         assert [h["safeguard_id"] for h in s.holds.pending()] == [p["safeguard_id"]]
-        assert s.holds.answer(p["safeguard_id"], "allow")
+        assert (work / "many").exists()  # the held request has not run
+        assert s.holds.answer(p["safeguard_id"], action)
         assert not s.holds.answer(p["safeguard_id"], "deny")  # a second answerer is told no
         t.join(30)
-        assert results[0].exit_code == 0 and not (work / "many").exists()
+        assert (results[0].exit_code == 0) == (action == "allow")
         assert heard.get(timeout=30)[0] == "resolved"
+    if action == "deny":  # rolled back
+        assert sorted(x.name for x in (work / "many").iterdir()) == [f"f{i}" for i in range(6)]
+    else:  # the held request went on
+        assert not (work / "many").exists()
 
 
-def test_stopping_a_session_denies_its_pending_holds(tmp_path):
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+def test_stopping_a_session_denies_its_pending_holds(tmp_path, share_servers):
     import queue
 
-    work, s = session_with_victims(tmp_path)
+    work, s = session_with_victims(tmp_path, share_servers=share_servers)
     heard = queue.Queue()
     s.holds.subscribe(lambda kind, payload: heard.put((kind, payload)))
     s.start()
