@@ -33,7 +33,7 @@ _KIND = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}
 def stat_of(r: m.Rgetattr) -> Stat:
     kind = _KIND.get(_stat.S_IFMT(r.mode), OTHER)
     return Stat(kind, _stat.S_IMODE(r.mode), r.size, r.mtime_sec * 10**9 + r.mtime_nsec,
-                r.ctime_sec * 10**9 + r.ctime_nsec, r.qid.path, r.nlink)
+                r.ctime_sec * 10**9 + r.ctime_nsec, r.qid.path, r.nlink, fmt=_stat.S_IFMT(r.mode))
 
 
 class WireFS(TreeOps):
