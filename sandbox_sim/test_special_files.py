@@ -10,12 +10,13 @@ node) on the simulated disk and on a real one; and the whole path a guest takes 
 from __future__ import annotations
 
 import errno
+import os
 import stat
 
 import pytest
 
 from sandbox.hostfs import OTHER, REG
-from sandbox.mounts import devices
+from sandbox.mounts import Provider, devices
 
 from . import oracle
 from .world import World
@@ -160,3 +161,165 @@ def test_step_diff_names_special_files(world):
         ws.fs.unlink("d/p")
     (only,) = ws.step_diff()["paths"]
     assert (only["path"], only["change"], only["summary"]) == ("d/p", "deleted", "fifo, mode 0644")
+
+
+# ---------------------------------------------------------------------------- emulated devices (pure)
+
+
+@pytest.mark.parametrize("fmt,major,minor,text", [(stat.S_IFCHR, 1, 3, b"c 1 3"), (stat.S_IFBLK, 8, 0, b"b 8 0"),
+                                                  (stat.S_IFCHR, 0, 0, b"c 0 0"),
+                                                  (stat.S_IFBLK, 4095, 0xFFFFF, b"b 4095 1048575")])
+def test_device_value_round_trips(fmt, major, minor, text):
+    rdev = devices.rdev_of(major, minor)
+    assert devices.encode_dev(fmt, rdev) == text
+    assert devices.decode_dev(text) == (fmt, rdev)
+
+
+@pytest.mark.parametrize("bad", [None, b"", b"c 1", b"c 1 3 4", b"p 1 3", b"c  1 3", b"c 01 3", b"c -1 3",
+                                 b"c 1 4294967296", b"c 1 \xd9\xa3", b"c 1 3" + b" " * 40, b"C 1 3"])
+def test_a_device_value_that_is_not_ours_is_ignored(bad):
+    assert devices.decode_dev(bad) is None
+
+
+# ---------------------------------------------------------------------------- over the 9P wire, a real folder
+
+
+@pytest.fixture
+def wire(tmp_path):
+    """(WireFS over an intercepted real folder, the Workspace, the folder's path)."""
+    from sandbox import Workspace
+    from sandbox.ninep.client import Client
+    from sandbox.ninep.wirefs import WireFS, serve
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with Workspace.open(str(work), state_dir=str(tmp_path / "state")) as ws:
+        with serve(Provider.intercepted(ws)) as (_st, path), Client.connect_unix(path) as c:
+            yield WireFS(c), ws, work
+
+
+def _getattr(fs, path):
+    fid = fs._walk(path)
+    try:
+        return fs.c.getattr(fid)
+    finally:
+        fs.c.clunk(fid)
+
+
+def _fds_on(inode: os.stat_result) -> list[int]:
+    """This process's descriptors (the server runs in a thread of it) on that inode."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if (st.st_ino, st.st_dev) == (inode.st_ino, inode.st_dev):
+            out.append(int(name))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_wire_mknod_makes_fifos_sockets_and_emulated_devices(wire):
+    from sandbox.ninep import messages as m
+
+    fs, _ws, work = wire
+    fs.mkdir("d", 0o755)
+    fs.mknod("d/p", 0o644, stat.S_IFIFO)
+    fs.mknod("d/s", 0o4755, stat.S_IFSOCK)  # a set-id bit is never applied on the host
+    fs.mknod("d/null", 0o666, stat.S_IFCHR, os.makedev(1, 3))
+    fs.mknod("d/sda", 0o660, stat.S_IFBLK, os.makedev(8, 0))
+    want = {"p": (stat.S_IFIFO | 0o644, 0), "s": (stat.S_IFSOCK | 0o755, 0),
+            "null": (stat.S_IFCHR | 0o666, os.makedev(1, 3)), "sda": (stat.S_IFBLK | 0o660, os.makedev(8, 0))}
+    for name, (mode, rdev) in want.items():
+        r = _getattr(fs, f"d/{name}")
+        assert (r.mode, r.rdev, r.size) == (mode, rdev, 0), name
+        assert fs.lstat(f"d/{name}").kind == OTHER
+    assert stat.S_ISFIFO(os.lstat(work / "d/p").st_mode)
+    assert os.lstat(work / "d/s").st_mode == stat.S_IFSOCK | 0o755
+    for name, value in (("null", b"c 1 3"), ("sda", b"b 8 0")):  # the host has a placeholder, no device
+        st = os.lstat(work / "d" / name)
+        assert stat.S_ISREG(st.st_mode) and st.st_size == 0 and stat.S_IMODE(st.st_mode) == want[name][0] & 0o777
+        assert os.getxattr(work / "d" / name, devices.DEV_XATTR) == value
+        assert fs.xattrs(f"d/{name}") == {}  # the reserved xattr is invisible to the guest
+    fid = fs._walk("d")
+    try:
+        fs.c.lopen(fid, m.DOTL_RDONLY)
+        types = {e.name: e.type for e in fs.c.readdir_all(fid) if e.name not in (".", "..")}
+    finally:
+        fs.c.clunk(fid)
+    assert types == {"p": m.DT_FIFO, "s": m.DT_SOCK, "null": m.DT_CHR, "sda": m.DT_BLK}
+
+
+@pytest.mark.timeout(60)
+def test_wire_special_files_are_never_opened(wire):
+    """A fifo with no reader would block an open for writing (and one with no writer an
+    open for reading): the server answers at once, and holds no descriptor on it."""
+    from sandbox.ninep import messages as m
+
+    fs, _ws, work = wire
+    fs.mknod("p", 0o666, stat.S_IFIFO)
+    fs.mknod("s", 0o666, stat.S_IFSOCK)
+    fs.mknod("null", 0o666, stat.S_IFCHR, os.makedev(1, 3))
+    for name in ("p", "s", "null"):
+        for flags in (m.DOTL_RDONLY, m.DOTL_WRONLY, m.DOTL_RDWR | m.DOTL_TRUNC):
+            fid = fs._walk(name)
+            try:
+                _check(errno.EPERM, fs.c.lopen, fid, flags)
+            finally:
+                fs.c.clunk(fid)
+        _check(errno.EPERM, fs.read, name)
+    fid = fs._walk("")
+    try:  # creat() of an existing emulated device opens it: refused too
+        _check(errno.EPERM, fs.c.lcreate, fid, "null", m.DOTL_WRONLY | m.DOTL_CREATE | m.DOTL_TRUNC, 0o644)
+    finally:
+        fs.c.clunk(fid)
+    assert os.lstat(work / "null").st_size == 0
+    assert _fds_on(os.lstat(work / "p")) == []
+    # and nobody opened it for writing: a non-blocking reader sees no writer's data, no EOF from one
+    fd = os.open(work / "p", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert os.read(fd, 10) == b""
+    finally:
+        os.close(fd)
+
+
+def test_wire_mknod_errors(wire, tmp_path):
+    from sandbox.ninep.client import Client
+    from sandbox.ninep.wirefs import WireFS, serve
+
+    fs, _ws, work = wire
+    fs.mknod("p", 0o644, stat.S_IFIFO)
+    _check(errno.EEXIST, fs.mknod, "p", 0o644, stat.S_IFSOCK)
+    _check(errno.EEXIST, fs.mknod, "p", 0o644, stat.S_IFCHR, os.makedev(1, 3))
+    for fmt in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, 0):
+        _check(errno.EINVAL, fs.mknod, "x", 0o644, fmt)
+    assert sorted(os.listdir(work)) == ["p"]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    with serve(Provider.read_only_dir(str(ro))) as (_st, path), Client.connect_unix(path) as c:
+        _check(errno.EROFS, WireFS(c).mknod, "p", 0o644, stat.S_IFIFO)
+    assert os.listdir(ro) == []
+
+
+@pytest.mark.timeout(60)
+def test_wire_rm_rf_of_a_tree_with_special_files_then_undo_is_exact(wire):
+    fs, ws, work = wire
+    with ws.step("make"):
+        fs.makedirs("t/sub")
+        fs.write_file("t/f", b"data")
+        fs.mknod("t/p", 0o640, stat.S_IFIFO)
+        fs.mknod("t/sub/s", 0o700, stat.S_IFSOCK)
+        fs.mknod("t/null", 0o666, stat.S_IFCHR, os.makedev(1, 3))
+        fs.mknod("t/sub/sda", 0o600, stat.S_IFBLK, os.makedev(8, 0))
+        fs.utime("t/p", T1)
+    before = oracle.snapshot_dir(str(work))
+    with ws.step("rm -rf t"):
+        fs.remove_tree("t")
+    assert os.listdir(work) == []
+    ws.rollback()
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "after undoing rm -rf over 9P")
+    r = _getattr(fs, "t/null")
+    assert (r.mode, r.rdev) == (stat.S_IFCHR | 0o666, os.makedev(1, 3))  # still a device to the guest
+    ws.rollback()  # and the step that made them
+    assert os.listdir(work) == []

@@ -192,6 +192,12 @@ class WireFS(TreeOps):
         with self._fid(parent) as fid:
             self.c.symlink(fid, name, target)
 
+    def mknod(self, path: str, mode: int, fmt: int, rdev: int = 0) -> None:
+        """``mknod(2)`` as v9fs sends it: one ``Tmknod`` with ``fmt | mode`` and the device number."""
+        parent, name = self._parent(path)
+        with self._fid(parent) as fid:
+            self.c.mknod(fid, name, fmt | mode, os.major(rdev), os.minor(rdev))
+
     def link(self, existing: str, new: str) -> None:
         parent, name = self._parent(new)
         with self._fid(existing) as efid, self._fid(parent) as dfid:
