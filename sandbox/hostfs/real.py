@@ -87,6 +87,22 @@ class _FdLock:
             self._fd = -1
 
 
+def _reach_new(pfd: int, name: str, flags: int, remove) -> int:
+    """The entry just made at ``name`` beneath ``pfd``, opened once with ``flags`` (no
+    symlink resolved). A racer's swap shows as ``ELOOP``/``ENOTDIR``/``ENOENT`` and is raised
+    as it is; any other failure (``EMFILE``, …) first removes the new entry with ``remove``
+    (``os.rmdir``/``os.unlink``), so the creation fails whole."""
+    try:
+        return _openat2(pfd, name, flags)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            try:
+                remove(name, dir_fd=pfd)
+            except OSError:
+                pass
+        raise
+
+
 def _ebadf(path: str) -> OSError:
     return OSError(errno.EBADF, os.strerror(errno.EBADF), path)
 
@@ -398,15 +414,8 @@ class RealHostFS(HostFS):
         pfd, name = self._parent(path)
         try:
             os.mkdir(name, 0o700, dir_fd=pfd)
-            try:
-                fd = _openat2(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # not a racer's doing (EMFILE, …):
-                    try:
-                        os.rmdir(name, dir_fd=pfd)  # the mkdir fails whole (rmdir takes only an empty directory)
-                    except OSError:
-                        pass
-                raise
+            # the mkdir fails whole on an error that is not a racer's (rmdir takes only an empty directory)
+            fd = _reach_new(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, os.rmdir)
         finally:
             os.close(pfd)
         try:
@@ -457,15 +466,7 @@ class RealHostFS(HostFS):
         pfd, name = self._parent(path)
         try:
             os.mknod(name, fmt | 0o600, 0, dir_fd=pfd)
-            try:
-                fd = _openat2(pfd, name, os.O_PATH | os.O_NOFOLLOW)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # not a racer's doing (EMFILE, …):
-                    try:
-                        os.unlink(name, dir_fd=pfd)  # the mknod fails whole
-                    except OSError:
-                        pass
-                raise
+            fd = _reach_new(pfd, name, os.O_PATH | os.O_NOFOLLOW, os.unlink)
         finally:
             os.close(pfd)
         try:
