@@ -85,15 +85,16 @@ def snapshot_dir(root: str) -> Snapshot:
 
 def content_shape(root: str) -> dict:
     """A real directory's tree as JSON-able data without times: per path its kind, mode,
-    content (sha256 and size for a file, the target for a symlink) and xattrs (base64).
+    content (sha256 and size for a file, the target for a symlink), xattrs (base64) and
+    ``fmt``, the exact ``S_IFMT`` type (a fifo and a socket are both kind "other").
     What ``fixtures/ninep/capture.py`` records as a capture's end state."""
     import base64
     import hashlib
 
     out = {}
-    for path, (kind, mode, _mtime, content, xattrs, *_appended) in sorted(snapshot_dir(root).items()):
+    for path, (kind, mode, _mtime, content, xattrs, fmt, *_appended) in sorted(snapshot_dir(root).items()):
         if isinstance(content, bytes):
             content = {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
         out[path] = {"kind": kind, "mode": mode, "content": content,
-                     "xattrs": {k: base64.b64encode(v).decode() for k, v in xattrs}}
+                     "xattrs": {k: base64.b64encode(v).decode() for k, v in xattrs}, "fmt": fmt}
     return out

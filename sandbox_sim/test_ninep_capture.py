@@ -16,7 +16,6 @@ exchanged while the guest ran ``linux-6.1-v9fs-session.sh`` on an export holding
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import posixpath
@@ -55,12 +54,19 @@ R_TYPES_SEEN = {
     m.Rwrite, m.Rclunk, m.Rmkdir, m.Rrenameat, m.Rsymlink, m.Runlinkat, m.Rreadlink, m.Rlerror,
 }  # fmt: skip
 # linux-6.1-v9fs-ops.sh (made with fixtures/ninep/capture.py): metadata, links, fsync, statfs,
-# a refused mknod, recursive removal; its end state is in linux-6.1-v9fs-ops.end.json.
+# special files (fifo, unix socket, emulated char and block devices), recursive removal; its
+# end state is in linux-6.1-v9fs-ops.end.json.
 T_TYPES_SEEN_OPS = {
     m.Tsetattr, m.Tstatfs, m.Tlink, m.Tfsync, m.Tmknod, m.Txattrwalk, m.Tunlinkat, m.Trenameat,
     m.Tlcreate, m.Twrite, m.Tmkdir,
 }  # fmt: skip
-TYPES_SEEN = {SESSION: (T_TYPES_SEEN, R_TYPES_SEEN), OPS: (T_TYPES_SEEN_OPS, {m.Rlerror, m.Rsetattr, m.Rlink})}
+R_TYPES_SEEN_OPS = {m.Rlerror, m.Rsetattr, m.Rlink, m.Rmknod}
+TYPES_SEEN = {SESSION: (T_TYPES_SEEN, R_TYPES_SEEN), OPS: (T_TYPES_SEEN_OPS, R_TYPES_SEEN_OPS)}
+# The special files the ops script makes, by name: (S_IFMT type, (major, minor)).
+OPS_SPECIALS = {
+    "pipe": (stat.S_IFIFO, (0, 0)), "sock": (stat.S_IFSOCK, (0, 0)),
+    "null": (stat.S_IFCHR, (1, 3)), "disk": (stat.S_IFBLK, (8, 0)),
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the capture
@@ -140,6 +146,28 @@ def test_capture_decodes_and_reencodes_byte_exact(name):
     t_seen, r_seen = TYPES_SEEN[name]
     assert {type(e.t_msg) for e in ex} >= t_seen
     assert {type(e.r_msg) for e in ex} >= r_seen
+
+
+def test_ops_capture_makes_every_kind_of_special_file():
+    """The real kernel's mkfifo, socket bind and mknod of a char and a block device each
+    reach the server as a ``Tmknod`` and were answered ``Rmknod`` with a qid (the recording
+    server made them; nothing refused)."""
+    made = {}
+    for e in exchanges(OPS):
+        if isinstance(e.t_msg, m.Tmknod):
+            assert isinstance(e.r_msg, m.Rmknod), f"{e.t_msg!r} answered {e.r_msg!r}"
+            made[e.t_msg.name] = (stat.S_IFMT(e.t_msg.mode), (e.t_msg.major, e.t_msg.minor))
+    assert made == OPS_SPECIALS
+    reported = {}  # what the server's Tgetattr said of each, by the walk that named it
+    fid_names = {}
+    for e in exchanges(OPS):
+        if isinstance(e.t_msg, m.Twalk) and isinstance(e.r_msg, m.Rwalk) and len(e.t_msg.wnames) == 1:
+            fid_names[e.t_msg.newfid] = e.t_msg.wnames[0]
+        elif isinstance(e.t_msg, m.Tgetattr) and isinstance(e.r_msg, m.Rgetattr):
+            name = fid_names.get(e.t_msg.fid)
+            if name in OPS_SPECIALS:
+                reported[name] = (stat.S_IFMT(e.r_msg.mode), (os.major(e.r_msg.rdev), os.minor(e.r_msg.rdev)))
+    assert reported == OPS_SPECIALS
 
 
 # --------------------------------------------------------------------------- replay
@@ -238,18 +266,6 @@ class Replayer:
         self.sock.close()
 
 
-class _RecordedPolicy(Provider):
-    """The server as it was when the captures were recorded: ``mknod`` refused (``EPERM``).
-    The ops capture's ``mkfifo`` was answered so, and the guest's later requests (the
-    listing, the end state) follow from it; ``mknod`` itself is tested in
-    ``test_special_files.py``. Re-capture (README) and drop this once the guest tooling
-    records a session against the current server."""
-
-    def mknod(self, path: str, mode: int, fmt: int, rdev: int = 0, **_kw) -> None:
-        self._writable(path)
-        raise OSError(errno.EPERM, "mknod refused, as by the recording server", path)
-
-
 @pytest.fixture
 def work(tmp_path):
     w = tmp_path / "work"
@@ -266,7 +282,7 @@ def test_replay_matches_recorded_replies(tmp_path, work, name):
     before = oracle.snapshot_dir(str(work))
     ws = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
     try:
-        with serve(_RecordedPolicy.intercepted(ws)) as (_st, path):
+        with serve(Provider.intercepted(ws)) as (_st, path):
             r = Replayer(path)
             fids = FidPaths()
             try:
