@@ -646,7 +646,7 @@ def test_random_requests_never_kill_the_agent_and_never_hit_a_bug(project):
     values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
                                                           st.dictionaries(st.text(max_size=10), kids, max_size=4)),
                           max_leaves=10)
-    fields = sorted({k for s in schema.REQUESTS.values() for k in s.get("properties", {})})
+    fields = sorted({k for m in schema.REQUESTS.values() for k in m.model_fields})
     payloads = st.dictionaries(st.sampled_from(fields) | st.text(max_size=8), values, max_size=4)
     types = st.sampled_from(sorted(set(schema.REQUESTS) - {"session.start", "session.reset"})) | st.text(max_size=12)
     c = ApiClient(guest="scripted", log_level="warn")

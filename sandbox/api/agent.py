@@ -38,6 +38,7 @@ from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import schema
 from .errors import ApiError, to_api_error
+from .messages.requests import UNDO_LIMIT_FIELDS
 from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode
 
 log = logging.getLogger("sandbox.api")
@@ -405,7 +406,7 @@ class Agent:
 
     @staticmethod
     def _limits(p: dict) -> dict:
-        return {k: v for k, v in p.items() if k in schema.UNDO_LIMITS}
+        return {k: v for k, v in p.items() if k in UNDO_LIMIT_FIELDS}
 
     def op_undo_discard(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))
