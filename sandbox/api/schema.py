@@ -32,8 +32,7 @@ import sys
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from .messages.bounds import *  # noqa: F403 - the named bounds, quoted from here by older code and docs
-from .messages.bounds import NAME_CHARS_MAX, INT64_MAX, INT64_MIN
+from .messages.bounds import INT64_MAX, INT64_MIN, NAME_CHARS_MAX, PATH_CHARS_MAX  # noqa: F401 - the named bounds
 from .messages.events import EVENTS
 from .messages.fields import BY_CLASS_NAME
 from .messages.requests import REQUESTS, RequestId

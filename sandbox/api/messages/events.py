@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from .fields import NonNeg, Open, Pos, SafeguardKind, Stream
+from .shapes import InFolder
 
 
-class FolderEvent(Open):
-    directory: NonNeg = None
-
-
-class StepCompleted(FolderEvent):
+class StepCompleted(InFolder):
     schema_name = "event.step_completed"
     step_id: int
     step_type: str = None
@@ -30,7 +27,7 @@ class AgentOutput(TerminalOutput):
     schema_name = "event.agent_output"
 
 
-class Warning(FolderEvent):  # noqa: A001 - the event's name
+class Warning(InFolder):  # noqa: A001 - the event's name
     schema_name = "event.warning"
     message: str
     code: str = None
@@ -40,7 +37,7 @@ class Error(Warning):
     schema_name = "event.error"
 
 
-class SafeguardTriggered(FolderEvent):
+class SafeguardTriggered(InFolder):
     """A safeguard holds a step (its processes frozen) until a client answers safeguard.confirm
     or ``timeout_seconds`` pass (then denied)."""
 
@@ -56,21 +53,21 @@ class SafeguardTriggered(FolderEvent):
     timeout_seconds: float = None
 
 
-class ExternalModification(FolderEvent):
+class ExternalModification(InFolder):
     schema_name = "event.external_modification"
     paths: list[str]
     barrier_id: int | None
     policy: str = None
 
 
-class Recovery(FolderEvent):
+class Recovery(InFolder):
     schema_name = "event.recovery"
     paths_restored: NonNeg
     step_id: int | None = None
     message: str = None
 
 
-class UndoVersionMismatch(FolderEvent):
+class UndoVersionMismatch(InFolder):
     schema_name = "event.undo_version_mismatch"
     message: str
 

@@ -25,6 +25,12 @@ FileContents = Annotated[dict[Path, Str(CONTENT_CHARS_MAX)], Field(
 FILE_MODES = ("r", "r+", "w", "w+", "a", "a+", "x", "x+")
 
 
+class OnDirectory(Closed):
+    """A request that acts on one working directory."""
+
+    directory: Directory = None
+
+
 class SafeguardConfig(Closed):
     schema_name = "safeguard_config"
     delete_threshold: Int(1, INT64_MAX) | None = Field(
@@ -137,32 +143,27 @@ class SessionRestrict(Restrict):
     schema_name = "request.session.restrict"
 
 
-class UndoRollback(Closed):
+class UndoRollback(OnDirectory):
     schema_name = "request.undo.rollback"
     count: StepCount = None
     force: bool = None
-    directory: Directory = None
 
 
-class UndoHistory(Closed):
+class UndoHistory(OnDirectory):
     schema_name = "request.undo.history"
-    directory: Directory = None
     limit: StepCount = None
 
 
-class UndoConfigure(UndoLimits):
+class UndoConfigure(UndoLimits, OnDirectory):
     schema_name = "request.undo.configure"
-    directory: Directory = None
 
 
-class UndoDiscard(Closed):
+class UndoDiscard(OnDirectory):
     schema_name = "request.undo.discard"
-    directory: Directory = None
 
 
-class UndoDiff(Closed):
+class UndoDiff(OnDirectory):
     schema_name = "request.undo.diff"
-    directory: Directory = None
     step_id: I64 | None = Field(None, description="A step of undo.history (default: the newest).")
 
 
@@ -180,43 +181,38 @@ class AgentCancel(Closed):
     request_id: RequestId = None
 
 
-class FsList(Closed):
+class FsList(OnDirectory):
     schema_name = "request.fs.list"
     path: Str(PATH_CHARS_MAX) = None
-    directory: Directory = None
 
 
-class FsRead(Closed):
+class FsRead(OnDirectory):
     schema_name = "request.fs.read"
     model_config = ConfigDict(json_schema_extra={
         "description": "By path (a range of the file: offset, length) or by handle (length bytes at its position).",
         "oneOf": [{"required": ["path"]}, {"required": ["handle"], "not": {"required": ["offset"]}}]})
     path: Path = None
     handle: Handle = None
-    directory: Directory = None
     offset: U64 = None
     length: U64 = None
     encoding: Encoding = None
 
 
-class FsStatus(Closed):
+class FsStatus(OnDirectory):
     schema_name = "request.fs.status"
-    directory: Directory = None
 
 
-class FsOpen(Closed):
+class FsOpen(OnDirectory):
     schema_name = "request.fs.open"
     path: Path
-    directory: Directory = None
     mode: Literal[FILE_MODES] = None
 
 
-class FsWrite(Closed):
+class FsWrite(OnDirectory):
     schema_name = "request.fs.write"
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["path"]}, {"required": ["handle"]}]})
     path: Path = None
     handle: Handle = None
-    directory: Directory = None
     data: Str(CONTENT_CHARS_MAX)
     encoding: Encoding = None
 
@@ -228,12 +224,11 @@ class FsSeek(Closed):
     whence: Literal["set", "cur", "end"] = None
 
 
-class FsStat(Closed):
+class FsStat(OnDirectory):
     schema_name = "request.fs.stat"
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["path"]}, {"required": ["handle"]}]})
     path: Path = None
     handle: Handle = None
-    directory: Directory = None
 
 
 class FsClose(Closed):
@@ -245,30 +240,26 @@ class FsCreateTemp(Closed):
     schema_name = "request.fs.create_temp"
 
 
-class FsMkdir(Closed):
+class FsMkdir(OnDirectory):
     schema_name = "request.fs.mkdir"
     path: Path
     parents: bool = None
-    directory: Directory = None
 
 
-class FsRemove(Closed):
+class FsRemove(OnDirectory):
     schema_name = "request.fs.remove"
     path: Path
     recursive: bool = None
-    directory: Directory = None
 
 
-class FsRename(Closed):
+class FsRename(OnDirectory):
     schema_name = "request.fs.rename"
     src: Path
     dst: Path
-    directory: Directory = None
 
 
-class SafeguardConfigure(SafeguardConfig):
+class SafeguardConfigure(SafeguardConfig, OnDirectory):
     schema_name = "request.safeguard.configure"
-    directory: Directory = None
 
 
 class MountAdd(MemoryMount):

@@ -9,7 +9,7 @@ from pydantic import ConfigDict
 from .events import SafeguardTriggered
 from .fields import Encoding, NonNeg, Open, PathKind, Pos
 from .requests import SafeguardConfig, UndoLimits
-from .shapes import Barrier, Folder, Listing, Mount, Rollback, Step, StepDiff
+from .shapes import Barrier, Folder, InFolder, Listing, Mount, Rollback, Step, StepDiff
 
 
 class SafeguardSettings(SafeguardConfig):
@@ -80,19 +80,16 @@ class SessionRestricted(Open):
     read_only: bool
 
 
-class UndoRolledBack(Rollback):
+class UndoRolledBack(Rollback, InFolder):
     schema_name = "result.undo.rollback"
-    directory: NonNeg = None
 
 
-class UndoDiffed(StepDiff):
+class UndoDiffed(StepDiff, InFolder):
     schema_name = "result.undo.diff"
-    directory: NonNeg = None
 
 
-class UndoHistoryResult(Open):
+class UndoHistoryResult(InFolder):
     schema_name = "result.undo.history"
-    directory: NonNeg = None
     steps: list[Step]
     barriers: list[Barrier]
     undo_available: bool
@@ -103,9 +100,8 @@ class UndoConfigured(Open):
     limits: UndoLimitSettings
 
 
-class UndoDiscarded(Open):
+class UndoDiscarded(InFolder):
     schema_name = "result.undo.discard"
-    directory: NonNeg = None
 
 
 class CommandResult(Open):

@@ -12,6 +12,12 @@ from pydantic import Field
 from .fields import Access, Closed, DiffChange, NonNeg, Open, PathKind, RestoreChange, StepType
 
 
+class InFolder(Open):
+    """A result or event about one working folder: ``directory`` is its index."""
+
+    directory: NonNeg = None
+
+
 class Barrier(Open):
     """An external modification recorded between steps: undoing a step older than it would
     overwrite someone else's edit, so ``undo.rollback`` refuses (``undo.barrier``) unless forced."""
