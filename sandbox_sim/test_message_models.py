@@ -11,14 +11,16 @@ definition, and the bounds come from one place.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
-from sandbox.api import schema
+from sandbox.api import protocol, schema
 from sandbox.api.messages import bounds, results, shapes, tools
 from sandbox.api.messages.events import EVENTS
 from sandbox.api.messages.fields import Open
-from sandbox.api.messages.requests import REQUESTS
+from sandbox.api.messages.requests import REQUESTS, UndoLimits
 from sandbox.api.messages.results import RESULTS
 from sandbox.api.mcp.tools import TOOLS
 from sandbox_sim.api_client import model_error
@@ -117,3 +119,15 @@ def test_docs_say_where_the_models_live():
     for doc in ("docs/stdio-api.md", "docs/mcp.md"):
         with open(os.path.join(ROOT, doc)) as f:
             assert "sandbox/api/messages/" in f.read(), doc
+
+
+def test_the_agent_reads_the_shipped_document_not_the_models():
+    """``sandbox serve`` starts without building the models (the shipped file has what it
+    needs); the names it reads from that file are the models'."""
+    assert protocol.REQUEST_TYPES == set(REQUESTS) and protocol.EVENT_NAMES == set(EVENTS)
+    assert set(protocol.UNDO_LIMIT_FIELDS) == set(UndoLimits.model_fields)
+    code = ("import sys, sandbox.api.stdio, sandbox.api.agent, sandbox.cli; "
+            "print(sorted(m for m in sys.modules if m.startswith('sandbox.api.messages.') and m != "
+            "'sandbox.api.messages.bounds'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -15,6 +15,9 @@ shared shapes (``barrier``, ``step``, ``folder``, ``diff_path``…, each a model
 so a misspelt field is an error rather than silently ignored; results and events are open,
 so the agent may add fields in a compatible version.
 
+The agent itself never imports the models (building them costs startup time): it uses
+:mod:`sandbox.api.protocol`, which reads the shipped file; this module re-exports it.
+
 Generation: pydantic's schema, then :func:`_tidy` removes its artefacts — ``title``s, and
 ``default``s (a request field that may be omitted is never nullable unless its type says
 so); ``anyOf`` with ``null`` becomes a type list, other unions ``oneOf`` (their branches
@@ -24,33 +27,23 @@ never overlap); ``additionalProperties: true`` (the default) is left out.
 from __future__ import annotations
 
 import copy
-import functools
 import json
-import os
 import sys
 
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from .messages.bounds import INT64_MAX, INT64_MIN, NAME_CHARS_MAX, PATH_CHARS_MAX  # noqa: F401 - the named bounds
+from .messages.bounds import PATH_CHARS_MAX  # noqa: F401 - the named bounds live there
 from .messages.events import EVENTS
 from .messages.fields import BY_CLASS_NAME
 from .messages.requests import REQUESTS, RequestId
 from .messages.results import RESULTS
 from .messages.shapes import Barrier, StdioError
+# the runtime half (what the agent uses: the shipped document, validation), re-exported
+from .protocol import (PROTOCOL_VERSION, SCHEMA_ID, SCHEMA_PATH, SUPPORTED_VERSIONS, first_error,  # noqa: F401
+                       shipped, valid_request_id, validator)
 
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
-SCHEMA_ID = "https://sandbox.invalid/protocol/v1"
-SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "protocol.schema.json")
 _REF = "#/$defs/{model}"
-
-
-def valid_request_id(value) -> bool:
-    """``value`` is a request_id the schema accepts (so it may be echoed back)."""
-    if isinstance(value, str):
-        return len(value) <= NAME_CHARS_MAX
-    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
 
 
 def _def_name(cls_name: str) -> str:
@@ -162,37 +155,6 @@ def document() -> dict:
         "oneOf": [_ref("request"), _ref("response"), _ref("event")],
         "$defs": defs,
     })
-
-
-@functools.lru_cache(maxsize=1)
-def shipped() -> dict:
-    """The schema document shipped in the package."""
-    with open(SCHEMA_PATH) as f:
-        return json.load(f)
-
-
-@functools.lru_cache(maxsize=None)
-def validator(name: str):
-    """A ``jsonschema`` validator for ``$defs/<name>`` (e.g. ``request.fs.read``, ``event``)."""
-    import jsonschema
-
-    doc = shipped()
-    return jsonschema.Draft202012Validator({"$schema": doc["$schema"], "$defs": doc["$defs"], "$ref": f"#/$defs/{name}"})
-
-
-def first_error(name: str, instance) -> tuple[str, str] | None:
-    """``(json path, reason)`` of the first schema violation, or None if ``instance`` is valid."""
-    errors = sorted(validator(name).iter_errors(instance), key=lambda e: (len(e.absolute_path), e.path))
-    if not errors:
-        return None
-    e = errors[0]
-    path = _clip("$" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path))
-    return path, _clip(e.message)
-
-
-def _clip(text: str, chars_max: int = 300) -> str:
-    """Error details echo client data (a key, a value): never more than ``chars_max`` of it."""
-    return text if len(text) <= chars_max else text[:chars_max] + "…"
 
 
 DOC_PATH = "docs/stdio-api.md"
