@@ -33,7 +33,6 @@ import sys
 from pydantic import BaseModel, TypeAdapter
 from pydantic.json_schema import models_json_schema
 
-from .messages.bounds import PATH_CHARS_MAX  # noqa: F401 - the named bounds live there
 from .messages.events import EVENTS
 from .messages.fields import BY_CLASS_NAME
 from .messages.requests import REQUESTS, RequestId
@@ -92,9 +91,8 @@ def _nullable(node: dict) -> bool:
 
 def _tool_schema(model: type[BaseModel], mode: str) -> dict:
     out = _tidy(model.model_json_schema(mode=mode, ref_template=_REF), keep_defaults=True)
-    out["$defs"] = {_def_name(k): v for k, v in out.get("$defs", {}).items()} if "$defs" in out else None
-    if out["$defs"] is None:
-        del out["$defs"]
+    if "$defs" in out:
+        out["$defs"] = _renamed(out["$defs"])
     return out
 
 
@@ -112,7 +110,15 @@ def _payload_defs() -> dict[str, dict]:
     """``$defs`` of every payload model and every shape they use, under their schema names."""
     models = [Barrier, StdioError, *REQUESTS.values(), *RESULTS.values(), *EVENTS.values()]
     _, top = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
-    return {_def_name(k): _tidy(v) for k, v in top["$defs"].items()}
+    return _renamed({k: _tidy(v) for k, v in top["$defs"].items()})
+
+
+def _renamed(defs: dict[str, dict]) -> dict[str, dict]:
+    """``defs`` under their schema names (two models never share one: a ValueError)."""
+    out = {_def_name(k): v for k, v in defs.items()}
+    if len(out) != len(defs):
+        raise ValueError(f"two message models share a $defs name: {sorted(defs)}")
+    return out
 
 
 def _ref(name: str) -> dict:
