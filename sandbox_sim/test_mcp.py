@@ -28,6 +28,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.shared.memory import create_client_server_memory_streams
 
 from sandbox import __version__
+from sandbox.api.mcp import models
 from sandbox.api.mcp.client import BoundedText
 from sandbox.api.mcp.host import OwnSessionHost
 from sandbox.api.mcp.server import serve_streams
@@ -125,7 +126,9 @@ def test_every_tool_has_explicit_annotations_and_schemas_from_its_models(project
                 a = t.annotations
                 hints = (a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint)
                 assert None not in hints, f"{t.name}: every hint is explicit"
-                assert t.input_schema == spec.input.model_json_schema()
+                # the shared models' schemas, exactly (sandbox.api.messages.tools)
+                assert t.input_schema == models.input_schema(spec.input)
+                assert t.output_schema == models.output_schema(spec.output)
                 jsonschema.Draft202012Validator.check_schema(t.input_schema)
                 jsonschema.Draft202012Validator.check_schema(t.output_schema)
                 assert t.output_schema["type"] == "object"
