@@ -176,6 +176,13 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
+    def chown(self, uid: int, gid: int) -> None:
+        fd = self._acquire()
+        try:
+            os.fchown(fd, uid, gid)
+        finally:
+            self._release()
+
     def listxattr(self) -> list[str]:
         fd = self._acquire()
         try:
@@ -468,6 +475,16 @@ class RealHostFS(HostFS):
             os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)  # the fd's inode (see above)
         finally:
             os.close(fd)
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        if not path:
+            os.chown(".", uid, gid, dir_fd=self._root_fd, follow_symlinks=False)
+            return
+        pfd, name = self._parent(path)  # the parent beneath the root, then the name itself, never followed
+        try:
+            os.chown(name, uid, gid, dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         if path:  # resolved in two steps (parent, then name), as lstat is: a 4096-byte path works

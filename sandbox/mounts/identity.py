@@ -187,3 +187,20 @@ def absent_removal_ok(name: str) -> bool:
 def guest_xattr_names(host_names: list[str]) -> list[str]:
     """What a guest's ``listxattr`` shows for the host's list, in the host's order."""
     return [g for g in map(guest_xattr_name, host_names) if g is not None]
+
+
+# ---------------------------------------------------------------------------- credentials
+
+
+@dataclass(frozen=True)
+class Cred:
+    """Who a client request acts as: the guest's uid and gid (the 9P attach's ``n_uname``, a
+    creating request's ``gid``). ``None`` in place of a Cred means the API/SDK, acting as the
+    folder owner. Only uid 0 has ``CAP_FSETID``/``CAP_CHOWN`` in the guest's view."""
+
+    uid: int
+    gid: int
+
+    @property
+    def privileged(self) -> bool:
+        return self.uid == 0
