@@ -2668,3 +2668,11 @@ def test_unprivileged_lchown_gives_nothing_away(env, fs):
     with fs.open("f", os.O_RDONLY) as h:
         check_errno(errno.EPERM, h.chown, 0, -1)
     assert _owner(fs, "f") == me
+
+
+def test_path_reads_leave_an_atime_older_than_the_mtime(env, fs):
+    """The server's own reads (preimages, hashes) never move a client's atime (relatime would)."""
+    mkfile(fs, "f", b"data")
+    fs.utime("f", T1, T1 - 10**9)
+    assert fs.read("f", 0, 4) == b"data" and fs.read_all("f") == b"data"
+    assert fs.getattr("f").atime_ns == T1 - 10**9

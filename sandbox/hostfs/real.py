@@ -320,7 +320,13 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        fd = self._open_file(path, os.O_RDONLY)
+        """A path read is the server's own (preimages, hashes, diffs): ``O_NOATIME`` where the
+        process may (root, or the file's owner), so it never moves an atime a client set —
+        under ``relatime`` a read moves an atime older than the mtime to "now"."""
+        try:
+            fd = self._open_file(path, os.O_RDONLY | os.O_NOATIME)
+        except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
+            fd = self._open_file(path, os.O_RDONLY)
         try:
             return os.pread(fd, length, offset)
         finally:
