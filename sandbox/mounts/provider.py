@@ -537,7 +537,12 @@ class Provider:
         a = handle.fstat() if handle is not None else self.host.getattr(path)
         if a.kind != REG:
             return
-        seen = self._guest_attr(path, a, handle).mode
+        try:  # only the kept mode (one getxattr, ENODATA as a rule): this runs before every such write
+            value = handle.getxattr(identity.MODE_XATTR) if handle is not None else \
+                self.host.getxattr(path, identity.MODE_XATTR)
+        except OSError:
+            value = None
+        seen = identity.guest_mode(a.mode, value)
         kill = identity.privileges_on_write(seen)
         if kill:
             self._set_guest_mode(path, handle, seen & ~kill)
