@@ -28,13 +28,23 @@ applies them to every client request; ``docs/identity.md`` tells the whole model
   they are cleared on the host and kept in :data:`MODE_XATTR`, as the guest's root still
   sees them. (File capabilities need nothing: the kernel drops ``security.capability`` on
   every write, whoever writes.)
-* **owners are never applied** (the Provider accepts ``chown`` and does nothing): files the
-  server creates belong to the server's user, as they always did.
-* **owners are reported for the guest user** (issue 13, :class:`OwnerMap`): a VM's commands
-  run as an unprivileged guest user; the server reports the working folder owner's and its
-  own uid/gid as that user's, so the guest kernel's permission checks let the user work in
-  its shares. A presentation only: nothing on the host changes, other owners are shown as
-  they are, and the host still checks every access as the server's user.
+* **owners are mapped, never applied** (issue 15): a request acts as a :class:`Cred` (the
+  9P attach's uid, :func:`attach_cred`; a creating request's gid). A chown, and a creation
+  by a cred whose owner differs from what the client sees anyway (:func:`presented_owner`),
+  keep ``b"<uid>:<gid>"`` in :data:`OWNER_XATTR` of a regular file or directory, which
+  getattr reports (:func:`guest_owner`; a damaged value is ignored); a chown back to the
+  presented owner removes it. The host file keeps the server's owner: nothing is given to
+  another host user. Symlinks, fifos and sockets cannot carry user xattrs: their owners
+  are the host's (a chown of one is accepted and not kept).
+* **set-id bits fall as Linux drops them**: a write or truncate by a cred without
+  ``CAP_FSETID`` (uid != 0) clears :func:`privileges_on_write` of the guest's mode; a chown
+  of a non-directory clears :func:`privileges_on_chown`, whoever asks.
+* **owners are reported for the guest user** (issue 13, :class:`OwnerMap`, a cred's
+  ``view``): a VM's commands run as an unprivileged guest user; the server reports the
+  working folder owner's and its own uid/gid as that user's (where no owner is kept), so
+  the guest kernel's permission checks let the user work in its shares. A presentation
+  only: nothing on the host changes, other owners are shown as they are, and the host
+  still checks every access as the server's user.
 
 Invariants (``sandbox_sim/test_identity.py`` checks them for every mode and name it generates):
 ``host_mode(m, cur) & SETID_BITS ⊆ cur & SETID_BITS``; ``host_mode(m, cur)`` equals ``m``
