@@ -50,7 +50,7 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
             lines.append(f"- {name}: missing {e[0]}")
         else:
             fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "uid", "gid")
-            bad = [f"{f} {_short(x)} != {_short(y)}" for f, x, y in zip(fields, e, a) if x != y]
+            bad = [f"{f} {_short(x, f)} != {_short(y, f)}" for f, x, y in zip(fields, e, a) if x != y]
             lines.append(f"~ {name}: " + "; ".join(bad))
         if len(lines) >= limit:
             lines.append("…")
@@ -58,8 +58,8 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
     return lines
 
 
-def _short(v) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000:
+def _short(v, field: str = "") -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000 and field not in ("uid", "gid"):
         return oct(v)
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
