@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -166,7 +167,10 @@ rm tmpf
 cat <&3
 exec 3<&-
 [ -e tmpf ] && echo "STILL-THERE" || echo "gone"
-mkfifo fifo 2>&1 || echo "mkfifo refused"
+mkfifo fifo && [ -p fifo ] && echo "fifo made"
+echo through-the-fifo > fifo & cat fifo
+mknod null c 1 3 && [ -c null ] && echo "device made"
+echo discarded > null && echo "device written"
 ln tmp-missing x 2>/dev/null || echo "link of missing refused"
 echo hello > a; ln a b; echo "nlink $(stat -c %h a)"
 mv a c; cat c b
@@ -177,7 +181,11 @@ rmdir z 2>/dev/null || echo "rmdir non-empty refused"
     lines = out.split("\n")
     assert "600" in lines, out
     assert "keep-me" in out and "gone" in out and "STILL-THERE" not in out
-    assert "mkfifo refused" in out and not (project / "fifo").exists()  # never created on the host
+    assert "fifo made" in out and stat.S_ISFIFO(os.lstat(project / "fifo").st_mode)
+    assert "through-the-fifo" in out  # the guest kernel joins reader and writer; the server never opens it
+    assert "device made" in out and "device written" in out  # the guest's own driver 1:3 (its /dev/null)
+    st = os.lstat(project / "null")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 0  # emulated: never a device on the host, never written
     assert "link of missing refused" in out
     assert "nlink 2" in out and out.count("hello") >= 2
     assert "rmdir non-empty refused" in out

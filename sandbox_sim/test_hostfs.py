@@ -1360,6 +1360,93 @@ def test_real_device_node_is_never_opened(tmp_path):
         fs.close()
 
 
+# --------------------------------------------------------------------------- mknod (fifos, sockets)
+
+
+SPECIAL_FMTS = [stat.S_IFIFO, stat.S_IFSOCK]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("fmt", SPECIAL_FMTS, ids=["fifo", "sock"])
+@pytest.mark.parametrize("mode", MODES, ids=oct)
+def test_mknod_applies_type_and_mode_exactly(env, fs, fmt, mode):
+    skip_unless_root_for(mode)
+    old = os.umask(0o077)
+    try:
+        fs.mknod("n", mode, fmt)
+    finally:
+        os.umask(old)
+    st, a = fs.lstat("n"), fs.getattr("n")
+    assert (st.kind, st.fmt, st.mode, st.size, st.nlink) == (OTHER, fmt, mode, 0, 1)
+    assert (a.kind, a.fmt, a.mode, a.rdev) == (OTHER, fmt, mode, 0)
+    assert Attr.from_stat(st).fmt == fmt
+    check_errno(errno.EPERM, fs.read, "n", 0, 1)  # made, never opened (a fifo without a reader would block)
+    check_errno(errno.EPERM, fs.open, "n", os.O_WRONLY)
+    if env.real:
+        assert stat.S_IFMT(os.lstat(env.root / "n").st_mode) == fmt
+
+
+def test_mknod_masks_mode_and_updates_parent(env, fs):
+    fs.mkdir("d", 0o755)
+    fs.utime("d", T1)
+    env.tick()
+    fs.mknod("d/p", stat.S_IFIFO | 0o640, stat.S_IFIFO)
+    assert fs.lstat("d/p").mode == 0o640
+    d = fs.lstat("d")
+    assert d.mtime_ns != T1 and d.mtime_ns == d.ctime_ns
+    assert fs.listdir("d") == ["p"]
+
+
+@pytest.mark.parametrize("fmt", [stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, 0, 0o7777],
+                         ids=["chr", "blk", "reg", "dir", "lnk", "zero", "junk"])
+def test_mknod_never_makes_devices_or_other_types(env, fs, fmt):
+    check_errno(errno.EPERM, fs.mknod, "n", 0o644, fmt)
+    assert not fs.exists("n")
+
+
+def test_mknod_errors(env, fs):
+    mkfile(fs, "f")
+    fs.symlink("f", "l")
+    fs.mkdir("d", 0o755)
+    for path in ("f", "l", "d"):
+        check_errno(errno.EEXIST, fs.mknod, path, 0o644, stat.S_IFIFO)
+    check_errno(errno.ENOENT, fs.mknod, "missing/p", 0o644, stat.S_IFIFO)
+    check_errno(errno.ENOTDIR, fs.mknod, "f/p", 0o644, stat.S_IFIFO)
+    check_errno(errno.ELOOP, fs.mknod, "l/p", 0o644, stat.S_IFSOCK)
+    check_errno(errno.EBUSY, fs.mknod, "", 0o644, stat.S_IFIFO)
+    assert sorted(fs.listdir("")) == ["d", "f", "l"]
+
+
+def test_special_nodes_metadata_and_entry_ops(env, fs):
+    """What the undo core needs on a fifo/socket: chmod, utime (no follow), rename, link, unlink."""
+    fs.mknod("p", 0o644, stat.S_IFIFO)
+    fs.mknod("s", 0o600, stat.S_IFSOCK)
+    fs.chmod("p", 0o1711 if IS_ROOT else 0o711)
+    fs.utime("p", T1, T1 - 5)
+    a = fs.getattr("p")
+    assert (a.mode, a.mtime_ns, a.atime_ns) == (0o1711 if IS_ROOT else 0o711, T1, T1 - 5)
+    assert fs.listxattr("p") == []
+    check_errno(errno.EPERM, fs.setxattr, "s", "user.x", b"1")  # the kernel keeps user xattrs off specials
+    fs.rename("s", "s2")
+    fs.link("p", "p2")
+    assert fs.lstat("p2").nlink == 2 and fs.lstat("s2").fmt == stat.S_IFSOCK
+    fs.unlink("p")
+    fs.unlink("p2")
+    fs.unlink("s2")
+    assert fs.listdir("") == []
+
+
+def test_stat_fmt_of_every_kind(env, fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    want = {"f": stat.S_IFREG, "d": stat.S_IFDIR, "l": stat.S_IFLNK, "": stat.S_IFDIR}
+    for path, fmt in want.items():
+        st = fs.lstat(path)
+        assert st.fmt == fmt and st.file_type == fmt, path
+    assert Stat(OTHER, 0o644, 0, 1, 1, 9, 1).file_type == stat.S_IFIFO  # fmt unknown: the kind's usual one
+
+
 # --------------------------------------------------------------------------- open handles
 
 

@@ -436,3 +436,16 @@ def test_attach_credentials():
     assert identity.chowned((1, 2), -1, None) == (1, 2)
     assert identity.chowned((1, 2), identity.NONUNAME, 5) == (1, 5)
     assert identity.privileges_on_chown(0o6755) == 0o6000 and identity.privileges_on_chown(0o2745) == 0
+
+
+def test_an_emulated_device_keeps_its_creators_owner_a_fifo_does_not(c, work):
+    root = nobody_root(c)
+    dfid = c.walk_path("d", root)
+    c.mknod(dfid, "null", stat.S_IFCHR | 0o666, 1, 3, gid=NOBODY)
+    c.mknod(dfid, "pipe", stat.S_IFIFO | 0o644, gid=NOBODY)
+    c.clunk(dfid)
+    assert owner(c, "d/null") == (NOBODY, NOBODY)  # a regular placeholder on the host: it can keep one
+    assert owner(c, "d/pipe") == ME  # no user xattrs on a fifo: the host's owner
+    assert host_owner(work / "d" / "null") == ME and host_owner(work / "d" / "pipe") == ME
+    chown(c, "d/null", 0, 0)
+    assert owner(c, "d/null") == (0, 0)

@@ -555,6 +555,10 @@ class RecordingHostFS(HostFS):
         with self._rec([path], [parent_of(path)]):
             self.inner.symlink(target, path)
 
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        with self._rec([path], [parent_of(path)]):
+            self.inner.mknod(path, mode, fmt)
+
     def link(self, existing: str, new: str) -> None:
         with self._rec([new, existing], [parent_of(new)]):  # existing: its nlink and ctime
             self.inner.link(existing, new)

@@ -7,8 +7,9 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
 =========== ==================================== ======================================
 ``pre``     before the first content change of   making the path that object again:
             a file/symlink, before any entry     regular file (bytes + meta), symlink
-            change of a directory, before an     (target + mtime) or directory (meta;
-            rmdir                                created if missing)
+            change of a directory, before an     (target + mtime), directory (meta;
+            rmdir; before any change of a fifo   created if missing) or fifo/socket
+            or socket node (``kind`` other)      node (``mknod`` of ``fmt`` + mode, mtime)
 ``meta``    before a metadata-only change of a   setting mode, xattrs, mtime again
             regular file (chmod, utime, xattr)
 ``created`` before something is created at path  removing whatever is at path
@@ -33,7 +34,7 @@ import errno
 import hashlib
 import os
 
-from ..hostfs import DIR, LNK, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
 
@@ -53,7 +54,16 @@ def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
         rec["xattrs"] = {name: b64(value) for name, value in fs.xattrs(path).items()}
     elif st.kind == LNK:
         rec["target"] = fs.readlink(path)
+    elif st.kind == OTHER:
+        rec["fmt"] = st.file_type
     return rec
+
+
+def is_restorable_special(st: Stat) -> bool:
+    """A special file the undo core captures and remakes: a fifo or a unix-socket node
+    (:data:`~sandbox.hostfs.MKNOD_FMTS`). A device node on the host is not (it is never
+    made there, so it is refused before anything changes)."""
+    return st.kind == OTHER and st.file_type in MKNOD_FMTS
 
 
 class _AtPath:
@@ -217,7 +227,7 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             _apply_meta(fs, path, rec)
         return
     assert op == "pre", op
-    if st is not None and st.kind != kind:
+    if st is not None and (st.kind != kind or (kind == OTHER and st.file_type != rec["fmt"])):
         _clear(fs, path, st, force)
         st = None
     if kind == REG:
@@ -245,6 +255,9 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             fs.mkdir(path, 0o700)
         if not dir_meta:
             return
+    elif kind == OTHER:
+        if st is None:
+            fs.mknod(path, rec["mode"], rec["fmt"])  # never opened; mode and mtime follow by name, no follow
     else:  # pragma: no cover - capture refuses other kinds
         raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
     _apply_meta(fs, path, rec)
@@ -346,4 +359,4 @@ def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | N
         return [LNK, fs.readlink(path)]
     if st.kind == DIR:
         return [DIR, st.mtime_ns] if with_dir_mtime else [DIR]
-    return [st.kind, st.mode]
+    return [st.kind, st.mode, st.file_type, st.mtime_ns]

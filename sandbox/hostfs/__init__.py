@@ -19,8 +19,9 @@ against both):
 
 * ``create``/``mkdir`` apply the given mode exactly (no umask): the guest already applied
   its own.
-* only regular files, directories and symlinks are created; a special file that exists
-  is never opened (``read``/``write`` on it fail with ``EPERM``).
+* only regular files, directories, symlinks and — through :meth:`HostFS.mknod` only —
+  fifos and unix-socket nodes are created (never a device); a special file is never
+  opened (``read``/``write`` on it fail with ``EPERM``).
 * ``chmod`` of a symlink is ``EOPNOTSUPP`` (Linux has no lchmod); symlinks carry no
   user xattrs (``setxattr`` is ``EPERM``, ``listxattr`` is empty).
 * :meth:`HostFS.open` returns a :class:`FileHandle` bound to the *inode*, not the path:
@@ -70,6 +71,7 @@ __all__ = [
     "same_inode",
     "names_inode",
     "ABSENT_ERRNOS",
+    "MKNOD_FMTS",
 ]
 
 REG = "reg"
@@ -90,6 +92,9 @@ ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 
 #: the only ``open`` flags: an access mode, optionally ``O_APPEND``
 OPEN_FLAGS = os.O_ACCMODE | os.O_APPEND
+
+#: the only file types :meth:`HostFS.mknod` makes: a fifo and a unix-socket node (never a device)
+MKNOD_FMTS = frozenset({_stat.S_IFIFO, _stat.S_IFSOCK})
 
 _FMT_OF_KIND = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK, OTHER: _stat.S_IFIFO}
 
@@ -168,7 +173,7 @@ class Stat:
     ino: int
     nlink: int
     dev: int = 0  # st_dev (0 on the simulator: one device); (ino, dev) names an inode
-    fmt: int = 0  # S_IFMT(st_mode): the exact file type (0: not known)
+    fmt: int = 0  # the exact S_IFMT bits (a fifo vs a socket, both OTHER); 0: not known (the kind's usual one)
     uid: int = 0  # the host owner
     gid: int = 0
 
@@ -178,6 +183,11 @@ class Stat:
         kind = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
         return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink,
                    st.st_dev, fmt, st.st_uid, st.st_gid)
+
+    @property
+    def file_type(self) -> int:
+        """The ``S_IFMT`` bits: :attr:`fmt`, or the kind's usual one when it is not known."""
+        return self.fmt or _FMT_OF_KIND[self.kind]
 
 
 def _kind_of(fmt: int) -> str:
@@ -224,9 +234,9 @@ class Attr:
     def from_stat(cls, st: Stat) -> "Attr":
         """What a :class:`Stat` alone says: owner root, atime = mtime, 4 KiB blocks, no rdev.
 
-        ``blocks`` is ``ceil(size / 512)``; an ``OTHER`` is reported as a fifo.
+        ``blocks`` is ``ceil(size / 512)``; an ``OTHER`` of unknown ``fmt`` is reported as a fifo.
         """
-        return cls(st.kind, _FMT_OF_KIND[st.kind], st.mode, st.size, st.nlink, 0, 0, 0, 4096, -(-st.size // 512),
+        return cls(st.kind, st.file_type, st.mode, st.size, st.nlink, 0, 0, 0, 4096, -(-st.size // 512),
                    st.mtime_ns, st.mtime_ns, st.ctime_ns, st.ino, st.dev)
 
 
@@ -476,6 +486,14 @@ class HostFS(ABC):
 
     @abstractmethod
     def symlink(self, target: str, path: str) -> None: ...
+
+    @abstractmethod
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """Create a fifo (``fmt`` ``S_IFIFO``) or a unix-socket node (``S_IFSOCK``) with
+        exactly ``mode`` (all 12 bits, no umask); any other ``fmt`` is ``EPERM`` (a device
+        is never made on the host), anything at ``path`` ``EEXIST``. The new node is never
+        opened for I/O; its mode is set through an ``O_PATH`` descriptor of it, never by
+        name again."""
 
     @abstractmethod
     def readlink(self, path: str) -> str: ...

@@ -40,6 +40,7 @@ from . import (
     LNK,
     OTHER,
     REG,
+    MKNOD_FMTS,
     Attr,
     FileHandle,
     HostFS,
@@ -105,8 +106,8 @@ class _Inode:
 
     def stat(self) -> Stat:
         size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
-        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid,
-                    self.gid)
+        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, fmt=self.fmt, uid=self.uid,
+                    gid=self.gid)
 
     def attr(self) -> Attr:
         """As ext4 reports it: whole 4 KiB blocks, symlinks under 60 bytes inline."""
@@ -259,11 +260,15 @@ class MemoryHostFS(HostFS):
         """Place a special file (a fifo unless ``fmt`` says otherwise) for tests of 'never opened'."""
         if fmt in (0, _stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK) or fmt & ~0o170000:
             raise ValueError(f"not a special file type: {fmt:#o}")
+        self._mknod_node(path, mode, fmt)
+
+    def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now, fmt=fmt, uid=self.uid, gid=self.gid)
+        parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
+                                      gid=self.gid)
         self._touch_dir(parent, now)
 
     # -- internals --
@@ -528,6 +533,13 @@ class MemoryHostFS(HostFS):
         parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
                                       gid=self.gid)
         self._touch_dir(parent, now)
+
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """A fifo or a unix-socket node (:data:`~sandbox.hostfs.MKNOD_FMTS`), mode exact."""
+        self._fault("mknod", path)
+        if fmt not in MKNOD_FMTS:
+            raise _err(errno.EPERM, path)
+        self._mknod_node(path, mode, fmt)
 
     def link(self, existing: str, new: str) -> None:
         self._fault("link", new)

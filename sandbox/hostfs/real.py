@@ -28,6 +28,7 @@ import threading
 from . import (
     DIR,
     LNK,
+    MKNOD_FMTS,
     REG,
     Attr,
     FileHandle,
@@ -84,6 +85,22 @@ class _FdLock:
         if self._fd >= 0:
             os.close(self._fd)  # closing drops the flock
             self._fd = -1
+
+
+def _reach_new(pfd: int, name: str, flags: int, remove) -> int:
+    """The entry just made at ``name`` beneath ``pfd``, opened once with ``flags`` (no
+    symlink resolved). A racer's swap shows as ``ELOOP``/``ENOTDIR``/``ENOENT`` and is raised
+    as it is; any other failure (``EMFILE``, …) first removes the new entry with ``remove``
+    (``os.rmdir``/``os.unlink``), so the creation fails whole."""
+    try:
+        return _openat2(pfd, name, flags)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            try:
+                remove(name, dir_fd=pfd)
+            except OSError:
+                pass
+        raise
 
 
 def _ebadf(path: str) -> OSError:
@@ -410,15 +427,8 @@ class RealHostFS(HostFS):
         pfd, name = self._parent(path)
         try:
             os.mkdir(name, 0o700, dir_fd=pfd)
-            try:
-                fd = _openat2(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # not a racer's doing (EMFILE, …):
-                    try:
-                        os.rmdir(name, dir_fd=pfd)  # the mkdir fails whole (rmdir takes only an empty directory)
-                    except OSError:
-                        pass
-                raise
+            # the mkdir fails whole on an error that is not a racer's (rmdir takes only an empty directory)
+            fd = _reach_new(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, os.rmdir)
         finally:
             os.close(pfd)
         try:
@@ -453,6 +463,32 @@ class RealHostFS(HostFS):
             os.symlink(target, name, dir_fd=pfd)
         finally:
             os.close(pfd)
+
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """``mknodat`` of a fifo or a unix-socket node (mode 0600), then its mode exactly.
+
+        mknodat returns no descriptor, so the new node is reached once, by its name beneath
+        the parent's fd, ``O_PATH | O_NOFOLLOW`` (which opens nothing: a fifo without a
+        reader does not block, no socket is connected) and checked on that fd: the type
+        made, one link, our own uid. Anything else (a racer swapped in a symlink, a file, a
+        node of another user) is not ours: ``EEXIST`` and nothing is chmod'ed. The mode is
+        then set through ``/proc/self/fd/N`` — the fd's inode, never a name.
+        """
+        if fmt not in MKNOD_FMTS:
+            raise OSError(errno.EPERM, "only fifos and socket nodes are made on the host", path)
+        pfd, name = self._parent(path)
+        try:
+            os.mknod(name, fmt | 0o600, 0, dir_fd=pfd)
+            fd = _reach_new(pfd, name, os.O_PATH | os.O_NOFOLLOW, os.unlink)
+        finally:
+            os.close(pfd)
+        try:
+            st = os.fstat(fd)
+            if _stat.S_IFMT(st.st_mode) != fmt or st.st_nlink != 1 or st.st_uid != os.geteuid():
+                raise OSError(errno.EEXIST, "the new node was replaced by another one", path)
+            os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)  # the fd's inode (see chmod)
+        finally:
+            os.close(fd)
 
     def link(self, existing: str, new: str) -> None:
         sfd, sname = self._parent(existing)

@@ -18,8 +18,10 @@ Invariants:
   and never follows a symlink — a path string here can never name anything outside;
 * names coming from a client are checked by :func:`child` (one component, no ``/``,
   not ``.``/``..``, no NUL, ≤ 255 bytes) before they are joined;
-* special files are reported (getattr/readdir) but never opened, and never created
-  (``mknod`` is ``EPERM``);
+* special files are reported (getattr/readdir) but never opened, read, written or
+  followed; ``mknod`` makes a fifo or a unix-socket node on the host, and a character or
+  block device only as an *emulated* one (:mod:`~sandbox.mounts.devices`: an empty
+  regular placeholder with a reserved xattr, reported as the device, never opened);
 * ownership is *mapped*, never applied (:mod:`~sandbox.mounts.identity`, "Owners"): a
   client's chown, and a creation by a client :class:`~sandbox.mounts.identity.Cred` other
   than what it would see anyway, keep the owner in the reserved xattr ``user.sandbox.owner``
@@ -48,8 +50,8 @@ import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import DIR, LNK, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
-from . import identity
+from ..hostfs import DIR, LNK, MKNOD_FMTS, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
+from . import devices, identity
 from .identity import Cred
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
@@ -163,14 +165,14 @@ class Provider:
         """The attributes a client is told: the host's, with the mode and owner the guest
         gave (owners as ``cred``'s view shows them)."""
         self._see(path)
-        return self._guest_attr(path, self.host.getattr(path), view=_view(cred))
+        return self._as_device(path, self._guest_attr(path, self.host.getattr(path), view=_view(cred)))
 
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
         entry (a 9P qid: type, inode, mtime; a readdir d_type). Anything that reports a
         mode to a client uses :meth:`getattr`, which costs one xattr read more."""
         self._see(path)
-        return self.host.getattr(path)
+        return self._as_device(path, self.host.getattr(path))
 
     def fstat(self, handle: FileHandle, path: str, *, cred: Cred | None = None) -> Attr:
         """:meth:`getattr` of the file open on ``handle`` (even if renamed away or unlinked);
@@ -206,6 +208,7 @@ class Provider:
         """Open a regular file; ``flags`` are Linux ``O_*`` bits. ``O_TRUNC`` is a mutation
         (by an unprivileged ``cred`` it clears set-id bits, as a truncate does)."""
         self._see(path, above_ok=False)
+        self._refuse_device(path)
         acc = flags & os.O_ACCMODE
         if acc not in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
             raise OSError(errno.EINVAL, "invalid access mode", path)
@@ -239,6 +242,7 @@ class Provider:
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
+            self._refuse_device(path)
             keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
             handle = self.fs.open(path, keep)
             writes = acc != os.O_RDONLY or keep & (os.O_APPEND | os.O_TRUNC)
@@ -326,9 +330,25 @@ class Provider:
         self._writable(new)
         self.fs.link(existing, new)
 
-    def mknod(self, path: str) -> None:
+    def mknod(self, path: str, mode: int, fmt: int, rdev: int = 0, *, cred=None, gid: int | None = None) -> None:
+        """``mknod(2)``: ``fmt`` is the ``S_IFMT`` type, ``mode`` the permission bits (the
+        client applied its umask), ``rdev`` a device's number.
+
+        A fifo or a unix-socket node is made on the host (:meth:`HostFS.mknod`, never opened),
+        without set-id bits (a fifo cannot keep the mapping: no user xattrs on it); a
+        character or block device is emulated (:mod:`~sandbox.mounts.devices`); any other
+        type is ``EINVAL``, as ``mknod(2)`` says — a regular file too (``creat`` makes those).
+        """
         self._writable(path)
-        raise OSError(errno.EPERM, "device nodes, fifos and sockets are never created on the host", path)
+        if not isinstance(rdev, int) or not 0 <= rdev < 1 << 64:
+            raise OSError(errno.EINVAL, "invalid device number", path)
+        fmt &= 0o170000
+        if fmt in MKNOD_FMTS:
+            self.fs.mknod(path, identity.host_mode(mode), fmt)
+        elif devices.is_device(fmt):
+            self._make_device(path, mode, fmt, rdev, cred=cred, gid=gid)
+        else:
+            raise OSError(errno.EINVAL, f"mknod of file type {fmt:#o}", path)
 
     def rename(self, src: str, dst: str) -> None:
         self._writable(src)
@@ -372,6 +392,52 @@ class Provider:
         except OSError as e:
             if e.errno != errno.ENODATA or not identity.absent_removal_ok(name):
                 raise
+
+    # ------------------------------------------------------------------ emulated devices (devices.py)
+
+    def _make_device(self, path: str, mode: int, fmt: int, rdev: int, *, cred: Cred | None = None,
+                     gid: int | None = None) -> None:
+        """An emulated device: a new empty regular file (never a device on the host), its
+        :data:`~sandbox.mounts.devices.DEV_XATTR` set through the creation's own handle.
+        A host that cannot keep user xattrs gets no half-made device: the placeholder is
+        removed (undo-tracked) and the mknod is ``EPERM``."""
+        try:
+            value = devices.encode_dev(fmt, rdev)
+        except (ValueError, OverflowError):
+            raise OSError(errno.EINVAL, "invalid device number", path) from None
+        handle = self.fs.create_handle(path, identity.host_mode(mode), os.O_RDONLY)
+        try:
+            try:
+                self.fs.fsetxattr(handle, path, devices.DEV_XATTR, value)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                    raise
+                if names_inode(self.host, path, handle):
+                    self.fs.unlink(path)
+                raise OSError(errno.EPERM, "device nodes are emulated with a user xattr, and this host "
+                              "filesystem has none", path) from None
+            self._keep_new_mode(path, mode, handle)
+            self._keep_new_owner(path, handle, cred, gid)  # a placeholder is a regular file: it can keep one
+        finally:
+            handle.close()
+
+    def _device_value(self, path: str) -> bytes | None:
+        try:
+            return self.host.getxattr(path, devices.DEV_XATTR)
+        except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: not a device
+            return None
+
+    def _as_device(self, path: str, a: Attr) -> Attr:
+        """``a`` as the guest sees it: an emulated device if it is a placeholder. Only an
+        empty regular file can be one (others cost no xattr read)."""
+        if a.kind != REG or a.size != 0:
+            return a
+        return devices.emulated_attr(a, self._device_value(path))
+
+    def _refuse_device(self, path: str) -> None:
+        """``EPERM`` for an emulated device: never opened, like every special file."""
+        if self._as_device(path, self.host.getattr(path)).kind != REG:
+            raise OSError(errno.EPERM, "special files are never opened on the host", path)
 
     # ------------------------------------------------------------------ identity (identity.py)
 

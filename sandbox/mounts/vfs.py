@@ -236,7 +236,7 @@ class VfsHostFS(HostFS):
 
     def lstat(self, path: str) -> Stat:
         a = self._attr(path)
-        return Stat(a.kind, a.mode, a.size, a.mtime_ns, a.ctime_ns, a.ino, a.nlink)
+        return Stat(a.kind, a.mode, a.size, a.mtime_ns, a.ctime_ns, a.ino, a.nlink, fmt=a.fmt)
 
     def statfs(self) -> StatFS:
         return SYNTHETIC_STATFS
@@ -331,6 +331,9 @@ class VfsHostFS(HostFS):
 
     def rename(self, src: str, dst: str) -> None:
         self._refuse(src)
+
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        self._refuse(path)
 
     def link(self, existing: str, new: str) -> None:
         self._refuse(new)

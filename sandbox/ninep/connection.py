@@ -593,10 +593,12 @@ class Connection:
         d.export.provider.symlink(msg.symtgt, path, cred=d.cred, gid=msg.gid)
         return m.Rsymlink(qid_of(d.export.provider.getattr(path)))
 
-    def _mknod(self, msg: m.Tmknod) -> m.Message:
+    def _mknod(self, msg: m.Tmknod) -> m.Rmknod:
         d = self._dir(msg.dfid)
-        d.export.provider.mknod(child(d.path, msg.name))
-        raise AssertionError("unreachable: mknod always fails")  # pragma: no cover
+        path = child(d.path, msg.name)
+        d.export.provider.mknod(path, msg.mode & 0o7777, msg.mode & 0o170000, os.makedev(msg.major, msg.minor),
+                                cred=d.cred, gid=msg.gid)
+        return m.Rmknod(qid_of(d.export.provider.lookup(path)))
 
     def _link(self, msg: m.Tlink) -> m.Rlink:
         d, f = self._dir(msg.dfid), self._fid(msg.fid)
