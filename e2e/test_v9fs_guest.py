@@ -272,6 +272,62 @@ python3 -c "import os, json; print(json.dumps(sorted(os.listdir('.'))))"
     ws.close()
 
 
+def test_guest_owners_setid_clearing_and_ns_times(userland_image, tmp_path, project):
+    """A real guest kernel (root in the VM, attaching per uid): root gives a directory to
+    65534, which then creates a file in it (its owner shows as 65534 in the guest, the host
+    file stays the server's); a write by 65534 clears set-uid; utimensat reaches the server
+    in whole seconds (the v9fs client's granularity, docs/identity.md "Owners"). Undo
+    restores the tree exactly."""
+    before = oracle.snapshot_dir(str(project))
+    ws = Workspace.open(str(project), state_dir=str(tmp_path / "state"))
+    script = r"""
+set -e
+mkdir own
+chown 65534:65534 own
+python3 - <<'PY'
+import os, stat
+
+
+def as_nobody(fn):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            fn()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+as_nobody(lambda: open("own/x", "w").write("by nobody"))
+st = os.stat("own/x")
+print("OWNER", st.st_uid, st.st_gid)
+open("s", "w").write("s")
+os.chmod("s", 0o4777)
+as_nobody(lambda: open("s", "a").write("more"))
+print("MODE", oct(stat.S_IMODE(os.stat("s").st_mode)))
+open("t", "w").close()
+os.utime("t", ns=(100000000_100000000, 200000000_200000000))
+st = os.stat("t")
+print("TIMES", st.st_atime_ns, st.st_mtime_ns)
+PY
+"""
+    status, out = run_guest(userland_image, tmp_path, ws, script, host_root=True, memory_mb=1024)
+    assert status == 0, out
+    assert "OWNER 65534 65534" in out and "MODE 0o777" in out, out
+    # Linux v9fs leaves s_time_gran at 1 s: the guest kernel truncates the times it sets to
+    # whole seconds before the Tsetattr (atime_nsec=0 on the wire) — a client limit; every
+    # nanosecond the server is given is kept (sandbox_sim/test_ownership.py)
+    assert "TIMES 100000000000000000 200000000000000000" in out, out
+    assert os.lstat(project / "own" / "x").st_uid == os.geteuid()  # the host file stays the server's
+    ws.close_active()
+    ws.rollback(len(ws.history()))
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's owners")
+    ws.close()
+
+
 def test_guest_privileged_xattrs_stay_in_the_guest(userland_image, tmp_path, project):
     """A real guest kernel (root in the VM) sets a file capability, a trusted.* xattr and an
     SELinux label and reads them back; the host file carries none of them (docs/identity.md)."""

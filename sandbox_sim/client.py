@@ -280,4 +280,19 @@ def seed_tree(fs, rng: random.Random, files: int = 8) -> None:
             fs.setxattr(p, "user.one", b"seeded")
     fs.symlink("a", "d2/link")
     fs.setxattr("d1", "user.two", b"dir-xattr")
+    _give_some_away(fs)
     fs.utime("", 1_600_000_000_123_456_789)
+
+
+def _give_some_away(fs) -> None:
+    """Entries of other host users (a shared checkout): undo must give them back to their
+    owners, not to whoever undoes. Only where the process may (root, or the simulation);
+    no random draw, so every seed's tree is what it was."""
+    owned = [("d1/e", 1000, 1000), ("d2/link", 1001, 1002)]
+    files = sorted(n for n in fs.listdir("d1") if fs.lstat(f"d1/{n}").kind == "reg")
+    owned += [(f"d1/{files[0]}", 1003, 1004)] if files else []
+    for path, uid, gid in owned:
+        try:
+            fs.lchown(path, uid, gid)
+        except PermissionError:
+            return

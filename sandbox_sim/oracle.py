@@ -1,6 +1,6 @@
 """Tree snapshots: the oracle every invariant compares against.
 
-A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, fmt)`` where
+A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, fmt, uid, gid)`` where
 content is the bytes of a regular file, the target of a symlink, or ``None`` for a
 directory or a special file, and ``fmt`` the exact ``S_IFMT`` type (a fifo undone into a
 socket or a regular file differs). Fields are only ever appended. atime is deliberately absent (seed §11.3). The root is included (path
@@ -29,7 +29,7 @@ def _walk(fs: HostFS, path: str, out: Snapshot, skip) -> None:
     else:
         content = None
     xattrs = tuple(sorted(fs.xattrs(path).items())) if st.kind in (REG, DIR) else ()
-    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.file_type)
+    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.file_type, st.uid, st.gid)
     if st.kind == DIR:
         for name in sorted(fs.listdir(path)):
             child = join(path, name)
@@ -50,8 +50,8 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
         elif a is None:
             lines.append(f"- {name}: missing {e[0]}")
         else:
-            fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "fmt")
-            bad = [f"{f} {_short(x)} != {_short(y)}" for f, x, y in zip(fields, e, a) if x != y]
+            fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "fmt", "uid", "gid")
+            bad = [f"{f} {_short(x, f)} != {_short(y, f)}" for f, x, y in zip(fields, e, a) if x != y]
             lines.append(f"~ {name}: " + "; ".join(bad))
         if len(lines) >= limit:
             lines.append("…")
@@ -59,8 +59,8 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
     return lines
 
 
-def _short(v) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000:
+def _short(v, field: str = "") -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000 and field not in ("uid", "gid"):
         return oct(v)
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
