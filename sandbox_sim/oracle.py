@@ -1,6 +1,6 @@
 """Tree snapshots: the oracle every invariant compares against.
 
-A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs)`` where
+A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, uid, gid)`` where
 content is the bytes of a regular file, the target of a symlink, or ``None`` for a
 directory. atime is deliberately absent (seed §11.3). The root is included (path
 ``""``), so the working root's own mode and mtime are checked too.
@@ -28,7 +28,7 @@ def _walk(fs: HostFS, path: str, out: Snapshot, skip) -> None:
     else:
         content = None
     xattrs = tuple(sorted(fs.xattrs(path).items())) if st.kind in (REG, DIR) else ()
-    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs)
+    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.uid, st.gid)
     if st.kind == DIR:
         for name in sorted(fs.listdir(path)):
             child = join(path, name)
@@ -49,7 +49,7 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
         elif a is None:
             lines.append(f"- {name}: missing {e[0]}")
         else:
-            fields = ("kind", "mode", "mtime_ns", "content", "xattrs")
+            fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "uid", "gid")
             bad = [f"{f} {_short(x)} != {_short(y)}" for f, x, y in zip(fields, e, a) if x != y]
             lines.append(f"~ {name}: " + "; ".join(bad))
         if len(lines) >= limit:
@@ -90,7 +90,7 @@ def content_shape(root: str) -> dict:
     import hashlib
 
     out = {}
-    for path, (kind, mode, _mtime, content, xattrs) in sorted(snapshot_dir(root).items()):
+    for path, (kind, mode, _mtime, content, xattrs, *_owner) in sorted(snapshot_dir(root).items()):
         if isinstance(content, bytes):
             content = {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
         out[path] = {"kind": kind, "mode": mode, "content": content,

@@ -756,6 +756,7 @@ MIDDLE_OPS = {
     "rename_src": (False, lambda fs, v: fs.rename(f"L/{v}", "stolen")),
     "chmod": (False, lambda fs, v: fs.chmod(f"L/{v}", 0o777)),
     "chmod_dir": (False, lambda fs, v: fs.chmod("L/sub", 0o777)),
+    "lchown": (False, lambda fs, v: fs.lchown(f"L/{v}", -1, -1)),
     "utime": (False, lambda fs, v: fs.utime(f"L/{v}", 1)),
     "setxattr": (False, lambda fs, v: fs.setxattr(f"L/{v}", "user.evil", b"1")),
     "removexattr": (False, lambda fs, v: fs.removexattr(f"L/{v}", "user.keep")),
@@ -2645,3 +2646,102 @@ def test_path_helpers():
     assert parent_of("") == ""
     assert is_within("a/b", "a") and is_within("a", "a") and is_within("x", "")
     assert not is_within("ab", "a") and not is_within("a", "a/b")
+
+
+# --------------------------------------------------------------------------- owners (lchown, fchown)
+
+
+def _me(env: Env) -> tuple[int, int]:
+    """Who owns what ``env``'s filesystem creates."""
+    return (os.geteuid(), os.getegid()) if env.real else (env.fs.uid, env.fs.gid)
+
+
+def _owner(fs: HostFS, path: str) -> tuple[int, int]:
+    st = fs.lstat(path)
+    a = fs.getattr(path)
+    assert (st.uid, st.gid) == (a.uid, a.gid)
+    return st.uid, st.gid
+
+
+def test_new_entries_belong_to_their_creator(env, fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    with fs.create_handle("g", 0o600) as h:
+        assert (h.fstat().uid, h.fstat().gid) == _me(env)
+    for p in ("f", "d", "l", "g"):
+        assert _owner(fs, p) == _me(env)
+    assert fs.lstat("f").fmt == stat.S_IFREG and fs.lstat("l").fmt == stat.S_IFLNK
+
+
+def test_lchown_sets_each_id_and_never_follows(env, fs):
+    if env.real and not IS_ROOT:
+        pytest.skip("giving a file to another uid needs root")
+    mkfile(fs, "f")
+    fs.symlink("f", "l")
+    fs.mkdir("d", 0o755)
+    fs.lchown("l", 1000, 1001)
+    assert _owner(fs, "l") == (1000, 1001)
+    assert _owner(fs, "f") == _me(env)  # the target is untouched
+    fs.lchown("f", 2000, -1)
+    assert _owner(fs, "f") == (2000, _me(env)[1])
+    fs.lchown("f", -1, 3000)
+    assert _owner(fs, "f") == (2000, 3000)
+    fs.lchown("d", 65534, 65534)
+    assert _owner(fs, "d") == (65534, 65534)
+    fs.lchown("", 0, 0)
+    assert _owner(fs, "") == (0, 0)
+    check_errno(errno.ENOENT, fs.lchown, "missing", 1, 1)
+    check_errno(errno.ENOTDIR, fs.lchown, "f/x", 1, 1)
+
+
+def test_lchown_changes_ctime_and_clears_setid_of_non_directories(env, fs):
+    skip_unless_root_for(0o6000)
+    mkfile(fs, "f", mode=0o6755)
+    mkfile(fs, "g", mode=0o2745)  # set-gid without group-execute: a lock marker, kept
+    fs.mkdir("d", 0o755)
+    fs.chmod("d", 0o6755)
+    before = fs.lstat("f").ctime_ns
+    env.tick()
+    for p in ("f", "g", "d"):
+        fs.lchown(p, -1, -1)  # even "no change" clears them, as chown(2) does
+    assert fs.lstat("f").mode == 0o755
+    assert fs.lstat("g").mode == 0o2745
+    assert fs.lstat("d").mode == 0o6755
+    assert fs.lstat("f").ctime_ns > before
+
+
+def test_fchown_acts_on_the_handles_inode(env, fs):
+    if env.real and not IS_ROOT:
+        pytest.skip("giving a file to another uid needs root")
+    mkfile(fs, "f", b"x")
+    with fs.open("f", os.O_RDONLY) as h:
+        fs.rename("f", "g")
+        mkfile(fs, "f")
+        h.chown(4242, 4343)
+        assert (h.fstat().uid, h.fstat().gid) == (4242, 4343)
+    assert _owner(fs, "g") == (4242, 4343)
+    assert _owner(fs, "f") == _me(env)
+
+
+def test_unprivileged_lchown_gives_nothing_away(env, fs):
+    if env.real and IS_ROOT:
+        pytest.skip("as root every chown is allowed (the simulator's unprivileged case still runs)")
+    if not env.real:
+        fs.uid, fs.gid = 1000, 1000
+    me = _me(env)
+    mkfile(fs, "f")
+    fs.lchown("f", me[0], me[1])  # to what it is: allowed
+    fs.lchown("f", -1, -1)
+    check_errno(errno.EPERM, fs.lchown, "f", 0, -1)
+    with fs.open("f", os.O_RDONLY) as h:
+        check_errno(errno.EPERM, h.chown, 0, -1)
+    assert _owner(fs, "f") == me
+
+
+def test_path_reads_leave_an_atime_older_than_the_mtime(env, fs):
+    """The server's own reads (preimages, hashes) never move a client's atime (relatime would)."""
+    mkfile(fs, "f", b"data")
+    fs.utime("f", T1, T1 - 10**9)
+    assert fs.read("f", 0, 4) == b"data" and fs.read_all("f") == b"data"
+    assert fs.getattr("f").atime_ns == T1 - 10**9

@@ -48,7 +48,7 @@ def unb64(text: str) -> bytes:
 
 def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
     """The metadata part of a preimage record."""
-    rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns}
+    rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns, "uid": st.uid, "gid": st.gid}
     if st.kind in (REG, DIR):
         rec["xattrs"] = {name: b64(value) for name, value in fs.xattrs(path).items()}
     elif st.kind == LNK:
@@ -77,12 +77,34 @@ class _AtPath:
     def utime(self, mtime_ns: int) -> None:
         self.fs.utime(self.path, mtime_ns)
 
+    def chown(self, uid: int, gid: int) -> None:
+        self.fs.lchown(self.path, uid, gid)
+
+    def fstat(self) -> Stat:
+        return self.fs.lstat(self.path)
+
+
+def _restore_owner(at, rec: dict) -> None:
+    """The host owner ``rec`` recorded, where it differs and this process may set it (root;
+    anyone else gets ``EPERM`` and the file stays its own). Before the mode: a chown clears
+    set-id bits. Records from before owners were kept have none: nothing to do."""
+    if "uid" not in rec:
+        return
+    cur = at.fstat()
+    if (cur.uid, cur.gid) == (rec["uid"], rec["gid"]):
+        return
+    try:
+        at.chown(rec["uid"], rec["gid"])
+    except PermissionError:
+        pass
+
 
 def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = None) -> None:
     """Set xattrs, mode and mtime as ``rec`` says: by name — or, given ``handle``, on
     the inode it holds, whatever ``path`` names by now."""
     at = handle if handle is not None else _AtPath(fs, path)
     kind = rec["kind"]
+    _restore_owner(at, rec)
     if kind != LNK:
         wanted = {name: unb64(v) for name, v in rec.get("xattrs", {}).items()}
         current = at.xattrs()

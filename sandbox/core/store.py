@@ -285,6 +285,10 @@ def check_record(r: dict) -> None:
         _need_path(r, "path", root_ok=kind == DIR)
         _need_int(r, "mode", 0, 0o7777)
         _need_int(r, "mtime_ns")
+        if "uid" in r or "gid" in r:  # the host owner (records from before owners were kept have none)
+            keys |= {"uid", "gid"}
+            _need_int(r, "uid", 0, 0xFFFFFFFE)
+            _need_int(r, "gid", 0, 0xFFFFFFFE)
         if kind in (REG, DIR):
             keys.add("xattrs")
             x = r.get("xattrs")

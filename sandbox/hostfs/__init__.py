@@ -174,13 +174,16 @@ class Stat:
     ino: int
     nlink: int
     dev: int = 0  # st_dev (0 on the simulator: one device); (ino, dev) names an inode
+    fmt: int = 0  # S_IFMT(st_mode): the exact file type (0: not known)
+    uid: int = 0  # the host owner
+    gid: int = 0
 
     @classmethod
     def from_os(cls, st) -> "Stat":
         fmt = _stat.S_IFMT(st.st_mode)
         kind = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
         return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink,
-                   st.st_dev)
+                   st.st_dev, fmt, st.st_uid, st.st_gid)
 
 
 def _kind_of(fmt: int) -> str:
@@ -310,6 +313,10 @@ class FileHandle(ABC):
     @abstractmethod
     def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
         """``futimens``: mtime (and atime, unless ``None``: kept as it is) in ns."""
+
+    @abstractmethod
+    def chown(self, uid: int, gid: int) -> None:
+        """``fchown``: ``-1`` leaves that id as it is; ``EPERM`` where the process may not."""
 
     @abstractmethod
     def listxattr(self) -> list[str]: ...
@@ -489,6 +496,11 @@ class HostFS(ABC):
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         """Set mtime (and atime, unless ``None``: kept as it is) in ns, without following a
         final symlink."""
+
+    @abstractmethod
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        """Set the owner of ``path`` itself (a symlink's own, never its target's); ``-1``
+        leaves that id as it is; ``EPERM`` where the process may not (only root gives files away)."""
 
     @abstractmethod
     def listxattr(self, path: str) -> list[str]: ...

@@ -226,6 +226,13 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
+    def chown(self, uid: int, gid: int) -> None:
+        fd = self._acquire()
+        try:
+            os.fchown(fd, uid, gid)
+        finally:
+            self._release()
+
     def listxattr(self) -> list[str]:
         fd = self._acquire()
         try:
@@ -365,7 +372,13 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        fd = self._open_file(path, os.O_RDONLY)
+        """A path read is the server's own (preimages, hashes, diffs): ``O_NOATIME`` where the
+        process may (root, or the file's owner), so it never moves an atime a client set —
+        under ``relatime`` a read moves an atime older than the mtime to "now"."""
+        try:
+            fd = self._open_file(path, os.O_RDONLY | os.O_NOATIME)
+        except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
+            fd = self._open_file(path, os.O_RDONLY)
         try:
             return os.pread(fd, length, offset)
         finally:
@@ -520,6 +533,16 @@ class RealHostFS(HostFS):
             os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)  # the fd's inode (see above)
         finally:
             os.close(fd)
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        if not path:
+            os.chown(".", uid, gid, dir_fd=self._root_fd, follow_symlinks=False)
+            return
+        pfd, name = self._parent(path)  # the parent beneath the root, then the name itself, never followed
+        try:
+            os.chown(name, uid, gid, dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         if path:  # resolved in two steps (parent, then name), as lstat is: a 4096-byte path works

@@ -152,6 +152,10 @@ class _VfsHandle(FileHandle):
         self._check()
         raise _err(errno.EPERM, self.path)
 
+    def chown(self, uid: int, gid: int) -> None:
+        self._check()
+        raise _err(errno.EPERM, self.path)
+
     def listxattr(self) -> list[str]:
         self._check()
         return []
@@ -332,6 +336,9 @@ class VfsHostFS(HostFS):
         self._refuse(new)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._refuse(path)
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
         self._refuse(path)
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
