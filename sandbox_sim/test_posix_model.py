@@ -61,9 +61,6 @@ NOBODY = 65534
 #: or one class of rules off; everything else is compared. "pending: <branch>" marks a class
 #: another branch of issue 15 is fixing: merge it, then delete the line and see what fails.
 DIFFERENCES = {
-    "owners": "pending: wt-owners — uid/gid of files the guest creates or chowns (mapped ownership)",
-    "chown": "pending: wt-owners — Tsetattr uid/gid is accepted and dropped today",
-    "setid-clearing": "pending: wt-owners — a write/truncate/chown by a non-owner clears S_ISUID/S_ISGID",
     "fifo": "pending: wt-special — mkfifo (Tmknod S_IFIFO) is EPERM today",
     "socket": "pending: wt-special — mknod S_IFSOCK (bind of a unix socket) is EPERM today",
     "symlink-owner": "by design: a symlink's owner is the server's (the host never chowns a symlink for the guest)",
@@ -256,11 +253,20 @@ class _Attached(WireFS):
 class Share:
     """Our share over the wire: each operation as the messages a v9fs client sends."""
 
-    def __init__(self, fs: WireFS):
-        self.fs, self.c = fs, fs.c
+    def __init__(self, fs: WireFS, gid: int):
+        self.fs, self.c, self.gid = fs, fs.c, gid
+
+    def _new(self, path: str, make) -> None:
+        """Create in the parent's fid with the gid a v9fs client sends: its fsgid, or the
+        parent's gid when the parent is set-gid (v9fs_get_fsgid_for_create)."""
+        parent, name = self.fs._parent(path)
+        with self.fs._fid(parent) as fid:
+            a = self.c.getattr(fid)
+            make(fid, name, a.gid if a.mode & stat.S_ISGID else self.gid)
 
     def create(self, path, mode):
-        self.fs.create(path, mode)
+        self._new(path, lambda fid, name, gid: self.c.lcreate(
+            fid, name, m.DOTL_WRONLY | m.DOTL_CREATE | m.DOTL_EXCL, mode, gid))
 
     def write(self, path, offset, data):
         self.fs.write(path, offset, data)
@@ -269,7 +275,8 @@ class Share:
         self.fs.truncate(path, size)
 
     def mkdir(self, path, mode):
-        self.fs.mkdir(path, mode & 0o1777)  # the guest's VFS strips S_ISGID from mkdir's mode (vfs_prepare_mode)
+        # the guest's VFS strips S_ISGID from mkdir's mode (vfs_prepare_mode)
+        self._new(path, lambda fid, name, gid: self.c.mkdir(fid, name, mode & 0o1777, gid))
 
     def rmdir(self, path):
         self.fs.rmdir(path)
@@ -284,7 +291,7 @@ class Share:
         self.fs.link(src, dst)
 
     def symlink(self, target, path):
-        self.fs.symlink(target, path)
+        self._new(path, lambda fid, name, gid: self.c.symlink(fid, name, target, gid))
 
     def readlink(self, path):
         return self.fs.readlink(path)
@@ -299,6 +306,8 @@ class Share:
             self.c.setattr(fid, valid, uid=max(uid, 0), gid=max(gid, 0))
 
     def utime(self, path, atime, mtime):
+        if atime == mtime == UTIME_OMIT:
+            return  # the guest's utimensat returns 0 before any lookup: nothing is sent
         valid = m.SETATTR_CTIME
         a = m_ = (0, 0)
         if atime != UTIME_OMIT:
@@ -384,7 +393,7 @@ class PosixModel(RuleBasedStateMachine):
         _st, sock = self._serve.__enter__()
         self.client = Client.connect_unix(sock)
         self.client.attach(uname="nobody" if self.uid else "root", n_uname=self.uid or 0)
-        self.ours = Share(_Attached(self.client))
+        self.ours = Share(_Attached(self.client), self.uid or 0)
         self.kernel = Oracle(kern)
         self.explicit_mtime: set[str] = set()
         self.compared = 0
