@@ -42,6 +42,7 @@ from sandbox.hostfs import (
     Stat,
     StatFS,
     StoreBusy,
+    TREE_PATH_BYTES_MAX,
     is_within,
     join,
     normalize,
@@ -2288,31 +2289,99 @@ def test_name_too_long(fs):
     assert fs.listdir("") == ["f"]
 
 
-def test_path_of_4096_bytes(fs):
-    # normalize() lets a 4096-byte path through; a single syscall takes at most 4095 bytes,
-    # so what works is exactly what RealHostFS resolves in two steps (parent, then name)
-    dirs = ["a" * 255] * 15 + ["b" * 200]
-    for i in range(len(dirs)):
-        fs.mkdir("/".join(dirs[: i + 1]), 0o755)
-    path = "/".join(dirs) + "/" + "c" * 55
-    assert len(path) == 4096 and normalize(path) == path
+def deep_dirs(fs: HostFS, total: int) -> str:
+    """Make directories of 255-byte names down to a path of about ``total`` bytes
+    (``total - 256 < len <= total``); return it."""
+    path = ""
+    while len(path) + 256 <= total:
+        path = join(path, f"{len(path):08d}".ljust(NAME_LEN_MAX, "d"))
+        fs.mkdir(path, 0o755)
+    return path
+
+
+def deep_path(fs: HostFS, total: int) -> tuple[str, str]:
+    """(directory, a free path in it of exactly ``total`` bytes)."""
+    d = deep_dirs(fs, total - 257)
+    rest = total - len(d) - 2  # two names and their slashes: 255 <= rest <= 510
+    d = join(d, "e" * (rest // 2))
+    fs.mkdir(d, 0o755)
+    return d, join(d, "c" * (rest - rest // 2))
+
+
+@pytest.mark.parametrize("total", [4096, 3 * PATH_LEN_MAX + 17, TREE_PATH_BYTES_MAX - 300], ids=str)
+def test_paths_longer_than_path_max(env, fs, total):
+    """A guest builds trees deeper than PATH_MAX with relative walks: every HostFS call
+    works on such a path (RealHostFS resolves it in pieces), up to TREE_PATH_BYTES_MAX."""
+    d, path = deep_path(fs, total)
+    assert len(path) == total and normalize(path) == path
     fs.create(path, 0o644)
-    assert fs.lstat(path).kind == REG
-    assert fs.exists(path)
-    fs.utime(path, T1)
-    assert fs.lstat(path).mtime_ns == T1
-    fs.utime(path, T1, 5)  # resolved in two steps, like lstat
+    assert fs.lstat(path).kind == REG and fs.exists(path)
+    assert fs.write(path, 0, b"deep") == 4 and fs.read(path, 0, 10) == b"deep"
+    fs.truncate(path, 2)
+    assert fs.read_all(path) == b"de"
+    fs.utime(path, T1, 5)
     a = fs.getattr(path)
     assert (a.kind, a.mtime_ns, a.atime_ns, a.ino) == (REG, T1, 5, fs.lstat(path).ino)
-    for fn, args in [(fs.read, (path, 0, 1)), (fs.write, (path, 0, b"x")), (fs.truncate, (path, 0)),
-                     (fs.chmod, (path, 0o600)), (fs.listxattr, (path,)), (fs.setxattr, (path, "user.a", b"1")),
-                     (fs.fsync, (path,)), (fs.open, (path, os.O_RDONLY))]:
-        check_errno(errno.ENAMETOOLONG, fn, *args)
+    fs.chmod(path, 0o600)
+    assert fs.lstat(path).mode == 0o600
+    fs.setxattr(path, "user.a", b"1")
+    assert fs.listxattr(path) == ["user.a"] and fs.getxattr(path, "user.a") == b"1"
+    fs.removexattr(path, "user.a")
+    fs.fsync(path)
+    h = fs.open(path, os.O_RDWR)
+    try:
+        assert h.pread(2, 0) == b"de"
+    finally:
+        h.close()
+    fs.link(path, d + "/hard")
+    assert fs.lstat(path).nlink == 2
+    fs.unlink(d + "/hard")
+    fs.symlink("t" * 100, d + "/sym")
+    assert fs.readlink(d + "/sym") == "t" * 100
+    check_errno(errno.ELOOP, fs.lstat, d + "/sym/x")
     fs.rename(path, "short")
-    assert fs.read_all("short") == b""
+    assert fs.read_all("short") == b"de"
     fs.rename("short", path)
+    assert sorted(fs.listdir(d)) == sorted([path.rsplit("/", 1)[1], "sym"])
     fs.unlink(path)
-    assert fs.listdir("/".join(dirs)) == []
+    fs.unlink(d + "/sym")
+    fs.mkdir(path, 0o700)
+    fs.rmdir(path)
+    assert fs.listdir(d) == []
+    check_errno(errno.ENOENT, fs.lstat, d + "/missing/x")
+    first = d.split("/")[0]
+    fs.rename(first, "moved")  # a long path through a renamed directory is gone
+    check_errno(errno.ENOENT, fs.lstat, d)
+
+
+def test_a_symlink_or_file_deep_in_a_long_path(env, fs):
+    d = deep_dirs(fs, 2 * PATH_LEN_MAX)
+    mid = "/".join(d.split("/")[:20])  # past the first piece RealHostFS resolves
+    before = env.outside_snapshot()
+    fs.rename(mid, mid[:-1] + "x")
+    fs.symlink(mid.rsplit("/", 1)[1][:-1] + "x", mid)  # a symlink to the moved directory
+    check_errno(errno.ELOOP, fs.lstat, d)
+    check_errno(errno.ELOOP, fs.create, d + "/f", 0o644)
+    fs.unlink(mid)
+    fs.symlink(str(env.outside), mid)  # … and one to the outside
+    check_errno(errno.ELOOP, fs.create, mid + "/sub/" + "f" * 255, 0o644)
+    check_errno(errno.ELOOP, fs.mkdir, d, 0o755)
+    fs.unlink(mid)
+    mkfile(fs, mid)
+    check_errno(errno.ENOTDIR, fs.lstat, d)
+    check_errno(errno.ENOTDIR, fs.mkdir, d, 0o755)
+    assert env.outside_snapshot() == before
+
+
+def test_paths_beyond_tree_path_bytes_max(fs):
+    _d, too_long = deep_path(fs, TREE_PATH_BYTES_MAX + 1)
+    assert len(too_long) == TREE_PATH_BYTES_MAX + 1
+    for fn, args in [(fs.create, (too_long, 0o644)), (fs.mkdir, (too_long, 0o755)), (fs.lstat, (too_long,)),
+                     (fs.open, (too_long, os.O_RDONLY)), (fs.symlink, ("x", too_long))]:
+        check_errno(errno.ENAMETOOLONG, fn, *args)
+    with pytest.raises(PathError) as info:
+        normalize(too_long)
+    assert info.value.errno == errno.ENAMETOOLONG
 
 
 # --------------------------------------------------------------------------- clone_to
@@ -2630,7 +2699,7 @@ def test_normalize(raw, want):
         ("\0", errno.EINVAL),
         ("x" * (NAME_LEN_MAX + 1), errno.ENAMETOOLONG),
         ("a/" + "é" * 128, errno.ENAMETOOLONG),  # 256 bytes in UTF-8
-        ("a/" * (PATH_LEN_MAX // 2) + "b", errno.ENAMETOOLONG),
+        ("a/" * (TREE_PATH_BYTES_MAX // 2) + "b", errno.ENAMETOOLONG),
     ],
     ids=lambda v: repr(v)[:24] if isinstance(v, str) else str(v),
 )
@@ -2649,11 +2718,11 @@ def test_normalize_rejects_non_str():
 
 
 def test_normalize_path_length_boundary():
-    ok = "/".join(["x" * 255] * 16)  # 16*255 + 15 = 4095 bytes
-    assert normalize(ok) == ok
-    assert normalize(ok + "/") == ok  # 4096 raw bytes: still allowed
+    ok = "/".join(["x" * 255] * 128)  # 128*256 - 1 = 32767 bytes
+    assert len(ok) == TREE_PATH_BYTES_MAX - 1 and normalize(ok) == ok
+    assert normalize(ok + "/") == ok  # TREE_PATH_BYTES_MAX raw bytes: still allowed
     with pytest.raises(PathError):
-        normalize(ok + "/y")  # 4097 bytes
+        normalize(ok + "/y")  # one more
 
 
 def test_path_helpers():

@@ -66,6 +66,7 @@ __all__ = [
     "OTHER",
     "PATH_LEN_MAX",
     "NAME_LEN_MAX",
+    "TREE_PATH_BYTES_MAX",
     "OPEN_FLAGS",
     "check_open_flags",
     "same_inode",
@@ -79,8 +80,13 @@ DIR = "dir"
 LNK = "lnk"
 OTHER = "other"  # fifo, socket, device: never created, never opened
 
-PATH_LEN_MAX = 4096
-NAME_LEN_MAX = 255
+PATH_LEN_MAX = 4096  # the kernel's PATH_MAX (with the NUL): one syscall's path, a symlink target, a guest path
+NAME_LEN_MAX = 255  # NAME_MAX: one component, in bytes
+#: the longest path *relative to the tree's root* that a HostFS resolves (bytes, UTF-8 with
+#: surrogateescape). A guest builds trees deeper than PATH_MAX with relative paths (every
+#: syscall it made was legal), so this is well above PATH_MAX; RealHostFS resolves a longer
+#: path in pieces (see :mod:`sandbox.hostfs.real`). Beyond it: ``ENAMETOOLONG``.
+TREE_PATH_BYTES_MAX = 8 * PATH_LEN_MAX
 
 #: errnos of a lookup that mean "nothing is at this path": it is missing (``ENOENT``), a
 #: non-directory is on the way (``ENOTDIR``), or a symlink is on the way (``ELOOP``: never
@@ -132,8 +138,8 @@ def normalize(path: str) -> str:
         raise PathError(errno.EINVAL, f"path contains a NUL byte: {path!r}")
     if path.startswith("/"):
         raise PathError(errno.EINVAL, f"path must be relative to the working root: {path!r}")
-    if len(path.encode("utf-8", "surrogateescape")) > PATH_LEN_MAX:
-        raise PathError(errno.ENAMETOOLONG, f"path longer than {PATH_LEN_MAX} bytes")
+    if len(path.encode("utf-8", "surrogateescape")) > TREE_PATH_BYTES_MAX:
+        raise PathError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)")
     parts = []
     for part in path.split("/"):
         if part in ("", "."):

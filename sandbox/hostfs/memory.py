@@ -39,6 +39,7 @@ from . import (
     DIR,
     LNK,
     OTHER,
+    TREE_PATH_BYTES_MAX,
     REG,
     MKNOD_FMTS,
     Attr,
@@ -58,7 +59,7 @@ _FALLOC_FL_PUNCH_HOLE = 0x02
 _FALLOC_FL_ZERO_RANGE = 0x10
 
 _SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
-_PATH_MAX = 4095  # longest path one syscall accepts (PATH_MAX with the NUL)
+_PATH_MAX = TREE_PATH_BYTES_MAX  # longest path resolved (RealHostFS resolves longer than PATH_MAX in pieces)
 _NAME_MAX = 255
 _XATTR_NAME_MAX = 255
 _XATTR_PREFIXES = ("user.", "trusted.", "security.")
@@ -316,6 +317,8 @@ class MemoryHostFS(HostFS):
     def _parent(self, path: str) -> tuple[_Inode, str]:
         if not path:
             raise _err(errno.EBUSY, path)
+        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
+            raise _err(errno.ENAMETOOLONG, path)
         parent = self._walk(parent_of(path))
         if parent.kind == LNK:
             raise _err(errno.ELOOP, path)

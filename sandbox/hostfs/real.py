@@ -10,6 +10,17 @@ Special files (fifos, sockets, devices) are never opened for I/O: files are firs
 ``O_PATH`` (which has no side effects), checked with ``fstat``, and only then re-opened
 through ``/proc/self/fd`` — the same inode, no second lookup, no race.
 
+Paths longer than one syscall takes (PATH_MAX, 4095 bytes and the NUL) — a guest builds
+them with relative walks — are resolved in pieces (:func:`_openat2_long`): the longest
+leading run of whole components that fits is opened ``O_PATH | O_DIRECTORY`` with the same
+resolve flags, and the rest is resolved beneath *that* directory, and so on, up to
+:data:`~sandbox.hostfs.TREE_PATH_BYTES_MAX`. Every piece is beneath the previous one and
+no symlink is followed in any piece, so the result is still below the root. The one
+difference to a single call: a local process that *moves* one of those intermediate
+directories out of the tree (it needs write access to the directory and to where it
+moves it) while we resolve makes us act inside its moved directory — never through a
+symlink, never at a place that process could not already write.
+
 Open handles (:class:`RealFileHandle`) own one such re-opened fd: they are bound to the
 inode from then on and never resolve a path again. The fd number is used only while the
 handle is open; a ``close`` racing another thread's call waits for that call to finish
@@ -35,6 +46,8 @@ from . import (
     HostFS,
     Stat,
     StatFS,
+    PATH_LEN_MAX,
+    TREE_PATH_BYTES_MAX,
     StoreBusy,
     check_open_flags,
     parent_of,
@@ -48,6 +61,7 @@ _RESOLVE_BENEATH = 0x08
 _FICLONE = 0x40049409
 _XATTR_PROC = "/proc/self/fd/{}"
 _SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
+_OPENAT2_PATH_BYTES_MAX = PATH_LEN_MAX - 1  # the longest path one openat2 takes (PATH_MAX with its NUL)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -65,6 +79,42 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), path)
     return fd
+
+
+def _openat2_long(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    """:func:`_openat2` of a path longer than one call takes, in pieces (see the module doc).
+
+    Same results and errnos as one call would give if the kernel took the whole path:
+    a symlink on the way is ``ELOOP``, a non-directory ``ENOTDIR``, a missing one
+    ``ENOENT``; longer than :data:`~sandbox.hostfs.TREE_PATH_BYTES_MAX` is ``ENAMETOOLONG``."""
+    raw = os.fsencode(path)
+    if len(raw) <= _OPENAT2_PATH_BYTES_MAX:
+        return _openat2(dirfd, path, flags, mode)
+    if len(raw) > TREE_PATH_BYTES_MAX:
+        raise OSError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)", path)
+    parts = raw.split(b"/")
+    fd, i, rest = dirfd, 0, len(raw)  # parts[i:] is what is left: ``rest`` bytes
+    try:
+        while rest > _OPENAT2_PATH_BYTES_MAX:
+            j, size = i + 1, len(parts[i])  # at least one component (an over-long one: the kernel refuses it)
+            while j < len(parts) - 1 and size + 1 + len(parts[j]) <= _OPENAT2_PATH_BYTES_MAX:
+                size += 1 + len(parts[j])
+                j += 1
+            rest -= size + 1
+            try:
+                nfd = _openat2(fd, os.fsdecode(b"/".join(parts[i:j])), os.O_PATH | os.O_DIRECTORY)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, path) from None
+            if fd != dirfd:
+                os.close(fd)
+            fd, i = nfd, j
+        try:
+            return _openat2(fd, os.fsdecode(b"/".join(parts[i:])), flags, mode)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None
+    finally:
+        if fd != dirfd:
+            os.close(fd)
 
 
 def _check_openat2() -> None:
@@ -267,12 +317,14 @@ class RealHostFS(HostFS):
     # -- resolution helpers --
 
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
-        return _openat2(self._root_fd, path, flags, mode)
+        return _openat2_long(self._root_fd, path, flags, mode)
 
     def _parent(self, path: str) -> tuple[int, str]:
         """(O_PATH fd of the parent directory, final name). Caller closes the fd."""
         if not path:
             raise OSError(errno.EBUSY, "operation not permitted on the root itself", path)
+        if len(os.fsencode(path)) > TREE_PATH_BYTES_MAX:  # the whole path, though only the parent is opened
+            raise OSError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)", path)
         i = path.rfind("/")
         name = path[i + 1 :]
         return self._open(parent_of(path), os.O_PATH | os.O_DIRECTORY), name
