@@ -172,7 +172,7 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
     session.start = gated_start
 
     async def go():
-        boot = anyio.Event()
+        boot, output = anyio.Event(), anyio.Event()
         host = OwnSessionHost(session)
         with anyio.fail_after(WAIT_S):
             async with connected(host) as c:  # initialize + tools/list: answered before the boot ends
@@ -185,6 +185,8 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                     messages.append(msg)
                     values.append(p)
                     boot.set()
+                    if msg == "booted\n":
+                        output.set()
 
                 async with anyio.create_task_group() as tg:
                     result = {}
@@ -196,6 +198,9 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                     await boot.wait()  # a progress notification while it boots
                     assert not session.running and "starting" in messages[0]
                     release.set()
+                # the client SDK may hand the result over before its last progress callback ran:
+                # the server sent the output first (it awaits its progress before answering)
+                await output.wait()
                 assert result["r"]["stdout"] == "booted\n" and messages[-1] == "booted\n"
                 assert values == sorted(set(values))  # one token: progress only increases, boot news then output
     run(go)
