@@ -397,7 +397,7 @@ class PosixModel(RuleBasedStateMachine):
         self.kernel = Oracle(kern)
         self.explicit_mtime: set[str] = set()
         self.compared = 0
-        os.umask(0)
+        self._umask = os.umask(0)  # the kernel side applies modes exactly, as our server does; restored in teardown
 
     def teardown(self):
         if not hasattr(self, "ws"):
@@ -411,6 +411,7 @@ class PosixModel(RuleBasedStateMachine):
             oracle.assert_same(self.start_snapshot, oracle.snapshot(self.ws.fs.host), "undo of the whole run")
         finally:
             self.ws.close()
+            os.umask(self._umask)  # never leak umask 0 into the tests that run after this one
 
     # -- the one step every rule takes --
 
