@@ -258,6 +258,25 @@ def test_privileged_xattrs_on_a_symlink_are_refused(fs, work):
     assert os.listxattr(work / "link", follow_symlinks=False) == []
 
 
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "socket", "chardev"])
+def test_user_xattr_writes_on_anything_but_files_and_dirs_are_eperm(fs, work, kind):
+    """The kernel's ``xattr_permission``: ``user.*`` on anything but a regular file or a
+    directory — set, or remove, present or not — is ``EPERM`` (a read: ``ENODATA``); an
+    emulated device (a regular placeholder on the host) answers as the device would."""
+    make = {"symlink": lambda: fs.symlink("tool", "n"), "fifo": lambda: fs.mknod("n", 0o644, stat.S_IFIFO),
+            "socket": lambda: fs.mknod("n", 0o644, stat.S_IFSOCK),
+            "chardev": lambda: fs.mknod("n", 0o644, stat.S_IFCHR, os.makedev(1, 3))}
+    make[kind]()
+    before = os.listxattr(work / "n", follow_symlinks=False)
+    fid = fs._walk("n")
+    for flags in (0, m.XATTR_REPLACE):  # size 0 with XATTR_REPLACE: how v9fs removes one
+        assert errno_of(fs.c.setxattr, fid, "user.a", b"", flags) == errno.EPERM
+    assert errno_of(fs.c.setxattr, fid, "user.a", b"v") == errno.EPERM
+    assert errno_of(fs.c.getxattr, fid, "user.a") == errno.ENODATA
+    assert fs.c.listxattr(fid) == []
+    assert os.listxattr(work / "n", follow_symlinks=False) == before
+
+
 def test_a_name_too_long_to_map_is_erange(fs):
     assert errno_of(fs.setxattr, "tool", "trusted." + "n" * 240, b"v") == errno.ERANGE
 

@@ -61,8 +61,6 @@ NOBODY = 65534
 #: or one class of rules off; everything else is compared. "pending: <branch>" marks a class
 #: another branch of issue 15 is fixing: merge it, then delete the line and see what fails.
 DIFFERENCES = {
-    "fifo": "pending: wt-special — mkfifo (Tmknod S_IFIFO) is EPERM today",
-    "socket": "pending: wt-special — mknod S_IFSOCK (bind of a unix socket) is EPERM today",
     "symlink-owner": "by design: a symlink's owner is the server's (the host never chowns a symlink for the guest)",
 }
 
