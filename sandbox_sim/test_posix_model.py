@@ -63,6 +63,8 @@ NOBODY = 65534
 DIFFERENCES = {
     "special-owner": "by design: a symlink's, fifo's or socket's owner is the host's (the host never chowns one "
                      "for the guest, and none can carry user xattrs: docs/identity.md, Owners)",
+    "special-setid": "by design: a chmod of a fifo or socket drops set-id bits (never applied on the host, no "
+                     "user xattr to keep them in: docs/identity.md, Special files)",
 }
 
 #: the types whose owner cannot be kept (see "special-owner")
@@ -276,8 +278,13 @@ class Share:
         self.fs.truncate(path, size)
 
     def mkdir(self, path, mode):
-        # the guest's VFS strips S_ISGID from mkdir's mode (vfs_prepare_mode)
-        self._new(path, lambda fid, name, gid: self.c.mkdir(fid, name, mode & 0o1777, gid))
+        # the guest's VFS strips S_ISGID from mkdir's mode (vfs_prepare_mode); v9fs adds it back
+        # under a set-gid parent (v9fs_vfs_mkdir_dotl), with that parent's gid
+        def make(fid, name, gid):
+            setgid = self.c.getattr(fid).mode & stat.S_ISGID
+            self.c.mkdir(fid, name, (mode & 0o1777) | setgid, gid)
+
+        self._new(path, make)
 
     def rmdir(self, path):
         self.fs.rmdir(path)
@@ -365,6 +372,8 @@ def compare(ours: dict, kernel: dict, explicit_mtime: set[str], uid: int | None)
         if "setid-clearing" in DIFFERENCES:
             o["mode"] &= ~0o6000 if uid is not None else ~0
             k["mode"] &= ~0o6000 if uid is not None else ~0
+        if k["fmt"] in (stat.S_IFIFO, stat.S_IFSOCK) and "special-setid" in DIFFERENCES:
+            o["mode"], k["mode"] = o["mode"] & ~0o6000, k["mode"] & ~0o6000
         if path == "":
             skip |= {"mtime", "uid", "gid", "nlink", "xattrs"}
         for key in sorted(set(o) | set(k)):

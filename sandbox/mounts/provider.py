@@ -506,6 +506,8 @@ class Provider:
         cur = handle.fstat() if handle is not None else self.host.lstat(path)
         if cur.kind == LNK:
             return mode  # the host refuses (EOPNOTSUPP): there is nothing to keep
+        if cur.kind not in (REG, DIR):  # a fifo or socket cannot keep the mapping: its set-id bits are dropped
+            return identity.host_mode(mode, cur.mode)
         value = identity.mode_mapping(mode, cur.mode)
         try:
             self._set_mapping(path, handle, value)
