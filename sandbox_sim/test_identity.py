@@ -222,9 +222,9 @@ def test_removing_an_absent_posix_acl_succeeds_as_the_kernel_does(fs, work):
     """``cp -a`` (libacl) removes ``system.posix_acl_*`` from a file that has none; the
     kernel answers 0 there (a removal is setting no ACL), so the mapped name must too —
     other absent names stay ENODATA."""
-    def remove(path, name):  # as Linux v9fs sends it: a size-0 xattr write, no listing first
+    def remove(path, name):  # as Linux v9fs sends it: a size-0 xattr write with XATTR_REPLACE, no listing first
         with fs._fid(path) as fid:
-            fs.c.setxattr(fid, name, b"")
+            fs.c.setxattr(fid, name, b"", m.XATTR_REPLACE)
 
     for name in ("system.posix_acl_access", "system.posix_acl_default"):
         remove("dir", name)
@@ -275,6 +275,21 @@ def test_user_xattr_writes_on_anything_but_files_and_dirs_are_eperm(fs, work, ki
     assert errno_of(fs.c.getxattr, fid, "user.a") == errno.ENODATA
     assert fs.c.listxattr(fid) == []
     assert os.listxattr(work / "n", follow_symlinks=False) == before
+
+
+def test_an_empty_value_is_set_and_a_removal_is_size_0_with_xattr_replace(fs, work):
+    """Linux v9fs sends ``setxattr(name, "")`` as a size-0 Txattrcreate with the caller's flags
+    (0 or XATTR_CREATE) and ``removexattr`` as size 0 with XATTR_REPLACE (the VFS's
+    ``__vfs_removexattr``): the first sets an empty value, the second removes."""
+    fid = fs._walk("tool")
+    fs.c.setxattr(fid, "user.e", b"")
+    assert os.getxattr(work / "tool", "user.e") == b""
+    assert errno_of(fs.c.setxattr, fid, "user.e", b"", m.XATTR_CREATE) == errno.EEXIST
+    fs.c.setxattr(fid, "user.f", b"", m.XATTR_CREATE)
+    assert fs.xattrs("tool") == {"user.e": b"", "user.f": b""}
+    fs.c.setxattr(fid, "user.e", b"", m.XATTR_REPLACE)  # = removexattr
+    assert "user.e" not in os.listxattr(work / "tool")
+    assert errno_of(fs.c.setxattr, fid, "user.e", b"", m.XATTR_REPLACE) == errno.ENODATA
 
 
 def test_a_name_too_long_to_map_is_erange(fs):
