@@ -407,11 +407,12 @@ class PosixModel(RuleBasedStateMachine):
         self.kernel = Oracle(kern)
         self.explicit_mtime: set[str] = set()
         self.compared = 0
-        os.umask(0)
+        self.umask = os.umask(0)  # restored at teardown: later tests in this process need theirs
 
     def teardown(self):
         if not hasattr(self, "ws"):
             return
+        os.umask(self.umask)
         try:
             self.client.close()
             self._serve.__exit__(None, None, None)
