@@ -222,9 +222,9 @@ def test_removing_an_absent_posix_acl_succeeds_as_the_kernel_does(fs, work):
     """``cp -a`` (libacl) removes ``system.posix_acl_*`` from a file that has none; the
     kernel answers 0 there (a removal is setting no ACL), so the mapped name must too —
     other absent names stay ENODATA."""
-    def remove(path, name):  # as Linux v9fs sends it: a size-0 xattr write, no listing first
+    def remove(path, name):  # as Linux v9fs sends it: a size-0 xattr write with XATTR_REPLACE, no listing first
         with fs._fid(path) as fid:
-            fs.c.setxattr(fid, name, b"")
+            fs.c.setxattr(fid, name, b"", m.XATTR_REPLACE)
 
     for name in ("system.posix_acl_access", "system.posix_acl_default"):
         remove("dir", name)
@@ -256,6 +256,40 @@ def test_host_privileged_xattrs_are_neither_shown_nor_changed(fs, work):
 def test_privileged_xattrs_on_a_symlink_are_refused(fs, work):
     assert errno_of(fs.setxattr, "link", "security.selinux", b"x\0") == errno.EPERM
     assert os.listxattr(work / "link", follow_symlinks=False) == []
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "socket", "chardev"])
+def test_user_xattr_writes_on_anything_but_files_and_dirs_are_eperm(fs, work, kind):
+    """The kernel's ``xattr_permission``: ``user.*`` on anything but a regular file or a
+    directory — set, or remove, present or not — is ``EPERM`` (a read: ``ENODATA``); an
+    emulated device (a regular placeholder on the host) answers as the device would."""
+    make = {"symlink": lambda: fs.symlink("tool", "n"), "fifo": lambda: fs.mknod("n", 0o644, stat.S_IFIFO),
+            "socket": lambda: fs.mknod("n", 0o644, stat.S_IFSOCK),
+            "chardev": lambda: fs.mknod("n", 0o644, stat.S_IFCHR, os.makedev(1, 3))}
+    make[kind]()
+    before = os.listxattr(work / "n", follow_symlinks=False)
+    fid = fs._walk("n")
+    for flags in (0, m.XATTR_REPLACE):  # size 0 with XATTR_REPLACE: how v9fs removes one
+        assert errno_of(fs.c.setxattr, fid, "user.a", b"", flags) == errno.EPERM
+    assert errno_of(fs.c.setxattr, fid, "user.a", b"v") == errno.EPERM
+    assert errno_of(fs.c.getxattr, fid, "user.a") == errno.ENODATA
+    assert fs.c.listxattr(fid) == []
+    assert os.listxattr(work / "n", follow_symlinks=False) == before
+
+
+def test_an_empty_value_is_set_and_a_removal_is_size_0_with_xattr_replace(fs, work):
+    """Linux v9fs sends ``setxattr(name, "")`` as a size-0 Txattrcreate with the caller's flags
+    (0 or XATTR_CREATE) and ``removexattr`` as size 0 with XATTR_REPLACE (the VFS's
+    ``__vfs_removexattr``): the first sets an empty value, the second removes."""
+    fid = fs._walk("tool")
+    fs.c.setxattr(fid, "user.e", b"")
+    assert os.getxattr(work / "tool", "user.e") == b""
+    assert errno_of(fs.c.setxattr, fid, "user.e", b"", m.XATTR_CREATE) == errno.EEXIST
+    fs.c.setxattr(fid, "user.f", b"", m.XATTR_CREATE)
+    assert fs.xattrs("tool") == {"user.e": b"", "user.f": b""}
+    fs.c.setxattr(fid, "user.e", b"", m.XATTR_REPLACE)  # = removexattr
+    assert "user.e" not in os.listxattr(work / "tool")
+    assert errno_of(fs.c.setxattr, fid, "user.e", b"", m.XATTR_REPLACE) == errno.ENODATA
 
 
 def test_a_name_too_long_to_map_is_erange(fs):

@@ -323,3 +323,18 @@ def test_wire_rm_rf_of_a_tree_with_special_files_then_undo_is_exact(wire):
     assert (r.mode, r.rdev) == (stat.S_IFCHR | 0o666, os.makedev(1, 3))  # still a device to the guest
     ws.rollback()  # and the step that made them
     assert os.listdir(work) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", [stat.S_IFIFO, stat.S_IFSOCK])
+def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_drops_them(wire, fmt):
+    """A chmod with set-id bits of a fifo or socket succeeds, as on Linux; the bits are dropped
+    (never applied on the host, and a fifo cannot keep the mapping: no user xattrs), the rest
+    of the mode — sticky included — is applied, nothing else changes."""
+    fs, _ws, work = wire
+    fs.mknod("n", 0o644, fmt)
+    fs.chmod("n", 0o6755)
+    assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o755
+    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o755
+    fs.chmod("n", 0o1600)
+    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o1600

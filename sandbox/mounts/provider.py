@@ -366,6 +366,7 @@ class Provider:
     def setxattr(self, path: str, name: str, value: bytes, flags: int = 0, *, handle: FileHandle | None = None) -> None:
         """Set xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
+        self._refuse_user_xattr(path, name, handle)
         name = identity.host_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr value larger than 64 KiB", path)
@@ -383,6 +384,7 @@ class Provider:
     def removexattr(self, path: str, name: str, *, handle: FileHandle | None = None) -> None:
         """Remove xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
+        self._refuse_user_xattr(path, name, handle)
         host_name = identity.host_xattr_name(name)
         try:
             if handle is not None:
@@ -392,6 +394,16 @@ class Provider:
         except OSError as e:
             if e.errno != errno.ENODATA or not identity.absent_removal_ok(name):
                 raise
+
+    def _refuse_user_xattr(self, path: str, name: str, handle: FileHandle | None) -> None:
+        """``EPERM`` for a write of a guest ``user.*`` xattr on anything the guest does not see
+        as a regular file or directory, present or not (the kernel's ``xattr_permission``). The
+        host answers so for symlinks, fifos and sockets; this covers an emulated device too (a
+        regular placeholder on the host). An open handle is always a regular file's."""
+        if handle is not None or not name.startswith(identity.USER_NAMESPACE):
+            return
+        if self._as_device(path, self.host.getattr(path)).kind not in (REG, DIR):
+            raise OSError(errno.EPERM, "user xattrs belong to regular files and directories only", path)
 
     # ------------------------------------------------------------------ emulated devices (devices.py)
 
@@ -494,6 +506,8 @@ class Provider:
         cur = handle.fstat() if handle is not None else self.host.lstat(path)
         if cur.kind == LNK:
             return mode  # the host refuses (EOPNOTSUPP): there is nothing to keep
+        if cur.kind not in (REG, DIR):  # a fifo or socket cannot keep the mapping: its set-id bits are dropped
+            return identity.host_mode(mode, cur.mode)
         value = identity.mode_mapping(mode, cur.mode)
         try:
             self._set_mapping(path, handle, value)

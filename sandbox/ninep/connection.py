@@ -381,7 +381,7 @@ class Connection:
                 if len(x.value) != x.size:
                     raise OSError(errno.EINVAL, f"xattr {x.name}: {len(x.value)} of {x.size} bytes written")
                 handle = self._inode_handle(f)
-                if x.size == 0:  # how Linux v9fs removes an xattr
+                if x.size == 0 and x.flags & m.XATTR_REPLACE:  # how Linux v9fs removes one (a set of "" is flags 0/CREATE)
                     f.export.provider.removexattr(f.path, x.name, handle=handle)
                 else:
                     f.export.provider.setxattr(f.path, x.name, bytes(x.value), x.flags, handle=handle)
