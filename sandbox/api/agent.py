@@ -38,7 +38,8 @@ from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import protocol
 from .errors import ApiError, to_api_error
-from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode
+from .payloads import (check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode,
+                       folder_index)
 
 log = logging.getLogger("sandbox.api")
 
@@ -343,9 +344,7 @@ class Agent:
     # ------------------------------------------------------------------ directories
 
     def _directory(self, key) -> int:
-        s = self._require()
-        m = self.view.by_directory(key)
-        return s.table.folders.index(m) if m in s.table.folders else self.view.index_of(m)
+        return folder_index(self._require().table, self.view, key)
 
     def _workspace(self, key):
         s = self._require()
