@@ -15,8 +15,10 @@ and acts on its host's session (:class:`~.host.McpHost`). Invariants:
 * **nothing blocks the event loop**: session and file calls run in worker threads;
 * **a command belongs to its call**: ``execute_command`` runs through
   :meth:`Session.run <sandbox.session.runtime.Session.run>` with a ``cancel`` event that
-  is set when its ``timeout_s`` passes, when the call is cancelled, or when the client
-  disconnects (the handler is cancelled) — the call then waits for the guest to finish
+  is set when its ``timeout_s`` passes, when the call is cancelled, when the client
+  disconnects (the handler is cancelled), or when another client of a shared session
+  cancels it (the host registers it: :meth:`McpHost.claim_command <.host.McpHost.claim_command>`;
+  the result then says ``cancelled``) — the call then waits for the guest to finish
   the command, so its step is always closed before the result (or the cancellation)
   goes out;
 * **safeguards are answered through the session's hold broker only**: while this
@@ -328,6 +330,7 @@ class McpClient:
                 pump.wake.clear()
                 await flush()
 
+        release = self.host.claim_command(a.command, cancel)  # agent.busy while another client's runs
         self._commands += 1
         unsubscribe = None
         try:
@@ -350,6 +353,7 @@ class McpClient:
             await flush()  # the output's tail goes out before the result
         finally:
             self._commands -= 1
+            release()
             if unsubscribe is not None:
                 unsubscribe()
         if "error" in box:
