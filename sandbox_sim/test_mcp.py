@@ -145,8 +145,8 @@ def test_every_tool_has_explicit_annotations_and_schemas_from_its_models(project
             assert arg_names == {"execute_command": ["command", "timeout_s"], "read_file": ["length", "offset", "path"],
                                  "write_file": ["content", "encoding", "path"],
                                  "edit_file": ["dry_run", "new_text", "old_text", "path"], "list_directory": ["path"],
-                                 "undo": ["count", "force"], "get_undo_history": [], "get_session_status": [],
-                                 "diff_step": ["step_id"]}
+                                 "undo": ["count", "folder", "force"], "get_undo_history": ["folder"],
+                                 "get_session_status": [], "diff_step": ["folder", "step_id"]}
             assert c.s.initialize_result.server_info.version == __version__
     run(go)
 
@@ -420,6 +420,82 @@ def test_an_external_edit_makes_undo_explain_the_barrier(project, state):
             assert (project / "README.md").read_text() == "user edit\n"
             await c.ok("undo", {"force": True})
             assert (project / "README.md").read_text() == "# demo\n"
+    run(go)
+
+
+# ---------------------------------------------------------------------------- several working folders
+
+
+@pytest.fixture
+def second(tmp_path):
+    p = tmp_path / "docs"
+    p.mkdir()
+    (p / "guide.md").write_text("# guide\n")
+    return p
+
+
+def make_two_folder_host(project, second, state) -> OwnSessionHost:
+    return OwnSessionHost(Session([Folder(str(project), state_dir=state),
+                                   Folder(str(second), label="docs", state_dir=state + "-docs")], guest="scripted"))
+
+
+@pytest.mark.filterwarnings("ignore:The roots capability is deprecated")
+def test_undo_history_and_diff_step_act_on_the_folder_named_and_say_which(project, second, state):
+    """A command writing in two read-write folders makes one step in each; ``folder`` (index,
+    label or guest path, as STDIO's ``directory``) picks whose step the undo tools act on, the
+    default stays the first folder, and every result names its folder."""
+    async def go():
+        before0, before1 = oracle.snapshot_dir(str(project)), oracle.snapshot_dir(str(second))
+        async with connected(make_two_folder_host(project, second, state)) as c:
+            st = await c.ok("get_session_status")
+            assert [(f["index"], f["guest_path"]) for f in st["folders"]] == [(0, "/mnt/working/0"),
+                                                                             (1, "/mnt/working/1")]
+            r = await c.ok("execute_command", {"command": "write a.txt one; write /mnt/working/1/guide.md two"})
+            assert r["exit_code"] == 0
+            assert {p["path"] for p in r["changes"]["sample"]} == {"/mnt/working/0/a.txt", "/mnt/working/1/guide.md"}
+            h0 = await c.ok("get_undo_history")
+            assert h0["folder"] == "/mnt/working/0" and len(h0["steps"]) == 1
+            assert "/mnt/working/0/a.txt" in h0["steps"][0]["paths_sample"]
+            assert all(p.startswith("/mnt/working/0") for p in h0["steps"][0]["paths_sample"])
+            for key in (1, "docs", "/mnt/working/1"):
+                h1 = await c.ok("get_undo_history", {"folder": key})
+                assert h1["folder"] == "/mnt/working/1"
+                assert [s["paths_sample"] for s in h1["steps"]] == [["/mnt/working/1/guide.md"]], h1
+            d = await c.ok("diff_step", {"folder": "docs"})
+            assert d["folder"] == "/mnt/working/1" and [(p["path"], p["change"]) for p in d["paths"]] == [
+                ("/mnt/working/1/guide.md", "modified")]
+            assert "+two" in d["paths"][0]["diff"]
+            assert (await c.ok("diff_step"))["folder"] == "/mnt/working/0"
+            u = await c.ok("undo", {"folder": 1})
+            assert u["folder"] == "/mnt/working/1" and [p["path"] for p in u["paths"]] == ["/mnt/working/1/guide.md"], u
+            oracle.assert_same(before1, oracle.snapshot_dir(str(second)), "folder 1 undone exactly")
+            assert (project / "a.txt").read_text() == "one"  # folder 0's step is still there
+            assert (await c.error("undo", {"folder": 1}))["code"] == "undo.nothing_to_undo"
+            u = await c.ok("undo")
+            assert u["folder"] == "/mnt/working/0"
+            oracle.assert_same(before0, oracle.snapshot_dir(str(project)), "folder 0 undone exactly")
+            for bad in (2, "nope", "/mnt/working/9"):
+                for tool in ("undo", "get_undo_history", "diff_step"):
+                    e = await c.error(tool, {"folder": bad})
+                    assert e["code"] == "session.unknown_directory", (tool, bad, e)
+            assert (await c.error("undo", {"folder": -1}))["code"] == "protocol.invalid_request"
+    run(go)
+
+
+@pytest.mark.filterwarnings("ignore:The roots capability is deprecated")
+def test_a_folder_outside_the_roots_narrowed_view_is_refused_with_a_code(project, second, state):
+    async def go():
+        async with connected(make_two_folder_host(project, second, state),
+                             list_roots_callback=_roots(second)) as c:
+            st = await c.ok("get_session_status")
+            assert st["view"] == "/mnt/working/1"
+            h = await c.ok("get_undo_history")  # the default: the first folder in the view
+            assert h["folder"] == "/mnt/working/1"
+            for tool in ("undo", "get_undo_history", "diff_step"):
+                for key in (0, "/mnt/working/0", str(project)):
+                    e = await c.error(tool, {"folder": key})
+                    assert e["code"] == "fs.access_denied" and e["data"]["reason"] == "outside_view", (tool, key, e)
+            assert (project / "src" / "main.py").exists()  # nothing of folder 0 was touched
     run(go)
 
 

@@ -149,6 +149,59 @@ def test_the_llms_steps_are_the_frontends_history_and_either_side_undoes(fronten
     assert oracle.snapshot_dir(str(project)) == before
 
 
+@pytest.mark.parametrize("by", ["no_request_id", "its_request_id"])
+def test_the_frontend_sees_and_cancels_the_llms_running_command(frontend, project, sock_path, by):
+    """The LLM's ``execute_command`` is the session's running command: ``session.status.running``
+    names it (client ``mcp``), the frontend's own command is ``agent.busy`` meanwhile, and
+    ``agent.cancel`` — without a request id, or with the one status gave — stops it; the MCP
+    result says cancelled and the step is closed (in the history, undoable)."""
+    c = frontend()
+    start(c, project)
+    command = "write a.txt x; echo started; wait"
+    before = oracle.snapshot_dir(str(project))
+
+    async def body():
+        async with attached(sock_path) as s:
+            started = anyio.Event()
+            result = {}
+
+            async def on_progress(progress, total, message):
+                if message and "started" in message:
+                    started.set()
+
+            async def call():
+                result["r"] = await s.call_tool("execute_command", {"command": command},
+                                                progress_callback=on_progress)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                with anyio.fail_after(WAIT_S):
+                    await started.wait()
+                st = await anyio.to_thread.run_sync(lambda: c.ok("session.status"))
+                running = st["running"]
+                assert st["state"] == "running" and running["client"] == "mcp" and running["command"] == command
+                busy = await anyio.to_thread.run_sync(lambda: c.error("agent.execute", {"command": "echo hi"}))
+                assert busy["code"] == "agent.busy" and busy["data"]["request_id"] == running["request_id"]
+                wrong = await anyio.to_thread.run_sync(lambda: c.error("agent.cancel", {"request_id": "other"}))
+                assert wrong["code"] == "agent.not_running"
+                assert "r" not in result  # a cancel naming another command left it running
+                p = {} if by == "no_request_id" else {"request_id": running["request_id"]}
+                assert (await anyio.to_thread.run_sync(lambda: c.ok("agent.cancel", p))) == {"cancelled": True}
+            return result["r"]
+
+    r = run(body)
+    assert not r.is_error, r.content[0].text
+    out = r.structured_content
+    assert out["cancelled"] is True and out["timed_out"] is False and out["exit_code"] != 0
+    assert "cancelled" in r.content[0].text
+    assert c.ok("session.status")["running"] is None
+    hist = c.ok("undo.history")["steps"]
+    assert hist[0]["command"] == command and hist[0]["id"] == out["step_id"]
+    c.ok("undo.rollback", {"count": 1})
+    assert oracle.snapshot_dir(str(project)) == before
+    assert c.ok("agent.execute", {"command": "echo still here"})["exit_code"] == 0  # the session goes on
+
+
 def test_the_frontends_restriction_narrows_the_llms_file_tools_too(frontend, project, sock_path):
     c = frontend()
     start(c, project)

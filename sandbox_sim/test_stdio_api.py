@@ -262,7 +262,8 @@ def test_failing_and_busy_and_cancelled_commands(api, project, cmds):
     rid = c.send("agent.execute", {"command": f"{cmds.echo('started')}; {cmds.wait()}"})
     c.wait_event("event.terminal_output", lambda p: "started" in p["data"], m)
     st = c.ok("session.status")
-    assert st["state"] == "running" and st["running"] == {"request_id": rid}
+    assert st["state"] == "running"
+    assert st["running"] == {"request_id": rid, "client": "stdio", "command": f"{cmds.echo('started')}; {cmds.wait()}"}
     e = c.error("agent.execute", {"command": "true"})
     assert e["code"] == "agent.busy" and e["data"]["request_id"] == rid
     assert c.error("agent.cancel", {"request_id": "someone-else"})["code"] == "agent.not_running"

@@ -38,7 +38,9 @@ from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
 from . import protocol
 from .errors import ApiError, to_api_error
-from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode
+from .messages.bounds import RUNNING_COMMAND_CHARS_MAX
+from .payloads import (check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode,
+                       folder_index)
 
 log = logging.getLogger("sandbox.api")
 
@@ -49,8 +51,17 @@ FORWARDED_EVENTS = set(protocol.EVENT_NAMES)
 
 @dataclass
 class _Running:
+    """The session's one running command, whichever client started it (``client``: ``stdio``,
+    or ``mcp`` in a shared session): ``agent.cancel`` and ``session.status`` see it here."""
+
     request_id: object
     cancel: threading.Event
+    client: str = "stdio"
+    command: str = ""
+
+    def as_dict(self) -> dict:
+        return {"request_id": self.request_id, "client": self.client,
+                "command": self.command[:RUNNING_COMMAND_CHARS_MAX]}
 
 
 class Agent:
@@ -320,7 +331,7 @@ class Agent:
         return {"state": state, "vm": st["vm"], "guest": st["guest"], "accel": st["accel"],
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
                 "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"], "folders": self._folders(s), "mounts": st["mounts"],
-                "running": None if r is None else {"request_id": r.request_id},
+                "running": None if r is None else r.as_dict(),
                 "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
                 "external_modification_policy": st["external_modification_policy"],
@@ -343,9 +354,7 @@ class Agent:
     # ------------------------------------------------------------------ directories
 
     def _directory(self, key) -> int:
-        s = self._require()
-        m = self.view.by_directory(key)
-        return s.table.folders.index(m) if m in s.table.folders else self.view.index_of(m)
+        return folder_index(self._require().table, self.view, key)
 
     def _workspace(self, key):
         s = self._require()
@@ -443,11 +452,7 @@ class Agent:
             _exec_text(f"$.payload.env.{name}", value)
         if cwd is not None:
             _exec_text("$.payload.cwd", cwd)
-        with self._state_lock:
-            if self._running is not None:
-                raise ApiError("agent.busy", "a command is already running; one runs at a time",
-                               request_id=self._running.request_id)
-            self._running = _Running(rid, threading.Event())
+        running = self.claim_command(rid, threading.Event(), "stdio", command)
         try:
             if cwd is None:
                 cwd = self._default_cwd()
@@ -459,7 +464,7 @@ class Agent:
                            request_id=rid)
 
             try:
-                r = s.run(command, on_output, cwd=cwd, env=env, cancel=self._running.cancel)
+                r = s.run(command, on_output, cwd=cwd, env=env, cancel=running.cancel)
             except SessionError as e:
                 self._failed = str(e)
                 log.error("the guest failed: %s", e, extra={"component": "session"})
@@ -468,7 +473,24 @@ class Agent:
             return {"step_id": r.step_id, "step_ids": r.step_ids, "exit_code": r.exit_code, "signal": r.signal,
                     "cancelled": r.cancelled}
         finally:
-            with self._state_lock:
+            self.release_command(running)
+
+    def claim_command(self, request_id, cancel: threading.Event, client: str, command: str) -> _Running:
+        """Make a command the session's one running command, so ``agent.cancel`` (``cancel`` is
+        set) and ``session.status.running`` reach it — the frontend's own, or an MCP client's in
+        a shared session (:class:`~sandbox.api.mcp.shared.SharedSessionHost`). ``agent.busy``
+        (data: the running one's request_id) while another runs. Pair with :meth:`release_command`."""
+        with self._state_lock:
+            if self._running is not None:
+                raise ApiError("agent.busy", "a command is already running; one runs at a time",
+                               request_id=self._running.request_id)
+            self._running = r = _Running(request_id, cancel, client, command)
+        return r
+
+    def release_command(self, running: _Running) -> None:
+        """The command ``running`` has ended (idempotent)."""
+        with self._state_lock:
+            if self._running is running:
                 self._running = None
 
     def _default_cwd(self) -> str:

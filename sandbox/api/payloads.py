@@ -3,6 +3,7 @@
 * :func:`check_exec_text` — text a process can receive (command, env, cwd);
 * :func:`encode_data` / :func:`decode_data` — file content as UTF-8 text or base64;
 * :func:`default_cwd` — where a command runs when the client names no directory;
+* :func:`folder_index` — the working folder a ``directory`` (STDIO) or ``folder`` (MCP) names;
 * :func:`diff_in_view` — a step's diff (:meth:`Workspace.step_diff <sandbox.core.workspace.Workspace.step_diff>`) cut to a client's view.
 
 Each refuses bad input with an :class:`~sandbox.api.errors.ApiError` (a stable code),
@@ -73,6 +74,16 @@ def default_cwd(view: MountTable) -> str:
         except Exception:
             pass
     return view.folders[0].target
+
+
+def folder_index(table: MountTable, view: MountTable, key) -> int:
+    """The index in the session's ``table`` of the working folder ``key`` names — STDIO's
+    ``directory`` and MCP's ``folder``: an index, a label, a guest path or a host path
+    (:meth:`MountTable.by_directory <sandbox.mounts.table.MountTable.by_directory>` on ``view``;
+    None: its first folder). ``session.unknown_directory`` if no folder has that name. Whether
+    the folder lies in ``view`` is the caller's to check."""
+    m = view.by_directory(key)
+    return table.folders.index(m) if m in table.folders else view.index_of(m)
 
 
 def diff_in_view(ws, step_id: int | None, view: MountTable, folder: Mount) -> dict:

@@ -15,8 +15,10 @@ and acts on its host's session (:class:`~.host.McpHost`). Invariants:
 * **nothing blocks the event loop**: session and file calls run in worker threads;
 * **a command belongs to its call**: ``execute_command`` runs through
   :meth:`Session.run <sandbox.session.runtime.Session.run>` with a ``cancel`` event that
-  is set when its ``timeout_s`` passes, when the call is cancelled, or when the client
-  disconnects (the handler is cancelled) — the call then waits for the guest to finish
+  is set when its ``timeout_s`` passes, when the call is cancelled, when the client
+  disconnects (the handler is cancelled), or when another client of a shared session
+  cancels it (the host registers it: :meth:`McpHost.claim_command <.host.McpHost.claim_command>`;
+  the result then says ``cancelled``) — the call then waits for the guest to finish
   the command, so its step is always closed before the result (or the cancellation)
   goes out;
 * **safeguards are answered through the session's hold broker only**: while this
@@ -55,7 +57,7 @@ from ...limits import HOLDS_PENDING_PER_SESSION_MAX
 from ...mounts.table import MountTable, PathDenied, guest_path
 from ...session.runtime import Session, SessionError
 from ..errors import ApiError
-from ..payloads import check_exec_text, decode_data, default_cwd, diff_in_view, encode_data
+from ..payloads import check_exec_text, decode_data, default_cwd, diff_in_view, encode_data, folder_index
 from . import models as m
 from .errors import McpToolError, tool_error
 from .host import McpHost
@@ -251,14 +253,28 @@ class McpClient:
         if files is not None:
             await anyio.to_thread.run_sync(files.close_all)
 
-    def _folder(self, s: Session) -> int:
-        """The first read-write working folder in the view: the one undo and history act on."""
-        if self.view.read_only:
+    def _folder(self, s: Session, key=None, *, write: bool = False) -> int:
+        """The working folder an undo tool acts on (its ``folder`` argument, resolved as STDIO's
+        ``directory``: :func:`~sandbox.api.payloads.folder_index`). None: the first folder with
+        undo in the view. A named folder must overlap this connection's view (else
+        ``fs.access_denied``, reason ``outside_view``: roots only narrow) and have undo (else
+        ``session.read_only_directory``). ``write`` (undo): a read-only view is refused."""
+        if write and self.view.read_only:
             raise ApiError("fs.access_denied", "this connection's view is read-only: undo would write")
-        for i, (mnt, ws) in enumerate(zip(s.table.folders, s.workspaces)):
-            if ws is not None and self.view.view_within(mnt) is not None:
-                return i
-        raise ApiError("session.read_only_directory", "no read-write working folder is in view: nothing has undo")
+        if key is None:
+            for i, (mnt, ws) in enumerate(zip(s.table.folders, s.workspaces)):
+                if ws is not None and self.view.view_within(mnt) is not None:
+                    return i
+            raise ApiError("session.read_only_directory", "no read-write working folder is in view: nothing has undo")
+        i = folder_index(s.table, self.view, key)
+        mnt = s.table.folders[i]
+        if self.view.view_within(mnt) is None:
+            raise ApiError("fs.access_denied", f"folder {key!r} is outside this connection's view {self.view.view}",
+                           folder=key, view=self.view.view, reason="outside_view")
+        if s.workspaces[i] is None:
+            raise ApiError("session.read_only_directory", f"folder {mnt.target} is read-only: it has no undo history",
+                           folder=mnt.target)
+        return i
 
     # ------------------------------------------------------------------ execute_command
 
@@ -314,6 +330,7 @@ class McpClient:
                 pump.wake.clear()
                 await flush()
 
+        release = self.host.claim_command(a.command, cancel)  # agent.busy while another client's runs
         self._commands += 1
         unsubscribe = None
         try:
@@ -336,6 +353,7 @@ class McpClient:
             await flush()  # the output's tail goes out before the result
         finally:
             self._commands -= 1
+            release()
             if unsubscribe is not None:
                 unsubscribe()
         if "error" in box:
@@ -488,7 +506,7 @@ class McpClient:
 
     async def undo(self, ctx: Ctx, a: m.UndoIn) -> tuple[m.UndoOut, str]:
         s = await self.ready(ctx)
-        i = self._folder(s)
+        i = self._folder(s, a.folder, write=True)
         if a.force:
             log.warning("undo forced across barriers in folder %d: external edits will be lost", i,
                         extra={"component": "undo"})
@@ -507,15 +525,16 @@ class McpClient:
         paths = [m.RestoredPath(path=_guest_of(target, p["path"]), change=str(p.get("change", "restored")))
                  for p in listed[:UNDO_PATHS_LISTED_MAX]]
         cut = bool(result.get("paths_truncated")) or len(listed) > UNDO_PATHS_LISTED_MAX
-        r = m.UndoOut(step_ids=list(result.get("step_ids", [])), paths_restored=int(result.get("paths_restored", 0)),
+        r = m.UndoOut(folder=target, step_ids=list(result.get("step_ids", [])), paths_restored=int(result.get("paths_restored", 0)),
                       paths=paths, paths_truncated=cut, forced=a.force,
                       reread_hint="Files changed under you: re-read the listed paths before editing them again.")
         names = "\n".join(f"  {p.change}: {p.path}" for p in paths) or "  (see paths_restored)"
-        return r, (f"undid step(s) {r.step_ids}: {r.paths_restored} path(s) restored\n{names}\n{r.reread_hint}")
+        return r, (f"undid step(s) {r.step_ids} of {target}: {r.paths_restored} path(s) restored\n{names}\n"
+                   f"{r.reread_hint}")
 
-    async def get_undo_history(self, ctx: Ctx, a: m.NoArgsIn) -> tuple[m.GetUndoHistoryOut, str]:
+    async def get_undo_history(self, ctx: Ctx, a: m.GetUndoHistoryIn) -> tuple[m.GetUndoHistoryOut, str]:
         s = await self.ready(ctx)
-        i = self._folder(s)
+        i = self._folder(s, a.folder)
         ws = s.workspaces[i]
         target = s.table.folders[i].target
         if not ws.undo_available:
@@ -536,7 +555,7 @@ class McpClient:
 
     async def diff_step(self, ctx: Ctx, a: m.DiffStepIn) -> tuple[m.DiffStepOut, str]:
         s = await self.ready(ctx)
-        i = self._diff_folder(s)
+        i = self._folder(s, a.folder)
         folder = s.table.folders[i]
         d = await anyio.to_thread.run_sync(diff_in_view, s.workspaces[i], a.step_id, self.view, folder)
         paths, budget = [], DIFF_TEXT_CHARS_MAX
@@ -553,7 +572,7 @@ class McpClient:
                           type=str(d.get("type", "command")), paths=paths, paths_total=d["paths_total"],
                           paths_truncated=bool(d["paths_truncated"]) or len(d["paths"]) > len(paths),
                           approximate=bool(d.get("approximate")))
-        lines = [f"step {r.step_id} [{r.type}] {r.command[:80]!r}: {r.paths_total} path(s)"
+        lines = [f"{r.folder} step {r.step_id} [{r.type}] {r.command[:80]!r}: {r.paths_total} path(s)"
                  + (" (approximate: changed since)" if r.approximate else "")]
         for p in paths:
             lines.append(f"{p.change}: {p.path}" + (f" — {p.summary}" if p.summary else ""))
@@ -564,13 +583,6 @@ class McpClient:
         if r.paths_truncated:
             lines.append(f"… {r.paths_total - len(paths)} more path(s)")
         return r, "\n".join(lines)
-
-    def _diff_folder(self, s: Session) -> int:
-        """The first working folder with undo in the view (a read: a read-only view may look)."""
-        for i, (mnt, ws) in enumerate(zip(s.table.folders, s.workspaces)):
-            if ws is not None and self.view.view_within(mnt) is not None:
-                return i
-        raise ApiError("session.read_only_directory", "no working folder with undo is in view: no steps to show")
 
     async def get_session_status(self, ctx: Ctx, a: m.NoArgsIn) -> tuple[m.GetSessionStatusOut, str]:
         s = await self.ready(ctx)

@@ -71,6 +71,14 @@ class McpHost(abc.ABC):
         connection narrows the guest too; a shared session keeps its own (default)."""
         return None
 
+    def claim_command(self, command: str, cancel: threading.Event) -> Callable[[], None]:
+        """``execute_command`` is about to run ``command``, cancelled when ``cancel`` is set:
+        a host whose session other clients share registers it where they can see and cancel
+        it (the shared host: the frontend's ``agent.cancel``), raising ``agent.busy`` while
+        another command runs. Returns the release to call when the command has ended. Default:
+        nothing to register (this connection's own ``execute_command`` is the only canceller)."""
+        return lambda: None
+
     async def close(self) -> None:
         """Release what the host owns (the connection ended)."""
         return None

@@ -13,7 +13,8 @@ from __future__ import annotations
 from ..messages.bounds import COMMAND_CHARS_MAX, PATH_CHARS_MAX, UNDO_COUNT_MAX
 from ..messages.shapes import DiffPath, DirEntry, PathChange, RestoredPath
 from ..messages.tools import (DiffStepIn, DiffStepOut, EditFileIn, EditFileOut, ExecuteCommandIn, ExecuteCommandOut,
-                              FolderOut, GetSessionStatusOut, GetUndoHistoryOut, HistoryStep, ListDirectoryIn,
+                              FolderOut, GetSessionStatusOut, GetUndoHistoryIn, GetUndoHistoryOut,
+                              HistoryStep, ListDirectoryIn,
                               ListDirectoryOut, NoArgsIn, PathArg, ReadFileIn, ReadFileOut, SafeguardDecision,
                               StepChanges, ToolErrorOut, UndoIn, UndoOut, WriteFileIn, WriteFileOut)
 from ..schema import tool_input_schema as input_schema
@@ -23,7 +24,7 @@ __all__ = [
     "COMMAND_CHARS_MAX", "PATH_CHARS_MAX", "UNDO_COUNT_MAX", "PathArg",
     "DiffPath", "DirEntry", "PathChange", "RestoredPath",
     "DiffStepIn", "DiffStepOut", "EditFileIn", "EditFileOut", "ExecuteCommandIn", "ExecuteCommandOut", "FolderOut",
-    "GetSessionStatusOut", "GetUndoHistoryOut", "HistoryStep", "ListDirectoryIn", "ListDirectoryOut", "NoArgsIn",
+    "GetSessionStatusOut", "GetUndoHistoryIn", "GetUndoHistoryOut", "HistoryStep", "ListDirectoryIn", "ListDirectoryOut", "NoArgsIn",
     "ReadFileIn", "ReadFileOut", "SafeguardDecision", "StepChanges", "ToolErrorOut", "UndoIn", "UndoOut",
     "WriteFileIn", "WriteFileOut", "input_schema", "output_schema",
 ]

@@ -16,12 +16,19 @@ Invariants:
   ``event.safeguard_triggered`` (the agent is the session's event sink) and the frontend's
   ``safeguard.confirm`` answers it; while the frontend is connected MCP does not elicit
   (:meth:`SharedSessionHost.decides_holds_elsewhere`);
+* one running command, visible and cancellable from both sides: the LLM's ``execute_command``
+  is registered as the agent's running command (:meth:`SharedSessionHost.claim_command`, the
+  agent's own :meth:`~sandbox.api.agent.Agent.claim_command` — the one slot STDIO commands use
+  too), with a request id ``mcp-N``: ``session.status.running`` names it (``client: mcp``)
+  and the frontend's ``agent.cancel`` (without ``request_id``, or with ``mcp-N``) cancels it;
+  while it runs the frontend's ``agent.execute`` is ``agent.busy``, and the other way round;
 * the LLM sees no more than the frontend: the MCP connection's view is the agent's current
   view (:meth:`SharedSessionHost.view_of`, narrowed further by the client's roots, never widened).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -73,6 +80,7 @@ class SharedSessionHost(McpHost):
         self.agent = agent
         self.frontend_connected = frontend_connected
         self.wait_s_max = wait_s_max
+        self._ids = itertools.count(1)  # the request ids of the LLM's commands: mcp-1, mcp-2, …
 
     def _running(self) -> Session | None:
         s = self.agent.session
@@ -98,6 +106,10 @@ class SharedSessionHost(McpHost):
 
     def decides_holds_elsewhere(self) -> bool:
         return self.frontend_connected()
+
+    def claim_command(self, command: str, cancel: threading.Event) -> Callable[[], None]:
+        running = self.agent.claim_command(f"mcp-{next(self._ids)}", cancel, "mcp", command)
+        return lambda: self.agent.release_command(running)
 
     @property
     def network(self) -> str:

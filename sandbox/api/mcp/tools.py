@@ -78,17 +78,20 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec("undo", "Undo the newest steps",
              "Undo the newest count steps (commands and file writes), newest first, restoring every file they "
              "changed; the result lists the paths — re-read them. Refused when someone changed those files "
-             "outside the sandbox since (undo.barrier): ask the user before retrying with force.",
+             "outside the sandbox since (undo.barrier): ask the user before retrying with force. folder picks the "
+             "working folder (default: the first read-write one in view).",
              m.UndoIn, m.UndoOut, read_only=False, destructive=True, idempotent=False),
     _read("get_undo_history", "List the undo history",
-          "The undo steps of the first working folder, newest first: id, command, paths, outcome.",
-          m.NoArgsIn, m.GetUndoHistoryOut),
+          "The undo steps of one working folder (folder; default: the first read-write one in view), newest "
+          "first: id, command, paths, outcome.",
+          m.GetUndoHistoryIn, m.GetUndoHistoryOut),
     _read("get_session_status", "Show the session's state", "The sandbox session: VM state, network policy, "
           "working folders, the effective view (after the client's roots), pending safeguards.",
           m.NoArgsIn, m.GetSessionStatusOut),
     _read("diff_step", "Show what a step changed",
           "What one undo step changed (default: the newest), path by path: created/modified/deleted/metadata, "
-          "with a unified diff for text files (before the step vs now) and a summary otherwise.",
+          "with a unified diff for text files (before the step vs now) and a summary otherwise; folder picks the "
+          "working folder (default: the first read-write one in view).",
           m.DiffStepIn, m.DiffStepOut),
 )
 BY_NAME: dict[str, ToolSpec] = {t.name: t for t in TOOLS}

@@ -40,6 +40,9 @@ GUEST_PACKAGES_MAX = 256
 #: characters of one Debian package name
 PACKAGE_CHARS_MAX = 128
 
+#: characters of the running command's text in session.status.running (cut there; the frontend names it)
+RUNNING_COMMAND_CHARS_MAX = 256
+
 # -- MCP tool arguments (docs/mcp.md quotes them)
 #: the longest execute_command line accepted, in characters (one execve string, as STDIO's agent.execute)
 COMMAND_CHARS_MAX = TEXT_CHARS_MAX

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from .events import SafeguardTriggered
 from .fields import Encoding, NonNeg, Open, PathKind, Pos
-from .requests import SafeguardConfig, UndoLimits
+from .requests import RequestId, SafeguardConfig, UndoLimits
 from .shapes import Barrier, Folder, InFolder, Listing, Mount, Rollback, Step, StepDiff
 
 
@@ -58,6 +58,18 @@ class SessionResetResult(Empty):
     schema_name = "result.session.reset"
 
 
+class RunningCommand(Open):
+    """The command running in the session, whichever client started it: the frontend's
+    (``agent.execute``/``agent.prompt``: its request id) or, in a shared session, an MCP
+    client's ``execute_command`` (an id ``mcp-N`` made for it). ``agent.cancel`` with that
+    ``request_id``, or without one, cancels it."""
+
+    schema_name = "running_command"
+    request_id: RequestId
+    client: Literal["stdio", "mcp"]
+    command: str = Field(description="the command line, cut at RUNNING_COMMAND_CHARS_MAX characters")
+
+
 class SessionStatusResult(Open):
     schema_name = "result.session.status"
     state: Literal["not_started", "idle", "running", "stopped", "error"]
@@ -68,7 +80,7 @@ class SessionStatusResult(Open):
     guest_root: Literal["host-usr", "image"] = None
     folders: list[Folder] = None
     mounts: list[Mount] = None
-    running: dict | None = None
+    running: RunningCommand | None = None
     pending_safeguards: list[SafeguardTriggered] = None
     view: str = None
     read_only: bool = None

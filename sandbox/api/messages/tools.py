@@ -15,11 +15,16 @@ from pydantic import ConfigDict, Field
 from ...files import READ_FILE_BYTES_MAX
 from .bounds import COMMAND_CHARS_MAX, COMMAND_TIMEOUT_S_MAX, PATH_CHARS_MAX, UNDO_COUNT_MAX
 from .fields import Closed, Encoding, NonNeg, SafeguardAction, StepType
+from .requests import Directory
 from .shapes import ErrorBody, FolderBase, Listing, PathChange, Rollback, StepDiff
 
 PathArg = Field(max_length=PATH_CHARS_MAX, description="relative to the first working folder (or the client's "
                 "root), or an absolute guest path such as /mnt/working/0/src/main.py")
 _CLOSED = ConfigDict(extra="forbid")
+#: the working folder an undo tool acts on — resolved as STDIO's ``directory`` (index, label, guest or host path)
+FolderArg = Field(default=None, description="the working folder: its index, label or guest path, as in "
+                  "get_session_status.folders (default: the first read-write folder in the view); a command that "
+                  "wrote in two folders made one step in each")
 
 
 class ToolInput(Closed):
@@ -65,6 +70,11 @@ class UndoIn(ToolInput):
     count: int = Field(default=1, ge=1, le=UNDO_COUNT_MAX, description="how many of the newest steps to undo")
     force: bool = Field(default=False, description="undo even over changes made outside the sandbox since "
                         "(they are lost): only when the user agreed")
+    folder: Directory = FolderArg
+
+
+class GetUndoHistoryIn(ToolInput):
+    folder: Directory = FolderArg
 
 
 class NoArgsIn(ToolInput):
@@ -74,6 +84,7 @@ class NoArgsIn(ToolInput):
 class DiffStepIn(ToolInput):
     step_id: int | None = Field(default=None, ge=1, description="the step to show (default: the newest); "
                                 "ids come from execute_command, write_file, edit_file and get_undo_history")
+    folder: Directory = FolderArg
 
 
 # ---------------------------------------------------------------------------- outputs
@@ -147,6 +158,7 @@ class ListDirectoryOut(Listing):
 
 class UndoOut(Rollback):
     model_config = _CLOSED
+    folder: str = Field(description="guest path of the folder whose steps were undone")
     forced: bool
     reread_hint: str
 
