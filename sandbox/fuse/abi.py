@@ -240,3 +240,11 @@ XATTR_VALUE_BYTES_MAX = 65536
 ERRNO_MAX = 511
 #: the time granularity we answer INIT with (nanoseconds: full precision)
 TIME_GRAN_NS = 1
+#: INIT answers when the dispatcher does not choose (the kernel's own defaults)
+DEFAULT_MAX_BACKGROUND = 12
+DEFAULT_CONGESTION_THRESHOLD = 9
+#: a READDIR/READDIRPLUS reply is at most this many bytes, whatever size the kernel asks
+READDIR_BYTES_MAX = MAX_WRITE_BYTES
+DIRENT_HEADER_SIZE = 24  # offsetof(struct fuse_dirent, name)
+DIRENTPLUS_HEADER_SIZE = 152  # offsetof(struct fuse_direntplus, dirent.name)
+ENTRY_OUT_SIZE = 128  # sizeof(struct fuse_entry_out)
