@@ -61,6 +61,7 @@ from ..serving.exports import Export
 from ..serving.pipeline import RequestPipeline
 from . import abi
 from . import messages as m
+from .codec import DirentPacker, negotiate_init
 
 #: seconds the kernel may cache a name → node answer and a node's attributes. Short, so a
 #: change made on the host beside the mount shows within a second (no notifications yet).
@@ -103,6 +104,18 @@ def _name(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
+#: POSIX ACLs are not negotiated (no FUSE_POSIX_ACL): their xattrs are EOPNOTSUPP, so tools
+#: (``cp -a``, ``tar --acls``) fall back to chmod, and the mode stays the one truth
+ACL_XATTR_PREFIX = "system.posix_acl_"
+
+
+def _xattr_name(raw: bytes) -> str:
+    name = _name(raw)
+    if name.startswith(ACL_XATTR_PREFIX):
+        raise OSError(errno.EOPNOTSUPP, "POSIX ACLs are not served over FUSE")
+    return name
+
+
 def _dtype(a: Attr) -> int:
     return _DT[a.kind] if a.kind != OTHER else (a.fmt >> 12) & 0xF
 
@@ -116,16 +129,28 @@ def fuse_attr(a: Attr) -> m.FuseAttr:
 
 
 @dataclass(eq=False, slots=True)
+class Link:
+    """One name of a node's inode, kept in the export's registry (renames move it)."""
+
+    path: str
+    node: "Node"
+
+
+@dataclass(eq=False, slots=True)
 class Node:
-    """An inode the kernel knows by ``nodeid`` (module docstring). ``path`` is kept by the
-    export's registry; ``files`` are the open files on it."""
+    """An inode the kernel knows by ``nodeid`` (module docstring): its names (``links``,
+    the first the one used; hard links add more), the open files on it."""
 
     nodeid: int
-    path: str
     inode: tuple[int, int]
     kind: str
     lookups: int = 0
+    links: list = field(default_factory=list)
     files: list = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return self.links[0].path
 
     @property
     def handle(self) -> FileHandle | None:
@@ -178,10 +203,10 @@ class Dispatcher:
         self.on_settled = on_settled or (lambda: None)
         self.pipeline = RequestPipeline(on_settled=lambda: self.on_settled())
         a = self.provider.getattr("")
-        root = Node(abi.FUSE_ROOT_ID, "", _inode(a), DIR, lookups=1)
+        root = Node(abi.FUSE_ROOT_ID, _inode(a), DIR, lookups=1)
+        self._add_name(root, "")
         self.nodes[root.nodeid] = root
         self._by_inode[root.inode] = root
-        export.add(root)
         self._handlers = {
             m.Init: self._init, m.Lookup: self._lookup, m.Forget: self._forget, m.BatchForget: self._batch_forget,
             m.Getattr: self._getattr, m.Setattr: self._setattr, m.Readlink: self._readlink,
@@ -239,7 +264,8 @@ class Dispatcher:
         for fh in list(self.dirs):
             self._close_dir(fh)
         for node in list(self.nodes.values()):
-            self.export.discard(node)
+            for link in node.links:
+                self.export.discard(link)
         self.nodes.clear()
         self._by_inode.clear()
 
@@ -260,27 +286,42 @@ class Dispatcher:
     def _cred(self, req: m.Request) -> Cred:
         return Cred(req.header.uid, req.header.gid, self.owners)
 
-    def _still_names(self, node: Node) -> bool:
+    def _names(self, path: str, inode: tuple[int, int]) -> bool:
         try:
-            return _inode(self.provider.lookup(node.path)) == node.inode
+            return _inode(self.provider.lookup(path)) == inode
         except OSError:
             return False
 
+    def _still_names(self, node: Node) -> bool:
+        return self._names(node.path, node.inode)
+
+    def _add_name(self, node: Node, path: str) -> None:
+        link = Link(path, node)
+        node.links.insert(0, link)  # the newest name first: the one the kernel just used
+        self.export.add(link)
+
     def _remember(self, path: str, a: Attr, count: int = 1) -> Node:
         """The node for the inode ``a`` found at ``path`` (made if new), its lookup count
-        raised by ``count``."""
+        raised by ``count``. A known inode found under a new name is the same node if one
+        of its names still names it (a hard link: the name is added); if none does, the
+        host reused the inode number (or moved it behind our back): a new node."""
         key = _inode(a)
         n = self._by_inode.get(key)
-        if n is not None and n.kind == a.kind and (n.path == path or self._still_names(n)):
-            n.lookups += count
-            return n
+        if n is not None and n.kind == a.kind:
+            if any(link.path == path for link in n.links):
+                n.lookups += count
+                return n
+            if any(self._names(link.path, key) for link in n.links):
+                self._add_name(n, path)
+                n.lookups += count
+                return n
         if len(self.nodes) >= self.limits.fids_per_connection_max:
             raise OSError(errno.ENFILE, f"more than {self.limits.fids_per_connection_max} nodes")
-        n = Node(self._next_node, path, key, a.kind, lookups=count)
+        n = Node(self._next_node, key, a.kind, lookups=count)
         self._next_node += 1
+        self._add_name(n, path)
         self.nodes[n.nodeid] = n
         self._by_inode[key] = n
-        self.export.add(n)
         return n
 
     def _entry(self, path: str, a: Attr | None = None, cred: Cred | None = None) -> m.EntryOut:
@@ -305,13 +346,19 @@ class Dispatcher:
         self.nodes.pop(n.nodeid, None)
         if self._by_inode.get(n.inode) is n:
             del self._by_inode[n.inode]
-        self.export.discard(n)
+        for link in n.links:
+            self.export.discard(link)
 
     def _unlinked(self, path: str) -> None:
-        """``path`` was removed: its inode may be reused by the host, so nodes there no
-        longer stand for whatever is found at that inode number next."""
-        for n in list(self.export.fids_at(path)):
-            if isinstance(n, Node) and self._by_inode.get(n.inode) is n:
+        """The name ``path`` was removed. A node with other names keeps those; a node that
+        had only this one keeps it (calls then go through its open handles, or fail with
+        ``ESTALE``), and no longer stands for its inode number, which the host may reuse."""
+        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+            n = link.node
+            if len(n.links) > 1:
+                n.links.remove(link)
+                self.export.discard(link)
+            elif self._by_inode.get(n.inode) is n:
                 del self._by_inode[n.inode]
 
     def _attr(self, n: Node, cred: Cred | None = None, fh: int | None = None) -> Attr:
@@ -344,18 +391,16 @@ class Dispatcher:
     # ------------------------------------------------------------------ session
 
     def _init(self, req: m.Init) -> m.InitOut:
-        if req.major < abi.KERNEL_VERSION:
-            raise OSError(errno.EPROTO, f"FUSE major {req.major} is too old")
-        if req.major > abi.KERNEL_VERSION:  # the kernel sends INIT again with ours
+        if req.major > abi.KERNEL_VERSION:  # the kernel sends INIT again with our major
             return m.InitOut(abi.KERNEL_VERSION, 0, 0, 0, 0, 0, 0, 0, 0)
-        if req.minor < abi.KERNEL_MINOR_VERSION_MIN:
-            raise OSError(errno.EPROTO, f"FUSE 7.{req.minor} is older than 7.{abi.KERNEL_MINOR_VERSION_MIN}")
-        offered = req.flags | (req.flags2 << 32 if req.flags & abi.FUSE_INIT_EXT else 0)
-        flags = offered & WANTED_INIT_FLAGS
-        self.minor = min(req.minor, abi.KERNEL_MINOR_VERSION)
+        try:
+            out = negotiate_init(req, WANTED_INIT_FLAGS, max_background=MAX_BACKGROUND,
+                                 congestion_threshold=CONGESTION_THRESHOLD)
+        except m.ProtocolError as e:
+            raise OSError(e.errno, e.message) from None
+        self.minor = min(req.minor, out.minor)
         self.initialized = True
-        return m.InitOut(abi.KERNEL_VERSION, self.minor, req.max_readahead, flags, MAX_BACKGROUND,
-                         CONGESTION_THRESHOLD, abi.MAX_WRITE_BYTES, abi.TIME_GRAN_NS, abi.MAX_PAGES)
+        return out
 
     def _destroy(self, req: m.Destroy) -> None:
         self.close()
@@ -390,7 +435,7 @@ class Dispatcher:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
         cred = self._cred(req)
-        fmt = req.mode & _stat.S_IFMT
+        fmt = req.mode & 0o170000
         if fmt == _stat.S_IFREG:  # mknod(2) of a regular file: an exclusive create
             handle, _made = self.provider.create(path, req.mode & 0o7777, os.O_WRONLY | os.O_EXCL, cred=cred)
             handle.close()
@@ -620,8 +665,6 @@ class Dispatcher:
             raise OSError(errno.EBADF, f"unknown directory handle {req.fh}")
 
     def _readdir(self, req: m.Readdir | m.Readdirplus) -> m.Data:
-        from .codec import DirentPacker
-
         d = self.dirs.get(req.fh)
         if d is None:
             raise OSError(errno.EBADF, f"unknown directory handle {req.fh}")
@@ -640,13 +683,12 @@ class Dispatcher:
                 if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break
                 continue
-            if name in (".", ".."):  # the kernel takes no lookup for these
-                entry = m.EntryOut(0, 0, 0, 0, 0, 0, fuse_attr(a))
-                if not packer.add(entry, i + 1, _dtype(a), raw):
+            if name in (".", ".."):  # nodeid 0: the kernel takes no lookup for these
+                if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break
                 continue
             n = self._remember(path, a, count=0)
-            if not packer.add(self._entry_out(n, a), i + 1, _dtype(a), raw):
+            if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw, self._entry_out(n, a)):
                 if n.lookups == 0 and not n.files:
                     self._drop_node(n)
                 break
@@ -657,12 +699,12 @@ class Dispatcher:
 
     def _getxattr(self, req: m.Getxattr):
         n = self._node(req.header.nodeid)
-        value = self.provider.getxattr(n.path, _name(req.name), handle=n.handle)
+        value = self.provider.getxattr(n.path, _xattr_name(req.name), handle=n.handle)
         return self._sized(value, req.size)
 
     def _listxattr(self, req: m.Listxattr):
         n = self._node(req.header.nodeid)
-        names = self.provider.listxattr(n.path, handle=n.handle)
+        names = [x for x in self.provider.listxattr(n.path, handle=n.handle) if not x.startswith(ACL_XATTR_PREFIX)]
         return self._sized(b"".join(x.encode("utf-8", "surrogateescape") + b"\0" for x in names), req.size)
 
     @staticmethod
@@ -677,11 +719,11 @@ class Dispatcher:
 
     def _setxattr(self, req: m.Setxattr) -> None:
         n = self._node(req.header.nodeid)
-        self.provider.setxattr(n.path, _name(req.name), bytes(req.value), req.flags, handle=self._inode_handle(n))
+        self.provider.setxattr(n.path, _xattr_name(req.name), bytes(req.value), req.flags, handle=self._inode_handle(n))
 
     def _removexattr(self, req: m.Removexattr) -> None:
         n = self._node(req.header.nodeid)
-        self.provider.removexattr(n.path, _name(req.name), handle=self._inode_handle(n))
+        self.provider.removexattr(n.path, _xattr_name(req.name), handle=self._inode_handle(n))
 
 
 __all__ = ["Dispatcher", "HoldRequired", "Node", "errno_of", "fuse_attr"]

@@ -47,6 +47,7 @@ from ..core.errors import HoldRequired
 from ..limits import ServerLimits
 from . import abi
 from . import messages as m
+from .codec import decode_request, encode_error, encode_reply
 from .dispatcher import Dispatcher, errno_of
 
 log = logging.getLogger("sandbox.fuse")
@@ -214,8 +215,6 @@ class FuseServer:
             self._request(buf)
 
     def _request(self, buf: bytes) -> None:
-        from .codec import decode_request
-
         self.requests += 1
         try:
             req = decode_request(buf)
@@ -232,8 +231,6 @@ class FuseServer:
             self.stop()
 
     def _send(self, unique: int, reply, error: BaseException | None) -> None:
-        from .codec import encode_error, encode_reply
-
         if error is not None:
             if isinstance(error, HoldRequired):  # pragma: no cover - only gated requests can hold
                 log.error("fuse: request %d held outside the gate", unique)
