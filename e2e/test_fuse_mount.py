@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 
@@ -157,6 +158,12 @@ def test_fifo_and_chown_through_the_mount_as_root(folders):
         assert os.path.exists(os.path.join(work, "pipe"))
         st = os.lstat(fifo)
         assert (st.st_mode & 0o170000, st.st_mode & 0o777) == (0o010000, 0o640)
+        dev = os.path.join(point, "null")
+        os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # emulated: a placeholder on the host
+        assert os.stat(dev).st_rdev == os.makedev(1, 3)
+        assert stat.S_ISREG(os.lstat(os.path.join(work, "null")).st_mode)
+        with pytest.raises(PermissionError):
+            open(dev, "rb")  # nodev: the host never opens a device through the mount
         target = os.path.join(point, "README.md")
         os.chown(target, 4321, 8765)
         st = os.stat(target)
