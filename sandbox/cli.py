@@ -694,11 +694,17 @@ def cmd_serve_9p(args) -> int:
         provider.close()
         if ws is not None:
             ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
+    return _served_exit(ws, "server stopped")
+
+
+def _served_exit(ws, stopped: str) -> int:
+    """The exit of a server of a working folder once its workspace is closed: whether the
+    last (ambient) step was saved."""
     if ws is not None and ws.unrecorded_step_id is not None:
-        print(f"sandbox: server stopped, but step {ws.unrecorded_step_id} could not be recorded in the undo store "
+        print(f"sandbox: {stopped}, but step {ws.unrecorded_step_id} could not be recorded in the undo store "
               "(see the warning above); it will be rolled back when the folder is next opened", file=sys.stderr)
         return EXIT_FAILED
-    print("sandbox: server stopped", file=sys.stderr)
+    print(f"sandbox: {stopped}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -789,12 +795,7 @@ def cmd_mount(args) -> int:
         provider.close()
         if ws is not None:
             ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
-    if ws is not None and ws.unrecorded_step_id is not None:
-        print(f"sandbox: unmounted, but step {ws.unrecorded_step_id} could not be recorded in the undo store; "
-              "it will be rolled back when the folder is next opened", file=sys.stderr)
-        return EXIT_FAILED
-    print("sandbox: unmounted", file=sys.stderr)
-    return EXIT_OK
+    return _served_exit(ws, "unmounted")
 
 
 def _mount_parser(command, with_workdir, log_levels) -> None:
