@@ -194,3 +194,24 @@ def test_mount_point_inside_the_folder_is_refused(folders):
     inner = os.path.join(work, "src")
     r = _sandbox("mount", "--workdir", work, "--state-dir", state, inner)
     assert r.returncode == 2 and "contain each other" in r.stderr
+
+
+def test_sigterm_with_a_file_open_on_the_mount_still_unmounts(folders):
+    """The mount is detached at once; the server stops after the grace period even though a
+    file stays open there, and the step it made is saved."""
+    work, point, state = folders
+    with mount(work, point, state) as proc:
+        f = open(os.path.join(point, "held-open"), "w")
+        try:
+            f.write("data")
+            f.flush()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(STOP_TIMEOUT_S) == 0
+            assert not _mounted(point)
+        finally:
+            with contextlib.suppress(OSError):
+                f.close()  # ENOTCONN: the connection is gone
+    with open(os.path.join(work, "held-open")) as g:
+        assert g.read() == "data"
+    _undo_all(work, state)
+    assert not os.path.exists(os.path.join(work, "held-open"))
