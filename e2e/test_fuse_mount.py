@@ -64,8 +64,10 @@ def folders(tmp_path):
 @contextlib.contextmanager
 def mount(work: str, point: str, state: str, *extra: str):
     """The running ``sandbox mount``; on exit SIGTERM, and the mount must be gone."""
+    if "--on-hold" not in extra:
+        extra = ("--on-hold", "allow", *extra)
     proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
-                             point, "--on-hold", "allow", *extra], cwd=REPO, stderr=subprocess.PIPE, text=True)
+                             point, *extra], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         line = _first_line(proc)
         if "mounted at" not in line:
@@ -215,3 +217,26 @@ def test_sigterm_with_a_file_open_on_the_mount_still_unmounts(folders):
         assert g.read() == "data"
     _undo_all(work, state)
     assert not os.path.exists(os.path.join(work, "held-open"))
+
+
+@pytest.mark.parametrize("answer", ["allow", "deny"])
+def test_a_safeguard_hold_blocks_the_program_then_allow_or_deny(folders, answer):
+    """`rm -rf` past --delete-threshold blocks mid-syscall until decided: allow lets it finish;
+    deny rolls the step back (the deletes made so far come back) and the program sees EIO."""
+    work, point, state = folders
+    for i in range(6):
+        with open(os.path.join(work, "src", f"f{i}"), "w") as f:
+            f.write(str(i))
+    before = snapshot_dir(work)
+    with mount(work, point, state, "--delete-threshold", "3", "--on-hold", answer):
+        r = subprocess.run(["rm", "-rf", os.path.join(point, "src")], capture_output=True, text=True, timeout=120)
+        if answer == "allow":
+            assert r.returncode == 0, r.stderr
+            assert not os.path.exists(os.path.join(work, "src"))
+        else:
+            assert r.returncode != 0 and "Input/output error" in r.stderr
+    if answer == "deny":
+        assert_same(before, snapshot_dir(work), "the folder after a denied step")
+    else:
+        _undo_all(work, state)
+        assert_same(before, snapshot_dir(work), "the folder after undo")

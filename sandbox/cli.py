@@ -744,7 +744,10 @@ def cmd_mount(args) -> int:
             if event.get("type") == "event.warning":
                 undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
 
-        ws = _open(args, must_exist=False, on_event=on_event)
+        from .core.safeguard import SafeguardConfig
+
+        safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
+        ws = _open(args, must_exist=False, on_event=on_event, safeguard=safeguard)
         provider = Provider.intercepted(ws)
         what = f"intercepted; undo store {_state_dir(args)}"
     limits = ServerLimits()
@@ -817,6 +820,9 @@ def _mount_parser(command, with_workdir, log_levels) -> None:
          (5, "the undo store is in use by another process")]))
     mt.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing directory to mount on")
     mt.add_argument("--read-only", action="store_true", help="refuse every change; no interception, no undo store")
+    mt.add_argument("--delete-threshold", type=int, metavar="N",
+                    help="safeguard: the N-th deletion of a step waits for a decision, the deleting program blocked "
+                         "mid-syscall (default: off)")
     mt.add_argument("--on-hold", choices=["ask", "allow", "deny"], default="ask",
                     help="when a safeguard holds a mass change: ask on the terminal (default; no terminal = deny), "
                          "allow, or deny (the step is rolled back)")
