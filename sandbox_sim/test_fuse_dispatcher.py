@@ -199,6 +199,10 @@ def test_a_node_replaced_on_the_host_is_stale(mnt):
     assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, c.entry.nodeid), 0, 0)) == errno.ESTALE
     assert mnt.err(m.Setattr(H(abi.Opcode.SETATTR, c.entry.nodeid), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                              0o600, 0, 0)) == errno.ESTALE
+    assert mnt.err(m.Open(H(abi.Opcode.OPEN, c.entry.nodeid), os.O_WRONLY | os.O_TRUNC, 0)) == errno.ESTALE
+    assert mnt.err(m.Link(H(abi.Opcode.LINK), c.entry.nodeid, b"again")) == errno.ESTALE
+    with open(mnt.host("f")) as f:
+        assert f.read() == "new"  # not truncated through the stale node
     assert mnt.lookup("f").nodeid != c.entry.nodeid  # the new file is a new node
 
 

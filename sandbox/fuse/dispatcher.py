@@ -456,6 +456,8 @@ class Dispatcher:
         if old.kind == DIR:
             raise OSError(errno.EPERM, "hard link to a directory", old.path)
         path = child(d.path, _name(req.newname))
+        if not self._still_names(old):  # never link whatever else is at its old name now
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", old.path)
         self.provider.link(old.path, path)
         return self._entry(path, cred=self._cred(req))
 
@@ -587,6 +589,8 @@ class Dispatcher:
         if n.kind != REG:
             raise OSError(errno.EPERM, "special files are never opened on the host", n.path)
         flags = req.flags & (os.O_ACCMODE | os.O_APPEND | os.O_TRUNC)
+        if not self._still_names(n):  # never open (let alone truncate) another file now at its name
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
         handle = self._opened(lambda: self.provider.open(n.path, flags, cred=self._cred(req)))
         if _inode(handle.fstat()) != n.inode:
             handle.close()
