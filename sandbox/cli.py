@@ -694,12 +694,141 @@ def cmd_serve_9p(args) -> int:
         provider.close()
         if ws is not None:
             ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
+    return _served_exit(ws, "server stopped")
+
+
+def _served_exit(ws, stopped: str) -> int:
+    """The exit of a server of a working folder once its workspace is closed: whether the
+    last (ambient) step was saved."""
     if ws is not None and ws.unrecorded_step_id is not None:
-        print(f"sandbox: server stopped, but step {ws.unrecorded_step_id} could not be recorded in the undo store "
+        print(f"sandbox: {stopped}, but step {ws.unrecorded_step_id} could not be recorded in the undo store "
               "(see the warning above); it will be rolled back when the folder is next opened", file=sys.stderr)
         return EXIT_FAILED
-    print("sandbox: server stopped", file=sys.stderr)
+    print(f"sandbox: {stopped}", file=sys.stderr)
     return EXIT_OK
+
+
+# -- FUSE mount (issue 16): `sandbox mount`
+#: seconds after SIGTERM/Ctrl-C for files still open on the mount to be closed before serving stops
+UNMOUNT_GRACE_S = 5.0
+
+
+def cmd_mount(args) -> int:
+    """Mount --workdir DIR at MOUNTPOINT through FUSE until SIGTERM/SIGINT or an unmount."""
+    import asyncio
+    import logging
+    import signal
+
+    from .fuse.dispatcher import Dispatcher
+    from .fuse.transport import FuseServer, mount, unmount
+    from .limits import ServerLimits
+    from .mounts import Provider
+    from .serving import Export, HoldBroker
+
+    setup_logging(args.log_level)
+    for what, path in (("--workdir", args.workdir), ("MOUNTPOINT", args.mountpoint)):
+        if not os.path.isdir(path):
+            raise CliError(f"{what} {path!r} does not exist or is not a directory", EXIT_USAGE)
+    work, point = os.path.realpath(args.workdir), os.path.realpath(args.mountpoint)
+    if os.path.commonpath([work, point]) in (work, point):
+        raise CliError("the mount point and the working folder must not contain each other "
+                       "(the server would serve its own mount)", EXIT_USAGE)
+    ws = None
+    if args.read_only:
+        provider = Provider.read_only_dir(args.workdir)
+        what = "read-only, no undo"
+    else:
+        undo_log = logging.getLogger("sandbox.undo")
+
+        def on_event(event: dict) -> None:
+            if event.get("type") == "event.warning":
+                undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
+
+        from .core.safeguard import SafeguardConfig
+
+        safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
+        ws = _open(args, must_exist=False, on_event=on_event, safeguard=safeguard)
+        provider = Provider.intercepted(ws)
+        what = f"intercepted; undo store {_state_dir(args)}"
+    limits = ServerLimits()
+    holds = HoldBroker()
+    unask = holds.ask(_hold_decider(args.on_hold))
+    export = Export(provider, holds, limits)
+    try:
+        fd, via_fusermount = mount(point, read_only=args.read_only)
+    except OSError as e:
+        unask()
+        provider.close()
+        if ws is not None:
+            ws.close()
+        raise CliError(f"cannot mount {point}: {e.strerror}", EXIT_FAILED) from None
+
+    async def serve() -> None:
+        server = FuseServer(Dispatcher(export, limits), fd, limits)
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            """Detach the mount: once its last open file is closed the kernel ends the
+            connection and the loop reads ENODEV; after UNMOUNT_GRACE_S, or a second signal,
+            the loop stops anyway (files still open there then fail with ENOTCONN)."""
+            if unmounting:
+                server.stop()
+                return
+            unmounting.append(loop.run_in_executor(None, unmount, point, via_fusermount))  # fusermount3 may stat it
+            loop.call_later(UNMOUNT_GRACE_S, server.stop)
+
+        unmounting: list = []
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop)
+        print(f"sandbox: {work} mounted at {point} through FUSE ({what}). This gives undo, not isolation: "
+              "programs on the mount run on the host as you. SIGTERM or Ctrl-C unmounts.", file=sys.stderr,
+              flush=True)
+        await server.serve()
+
+    try:
+        asyncio.run(serve())
+    finally:
+        try:
+            unmount(point, via_fusermount)  # nothing to do unless the loop ended another way
+        except OSError as e:
+            print(f"sandbox: unmount failed: {e}", file=sys.stderr)
+        os.close(fd)
+        unask()
+        provider.close()
+        if ws is not None:
+            ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
+    return _served_exit(ws, "unmounted")
+
+
+def _mount_parser(command, with_workdir, log_levels) -> None:
+    mt = with_workdir(command(
+        "mount", "mount a folder through FUSE: every write on the mount lands in an undoable step (undo, not isolation)",
+        "Mount the working folder --workdir DIR at MOUNTPOINT through FUSE, in the foreground, until\n"
+        "SIGTERM or Ctrl-C (which unmount cleanly) or `umount MOUNTPOINT`. Every change a program makes\n"
+        "on the mount is intercepted: it lands in ambient steps (closed after 5 s without writes) that\n"
+        "`sandbox history --workdir DIR` lists and `sandbox undo --workdir DIR` undoes once the mount\n"
+        "is gone (the undo store is locked while it runs). --read-only refuses every change (EROFS).\n\n"
+        "This gives UNDO, NOT ISOLATION: programs on the mount run on the host, as you, and can do\n"
+        "anything you can elsewhere. Only what they change on the mount can be undone.\n\n"
+        "As root the mount uses mount(2) (allow_other); otherwise fusermount3 (package fuse3). Always\n"
+        "nosuid,nodev,default_permissions. See docs/fuse.md.",
+        [(0, "unmounted cleanly"), (1, "the mount failed (no /dev/fuse, not root and no fusermount3), or the "
+                                       "last step could not be saved"),
+         (2, "bad usage (not a directory; the mount point and the folder contain each other)"),
+         (4, "undo unavailable: the store's format version is not this one's (run `sandbox discard`)"),
+         (5, "the undo store is in use by another process")]))
+    mt.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing directory to mount on")
+    mt.add_argument("--read-only", action="store_true", help="refuse every change; no interception, no undo store")
+    mt.add_argument("--delete-threshold", type=int, metavar="N",
+                    help="safeguard: the N-th deletion of a step waits for a decision, the deleting program blocked "
+                         "mid-syscall (default: off)")
+    mt.add_argument("--on-hold", choices=["ask", "allow", "deny"], default="ask",
+                    help="when a safeguard holds a mass change: ask on the terminal (default; no terminal = deny), "
+                         "allow, or deny (the step is rolled back)")
+    mt.add_argument("--log-level", default="warn", type=str.lower, choices=log_levels)
+    mt.set_defaults(fn=cmd_mount)
+# -- end FUSE mount
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -716,6 +845,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  sandbox run --workdir DIR [--workdir DIR2:ro] [--network open] -- COMMAND\n"
                "  sandbox shell --workdir DIR\n"
                "  sandbox serve-9p --root DIR --socket PATH [--read-only]\n"
+               "  sandbox mount --workdir DIR MOUNTPOINT [--read-only]\n"
                "  sandbox demo\n\n"
                "exit codes:\n"
                "  0  success\n"
@@ -964,6 +1094,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run the destructive command as root in the guest (default: as the user `agent`)")
     _guest_root_args(demo)
     demo.set_defaults(fn=cmd_demo)
+    _mount_parser(command, with_workdir, LOG_LEVELS)  # -- FUSE mount (issue 16)
     return p
 
 

@@ -12,7 +12,7 @@ never a higher one:
  2    ``core``                             the undo core: no asyncio, no sockets
  3    ``barriers``, ``mounts``             external modifications; providers and mount table
  4    ``serving``                          what every protocol server shares (holds, exports)
- 5    ``ninep``                            the 9P server and client
+ 5    ``ninep``, ``fuse``                  the 9P server and client; the FUSE codec and server
  6    ``session.guest``, ``vm``,           the guest seam and its implementations
       ``scripted``
  7    ``session``                          the composition root of a session
@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("core",),
     ("barriers", "mounts"),
     ("serving",),
-    ("ninep",),
+    ("ninep", "fuse"),  # -- fuse (issue 16): a peer of ninep
     # -- confined share servers (issue 13): the child process and the agent's proxy of it
     ("serving.shareserver", "serving.remote"),
     ("session.guest", "vm", "scripted"),

@@ -1,0 +1,242 @@
+"""`sandbox mount` over the host's /dev/fuse: real programs on the mount, undone exactly.
+
+Each test starts the real command (``python -m sandbox mount``) on a fresh folder, waits
+for its "mounted" line, runs real programs on the mount (``cp -a``, ``tar``, ``git``,
+Python, ``rm -rf``, ``mkfifo``), stops it with SIGTERM (which must unmount), undoes every
+step with ``sandbox undo`` and compares the folder with its snapshot from before
+(:mod:`sandbox_sim.oracle`: kinds, modes, mtimes, bytes, xattrs, owners).
+
+Fast (a few seconds each) and in the default tier where it can run: skipped, saying why,
+without /dev/fuse, without root (mount(2); the fusermount3 path is not exercised here), or
+when mounting fails (e.g. a container without CAP_SYS_ADMIN).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from sandbox_sim.oracle import assert_same, snapshot_dir
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: seconds to wait for the mount to come up, and for the server to exit after SIGTERM
+START_TIMEOUT_S = 30
+STOP_TIMEOUT_S = 30
+
+
+def _sandbox(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=120, **kw)
+
+
+def _mounted(point: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == point for line in f)
+
+
+@pytest.fixture
+def folders(tmp_path):
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    if os.geteuid() != 0:
+        pytest.skip("not root: these tests mount with mount(2); the fusermount3 path needs fuse3 and a user")
+    work, point, state = tmp_path / "work", tmp_path / "mnt", tmp_path / "state"
+    for d in (work, point, state):
+        d.mkdir()
+    (work / "README.md").write_text("# project\n")
+    (work / "src").mkdir()
+    (work / "src" / "main.py").write_text("print('hi')\n")
+    os.chmod(work / "src" / "main.py", 0o755)
+    os.symlink("src/main.py", work / "link")
+    return str(work), str(point), str(state)
+
+
+@contextlib.contextmanager
+def mount(work: str, point: str, state: str, *extra: str):
+    """The running ``sandbox mount``; on exit SIGTERM, and the mount must be gone."""
+    if "--on-hold" not in extra:
+        extra = ("--on-hold", "allow", *extra)
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                             point, *extra], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        line = _first_line(proc)
+        if "mounted at" not in line:
+            proc.kill()
+            rest = proc.stderr.read()
+            proc.wait()
+            if "cannot mount" in line + rest:
+                pytest.skip(f"mounting a FUSE filesystem failed here: {(line + rest).strip()}")
+            raise AssertionError(f"sandbox mount did not come up: {line}{rest}")
+        assert _mounted(point)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError("sandbox mount did not stop on SIGTERM") from None
+        proc.stderr.close()
+    assert not _mounted(point), "SIGTERM left the mount behind"
+
+
+def _first_line(proc: subprocess.Popen) -> str:
+    import threading
+
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(proc.stderr.readline()), daemon=True)
+    t.start()
+    t.join(START_TIMEOUT_S)
+    return out[0] if out else ""
+
+
+def _undo_all(work: str, state: str) -> None:
+    hist = _sandbox("history", "--workdir", work, "--state-dir", state, "--json")
+    assert hist.returncode == 0, hist.stderr
+    steps = json.loads(hist.stdout)
+    steps = steps.get("steps", steps) if isinstance(steps, dict) else steps
+    assert steps, "the mount recorded no step"
+    r = _sandbox("undo", "--workdir", work, "--state-dir", state, "-n", str(len(steps)))
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _run(argv, **kw) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, **kw)
+    assert r.returncode == 0, f"{argv}: {r.stdout}{r.stderr}"
+
+
+def test_real_programs_on_the_mount_are_undone_exactly(folders, tmp_path):
+    work, point, state = folders
+    before = snapshot_dir(work)
+    source = os.path.join(REPO, "sandbox", "fuse")
+    with mount(work, point, state) as proc:
+        _run(["cp", "-a", source, os.path.join(point, "copied")])
+        for name in os.listdir(source):
+            with open(os.path.join(source, name), "rb") as a, open(os.path.join(point, "copied", name), "rb") as b:
+                assert a.read() == b.read()
+        assert os.stat(os.path.join(point, "copied")).st_mode & 0o777 == os.stat(source).st_mode & 0o777
+        _run(["tar", "-cf", str(tmp_path / "t.tar"), "-C", point, "."])
+        _run(["tar", "-xf", str(tmp_path / "t.tar"), "-C", os.path.join(point, "src")])
+        if shutil.which("git"):
+            env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
+                       GIT_COMMITTER_EMAIL="t@e", HOME=str(tmp_path))
+            _run(["git", "init", "-q"], cwd=point, env=env)
+            _run(["git", "add", "-A"], cwd=point, env=env)
+            _run(["git", "commit", "-qm", "x"], cwd=point, env=env)
+            _run(["git", "status", "--porcelain"], cwd=point, env=env)
+        with open(os.path.join(point, "README.md"), "a") as f:
+            f.write("more\n")
+        tmp = os.path.join(point, "src", ".main.py.tmp")
+        with open(tmp, "w") as f:  # an editor's atomic save
+            f.write("print('bye')\n")
+        os.replace(tmp, os.path.join(point, "src", "main.py"))
+        with open(os.path.join(work, "README.md")) as f:
+            assert f.read() == "# project\nmore\n"  # through the mount, onto the folder
+        _run(["rm", "-rf", os.path.join(point, "copied"), os.path.join(point, "link")])
+        assert not os.path.exists(os.path.join(work, "copied"))
+        assert proc.poll() is None
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing the mount's steps")
+
+
+def test_fifo_and_chown_through_the_mount_as_root(folders):
+    work, point, state = folders
+    before = snapshot_dir(work)
+    with mount(work, point, state):
+        fifo = os.path.join(point, "pipe")
+        os.mkfifo(fifo, 0o640)
+        assert os.path.exists(os.path.join(work, "pipe"))
+        st = os.lstat(fifo)
+        assert (st.st_mode & 0o170000, st.st_mode & 0o777) == (0o010000, 0o640)
+        dev = os.path.join(point, "null")
+        os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))  # emulated: a placeholder on the host
+        assert os.stat(dev).st_rdev == os.makedev(1, 3)
+        assert stat.S_ISREG(os.lstat(os.path.join(work, "null")).st_mode)
+        with pytest.raises(PermissionError):
+            open(dev, "rb")  # nodev: the host never opens a device through the mount
+        target = os.path.join(point, "README.md")
+        os.chown(target, 4321, 8765)
+        st = os.stat(target)
+        assert (st.st_uid, st.st_gid) == (4321, 8765)  # the mount shows the new owner ...
+        host = os.stat(os.path.join(work, "README.md"))
+        assert (host.st_uid, host.st_gid) == (os.getuid(), os.getgid())  # ... the host file keeps its own
+        os.chmod(target, 0o4755)
+        assert os.stat(target).st_mode & 0o7777 == 0o4755
+        assert not os.stat(os.path.join(work, "README.md")).st_mode & 0o4000  # set-id never applied on the host
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undo")
+
+
+def test_read_only_mount_refuses_changes(folders):
+    work, point, state = folders
+    before = snapshot_dir(work)
+    with mount(work, point, state, "--read-only"):
+        with open(os.path.join(point, "README.md")) as f:
+            assert f.read() == "# project\n"
+        with pytest.raises(OSError) as e:
+            open(os.path.join(point, "new"), "w")
+        assert e.value.errno == 30  # EROFS
+    assert_same(before, snapshot_dir(work), "the folder after a read-only mount")
+
+
+def test_mount_point_inside_the_folder_is_refused(folders):
+    work, _point, state = folders
+    inner = os.path.join(work, "src")
+    r = _sandbox("mount", "--workdir", work, "--state-dir", state, inner)
+    assert r.returncode == 2 and "contain each other" in r.stderr
+
+
+def test_sigterm_with_a_file_open_on_the_mount_still_unmounts(folders):
+    """The mount is detached at once; the server stops after the grace period even though a
+    file stays open there, and the step it made is saved."""
+    work, point, state = folders
+    with mount(work, point, state) as proc:
+        f = open(os.path.join(point, "held-open"), "w")
+        try:
+            f.write("data")
+            f.flush()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(STOP_TIMEOUT_S) == 0
+            assert not _mounted(point)
+        finally:
+            with contextlib.suppress(OSError):
+                f.close()  # ENOTCONN: the connection is gone
+    with open(os.path.join(work, "held-open")) as g:
+        assert g.read() == "data"
+    _undo_all(work, state)
+    assert not os.path.exists(os.path.join(work, "held-open"))
+
+
+@pytest.mark.parametrize("answer", ["allow", "deny"])
+def test_a_safeguard_hold_blocks_the_program_then_allow_or_deny(folders, answer):
+    """`rm -rf` past --delete-threshold blocks mid-syscall until decided: allow lets it finish;
+    deny rolls the step back (the deletes made so far come back) and the program sees EIO."""
+    work, point, state = folders
+    for i in range(6):
+        with open(os.path.join(work, "src", f"f{i}"), "w") as f:
+            f.write(str(i))
+    before = snapshot_dir(work)
+    with mount(work, point, state, "--delete-threshold", "3", "--on-hold", answer):
+        r = subprocess.run(["rm", "-rf", os.path.join(point, "src")], capture_output=True, text=True, timeout=120)
+        if answer == "allow":
+            assert r.returncode == 0, r.stderr
+            assert not os.path.exists(os.path.join(work, "src"))
+        else:
+            assert r.returncode != 0 and "Input/output error" in r.stderr
+    if answer == "deny":
+        assert_same(before, snapshot_dir(work), "the folder after a denied step")
+    else:
+        _undo_all(work, state)
+        assert_same(before, snapshot_dir(work), "the folder after undo")

@@ -1,0 +1,733 @@
+"""The FUSE dispatcher: one mount's state and its request handlers — no I/O of its own.
+
+:meth:`Dispatcher.handle` turns one decoded request (:mod:`.messages`) into its reply by
+calling the export's :class:`~sandbox.mounts.Provider`, exactly as
+:class:`~sandbox.ninep.connection.Connection` does for 9P; POSIX semantics (modes,
+owners, set-id clearing, special files, xattr mapping) stay in the Provider. It raises
+``OSError`` (the transport answers ``-errno``) or
+:class:`~sandbox.core.errors.HoldRequired`; :meth:`Dispatcher.submit` runs a request
+through the shared :class:`~sandbox.serving.pipeline.RequestPipeline`, so a mutation met
+by a safeguard hold waits as a task (its reply comes later) while other requests flow.
+A handler changes no dispatcher state before its provider mutation has succeeded, so a
+retry after a hold is exact.
+
+Invariants:
+
+* **nodes.** A node id names an inode the kernel was told about (LOOKUP, the creating
+  requests, LINK, READDIRPLUS entries), with the path relative to the export root where it
+  was last seen and its ``(st_ino, st_dev)``. Node ids are never reused within a mount
+  (a 64-bit counter), so the generation is constant (:data:`GENERATION`). A node lives
+  while its lookup count is positive: every entry reply adds one, FORGET/BATCH_FORGET
+  subtract; at zero it is dropped (the root, :data:`~.abi.FUSE_ROOT_ID`, never is).
+  One inode has one node while the node's path still names it (hard links share it);
+  otherwise (removed, replaced, moved outside us) a lookup makes a new node.
+* nodes and open files are in the export's handle registry, so a rename moves every node
+  and handle at or below the old name (:meth:`~sandbox.serving.exports.Export.renamed`).
+* a change of attributes or xattrs goes to the node's inode — through an open handle on
+  it if there is one, else by path only while the path still names that inode (else
+  ``ESTALE``), as 9P does;
+* **handles.** A file handle holds one host descriptor (the Provider's
+  :class:`~sandbox.hostfs.FileHandle`) from OPEN/CREATE to RELEASE; a directory handle
+  keeps the listing taken at OPENDIR (``.``, ``..``, then names in code-point order), so
+  READDIR offsets are positions in a stable snapshot. Handle ids are never reused.
+* **credentials** come from each request's header uid/gid (:class:`Cred`), which the
+  Provider uses for owners and set-id clearing; permission checks are the kernel's
+  (the mount's ``default_permissions``).
+* bounded (:class:`~sandbox.limits.ServerLimits`): nodes ≤ ``fids_per_connection_max``
+  (``ENFILE``), open files ≤ ``open_files_per_connection_max`` and the process's
+  :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
+  snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
+  reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
+* nothing from the kernel is trusted except as data: unknown node ids and handles are
+  ``ENOENT``/``EBADF``, a name that is not one component ``EINVAL``; any request before
+  INIT is ``EIO``; an opcode the Provider cannot serve is ``ENOSYS`` (``docs/fuse.md``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as _stat
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..core.errors import HoldRequired
+from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
+from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
+from ..mounts import child
+from ..mounts.identity import Cred, OwnerMap
+from ..mounts.provider import XATTR_SIZE_MAX
+from ..serving.exports import Export
+from ..serving.pipeline import RequestPipeline
+from . import abi
+from . import messages as m
+from .codec import DirentPacker, negotiate_init
+
+#: seconds the kernel may cache a name → node answer and a node's attributes. Short, so a
+#: change made on the host beside the mount shows within a second (no notifications yet).
+ENTRY_VALID_S = 1
+ATTR_VALID_S = 1
+#: node ids are never reused within one mount: one generation
+GENERATION = 1
+#: INIT: background requests the kernel may queue for us, and where it starts throttling
+MAX_BACKGROUND = 64
+CONGESTION_THRESHOLD = 48
+#: INIT flags we ask for when the kernel offers them (docs/fuse.md "Dispatcher and mount"):
+#: no writeback cache (every write reaches the interceptor, in order), no POSIX/flock locks
+#: (the kernel arbitrates them locally), no DONT_MASK (the kernel applies the umask)
+WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BIG_WRITES | abi.FUSE_MAX_PAGES
+                     | abi.FUSE_DO_READDIRPLUS | abi.FUSE_READDIRPLUS_AUTO | abi.FUSE_PARALLEL_DIROPS
+                     | abi.FUSE_INIT_EXT)
+
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+_DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
+#: opcodes the Provider cannot serve (yet): ENOSYS, which the kernel remembers
+UNSUPPORTED = frozenset({abi.Opcode.FALLOCATE, abi.Opcode.COPY_FILE_RANGE, abi.Opcode.LSEEK, abi.Opcode.GETLK,
+                         abi.Opcode.SETLK, abi.Opcode.SETLKW})
+#: requests that may mutate the tree: they pass the export's hold gate
+_MUTATING = (m.Setattr, m.Symlink, m.Mknod, m.Mkdir, m.Unlink, m.Rmdir, m.Rename, m.Rename2, m.Link, m.Create,
+             m.Write, m.Setxattr, m.Removexattr)
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a failed request is answered with (``EIO`` for anything unexpected)."""
+    if isinstance(exc, OSError) and isinstance(exc.errno, int) and 0 < exc.errno <= abi.ERRNO_MAX:
+        return exc.errno
+    return errno.EIO
+
+
+def _inode(a: Attr) -> tuple[int, int]:
+    return (a.ino, a.dev)
+
+
+def _name(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+#: POSIX ACLs are not negotiated (no FUSE_POSIX_ACL): their xattrs are EOPNOTSUPP, so tools
+#: (``cp -a``, ``tar --acls``) fall back to chmod, and the mode stays the one truth
+ACL_XATTR_PREFIX = "system.posix_acl_"
+
+
+def _xattr_name(raw: bytes) -> str:
+    name = _name(raw)
+    if name.startswith(ACL_XATTR_PREFIX):
+        raise OSError(errno.EOPNOTSUPP, "POSIX ACLs are not served over FUSE")
+    return name
+
+
+def _dtype(a: Attr) -> int:
+    return _DT[a.kind] if a.kind != OTHER else (a.fmt >> 12) & 0xF
+
+
+def fuse_attr(a: Attr) -> m.FuseAttr:
+    """A Provider :class:`Attr` as ``struct fuse_attr``."""
+    return m.FuseAttr(a.ino & (2**64 - 1), a.size, a.blocks, a.atime_ns // 10**9, a.mtime_ns // 10**9,
+                      a.ctime_ns // 10**9, a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
+                      a.fmt | a.mode, a.nlink & 0xFFFFFFFF, a.uid, a.gid, a.rdev & 0xFFFFFFFF,
+                      min(a.blksize, 0xFFFFFFFF))
+
+
+@dataclass(eq=False, slots=True)
+class Link:
+    """One name of a node's inode, kept in the export's registry (renames move it)."""
+
+    path: str
+    node: "Node"
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """An inode the kernel knows by ``nodeid`` (module docstring): its names (``links``,
+    the first the one used; hard links add more), the open files on it."""
+
+    nodeid: int
+    inode: tuple[int, int]
+    kind: str
+    lookups: int = 0
+    links: list = field(default_factory=list)
+    files: list = field(default_factory=list)
+
+    @property
+    def path(self) -> str:
+        return self.links[0].path
+
+    @property
+    def handle(self) -> FileHandle | None:
+        """An open host handle on this inode (one open for writing if there is one), or None."""
+        found = None
+        for f in self.files:
+            h = f.handle
+            if h.closed:
+                continue
+            if h.flags & os.O_ACCMODE != os.O_RDONLY:
+                return h
+            found = found or h
+        return found
+
+
+@dataclass(eq=False, slots=True)
+class OpenFile:
+    node: Node
+    handle: FileHandle
+
+
+@dataclass(eq=False, slots=True)
+class OpenDir:
+    node: Node
+    names: list[str]
+    cost: int
+
+
+class Dispatcher:
+    """One FUSE mount of ``export`` (module docstring)."""
+
+    def __init__(self, export: Export, limits: ServerLimits = ServerLimits(),
+                 descriptors: DescriptorBudget = PROCESS_DESCRIPTORS, owners: OwnerMap | None = None,
+                 on_settled: Callable[[], None] | None = None):
+        self.export = export
+        self.provider = export.provider
+        self.limits = limits
+        self.descriptors = descriptors
+        self.owners = owners
+        self.initialized = False
+        self.minor = 0
+        self.nodes: dict[int, Node] = {}
+        self._by_inode: dict[tuple[int, int], Node] = {}
+        self._next_node = abi.FUSE_ROOT_ID + 1
+        self.files: dict[int, OpenFile] = {}
+        self.dirs: dict[int, OpenDir] = {}
+        self._next_fh = 1
+        self.listing_bytes = 0
+        #: called after a held request's reply (the transport reads again if it paused)
+        self.on_settled = on_settled or (lambda: None)
+        self.pipeline = RequestPipeline(on_settled=lambda: self.on_settled())
+        a = self.provider.getattr("")
+        root = Node(abi.FUSE_ROOT_ID, _inode(a), DIR, lookups=1)
+        self._add_name(root, "")
+        self.nodes[root.nodeid] = root
+        self._by_inode[root.inode] = root
+        self._handlers = {
+            m.Init: self._init, m.Lookup: self._lookup, m.Forget: self._forget, m.BatchForget: self._batch_forget,
+            m.Getattr: self._getattr, m.Setattr: self._setattr, m.Readlink: self._readlink,
+            m.Symlink: self._symlink, m.Mknod: self._mknod, m.Mkdir: self._mkdir, m.Unlink: self._unlink,
+            m.Rmdir: self._rmdir, m.Rename: self._rename, m.Rename2: self._rename, m.Link: self._link,
+            m.Open: self._open, m.Create: self._create, m.Read: self._read, m.Write: self._write,
+            m.Release: self._release, m.Flush: self._flush, m.Fsync: self._fsync, m.Opendir: self._opendir,
+            m.Readdir: self._readdir, m.Readdirplus: self._readdir, m.Releasedir: self._releasedir,
+            m.Fsyncdir: self._fsyncdir, m.Statfs: self._statfs, m.Getxattr: self._getxattr,
+            m.Setxattr: self._setxattr, m.Listxattr: self._listxattr, m.Removexattr: self._removexattr,
+            m.Access: self._access, m.Interrupt: self._interrupt, m.Destroy: self._destroy,
+        }
+
+    # ------------------------------------------------------------------ dispatch
+
+    def handle(self, req: m.Request):
+        """The reply to ``req`` (``None``: the empty success reply, or no reply for FORGET,
+        BATCH_FORGET and INTERRUPT); raises ``OSError`` or ``HoldRequired``."""
+        h = self._handlers.get(type(req))
+        if h is None:
+            raise OSError(errno.ENOSYS, f"{type(req).__name__} is not served")
+        if not self.initialized and not isinstance(req, m.Init):
+            raise OSError(errno.EIO, "INIT must come first")
+        return h(req)
+
+    def gated(self, req: m.Request) -> Export | None:
+        """The export whose hold gate ``req`` must pass (it may mutate an intercepted tree)."""
+        if self.export.gate is None:
+            return None
+        if isinstance(req, _MUTATING) or (isinstance(req, m.Open) and req.flags & os.O_TRUNC):
+            return self.export
+        return None
+
+    def submit(self, req: m.Request, size: int, send: Callable[[int, object, BaseException | None], None]) -> bool:
+        """Run ``req`` through the pipeline; ``send(unique, reply, error)`` is called once with
+        the result (never for a request that expects no reply, nor for a cancelled one).
+        True if it was deferred behind a hold (its reply comes later)."""
+        unique = req.header.unique
+        if req.OPCODE in m.NO_REPLY or isinstance(req, m.Interrupt):
+            try:
+                self.handle(req)
+            except Exception:  # pragma: no cover - forgets never fail
+                pass
+            return False
+        if req.OPCODE in UNSUPPORTED:
+            send(unique, None, OSError(errno.ENOSYS, f"{req.OPCODE.name} is not served"))
+            return False
+        return self.pipeline.run(unique, self.gated(req), lambda: self.handle(req), size,
+                                 lambda result, error: send(unique, result, error))
+
+    def close(self) -> None:
+        """The mount is gone: close every open file, drop every node."""
+        for fh in list(self.files):
+            self._close_file(fh)
+        for fh in list(self.dirs):
+            self._close_dir(fh)
+        for node in list(self.nodes.values()):
+            for link in node.links:
+                self.export.discard(link)
+        self.nodes.clear()
+        self._by_inode.clear()
+
+    # ------------------------------------------------------------------ nodes
+
+    def _node(self, nodeid: int) -> Node:
+        n = self.nodes.get(nodeid)
+        if n is None:
+            raise OSError(errno.ENOENT, f"unknown node {nodeid}")
+        return n
+
+    def _dir(self, nodeid: int) -> Node:
+        n = self._node(nodeid)
+        if n.kind != DIR:
+            raise OSError(errno.ENOTDIR, "not a directory", n.path)
+        return n
+
+    def _cred(self, req: m.Request) -> Cred:
+        return Cred(req.header.uid, req.header.gid, self.owners)
+
+    def _names(self, path: str, inode: tuple[int, int]) -> bool:
+        try:
+            return _inode(self.provider.lookup(path)) == inode
+        except OSError:
+            return False
+
+    def _still_names(self, node: Node) -> bool:
+        return self._names(node.path, node.inode)
+
+    def _add_name(self, node: Node, path: str) -> None:
+        link = Link(path, node)
+        node.links.insert(0, link)  # the newest name first: the one the kernel just used
+        self.export.add(link)
+
+    def _remember(self, path: str, a: Attr, count: int = 1) -> Node:
+        """The node for the inode ``a`` found at ``path`` (made if new), its lookup count
+        raised by ``count``. A known inode found under a new name is the same node if one
+        of its names still names it (a hard link: the name is added); if none does, the
+        host reused the inode number (or moved it behind our back): a new node."""
+        key = _inode(a)
+        n = self._by_inode.get(key)
+        if n is not None and n.kind == a.kind:
+            if any(link.path == path for link in n.links):
+                n.lookups += count
+                return n
+            if any(self._names(link.path, key) for link in n.links):
+                self._add_name(n, path)
+                n.lookups += count
+                return n
+        if len(self.nodes) >= self.limits.fids_per_connection_max:
+            raise OSError(errno.ENFILE, f"more than {self.limits.fids_per_connection_max} nodes")
+        n = Node(self._next_node, key, a.kind, lookups=count)
+        self._next_node += 1
+        self._add_name(n, path)
+        self.nodes[n.nodeid] = n
+        self._by_inode[key] = n
+        return n
+
+    def _entry(self, path: str, a: Attr | None = None, cred: Cred | None = None) -> m.EntryOut:
+        if a is None:
+            a = self.provider.getattr(path, cred=cred)
+        n = self._remember(path, a)
+        return self._entry_out(n, a)
+
+    @staticmethod
+    def _entry_out(n: Node, a: Attr) -> m.EntryOut:
+        return m.EntryOut(n.nodeid, GENERATION, ENTRY_VALID_S, ATTR_VALID_S, 0, 0, fuse_attr(a))
+
+    def _drop_lookups(self, nodeid: int, count: int) -> None:
+        n = self.nodes.get(nodeid)
+        if n is None or nodeid == abi.FUSE_ROOT_ID:
+            return
+        n.lookups -= min(count, n.lookups)
+        if n.lookups == 0 and not n.files:
+            self._drop_node(n)
+
+    def _drop_node(self, n: Node) -> None:
+        self.nodes.pop(n.nodeid, None)
+        if self._by_inode.get(n.inode) is n:
+            del self._by_inode[n.inode]
+        for link in n.links:
+            self.export.discard(link)
+
+    def _unlinked(self, path: str) -> None:
+        """The name ``path`` was removed. A node with other names keeps those; a node that
+        had only this one keeps it (calls then go through its open handles, or fail with
+        ``ESTALE``), and no longer stands for its inode number, which the host may reuse."""
+        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+            n = link.node
+            if len(n.links) > 1:
+                n.links.remove(link)
+                self.export.discard(link)
+            elif self._by_inode.get(n.inode) is n:
+                del self._by_inode[n.inode]
+
+    def _attr(self, n: Node, cred: Cred | None = None, fh: int | None = None) -> Attr:
+        """The node's inode's attributes — through an open handle, else by path while the
+        path names it."""
+        f = self.files.get(fh) if fh is not None else None
+        h = f.handle if f is not None and f.node is n else n.handle
+        if h is not None:
+            return self.provider.fstat(h, n.path, cred=cred)
+        try:
+            a = self.provider.getattr(n.path, cred=cred)
+        except OSError as e:
+            if e.errno in _GONE:
+                raise OSError(errno.ENOENT, "no such file", n.path) from None
+            raise
+        if _inode(a) != n.inode and n.nodeid != abi.FUSE_ROOT_ID:
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
+        return a
+
+    def _inode_handle(self, n: Node) -> FileHandle | None:
+        """The handle a change through ``n`` must use, or None (act by path, which still
+        names the node's inode); ``ESTALE`` when neither is possible."""
+        h = n.handle
+        if h is not None:
+            return h
+        if n.nodeid != abi.FUSE_ROOT_ID and not self._still_names(n):
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
+        return None
+
+    # ------------------------------------------------------------------ session
+
+    def _init(self, req: m.Init) -> m.InitOut:
+        if req.major > abi.KERNEL_VERSION:  # the kernel sends INIT again with our major
+            return m.InitOut(abi.KERNEL_VERSION, 0, 0, 0, 0, 0, 0, 0, 0)
+        try:
+            out = negotiate_init(req, WANTED_INIT_FLAGS, max_background=MAX_BACKGROUND,
+                                 congestion_threshold=CONGESTION_THRESHOLD)
+        except m.ProtocolError as e:
+            raise OSError(e.errno, e.message) from None
+        self.minor = min(req.minor, out.minor)
+        self.initialized = True
+        return out
+
+    def _destroy(self, req: m.Destroy) -> None:
+        self.close()
+        self.initialized = False
+
+    def _interrupt(self, req: m.Interrupt) -> None:
+        return None  # not yet: a held request stays held (docs/fuse.md)
+
+    def _forget(self, req: m.Forget) -> None:
+        self._drop_lookups(req.header.nodeid, req.nlookup)
+
+    def _batch_forget(self, req: m.BatchForget) -> None:
+        for nodeid, nlookup in req.forgets:
+            self._drop_lookups(nodeid, nlookup)
+
+    # ------------------------------------------------------------------ names
+
+    def _lookup(self, req: m.Lookup) -> m.EntryOut:
+        d = self._dir(req.header.nodeid)
+        name = _name(req.name)
+        path = d.path if name == "." else parent_of(d.path) if name == ".." else child(d.path, name)
+        return self._entry(path, cred=self._cred(req))
+
+    def _mkdir(self, req: m.Mkdir) -> m.EntryOut:
+        d = self._dir(req.header.nodeid)
+        path = child(d.path, _name(req.name))
+        cred = self._cred(req)
+        self.provider.mkdir(path, req.mode & 0o7777, cred=cred)
+        return self._entry(path, cred=cred)
+
+    def _mknod(self, req: m.Mknod) -> m.EntryOut:
+        d = self._dir(req.header.nodeid)
+        path = child(d.path, _name(req.name))
+        cred = self._cred(req)
+        fmt = req.mode & 0o170000
+        if fmt == _stat.S_IFREG:  # mknod(2) of a regular file: an exclusive create
+            handle, _made = self.provider.create(path, req.mode & 0o7777, os.O_WRONLY | os.O_EXCL, cred=cred)
+            handle.close()
+        else:
+            self.provider.mknod(path, req.mode & 0o7777, fmt, req.rdev, cred=cred)
+        return self._entry(path, cred=cred)
+
+    def _symlink(self, req: m.Symlink) -> m.EntryOut:
+        d = self._dir(req.header.nodeid)
+        path = child(d.path, _name(req.name))
+        cred = self._cred(req)
+        self.provider.symlink(_name(req.target), path, cred=cred)
+        return self._entry(path, cred=cred)
+
+    def _link(self, req: m.Link) -> m.EntryOut:
+        d = self._dir(req.header.nodeid)
+        old = self._node(req.oldnodeid)
+        if old.kind == DIR:
+            raise OSError(errno.EPERM, "hard link to a directory", old.path)
+        path = child(d.path, _name(req.newname))
+        if not self._still_names(old):  # never link whatever else is at its old name now
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", old.path)
+        self.provider.link(old.path, path)
+        return self._entry(path, cred=self._cred(req))
+
+    def _unlink(self, req: m.Unlink) -> None:
+        d = self._dir(req.header.nodeid)
+        path = child(d.path, _name(req.name))
+        self.provider.unlink(path)
+        self._unlinked(path)
+
+    def _rmdir(self, req: m.Rmdir) -> None:
+        d = self._dir(req.header.nodeid)
+        path = child(d.path, _name(req.name))
+        self.provider.rmdir(path)
+        self._unlinked(path)
+
+    def _rename(self, req: m.Rename | m.Rename2) -> None:
+        flags = getattr(req, "flags", 0)
+        if flags & ~abi.RENAME_NOREPLACE:
+            raise OSError(errno.EINVAL, "RENAME_EXCHANGE and RENAME_WHITEOUT are not served")
+        od, nd = self._dir(req.header.nodeid), self._dir(req.newdir)
+        src, dst = child(od.path, _name(req.oldname)), child(nd.path, _name(req.newname))
+        if flags & abi.RENAME_NOREPLACE:
+            try:
+                self.provider.lookup(dst)
+            except OSError as e:
+                if e.errno not in _GONE:
+                    raise
+            else:
+                raise OSError(errno.EEXIST, "the new name exists (RENAME_NOREPLACE)", dst)
+        a = self.provider.lookup(src)
+        try:
+            replaced = self.provider.lookup(dst)
+        except OSError:
+            replaced = None
+        self.provider.rename(src, dst)
+        if replaced is not None and _inode(replaced) != _inode(a):
+            self._unlinked(dst)
+        self.export.renamed(src, dst, a.kind == DIR)
+
+    # ------------------------------------------------------------------ attributes
+
+    def _getattr(self, req: m.Getattr) -> m.AttrOut:
+        n = self._node(req.header.nodeid)
+        fh = req.fh if req.getattr_flags & abi.FUSE_GETATTR_FH else None
+        return m.AttrOut(ATTR_VALID_S, 0, fuse_attr(self._attr(n, self._cred(req), fh)))
+
+    def _setattr(self, req: m.Setattr) -> m.AttrOut:
+        n = self._node(req.header.nodeid)
+        v = req.valid
+        cred = self._cred(req)
+        f = self.files.get(req.fh) if v & abi.FATTR_FH else None
+        handle = f.handle if f is not None and f.node is n else self._inode_handle(n)
+
+        def when(flag: int, now: int, sec: int, nsec: int) -> int | None:
+            if not v & flag:
+                return None
+            if v & now:
+                return -1
+            if nsec >= 10**9:
+                raise OSError(errno.EINVAL, "nanoseconds out of range")
+            return sec * 10**9 + nsec
+
+        if v & abi.FATTR_SIZE and req.size > (1 << 63) - 1:
+            raise OSError(errno.EFBIG, "size beyond the largest file offset")
+        self.provider.setattr(
+            n.path, handle=handle, mode=req.mode & 0o7777 if v & abi.FATTR_MODE else None,
+            size=req.size if v & abi.FATTR_SIZE else None,
+            atime_ns=when(abi.FATTR_ATIME, abi.FATTR_ATIME_NOW, req.atime, req.atimensec),
+            mtime_ns=when(abi.FATTR_MTIME, abi.FATTR_MTIME_NOW, req.mtime, req.mtimensec),
+            chown=bool(v & (abi.FATTR_UID | abi.FATTR_GID)),
+            uid=req.uid if v & abi.FATTR_UID else None, gid=req.gid if v & abi.FATTR_GID else None, cred=cred)
+        return m.AttrOut(ATTR_VALID_S, 0, fuse_attr(self._attr(n, cred, req.fh if f is not None else None)))
+
+    def _readlink(self, req: m.Readlink) -> m.Data:
+        n = self._node(req.header.nodeid)
+        if n.kind != LNK:
+            raise OSError(errno.EINVAL, "not a symlink", n.path)
+        return m.Data(self.provider.readlink(n.path).encode("utf-8", "surrogateescape"))
+
+    def _access(self, req: m.Access) -> None:
+        self._attr(self._node(req.header.nodeid))  # exists; the permission check is the kernel's
+
+    def _statfs(self, req: m.Statfs) -> m.StatfsOut:
+        s = self.provider.statfs()
+        return m.StatfsOut(s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.bsize)
+
+    # ------------------------------------------------------------------ files
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _opened(self, open_fn):
+        """``open_fn()`` — a Provider call returning a new host handle (or a tuple holding
+        one) — within this mount's and the process's descriptor limits."""
+        cap = min(self.limits.open_files_per_connection_max,
+                  max(1, int(self.descriptors.capacity * self.limits.open_files_per_connection_share_max)))
+        if len(self.files) >= cap:
+            raise OSError(errno.EMFILE, f"more than {cap} open files on this mount")
+        self.descriptors.acquire()
+        try:
+            return open_fn()
+        except BaseException:
+            self.descriptors.release()
+            raise
+
+    def _add_file(self, n: Node, handle: FileHandle) -> int:
+        fh = self._new_fh()
+        f = OpenFile(n, handle)
+        n.files.append(f)
+        self.files[fh] = f
+        return fh
+
+    def _close_file(self, fh: int) -> None:
+        f = self.files.pop(fh, None)
+        if f is None:
+            return
+        f.node.files.remove(f)
+        self.descriptors.release()
+        f.handle.close()
+        if f.node.lookups == 0 and not f.node.files and f.node.nodeid != abi.FUSE_ROOT_ID:
+            self._drop_node(f.node)
+
+    def _open(self, req: m.Open) -> m.OpenOut:
+        n = self._node(req.header.nodeid)
+        if n.kind == DIR:
+            raise OSError(errno.EISDIR, "is a directory", n.path)
+        if n.kind != REG:
+            raise OSError(errno.EPERM, "special files are never opened on the host", n.path)
+        flags = req.flags & (os.O_ACCMODE | os.O_APPEND | os.O_TRUNC)
+        if not self._still_names(n):  # never open (let alone truncate) another file now at its name
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
+        handle = self._opened(lambda: self.provider.open(n.path, flags, cred=self._cred(req)))
+        if _inode(handle.fstat()) != n.inode:
+            handle.close()
+            self.descriptors.release()
+            raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
+        return m.OpenOut(self._add_file(n, handle), 0)
+
+    def _create(self, req: m.Create) -> m.CreateOut:
+        d = self._dir(req.header.nodeid)
+        path = child(d.path, _name(req.name))
+        cred = self._cred(req)
+        handle, _made = self._opened(lambda: self.provider.create(path, req.mode & 0o7777, req.flags, cred=cred))
+        try:
+            a = self.provider.fstat(handle, path, cred=cred)
+            n = self._remember(path, a)
+        except BaseException:
+            handle.close()
+            self.descriptors.release()
+            raise
+        return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), 0))
+
+    def _file(self, fh: int) -> OpenFile:
+        f = self.files.get(fh)
+        if f is None:
+            raise OSError(errno.EBADF, f"unknown file handle {fh}")
+        return f
+
+    def _read(self, req: m.Read) -> m.Data:
+        f = self._file(req.fh)
+        if req.offset > (1 << 63) - 1:
+            raise OSError(errno.EINVAL, "offset beyond the largest file offset")
+        return m.Data(f.handle.pread(min(req.size, abi.MAX_WRITE_BYTES), req.offset))
+
+    def _write(self, req: m.Write) -> m.WriteOut:
+        f = self._file(req.fh)
+        if req.offset > (1 << 63) - 1:
+            raise OSError(errno.EFBIG, "offset beyond the largest file offset")
+        return m.WriteOut(self.provider.write(f.handle, f.node.path, req.offset, bytes(req.data),
+                                              cred=self._cred(req)))
+
+    def _release(self, req: m.Release) -> None:
+        self._close_file(req.fh)
+
+    def _flush(self, req: m.Flush) -> None:
+        self._file(req.fh)  # writes are never buffered here: nothing to flush
+
+    def _fsync(self, req: m.Fsync) -> None:
+        f = self._file(req.fh)
+        self.provider.fsync(f.handle, bool(req.fsync_flags & abi.FUSE_FSYNC_FDATASYNC))
+
+    # ------------------------------------------------------------------ directories
+
+    def _opendir(self, req: m.Opendir) -> m.OpenOut:
+        n = self._dir(req.header.nodeid)
+        self._attr(n)  # still there (ESTALE/ENOENT otherwise)
+        names = [".", ".."] + sorted(self.provider.listdir(n.path))
+        cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
+        budget = self.limits.dir_listing_bytes_per_connection_max
+        if self.listing_bytes + cost > budget:
+            raise OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+        fh = self._new_fh()
+        self.dirs[fh] = OpenDir(n, names, cost)
+        self.listing_bytes += cost
+        return m.OpenOut(fh, 0)
+
+    def _close_dir(self, fh: int) -> None:
+        d = self.dirs.pop(fh, None)
+        if d is not None:
+            self.listing_bytes -= d.cost
+
+    def _releasedir(self, req: m.Releasedir) -> None:
+        self._close_dir(req.fh)
+
+    def _fsyncdir(self, req: m.Fsyncdir) -> None:
+        if req.fh not in self.dirs:
+            raise OSError(errno.EBADF, f"unknown directory handle {req.fh}")
+
+    def _readdir(self, req: m.Readdir | m.Readdirplus) -> m.Data:
+        d = self.dirs.get(req.fh)
+        if d is None:
+            raise OSError(errno.EBADF, f"unknown directory handle {req.fh}")
+        plus = isinstance(req, m.Readdirplus)
+        packer = DirentPacker(min(req.size, abi.MAX_WRITE_BYTES), plus)
+        base = d.node.path
+        for i in range(req.offset, len(d.names)):
+            name = d.names[i]
+            path = base if name == "." else parent_of(base) if name == ".." else child(base, name)
+            try:
+                a = self.provider.getattr(path, cred=self._cred(req)) if plus else self.provider.lookup(path)
+            except OSError:
+                continue  # vanished since OPENDIR: skipped, the offsets stay stable
+            raw = name.encode("utf-8", "surrogateescape")
+            if not plus:
+                if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
+                    break
+                continue
+            if name in (".", ".."):  # nodeid 0: the kernel takes no lookup for these
+                if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
+                    break
+                continue
+            n = self._remember(path, a, count=0)
+            if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw, self._entry_out(n, a)):
+                if n.lookups == 0 and not n.files:
+                    self._drop_node(n)
+                break
+            n.lookups += 1
+        return m.Data(packer.bytes())
+
+    # ------------------------------------------------------------------ xattrs
+
+    def _getxattr(self, req: m.Getxattr):
+        n = self._node(req.header.nodeid)
+        value = self.provider.getxattr(n.path, _xattr_name(req.name), handle=n.handle)
+        return self._sized(value, req.size)
+
+    def _listxattr(self, req: m.Listxattr):
+        n = self._node(req.header.nodeid)
+        names = [x for x in self.provider.listxattr(n.path, handle=n.handle) if not x.startswith(ACL_XATTR_PREFIX)]
+        return self._sized(b"".join(x.encode("utf-8", "surrogateescape") + b"\0" for x in names), req.size)
+
+    @staticmethod
+    def _sized(value: bytes, size: int):
+        if len(value) > XATTR_SIZE_MAX:
+            raise OSError(errno.E2BIG, "xattr larger than 64 KiB")
+        if size == 0:
+            return m.GetxattrOut(len(value))
+        if len(value) > size:
+            raise OSError(errno.ERANGE, "the buffer is too small")
+        return m.Data(value)
+
+    def _setxattr(self, req: m.Setxattr) -> None:
+        n = self._node(req.header.nodeid)
+        self.provider.setxattr(n.path, _xattr_name(req.name), bytes(req.value), req.flags, handle=self._inode_handle(n))
+
+    def _removexattr(self, req: m.Removexattr) -> None:
+        n = self._node(req.header.nodeid)
+        self.provider.removexattr(n.path, _xattr_name(req.name), handle=self._inode_handle(n))
+
+
+__all__ = ["Dispatcher", "HoldRequired", "Node", "errno_of", "fuse_attr"]

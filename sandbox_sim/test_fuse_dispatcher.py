@@ -1,0 +1,352 @@
+"""The FUSE dispatcher driven with codec messages against a real folder (no kernel).
+
+Requests are :mod:`sandbox.fuse.messages` values as the decoder makes them (a few go
+through ``decode_request`` from bytes the reference way is built in the codec's tests);
+every reply is encoded with ``encode_reply`` so it is one the kernel can be sent. The
+folder is a real directory under an intercepted :class:`Workspace`, so every change is
+also checked on the host and through the undo core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import os
+import stat
+
+import pytest
+
+from sandbox.core.safeguard import SafeguardConfig
+from sandbox.core.workspace import Workspace
+from sandbox.fuse import abi
+from sandbox.fuse import messages as m
+from sandbox.fuse.codec import encode_error, encode_reply
+from sandbox.fuse.dispatcher import WANTED_INIT_FLAGS, Dispatcher, errno_of
+from sandbox.limits import DescriptorBudget, ServerLimits
+from sandbox.mounts import Provider
+from sandbox.serving import Export, HoldBroker
+from sandbox_sim.oracle import assert_same, snapshot_dir
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = abi.FUSE_ROOT_ID
+UID, GID = os.getuid(), os.getgid()
+_unique = itertools.count(2)
+
+
+def H(op: abi.Opcode, nodeid: int = ROOT, uid: int = UID, gid: int = GID) -> m.InHeader:
+    return m.InHeader(0, int(op), next(_unique), nodeid, uid, gid, 4242)
+
+
+class Mount:
+    """A dispatcher on ``tmp_path/work``, initialised; ``call`` returns the reply (encoded
+    once, to prove it encodes) or raises the handler's OSError."""
+
+    def __init__(self, tmp_path, limits: ServerLimits = ServerLimits(), safeguard: SafeguardConfig | None = None,
+                 descriptors: DescriptorBudget | None = None):
+        self.work = str(tmp_path / "work")
+        os.makedirs(self.work, exist_ok=True)
+        kw = {"safeguard": safeguard} if safeguard is not None else {}
+        self.ws = Workspace.open(self.work, state_dir=str(tmp_path / "state"), **kw)
+        self.provider = Provider.intercepted(self.ws)
+        self.holds = HoldBroker()
+        self.export = Export(self.provider, self.holds, limits)
+        self.d = Dispatcher(self.export, limits, **({"descriptors": descriptors} if descriptors else {}))
+        out = self.call(m.Init(H(abi.Opcode.INIT), 7, 38, 1 << 17,
+                               0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
+        self.init = out
+
+    def call(self, req):
+        reply = self.d.handle(req)
+        if req.OPCODE not in m.NO_REPLY:
+            encode_reply(req.header.unique, reply)
+        return reply
+
+    def err(self, req) -> int:
+        with pytest.raises(OSError) as e:
+            self.call(req)
+        encode_error(req.header.unique, errno_of(e.value))
+        return e.value.errno
+
+    def lookup(self, name: str, parent: int = ROOT) -> m.EntryOut:
+        return self.call(m.Lookup(H(abi.Opcode.LOOKUP, parent), name.encode()))
+
+    def create(self, name: str, mode: int = 0o644, parent: int = ROOT, flags: int = os.O_RDWR) -> m.CreateOut:
+        return self.call(m.Create(H(abi.Opcode.CREATE, parent), flags | os.O_CREAT, mode, 0o022, 0, name.encode()))
+
+    def write(self, node: int, fh: int, data: bytes, offset: int = 0) -> int:
+        return self.call(m.Write(H(abi.Opcode.WRITE, node), fh, offset, len(data), 0, 0, os.O_RDWR, data)).size
+
+    def read(self, node: int, fh: int, size: int, offset: int = 0) -> bytes:
+        return bytes(self.call(m.Read(H(abi.Opcode.READ, node), fh, offset, size, 0, 0, 0)).data)
+
+    def release(self, node: int, fh: int) -> None:
+        self.call(m.Release(H(abi.Opcode.RELEASE, node), fh, 0, 0, 0))
+
+    def getattr(self, node: int) -> m.FuseAttr:
+        return self.call(m.Getattr(H(abi.Opcode.GETATTR, node), 0, 0)).attr
+
+    def forget(self, node: int, n: int) -> None:
+        self.call(m.Forget(H(abi.Opcode.FORGET, node), n))
+
+    def host(self, *parts: str) -> str:
+        return os.path.join(self.work, *parts)
+
+    def close(self) -> None:
+        self.d.close()
+        self.ws.close()
+
+
+@pytest.fixture
+def mnt(tmp_path):
+    mo = Mount(tmp_path)
+    yield mo
+    mo.close()
+
+
+def test_init_grants_what_we_want_and_nothing_else(mnt):
+    out = mnt.init
+    granted = out.flags | (out.flags2 << 32)
+    assert granted & ~(WANTED_INIT_FLAGS | abi.FUSE_INIT_EXT) == 0
+    assert not granted & (abi.FUSE_WRITEBACK_CACHE | abi.FUSE_POSIX_LOCKS | abi.FUSE_DONT_MASK | abi.FUSE_POSIX_ACL)
+    assert granted & abi.FUSE_ATOMIC_O_TRUNC and granted & abi.FUSE_DO_READDIRPLUS
+    assert (out.major, out.max_write, out.time_gran) == (7, abi.MAX_WRITE_BYTES, 1)
+    assert out.max_pages * abi.PAGE_SIZE >= abi.MAX_WRITE_BYTES
+
+
+def test_requests_before_init_and_old_kernels_are_refused(tmp_path):
+    ws = Workspace.open(str(tmp_path), state_dir=str(tmp_path.parent / (tmp_path.name + "-state")))
+    try:
+        d = Dispatcher(Export(Provider.intercepted(ws), HoldBroker()))
+        with pytest.raises(OSError) as e:
+            d.handle(m.Getattr(H(abi.Opcode.GETATTR), 0, 0))
+        assert e.value.errno == errno.EIO
+        with pytest.raises(OSError) as e:
+            d.handle(m.Init(H(abi.Opcode.INIT), 7, 30, 0, 0, 0))
+        assert e.value.errno == errno.EPROTO
+        d.close()
+    finally:
+        ws.close()
+
+
+def test_create_write_read_release_round_trip(mnt):
+    c = mnt.create("a.txt", 0o640)
+    node, fh = c.entry.nodeid, c.open.fh
+    assert mnt.write(node, fh, b"hello world") == 11
+    assert mnt.read(node, fh, 5, 6) == b"world"
+    mnt.release(node, fh)
+    with open(mnt.host("a.txt"), "rb") as f:
+        assert f.read() == b"hello world"
+    a = mnt.getattr(node)
+    assert (stat.S_IFMT(a.mode), a.mode & 0o7777, a.size) == (stat.S_IFREG, 0o640, 11)
+    assert mnt.err(m.Read(H(abi.Opcode.READ, node), fh, 0, 1, 0, 0, 0)) == errno.EBADF  # released
+
+
+def test_lookup_counts_and_forget(mnt):
+    with open(mnt.host("f"), "w") as f:
+        f.write("x")
+    a, b = mnt.lookup("f"), mnt.lookup("f")
+    assert a.nodeid == b.nodeid != ROOT and a.generation == b.generation
+    mnt.forget(a.nodeid, 1)
+    assert mnt.getattr(a.nodeid).size == 1  # one lookup left
+    mnt.forget(a.nodeid, 1)
+    assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, a.nodeid), 0, 0)) == errno.ENOENT
+    c = mnt.lookup("f")
+    assert c.nodeid > a.nodeid  # node ids are never reused
+    mnt.call(m.BatchForget(H(abi.Opcode.BATCH_FORGET, 0), ((c.nodeid, 1), (ROOT, 5), (999999, 1))))
+    assert c.nodeid not in mnt.d.nodes and ROOT in mnt.d.nodes
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP), b"missing")) == errno.ENOENT
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP), b"a/b")) == errno.EINVAL
+
+
+def test_a_hard_link_keeps_its_node_when_the_first_name_goes(mnt):
+    """git's object files: written to a temporary name, linked to the final one, unlinked."""
+    c = mnt.create("tmp_obj")
+    mnt.write(c.entry.nodeid, c.open.fh, b"blob")
+    mnt.release(c.entry.nodeid, c.open.fh)
+    e = mnt.call(m.Link(H(abi.Opcode.LINK), c.entry.nodeid, b"final"))
+    assert e.nodeid == c.entry.nodeid and e.attr.nlink == 2
+    mnt.call(m.Unlink(H(abi.Opcode.UNLINK), b"tmp_obj"))
+    a = mnt.getattr(e.nodeid)
+    assert (a.size, a.nlink) == (4, 1)
+    o = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
+    assert mnt.read(e.nodeid, o.fh, 10) == b"blob"
+
+
+def test_rename_moves_nodes_below_it(mnt):
+    d = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"dir"))
+    c = mnt.create("f", parent=d.nodeid)
+    mnt.release(c.entry.nodeid, c.open.fh)
+    mnt.call(m.Rename(H(abi.Opcode.RENAME), ROOT, b"dir", b"moved"))
+    assert os.path.exists(mnt.host("moved", "f"))
+    assert mnt.getattr(c.entry.nodeid).size == 0
+    o = mnt.call(m.Open(H(abi.Opcode.OPEN, c.entry.nodeid), os.O_WRONLY, 0))
+    mnt.write(c.entry.nodeid, o.fh, b"z")
+    with open(mnt.host("moved", "f")) as f:
+        assert f.read() == "z"
+    with open(mnt.host("other"), "w"):
+        pass
+    assert mnt.err(m.Rename2(H(abi.Opcode.RENAME2), ROOT, abi.RENAME_NOREPLACE, b"moved", b"other")) == errno.EEXIST
+    assert mnt.err(m.Rename2(H(abi.Opcode.RENAME2), ROOT, abi.RENAME_EXCHANGE, b"moved", b"other")) == errno.EINVAL
+
+
+def test_a_node_replaced_on_the_host_is_stale(mnt):
+    c = mnt.create("f")
+    mnt.release(c.entry.nodeid, c.open.fh)
+    os.rename(mnt.host("f"), mnt.host("kept"))  # behind the mount's back; the old inode lives on
+    with open(mnt.host("f"), "w") as f:
+        f.write("new")
+    assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, c.entry.nodeid), 0, 0)) == errno.ESTALE
+    assert mnt.err(m.Setattr(H(abi.Opcode.SETATTR, c.entry.nodeid), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                             0o600, 0, 0)) == errno.ESTALE
+    assert mnt.err(m.Open(H(abi.Opcode.OPEN, c.entry.nodeid), os.O_WRONLY | os.O_TRUNC, 0)) == errno.ESTALE
+    assert mnt.err(m.Link(H(abi.Opcode.LINK), c.entry.nodeid, b"again")) == errno.ESTALE
+    with open(mnt.host("f")) as f:
+        assert f.read() == "new"  # not truncated through the stale node
+    assert mnt.lookup("f").nodeid != c.entry.nodeid  # the new file is a new node
+
+
+def test_setattr_mode_size_times_and_owner(mnt):
+    c = mnt.create("f", 0o644)
+    node = c.entry.nodeid
+    mnt.write(node, c.open.fh, b"0123456789")
+    valid = abi.FATTR_MODE | abi.FATTR_SIZE | abi.FATTR_MTIME | abi.FATTR_ATIME
+    out = mnt.call(m.Setattr(H(abi.Opcode.SETATTR, node), valid | abi.FATTR_FH, c.open.fh, 4, 0, 10, 20, 0, 5, 7, 0,
+                             0o600, 0, 0))
+    assert (out.attr.size, out.attr.mode & 0o7777, out.attr.mtime, out.attr.mtimensec) == (4, 0o600, 20, 7)
+    st = os.stat(mnt.host("f"))
+    assert (st.st_size, st.st_mode & 0o777, st.st_mtime_ns, st.st_atime_ns) == (4, 0o600, 20 * 10**9 + 7, 10 * 10**9 + 5)
+    out = mnt.call(m.Setattr(H(abi.Opcode.SETATTR, node, uid=0, gid=0), abi.FATTR_UID | abi.FATTR_GID, 0, 0, 0, 0, 0,
+                             0, 0, 0, 0, 0, 4321, 8765))
+    assert (out.attr.uid, out.attr.gid) == (4321, 8765)  # mapped for the mount's view ...
+    assert (os.stat(mnt.host("f")).st_uid, os.stat(mnt.host("f")).st_gid) == (UID, GID)  # ... never applied
+    assert mnt.err(m.Setattr(H(abi.Opcode.SETATTR, node), abi.FATTR_MTIME, 0, 0, 0, 0, 1, 0, 0, 10**9, 0, 0, 0,
+                             0)) == errno.EINVAL
+
+
+def test_readdir_offsets_are_a_stable_snapshot(mnt):
+    names = [f"n{i:03}" for i in range(40)]
+    for n in names:
+        open(mnt.host(n), "w").close()
+    o = mnt.call(m.Opendir(H(abi.Opcode.OPENDIR), os.O_RDONLY, 0))
+    open(mnt.host("zz-late"), "w").close()  # after OPENDIR: not in this listing
+    seen, offset = [], 0
+    while True:
+        data = bytes(mnt.call(m.Readdir(H(abi.Opcode.READDIR), o.fh, offset, 200, 0, 0, 0)).data)
+        if not data:
+            break
+        pos = 0
+        while pos < len(data):
+            ino, off, namelen, _typ = (int.from_bytes(data[pos + i:pos + i + w], "little")
+                                       for i, w in ((0, 8), (8, 8), (16, 4), (20, 4)))
+            seen.append(data[pos + 24:pos + 24 + namelen].decode())
+            offset = off
+            pos += (24 + namelen + 7) & ~7
+    assert seen == [".", ".."] + names
+    mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR), o.fh, 0, 0, 0))
+    assert mnt.d.listing_bytes == 0
+
+
+def test_readdirplus_takes_one_lookup_per_entry(mnt):
+    open(mnt.host("a"), "w").close()
+    o = mnt.call(m.Opendir(H(abi.Opcode.OPENDIR), os.O_RDONLY, 0))
+    mnt.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), o.fh, 0, 4096, 0, 0, 0))
+    node = mnt.lookup("a")
+    assert mnt.d.nodes[node.nodeid].lookups == 2  # the entry's and the lookup's
+    mnt.forget(node.nodeid, 2)
+    assert node.nodeid not in mnt.d.nodes
+
+
+def test_xattrs_sizes_and_acl_names(mnt):
+    c = mnt.create("f")
+    node = c.entry.nodeid
+    mnt.call(m.Setxattr(H(abi.Opcode.SETXATTR, node), 3, 0, 0, b"user.k", b"val"))
+    assert mnt.call(m.Getxattr(H(abi.Opcode.GETXATTR, node), 0, b"user.k")).size == 3
+    assert bytes(mnt.call(m.Getxattr(H(abi.Opcode.GETXATTR, node), 3, b"user.k")).data) == b"val"
+    assert mnt.err(m.Getxattr(H(abi.Opcode.GETXATTR, node), 2, b"user.k")) == errno.ERANGE
+    assert bytes(mnt.call(m.Listxattr(H(abi.Opcode.LISTXATTR, node), 100)).data) == b"user.k\0"
+    mnt.call(m.Removexattr(H(abi.Opcode.REMOVEXATTR, node), b"user.k"))
+    assert mnt.err(m.Getxattr(H(abi.Opcode.GETXATTR, node), 0, b"user.k")) == errno.ENODATA
+    acl = b"system.posix_acl_access"
+    assert mnt.err(m.Setxattr(H(abi.Opcode.SETXATTR, node), 4, 0, 0, acl, b"\2\0\0\0")) == errno.EOPNOTSUPP
+    assert mnt.err(m.Getxattr(H(abi.Opcode.GETXATTR, node), 0, acl)) == errno.EOPNOTSUPP
+
+
+def test_special_files_are_made_never_opened(mnt):
+    e = mnt.call(m.Mknod(H(abi.Opcode.MKNOD), stat.S_IFIFO | 0o640, 0, 0o022, b"pipe"))
+    assert stat.S_ISFIFO(os.lstat(mnt.host("pipe")).st_mode) and stat.S_ISFIFO(e.attr.mode)
+    assert mnt.err(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0)) == errno.EPERM
+    r = mnt.call(m.Mknod(H(abi.Opcode.MKNOD), stat.S_IFREG | 0o600, 0, 0o022, b"plain"))
+    assert stat.S_ISREG(os.lstat(mnt.host("plain")).st_mode) and r.attr.mode & 0o777 == 0o600
+    s = mnt.call(m.Symlink(H(abi.Opcode.SYMLINK), b"ln", b"target/x"))
+    assert bytes(mnt.call(m.Readlink(H(abi.Opcode.READLINK, s.nodeid))).data) == b"target/x"
+
+
+def test_open_files_are_bounded(tmp_path):
+    mo = Mount(tmp_path, ServerLimits(open_files_per_connection_max=2))
+    try:
+        fhs = [mo.create(f"f{i}") for i in range(2)]
+        assert mo.err(m.Create(H(abi.Opcode.CREATE), os.O_RDWR | os.O_CREAT, 0o644, 0, 0, b"f9")) == errno.EMFILE
+        assert not os.path.exists(mo.host("f9"))
+        mo.release(fhs[0].entry.nodeid, fhs[0].open.fh)
+        mo.create("f9")
+    finally:
+        mo.close()
+
+
+def test_unsupported_opcodes_are_enosys_and_forget_has_no_reply(mnt):
+    async def go():
+        sent = []
+        send = lambda u, r, e: sent.append((u, r, e))  # noqa: E731
+        mnt.d.submit(m.Fallocate(H(abi.Opcode.FALLOCATE), 1, 0, 10, 0), 64, send)
+        mnt.d.submit(m.Forget(H(abi.Opcode.FORGET), 1), 48, send)
+        mnt.d.submit(m.Statfs(H(abi.Opcode.STATFS)), 40, send)
+        return sent
+
+    sent = asyncio.run(go())
+    assert len(sent) == 2
+    assert sent[0][2].errno == errno.ENOSYS and sent[1][2] is None and sent[1][1].namelen == 255
+
+
+def test_a_held_delete_waits_while_other_requests_flow(tmp_path):
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(3):
+        open(mo.host(f"f{i}"), "w").close()
+    before_step = snapshot_dir(mo.work)
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        settled = asyncio.Event()
+
+        def send(unique, reply, error):
+            sent[unique] = (reply, error)
+            settled.set()
+
+        reqs = [m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()) for i in range(3)]
+        deferred = [mo.d.submit(r, 64, send) for r in reqs]
+        assert deferred == [False, True, True]  # the second delete crosses the threshold; the third queues
+        read = m.Getattr(H(abi.Opcode.GETATTR), 0, 0)
+        assert mo.d.submit(read, 56, send) is False and sent[read.header.unique][1] is None  # reads go on
+        assert sorted(os.listdir(mo.work)) == ["f1", "f2"]
+        assert mo.d.pipeline.held_bytes == 128
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)  # the held task registers its hold on its first turn
+        settled.clear()
+        assert mo.holds.answer(gate.pending.id, "allow")
+        while len(sent) < 4:
+            settled.clear()
+            await settled.wait()
+        assert all(sent[r.header.unique][1] is None for r in reqs)
+        assert os.listdir(mo.work) == []
+
+    try:
+        asyncio.run(go())
+    finally:
+        mo.close()
+    ws = Workspace.open(mo.work, state_dir=str(tmp_path / "state"))
+    try:
+        ws.rollback(len(ws.history()))
+    finally:
+        ws.close()
+    assert_same(before_step, snapshot_dir(mo.work), "after undoing the held step")
