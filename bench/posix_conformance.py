@@ -188,7 +188,8 @@ def guest_script(files: list[str], timeout_s: int) -> str:
 
 
 async def run_suite(suite: str, by_dir: dict[str, list[str]], workdir: str, timeout_s: int,
-                    share: str, progress) -> tuple[list[FileResult], dict]:
+                    share: str, progress, partial=None) -> tuple[list[FileResult], dict]:
+    """Run the directories one step each; ``partial(results)`` after each (a run cut short keeps them)."""
     share_dir = os.path.join(workdir, "share")
     os.makedirs(share_dir, exist_ok=True)
     os.chmod(share_dir, 0o777)
@@ -215,6 +216,8 @@ async def run_suite(suite: str, by_dir: dict[str, list[str]], workdir: str, time
             fails = sum(g.failures for g in got)
             total = sum(max(g.planned, g.seen) for g in got)
             progress(f"{t}: {total} tests, {fails} failed ({time.monotonic() - s:.0f} s)")
+            if partial is not None:
+                partial(results)
     meta["wall_s"] = round(time.monotonic() - t0, 1)
     return results, meta
 
@@ -286,9 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     def progress(msg: str) -> None:
         print(msg, flush=True)
 
+    def partial(results: list[FileResult]) -> None:
+        if args.json:  # the directories done so far, in the same format (--from-json reads it)
+            with open(args.json, "w") as f:
+                json.dump({"partial": True, "files": [dataclasses.asdict(r) for r in results]}, f)
+
     try:
         results, meta = asyncio.run(run_suite(suite, by_dir, os.path.abspath(workdir), args.file_timeout,
-                                              args.share, progress))
+                                              args.share, progress, partial))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
