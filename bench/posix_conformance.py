@@ -30,6 +30,7 @@ import sandbox
 from sandbox.core.safeguard import SafeguardConfig
 
 DESCRIPTION = """\
+
 Boot a session VM (sandbox.Sandbox, guest root = the host's /usr read-only, commands as
 guest root) with a scratch folder as its read-write share, and the built pjdfstest
 directory as a read-only volume. In the share, run every selected pjdfstest .t file with
@@ -46,7 +47,9 @@ hand-written config.h (see docs/conformance.md) and `gcc -Wall -O2 -o pjdfstest 
 
 Under TCG every `expect` line forks several processes in the emulated CPU: the default
 subset takes tens of minutes, `--tests all` (about 3,000 tests) hours. The guest kernel's
-9P client mounts the share with cache=none (as sessions always do).
+9P client mounts the share with cache=none (as sessions always do). Before the suite it
+probes mmap of a share file (fsx's mmap modes): shared writable, shared read-only, private
+writable — printed as ok or the errno.
 """
 
 #: the representative subset the issue's first-order causes show up in (docs/conformance.md)
@@ -56,6 +59,22 @@ FILE_TIMEOUT_S = 600  # one .t file in the guest (`timeout`, then SIGKILL 10 s l
 GUEST_SHARE = "/mnt/share"
 GUEST_SUITE = "/mnt/pjdfstest"
 MARK = "@@PJDFSTEST@@"
+#: fsx's mmap modes on the share: shared writable, shared read-only and private writable maps of a share file
+MMAP_PROBE = r"""python3 - <<'EOF'
+import errno, mmap, os
+fd = os.open("mmap-probe", os.O_RDWR | os.O_CREAT, 0o644)
+os.ftruncate(fd, 4096)
+for name, flags, prot in (("shared-rw", mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+                          ("shared-ro", mmap.MAP_SHARED, mmap.PROT_READ),
+                          ("private-rw", mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)):
+    try:
+        mmap.mmap(fd, 4096, flags, prot).close()
+        print(name, "ok")
+    except OSError as e:
+        print(name, errno.errorcode.get(e.errno, e.errno))
+os.close(fd)
+os.unlink("mmap-probe")
+EOF"""
 
 _PLAN = re.compile(r"^1\.\.(\d+)")
 _RESULT = re.compile(r"^(not )?ok (\d+)(.*)$")
@@ -204,6 +223,9 @@ async def run_suite(suite: str, by_dir: dict[str, list[str]], workdir: str, time
         r = await sb.run("uname -r; id -u; df -PT . | tail -1; grep ' /mnt/share ' /proc/mounts")
         meta["guest"] = r.stdout.strip()
         progress(f"guest: {meta['guest']!r} (boot {meta['boot_s']} s)")
+        r = await sb.run(MMAP_PROBE)
+        meta["mmap"] = dict(line.split(None, 1) for line in r.stdout.splitlines() if " " in line)
+        progress(f"mmap of a share file: {meta['mmap']}")
         for t, files in by_dir.items():
             s = time.monotonic()
             r = await sb.run(guest_script(files, timeout_s))
