@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -166,7 +167,10 @@ rm tmpf
 cat <&3
 exec 3<&-
 [ -e tmpf ] && echo "STILL-THERE" || echo "gone"
-mkfifo fifo 2>&1 || echo "mkfifo refused"
+mkfifo fifo && [ -p fifo ] && echo "fifo made"
+echo through-the-fifo > fifo & cat fifo
+mknod null c 1 3 && [ -c null ] && echo "device made"
+echo discarded > null && echo "device written"
 ln tmp-missing x 2>/dev/null || echo "link of missing refused"
 echo hello > a; ln a b; echo "nlink $(stat -c %h a)"
 mv a c; cat c b
@@ -177,7 +181,11 @@ rmdir z 2>/dev/null || echo "rmdir non-empty refused"
     lines = out.split("\n")
     assert "600" in lines, out
     assert "keep-me" in out and "gone" in out and "STILL-THERE" not in out
-    assert "mkfifo refused" in out and not (project / "fifo").exists()  # never created on the host
+    assert "fifo made" in out and stat.S_ISFIFO(os.lstat(project / "fifo").st_mode)
+    assert "through-the-fifo" in out  # the guest kernel joins reader and writer; the server never opens it
+    assert "device made" in out and "device written" in out  # the guest's own driver 1:3 (its /dev/null)
+    st = os.lstat(project / "null")
+    assert stat.S_ISREG(st.st_mode) and st.st_size == 0  # emulated: never a device on the host, never written
     assert "link of missing refused" in out
     assert "nlink 2" in out and out.count("hello") >= 2
     assert "rmdir non-empty refused" in out
@@ -261,6 +269,62 @@ python3 -c "import os, json; print(json.dumps(sorted(os.listdir('.'))))"
     ws.close_active()
     ws.rollback(len(ws.history()))
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of git in the guest")
+    ws.close()
+
+
+def test_guest_owners_setid_clearing_and_ns_times(userland_image, tmp_path, project):
+    """A real guest kernel (root in the VM, attaching per uid): root gives a directory to
+    65534, which then creates a file in it (its owner shows as 65534 in the guest, the host
+    file stays the server's); a write by 65534 clears set-uid; utimensat reaches the server
+    in whole seconds (the v9fs client's granularity, docs/identity.md "Owners"). Undo
+    restores the tree exactly."""
+    before = oracle.snapshot_dir(str(project))
+    ws = Workspace.open(str(project), state_dir=str(tmp_path / "state"))
+    script = r"""
+set -e
+mkdir own
+chown 65534:65534 own
+python3 - <<'PY'
+import os, stat
+
+
+def as_nobody(fn):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            fn()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+as_nobody(lambda: open("own/x", "w").write("by nobody"))
+st = os.stat("own/x")
+print("OWNER", st.st_uid, st.st_gid)
+open("s", "w").write("s")
+os.chmod("s", 0o4777)
+as_nobody(lambda: open("s", "a").write("more"))
+print("MODE", oct(stat.S_IMODE(os.stat("s").st_mode)))
+open("t", "w").close()
+os.utime("t", ns=(100000000_100000000, 200000000_200000000))
+st = os.stat("t")
+print("TIMES", st.st_atime_ns, st.st_mtime_ns)
+PY
+"""
+    status, out = run_guest(userland_image, tmp_path, ws, script, host_root=True, memory_mb=1024)
+    assert status == 0, out
+    assert "OWNER 65534 65534" in out and "MODE 0o777" in out, out
+    # Linux v9fs leaves s_time_gran at 1 s: the guest kernel truncates the times it sets to
+    # whole seconds before the Tsetattr (atime_nsec=0 on the wire) — a client limit; every
+    # nanosecond the server is given is kept (sandbox_sim/test_ownership.py)
+    assert "TIMES 100000000000000000 200000000000000000" in out, out
+    assert os.lstat(project / "own" / "x").st_uid == os.geteuid()  # the host file stays the server's
+    ws.close_active()
+    ws.rollback(len(ws.history()))
+    oracle.assert_same(before, oracle.snapshot_dir(str(project)), "undo of the guest's owners")
     ws.close()
 
 

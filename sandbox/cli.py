@@ -461,7 +461,7 @@ def cmd_guest(args) -> int:
 
 def cmd_serve(args) -> int:
     """The STDIO API until stdin closes."""
-    from .api.schema import SCHEMA_PATH
+    from .api.protocol import SCHEMA_PATH
     from .api.stdio import StdioServer
 
     if args.print_schema:

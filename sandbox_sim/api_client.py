@@ -1,8 +1,9 @@
 """A test client for ``sandbox serve``: spawns it, speaks JSON Lines, validates everything.
 
 Every line the agent writes to stdout is parsed and validated against the shipped JSON
-Schema (``response`` or ``event``) as it arrives — a message that does not match fails
-the test that receives it. Every stderr line must be a JSON log record. Waiting is
+Schema (``response`` or ``event``) as it arrives, and every result and event payload also
+against its pydantic model (:mod:`sandbox.api.messages`: model and schema agree) — a
+message that does not match fails the test that receives it. Every stderr line must be a JSON log record. Waiting is
 condition-based: :meth:`ApiClient.request` waits for its response, :meth:`wait_event`
 for a matching event, each with a timeout; nothing sleeps.
 
@@ -21,13 +22,30 @@ import sys
 import threading
 from typing import Callable
 
+from pydantic import ValidationError
+
 from sandbox.api import schema
+from sandbox.api.messages.events import EVENTS
+from sandbox.api.messages.results import RESULTS
 
 TIMEOUT_S = 60.0
 
 
 class ProtocolViolation(AssertionError):
     pass
+
+
+def model_error(msg: dict, request_type: str | None) -> tuple[str, str] | None:
+    """``(model, reason)`` if ``msg``'s payload — the result of a ``request_type`` request, or
+    an event — does not validate against its pydantic model (strictly: no coercion), else None."""
+    model = RESULTS.get(request_type) if request_type else EVENTS.get(msg.get("type"))
+    if model is None or msg.get("status") == "error":
+        return None
+    try:
+        model.model_validate_json(json.dumps(msg.get("payload")), strict=True)
+    except ValidationError as e:
+        return model.__name__, str(e)[:300]
+    return None
 
 
 class ApiClient:
@@ -68,6 +86,8 @@ class ApiClient:
                     kind = f"result.{self._sent.get(rid) if isinstance(rid, (str, int)) else None}"
                     if kind in schema.shipped()["$defs"]:
                         err = schema.first_error(kind, msg.get("payload"))
+                if err is None:
+                    err = model_error(msg, self._sent.get(msg.get("request_id")) if kind.startswith("result.") else None)
                 if err is not None:
                     problem = f"{kind} does not match the schema at {err[0]}: {err[1]} — {str(msg)[:300]}"
             with self._cond:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import errno
 import random
+import stat
 
 from sandbox.core.intercepted_fs import InterceptedFS
-from sandbox.hostfs import DIR, LNK, REG, join, parent_of
+from sandbox.hostfs import DIR, REG, join, parent_of
 
 NAMES = ("a", "b", "c", "d")
 DIRS = ("", "d1", "d2", "d1/e", "d2/e", "d1/e/f")
@@ -88,7 +89,7 @@ def _tree(fs: InterceptedFS) -> tuple[list[str], list[str], list[str]]:
                 walk(c)
             elif st.kind == REG:
                 files.append(c)
-            elif st.kind == LNK:
+            else:  # a symlink, or a fifo/socket node: renamed, touched and removed alike
                 links.append(c)
 
     walk("")
@@ -124,6 +125,9 @@ OPS = ("echo", "append", "write_at", "editor_save", "rm_rf", "mkdir_p", "cp", "c
        "setxattr", "removexattr", "fallocate", "punch", "truncate", "rename", "rename_dir", "unlink", "rmdir",
        "mkdir", "replace_dir_by_symlink", "replace_file_by_dir", "replace_symlink_by_dir", "replace_dir_by_file")
 OPS_WITH_HARDLINKS = OPS + ("hardlink",)
+#: the undo model's programs: OPS plus ``mkfifo`` and a unix socket's ``bind`` (a socket node),
+#: which later programs move, touch and remove (``rm -rf`` of trees holding them) like symlinks
+OPS_WITH_SPECIALS = OPS + ("mkfifo", "mksock")
 
 
 def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[str, ...] = OPS) -> tuple[str, bool]:
@@ -177,6 +181,11 @@ def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[s
             target = rng.choice(("a", "../b", "/etc/passwd", "d1/e", "nowhere/x", "../../../outside"))
             desc = f"ln -s {target} {p}"
             fs.symlink(target, p)
+        elif op in ("mkfifo", "mksock"):
+            p = _new_path(rng)
+            m = rng.choice(MODES)
+            desc = f"{op} -m {m:o} {p}"
+            fs.mknod(p, m, stat.S_IFIFO if op == "mkfifo" else stat.S_IFSOCK)
         elif op == "hardlink":
             s, d = pick(files, "a"), _new_path(rng)
             desc = f"ln {s} {d}"
@@ -271,4 +280,19 @@ def seed_tree(fs, rng: random.Random, files: int = 8) -> None:
             fs.setxattr(p, "user.one", b"seeded")
     fs.symlink("a", "d2/link")
     fs.setxattr("d1", "user.two", b"dir-xattr")
+    _give_some_away(fs)
     fs.utime("", 1_600_000_000_123_456_789)
+
+
+def _give_some_away(fs) -> None:
+    """Entries of other host users (a shared checkout): undo must give them back to their
+    owners, not to whoever undoes. Only where the process may (root, or the simulation);
+    no random draw, so every seed's tree is what it was."""
+    owned = [("d1/e", 1000, 1000), ("d2/link", 1001, 1002)]
+    files = sorted(n for n in fs.listdir("d1") if fs.lstat(f"d1/{n}").kind == "reg")
+    owned += [(f"d1/{files[0]}", 1003, 1004)] if files else []
+    for path, uid, gid in owned:
+        try:
+            fs.lchown(path, uid, gid)
+        except PermissionError:
+            return

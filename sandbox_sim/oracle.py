@@ -1,8 +1,9 @@
 """Tree snapshots: the oracle every invariant compares against.
 
-A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs)`` where
+A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, fmt, uid, gid)`` where
 content is the bytes of a regular file, the target of a symlink, or ``None`` for a
-directory. atime is deliberately absent (seed §11.3). The root is included (path
+directory or a special file, and ``fmt`` the exact ``S_IFMT`` type (a fifo undone into a
+socket or a regular file differs). Fields are only ever appended. atime is deliberately absent (seed §11.3). The root is included (path
 ``""``), so the working root's own mode and mtime are checked too.
 """
 
@@ -28,7 +29,7 @@ def _walk(fs: HostFS, path: str, out: Snapshot, skip) -> None:
     else:
         content = None
     xattrs = tuple(sorted(fs.xattrs(path).items())) if st.kind in (REG, DIR) else ()
-    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs)
+    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.file_type, st.uid, st.gid)
     if st.kind == DIR:
         for name in sorted(fs.listdir(path)):
             child = join(path, name)
@@ -49,8 +50,8 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
         elif a is None:
             lines.append(f"- {name}: missing {e[0]}")
         else:
-            fields = ("kind", "mode", "mtime_ns", "content", "xattrs")
-            bad = [f"{f} {_short(x)} != {_short(y)}" for f, x, y in zip(fields, e, a) if x != y]
+            fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "fmt", "uid", "gid")
+            bad = [f"{f} {_short(x, f)} != {_short(y, f)}" for f, x, y in zip(fields, e, a) if x != y]
             lines.append(f"~ {name}: " + "; ".join(bad))
         if len(lines) >= limit:
             lines.append("…")
@@ -58,8 +59,8 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
     return lines
 
 
-def _short(v) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000:
+def _short(v, field: str = "") -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0o10000 and field not in ("uid", "gid"):
         return oct(v)
     r = repr(v)
     return r if len(r) <= 40 else r[:37] + "..."
@@ -84,15 +85,16 @@ def snapshot_dir(root: str) -> Snapshot:
 
 def content_shape(root: str) -> dict:
     """A real directory's tree as JSON-able data without times: per path its kind, mode,
-    content (sha256 and size for a file, the target for a symlink) and xattrs (base64).
+    content (sha256 and size for a file, the target for a symlink), xattrs (base64) and
+    ``fmt``, the exact ``S_IFMT`` type (a fifo and a socket are both kind "other").
     What ``fixtures/ninep/capture.py`` records as a capture's end state."""
     import base64
     import hashlib
 
     out = {}
-    for path, (kind, mode, _mtime, content, xattrs) in sorted(snapshot_dir(root).items()):
+    for path, (kind, mode, _mtime, content, xattrs, fmt, *_appended) in sorted(snapshot_dir(root).items()):
         if isinstance(content, bytes):
             content = {"sha256": hashlib.sha256(content).hexdigest(), "size": len(content)}
         out[path] = {"kind": kind, "mode": mode, "content": content,
-                     "xattrs": {k: base64.b64encode(v).decode() for k, v in xattrs}}
+                     "xattrs": {k: base64.b64encode(v).decode() for k, v in xattrs}, "fmt": fmt}
     return out

@@ -42,6 +42,7 @@ from sandbox.hostfs import (
     Stat,
     StatFS,
     StoreBusy,
+    TREE_PATH_BYTES_MAX,
     is_within,
     join,
     normalize,
@@ -755,6 +756,7 @@ MIDDLE_OPS = {
     "rename_src": (False, lambda fs, v: fs.rename(f"L/{v}", "stolen")),
     "chmod": (False, lambda fs, v: fs.chmod(f"L/{v}", 0o777)),
     "chmod_dir": (False, lambda fs, v: fs.chmod("L/sub", 0o777)),
+    "lchown": (False, lambda fs, v: fs.lchown(f"L/{v}", -1, -1)),
     "utime": (False, lambda fs, v: fs.utime(f"L/{v}", 1)),
     "setxattr": (False, lambda fs, v: fs.setxattr(f"L/{v}", "user.evil", b"1")),
     "removexattr": (False, lambda fs, v: fs.removexattr(f"L/{v}", "user.keep")),
@@ -1357,6 +1359,93 @@ def test_real_device_node_is_never_opened(tmp_path):
         fs.fsync("null")
     finally:
         fs.close()
+
+
+# --------------------------------------------------------------------------- mknod (fifos, sockets)
+
+
+SPECIAL_FMTS = [stat.S_IFIFO, stat.S_IFSOCK]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("fmt", SPECIAL_FMTS, ids=["fifo", "sock"])
+@pytest.mark.parametrize("mode", MODES, ids=oct)
+def test_mknod_applies_type_and_mode_exactly(env, fs, fmt, mode):
+    skip_unless_root_for(mode)
+    old = os.umask(0o077)
+    try:
+        fs.mknod("n", mode, fmt)
+    finally:
+        os.umask(old)
+    st, a = fs.lstat("n"), fs.getattr("n")
+    assert (st.kind, st.fmt, st.mode, st.size, st.nlink) == (OTHER, fmt, mode, 0, 1)
+    assert (a.kind, a.fmt, a.mode, a.rdev) == (OTHER, fmt, mode, 0)
+    assert Attr.from_stat(st).fmt == fmt
+    check_errno(errno.EPERM, fs.read, "n", 0, 1)  # made, never opened (a fifo without a reader would block)
+    check_errno(errno.EPERM, fs.open, "n", os.O_WRONLY)
+    if env.real:
+        assert stat.S_IFMT(os.lstat(env.root / "n").st_mode) == fmt
+
+
+def test_mknod_masks_mode_and_updates_parent(env, fs):
+    fs.mkdir("d", 0o755)
+    fs.utime("d", T1)
+    env.tick()
+    fs.mknod("d/p", stat.S_IFIFO | 0o640, stat.S_IFIFO)
+    assert fs.lstat("d/p").mode == 0o640
+    d = fs.lstat("d")
+    assert d.mtime_ns != T1 and d.mtime_ns == d.ctime_ns
+    assert fs.listdir("d") == ["p"]
+
+
+@pytest.mark.parametrize("fmt", [stat.S_IFCHR, stat.S_IFBLK, stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, 0, 0o7777],
+                         ids=["chr", "blk", "reg", "dir", "lnk", "zero", "junk"])
+def test_mknod_never_makes_devices_or_other_types(env, fs, fmt):
+    check_errno(errno.EPERM, fs.mknod, "n", 0o644, fmt)
+    assert not fs.exists("n")
+
+
+def test_mknod_errors(env, fs):
+    mkfile(fs, "f")
+    fs.symlink("f", "l")
+    fs.mkdir("d", 0o755)
+    for path in ("f", "l", "d"):
+        check_errno(errno.EEXIST, fs.mknod, path, 0o644, stat.S_IFIFO)
+    check_errno(errno.ENOENT, fs.mknod, "missing/p", 0o644, stat.S_IFIFO)
+    check_errno(errno.ENOTDIR, fs.mknod, "f/p", 0o644, stat.S_IFIFO)
+    check_errno(errno.ELOOP, fs.mknod, "l/p", 0o644, stat.S_IFSOCK)
+    check_errno(errno.EBUSY, fs.mknod, "", 0o644, stat.S_IFIFO)
+    assert sorted(fs.listdir("")) == ["d", "f", "l"]
+
+
+def test_special_nodes_metadata_and_entry_ops(env, fs):
+    """What the undo core needs on a fifo/socket: chmod, utime (no follow), rename, link, unlink."""
+    fs.mknod("p", 0o644, stat.S_IFIFO)
+    fs.mknod("s", 0o600, stat.S_IFSOCK)
+    fs.chmod("p", 0o1711 if IS_ROOT else 0o711)
+    fs.utime("p", T1, T1 - 5)
+    a = fs.getattr("p")
+    assert (a.mode, a.mtime_ns, a.atime_ns) == (0o1711 if IS_ROOT else 0o711, T1, T1 - 5)
+    assert fs.listxattr("p") == []
+    check_errno(errno.EPERM, fs.setxattr, "s", "user.x", b"1")  # the kernel keeps user xattrs off specials
+    fs.rename("s", "s2")
+    fs.link("p", "p2")
+    assert fs.lstat("p2").nlink == 2 and fs.lstat("s2").fmt == stat.S_IFSOCK
+    fs.unlink("p")
+    fs.unlink("p2")
+    fs.unlink("s2")
+    assert fs.listdir("") == []
+
+
+def test_stat_fmt_of_every_kind(env, fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    want = {"f": stat.S_IFREG, "d": stat.S_IFDIR, "l": stat.S_IFLNK, "": stat.S_IFDIR}
+    for path, fmt in want.items():
+        st = fs.lstat(path)
+        assert st.fmt == fmt and st.file_type == fmt, path
+    assert Stat(OTHER, 0o644, 0, 1, 1, 9, 1).file_type == stat.S_IFIFO  # fmt unknown: the kind's usual one
 
 
 # --------------------------------------------------------------------------- open handles
@@ -2200,31 +2289,99 @@ def test_name_too_long(fs):
     assert fs.listdir("") == ["f"]
 
 
-def test_path_of_4096_bytes(fs):
-    # normalize() lets a 4096-byte path through; a single syscall takes at most 4095 bytes,
-    # so what works is exactly what RealHostFS resolves in two steps (parent, then name)
-    dirs = ["a" * 255] * 15 + ["b" * 200]
-    for i in range(len(dirs)):
-        fs.mkdir("/".join(dirs[: i + 1]), 0o755)
-    path = "/".join(dirs) + "/" + "c" * 55
-    assert len(path) == 4096 and normalize(path) == path
+def deep_dirs(fs: HostFS, total: int) -> str:
+    """Make directories of 255-byte names down to a path of about ``total`` bytes
+    (``total - 256 < len <= total``); return it."""
+    path = ""
+    while len(path) + 256 <= total:
+        path = join(path, f"{len(path):08d}".ljust(NAME_LEN_MAX, "d"))
+        fs.mkdir(path, 0o755)
+    return path
+
+
+def deep_path(fs: HostFS, total: int) -> tuple[str, str]:
+    """(directory, a free path in it of exactly ``total`` bytes)."""
+    d = deep_dirs(fs, total - 257)
+    rest = total - len(d) - 2  # two names and their slashes: 255 <= rest <= 510
+    d = join(d, "e" * (rest // 2))
+    fs.mkdir(d, 0o755)
+    return d, join(d, "c" * (rest - rest // 2))
+
+
+@pytest.mark.parametrize("total", [4096, 3 * PATH_LEN_MAX + 17, TREE_PATH_BYTES_MAX - 300], ids=str)
+def test_paths_longer_than_path_max(env, fs, total):
+    """A guest builds trees deeper than PATH_MAX with relative walks: every HostFS call
+    works on such a path (RealHostFS resolves it in pieces), up to TREE_PATH_BYTES_MAX."""
+    d, path = deep_path(fs, total)
+    assert len(path) == total and normalize(path) == path
     fs.create(path, 0o644)
-    assert fs.lstat(path).kind == REG
-    assert fs.exists(path)
-    fs.utime(path, T1)
-    assert fs.lstat(path).mtime_ns == T1
-    fs.utime(path, T1, 5)  # resolved in two steps, like lstat
+    assert fs.lstat(path).kind == REG and fs.exists(path)
+    assert fs.write(path, 0, b"deep") == 4 and fs.read(path, 0, 10) == b"deep"
+    fs.truncate(path, 2)
+    assert fs.read_all(path) == b"de"
+    fs.utime(path, T1, 5)
     a = fs.getattr(path)
     assert (a.kind, a.mtime_ns, a.atime_ns, a.ino) == (REG, T1, 5, fs.lstat(path).ino)
-    for fn, args in [(fs.read, (path, 0, 1)), (fs.write, (path, 0, b"x")), (fs.truncate, (path, 0)),
-                     (fs.chmod, (path, 0o600)), (fs.listxattr, (path,)), (fs.setxattr, (path, "user.a", b"1")),
-                     (fs.fsync, (path,)), (fs.open, (path, os.O_RDONLY))]:
-        check_errno(errno.ENAMETOOLONG, fn, *args)
+    fs.chmod(path, 0o600)
+    assert fs.lstat(path).mode == 0o600
+    fs.setxattr(path, "user.a", b"1")
+    assert fs.listxattr(path) == ["user.a"] and fs.getxattr(path, "user.a") == b"1"
+    fs.removexattr(path, "user.a")
+    fs.fsync(path)
+    h = fs.open(path, os.O_RDWR)
+    try:
+        assert h.pread(2, 0) == b"de"
+    finally:
+        h.close()
+    fs.link(path, d + "/hard")
+    assert fs.lstat(path).nlink == 2
+    fs.unlink(d + "/hard")
+    fs.symlink("t" * 100, d + "/sym")
+    assert fs.readlink(d + "/sym") == "t" * 100
+    check_errno(errno.ELOOP, fs.lstat, d + "/sym/x")
     fs.rename(path, "short")
-    assert fs.read_all("short") == b""
+    assert fs.read_all("short") == b"de"
     fs.rename("short", path)
+    assert sorted(fs.listdir(d)) == sorted([path.rsplit("/", 1)[1], "sym"])
     fs.unlink(path)
-    assert fs.listdir("/".join(dirs)) == []
+    fs.unlink(d + "/sym")
+    fs.mkdir(path, 0o700)
+    fs.rmdir(path)
+    assert fs.listdir(d) == []
+    check_errno(errno.ENOENT, fs.lstat, d + "/missing/x")
+    first = d.split("/")[0]
+    fs.rename(first, "moved")  # a long path through a renamed directory is gone
+    check_errno(errno.ENOENT, fs.lstat, d)
+
+
+def test_a_symlink_or_file_deep_in_a_long_path(env, fs):
+    d = deep_dirs(fs, 2 * PATH_LEN_MAX)
+    mid = "/".join(d.split("/")[:20])  # past the first piece RealHostFS resolves
+    before = env.outside_snapshot()
+    fs.rename(mid, mid[:-1] + "x")
+    fs.symlink(mid.rsplit("/", 1)[1][:-1] + "x", mid)  # a symlink to the moved directory
+    check_errno(errno.ELOOP, fs.lstat, d)
+    check_errno(errno.ELOOP, fs.create, d + "/f", 0o644)
+    fs.unlink(mid)
+    fs.symlink(str(env.outside), mid)  # … and one to the outside
+    check_errno(errno.ELOOP, fs.create, mid + "/sub/" + "f" * 255, 0o644)
+    check_errno(errno.ELOOP, fs.mkdir, d, 0o755)
+    fs.unlink(mid)
+    mkfile(fs, mid)
+    check_errno(errno.ENOTDIR, fs.lstat, d)
+    check_errno(errno.ENOTDIR, fs.mkdir, d, 0o755)
+    assert env.outside_snapshot() == before
+
+
+def test_paths_beyond_tree_path_bytes_max(fs):
+    _d, too_long = deep_path(fs, TREE_PATH_BYTES_MAX + 1)
+    assert len(too_long) == TREE_PATH_BYTES_MAX + 1
+    for fn, args in [(fs.create, (too_long, 0o644)), (fs.mkdir, (too_long, 0o755)), (fs.lstat, (too_long,)),
+                     (fs.open, (too_long, os.O_RDONLY)), (fs.symlink, ("x", too_long))]:
+        check_errno(errno.ENAMETOOLONG, fn, *args)
+    with pytest.raises(PathError) as info:
+        normalize(too_long)
+    assert info.value.errno == errno.ENAMETOOLONG
 
 
 # --------------------------------------------------------------------------- clone_to
@@ -2542,7 +2699,7 @@ def test_normalize(raw, want):
         ("\0", errno.EINVAL),
         ("x" * (NAME_LEN_MAX + 1), errno.ENAMETOOLONG),
         ("a/" + "é" * 128, errno.ENAMETOOLONG),  # 256 bytes in UTF-8
-        ("a/" * (PATH_LEN_MAX // 2) + "b", errno.ENAMETOOLONG),
+        ("a/" * (TREE_PATH_BYTES_MAX // 2) + "b", errno.ENAMETOOLONG),
     ],
     ids=lambda v: repr(v)[:24] if isinstance(v, str) else str(v),
 )
@@ -2561,11 +2718,11 @@ def test_normalize_rejects_non_str():
 
 
 def test_normalize_path_length_boundary():
-    ok = "/".join(["x" * 255] * 16)  # 16*255 + 15 = 4095 bytes
-    assert normalize(ok) == ok
-    assert normalize(ok + "/") == ok  # 4096 raw bytes: still allowed
+    ok = "/".join(["x" * 255] * 128)  # 128*256 - 1 = 32767 bytes
+    assert len(ok) == TREE_PATH_BYTES_MAX - 1 and normalize(ok) == ok
+    assert normalize(ok + "/") == ok  # TREE_PATH_BYTES_MAX raw bytes: still allowed
     with pytest.raises(PathError):
-        normalize(ok + "/y")  # 4097 bytes
+        normalize(ok + "/y")  # one more
 
 
 def test_path_helpers():
@@ -2576,3 +2733,102 @@ def test_path_helpers():
     assert parent_of("") == ""
     assert is_within("a/b", "a") and is_within("a", "a") and is_within("x", "")
     assert not is_within("ab", "a") and not is_within("a", "a/b")
+
+
+# --------------------------------------------------------------------------- owners (lchown, fchown)
+
+
+def _me(env: Env) -> tuple[int, int]:
+    """Who owns what ``env``'s filesystem creates."""
+    return (os.geteuid(), os.getegid()) if env.real else (env.fs.uid, env.fs.gid)
+
+
+def _owner(fs: HostFS, path: str) -> tuple[int, int]:
+    st = fs.lstat(path)
+    a = fs.getattr(path)
+    assert (st.uid, st.gid) == (a.uid, a.gid)
+    return st.uid, st.gid
+
+
+def test_new_entries_belong_to_their_creator(env, fs):
+    mkfile(fs, "f")
+    fs.mkdir("d", 0o755)
+    fs.symlink("f", "l")
+    with fs.create_handle("g", 0o600) as h:
+        assert (h.fstat().uid, h.fstat().gid) == _me(env)
+    for p in ("f", "d", "l", "g"):
+        assert _owner(fs, p) == _me(env)
+    assert fs.lstat("f").fmt == stat.S_IFREG and fs.lstat("l").fmt == stat.S_IFLNK
+
+
+def test_lchown_sets_each_id_and_never_follows(env, fs):
+    if env.real and not IS_ROOT:
+        pytest.skip("giving a file to another uid needs root")
+    mkfile(fs, "f")
+    fs.symlink("f", "l")
+    fs.mkdir("d", 0o755)
+    fs.lchown("l", 1000, 1001)
+    assert _owner(fs, "l") == (1000, 1001)
+    assert _owner(fs, "f") == _me(env)  # the target is untouched
+    fs.lchown("f", 2000, -1)
+    assert _owner(fs, "f") == (2000, _me(env)[1])
+    fs.lchown("f", -1, 3000)
+    assert _owner(fs, "f") == (2000, 3000)
+    fs.lchown("d", 65534, 65534)
+    assert _owner(fs, "d") == (65534, 65534)
+    fs.lchown("", 0, 0)
+    assert _owner(fs, "") == (0, 0)
+    check_errno(errno.ENOENT, fs.lchown, "missing", 1, 1)
+    check_errno(errno.ENOTDIR, fs.lchown, "f/x", 1, 1)
+
+
+def test_lchown_changes_ctime_and_clears_setid_of_non_directories(env, fs):
+    skip_unless_root_for(0o6000)
+    mkfile(fs, "f", mode=0o6755)
+    mkfile(fs, "g", mode=0o2745)  # set-gid without group-execute: a lock marker, kept
+    fs.mkdir("d", 0o755)
+    fs.chmod("d", 0o6755)
+    before = fs.lstat("f").ctime_ns
+    env.tick()
+    for p in ("f", "g", "d"):
+        fs.lchown(p, -1, -1)  # even "no change" clears them, as chown(2) does
+    assert fs.lstat("f").mode == 0o755
+    assert fs.lstat("g").mode == 0o2745
+    assert fs.lstat("d").mode == 0o6755
+    assert fs.lstat("f").ctime_ns > before
+
+
+def test_fchown_acts_on_the_handles_inode(env, fs):
+    if env.real and not IS_ROOT:
+        pytest.skip("giving a file to another uid needs root")
+    mkfile(fs, "f", b"x")
+    with fs.open("f", os.O_RDONLY) as h:
+        fs.rename("f", "g")
+        mkfile(fs, "f")
+        h.chown(4242, 4343)
+        assert (h.fstat().uid, h.fstat().gid) == (4242, 4343)
+    assert _owner(fs, "g") == (4242, 4343)
+    assert _owner(fs, "f") == _me(env)
+
+
+def test_unprivileged_lchown_gives_nothing_away(env, fs):
+    if env.real and IS_ROOT:
+        pytest.skip("as root every chown is allowed (the simulator's unprivileged case still runs)")
+    if not env.real:
+        fs.uid, fs.gid = 1000, 1000
+    me = _me(env)
+    mkfile(fs, "f")
+    fs.lchown("f", me[0], me[1])  # to what it is: allowed
+    fs.lchown("f", -1, -1)
+    check_errno(errno.EPERM, fs.lchown, "f", 0, -1)
+    with fs.open("f", os.O_RDONLY) as h:
+        check_errno(errno.EPERM, h.chown, 0, -1)
+    assert _owner(fs, "f") == me
+
+
+def test_path_reads_leave_an_atime_older_than_the_mtime(env, fs):
+    """The server's own reads (preimages, hashes) never move a client's atime (relatime would)."""
+    mkfile(fs, "f", b"data")
+    fs.utime("f", T1, T1 - 10**9)
+    assert fs.read("f", 0, 4) == b"data" and fs.read_all("f") == b"data"
+    assert fs.getattr("f").atime_ns == T1 - 10**9

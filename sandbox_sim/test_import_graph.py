@@ -54,6 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("session",),
     ("api.errors",),
     ("files",),
+    ("api.messages",),  # -- the API's message models (issue 14): STDIO and MCP, one source
     ("api",),
     ("api.mcp",),  # -- MCP server (issue 14): the tools over the shared API machinery
     ("cli", "sdk", ""),

@@ -28,6 +28,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.shared.memory import create_client_server_memory_streams
 
 from sandbox import __version__
+from sandbox.api.mcp import models
 from sandbox.api.mcp.client import BoundedText
 from sandbox.api.mcp.host import OwnSessionHost
 from sandbox.api.mcp.server import serve_streams
@@ -125,7 +126,9 @@ def test_every_tool_has_explicit_annotations_and_schemas_from_its_models(project
                 a = t.annotations
                 hints = (a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint)
                 assert None not in hints, f"{t.name}: every hint is explicit"
-                assert t.input_schema == spec.input.model_json_schema()
+                # the shared models' schemas, exactly (sandbox.api.messages.tools)
+                assert t.input_schema == models.input_schema(spec.input)
+                assert t.output_schema == models.output_schema(spec.output)
                 jsonschema.Draft202012Validator.check_schema(t.input_schema)
                 jsonschema.Draft202012Validator.check_schema(t.output_schema)
                 assert t.output_schema["type"] == "object"
@@ -169,7 +172,7 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
     session.start = gated_start
 
     async def go():
-        boot = anyio.Event()
+        boot, output = anyio.Event(), anyio.Event()
         host = OwnSessionHost(session)
         with anyio.fail_after(WAIT_S):
             async with connected(host) as c:  # initialize + tools/list: answered before the boot ends
@@ -182,6 +185,8 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                     messages.append(msg)
                     values.append(p)
                     boot.set()
+                    if msg == "booted\n":
+                        output.set()
 
                 async with anyio.create_task_group() as tg:
                     result = {}
@@ -193,6 +198,9 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                     await boot.wait()  # a progress notification while it boots
                     assert not session.running and "starting" in messages[0]
                     release.set()
+                # the client SDK may hand the result over before its last progress callback ran:
+                # the server sent the output first (it awaits its progress before answering)
+                await output.wait()
                 assert result["r"]["stdout"] == "booted\n" and messages[-1] == "booted\n"
                 assert values == sorted(set(values))  # one token: progress only increases, boot news then output
     run(go)

@@ -54,12 +54,19 @@ R_TYPES_SEEN = {
     m.Rwrite, m.Rclunk, m.Rmkdir, m.Rrenameat, m.Rsymlink, m.Runlinkat, m.Rreadlink, m.Rlerror,
 }  # fmt: skip
 # linux-6.1-v9fs-ops.sh (made with fixtures/ninep/capture.py): metadata, links, fsync, statfs,
-# a refused mknod, recursive removal; its end state is in linux-6.1-v9fs-ops.end.json.
+# special files (fifo, unix socket, emulated char and block devices), recursive removal; its
+# end state is in linux-6.1-v9fs-ops.end.json.
 T_TYPES_SEEN_OPS = {
     m.Tsetattr, m.Tstatfs, m.Tlink, m.Tfsync, m.Tmknod, m.Txattrwalk, m.Tunlinkat, m.Trenameat,
     m.Tlcreate, m.Twrite, m.Tmkdir,
 }  # fmt: skip
-TYPES_SEEN = {SESSION: (T_TYPES_SEEN, R_TYPES_SEEN), OPS: (T_TYPES_SEEN_OPS, {m.Rlerror, m.Rsetattr, m.Rlink})}
+R_TYPES_SEEN_OPS = {m.Rlerror, m.Rsetattr, m.Rlink, m.Rmknod}
+TYPES_SEEN = {SESSION: (T_TYPES_SEEN, R_TYPES_SEEN), OPS: (T_TYPES_SEEN_OPS, R_TYPES_SEEN_OPS)}
+# The special files the ops script makes, by name: (S_IFMT type, (major, minor)).
+OPS_SPECIALS = {
+    "pipe": (stat.S_IFIFO, (0, 0)), "sock": (stat.S_IFSOCK, (0, 0)),
+    "null": (stat.S_IFCHR, (1, 3)), "disk": (stat.S_IFBLK, (8, 0)),
+}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the capture
@@ -139,6 +146,28 @@ def test_capture_decodes_and_reencodes_byte_exact(name):
     t_seen, r_seen = TYPES_SEEN[name]
     assert {type(e.t_msg) for e in ex} >= t_seen
     assert {type(e.r_msg) for e in ex} >= r_seen
+
+
+def test_ops_capture_makes_every_kind_of_special_file():
+    """The real kernel's mkfifo, socket bind and mknod of a char and a block device each
+    reach the server as a ``Tmknod`` and were answered ``Rmknod`` with a qid (the recording
+    server made them; nothing refused)."""
+    made = {}
+    for e in exchanges(OPS):
+        if isinstance(e.t_msg, m.Tmknod):
+            assert isinstance(e.r_msg, m.Rmknod), f"{e.t_msg!r} answered {e.r_msg!r}"
+            made[e.t_msg.name] = (stat.S_IFMT(e.t_msg.mode), (e.t_msg.major, e.t_msg.minor))
+    assert made == OPS_SPECIALS
+    reported = {}  # what the server's Tgetattr said of each, by the walk that named it
+    fid_names = {}
+    for e in exchanges(OPS):
+        if isinstance(e.t_msg, m.Twalk) and isinstance(e.r_msg, m.Rwalk) and len(e.t_msg.wnames) == 1:
+            fid_names[e.t_msg.newfid] = e.t_msg.wnames[0]
+        elif isinstance(e.t_msg, m.Tgetattr) and isinstance(e.r_msg, m.Rgetattr):
+            name = fid_names.get(e.t_msg.fid)
+            if name in OPS_SPECIALS:
+                reported[name] = (stat.S_IFMT(e.r_msg.mode), (os.major(e.r_msg.rdev), os.minor(e.r_msg.rdev)))
+    assert reported == OPS_SPECIALS
 
 
 # --------------------------------------------------------------------------- replay
@@ -283,7 +312,7 @@ def test_replay_matches_recorded_replies(tmp_path, work, name):
                 assert oracle.content_shape(str(work)) == json.load(f)
         # The session's end state: hello.txt removed, new.txt moved into d/, d/e/f, link.
         after = oracle.snapshot_dir(str(work))
-        shape = {p: (kind, mode, content, xattrs) for p, (kind, mode, _mtime, content, xattrs) in after.items()}
+        shape = {p: (kind, mode, content, xattrs) for p, (kind, mode, _mtime, content, xattrs, *_) in after.items()}
         assert name != SESSION or shape == {
             "": (DIR, before[""][1], None, ()),
             "d": (DIR, 0o755, None, ()),

@@ -147,13 +147,13 @@ def test_walked_fid_of_an_open_file_changes_that_file_then_is_stale(ws, work, se
         assert info.value.errno == errno.EINVAL
         c.clunk(opened)
         for call in (lambda: c.setattr(dentry, m.SETATTR_MODE, mode=0o777),
+                     lambda: c.setattr(dentry, m.SETATTR_UID, uid=0),  # a chown is kept now: never on the new file
                      lambda: c.setxattr(dentry, "user.z", b"z"),
                      lambda: c.removexattr(dentry, "user.new")):
             with pytest.raises(OSError) as info:
                 call()
             assert info.value.errno == errno.ESTALE
         assert host_state(work / "x") == new_x
-        c.setattr(dentry, m.SETATTR_UID, uid=0)  # nothing to apply: no error
         fresh = c.walk_path("x")  # a fresh walk names the new file
         c.setattr(fresh, m.SETATTR_MODE, mode=0o604)
         assert stat.S_IMODE(os.lstat(work / "x").st_mode) == 0o604

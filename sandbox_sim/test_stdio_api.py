@@ -646,7 +646,7 @@ def test_random_requests_never_kill_the_agent_and_never_hit_a_bug(project):
     values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
                                                           st.dictionaries(st.text(max_size=10), kids, max_size=4)),
                           max_leaves=10)
-    fields = sorted({k for s in schema.REQUESTS.values() for k in s.get("properties", {})})
+    fields = sorted({k for m in schema.REQUESTS.values() for k in m.model_fields})
     payloads = st.dictionaries(st.sampled_from(fields) | st.text(max_size=8), values, max_size=4)
     types = st.sampled_from(sorted(set(schema.REQUESTS) - {"session.start", "session.reset"})) | st.text(max_size=12)
     c = ApiClient(guest="scripted", log_level="warn")
@@ -865,14 +865,16 @@ def test_a_bug_while_handling_a_line_is_answered_internal_and_the_next_line_is_s
     becomes protocol.internal for that request, logged with its traceback; serving goes on."""
     import logging
 
-    real = schema.first_error
+    from sandbox.api import protocol  # what the server validates with (schema re-exports it)
+
+    real = protocol.first_error
 
     def failing(name, instance):
         if isinstance(instance, dict) and instance.get("request_id") == "boom":
             raise KeyError("injected")
         return real(name, instance)
 
-    monkeypatch.setattr(schema, "first_error", failing)
+    monkeypatch.setattr(protocol, "first_error", failing)
     hello = '{"type":"hello","request_id":"%s","payload":{"protocol_version":1}}\n'
     with caplog.at_level(logging.ERROR, logger="sandbox.api"):
         msgs = _serve_in_process([(hello % "boom").encode(), (hello % "after").encode()])

@@ -31,7 +31,7 @@ class FaultyHandle:
     the op names MemoryFileHandle uses (``pwrite`` is a ``write``, torn like a path write)."""
 
     _OPS = {"pread": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync", "fstat": "fstat",
-            "chmod": "chmod", "utime": "utime", "listxattr": "listxattr", "getxattr": "getxattr",
+            "chmod": "chmod", "utime": "utime", "chown": "chown", "listxattr": "listxattr", "getxattr": "getxattr",
             "setxattr": "setxattr", "removexattr": "removexattr"}
 
     def __init__(self, fs: "FaultyHostFS", inner):

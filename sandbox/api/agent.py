@@ -36,7 +36,7 @@ from ..core.store import Limits
 from ..files import READ_FILE_BYTES_MAX, FileService
 from ..mounts.table import MountTable, from_docker_style
 from ..session.runtime import Folder, LockUnavailable, MemoryMount, Session, SessionError
-from . import schema
+from . import protocol
 from .errors import ApiError, to_api_error
 from .payloads import check_exec_text as _exec_text, decode_data as _decode, default_cwd, diff_in_view, encode_data as _encode
 
@@ -44,7 +44,7 @@ log = logging.getLogger("sandbox.api")
 
 READ_BYTES_MAX = READ_FILE_BYTES_MAX  # per fs.read by path (a handle's read: sandbox.files.READ_CALL_BYTES_MAX)
 MEMORY_BYTES_MAX = 256 << 20  # all in-memory mounts together, decoded
-FORWARDED_EVENTS = set(schema.EVENTS)
+FORWARDED_EVENTS = set(protocol.EVENT_NAMES)
 
 
 @dataclass
@@ -64,14 +64,14 @@ class Agent:
         self.session: Session | None = None
         self.view: MountTable | None = None
         self.agent_cfg: dict | None = None
-        self.protocol_version = schema.PROTOCOL_VERSION
+        self.protocol_version = protocol.PROTOCOL_VERSION
         self._lifecycle = threading.RLock()
         self._state_lock = threading.Lock()
         self._running: _Running | None = None
         self._start_payload: dict | None = None
         self._failed: str | None = None
         self.files: FileService | None = None  # this client's file operations (fs.*), made at session.start
-        #: request type -> handler(payload, request_id) -> ok payload; exactly the types of schema.REQUESTS
+        #: request type -> handler(payload, request_id) -> ok payload; exactly the types of protocol.REQUEST_TYPES
         self._dispatch = {
             "hello": self.op_hello,
             "session.start": self.op_session_start,
@@ -112,9 +112,9 @@ class Agent:
         Integral floats are made ints first: JSON Schema's ``integer`` accepts ``1e9`` and
         ``2.0``, and the handlers count, index and seek with them."""
         fn = self._dispatch.get(type_) if isinstance(type_, str) else None
-        if fn is None or type_ not in schema.REQUESTS:
+        if fn is None or type_ not in protocol.REQUEST_TYPES:
             raise ApiError("protocol.unknown_type", f"unknown request type {type_!r}", type=type_,
-                           known=sorted(schema.REQUESTS))
+                           known=sorted(protocol.REQUEST_TYPES))
         try:
             return fn(_integral(payload), request_id)
         except ApiError:
@@ -137,13 +137,13 @@ class Agent:
 
     def op_hello(self, p: dict, rid) -> dict:
         v = p["protocol_version"]
-        if v not in schema.SUPPORTED_VERSIONS:
+        if v not in protocol.SUPPORTED_VERSIONS:
             raise ApiError("protocol.unsupported_version",
-                           f"protocol version {v} is not supported; this agent speaks {list(schema.SUPPORTED_VERSIONS)}",
-                           requested=v, supported_versions=list(schema.SUPPORTED_VERSIONS))
+                           f"protocol version {v} is not supported; this agent speaks {list(protocol.SUPPORTED_VERSIONS)}",
+                           requested=v, supported_versions=list(protocol.SUPPORTED_VERSIONS))
         self.protocol_version = v
-        return {"protocol_version": v, "supported_versions": list(schema.SUPPORTED_VERSIONS),
-                "agent_version": __version__, "operations": sorted(schema.REQUESTS), "events": sorted(schema.EVENTS)}
+        return {"protocol_version": v, "supported_versions": list(protocol.SUPPORTED_VERSIONS),
+                "agent_version": __version__, "operations": sorted(protocol.REQUEST_TYPES), "events": sorted(protocol.EVENT_NAMES)}
 
     # ------------------------------------------------------------------ session
 
@@ -405,7 +405,7 @@ class Agent:
 
     @staticmethod
     def _limits(p: dict) -> dict:
-        return {k: v for k, v in p.items() if k in schema.UNDO_LIMITS}
+        return {k: v for k, v in p.items() if k in protocol.UNDO_LIMIT_FIELDS}
 
     def op_undo_discard(self, p: dict, rid) -> dict:
         i, ws = self._workspace(p.get("directory"))

@@ -46,7 +46,7 @@ import re
 import threading
 from typing import BinaryIO
 
-from . import schema
+from . import protocol
 from .agent import Agent
 from .errors import ApiError, to_api_error
 from .logs import bind_context, bound
@@ -164,7 +164,7 @@ class StdioServer:
                 if not (isinstance(msg, dict) and msg.get("type") == "response"):
                     continue  # an event: dropped
                 rid = msg.get("request_id")  # the client still gets its one response
-                line = _encode({"type": "response", "request_id": rid if schema.valid_request_id(rid) else None,
+                line = _encode({"type": "response", "request_id": rid if protocol.valid_request_id(rid) else None,
                                 "status": "error", "error": ApiError("protocol.internal",
                                                                      "internal error: the response could not be encoded",
                                                                      exception=type(e).__name__).as_dict()})
@@ -186,7 +186,7 @@ class StdioServer:
         """Read requests until EOF; returns the process exit code (0)."""
         self._writer.start()
         self._dispatcher.start()
-        log.info("stdio API ready (protocol %d)", schema.PROTOCOL_VERSION)
+        log.info("stdio API ready (protocol %d)", protocol.PROTOCOL_VERSION)
         interrupted = False
         try:
             while True:
@@ -222,13 +222,13 @@ class StdioServer:
             if not isinstance(msg, dict):
                 raise ApiError("protocol.not_an_object", "a request is a JSON object")
             rid = msg.get("request_id")
-            if not schema.valid_request_id(rid):
+            if not protocol.valid_request_id(rid):
                 rid = None  # never echoed: it may be huge, deep or of any type
             t = msg.get("type")
-            if isinstance(t, str) and t not in schema.REQUESTS:
+            if isinstance(t, str) and t not in protocol.REQUEST_TYPES:
                 raise ApiError("protocol.unknown_type", f"unknown request type {t[:100]!r}",
-                               type=t[:100], known=sorted(schema.REQUESTS))
-            problem = schema.first_error("request", msg)
+                               type=t[:100], known=sorted(protocol.REQUEST_TYPES))
+            problem = protocol.first_error("request", msg)
             if problem is not None:
                 path, reason = problem
                 raise ApiError("protocol.invalid_request", f"{path}: {reason}", path=path, reason=reason)

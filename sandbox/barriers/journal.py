@@ -372,6 +372,9 @@ class RecordingFileHandle(FileHandle):
     def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
         self._mutating(lambda: self.inner.utime(mtime_ns, atime_ns))
 
+    def chown(self, uid: int, gid: int) -> None:
+        self._mutating(lambda: self.inner.chown(uid, gid))
+
     def listxattr(self) -> list[str]:
         return self.inner.listxattr()
 
@@ -552,6 +555,10 @@ class RecordingHostFS(HostFS):
         with self._rec([path], [parent_of(path)]):
             self.inner.symlink(target, path)
 
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        with self._rec([path], [parent_of(path)]):
+            self.inner.mknod(path, mode, fmt)
+
     def link(self, existing: str, new: str) -> None:
         with self._rec([new, existing], [parent_of(new)]):  # existing: its nlink and ctime
             self.inner.link(existing, new)
@@ -563,6 +570,10 @@ class RecordingHostFS(HostFS):
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         with self._rec([path]):
             self.inner.utime(path, mtime_ns, atime_ns)
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        with self._rec([path]):
+            self.inner.lchown(path, uid, gid)
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
         with self._rec([path]):

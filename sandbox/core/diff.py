@@ -156,7 +156,7 @@ class _Mirror:
         elif st.kind == LNK:
             fs.symlink(self.work.readlink(p), p)
         else:
-            fs.make_special(p, st.mode, _stat.S_IFIFO)
+            fs.make_special(p, st.mode, st.file_type)  # a fifo, a socket, a device: its own type
         self.copied[p] = st
 
     def finish(self) -> None:
@@ -303,7 +303,7 @@ class _Compare:
             return {"path": p, "change": "created", "b": None, "n": n}
         if n is None:
             return {"path": p, "change": "deleted", "b": b, "n": None}
-        if b.kind != n.kind or (n.kind == REG and not self._same_bytes(p, n)):
+        if b.kind != n.kind or b.file_type != n.file_type or (n.kind == REG and not self._same_bytes(p, n)):
             return {"path": p, "change": "modified", "b": b, "n": n}
         meta = self._meta_changes(p, b, n)
         if not meta:
@@ -394,13 +394,23 @@ def _summary_of_kinds(cmp: _Compare, p: str, change: str, b: Stat | None, n: Sta
             return f"symlink → {fs.readlink(p)}"
         if st.kind == DIR:
             return f"directory, mode {st.mode:04o}"
-        return _KINDS.get(st.kind, "other")
+        return special_summary(st) if st.kind == OTHER else _KINDS.get(st.kind, "other")
 
     if change == "created":
         return one(cmp.now, n)
     if change == "deleted":
         return one(cmp.before, b)
     return f"{one(cmp.before, b)} → {one(cmp.now, n)}"
+
+
+#: what a special file's summary calls each ``S_IFMT`` type
+_SPECIAL_NAMES = {_stat.S_IFIFO: "fifo", _stat.S_IFSOCK: "socket", _stat.S_IFCHR: "character device",
+                  _stat.S_IFBLK: "block device"}
+
+
+def special_summary(st: Stat) -> str:
+    """``"fifo, mode 0644"`` — the type a change of kind ``other`` is, and its mode."""
+    return f"{_SPECIAL_NAMES.get(st.file_type, 'special file')}, mode {st.mode:04o}"
 
 
 def _text_summary(change: str, b: Stat | None, n: Stat | None, added: int, removed: int) -> str:

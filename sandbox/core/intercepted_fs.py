@@ -207,6 +207,15 @@ class InterceptedFS(TreeOps):
         if i is not None:
             i.post_symlink(target, p)
 
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """A fifo or a unix-socket node (:meth:`HostFS.mknod`: anything else is ``EPERM``),
+        journalled like any creation (``pre_create``: its undo removes it)."""
+        p = _entry(path, "create")
+        i = self.interceptor
+        self._run(lambda: i.pre_create(p), lambda: self.host.mknod(p, mode, fmt), sync=(p,))
+        if i is not None:
+            i.post_create(p)
+
     def link(self, existing: str, new: str) -> None:
         e, n = _entry(existing, "link"), _entry(new, "create")
         self._run(lambda: self.interceptor.pre_link(e, n), lambda: self.host.link(e, n), sync=(e, n))

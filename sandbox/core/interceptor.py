@@ -46,7 +46,7 @@ from typing import Callable
 
 from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, parent_of, same_inode
 from .errors import HoldRequired, RollbackIncomplete, SafeguardDenied
-from .preimage import meta_of
+from .preimage import is_restorable_special, meta_of
 from .safeguard import Hold, Safeguard
 from .steps import AMBIENT, StepTracker
 from .store import UndoLog
@@ -327,8 +327,8 @@ class UndoInterceptor:
         st = self._named(path, handle)
         if st is None:
             return  # nothing there (the host call will fail or create it), or not the handle's file
-        if st.kind == OTHER:
-            raise OSError(errno.EPERM, "special files (fifo, socket, device) are not supported", path)
+        if st.kind == OTHER and not is_restorable_special(st):
+            raise OSError(errno.EPERM, "device nodes on the host are never changed by the sandbox", path)
         rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st)}
         if rec["op"] == "pre" and st.kind == REG:
             rec.update(self.log.capture_content(self.work, path, st, len(step.records)))

@@ -7,8 +7,9 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
 =========== ==================================== ======================================
 ``pre``     before the first content change of   making the path that object again:
             a file/symlink, before any entry     regular file (bytes + meta), symlink
-            change of a directory, before an     (target + mtime) or directory (meta;
-            rmdir                                created if missing)
+            change of a directory, before an     (target + mtime), directory (meta;
+            rmdir; before any change of a fifo   created if missing) or fifo/socket
+            or socket node (``kind`` other)      node (``mknod`` of ``fmt`` + mode, mtime)
 ``meta``    before a metadata-only change of a   setting mode, xattrs, mtime again
             regular file (chmod, utime, xattr)
 ``created`` before something is created at path  removing whatever is at path
@@ -33,7 +34,7 @@ import errno
 import hashlib
 import os
 
-from ..hostfs import DIR, LNK, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
 
@@ -48,12 +49,21 @@ def unb64(text: str) -> bytes:
 
 def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
     """The metadata part of a preimage record."""
-    rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns}
+    rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns, "uid": st.uid, "gid": st.gid}
     if st.kind in (REG, DIR):
         rec["xattrs"] = {name: b64(value) for name, value in fs.xattrs(path).items()}
     elif st.kind == LNK:
         rec["target"] = fs.readlink(path)
+    elif st.kind == OTHER:
+        rec["fmt"] = st.file_type
     return rec
+
+
+def is_restorable_special(st: Stat) -> bool:
+    """A special file the undo core captures and remakes: a fifo or a unix-socket node
+    (:data:`~sandbox.hostfs.MKNOD_FMTS`). A device node on the host is not (it is never
+    made there, so it is refused before anything changes)."""
+    return st.kind == OTHER and st.file_type in MKNOD_FMTS
 
 
 class _AtPath:
@@ -77,12 +87,34 @@ class _AtPath:
     def utime(self, mtime_ns: int) -> None:
         self.fs.utime(self.path, mtime_ns)
 
+    def chown(self, uid: int, gid: int) -> None:
+        self.fs.lchown(self.path, uid, gid)
+
+    def fstat(self) -> Stat:
+        return self.fs.lstat(self.path)
+
+
+def _restore_owner(at, rec: dict) -> None:
+    """The host owner ``rec`` recorded, where it differs and this process may set it (root;
+    anyone else gets ``EPERM`` and the file stays its own). Before the mode: a chown clears
+    set-id bits. Records from before owners were kept have none: nothing to do."""
+    if "uid" not in rec:
+        return
+    cur = at.fstat()
+    if (cur.uid, cur.gid) == (rec["uid"], rec["gid"]):
+        return
+    try:
+        at.chown(rec["uid"], rec["gid"])
+    except PermissionError:
+        pass
+
 
 def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = None) -> None:
     """Set xattrs, mode and mtime as ``rec`` says: by name — or, given ``handle``, on
     the inode it holds, whatever ``path`` names by now."""
     at = handle if handle is not None else _AtPath(fs, path)
     kind = rec["kind"]
+    _restore_owner(at, rec)
     if kind != LNK:
         wanted = {name: unb64(v) for name, v in rec.get("xattrs", {}).items()}
         current = at.xattrs()
@@ -195,7 +227,7 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             _apply_meta(fs, path, rec)
         return
     assert op == "pre", op
-    if st is not None and st.kind != kind:
+    if st is not None and (st.kind != kind or (kind == OTHER and st.file_type != rec["fmt"])):
         _clear(fs, path, st, force)
         st = None
     if kind == REG:
@@ -223,6 +255,9 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             fs.mkdir(path, 0o700)
         if not dir_meta:
             return
+    elif kind == OTHER:
+        if st is None:
+            fs.mknod(path, rec["mode"], rec["fmt"])  # never opened; mode and mtime follow by name, no follow
     else:  # pragma: no cover - capture refuses other kinds
         raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
     _apply_meta(fs, path, rec)
@@ -324,4 +359,4 @@ def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | N
         return [LNK, fs.readlink(path)]
     if st.kind == DIR:
         return [DIR, st.mtime_ns] if with_dir_mtime else [DIR]
-    return [st.kind, st.mode]
+    return [st.kind, st.mode, st.file_type, st.mtime_ns]

@@ -44,7 +44,7 @@ from typing import Callable, Iterable, Iterator
 
 import zstandard
 
-from ..hostfs import ABSENT_ERRNOS, DIR, LNK, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
+from ..hostfs import ABSENT_ERRNOS, DIR, LNK, MKNOD_FMTS, OTHER, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, RollbackIncomplete, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
@@ -280,17 +280,24 @@ def check_record(r: dict) -> None:
         _need_keys(r, {"op"}, "unprotected record")
     elif op in ("pre", "meta"):
         kind = r.get("kind")
-        _need(kind in (REG, DIR, LNK) and (op == "pre" or kind == REG), f"'kind' {kind!r} is not valid for {op}")
+        _need(kind in (REG, DIR, LNK, OTHER) and (op == "pre" or kind == REG), f"'kind' {kind!r} is not valid for {op}")
         keys = {"op", "path", "kind", "mode", "mtime_ns"}
         _need_path(r, "path", root_ok=kind == DIR)
         _need_int(r, "mode", 0, 0o7777)
         _need_int(r, "mtime_ns")
+        if "uid" in r or "gid" in r:  # the host owner (records from before owners were kept have none)
+            keys |= {"uid", "gid"}
+            _need_int(r, "uid", 0, 0xFFFFFFFE)
+            _need_int(r, "gid", 0, 0xFFFFFFFE)
         if kind in (REG, DIR):
             keys.add("xattrs")
             x = r.get("xattrs")
             _need(isinstance(x, dict) and all(isinstance(k, str) and k for k in x), "'xattrs' is not a map of names")
             for v in x.values():
                 _need_b64(v, "xattrs")
+        elif kind == OTHER:  # a fifo or a socket node: remade by mknod
+            keys.add("fmt")
+            _need(_is_int(r.get("fmt")) and r["fmt"] in MKNOD_FMTS, "'fmt' is not a fifo or a socket")
         else:
             keys.add("target")
             t = r.get("target")

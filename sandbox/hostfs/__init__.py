@@ -19,8 +19,9 @@ against both):
 
 * ``create``/``mkdir`` apply the given mode exactly (no umask): the guest already applied
   its own.
-* only regular files, directories and symlinks are created; a special file that exists
-  is never opened (``read``/``write`` on it fail with ``EPERM``).
+* only regular files, directories, symlinks and — through :meth:`HostFS.mknod` only —
+  fifos and unix-socket nodes are created (never a device); a special file is never
+  opened (``read``/``write`` on it fail with ``EPERM``).
 * ``chmod`` of a symlink is ``EOPNOTSUPP`` (Linux has no lchmod); symlinks carry no
   user xattrs (``setxattr`` is ``EPERM``, ``listxattr`` is empty).
 * :meth:`HostFS.open` returns a :class:`FileHandle` bound to the *inode*, not the path:
@@ -65,11 +66,13 @@ __all__ = [
     "OTHER",
     "PATH_LEN_MAX",
     "NAME_LEN_MAX",
+    "TREE_PATH_BYTES_MAX",
     "OPEN_FLAGS",
     "check_open_flags",
     "same_inode",
     "names_inode",
     "ABSENT_ERRNOS",
+    "MKNOD_FMTS",
 ]
 
 REG = "reg"
@@ -77,8 +80,13 @@ DIR = "dir"
 LNK = "lnk"
 OTHER = "other"  # fifo, socket, device: never created, never opened
 
-PATH_LEN_MAX = 4096
-NAME_LEN_MAX = 255
+PATH_LEN_MAX = 4096  # the kernel's PATH_MAX (with the NUL): one syscall's path, a symlink target, a guest path
+NAME_LEN_MAX = 255  # NAME_MAX: one component, in bytes
+#: the longest path *relative to the tree's root* that a HostFS resolves (bytes, UTF-8 with
+#: surrogateescape). A guest builds trees deeper than PATH_MAX with relative paths (every
+#: syscall it made was legal), so this is well above PATH_MAX; RealHostFS resolves a longer
+#: path in pieces (see :mod:`sandbox.hostfs.real`). Beyond it: ``ENAMETOOLONG``.
+TREE_PATH_BYTES_MAX = 8 * PATH_LEN_MAX
 
 #: errnos of a lookup that mean "nothing is at this path": it is missing (``ENOENT``), a
 #: non-directory is on the way (``ENOTDIR``), or a symlink is on the way (``ELOOP``: never
@@ -90,6 +98,9 @@ ABSENT_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
 
 #: the only ``open`` flags: an access mode, optionally ``O_APPEND``
 OPEN_FLAGS = os.O_ACCMODE | os.O_APPEND
+
+#: the only file types :meth:`HostFS.mknod` makes: a fifo and a unix-socket node (never a device)
+MKNOD_FMTS = frozenset({_stat.S_IFIFO, _stat.S_IFSOCK})
 
 _FMT_OF_KIND = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK, OTHER: _stat.S_IFIFO}
 
@@ -127,8 +138,8 @@ def normalize(path: str) -> str:
         raise PathError(errno.EINVAL, f"path contains a NUL byte: {path!r}")
     if path.startswith("/"):
         raise PathError(errno.EINVAL, f"path must be relative to the working root: {path!r}")
-    if len(path.encode("utf-8", "surrogateescape")) > PATH_LEN_MAX:
-        raise PathError(errno.ENAMETOOLONG, f"path longer than {PATH_LEN_MAX} bytes")
+    if len(path.encode("utf-8", "surrogateescape")) > TREE_PATH_BYTES_MAX:
+        raise PathError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)")
     parts = []
     for part in path.split("/"):
         if part in ("", "."):
@@ -168,13 +179,21 @@ class Stat:
     ino: int
     nlink: int
     dev: int = 0  # st_dev (0 on the simulator: one device); (ino, dev) names an inode
+    fmt: int = 0  # the exact S_IFMT bits (a fifo vs a socket, both OTHER); 0: not known (the kind's usual one)
+    uid: int = 0  # the host owner
+    gid: int = 0
 
     @classmethod
     def from_os(cls, st) -> "Stat":
         fmt = _stat.S_IFMT(st.st_mode)
         kind = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
         return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink,
-                   st.st_dev)
+                   st.st_dev, fmt, st.st_uid, st.st_gid)
+
+    @property
+    def file_type(self) -> int:
+        """The ``S_IFMT`` bits: :attr:`fmt`, or the kind's usual one when it is not known."""
+        return self.fmt or _FMT_OF_KIND[self.kind]
 
 
 def _kind_of(fmt: int) -> str:
@@ -221,9 +240,9 @@ class Attr:
     def from_stat(cls, st: Stat) -> "Attr":
         """What a :class:`Stat` alone says: owner root, atime = mtime, 4 KiB blocks, no rdev.
 
-        ``blocks`` is ``ceil(size / 512)``; an ``OTHER`` is reported as a fifo.
+        ``blocks`` is ``ceil(size / 512)``; an ``OTHER`` of unknown ``fmt`` is reported as a fifo.
         """
-        return cls(st.kind, _FMT_OF_KIND[st.kind], st.mode, st.size, st.nlink, 0, 0, 0, 4096, -(-st.size // 512),
+        return cls(st.kind, st.file_type, st.mode, st.size, st.nlink, 0, 0, 0, 4096, -(-st.size // 512),
                    st.mtime_ns, st.mtime_ns, st.ctime_ns, st.ino, st.dev)
 
 
@@ -304,6 +323,10 @@ class FileHandle(ABC):
     @abstractmethod
     def utime(self, mtime_ns: int, atime_ns: int | None = None) -> None:
         """``futimens``: mtime (and atime, unless ``None``: kept as it is) in ns."""
+
+    @abstractmethod
+    def chown(self, uid: int, gid: int) -> None:
+        """``fchown``: ``-1`` leaves that id as it is; ``EPERM`` where the process may not."""
 
     @abstractmethod
     def listxattr(self) -> list[str]: ...
@@ -471,6 +494,14 @@ class HostFS(ABC):
     def symlink(self, target: str, path: str) -> None: ...
 
     @abstractmethod
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """Create a fifo (``fmt`` ``S_IFIFO``) or a unix-socket node (``S_IFSOCK``) with
+        exactly ``mode`` (all 12 bits, no umask); any other ``fmt`` is ``EPERM`` (a device
+        is never made on the host), anything at ``path`` ``EEXIST``. The new node is never
+        opened for I/O; its mode is set through an ``O_PATH`` descriptor of it, never by
+        name again."""
+
+    @abstractmethod
     def readlink(self, path: str) -> str: ...
 
     @abstractmethod
@@ -483,6 +514,11 @@ class HostFS(ABC):
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         """Set mtime (and atime, unless ``None``: kept as it is) in ns, without following a
         final symlink."""
+
+    @abstractmethod
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        """Set the owner of ``path`` itself (a symlink's own, never its target's); ``-1``
+        leaves that id as it is; ``EPERM`` where the process may not (only root gives files away)."""
 
     @abstractmethod
     def listxattr(self, path: str) -> list[str]: ...

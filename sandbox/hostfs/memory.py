@@ -39,7 +39,9 @@ from . import (
     DIR,
     LNK,
     OTHER,
+    TREE_PATH_BYTES_MAX,
     REG,
+    MKNOD_FMTS,
     Attr,
     FileHandle,
     HostFS,
@@ -57,7 +59,7 @@ _FALLOC_FL_PUNCH_HOLE = 0x02
 _FALLOC_FL_ZERO_RANGE = 0x10
 
 _SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
-_PATH_MAX = 4095  # longest path one syscall accepts (PATH_MAX with the NUL)
+_PATH_MAX = TREE_PATH_BYTES_MAX  # longest path resolved (RealHostFS resolves longer than PATH_MAX in pieces)
 _NAME_MAX = 255
 _XATTR_NAME_MAX = 255
 _XATTR_PREFIXES = ("user.", "trusted.", "security.")
@@ -90,6 +92,8 @@ class _Inode:
     durable_data: bytes | None = None  # bytes as of this inode's last fsync
     atime_ns: int | None = None  # None: the mtime given at creation
     fmt: int = 0  # S_IFMT bits; 0: the usual one for ``kind`` (an OTHER is a fifo)
+    uid: int = 0  # the owner (a new inode gets its filesystem's ``uid``/``gid``)
+    gid: int = 0
 
     def __post_init__(self) -> None:
         if self.atime_ns is None:
@@ -99,14 +103,15 @@ class _Inode:
 
     def meta(self) -> tuple:
         return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
-                self.atime_ns)
+                self.atime_ns, self.uid, self.gid)
 
     def stat(self) -> Stat:
         size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
-        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink)
+        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, fmt=self.fmt, uid=self.uid,
+                    gid=self.gid)
 
     def attr(self) -> Attr:
-        """As ext4 reports it: owner root, whole 4 KiB blocks, symlinks under 60 bytes inline."""
+        """As ext4 reports it: whole 4 KiB blocks, symlinks under 60 bytes inline."""
         st = self.stat()
         if self.kind in (REG, DIR):
             blocks = -(-st.size // 4096) * 8
@@ -114,7 +119,7 @@ class _Inode:
             blocks = 0 if st.size < 60 else 8
         else:
             blocks = 0
-        return Attr(self.kind, self.fmt, self.mode, st.size, self.nlink, 0, 0, 0, 4096, blocks, self.atime_ns,
+        return Attr(self.kind, self.fmt, self.mode, st.size, self.nlink, self.uid, self.gid, 0, 4096, blocks, self.atime_ns,
                     self.mtime_ns, self.ctime_ns, self.ino)
 
 
@@ -205,6 +210,10 @@ class MemoryFileHandle(FileHandle):
         self._call("utime")
         self._fs._utime_node(self._node, mtime_ns, atime_ns)
 
+    def chown(self, uid: int, gid: int) -> None:
+        self._call("chown")
+        self._fs._chown_node(self._node, uid, gid, self.path)
+
     def listxattr(self) -> list[str]:
         self._call("listxattr")
         return list(self._node.xattrs)
@@ -238,6 +247,8 @@ class MemoryHostFS(HostFS):
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         self._locks: dict[str, tuple[int, object]] = {}
         self._epoch = 0  # bumped by a process death: handles opened before it are closed
+        self.uid = 0  # who uses this filesystem: the owner of what it creates; only 0 may give files away
+        self.gid = 0
 
     # -- simulation controls (not part of HostFS) --
 
@@ -250,11 +261,15 @@ class MemoryHostFS(HostFS):
         """Place a special file (a fifo unless ``fmt`` says otherwise) for tests of 'never opened'."""
         if fmt in (0, _stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK) or fmt & ~0o170000:
             raise ValueError(f"not a special file type: {fmt:#o}")
+        self._mknod_node(path, mode, fmt)
+
+    def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), OTHER, mode, now, now, fmt=fmt)
+        parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
+                                      gid=self.gid)
         self._touch_dir(parent, now)
 
     # -- internals --
@@ -302,6 +317,8 @@ class MemoryHostFS(HostFS):
     def _parent(self, path: str) -> tuple[_Inode, str]:
         if not path:
             raise _err(errno.EBUSY, path)
+        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
+            raise _err(errno.ENAMETOOLONG, path)
         parent = self._walk(parent_of(path))
         if parent.kind == LNK:
             raise _err(errno.ELOOP, path)
@@ -382,7 +399,7 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now)
+        node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid)
         self._touch_dir(parent, now)
         return node
 
@@ -458,7 +475,8 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2)
+        parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
+                                      gid=self.gid)
         parent.nlink += 1
         self._touch_dir(parent, now)
 
@@ -515,8 +533,16 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target)
+        parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
+                                      gid=self.gid)
         self._touch_dir(parent, now)
+
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """A fifo or a unix-socket node (:data:`~sandbox.hostfs.MKNOD_FMTS`), mode exact."""
+        self._fault("mknod", path)
+        if fmt not in MKNOD_FMTS:
+            raise _err(errno.EPERM, path)
+        self._mknod_node(path, mode, fmt)
 
     def link(self, existing: str, new: str) -> None:
         self._fault("link", new)
@@ -554,6 +580,24 @@ class MemoryHostFS(HostFS):
         node.mtime_ns = mtime_ns
         if atime_ns is not None:
             node.atime_ns = atime_ns
+        node.ctime_ns = self.clock()
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        self._fault("chown", path)
+        self._chown_node(self._entry(path), uid, gid, path)
+
+    def _chown_node(self, node: _Inode, uid: int, gid: int, path: str) -> None:
+        """As Linux's ``chown_common``: only uid 0 gives a file away (an owner may only change the
+        group to its own); a non-directory loses set-uid, and set-gid where group-executable,
+        whoever changes it — even to the same ids."""
+        if self.uid != 0 and (node.uid != self.uid or uid not in (-1, node.uid) or gid not in (-1, node.gid, self.gid)):
+            raise _err(errno.EPERM, path)
+        node.uid = node.uid if uid == -1 else uid
+        node.gid = node.gid if gid == -1 else gid
+        if node.kind != DIR:
+            node.mode &= ~_stat.S_ISUID
+            if node.mode & _stat.S_IXGRP:
+                node.mode &= ~_stat.S_ISGID
         node.ctime_ns = self.clock()
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
@@ -712,7 +756,8 @@ class MemoryHostFS(HostFS):
                 continue
             seen.add(node.ino)
             if node.durable_meta is not None:
-                node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns = node.durable_meta
+                (node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns,
+                 node.uid, node.gid) = node.durable_meta
                 node.entries, node.xattrs = dict(entries), dict(xattrs)
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())

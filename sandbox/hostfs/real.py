@@ -10,6 +10,17 @@ Special files (fifos, sockets, devices) are never opened for I/O: files are firs
 ``O_PATH`` (which has no side effects), checked with ``fstat``, and only then re-opened
 through ``/proc/self/fd`` — the same inode, no second lookup, no race.
 
+Paths longer than one syscall takes (PATH_MAX, 4095 bytes and the NUL) — a guest builds
+them with relative walks — are resolved in pieces (:func:`_openat2_long`): the longest
+leading run of whole components that fits is opened ``O_PATH | O_DIRECTORY`` with the same
+resolve flags, and the rest is resolved beneath *that* directory, and so on, up to
+:data:`~sandbox.hostfs.TREE_PATH_BYTES_MAX`. Every piece is beneath the previous one and
+no symlink is followed in any piece, so the result is still below the root. The one
+difference to a single call: a local process that *moves* one of those intermediate
+directories out of the tree (it needs write access to the directory and to where it
+moves it) while we resolve makes us act inside its moved directory — never through a
+symlink, never at a place that process could not already write.
+
 Open handles (:class:`RealFileHandle`) own one such re-opened fd: they are bound to the
 inode from then on and never resolve a path again. The fd number is used only while the
 handle is open; a ``close`` racing another thread's call waits for that call to finish
@@ -28,12 +39,15 @@ import threading
 from . import (
     DIR,
     LNK,
+    MKNOD_FMTS,
     REG,
     Attr,
     FileHandle,
     HostFS,
     Stat,
     StatFS,
+    PATH_LEN_MAX,
+    TREE_PATH_BYTES_MAX,
     StoreBusy,
     check_open_flags,
     parent_of,
@@ -47,6 +61,7 @@ _RESOLVE_BENEATH = 0x08
 _FICLONE = 0x40049409
 _XATTR_PROC = "/proc/self/fd/{}"
 _SYMLINK_MAX = 4095  # a symlink target must fit in PATH_MAX with its NUL
+_OPENAT2_PATH_BYTES_MAX = PATH_LEN_MAX - 1  # the longest path one openat2 takes (PATH_MAX with its NUL)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -64,6 +79,42 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), path)
     return fd
+
+
+def _openat2_long(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
+    """:func:`_openat2` of a path longer than one call takes, in pieces (see the module doc).
+
+    Same results and errnos as one call would give if the kernel took the whole path:
+    a symlink on the way is ``ELOOP``, a non-directory ``ENOTDIR``, a missing one
+    ``ENOENT``; longer than :data:`~sandbox.hostfs.TREE_PATH_BYTES_MAX` is ``ENAMETOOLONG``."""
+    raw = os.fsencode(path)
+    if len(raw) <= _OPENAT2_PATH_BYTES_MAX:
+        return _openat2(dirfd, path, flags, mode)
+    if len(raw) > TREE_PATH_BYTES_MAX:
+        raise OSError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)", path)
+    parts = raw.split(b"/")
+    fd, i, rest = dirfd, 0, len(raw)  # parts[i:] is what is left: ``rest`` bytes
+    try:
+        while rest > _OPENAT2_PATH_BYTES_MAX:
+            j, size = i + 1, len(parts[i])  # at least one component (an over-long one: the kernel refuses it)
+            while j < len(parts) - 1 and size + 1 + len(parts[j]) <= _OPENAT2_PATH_BYTES_MAX:
+                size += 1 + len(parts[j])
+                j += 1
+            rest -= size + 1
+            try:
+                nfd = _openat2(fd, os.fsdecode(b"/".join(parts[i:j])), os.O_PATH | os.O_DIRECTORY)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, path) from None
+            if fd != dirfd:
+                os.close(fd)
+            fd, i = nfd, j
+        try:
+            return _openat2(fd, os.fsdecode(b"/".join(parts[i:])), flags, mode)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None
+    finally:
+        if fd != dirfd:
+            os.close(fd)
 
 
 def _check_openat2() -> None:
@@ -84,6 +135,22 @@ class _FdLock:
         if self._fd >= 0:
             os.close(self._fd)  # closing drops the flock
             self._fd = -1
+
+
+def _reach_new(pfd: int, name: str, flags: int, remove) -> int:
+    """The entry just made at ``name`` beneath ``pfd``, opened once with ``flags`` (no
+    symlink resolved). A racer's swap shows as ``ELOOP``/``ENOTDIR``/``ENOENT`` and is raised
+    as it is; any other failure (``EMFILE``, …) first removes the new entry with ``remove``
+    (``os.rmdir``/``os.unlink``), so the creation fails whole."""
+    try:
+        return _openat2(pfd, name, flags)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            try:
+                remove(name, dir_fd=pfd)
+            except OSError:
+                pass
+        raise
 
 
 def _ebadf(path: str) -> OSError:
@@ -176,6 +243,13 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
+    def chown(self, uid: int, gid: int) -> None:
+        fd = self._acquire()
+        try:
+            os.fchown(fd, uid, gid)
+        finally:
+            self._release()
+
     def listxattr(self) -> list[str]:
         fd = self._acquire()
         try:
@@ -243,12 +317,14 @@ class RealHostFS(HostFS):
     # -- resolution helpers --
 
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
-        return _openat2(self._root_fd, path, flags, mode)
+        return _openat2_long(self._root_fd, path, flags, mode)
 
     def _parent(self, path: str) -> tuple[int, str]:
         """(O_PATH fd of the parent directory, final name). Caller closes the fd."""
         if not path:
             raise OSError(errno.EBUSY, "operation not permitted on the root itself", path)
+        if len(os.fsencode(path)) > TREE_PATH_BYTES_MAX:  # the whole path, though only the parent is opened
+            raise OSError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)", path)
         i = path.rfind("/")
         name = path[i + 1 :]
         return self._open(parent_of(path), os.O_PATH | os.O_DIRECTORY), name
@@ -313,7 +389,13 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        fd = self._open_file(path, os.O_RDONLY)
+        """A path read is the server's own (preimages, hashes, diffs): ``O_NOATIME`` where the
+        process may (root, or the file's owner), so it never moves an atime a client set —
+        under ``relatime`` a read moves an atime older than the mtime to "now"."""
+        try:
+            fd = self._open_file(path, os.O_RDONLY | os.O_NOATIME)
+        except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
+            fd = self._open_file(path, os.O_RDONLY)
         try:
             return os.pread(fd, length, offset)
         finally:
@@ -397,15 +479,8 @@ class RealHostFS(HostFS):
         pfd, name = self._parent(path)
         try:
             os.mkdir(name, 0o700, dir_fd=pfd)
-            try:
-                fd = _openat2(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            except OSError as e:
-                if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # not a racer's doing (EMFILE, …):
-                    try:
-                        os.rmdir(name, dir_fd=pfd)  # the mkdir fails whole (rmdir takes only an empty directory)
-                    except OSError:
-                        pass
-                raise
+            # the mkdir fails whole on an error that is not a racer's (rmdir takes only an empty directory)
+            fd = _reach_new(pfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, os.rmdir)
         finally:
             os.close(pfd)
         try:
@@ -441,6 +516,32 @@ class RealHostFS(HostFS):
         finally:
             os.close(pfd)
 
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        """``mknodat`` of a fifo or a unix-socket node (mode 0600), then its mode exactly.
+
+        mknodat returns no descriptor, so the new node is reached once, by its name beneath
+        the parent's fd, ``O_PATH | O_NOFOLLOW`` (which opens nothing: a fifo without a
+        reader does not block, no socket is connected) and checked on that fd: the type
+        made, one link, our own uid. Anything else (a racer swapped in a symlink, a file, a
+        node of another user) is not ours: ``EEXIST`` and nothing is chmod'ed. The mode is
+        then set through ``/proc/self/fd/N`` — the fd's inode, never a name.
+        """
+        if fmt not in MKNOD_FMTS:
+            raise OSError(errno.EPERM, "only fifos and socket nodes are made on the host", path)
+        pfd, name = self._parent(path)
+        try:
+            os.mknod(name, fmt | 0o600, 0, dir_fd=pfd)
+            fd = _reach_new(pfd, name, os.O_PATH | os.O_NOFOLLOW, os.unlink)
+        finally:
+            os.close(pfd)
+        try:
+            st = os.fstat(fd)
+            if _stat.S_IFMT(st.st_mode) != fmt or st.st_nlink != 1 or st.st_uid != os.geteuid():
+                raise OSError(errno.EEXIST, "the new node was replaced by another one", path)
+            os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)  # the fd's inode (see chmod)
+        finally:
+            os.close(fd)
+
     def link(self, existing: str, new: str) -> None:
         sfd, sname = self._parent(existing)
         try:
@@ -468,6 +569,16 @@ class RealHostFS(HostFS):
             os.chmod(_XATTR_PROC.format(fd), mode & 0o7777)  # the fd's inode (see above)
         finally:
             os.close(fd)
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
+        if not path:
+            os.chown(".", uid, gid, dir_fd=self._root_fd, follow_symlinks=False)
+            return
+        pfd, name = self._parent(path)  # the parent beneath the root, then the name itself, never followed
+        try:
+            os.chown(name, uid, gid, dir_fd=pfd, follow_symlinks=False)
+        finally:
+            os.close(pfd)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         if path:  # resolved in two steps (parent, then name), as lstat is: a 4096-byte path works

@@ -28,13 +28,23 @@ applies them to every client request; ``docs/identity.md`` tells the whole model
   they are cleared on the host and kept in :data:`MODE_XATTR`, as the guest's root still
   sees them. (File capabilities need nothing: the kernel drops ``security.capability`` on
   every write, whoever writes.)
-* **owners are never applied** (the Provider accepts ``chown`` and does nothing): files the
-  server creates belong to the server's user, as they always did.
-* **owners are reported for the guest user** (issue 13, :class:`OwnerMap`): a VM's commands
-  run as an unprivileged guest user; the server reports the working folder owner's and its
-  own uid/gid as that user's, so the guest kernel's permission checks let the user work in
-  its shares. A presentation only: nothing on the host changes, other owners are shown as
-  they are, and the host still checks every access as the server's user.
+* **owners are mapped, never applied** (issue 15): a request acts as a :class:`Cred` (the
+  9P attach's uid, :func:`attach_cred`; a creating request's gid). A chown, and a creation
+  by a cred whose owner differs from what the client sees anyway (:func:`presented_owner`),
+  keep ``b"<uid>:<gid>"`` in :data:`OWNER_XATTR` of a regular file or directory, which
+  getattr reports (:func:`guest_owner`; a damaged value is ignored); a chown back to the
+  presented owner removes it. The host file keeps the server's owner: nothing is given to
+  another host user. Symlinks, fifos and sockets cannot carry user xattrs: their owners
+  are the host's (a chown of one is accepted and not kept).
+* **set-id bits fall as Linux drops them**: a write or truncate by a cred without
+  ``CAP_FSETID`` (uid != 0) clears :func:`privileges_on_write` of the guest's mode; a chown
+  of a non-directory clears :func:`privileges_on_chown`, whoever asks.
+* **owners are reported for the guest user** (issue 13, :class:`OwnerMap`, a cred's
+  ``view``): a VM's commands run as an unprivileged guest user; the server reports the
+  working folder owner's and its own uid/gid as that user's (where no owner is kept), so
+  the guest kernel's permission checks let the user work in its shares. A presentation
+  only: nothing on the host changes, other owners are shown as they are, and the host
+  still checks every access as the server's user.
 
 Invariants (``sandbox_sim/test_identity.py`` checks them for every mode and name it generates):
 ``host_mode(m, cur) & SETID_BITS ⊆ cur & SETID_BITS``; ``host_mode(m, cur)`` equals ``m``
@@ -65,6 +75,16 @@ MAPPED_PREFIX = RESERVED_PREFIX + "x."
 XATTR_NAME_BYTES_MAX = 255
 #: longest :data:`MODE_XATTR` value read back (``b"7777"`` is 4); longer is not ours
 MODE_VALUE_BYTES_MAX = 8
+#: the owner the guest gave a file (``b"<uid>:<gid>"``), when it is not what the guest sees anyway
+OWNER_XATTR = RESERVED_PREFIX + "owner"
+#: longest :data:`OWNER_XATTR` value read back (``b"4294967295:4294967295"`` is 21); longer is not ours
+OWNER_VALUE_BYTES_MAX = 21
+#: the largest id a guest can give (2**32-1 is "no change", -1, in chown(2))
+ID_MAX = 0xFFFFFFFE
+#: 9P's ``n_uname`` "none": the attach names its user by ``uname`` only
+NONUNAME = 0xFFFFFFFF
+#: the uid (and gid) an attach without a numeric uid that is not "root" acts as (Linux's overflowuid)
+NOBODY_ID = 65534
 
 
 @dataclass(frozen=True)
@@ -187,3 +207,92 @@ def absent_removal_ok(name: str) -> bool:
 def guest_xattr_names(host_names: list[str]) -> list[str]:
     """What a guest's ``listxattr`` shows for the host's list, in the host's order."""
     return [g for g in map(guest_xattr_name, host_names) if g is not None]
+
+
+# ---------------------------------------------------------------------------- credentials
+
+
+@dataclass(frozen=True)
+class Cred:
+    """Who a client request acts as: the guest's uid and gid (the 9P attach's ``n_uname``, a
+    creating request's ``gid``). ``None`` in place of a Cred means the API/SDK, acting as the
+    folder owner. Only uid 0 has ``CAP_FSETID``/``CAP_CHOWN`` in the guest's view."""
+
+    uid: int
+    gid: int
+    #: how this client sees host owners (the VM's guest-user map), None: as they are
+    view: OwnerMap | None = None
+
+    @property
+    def privileged(self) -> bool:
+        return self.uid == 0
+
+
+# ---------------------------------------------------------------------------- owners
+
+
+def attach_cred(uname: str, n_uname: int, view: "OwnerMap | None" = None) -> Cred:
+    """The credentials of a 9P2000.L attach: ``n_uname`` (the guest's fsuid; Linux v9fs attaches
+    once per uid with ``access=user``/``client``) — or, when it is :data:`NONUNAME`, 0 for
+    ``uname`` "root" and :data:`NOBODY_ID` for any other name. The attach carries no gid: the
+    uid stands for it (a creating request brings its own gid)."""
+    uid = n_uname if n_uname != NONUNAME else 0 if uname == "root" else NOBODY_ID
+    if uid > ID_MAX:
+        uid = NOBODY_ID
+    return Cred(uid, uid, view)
+
+
+def encode_owner(uid: int, gid: int) -> bytes:
+    """``(65534, 100)`` → ``b"65534:100"`` (ASCII: readable with ``getfattr`` on the host)."""
+    return b"%d:%d" % (uid, gid)
+
+
+def decode_owner(value: bytes | None) -> tuple[int, int] | None:
+    """The ``(uid, gid)`` in an :data:`OWNER_XATTR` value, or None for anything that is not
+    exactly two decimal ids ≤ :data:`ID_MAX` joined by ``:`` (damaged: ignored, never trusted)."""
+    if not value or len(value) > OWNER_VALUE_BYTES_MAX or value.count(b":") != 1:
+        return None
+    parts = value.split(b":")
+    if not all(p and len(p) <= 10 and all(0x30 <= c <= 0x39 for c in p) for p in parts):
+        return None
+    uid, gid = (int(p) for p in parts)
+    return (uid, gid) if uid <= ID_MAX and gid <= ID_MAX else None
+
+
+def presented_owner(uid: int, gid: int, view: "OwnerMap | None") -> tuple[int, int]:
+    """What a client sees as the owner of a host file that carries no :data:`OWNER_XATTR`:
+    the host's ids, through ``view`` (:class:`OwnerMap`) if the client has one."""
+    return (uid, gid) if view is None else (view.uid(uid), view.gid(gid))
+
+
+def guest_owner(uid: int, gid: int, value: bytes | None, view: "OwnerMap | None" = None) -> tuple[int, int]:
+    """The owner a client is told for a host file owned by ``uid:gid`` whose
+    :data:`OWNER_XATTR` is ``value``: the kept owner if it is valid, else :func:`presented_owner`."""
+    kept = decode_owner(value)
+    return kept if kept is not None else presented_owner(uid, gid, view)
+
+
+def unchanged_id(i: int | None) -> bool:
+    """True for an id that chown(2) takes as "leave it": None, -1, or -1 as a u32 on the wire."""
+    return i is None or i == -1 or i == NONUNAME
+
+
+def chowned(current: tuple[int, int], uid: int | None, gid: int | None) -> tuple[int, int]:
+    """The owner after ``chown(uid, gid)`` of a file owned by ``current`` (:func:`unchanged_id`: kept)."""
+    return (current[0] if unchanged_id(uid) else uid, current[1] if unchanged_id(gid) else gid)
+
+
+def owner_mapping(owner: tuple[int, int], host_uid: int, host_gid: int, view: "OwnerMap | None" = None) -> bytes | None:
+    """The :data:`OWNER_XATTR` value to keep for a guest's ``owner`` of a host file owned by
+    ``host_uid:host_gid`` (None: keep none — it is what the client sees anyway)."""
+    if owner == presented_owner(host_uid, host_gid, view):
+        return None
+    if not all(0 <= i <= ID_MAX for i in owner):
+        raise OSError(errno.EINVAL, f"invalid owner {owner[0]}:{owner[1]}")
+    return encode_owner(*owner)
+
+
+def privileges_on_chown(mode: int) -> int:
+    """The set-id bits a chown of a non-directory clears (Linux's ``chown_common``: set-uid
+    always, set-gid when group-executable; whoever chowns, even to the same ids)."""
+    return privileges_on_write(mode)

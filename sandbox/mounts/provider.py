@@ -18,10 +18,16 @@ Invariants:
   and never follows a symlink — a path string here can never name anything outside;
 * names coming from a client are checked by :func:`child` (one component, no ``/``,
   not ``.``/``..``, no NUL, ≤ 255 bytes) before they are joined;
-* special files are reported (getattr/readdir) but never opened, and never created
-  (``mknod`` is ``EPERM``);
-* ownership changes are accepted and not applied (the undo log cannot restore owners,
-  so the host's owner stays authoritative — like QEMU's ``security_model=none``);
+* special files are reported (getattr/readdir) but never opened, read, written or
+  followed; ``mknod`` makes a fifo or a unix-socket node on the host, and a character or
+  block device only as an *emulated* one (:mod:`~sandbox.mounts.devices`: an empty
+  regular placeholder with a reserved xattr, reported as the device, never opened);
+* ownership is *mapped*, never applied (:mod:`~sandbox.mounts.identity`, "Owners"): a
+  client's chown, and a creation by a client :class:`~sandbox.mounts.identity.Cred` other
+  than what it would see anyway, keep the owner in the reserved xattr ``user.sandbox.owner``
+  of a regular file or directory, which getattr reports; the host file stays the server's;
+* a write or truncate by a cred without ``CAP_FSETID`` (uid != 0) clears set-uid, and
+  set-gid where group-executable, in the guest's view; a chown of a non-directory too;
 * the guest's root is not the host's root (:mod:`~sandbox.mounts.identity`): a set-id bit
   the host object does not already have is kept in a reserved host xattr and reported
   back, never applied; xattrs outside ``user.`` (capabilities, SELinux labels, ACLs,
@@ -44,8 +50,9 @@ import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import DIR, LNK, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
-from . import identity
+from ..hostfs import DIR, LNK, MKNOD_FMTS, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
+from . import devices, identity
+from .identity import Cred
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 XATTR_SIZE_MAX = 65536  # the kernel's limit for one value
@@ -154,22 +161,23 @@ class Provider:
 
     # ------------------------------------------------------------------ queries
 
-    def getattr(self, path: str) -> Attr:
-        """The attributes a client is told: the host's, with the mode the guest was given."""
+    def getattr(self, path: str, *, cred: Cred | None = None) -> Attr:
+        """The attributes a client is told: the host's, with the mode and owner the guest
+        gave (owners as ``cred``'s view shows them)."""
         self._see(path)
-        return self._guest_attr(path, self.host.getattr(path))
+        return self._as_device(path, self._guest_attr(path, self.host.getattr(path), view=_view(cred)))
 
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
         entry (a 9P qid: type, inode, mtime; a readdir d_type). Anything that reports a
         mode to a client uses :meth:`getattr`, which costs one xattr read more."""
         self._see(path)
-        return self.host.getattr(path)
+        return self._as_device(path, self.host.getattr(path))
 
-    def fstat(self, handle: FileHandle, path: str) -> Attr:
+    def fstat(self, handle: FileHandle, path: str, *, cred: Cred | None = None) -> Attr:
         """:meth:`getattr` of the file open on ``handle`` (even if renamed away or unlinked);
         ``path`` is where the server last saw it."""
-        return self._guest_attr(path, handle.fstat(), handle)
+        return self._guest_attr(path, handle.fstat(), handle, view=_view(cred))
 
     def listdir(self, path: str) -> list[str]:
         self._see(path)
@@ -196,16 +204,21 @@ class Provider:
     def statfs(self) -> StatFS:
         return self.host.statfs()
 
-    def open(self, path: str, flags: int) -> FileHandle:
-        """Open a regular file; ``flags`` are Linux ``O_*`` bits. ``O_TRUNC`` is a mutation."""
+    def open(self, path: str, flags: int, *, cred: Cred | None = None) -> FileHandle:
+        """Open a regular file; ``flags`` are Linux ``O_*`` bits. ``O_TRUNC`` is a mutation
+        (by an unprivileged ``cred`` it clears set-id bits, as a truncate does)."""
         self._see(path, above_ok=False)
+        self._refuse_device(path)
         acc = flags & os.O_ACCMODE
         if acc not in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):
             raise OSError(errno.EINVAL, "invalid access mode", path)
         keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
         if keep & (os.O_TRUNC | os.O_APPEND) or acc != os.O_RDONLY:
             self._writable(path)
-            return self._disarmed(self.fs.open(path, keep), path)
+            handle = self._disarmed(self.fs.open(path, keep), path)
+            if keep & os.O_TRUNC:
+                self._killed_on_write(handle, path, cred)
+            return handle
         return self.fs.open(path, keep)
 
     # ------------------------------------------------------------------ mutations
@@ -215,11 +228,13 @@ class Provider:
         if self.read_only:
             raise OSError(errno.EROFS, "read-only export", path)
 
-    def create(self, path: str, mode: int, flags: int) -> tuple[FileHandle, bool]:
+    def create(self, path: str, mode: int, flags: int, *, cred: Cred | None = None,
+               gid: int | None = None) -> tuple[FileHandle, bool]:
         """``open(O_CREAT)``: create (or, without ``O_EXCL``, open) a regular file.
 
         Returns the handle and whether a new file was made. The mode is applied as given
-        (the client applied its umask)."""
+        (the client applied its umask). A new file belongs to ``cred`` (its uid, and ``gid``
+        if given, the group the client chose) in the guest's view."""
         self._writable(path)
         acc = flags & os.O_ACCMODE
         try:  # the handle comes from the creation itself: no second lookup a racer could redirect
@@ -227,19 +242,28 @@ class Provider:
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
+            self._refuse_device(path)
             keep = acc | (flags & (os.O_APPEND | os.O_TRUNC))
             handle = self.fs.open(path, keep)
             writes = acc != os.O_RDONLY or keep & (os.O_APPEND | os.O_TRUNC)
-            return (self._disarmed(handle, path) if writes else handle), False
+            if writes:
+                handle = self._disarmed(handle, path)
+                if keep & os.O_TRUNC:
+                    self._killed_on_write(handle, path, cred)
+            return handle, False
         try:
             self._keep_new_mode(path, mode, handle)
+            self._keep_new_owner(path, handle, cred, gid)
         except BaseException:
             handle.close()
             raise
         return handle, True
 
-    def write(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
+    def write(self, handle: FileHandle, path: str, offset: int, data: bytes, *, cred: Cred | None = None) -> int:
+        """Write through ``handle``; by an unprivileged ``cred`` it first clears the set-id
+        bits a write clears (:func:`identity.privileges_on_write`), as Linux does."""
         self._writable(path)
+        self._killed_on_write(handle, path, cred)
         return self.fs.pwrite(handle, path, offset, data)
 
     def fsync(self, handle: FileHandle | None, datasync: bool = False) -> None:
@@ -248,8 +272,9 @@ class Provider:
 
     def setattr(self, path: str, *, handle: FileHandle | None = None, mode: int | None = None,
                 size: int | None = None, atime_ns: int | None = None, mtime_ns: int | None = None,
-                chown: bool = False) -> None:
-        """Apply what is given, in the order the kernel does: mode, size, times.
+                chown: bool = False, uid: int | None = None, gid: int | None = None,
+                cred: Cred | None = None) -> None:
+        """Apply what is given: owner, mode, size, times.
 
         With ``handle`` (the file a client's fid has open) every change goes to that
         handle's inode — after an unlink or a rename and a new file at ``path``, never to
@@ -257,11 +282,15 @@ class Provider:
         size change through a handle not open for writing while ``path`` still names its
         file: ``truncate(path)`` of a file the client happens to have open read-only.
 
-        ``atime_ns``/``mtime_ns`` of ``-1`` mean "now". ``chown`` alone is accepted and
-        not applied (module docstring)."""
-        if mode is None and size is None and atime_ns is None and mtime_ns is None:
+        ``atime_ns``/``mtime_ns`` of ``-1`` mean "now" (else exact nanoseconds). ``uid``/``gid``
+        (``-1``: unchanged) are mapped, never applied (:meth:`_chown`); ``chown`` without them is
+        accepted and does nothing. A size change by an unprivileged ``cred`` clears set-id bits."""
+        owner = not (identity.unchanged_id(uid) and identity.unchanged_id(gid))
+        if mode is None and size is None and atime_ns is None and mtime_ns is None and not owner:
             return
         self._writable(path)
+        if owner:
+            self._chown(path, handle, uid, gid, _view(cred), keep_mode=mode is None)
         if mode is not None:
             mode = self._keep_mode(path, mode & 0o7777, handle)
             if handle is not None:
@@ -274,6 +303,7 @@ class Provider:
                 self.fs.ftruncate(handle, path, size)  # a read-only handle: EINVAL, as ftruncate(2)
             else:
                 self.fs.truncate(path, size)
+            self._killed_on_write(handle, path, cred)
         if atime_ns is not None or mtime_ns is not None:
             now = time.time_ns()
             cur = handle.fstat() if handle is not None else self.host.getattr(path)
@@ -284,12 +314,14 @@ class Provider:
             else:
                 self.fs.utime(path, m, a)
 
-    def mkdir(self, path: str, mode: int) -> None:
+    def mkdir(self, path: str, mode: int, *, cred: Cred | None = None, gid: int | None = None) -> None:
         self._writable(path)
         self.fs.mkdir(path, identity.host_mode(mode))
         self._keep_new_mode(path, mode)
+        self._keep_new_owner(path, None, cred, gid)
 
-    def symlink(self, target: str, path: str) -> None:
+    def symlink(self, target: str, path: str, *, cred: Cred | None = None, gid: int | None = None) -> None:
+        """A symlink cannot carry user xattrs: its owner is the host's (``cred`` is not kept)."""
         self._writable(path)
         self.fs.symlink(target, path)
 
@@ -298,9 +330,25 @@ class Provider:
         self._writable(new)
         self.fs.link(existing, new)
 
-    def mknod(self, path: str) -> None:
+    def mknod(self, path: str, mode: int, fmt: int, rdev: int = 0, *, cred=None, gid: int | None = None) -> None:
+        """``mknod(2)``: ``fmt`` is the ``S_IFMT`` type, ``mode`` the permission bits (the
+        client applied its umask), ``rdev`` a device's number.
+
+        A fifo or a unix-socket node is made on the host (:meth:`HostFS.mknod`, never opened),
+        without set-id bits (a fifo cannot keep the mapping: no user xattrs on it); a
+        character or block device is emulated (:mod:`~sandbox.mounts.devices`); any other
+        type is ``EINVAL``, as ``mknod(2)`` says — a regular file too (``creat`` makes those).
+        """
         self._writable(path)
-        raise OSError(errno.EPERM, "device nodes, fifos and sockets are never created on the host", path)
+        if not isinstance(rdev, int) or not 0 <= rdev < 1 << 64:
+            raise OSError(errno.EINVAL, "invalid device number", path)
+        fmt &= 0o170000
+        if fmt in MKNOD_FMTS:
+            self.fs.mknod(path, identity.host_mode(mode), fmt)
+        elif devices.is_device(fmt):
+            self._make_device(path, mode, fmt, rdev, cred=cred, gid=gid)
+        else:
+            raise OSError(errno.EINVAL, f"mknod of file type {fmt:#o}", path)
 
     def rename(self, src: str, dst: str) -> None:
         self._writable(src)
@@ -345,43 +393,98 @@ class Provider:
             if e.errno != errno.ENODATA or not identity.absent_removal_ok(name):
                 raise
 
+    # ------------------------------------------------------------------ emulated devices (devices.py)
+
+    def _make_device(self, path: str, mode: int, fmt: int, rdev: int, *, cred: Cred | None = None,
+                     gid: int | None = None) -> None:
+        """An emulated device: a new empty regular file (never a device on the host), its
+        :data:`~sandbox.mounts.devices.DEV_XATTR` set through the creation's own handle.
+        A host that cannot keep user xattrs gets no half-made device: the placeholder is
+        removed (undo-tracked) and the mknod is ``EPERM``."""
+        try:
+            value = devices.encode_dev(fmt, rdev)
+        except (ValueError, OverflowError):
+            raise OSError(errno.EINVAL, "invalid device number", path) from None
+        handle = self.fs.create_handle(path, identity.host_mode(mode), os.O_RDONLY)
+        try:
+            try:
+                self.fs.fsetxattr(handle, path, devices.DEV_XATTR, value)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                    raise
+                if names_inode(self.host, path, handle):
+                    self.fs.unlink(path)
+                raise OSError(errno.EPERM, "device nodes are emulated with a user xattr, and this host "
+                              "filesystem has none", path) from None
+            self._keep_new_mode(path, mode, handle)
+            self._keep_new_owner(path, handle, cred, gid)  # a placeholder is a regular file: it can keep one
+        finally:
+            handle.close()
+
+    def _device_value(self, path: str) -> bytes | None:
+        try:
+            return self.host.getxattr(path, devices.DEV_XATTR)
+        except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: not a device
+            return None
+
+    def _as_device(self, path: str, a: Attr) -> Attr:
+        """``a`` as the guest sees it: an emulated device if it is a placeholder. Only an
+        empty regular file can be one (others cost no xattr read)."""
+        if a.kind != REG or a.size != 0:
+            return a
+        return devices.emulated_attr(a, self._device_value(path))
+
+    def _refuse_device(self, path: str) -> None:
+        """``EPERM`` for an emulated device: never opened, like every special file."""
+        if self._as_device(path, self.host.getattr(path)).kind != REG:
+            raise OSError(errno.EPERM, "special files are never opened on the host", path)
+
     # ------------------------------------------------------------------ identity (identity.py)
 
-    def _mapping(self, path: str, handle: FileHandle | None) -> bytes:
-        """The kept mode of ``handle``'s inode, or else of ``path`` (``ENODATA`` if none)."""
-        if handle is not None:
-            return handle.getxattr(identity.MODE_XATTR)
-        return self.host.getxattr(path, identity.MODE_XATTR)
-
-    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None) -> Attr:
-        """``a`` with the mode the guest set, where a set-id bit of it is kept, not applied.
-
-        Only regular files and directories can carry the mapping (the kernel allows user
-        xattrs on nothing else). With ``handle``, ``a`` is its inode's and so is the mapping
-        read — wherever ``path`` points now."""
-        if a.kind not in (REG, DIR):
-            return a
+    def _reserved(self, path: str, handle: FileHandle | None) -> dict[str, bytes]:
+        """The mappings (:data:`identity.MODE_XATTR`, :data:`identity.OWNER_XATTR`) of
+        ``handle``'s inode, or else of ``path``: one ``listxattr``, a ``getxattr`` per one
+        present. Unreadable (no user xattrs, gone meanwhile): none."""
+        out = {}
         try:
-            mode = identity.guest_mode(a.mode, self._mapping(path, handle))
-        except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: the host's mode
-            return a
-        return a if mode == a.mode else dataclasses.replace(a, mode=mode)
+            names = handle.listxattr() if handle is not None else self.host.listxattr(path)
+            for name in (identity.MODE_XATTR, identity.OWNER_XATTR):
+                if name in names:
+                    out[name] = handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
+        except OSError:
+            pass
+        return out
 
-    def _set_mapping(self, path: str, handle: FileHandle | None, value: bytes | None) -> None:
-        """Keep ``value`` as the mapping (None: drop it), through the undo-tracked fs, on
-        ``handle``'s inode if given."""
+    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None, view=None) -> Attr:
+        """``a`` with the mode and owner the guest set, kept, not applied; owners without a
+        kept one as ``view`` (:class:`identity.OwnerMap`) presents them.
+
+        Only regular files and directories can carry the mappings (the kernel allows user
+        xattrs on nothing else). With ``handle``, ``a`` is its inode's and so are the mappings
+        read — wherever ``path`` points now."""
+        kept = self._reserved(path, handle) if a.kind in (REG, DIR) else {}
+        mode = identity.guest_mode(a.mode, kept.get(identity.MODE_XATTR)) if kept else a.mode
+        uid, gid = identity.guest_owner(a.uid, a.gid, kept.get(identity.OWNER_XATTR), view)
+        if (mode, uid, gid) == (a.mode, a.uid, a.gid):
+            return a
+        return dataclasses.replace(a, mode=mode, uid=uid, gid=gid)
+
+    def _set_mapping(self, path: str, handle: FileHandle | None, value: bytes | None,
+                     name: str = identity.MODE_XATTR) -> None:
+        """Keep ``value`` as the mapping ``name`` (None: drop it), through the undo-tracked fs,
+        on ``handle``'s inode if given."""
         names = handle.listxattr() if handle is not None else self.host.listxattr(path)
         if value is None:
-            if identity.MODE_XATTR not in names:
+            if name not in names:
                 return
             if handle is not None:
-                self.fs.fremovexattr(handle, path, identity.MODE_XATTR)
+                self.fs.fremovexattr(handle, path, name)
             else:
-                self.fs.removexattr(path, identity.MODE_XATTR)
+                self.fs.removexattr(path, name)
         elif handle is not None:
-            self.fs.fsetxattr(handle, path, identity.MODE_XATTR, value)
+            self.fs.fsetxattr(handle, path, name, value)
         else:
-            self.fs.setxattr(path, identity.MODE_XATTR, value)
+            self.fs.setxattr(path, name, value)
 
     def _keep_mode(self, path: str, mode: int, handle: FileHandle | None = None) -> int:
         """A guest's chmod: keep (or drop) the mapping of ``mode``; return the mode to apply.
@@ -440,3 +543,76 @@ class Provider:
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                     raise
+
+    # ------------------------------------------------------------------ owners (identity.py "Owners")
+
+    def _keep_new_owner(self, path: str, handle: FileHandle | None, cred: Cred | None, gid: int | None) -> None:
+        """After a create (through its ``handle``) or a mkdir by ``cred``: keep the owner the
+        guest gave it (``cred``'s uid, ``gid`` or else ``cred``'s) where it differs from what
+        ``cred`` sees anyway. Nowhere to keep it (no user xattrs): the host's owner shows, as
+        the create cannot be undone now."""
+        if cred is None:
+            return
+        a = handle.fstat() if handle is not None else self.host.lstat(path)
+        owner = (cred.uid, cred.gid if identity.unchanged_id(gid) else gid)
+        try:
+            self._set_mapping(path, handle, identity.owner_mapping(owner, a.uid, a.gid, cred.view),
+                              identity.OWNER_XATTR)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                raise
+
+    def _chown(self, path: str, handle: FileHandle | None, uid: int | None, gid: int | None, view,
+               keep_mode: bool) -> None:
+        """A client's chown: the new owner is kept in :data:`identity.OWNER_XATTR` (removed when
+        it is the presented one again), never applied to the host file. A non-directory loses
+        the set-id bits chown clears (unless ``keep_mode`` is False: the request sets the mode
+        itself). Symlinks, fifos and sockets cannot carry it: accepted and not kept. Where the
+        host cannot store user xattrs: ``EPERM`` before anything changes."""
+        a = handle.fstat() if handle is not None else self.host.getattr(path)
+        if a.kind not in (REG, DIR):
+            return
+        seen = self._guest_attr(path, a, handle, view)
+        value = identity.owner_mapping(identity.chowned((seen.uid, seen.gid), uid, gid), a.uid, a.gid, view)
+        try:
+            self._set_mapping(path, handle, value, identity.OWNER_XATTR)
+        except OSError as e:
+            if value is None or e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                raise
+            raise OSError(errno.EPERM, "owners from the guest are never applied, and this host filesystem "
+                          "cannot keep them (no user xattrs)", path) from None
+        kill = identity.privileges_on_chown(seen.mode) if keep_mode and a.kind != DIR else 0
+        if kill:
+            self._set_guest_mode(path, handle, seen.mode & ~kill)
+
+    def _set_guest_mode(self, path: str, handle: FileHandle | None, mode: int) -> None:
+        """A chmod the server makes for the guest (set-id bits a write or chown clears)."""
+        mode = self._keep_mode(path, mode, handle)
+        if handle is not None:
+            self.fs.fchmod(handle, path, mode)
+        else:
+            self.fs.chmod(path, mode)
+
+    def _killed_on_write(self, handle: FileHandle | None, path: str, cred: Cred | None) -> None:
+        """Before a write or truncate by ``cred``: without ``CAP_FSETID`` (uid != 0) the guest's
+        set-uid bit, and set-gid where group-executable, are cleared (Linux's
+        ``file_remove_privs``; the host kernel never does it for a root server). The API
+        (``cred`` None, the folder owner's own tool) leaves them, as before."""
+        if cred is None or cred.privileged:
+            return
+        a = handle.fstat() if handle is not None else self.host.getattr(path)
+        if a.kind != REG:
+            return
+        try:  # only the kept mode (one getxattr, ENODATA as a rule): this runs before every such write
+            value = handle.getxattr(identity.MODE_XATTR) if handle is not None else \
+                self.host.getxattr(path, identity.MODE_XATTR)
+        except OSError:
+            value = None
+        seen = identity.guest_mode(a.mode, value)
+        kill = identity.privileges_on_write(seen)
+        if kill:
+            self._set_guest_mode(path, handle, seen & ~kill)
+
+
+def _view(cred: Cred | None):
+    return cred.view if cred is not None else None

@@ -152,6 +152,10 @@ class _VfsHandle(FileHandle):
         self._check()
         raise _err(errno.EPERM, self.path)
 
+    def chown(self, uid: int, gid: int) -> None:
+        self._check()
+        raise _err(errno.EPERM, self.path)
+
     def listxattr(self) -> list[str]:
         self._check()
         return []
@@ -232,7 +236,7 @@ class VfsHostFS(HostFS):
 
     def lstat(self, path: str) -> Stat:
         a = self._attr(path)
-        return Stat(a.kind, a.mode, a.size, a.mtime_ns, a.ctime_ns, a.ino, a.nlink)
+        return Stat(a.kind, a.mode, a.size, a.mtime_ns, a.ctime_ns, a.ino, a.nlink, fmt=a.fmt)
 
     def statfs(self) -> StatFS:
         return SYNTHETIC_STATFS
@@ -328,10 +332,16 @@ class VfsHostFS(HostFS):
     def rename(self, src: str, dst: str) -> None:
         self._refuse(src)
 
+    def mknod(self, path: str, mode: int, fmt: int) -> None:
+        self._refuse(path)
+
     def link(self, existing: str, new: str) -> None:
         self._refuse(new)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
+        self._refuse(path)
+
+    def lchown(self, path: str, uid: int, gid: int) -> None:
         self._refuse(path)
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:

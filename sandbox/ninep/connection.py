@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
 from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
 from ..mounts import child
-from ..mounts.identity import OwnerMap
+from ..mounts.identity import Cred, OwnerMap, attach_cred
 from ..mounts.provider import XATTR_SIZE_MAX
 from ..serving.exports import Export
 from ..serving.locks import INF
@@ -112,6 +112,7 @@ class Fid:
     xattr_value: bytes | None = None
     xattr_new: _XattrNew | None = None
     inode: tuple[int, int] | None = None  # (st_ino, st_dev) of the file walked to
+    cred: Cred | None = None  # who its attach named (identity.attach_cred); walks pass it on
 
 
 def _inode(a: Attr) -> tuple[int, int]:
@@ -214,7 +215,8 @@ class Connection:
             raise OSError(errno.ENOTDIR, "not a directory", f.path)
         return f
 
-    def _new_fid(self, fid: int, export: Export, path: str, kind: str, replacing: int | None = None) -> Fid:
+    def _new_fid(self, fid: int, export: Export, path: str, kind: str, replacing: int | None = None,
+                 cred: Cred | None = None) -> Fid:
         if fid == m.NOFID:
             raise OSError(errno.EINVAL, "NOFID cannot name a file")
         if fid in self.fids and fid != replacing:
@@ -223,7 +225,7 @@ class Connection:
             raise OSError(errno.ENFILE, f"more than {self.fids_max} fids on this connection")
         if fid in self.fids:
             self._drop(fid)
-        f = Fid(export, path, kind)
+        f = Fid(export, path, kind, cred=cred)
         self.fids[fid] = f
         export.add(f)
         return f
@@ -246,18 +248,18 @@ class Connection:
 
     def _attr(self, f: Fid) -> Attr:
         if f.handle is not None:
-            return f.export.provider.fstat(f.handle, f.path)  # the open inode, even if renamed away or unlinked
+            return f.export.provider.fstat(f.handle, f.path, cred=f.cred)  # the open inode, even if moved or unlinked
         try:
-            a = f.export.provider.getattr(f.path)
+            a = f.export.provider.getattr(f.path, cred=f.cred)
         except OSError as e:
             h = self._borrow(f) if e.errno in _GONE else None
             if h is None:
                 raise
-            return f.export.provider.fstat(h, f.path)
+            return f.export.provider.fstat(h, f.path, cred=f.cred)
         if f.inode is not None and _inode(a) != f.inode:
             h = self._borrow(f)  # the path names another file now: the fid's own, if still open somewhere
             if h is not None:
-                return f.export.provider.fstat(h, f.path)
+                return f.export.provider.fstat(h, f.path, cred=f.cred)
         return a
 
     def _inode_handle(self, f: Fid, strict: bool = True) -> FileHandle | None:
@@ -345,7 +347,8 @@ class Connection:
         if export is None:
             raise OSError(errno.ENOENT, f"no export named {msg.aname!r}")
         a = export.provider.getattr("")
-        self._new_fid(msg.fid, export, "", DIR).inode = _inode(a)
+        cred = attach_cred(msg.uname, msg.n_uname, self.owners)
+        self._new_fid(msg.fid, export, "", DIR, cred=cred).inode = _inode(a)
         return m.Rattach(qid_of(a))
 
     def _walk(self, msg: m.Twalk) -> m.Rwalk:
@@ -367,7 +370,7 @@ class Connection:
             qids.append(qid_of(a))
             path, kind, inode = nxt, a.kind, _inode(a)
         if len(qids) == len(msg.wnames):
-            self._new_fid(msg.newfid, f.export, path, kind, replacing=msg.fid).inode = inode
+            self._new_fid(msg.newfid, f.export, path, kind, replacing=msg.fid, cred=f.cred).inode = inode
         return m.Rwalk(tuple(qids))
 
     def _clunk(self, msg: m.Tclunk) -> m.Rclunk:
@@ -401,7 +404,7 @@ class Connection:
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise OSError(errno.EISDIR, "is a directory", f.path)
         elif a.kind == REG:
-            f.handle = self._opened(provider.open, f.path, flags)
+            f.handle = self._opened(lambda: provider.open(f.path, flags, cred=f.cred))
             a = f.handle.fstat()  # the inode opened (the path may have changed since the getattr)
         elif a.kind == LNK:
             raise OSError(errno.ELOOP, "is a symlink", f.path)
@@ -415,7 +418,8 @@ class Connection:
         if d.opened:
             raise OSError(errno.EBADF, "fid is open")
         path = child(d.path, msg.name)
-        handle, _made = self._opened(d.export.provider.create, path, msg.mode, os_flags(msg.flags))
+        handle, _made = self._opened(lambda: d.export.provider.create(path, msg.mode, os_flags(msg.flags), cred=d.cred,
+                                                                      gid=msg.gid))
         d.export.move(d, path)  # the fid is now the new file
         a = handle.fstat()
         d.kind, d.opened, d.handle, d.inode = REG, True, handle, _inode(a)
@@ -441,7 +445,7 @@ class Connection:
             return m.Rwrite(len(msg.data))
         if f.handle is None:
             raise OSError(errno.EBADF, "fid is not open for writing", f.path)
-        return m.Rwrite(f.export.provider.write(f.handle, f.path, _offset(msg.offset), msg.data))
+        return m.Rwrite(f.export.provider.write(f.handle, f.path, _offset(msg.offset), msg.data, cred=f.cred))
 
     def _remove(self, msg: m.Tremove) -> m.Rremove:
         f = self._fid(msg.fid)
@@ -466,9 +470,8 @@ class Connection:
     def _getattr(self, msg: m.Tgetattr) -> m.Rgetattr:
         f = self._fid(msg.fid)
         a = self._attr(f)
-        uid, gid = (a.uid, a.gid) if self.owners is None else (self.owners.uid(a.uid), self.owners.gid(a.gid))
         return m.Rgetattr(
-            m.GETATTR_BASIC, qid_of(a), a.fmt | a.mode, uid, gid, a.nlink, a.rdev, a.size, a.blksize, a.blocks,
+            m.GETATTR_BASIC, qid_of(a), a.fmt | a.mode, a.uid, a.gid, a.nlink, a.rdev, a.size, a.blksize, a.blocks,
             a.atime_ns // 10**9, a.atime_ns % 10**9, a.mtime_ns // 10**9, a.mtime_ns % 10**9,
             a.ctime_ns // 10**9, a.ctime_ns % 10**9, 0, 0, 0, 0)
 
@@ -485,14 +488,16 @@ class Connection:
                 raise OSError(errno.EINVAL, "nanoseconds out of range")
             return sec * 10**9 + nsec
 
-        changes = v & (m.SETATTR_MODE | m.SETATTR_SIZE | m.SETATTR_ATIME | m.SETATTR_MTIME)
+        changes = v & (m.SETATTR_MODE | m.SETATTR_SIZE | m.SETATTR_ATIME | m.SETATTR_MTIME | m.SETATTR_UID
+                       | m.SETATTR_GID)
         f.export.provider.setattr(
             f.path, handle=self._inode_handle(f) if changes else f.handle,
             mode=msg.mode if v & m.SETATTR_MODE else None,
             size=_offset(msg.size) if v & m.SETATTR_SIZE else None,
             atime_ns=when(m.SETATTR_ATIME, m.SETATTR_ATIME_SET, msg.atime_sec, msg.atime_nsec),
             mtime_ns=when(m.SETATTR_MTIME, m.SETATTR_MTIME_SET, msg.mtime_sec, msg.mtime_nsec),
-            chown=bool(v & (m.SETATTR_UID | m.SETATTR_GID)))
+            chown=bool(v & (m.SETATTR_UID | m.SETATTR_GID)),
+            uid=msg.uid if v & m.SETATTR_UID else None, gid=msg.gid if v & m.SETATTR_GID else None, cred=f.cred)
         return m.Rsetattr()
 
     def _statfs(self, msg: m.Tstatfs) -> m.Rstatfs:
@@ -579,19 +584,21 @@ class Connection:
     def _mkdir(self, msg: m.Tmkdir) -> m.Rmkdir:
         d = self._dir(msg.dfid)
         path = child(d.path, msg.name)
-        d.export.provider.mkdir(path, msg.mode)
+        d.export.provider.mkdir(path, msg.mode, cred=d.cred, gid=msg.gid)
         return m.Rmkdir(qid_of(d.export.provider.getattr(path)))
 
     def _symlink(self, msg: m.Tsymlink) -> m.Rsymlink:
         d = self._dir(msg.fid)
         path = child(d.path, msg.name)
-        d.export.provider.symlink(msg.symtgt, path)
+        d.export.provider.symlink(msg.symtgt, path, cred=d.cred, gid=msg.gid)
         return m.Rsymlink(qid_of(d.export.provider.getattr(path)))
 
-    def _mknod(self, msg: m.Tmknod) -> m.Message:
+    def _mknod(self, msg: m.Tmknod) -> m.Rmknod:
         d = self._dir(msg.dfid)
-        d.export.provider.mknod(child(d.path, msg.name))
-        raise AssertionError("unreachable: mknod always fails")  # pragma: no cover
+        path = child(d.path, msg.name)
+        d.export.provider.mknod(path, msg.mode & 0o7777, msg.mode & 0o170000, os.makedev(msg.major, msg.minor),
+                                cred=d.cred, gid=msg.gid)
+        return m.Rmknod(qid_of(d.export.provider.lookup(path)))
 
     def _link(self, msg: m.Tlink) -> m.Rlink:
         d, f = self._dir(msg.dfid), self._fid(msg.fid)

@@ -33,7 +33,7 @@ _KIND = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}
 def stat_of(r: m.Rgetattr) -> Stat:
     kind = _KIND.get(_stat.S_IFMT(r.mode), OTHER)
     return Stat(kind, _stat.S_IMODE(r.mode), r.size, r.mtime_sec * 10**9 + r.mtime_nsec,
-                r.ctime_sec * 10**9 + r.ctime_nsec, r.qid.path, r.nlink)
+                r.ctime_sec * 10**9 + r.ctime_nsec, r.qid.path, r.nlink, fmt=_stat.S_IFMT(r.mode))
 
 
 class WireFS(TreeOps):
@@ -191,6 +191,12 @@ class WireFS(TreeOps):
         parent, name = self._parent(path)
         with self._fid(parent) as fid:
             self.c.symlink(fid, name, target)
+
+    def mknod(self, path: str, mode: int, fmt: int, rdev: int = 0) -> None:
+        """``mknod(2)`` as v9fs sends it: one ``Tmknod`` with ``fmt | mode`` and the device number."""
+        parent, name = self._parent(path)
+        with self._fid(parent) as fid:
+            self.c.mknod(fid, name, fmt | mode, os.major(rdev), os.minor(rdev))
 
     def link(self, existing: str, new: str) -> None:
         parent, name = self._parent(new)

@@ -1,4 +1,9 @@
-"""The MCP server's named limits (docs/mcp.md quotes them). Each says what happens past it."""
+"""The MCP server's named limits (docs/mcp.md quotes them). Each says what happens past it.
+
+The bounds of tool arguments live with the message models (:mod:`sandbox.api.messages.bounds`).
+"""
+
+from ..messages.bounds import COMMAND_TIMEOUT_S_MAX  # noqa: F401 - quoted with the others
 
 #: stdout / stderr of one execute_command kept for the result, per stream, in characters:
 #: the first half and the last half are kept, the middle is replaced by a truncation marker
@@ -22,8 +27,6 @@ READ_DEFAULT_BYTES = 256 << 10
 EDIT_DIFF_CHARS_MAX = 32_000
 #: seconds between two boot progress notifications while the first tool call waits for the session
 BOOT_PROGRESS_INTERVAL_S = 1.0
-#: the longest execute_command timeout_s accepted (a day); the command is cancelled when it passes
-COMMAND_TIMEOUT_S_MAX = 86_400.0
 #: seconds the user has to answer a safeguard elicitation; then --on-hold applies
 ELICITATION_TIMEOUT_S = 300.0
 #: roots a client may list; more are refused (the view is not narrowed by a partial list)

@@ -97,8 +97,9 @@ def build_server(host: McpHost, *, view: MountTable | None = None) -> Server:
             else:
                 log.info("tool %s: %s: %s", spec.name, err.code, err.message, extra={"component": "mcp"})
             return error_result(err)
+        # exclude_unset: an optional field a shape leaves out (an entry's size…) stays out, never null
         return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
-                                    structured_content=out.model_dump(mode="json"))
+                                    structured_content=out.model_dump(mode="json", exclude_unset=True))
 
     async def roots_changed(ctx: ServerRequestContext, params) -> None:
         client_of(ctx).roots_dirty = True  # re-read at the next tool call
