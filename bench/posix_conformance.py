@@ -165,6 +165,8 @@ def cause(line: str) -> str:
         expected = "a value" if _ERRNO.match(got) else "another value"
         if not _ERRNO.match(got):
             got = "a wrong one"
+    elif not _ERRNO.match(got):  # an errno expected, a value (an inode number, a mode …) came back
+        got = "a value (it succeeded)"
     return f"{call}: expected {expected}, got {got}"
 
 
