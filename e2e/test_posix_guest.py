@@ -99,8 +99,10 @@ def test_program_mix_then_rm_rf_then_undo_exact(tmp_path):
         assert seen["./untar/tree/file"][2:4] == ("4321", "4322"), seen  # tar kept the numeric owners
         assert seen["./untar/tree/soft"][2:4] == ("4323", "4324"), seen
         assert seen["./tree/fifo"][2:4] == ("0", "0"), seen
+        # chown -R; a FIFO's or socket's owner stays the host's (no user xattr can map it:
+        # docs/conformance.md), so they are left out
         assert all(row[2:4] == ("1234", "1234") for p, row in seen.items()
-                   if p.startswith("./tree-copy")), seen  # chown -R
+                   if p.startswith("./tree-copy") and row[0] not in "ps"), seen
         assert seen["./shared"][1:4] == ("2777", "1234", "1234"), seen
         # a file made by uid 65534 in a set-gid directory: its owner, the directory's group
         assert seen["./shared/by-nobody"][2:4] == ("65534", "1234"), seen
