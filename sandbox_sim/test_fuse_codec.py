@@ -683,3 +683,14 @@ def test_negotiation_limits():
         negotiate_init(replace(_init(), major=8), 0)
     with pytest.raises(ValueError):
         negotiate_init(_init(), 0, max_write=abi.MAX_WRITE_BYTES + 1)
+
+
+def test_the_fuse_doc_says_the_code_s_limits():
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "fuse.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([\d,]+) \|", doc, re.M))
+    assert len(rows) >= 10
+    for name, value in rows.items():
+        assert getattr(abi, name) == int(value.replace(",", "")), name
+    assert f"Protocol 7.{abi.KERNEL_MINOR_VERSION}" in doc and f"older than 7.{abi.KERNEL_MINOR_VERSION_MIN}" in doc
