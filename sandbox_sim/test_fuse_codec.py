@@ -683,3 +683,42 @@ def test_negotiation_limits():
         negotiate_init(replace(_init(), major=8), 0)
     with pytest.raises(ValueError):
         negotiate_init(_init(), 0, max_write=abi.MAX_WRITE_BYTES + 1)
+
+
+def test_the_fuse_doc_says_the_code_s_limits():
+    import re
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "fuse.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([\d,]+) \|", doc, re.M))
+    assert len(rows) >= 10
+    for name, value in rows.items():
+        assert getattr(abi, name) == int(value.replace(",", "")), name
+    assert f"Protocol 7.{abi.KERNEL_MINOR_VERSION}" in doc and f"older than 7.{abi.KERNEL_MINOR_VERSION_MIN}" in doc
+
+
+def test_requests_captured_from_a_real_kernel_decode():
+    """fixtures/fuse/linux-6.18-requests.hex: a Linux 6.18 kernel's requests (see its README)."""
+    path = Path(__file__).resolve().parent.parent / "fixtures" / "fuse" / "linux-6.18-requests.hex"
+    wires = [bytes.fromhex(line) for line in path.read_text().split()]
+    decoded, unknown = [], []
+    for w in wires:
+        try:
+            decoded.append(decode_request(w, setxattr_ext=True))  # the probe granted SETXATTR_EXT
+        except UnknownOpcode as e:  # e.g. an IOCTL: answered ENOSYS
+            unknown.append(e.opcode)
+    assert set(unknown) <= {abi.Opcode.IOCTL, abi.Opcode.POLL, abi.Opcode.BMAP}, unknown
+    wires = [w for w in wires if struct.unpack_from("<I", w, 4)[0] not in unknown]
+    init = decoded[0]
+    assert type(init) is m.Init and init.major == 7 and init.minor >= 31 and init.flags & abi.FUSE_INIT_EXT
+    out = negotiate_init(init, abi.FUSE_MAX_PAGES | abi.FUSE_SETXATTR_EXT | abi.FUSE_DO_READDIRPLUS)
+    assert out.max_pages == 256 and out.flags & abi.FUSE_SETXATTR_EXT
+    kinds = {type(r).__name__ for r in decoded}
+    assert {"Lookup", "Getattr", "Mkdir", "Create", "Write", "Symlink", "Readdirplus", "Setxattr", "Getxattr",
+            "Rename", "Statfs", "Fallocate", "Lseek", "Unlink", "Release", "Flush"} <= kinds, kinds
+    for r, wire in zip(decoded, wires):
+        assert r.header.len == len(wire)
+        assert ref_request(r) == wire, type(r).__name__  # the reference writes the kernel's bytes
+        if type(r) is m.Write:
+            assert bytes(r.data) == b"x" * r.size
+        if type(r) is m.Setxattr:
+            assert (r.name, bytes(r.value)) == (b"user.k", b"val")

@@ -118,6 +118,57 @@ def _req(opcode: Opcode):
     return wrap
 
 
+@dataclass(frozen=True, slots=True)
+class _ReadIn(Request):
+    """The fields of ``fuse_read_in`` (shared by Read, Readdir, Readdirplus)."""
+
+    fh: int
+    offset: int
+    size: int
+    read_flags: int
+    lock_owner: int
+    flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ReleaseIn(Request):
+    """The fields of ``fuse_release_in`` (shared by Release, Releasedir)."""
+
+    fh: int
+    flags: int
+    release_flags: int
+    lock_owner: int
+
+
+@dataclass(frozen=True, slots=True)
+class _FsyncIn(Request):
+    """The fields of ``fuse_fsync_in`` (shared by Fsync, Fsyncdir)."""
+
+    fh: int
+    fsync_flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class _OpenIn(Request):
+    """The fields of ``fuse_open_in`` (shared by Open, Opendir)."""
+
+    flags: int
+    open_flags: int
+
+
+@dataclass(frozen=True, slots=True)
+class _LkIn(Request):
+    """The fields of ``fuse_lk_in, its lock flattened`` (shared by Getlk, Setlk, Setlkw)."""
+
+    fh: int
+    owner: int
+    start: int
+    end: int
+    type: int
+    pid: int
+    lk_flags: int
+
+
 @_req(Opcode.INIT)
 class Init(Request):
     """``flags2`` is 0 unless the kernel set ``FUSE_INIT_EXT`` (then: bits 32..63)."""
@@ -225,9 +276,8 @@ class Link(Request):
 
 
 @_req(Opcode.OPEN)
-class Open(Request):
-    flags: int
-    open_flags: int
+class Open(_OpenIn):
+    pass
 
 
 @_req(Opcode.CREATE)
@@ -240,13 +290,8 @@ class Create(Request):
 
 
 @_req(Opcode.READ)
-class Read(Request):
-    fh: int
-    offset: int
-    size: int
-    read_flags: int
-    lock_owner: int
-    flags: int
+class Read(_ReadIn):
+    pass
 
 
 @_req(Opcode.WRITE)
@@ -263,11 +308,8 @@ class Write(Request):
 
 
 @_req(Opcode.RELEASE)
-class Release(Request):
-    fh: int
-    flags: int
-    release_flags: int
-    lock_owner: int
+class Release(_ReleaseIn):
+    pass
 
 
 @_req(Opcode.FLUSH)
@@ -277,49 +319,33 @@ class Flush(Request):
 
 
 @_req(Opcode.FSYNC)
-class Fsync(Request):
-    fh: int
-    fsync_flags: int
+class Fsync(_FsyncIn):
+    pass
 
 
 @_req(Opcode.OPENDIR)
-class Opendir(Request):
-    flags: int
-    open_flags: int
+class Opendir(_OpenIn):
+    pass
 
 
 @_req(Opcode.READDIR)
-class Readdir(Request):
-    fh: int
-    offset: int
-    size: int
-    read_flags: int
-    lock_owner: int
-    flags: int
+class Readdir(_ReadIn):
+    pass
 
 
 @_req(Opcode.READDIRPLUS)
-class Readdirplus(Request):
-    fh: int
-    offset: int
-    size: int
-    read_flags: int
-    lock_owner: int
-    flags: int
+class Readdirplus(_ReadIn):
+    pass
 
 
 @_req(Opcode.RELEASEDIR)
-class Releasedir(Request):
-    fh: int
-    flags: int
-    release_flags: int
-    lock_owner: int
+class Releasedir(_ReleaseIn):
+    pass
 
 
 @_req(Opcode.FSYNCDIR)
-class Fsyncdir(Request):
-    fh: int
-    fsync_flags: int
+class Fsyncdir(_FsyncIn):
+    pass
 
 
 @_req(Opcode.STATFS)
@@ -387,36 +413,18 @@ class Lseek(Request):
 
 
 @_req(Opcode.GETLK)
-class Getlk(Request):
-    fh: int
-    owner: int
-    start: int
-    end: int
-    type: int
-    pid: int
-    lk_flags: int
+class Getlk(_LkIn):
+    pass
 
 
 @_req(Opcode.SETLK)
-class Setlk(Request):
-    fh: int
-    owner: int
-    start: int
-    end: int
-    type: int
-    pid: int
-    lk_flags: int
+class Setlk(_LkIn):
+    pass
 
 
 @_req(Opcode.SETLKW)
-class Setlkw(Request):
-    fh: int
-    owner: int
-    start: int
-    end: int
-    type: int
-    pid: int
-    lk_flags: int
+class Setlkw(_LkIn):
+    pass
 
 
 @_req(Opcode.INTERRUPT)
