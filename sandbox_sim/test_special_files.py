@@ -338,3 +338,22 @@ def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_drops_them(wire, fmt):
     assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o755
     fs.chmod("n", 0o1600)
     assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o1600
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", [stat.S_IFIFO, stat.S_IFSOCK])
+def test_wire_an_acl_on_a_fifo_or_socket_is_unsupported_so_cp_a_falls_back_to_chmod(wire, fmt):
+    """``cp -a`` sets a POSIX ACL on the copy, and falls back to chmod only on ``EOPNOTSUPP``: a
+    fifo/socket cannot keep the mapped (``user.``) xattr, so it is ``EOPNOTSUPP``, never ``EPERM``;
+    nothing changes on the host. A user xattr stays ``EPERM``, as Linux answers."""
+    fs, _ws, work = wire
+    fs.mknod("n", 0o644, fmt)
+    before = os.lstat(work / "n")
+    _check(errno.EOPNOTSUPP, fs.setxattr, "n", "system.posix_acl_access", b"\x02\x00\x00\x00")
+    _check(errno.EOPNOTSUPP, fs.setxattr, "n", "security.capability", b"x")
+    _check(errno.EPERM, fs.setxattr, "n", "user.a", b"x")
+    after = os.lstat(work / "n")
+    assert (after.st_mode, after.st_mtime_ns, os.listxattr(work / "n", follow_symlinks=False)) == \
+        (before.st_mode, before.st_mtime_ns, [])
+    fs.chmod("n", 0o600)  # the fallback works
+    assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o600

@@ -367,6 +367,7 @@ class Provider:
         """Set xattr ``name`` — of ``handle``'s inode if given (see :meth:`setattr`)."""
         self._writable(path)
         self._refuse_user_xattr(path, name, handle)
+        self._refuse_unstorable_xattr(path, name, handle)
         name = identity.host_xattr_name(name)
         if len(value) > XATTR_SIZE_MAX:
             raise OSError(errno.E2BIG, "xattr value larger than 64 KiB", path)
@@ -404,6 +405,18 @@ class Provider:
             return
         if self._as_device(path, self.host.getattr(path)).kind not in (REG, DIR):
             raise OSError(errno.EPERM, "user xattrs belong to regular files and directories only", path)
+
+    def _refuse_unstorable_xattr(self, path: str, name: str, handle: FileHandle | None) -> None:
+        """``EOPNOTSUPP`` for a guest xattr outside ``user.`` (a POSIX ACL, a security label…) on a
+        fifo or socket: it would be mapped into a host ``user.`` xattr, which Linux keeps only on
+        regular files and directories. ``EOPNOTSUPP`` is what tools expect from a filesystem
+        without such xattrs — ``cp -a``/``tar`` then fall back to ``chmod`` — where the host's
+        ``EPERM`` would fail them. (A symlink keeps its documented ``EPERM``.)"""
+        if handle is not None or name.startswith(identity.USER_NAMESPACE):
+            return
+        if self._as_device(path, self.host.getattr(path)).kind not in (REG, DIR, LNK):
+            raise OSError(errno.EOPNOTSUPP, "this host keeps no xattrs outside user. on fifos and sockets",
+                          path)
 
     # ------------------------------------------------------------------ emulated devices (devices.py)
 
