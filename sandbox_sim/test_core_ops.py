@@ -16,6 +16,9 @@ import os
 import pytest
 
 from sandbox.hostfs import DIR, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE
+from sandbox.mounts import Provider
+from sandbox.mounts.identity import Cred
+from sandbox.mounts.provider import COPY_FILE_RANGE_BYTES_MAX
 
 from . import oracle
 from .faults import FaultInjector, SimulatedCrash
@@ -209,3 +212,113 @@ def test_exchange_copies_nothing(world):
     info = ws.steps()[-1]
     assert info.size_bytes < 4096, ws.records(info.id)  # parents' metadata and one intent, no content
     assert world.work.lstat("a").kind == DIR
+
+
+# --------------------------------------------------------------------------- the Provider (every transport)
+
+NOBODY = Cred(65534, 65534)
+
+
+@pytest.fixture
+def served(world):
+    _seed(world)
+    ws = world.open()
+    return world, ws, Provider.intercepted(ws)
+
+
+@pytest.mark.parametrize("mode", [0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                  FALLOC_FL_ZERO_RANGE, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE])
+def test_provider_fallocate_each_mode_undone(served, mode):
+    world, ws, p = served
+    before = world.snapshot()
+    h = p.open("big", os.O_RDWR)
+    p.fallocate(h, "big", 5, 30_000, mode)
+    h.close()
+    assert world.work.lstat("big").size == (16_320 if mode & FALLOC_FL_KEEP_SIZE else 30_005)
+    ws.close_active()
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
+@pytest.mark.parametrize("mode", [0x08, 0x20, 0x40, FALLOC_FL_PUNCH_HOLE, 0x04],
+                         ids=["COLLAPSE_RANGE", "INSERT_RANGE", "UNSHARE_RANGE", "PUNCH_HOLE-without-KEEP_SIZE",
+                              "NO_HIDE_STALE"])
+def test_provider_fallocate_other_modes_are_eopnotsupp_and_record_nothing(served, mode):
+    world, ws, p = served
+    before = world.snapshot()
+    with p.open("big", os.O_RDWR) as h:
+        with pytest.raises(OSError) as e:
+            p.fallocate(h, "big", 0, 4096, mode)
+    assert e.value.errno == errno.EOPNOTSUPP
+    assert world.snapshot() == before and ws.history() == []
+
+
+def test_provider_copy_file_range_undone_and_bounded(served):
+    world, ws, p = served
+    before = world.snapshot()
+    with p.open("big", os.O_RDONLY) as s, p.open("d/b", os.O_RDWR) as d:
+        assert p.copy_file_range(s, "big", d, "d/b", 0, 0, 1 << 40) == len(DATA)  # clamped to the source
+    assert world.work.read_all("d/b") == DATA
+    ws.close_active()
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+    assert COPY_FILE_RANGE_BYTES_MAX >= 1 << 20
+
+
+def test_provider_lseek(served):
+    world, ws, p = served
+    with p.open("big", os.O_RDONLY) as h:
+        assert p.lseek(h, "big", 0, os.SEEK_DATA) == 0
+        assert p.lseek(h, "big", 7, os.SEEK_HOLE) == len(DATA)
+        with pytest.raises(OSError) as e:
+            p.lseek(h, "big", len(DATA), os.SEEK_DATA)
+        assert e.value.errno == errno.ENXIO
+    assert ws.history() == []
+
+
+def test_provider_exchange_undone(served):
+    world, ws, p = served
+    before = world.snapshot()
+    p.exchange("d", "big")
+    assert p.getattr("big").kind == DIR
+    ws.close_active()
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
+def test_an_unprivileged_fallocate_or_copy_clears_setid_bits_like_a_write(served):
+    world, ws, p = served
+    for path in ("big", "d/b"):
+        p.setattr(path, mode=0o6755)
+    with p.open("big", os.O_RDWR) as h:
+        p.fallocate(h, "big", 0, 10, FALLOC_FL_ZERO_RANGE)  # root (CAP_FSETID): kept
+        assert p.getattr("big").mode == 0o6755
+        p.fallocate(h, "big", 0, 10, FALLOC_FL_ZERO_RANGE, cred=NOBODY)
+        assert p.getattr("big").mode == 0o755
+        with p.open("d/b", os.O_RDWR) as d:
+            p.copy_file_range(h, "big", d, "d/b", 0, 0, 5, cred=NOBODY)
+    assert p.getattr("d/b").mode == 0o755
+    assert world.work.lstat("d/b").mode & 0o6000 == 0  # never on the host
+
+
+def test_read_only_and_narrowed_providers_refuse(served):
+    world, ws, p = served
+    ro = p.narrowed("", read_only=True)
+    h = p.open("big", os.O_RDWR)
+    try:
+        for call in (lambda: ro.fallocate(h, "big", 0, 10), lambda: ro.copy_file_range(h, "big", h, "big", 0, 100, 5),
+                     lambda: ro.exchange("a", "big")):
+            with pytest.raises(OSError) as e:
+                call()
+            assert e.value.errno == errno.EROFS
+        sub = p.narrowed("d")
+        with pytest.raises(OSError) as e:
+            sub.exchange("d/b", "big")  # one side outside the view
+        assert e.value.errno == errno.EACCES
+        with pytest.raises(OSError) as e:
+            sub.copy_file_range(h, "big", h, "d/b", 0, 0, 5)
+        assert e.value.errno == errno.EACCES
+        assert ro.lseek(h, "big", 0, os.SEEK_HOLE) == len(DATA)  # a read
+    finally:
+        h.close()
+    assert ws.history() == []
