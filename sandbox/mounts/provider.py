@@ -279,10 +279,10 @@ class Provider:
         ``EOPNOTSUPP`` before anything is touched. By an unprivileged ``cred`` it clears set-id
         bits first, as a write does (Linux's ``file_modified``)."""
         self._writable(path)
+        if offset < 0 or length <= 0:  # checked first, as fallocate(2) does
+            raise OSError(errno.EINVAL, "invalid fallocate range", path)
         if mode not in FALLOCATE_MODES:
             raise OSError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not served", path)
-        if offset < 0 or length <= 0:
-            raise OSError(errno.EINVAL, "invalid fallocate range", path)
         self._killed_on_write(handle, path, cred)
         self.fs.ffallocate(handle, path, offset, length, mode)
 
