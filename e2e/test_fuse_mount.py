@@ -14,6 +14,7 @@ when mounting fails (e.g. a container without CAP_SYS_ADMIN).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -240,3 +242,65 @@ def test_a_safeguard_hold_blocks_the_program_then_allow_or_deny(folders, answer)
     else:
         _undo_all(work, state)
         assert_same(before, snapshot_dir(work), "the folder after undo")
+
+
+_EXCHANGE = textwrap.dedent("""
+    import ctypes, os, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    if libc.renameat2(AT_FDCWD, os.fsencode(sys.argv[1]), AT_FDCWD, os.fsencode(sys.argv[2]), RENAME_EXCHANGE):
+        e = ctypes.get_errno()
+        sys.exit(f"renameat2: {os.strerror(e)}")
+""")
+
+_COPY_AND_SEEK = textwrap.dedent("""
+    import os, sys
+    src, dst = sys.argv[1:]
+    with open(src, "rb") as s, open(dst, "r+b") as d:
+        print(os.copy_file_range(s.fileno(), d.fileno(), 1 << 20, 0, 4))
+    fd = os.open(src, os.O_RDONLY)
+    print(os.lseek(fd, 0, os.SEEK_HOLE), os.lseek(fd, 4096, os.SEEK_DATA))
+    try:
+        os.lseek(fd, os.fstat(fd).st_size, os.SEEK_DATA)
+    except OSError as e:
+        print(e.errno)
+""")
+
+
+def test_fallocate_copy_file_range_lseek_and_exchange_on_the_mount_are_undone(folders):
+    """fallocate(1) plain / punch / zero, os.copy_file_range, SEEK_HOLE/SEEK_DATA and a
+    renameat2(RENAME_EXCHANGE) of a file with a directory, all on the mount — then undo."""
+    work, point, state = folders
+    with open(os.path.join(work, "data.bin"), "wb") as f:
+        f.write(bytes(range(1, 256)) * 4096)  # ~1 MiB, no zeros
+    before = snapshot_dir(work)
+    p = lambda *parts: os.path.join(point, *parts)  # noqa: E731
+    with mount(work, point, state) as proc:
+        _run(["fallocate", "-l", "2MiB", p("prealloc")])
+        assert os.path.getsize(os.path.join(work, "prealloc")) == 2 << 20
+        _run(["fallocate", "-p", "-o", "4096", "-l", "65536", p("data.bin")])
+        _run(["fallocate", "-z", "-o", "200000", "-l", "8192", p("data.bin")])
+        with open(os.path.join(work, "data.bin"), "rb") as f:
+            got = f.read()
+        assert len(got) == 255 * 4096
+        assert got[4096:69632] == b"\0" * 65536 and got[200000:208192] == b"\0" * 8192 and got[4095] != 0
+        r = subprocess.run([sys.executable, "-c", _COPY_AND_SEEK, p("data.bin"), p("README.md")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        copied, seeks, enxio = r.stdout.splitlines()
+        assert int(copied) == 255 * 4096  # clamped to the source's end
+        with open(os.path.join(work, "README.md"), "rb") as f:
+            assert f.read(8) == b"# pr" + bytes(range(1, 5))
+        fd = os.open(os.path.join(work, "data.bin"), os.O_RDONLY)
+        try:  # the mount answers as the host does for the same file (the punched hole, where it knows it)
+            assert tuple(map(int, seeks.split())) == (os.lseek(fd, 0, os.SEEK_HOLE), os.lseek(fd, 4096, os.SEEK_DATA))
+        finally:
+            os.close(fd)
+        assert int(enxio) == errno.ENXIO
+        _run([sys.executable, "-c", _EXCHANGE, p("src"), p("data.bin")])
+        assert os.path.isdir(os.path.join(work, "data.bin")) and os.path.isfile(os.path.join(work, "src"))
+        with open(p("data.bin", "main.py")) as f:
+            assert f.read() == "print('hi')\n"
+        assert proc.poll() is None
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing fallocate, copy, exchange")

@@ -128,6 +128,10 @@ OPS_WITH_HARDLINKS = OPS + ("hardlink",)
 #: the undo model's programs: OPS plus ``mkfifo`` and a unix socket's ``bind`` (a socket node),
 #: which later programs move, touch and remove (``rm -rf`` of trees holding them) like symlinks
 OPS_WITH_SPECIALS = OPS + ("mkfifo", "mksock")
+#: the undo model's programs on a filesystem that has ``exchange`` (renameat2 RENAME_EXCHANGE,
+#: as ``mv --exchange``): any two entries swap, files with directories too. 9P has no exchange:
+#: its driver's filesystem lacks the method and the op is then a plain ``mv``.
+OPS_UNDO_MODEL = OPS_WITH_SPECIALS + ("exchange",)
 
 
 def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[str, ...] = OPS) -> tuple[str, bool]:
@@ -221,6 +225,14 @@ def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[s
             d = pick(dirs, "d3") if rng.random() < 0.3 else rng.choice(("d3", "d2/moved", "d1/e/moved", "x"))
             desc = f"mv {s}/ {d}"
             fs.rename(s, d)
+        elif op == "exchange":
+            s, d = pick(anything, "a"), pick(anything, "d1") if rng.random() < 0.8 else _new_path(rng)
+            if not hasattr(fs, "exchange"):
+                desc = f"mv {s} {d}"
+                fs.rename(s, d)
+            else:
+                desc = f"mv --exchange {s} {d}"
+                fs.exchange(s, d)
         elif op == "unlink":
             p = pick(files + links, "a")
             desc = f"rm {p}"

@@ -15,7 +15,7 @@ from sandbox.core.store import Limits
 
 from . import oracle
 from .checker import Checker
-from .client import OPS_WITH_SPECIALS, SimClient, random_op, seed_tree
+from .client import OPS_UNDO_MODEL, SimClient, random_op, seed_tree
 from .faults import FaultInjector, SimulatedCrash
 from .world import World
 
@@ -53,7 +53,7 @@ class Driver:
         rng = random.Random(seed)
         done = []
         for _ in range(count):
-            desc, _ok = random_op(self.client, rng, NOW_NS, OPS_WITH_SPECIALS)
+            desc, _ok = random_op(self.client, rng, NOW_NS, OPS_UNDO_MODEL)
             self.ops_done += 1
             done.append(desc)
         return done

@@ -28,7 +28,8 @@ import os
 import random
 
 STORE_MUTATIONS = frozenset({"create", "write", "truncate", "unlink", "rmdir", "mkdir", "rename", "symlink", "link",
-                             "chmod", "utime", "setxattr", "removexattr", "fallocate", "copy_file_range", "fsync"})
+                             "chmod", "utime", "setxattr", "removexattr", "fallocate", "copy_file_range", "fsync",
+                             "exchange"})
 
 
 class SimulatedCrash(BaseException):

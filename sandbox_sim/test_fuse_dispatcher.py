@@ -187,7 +187,7 @@ def test_rename_moves_nodes_below_it(mnt):
     with open(mnt.host("other"), "w"):
         pass
     assert mnt.err(m.Rename2(H(abi.Opcode.RENAME2), ROOT, abi.RENAME_NOREPLACE, b"moved", b"other")) == errno.EEXIST
-    assert mnt.err(m.Rename2(H(abi.Opcode.RENAME2), ROOT, abi.RENAME_EXCHANGE, b"moved", b"other")) == errno.EINVAL
+    assert mnt.err(m.Rename2(H(abi.Opcode.RENAME2), ROOT, abi.RENAME_WHITEOUT, b"moved", b"other")) == errno.EINVAL
 
 
 def test_a_node_replaced_on_the_host_is_stale(mnt):
@@ -298,7 +298,7 @@ def test_unsupported_opcodes_are_enosys_and_forget_has_no_reply(mnt):
     async def go():
         sent = []
         send = lambda u, r, e: sent.append((u, r, e))  # noqa: E731
-        mnt.d.submit(m.Fallocate(H(abi.Opcode.FALLOCATE), 1, 0, 10, 0), 64, send)
+        mnt.d.submit(m.Setlk(H(abi.Opcode.SETLK), 1, 0, 0, 10, 1, 0, 0), 80, send)
         mnt.d.submit(m.Forget(H(abi.Opcode.FORGET), 1), 48, send)
         mnt.d.submit(m.Statfs(H(abi.Opcode.STATFS)), 40, send)
         return sent

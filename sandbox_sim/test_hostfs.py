@@ -2832,3 +2832,159 @@ def test_path_reads_leave_an_atime_older_than_the_mtime(env, fs):
     fs.utime("f", T1, T1 - 10**9)
     assert fs.read("f", 0, 4) == b"data" and fs.read_all("f") == b"data"
     assert fs.getattr("f").atime_ns == T1 - 10**9
+
+
+# --------------------------------------------------------------------------- handles: fallocate, lseek, copy
+
+
+@pytest.mark.parametrize("mode, expect", [
+    (0, b"0123456789" + b"\0" * 5),
+    (KEEP_SIZE, b"0123456789"),
+    (PUNCH_HOLE | KEEP_SIZE, b"01\0\0\x0056789"),
+    (ZERO_RANGE, b"01\0\0\x0056789"),
+])
+def test_handle_fallocate_is_the_path_calls_own(fs, mode, expect):
+    mkfile(fs, "f", b"0123456789")
+    fs.link("f", "g")
+    with fs.open("f", os.O_RDWR) as h:
+        if mode in (0, KEEP_SIZE):
+            h.fallocate(5, 10, mode)
+        else:
+            h.fallocate(2, 3, mode)
+        assert h.pread(100, 0) == expect
+    assert fs.read_all("g") == expect  # the inode's bytes, under any name
+
+
+def test_handle_fallocate_follows_the_inode_and_checks_access(env, fs):
+    mkfile(fs, "f", b"abc")
+    with fs.open("f", os.O_RDWR) as h:
+        fs.rename("f", "g")
+        mkfile(fs, "f", b"new")
+        h.fallocate(0, 8)
+    assert fs.read_all("g") == b"abc" + b"\0" * 5
+    assert fs.read_all("f") == b"new"
+    with fs.open("f", os.O_RDONLY) as h:
+        check_errno(errno.EBADF, h.fallocate, 0, 8)
+        with fs.open("f", os.O_WRONLY) as w:
+            check_errno(errno.EINVAL, w.fallocate, 0, 0)
+            check_errno(errno.EINVAL, w.fallocate, -1, 4)
+            check_errno(errno.EOPNOTSUPP, w.fallocate, 0, 4, PUNCH_HOLE)  # without KEEP_SIZE
+            check_errno(errno.EOPNOTSUPP, w.fallocate, 0, 4, 0x08)  # COLLAPSE_RANGE
+    assert fs.read_all("f") == b"new"
+    h = fs.open("f", os.O_RDWR)
+    h.close()
+    check_errno(errno.EBADF, h.fallocate, 0, 4)
+
+
+def test_handle_lseek_data_and_hole(fs):
+    """A file without holes: data from any offset inside it, the hole at EOF; ENXIO past it
+    (lseek(2)). Where the host tracks holes it may say more; these answers hold everywhere."""
+    mkfile(fs, "f", b"x" * 5000)
+    with fs.open("f", os.O_RDONLY) as h:
+        assert h.lseek(0, os.SEEK_DATA) == 0
+        assert h.lseek(4999, os.SEEK_DATA) == 4999
+        assert h.lseek(0, os.SEEK_HOLE) == 5000
+        assert h.lseek(123, os.SEEK_HOLE) == 5000
+        check_errno(errno.ENXIO, h.lseek, 5000, os.SEEK_DATA)
+        check_errno(errno.ENXIO, h.lseek, 5000, os.SEEK_HOLE)
+        check_errno(errno.ENXIO, h.lseek, -1, os.SEEK_DATA)
+        check_errno(errno.EINVAL, h.lseek, 0, os.SEEK_SET)  # only SEEK_DATA/SEEK_HOLE: I/O is positional
+    mkfile(fs, "empty")
+    with fs.open("empty", os.O_WRONLY) as h:
+        check_errno(errno.ENXIO, h.lseek, 0, os.SEEK_DATA)
+
+
+def test_handle_lseek_finds_a_hole_it_may_report(env, fs):
+    mkfile(fs, "f", b"a" * (1 << 20))
+    with fs.open("f", os.O_RDWR) as h:
+        h.fallocate(0, 1 << 19, PUNCH_HOLE | KEEP_SIZE)
+        hole = h.lseek(0, os.SEEK_HOLE)
+        data = h.lseek(0, os.SEEK_DATA)
+    assert hole in (0, 1 << 20)  # the punched range, or the generic answer: all data
+    assert data in (0, 1 << 19)
+    assert (hole == 0) == (data == 1 << 19)
+
+
+def test_handle_copy_range_to(fs):
+    mkfile(fs, "src", b"0123456789")
+    mkfile(fs, "dst", b"abcdefghij")
+    with fs.open("src", os.O_RDONLY) as s, fs.open("dst", os.O_RDWR) as d:
+        fs.rename("dst", "moved")
+        mkfile(fs, "dst", b"other")
+        assert s.copy_range_to(d, 2, 5, 3) == 3
+        assert s.copy_range_to(d, 7, 12, 100) == 3  # clamped to the source; past the destination's EOF
+        assert s.copy_range_to(d, 10, 0, 5) == 0
+    assert fs.read_all("moved") == b"abcde234ij\0\x00789"
+    assert fs.read_all("dst") == b"other"
+
+
+def test_handle_copy_range_to_errors(fs):
+    mkfile(fs, "f", b"0123456789")
+    mkfile(fs, "g", b"xyz")
+    with fs.open("f", os.O_RDWR) as f, fs.open("g", os.O_RDONLY) as g, fs.open("g", os.O_WRONLY | os.O_APPEND) as ga:
+        check_errno(errno.EBADF, f.copy_range_to, g, 0, 0, 2)  # destination not writable
+        check_errno(errno.EBADF, f.copy_range_to, ga, 0, 0, 2)  # O_APPEND destination
+        with fs.open("f", os.O_WRONLY) as w:
+            check_errno(errno.EBADF, w.copy_range_to, f, 0, 0, 2)  # source not readable
+        check_errno(errno.EINVAL, f.copy_range_to, f, 0, 2, 4)  # overlapping, one file
+        assert f.copy_range_to(f, 0, 6, 2) == 2
+        check_errno(errno.EINVAL, g.copy_range_to, f, 0, 0, -1)
+    assert fs.read_all("f") == b"0123450189" and fs.read_all("g") == b"xyz"
+
+
+# --------------------------------------------------------------------------- exchange (RENAME_EXCHANGE)
+
+
+def test_exchange_swaps_two_files(env, fs):
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "a", b"A")
+    mkfile(fs, "d/b", b"BB", 0o600)
+    ia, ib = fs.lstat("a").ino, fs.lstat("d/b").ino
+    env.tick()
+    before = fs.lstat("d")
+    fs.exchange("a", "d/b")
+    assert (fs.read_all("a"), fs.read_all("d/b")) == (b"BB", b"A")
+    assert (fs.lstat("a").ino, fs.lstat("d/b").ino) == (ib, ia)
+    assert fs.lstat("a").mode == 0o600
+    assert fs.lstat("d").mtime_ns > before.mtime_ns
+
+
+def test_exchange_a_file_with_a_directory(fs):
+    fs.mkdir("d", 0o711)
+    fs.mkdir("d/sub", 0o755)
+    mkfile(fs, "d/sub/leaf", b"leaf")
+    fs.mkdir("p", 0o755)
+    mkfile(fs, "p/f", b"file")
+    nd, np_ = fs.lstat("").nlink, fs.lstat("p").nlink
+    fs.exchange("d", "p/f")
+    assert fs.read_all("d") == b"file"
+    assert fs.lstat("p/f").kind == DIR and fs.lstat("p/f").mode == 0o711
+    assert fs.read_all("p/f/sub/leaf") == b"leaf"
+    assert (fs.lstat("").nlink, fs.lstat("p").nlink) == (nd - 1, np_ + 1)  # the directory's ".." moved
+    fs.exchange("d", "p/f")
+    assert fs.read_all("d/sub/leaf") == b"leaf" and fs.read_all("p/f") == b"file"
+    assert (fs.lstat("").nlink, fs.lstat("p").nlink) == (nd, np_)
+
+
+def test_exchange_symlinks_and_specials(env, fs):
+    fs.symlink("target", "l")
+    env.special("s")
+    fs.exchange("l", "s")
+    assert fs.readlink("s") == "target" and fs.lstat("l").kind == OTHER
+
+
+def test_exchange_errors(fs):
+    fs.mkdir("d", 0o755)
+    fs.mkdir("d/e", 0o755)
+    mkfile(fs, "f", b"f")
+    check_errno(errno.ENOENT, fs.exchange, "f", "missing")
+    check_errno(errno.ENOENT, fs.exchange, "missing", "f")
+    check_errno(errno.EINVAL, fs.exchange, "d", "d/e")  # into its own subtree
+    check_errno(errno.EINVAL, fs.exchange, "d/e", "d")
+    fs.symlink("d", "l")
+    check_errno(errno.ELOOP, fs.exchange, "l/e", "f")
+    check_errno(errno.EBUSY, fs.exchange, "", "f")
+    fs.link("f", "g")
+    fs.exchange("f", "g")  # one inode: nothing happens
+    fs.exchange("f", "f")
+    assert fs.read_all("f") == b"f" and sorted(fs.listdir("")) == ["d", "f", "g", "l"]

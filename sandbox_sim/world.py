@@ -32,7 +32,8 @@ class FaultyHandle:
 
     _OPS = {"pread": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync", "fstat": "fstat",
             "chmod": "chmod", "utime": "utime", "chown": "chown", "listxattr": "listxattr", "getxattr": "getxattr",
-            "setxattr": "setxattr", "removexattr": "removexattr"}
+            "setxattr": "setxattr", "removexattr": "removexattr", "fallocate": "fallocate",
+            "copy_range_to": "copy_file_range", "lseek": "lseek"}
 
     def __init__(self, fs: "FaultyHostFS", inner):
         self._fs = fs

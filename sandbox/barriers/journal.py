@@ -387,6 +387,18 @@ class RecordingFileHandle(FileHandle):
     def removexattr(self, name: str) -> None:
         self._mutating(lambda: self.inner.removexattr(name))
 
+    def fallocate(self, offset: int, length: int, mode: int = 0) -> None:
+        self._mutating(lambda: self.inner.fallocate(offset, length, mode))
+
+    def copy_range_to(self, dst: FileHandle, src_offset: int, dst_offset: int, length: int) -> int:
+        """Recorded against the destination's inode (the source is only read)."""
+        inner = dst.inner if isinstance(dst, RecordingFileHandle) else dst
+        mutating = dst._mutating if isinstance(dst, RecordingFileHandle) else (lambda call: call())
+        return mutating(lambda: self.inner.copy_range_to(inner, src_offset, dst_offset, length))
+
+    def lseek(self, offset: int, whence: int) -> int:
+        return self.inner.lseek(offset, whence)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -550,6 +562,10 @@ class RecordingHostFS(HostFS):
     def rename(self, src: str, dst: str) -> None:
         with self._unlinking(dst, [src, dst], [parent_of(src), parent_of(dst)]):  # dst may be replaced
             self.inner.rename(src, dst)
+
+    def exchange(self, a: str, b: str) -> None:
+        with self._rec([a, b], [parent_of(a), parent_of(b)]):  # nothing is replaced: both move
+            self.inner.exchange(a, b)
 
     def symlink(self, target: str, path: str) -> None:
         with self._rec([path], [parent_of(path)]):

@@ -219,6 +219,9 @@ def step_diff(workspace, step_id: int | None = None) -> dict:
     for r in records:
         if r["op"] == "renamed":
             mirror.subtree(r["dst"])
+        elif r["op"] == "exchanged":
+            mirror.subtree(r["src"])
+            mirror.subtree(r["dst"])
     mirror.finish()
     now_paths = set(mirror.copied)
     index = {id(r): i for i, r in enumerate(records)}

@@ -16,7 +16,7 @@ in-memory share made writable). One code path either way.
 
 Open handles: :meth:`open` returns a host :class:`~sandbox.hostfs.FileHandle` (the
 inode, not the path); :meth:`pwrite`, :meth:`ftruncate`, :meth:`fchmod`, :meth:`futime`,
-:meth:`fsetxattr` and :meth:`fremovexattr` run the hooks for the path the caller names
+:meth:`fsetxattr`, :meth:`fremovexattr`, :meth:`ffallocate` and :meth:`fcopy_file_range` run the hooks for the path the caller names
 (a server's fid path) and then act on the handle, so a file that was renamed or unlinked
 while open keeps working as it does on a local disk — and a new file made at its old
 name is never touched. The hooks capture that path only while it still names the
@@ -198,6 +198,12 @@ class InterceptedFS(TreeOps):
         s, d = _entry(src, "rename"), _entry(dst, "replace")
         self._run(lambda: self.interceptor.pre_rename(s, d), lambda: self.host.rename(s, d), sync=(s, d))
 
+    def exchange(self, a: str, b: str) -> None:
+        """``renameat2(RENAME_EXCHANGE)``: the objects at ``a`` and ``b`` swap names
+        (:meth:`HostFS.exchange`); undone by exchanging them back."""
+        x, y = _entry(a, "exchange"), _entry(b, "exchange")
+        self._run(lambda: self.interceptor.pre_exchange(x, y), lambda: self.host.exchange(x, y), sync=(x, y))
+
     def symlink(self, target: str, path: str) -> None:
         p = _entry(path, "create")
         if not isinstance(target, str) or not target or "\0" in target or len(target.encode("utf-8", "surrogateescape")) > PATH_LEN_MAX:
@@ -300,6 +306,21 @@ class InterceptedFS(TreeOps):
     def fremovexattr(self, handle: FileHandle, path: str, name: str) -> None:
         p = normalize(path)
         self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.removexattr(name), sync=(p,))
+
+    def ffallocate(self, handle: FileHandle, path: str, offset: int, length: int, mode: int = 0) -> None:
+        """``fallocate(2)`` through ``handle`` (:meth:`FileHandle.fallocate`); ``path`` is where
+        the file is now. Every mode may change bytes or the size: a full preimage first."""
+        p = _entry(path, "fallocate")
+        self._run(lambda: self.interceptor.pre_fallocate(p, handle), lambda: handle.fallocate(offset, length, mode),
+                  sync=(p,))
+
+    def fcopy_file_range(self, src: FileHandle, dst: FileHandle, dst_path: str, src_offset: int, dst_offset: int,
+                         length: int) -> int:
+        """``copy_file_range(2)`` from ``src`` to ``dst`` (:meth:`FileHandle.copy_range_to`);
+        ``dst_path`` is where the destination is now (its preimage is taken there)."""
+        d = _entry(dst_path, "write")
+        return self._run(lambda: self.interceptor.pre_copy_file_range(d, dst),
+                         lambda: src.copy_range_to(dst, src_offset, dst_offset, length), sync=(d,))
 
     # ------------------------------------------------------------------ conveniences
 

@@ -44,9 +44,9 @@ import errno
 import threading
 from typing import Callable
 
-from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, parent_of, same_inode
+from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, is_within, parent_of, same_inode
 from .errors import HoldRequired, RollbackIncomplete, SafeguardDenied
-from .preimage import is_restorable_special, meta_of
+from .preimage import INTENT_OPS, is_restorable_special, meta_of
 from .safeguard import Hold, Safeguard
 from .steps import AMBIENT, StepTracker
 from .store import UndoLog
@@ -262,7 +262,7 @@ class UndoInterceptor:
             step = self.log.open_step
             mark, self._op_mark = self._op_mark, None
             if step is not None and not step.unprotected and mark is not None and mark[0] == step.seq:
-                void = [i for i in range(mark[1], len(step.records)) if step.records[i].get("op") in ("created", "renamed")]
+                void = [i for i in range(mark[1], len(step.records)) if step.records[i].get("op") in INTENT_OPS]
                 self.log.void(void)
             for path, old in reversed(self._mark_undo or []):
                 if old is None:
@@ -363,11 +363,13 @@ class UndoInterceptor:
         """An existing file is about to be truncated by open(O_TRUNC) — not post_create."""
         self._content_hook(path, gate_overwrite=True)
 
-    def pre_fallocate(self, path: str) -> None:
-        self._content_hook(path, gate_overwrite=False)
+    def pre_fallocate(self, path: str, handle: FileHandle | None = None) -> None:
+        """fallocate of the file at ``path``, or of ``handle``'s: any mode may change bytes."""
+        self._content_hook(path, gate_overwrite=False, handle=handle)
 
-    def pre_copy_file_range(self, dst_path: str) -> None:
-        self._content_hook(dst_path, gate_overwrite=False)
+    def pre_copy_file_range(self, dst_path: str, handle: FileHandle | None = None) -> None:
+        """Bytes copied into the file at ``dst_path``, or into ``handle``'s."""
+        self._content_hook(dst_path, gate_overwrite=False, handle=handle)
 
     def pre_setattr(self, path: str, size: int | None = None, handle: FileHandle | None = None) -> None:
         """chmod/chown/utimes (metadata) or, with ``size``, a truncate (contents) — of the
@@ -450,6 +452,31 @@ class UndoInterceptor:
                 m = self._marks.get(src)
                 self._set_mark(src, None)
                 self._set_mark(dst, m)
+
+    def pre_exchange(self, a: str, b: str) -> None:
+        """``a`` and ``b`` are about to swap names (RENAME_EXCHANGE). Journalled as the two
+        parents' preimages and one ``exchanged`` intent carrying both inode numbers (its undo
+        swaps them back unless they are already back: see :func:`preimage.restore`). The
+        objects themselves do not change, so nothing of theirs is copied; their marks (and
+        those below them) swap with them."""
+        with self.lock:
+            x, y = self._lstat(a), self._lstat(b)
+            if x is not None and y is not None and x.ino == y.ino:
+                self._enter()
+                return  # one inode: renameat2 does nothing
+            if not self._enter() or x is None or y is None:  # nothing is replaced: no safeguard counts it
+                return  # ENOENT follows: nothing to record
+            if is_within(a, b) or is_within(b, a):
+                return  # EINVAL follows
+            self._capture_parent(a)
+            self._capture_parent(b)
+            if not self._intent({"op": "exchanged", "src": a, "dst": b, "src_ino": x.ino, "dst_ino": y.ino}):
+                return
+            under_a, under_b = self._drop_subtree(a), self._drop_subtree(b)
+            for p, m in under_a:
+                self._set_mark(b + p[len(a):], m)
+            for p, m in under_b:
+                self._set_mark(a + p[len(b):], m)
 
     def _rename_will_fail(self, src: str, dst: str, s: Stat, d: Stat | None) -> bool:
         """The kernel's certain refusals, checked first so no intent is journalled for them."""

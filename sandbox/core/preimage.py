@@ -16,6 +16,10 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
 ``renamed`` before ``src`` is renamed to ``dst`` renaming ``dst`` back to ``src`` (a
                                                  no-op if ``dst`` is gone: a later
                                                  record already covers it)
+``exchanged`` before ``src`` and ``dst`` swap     exchanging them back — unless the
+            names (RENAME_EXCHANGE); with both   inodes recorded are already in place
+            inode numbers (``src_ino``,          (the exchange never ran, or its undo
+            ``dst_ino``)                         already did)
 =========== ==================================== ======================================
 
 Undo of every record is idempotent, so an interrupted rollback may redo the record it
@@ -37,6 +41,8 @@ import os
 from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
+#: records written before a host call that may then fail (its ``op_failed`` voids them)
+INTENT_OPS = ("created", "renamed", "exchanged")
 
 
 def b64(data: bytes) -> str:
@@ -182,7 +188,8 @@ def _ensure_parent(fs: HostFS, path: str) -> None:
     fs.mkdir(parent, 0o700)
 
 
-def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True, user_forced: bool = False) -> None:
+def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True, user_forced: bool = False,
+            trust_intent: bool = False) -> None:
     """Apply the undo of one record to the working filesystem.
 
     With ``dir_meta=False`` a directory's ``pre`` only makes sure the directory exists;
@@ -196,6 +203,8 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
     ``user_forced``: the user asked to overwrite external changes — only then is an object
     at a rename's source taken for foreign and removed; otherwise it proves the rename
     never ran (a crash between its intent and the host call) and the record is skipped.
+    ``trust_intent``: ``fs`` is a replay of a finished step (whose intents all ran) on
+    another filesystem, where the inode numbers an ``exchanged`` record names mean nothing.
     """
     op = rec["op"]
     if op == "created":
@@ -215,6 +224,9 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
             elif force:  # e.g. src's directory replaced by a symlink since: the move back needs it
                 _ensure_parent(fs, rec["src"])
             fs.rename(rec["dst"], rec["src"])
+        return
+    if op == "exchanged":
+        _unexchange(fs, rec, trust_intent)
         return
     path = rec["path"]
     kind = rec["kind"]
@@ -263,6 +275,26 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
     _apply_meta(fs, path, rec)
 
 
+def _unexchange(fs: HostFS, rec: dict, trust_intent: bool) -> None:
+    """Undo of an ``exchanged`` record: exchange ``src`` and ``dst`` back.
+
+    Every later record is undone by now, so if the exchange ran, ``src`` holds the object
+    that was at ``dst`` and the other way round. Both recorded inodes already at their own
+    names means it never ran (a crash between the intent and the host call) or this undo
+    already ran (a rollback resumed): nothing to do — the undo is idempotent. Only one side
+    left (someone removed the other; a forced undo): it goes back to its own name."""
+    src, dst = rec["src"], rec["dst"]
+    s, d = _lstat(fs, src), _lstat(fs, dst)
+    if s is not None and d is not None:
+        if not trust_intent and s.ino == rec["src_ino"] and d.ino == rec["dst_ino"]:
+            return
+        fs.exchange(src, dst)
+    elif s is not None:
+        fs.rename(src, dst)
+    elif d is not None:
+        fs.rename(dst, src)
+
+
 def apply_dir_meta(fs: HostFS, rec: dict) -> None:
     """Second pass: set a directory's mode, xattrs and mtime (if it is still a directory)."""
     st = _lstat(fs, rec["path"])
@@ -290,6 +322,18 @@ class _Origins:
     def created(self, path: str) -> None:
         self._forget(path)
         self._moves[path] = None
+
+    def exchanged(self, a: str, b: str) -> None:
+        under_a = {k: v for k, v in self._moves.items() if is_within(k, a)}
+        under_b = {k: v for k, v in self._moves.items() if is_within(k, b)}
+        origin_a, origin_b = self.of(a), self.of(b)
+        for k in list(under_a) + list(under_b):
+            del self._moves[k]
+        self._moves[b], self._moves[a] = origin_a, origin_b
+        for k, v in under_a.items():
+            self._moves[b + k[len(a):]] = v
+        for k, v in under_b.items():
+            self._moves[a + k[len(b):]] = v
 
     def renamed(self, src: str, dst: str) -> None:
         moved = {k: v for k, v in self._moves.items() if is_within(k, src)}
@@ -320,6 +364,8 @@ def dir_meta_plan(records: list[dict]) -> list[dict]:
         op = r.get("op")
         if op == "renamed":
             origins.renamed(r["src"], r["dst"])
+        elif op == "exchanged":
+            origins.exchanged(r["src"], r["dst"])
         elif op == "created":
             origins.created(r["path"])
         elif op == "pre" and r.get("kind") == DIR:

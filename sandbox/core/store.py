@@ -262,6 +262,22 @@ def check_header(h: dict) -> None:
     _need_int(h, "started_ns")
 
 
+#: records naming two paths (``src``, ``dst``): things moved
+_TWO_PATHS = ("renamed", "exchanged")
+
+
+def moved_forward(path: str, moves: list[tuple[str, str, str]]) -> str:
+    """Where ``path`` is after ``moves`` — ``(op, src, dst)`` of ``renamed``/``exchanged``
+    records, chronological: a rename moves what is at or below ``src`` to ``dst``; an exchange
+    swaps what is at or below either name."""
+    for op, src, dst in moves:
+        if is_within(path, src):
+            path = dst + path[len(src):]
+        elif op == "exchanged" and is_within(path, dst):
+            path = src + path[len(dst):]
+    return path
+
+
 def check_record(r: dict) -> None:
     """One journal record (see ``preimage.py`` for their meaning), or ``ValueError``:
     every field a rollback reads has its type and range, so no rollback meets a bad one."""
@@ -273,6 +289,12 @@ def check_record(r: dict) -> None:
         _need_keys(r, {"op", "src", "dst"}, "renamed record")
         _need_path(r, "src")
         _need_path(r, "dst")
+    elif op == "exchanged":
+        _need_keys(r, {"op", "src", "dst", "src_ino", "dst_ino"}, "exchanged record")
+        _need_path(r, "src")
+        _need_path(r, "dst")
+        _need_int(r, "src_ino", 0)
+        _need_int(r, "dst_ino", 0)
     elif op == "void":
         _need_keys(r, {"op", "lines"}, "void record")
         _need(isinstance(r["lines"], list) and all(_is_int(n) and n >= 1 for n in r["lines"]), "'lines' is not a list of line numbers")
@@ -385,7 +407,7 @@ def parse_journal(data: bytes, where: str, strict: bool = True) -> tuple[dict | 
             records.append((i, obj))
     if strict:
         kinds = {n: r["op"] for n, r in records}
-        bad = sorted(n for n in voided if kinds.get(n) not in ("created", "renamed"))
+        bad = sorted(n for n in voided if kinds.get(n) not in preimage.INTENT_OPS)
         if bad:
             why = f"journal line {bad[0] + 1} is voided but holds no intent"
             raise CorruptStep(f"{where}: {why}", where=where, reason=why)
@@ -813,7 +835,7 @@ class UndoLog:
         """Every path the step's records name, at the moment each was written."""
         seen: dict[str, None] = {}
         for r in records:
-            if r.get("op") == "renamed":
+            if r.get("op") in _TWO_PATHS:
                 seen.setdefault(r["src"], None)
                 seen.setdefault(r["dst"], None)
             elif "path" in r:
@@ -825,16 +847,14 @@ class UndoLog:
         """Where each touched thing is at the end of the step: every recorded path moved
         forward through the step's later renames. Value: True if it was created in the step."""
         out: dict[str, bool] = {}
-        later: list[tuple[str, str]] = []  # renames after the record in hand, chronological
+        later: list[tuple[str, str, str]] = []  # moves after the record in hand, chronological
         for r in reversed(records):
             op = r.get("op")
-            for p in ((r["src"], r["dst"]) if op == "renamed" else (r["path"],) if "path" in r else ()):
-                for src, dst in later:
-                    if is_within(p, src):
-                        p = dst + p[len(src):]
+            for p in ((r["src"], r["dst"]) if op in _TWO_PATHS else (r["path"],) if "path" in r else ()):
+                p = moved_forward(p, later)
                 out[p] = out.get(p, False) or op == "created"
-            if op == "renamed":
-                later.insert(0, (r["src"], r["dst"]))
+            if op in _TWO_PATHS:
+                later.insert(0, (op, r["src"], r["dst"]))
         return out
 
     def _fingerprints(self, work: HostFS, records: list[dict]) -> tuple[list[str], dict]:
@@ -1036,7 +1056,7 @@ class UndoLog:
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
                       user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None,
-                      open_content: Callable[[dict], Iterable[bytes]] | None = None) -> int:
+                      open_content: Callable[[dict], Iterable[bytes]] | None = None, trust_intents: bool = False) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
         Pass 2: directory metadata, deepest first (idempotent, so always redone whole).
 
@@ -1064,15 +1084,16 @@ class UndoLog:
             try:
                 # a rollback that began always completes (force); only the user's force overrides
                 # the evidence that a rename never ran (see preimage.restore)
-                preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced)
+                preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced,
+                                 trust_intent=trust_intents)
             except CorruptStep as e:
                 if not_restored is None:
                     raise
                 if rec["path"] not in {p for p, _ in not_restored}:
                     not_restored.append((rec["path"], e.data.get("reason", e.message)))
             except OSError as e:  # name the path being restored, not just the host call's final component
-                raise OSError(e.errno, e.strerror or str(e), rec["src"] if rec["op"] == "renamed" else rec["path"]) from e
-            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] == "renamed" else (rec["path"],)))
+                raise OSError(e.errno, e.strerror or str(e), rec["src"] if rec["op"] in _TWO_PATHS else rec["path"]) from e
+            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)))
             done += 1
             if progress is not None:
                 self.fs.write_all(join(where, "progress"), done - 1, b".")
@@ -1100,7 +1121,8 @@ class UndoLog:
         filesystem, never the working folder — exactly as :meth:`rollback_top` would, with
         ``open_content`` standing in for the preimage bytes. The store is only read: no
         progress file, no rename, the step stays in history."""
-        self._undo_records(onto, info.dirname, records, start=0, progress=None, open_content=open_content)
+        self._undo_records(onto, info.dirname, records, start=0, progress=None, open_content=open_content,
+                           trust_intents=True)  # a finished step: every intent ran; onto's inodes are not work's
 
     def _to_trash(self, path: str, name: str) -> None:
         """Atomically retire ``path`` (one rename), then delete it. If the deletion fails

@@ -446,18 +446,21 @@ class Workspace:
         same inode, left by that step exactly as fingerprinted) is not an external change.
         """
         expected: dict[str, tuple[list | None, int]] = {}
-        later_renames: list[tuple[str, str]] = []  # chronological, from steps newer than the one in hand
+        later_renames: list[tuple[str, str, str]] = []  # chronological, from steps newer than the one in hand
         for age, s in enumerate(reversed(targets)):
             for path, fp in s.fingerprints.items():
-                for src, dst in later_renames:
+                for op, src, dst in later_renames:
                     if is_within(path, src):
                         path = dst + path[len(src):]
                     elif is_within(path, dst):
+                        if op == "exchanged":  # swapped, not replaced: it is at the other name
+                            path = src + path[len(dst):]
+                            continue
                         path = None  # a newer step renamed something over it: that step's undo covers it
                         break
                 if path is not None:
                     expected.setdefault(path, (fp, age))
-            mine = [(r["src"], r["dst"]) for r in records[s.seq] if r.get("op") == "renamed"]
+            mine = [(r["op"], r["src"], r["dst"]) for r in records[s.seq] if r.get("op") in ("renamed", "exchanged")]
             later_renames = mine + later_renames
 
         def current(path: str, fp) -> list | str | None:

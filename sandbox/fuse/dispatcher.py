@@ -81,12 +81,13 @@ WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BI
 
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
-#: opcodes the Provider cannot serve (yet): ENOSYS, which the kernel remembers
-UNSUPPORTED = frozenset({abi.Opcode.FALLOCATE, abi.Opcode.COPY_FILE_RANGE, abi.Opcode.LSEEK, abi.Opcode.GETLK,
-                         abi.Opcode.SETLK, abi.Opcode.SETLKW})
+#: opcodes not served: ENOSYS, which the kernel remembers (locks are the kernel's: one host)
+UNSUPPORTED = frozenset({abi.Opcode.GETLK, abi.Opcode.SETLK, abi.Opcode.SETLKW})
 #: requests that may mutate the tree: they pass the export's hold gate
 _MUTATING = (m.Setattr, m.Symlink, m.Mknod, m.Mkdir, m.Unlink, m.Rmdir, m.Rename, m.Rename2, m.Link, m.Create,
-             m.Write, m.Setxattr, m.Removexattr)
+             m.Write, m.Setxattr, m.Removexattr, m.Fallocate, m.CopyFileRange)
+#: the largest file offset (loff_t)
+_OFF_MAX = (1 << 63) - 1
 
 
 def errno_of(exc: BaseException) -> int:
@@ -218,6 +219,7 @@ class Dispatcher:
             m.Fsyncdir: self._fsyncdir, m.Statfs: self._statfs, m.Getxattr: self._getxattr,
             m.Setxattr: self._setxattr, m.Listxattr: self._listxattr, m.Removexattr: self._removexattr,
             m.Access: self._access, m.Interrupt: self._interrupt, m.Destroy: self._destroy,
+            m.Fallocate: self._fallocate, m.CopyFileRange: self._copy_file_range, m.Lseek: self._lseek,
         }
 
     # ------------------------------------------------------------------ dispatch
@@ -475,10 +477,13 @@ class Dispatcher:
 
     def _rename(self, req: m.Rename | m.Rename2) -> None:
         flags = getattr(req, "flags", 0)
-        if flags & ~abi.RENAME_NOREPLACE:
-            raise OSError(errno.EINVAL, "RENAME_EXCHANGE and RENAME_WHITEOUT are not served")
+        if flags & ~(abi.RENAME_NOREPLACE | abi.RENAME_EXCHANGE) or flags == abi.RENAME_NOREPLACE | abi.RENAME_EXCHANGE:
+            raise OSError(errno.EINVAL, "RENAME_WHITEOUT is not served; NOREPLACE and EXCHANGE exclude each other")
         od, nd = self._dir(req.header.nodeid), self._dir(req.newdir)
         src, dst = child(od.path, _name(req.oldname)), child(nd.path, _name(req.newname))
+        if flags & abi.RENAME_EXCHANGE:
+            self._exchange(src, dst)
+            return
         if flags & abi.RENAME_NOREPLACE:
             try:
                 self.provider.lookup(dst)
@@ -496,6 +501,14 @@ class Dispatcher:
         if replaced is not None and _inode(replaced) != _inode(a):
             self._unlinked(dst)
         self.export.renamed(src, dst, a.kind == DIR)
+
+    def _exchange(self, src: str, dst: str) -> None:
+        """RENAME_EXCHANGE: both names stay, their objects (and the nodes and handles at or
+        below them) swap."""
+        a, b = self.provider.lookup(src), self.provider.lookup(dst)  # ENOENT before anything changes
+        self.provider.exchange(src, dst)
+        if _inode(a) != _inode(b):
+            self.export.exchanged(src, dst, a.kind == DIR, b.kind == DIR)
 
     # ------------------------------------------------------------------ attributes
 
@@ -630,6 +643,32 @@ class Dispatcher:
             raise OSError(errno.EFBIG, "offset beyond the largest file offset")
         return m.WriteOut(self.provider.write(f.handle, f.node.path, req.offset, bytes(req.data),
                                               cred=self._cred(req)))
+
+    def _fallocate(self, req: m.Fallocate) -> None:
+        f = self._file(req.fh)
+        if req.offset > _OFF_MAX or req.length > _OFF_MAX - req.offset:
+            raise OSError(errno.EFBIG, "beyond the largest file offset")
+        self.provider.fallocate(f.handle, f.node.path, req.offset, req.length, req.mode, cred=self._cred(req))
+
+    def _copy_file_range(self, req: m.CopyFileRange) -> m.WriteOut:
+        """From the open file ``fh_in`` to ``fh_out`` (of node ``nodeid_out``); the count
+        copied (at most :data:`~sandbox.mounts.provider.COPY_FILE_RANGE_BYTES_MAX`)."""
+        src, dst = self._file(req.fh_in), self._file(req.fh_out)
+        if dst.node.nodeid != req.nodeid_out or req.flags:
+            raise OSError(errno.EINVAL, "copy_file_range: flags, or a handle of another node")
+        if req.off_in > _OFF_MAX or req.off_out > _OFF_MAX:
+            raise OSError(errno.EOVERFLOW, "beyond the largest file offset")
+        length = min(req.len, _OFF_MAX - req.off_out)
+        return m.WriteOut(self.provider.copy_file_range(src.handle, src.node.path, dst.handle, dst.node.path,
+                                                        req.off_in, req.off_out, length, cred=self._cred(req)))
+
+    def _lseek(self, req: m.Lseek) -> m.LseekOut:
+        """SEEK_DATA/SEEK_HOLE through the open file's descriptor (the kernel answers
+        SEEK_SET/CUR/END itself); ``ENXIO`` at or past EOF, as lseek(2)."""
+        f = self._file(req.fh)
+        if req.offset > _OFF_MAX:
+            raise OSError(errno.ENXIO, "beyond the largest file offset")
+        return m.LseekOut(self.provider.lseek(f.handle, f.node.path, req.offset, req.whence))
 
     def _release(self, req: m.Release) -> None:
         self._close_file(req.fh)

@@ -101,6 +101,13 @@ OPEN_FLAGS = os.O_ACCMODE | os.O_APPEND
 
 #: the only file types :meth:`HostFS.mknod` makes: a fifo and a unix-socket node (never a device)
 MKNOD_FMTS = frozenset({_stat.S_IFIFO, _stat.S_IFSOCK})
+#: lseek(2) whences for the next data / the next hole (Linux values)
+SEEK_DATA, SEEK_HOLE = 3, 4
+#: fallocate(2) modes every implementation serves: 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE,
+#: ZERO_RANGE[|KEEP_SIZE]; any other (COLLAPSE_RANGE, INSERT_RANGE, UNSHARE_RANGE, …) is EOPNOTSUPP
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
+FALLOCATE_MODES = frozenset({0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                             FALLOC_FL_ZERO_RANGE, FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE})
 
 _FMT_OF_KIND = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK, OTHER: _stat.S_IFIFO}
 
@@ -353,6 +360,32 @@ class FileHandle(ABC):
                 raise OSError(errno.EIO, f"write made no progress on {self.path!r}")
             done += n
 
+    def fallocate(self, offset: int, length: int, mode: int = 0) -> None:
+        """``fallocate(2)`` on the open file, with :meth:`HostFS.fallocate`'s modes, rules and
+        errnos; ``EBADF`` unless open for writing. Here (a handle kind that cannot): ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "fallocate is not supported on this handle", self.path)
+
+    def copy_range_to(self, dst: "FileHandle", src_offset: int, dst_offset: int, length: int) -> int:
+        """``copy_file_range(2)`` from this handle to ``dst`` (a handle of the same filesystem):
+        up to ``length`` bytes, clamped to this file's end; the count copied. ``EBADF`` unless
+        this one is readable and ``dst`` writable without ``O_APPEND``; overlapping ranges of
+        one inode ``EINVAL``; a negative length ``EINVAL``, a negative offset ``EOVERFLOW``
+        (as :meth:`HostFS.copy_file_range`). Here (a handle kind that cannot): ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "copy_file_range is not supported on this handle", self.path)
+
+    def lseek(self, offset: int, whence: int) -> int:
+        """``lseek(2)`` with ``SEEK_DATA``/``SEEK_HOLE`` only (all I/O here is positional, so
+        there is no position to move; any other ``whence`` is ``EINVAL``): the next data or
+        hole at or after ``offset``; ``ENXIO`` when ``offset`` is negative or at/after EOF.
+        A filesystem may report the whole file as data (the hole at EOF), which is this
+        generic body's answer."""
+        size = self.fstat().size
+        if whence not in (SEEK_DATA, SEEK_HOLE):
+            raise OSError(errno.EINVAL, "only SEEK_DATA and SEEK_HOLE", self.path)
+        if offset < 0 or offset >= size:
+            raise OSError(errno.ENXIO, os.strerror(errno.ENXIO), self.path)
+        return offset if whence == SEEK_DATA else size
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -489,6 +522,13 @@ class HostFS(ABC):
 
     @abstractmethod
     def rename(self, src: str, dst: str) -> None: ...
+
+    @abstractmethod
+    def exchange(self, a: str, b: str) -> None:
+        """``renameat2(a, b, RENAME_EXCHANGE)``: the objects at ``a`` and ``b`` (any kinds: a
+        file and a directory too) swap names atomically, each keeping its inode. Both must
+        exist (``ENOENT``); one inside the other is ``EINVAL``; two names of one inode: nothing
+        happens. Both parents' mtimes change, as for a rename."""
 
     @abstractmethod
     def symlink(self, target: str, path: str) -> None: ...

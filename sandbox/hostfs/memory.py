@@ -49,6 +49,7 @@ from . import (
     StatFS,
     StoreBusy,
     check_open_flags,
+    is_within,
     parent_of,
 )
 
@@ -229,6 +230,28 @@ class MemoryFileHandle(FileHandle):
     def removexattr(self, name: str) -> None:
         self._call("removexattr")
         self._fs._removexattr_node(self._node, name, self.path)
+
+    def fallocate(self, offset: int, length: int, mode: int = 0) -> None:
+        self._call("fallocate", length)
+        if not self._can(write=True):
+            raise _err(errno.EBADF, self.path)
+        self._fs._fallocate_node(self._node, offset, length, mode, self.path)
+
+    def copy_range_to(self, dst: FileHandle, src_offset: int, dst_offset: int, length: int) -> int:
+        self._call("copy_file_range", length)
+        if not isinstance(dst, MemoryFileHandle) or dst._fs is not self._fs:
+            raise _err(errno.EXDEV, self.path)
+        if dst.closed:
+            raise _err(errno.EBADF, dst.path)
+        if not self._can(write=False) or not dst._can(write=True) or dst.flags & os.O_APPEND:
+            raise _err(errno.EBADF, dst.path)
+        return self._fs._copy_nodes(self._node, dst._node, src_offset, dst_offset, length, dst.path)
+
+    def lseek(self, offset: int, whence: int) -> int:
+        """The whole file is data: the simulator keeps no holes (a punched range reads as
+        zeros), which lseek(2) allows."""
+        self._call("lseek")
+        return super().lseek(offset, whence)
 
     def close(self) -> None:
         self._closed = True
@@ -520,6 +543,28 @@ class MemoryHostFS(HostFS):
         self._touch_dir(sparent, now)
         self._touch_dir(dparent, now)
 
+    def exchange(self, a: str, b: str) -> None:
+        self._fault("exchange", a)
+        aparent, aname = self._parent(a)
+        bparent, bname = self._parent(b)
+        x = self._child(aparent, aname, a)
+        y = self._child(bparent, bname, b)
+        if x is None or y is None:
+            raise _err(errno.ENOENT, a if x is None else b)
+        if x is y:
+            return  # one inode (or one path): nothing happens, as renameat2 does
+        if is_within(b, a) or is_within(a, b):
+            raise _err(errno.EINVAL, b)  # one inside the other
+        now = self.clock()
+        aparent.entries[aname], bparent.entries[bname] = y, x
+        if aparent is not bparent and (x.kind == DIR) != (y.kind == DIR):
+            step = 1 if x.kind == DIR else -1  # the directory's ".." moves from a's parent to b's
+            aparent.nlink -= step
+            bparent.nlink += step
+        x.ctime_ns = y.ctime_ns = now
+        self._touch_dir(aparent, now)
+        self._touch_dir(bparent, now)
+
     def symlink(self, target: str, path: str) -> None:
         self._fault("symlink", path)
         # the kernel copies the target in before it looks at the new path
@@ -670,7 +715,9 @@ class MemoryHostFS(HostFS):
         no byte (preallocation inside the file, or beyond it with KEEP_SIZE).
         """
         self._fault("fallocate", path, length)
-        node = self._file(path)
+        self._fallocate_node(self._file(path), offset, length, mode, path)
+
+    def _fallocate_node(self, node: _Inode, offset: int, length: int, mode: int, path: str) -> None:
         if offset < 0 or length <= 0:
             raise _err(errno.EINVAL, path)
         kind = mode & ~_FALLOC_FL_KEEP_SIZE
@@ -690,15 +737,16 @@ class MemoryHostFS(HostFS):
 
     def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
         self._fault("copy_file_range", dst, length)
-        s = self._file(src)
-        d = self._file(dst)
+        return self._copy_nodes(self._file(src), self._file(dst), src_offset, dst_offset, length, dst)
+
+    def _copy_nodes(self, s: _Inode, d: _Inode, src_offset: int, dst_offset: int, length: int, path: str) -> int:
         if length < 0:
-            raise _err(errno.EINVAL, dst)
+            raise _err(errno.EINVAL, path)
         if src_offset < 0 or dst_offset < 0:
-            raise _err(errno.EOVERFLOW, dst)
+            raise _err(errno.EOVERFLOW, path)
         chunk = bytes(s.data[src_offset : src_offset + length])
         if s is d and dst_offset + len(chunk) > src_offset and dst_offset < src_offset + len(chunk):
-            raise _err(errno.EINVAL, dst)  # overlapping ranges of one file
+            raise _err(errno.EINVAL, path)  # overlapping ranges of one file
         if not chunk:
             return 0
         if dst_offset > len(d.data):

@@ -38,6 +38,7 @@ import threading
 
 from . import (
     DIR,
+    FALLOCATE_MODES,
     LNK,
     MKNOD_FMTS,
     REG,
@@ -66,6 +67,17 @@ _OPENAT2_PATH_BYTES_MAX = PATH_LEN_MAX - 1  # the longest path one openat2 takes
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+_RENAME_EXCHANGE = 1 << 1
+
+
+def _fallocate(fd: int, offset: int, length: int, mode: int, path: str) -> None:
+    """fallocate(2) with only :data:`~sandbox.hostfs.FALLOCATE_MODES` (the simulator's)."""
+    if offset >= 0 and length > 0 and mode not in FALLOCATE_MODES:
+        raise OSError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not served", path)
+    if _libc.fallocate(fd, mode, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
 
 
 class _OpenHow(ctypes.Structure):
@@ -275,6 +287,44 @@ class RealFileHandle(FileHandle):
         fd = self._acquire()
         try:
             os.removexattr(fd, name)
+        finally:
+            self._release()
+
+    def fallocate(self, offset: int, length: int, mode: int = 0) -> None:
+        fd = self._acquire()
+        try:
+            _fallocate(fd, offset, length, mode, self.path)  # EBADF on a handle not open for writing
+        finally:
+            self._release()
+
+    def copy_range_to(self, dst: FileHandle, src_offset: int, dst_offset: int, length: int) -> int:
+        inner = getattr(dst, "inner", dst)  # a test wrapper's handle
+        if not isinstance(inner, RealFileHandle):
+            raise OSError(errno.EXDEV, "copy between different filesystems", self.path)
+        fd = self._acquire()
+        try:
+            dfd = inner._acquire()
+            try:
+                if length < 0:  # os.copy_file_range would raise ValueError
+                    raise OSError(errno.EINVAL, "negative length", inner.path)
+                if src_offset < 0 or dst_offset < 0:
+                    raise OSError(errno.EOVERFLOW, "negative offset", inner.path)
+                return os.copy_file_range(fd, dfd, length, src_offset, dst_offset)
+            finally:
+                inner._release()
+        finally:
+            self._release()
+
+    def lseek(self, offset: int, whence: int) -> int:
+        """The host's answer (ext4, xfs, tmpfs know their holes). The descriptor's position
+        moves, which no call here uses (all I/O is positional)."""
+        fd = self._acquire()
+        try:
+            if whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+                raise OSError(errno.EINVAL, "only SEEK_DATA and SEEK_HOLE", self.path)
+            if offset < 0:
+                raise OSError(errno.ENXIO, os.strerror(errno.ENXIO), self.path)
+            return os.lseek(fd, offset, whence)
         finally:
             self._release()
 
@@ -501,6 +551,20 @@ class RealHostFS(HostFS):
         finally:
             os.close(sfd)
 
+    def exchange(self, a: str, b: str) -> None:
+        """``renameat2(RENAME_EXCHANGE)`` of the two final names beneath their parents' fds."""
+        afd, aname = self._parent(a)
+        try:
+            bfd, bname = self._parent(b)
+            try:
+                if _libc.renameat2(afd, os.fsencode(aname), bfd, os.fsencode(bname), _RENAME_EXCHANGE) != 0:
+                    e = ctypes.get_errno()
+                    raise OSError(e, os.strerror(e), a)
+            finally:
+                os.close(bfd)
+        finally:
+            os.close(afd)
+
     def symlink(self, target: str, path: str) -> None:
         # the kernel copies the target in before it looks at the new path; os.symlink
         # would raise ValueError for a NUL, and errors here are OSErrors
@@ -637,9 +701,7 @@ class RealHostFS(HostFS):
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
         fd = self._open_file(path, os.O_WRONLY)
         try:
-            if _libc.fallocate(fd, mode, offset, length) != 0:
-                e = ctypes.get_errno()
-                raise OSError(e, os.strerror(e), path)
+            _fallocate(fd, offset, length, mode, path)
         finally:
             os.close(fd)
 

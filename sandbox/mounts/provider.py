@@ -50,13 +50,18 @@ import time
 from typing import Callable
 
 from ..core.intercepted_fs import InterceptedFS
-from ..hostfs import DIR, LNK, MKNOD_FMTS, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within, join, names_inode
+from ..hostfs import (DIR, FALLOCATE_MODES, LNK, MKNOD_FMTS, NAME_LEN_MAX, REG, Attr, FileHandle, HostFS, StatFS, is_within,
+                      join, names_inode)
 from . import devices, identity
 from .identity import Cred
 
 XATTR_CREATE, XATTR_REPLACE = 1, 2
 XATTR_SIZE_MAX = 65536  # the kernel's limit for one value
 XATTR_LIST_MAX = 65536
+#: one copy_file_range copies at most this much (a longer request returns the short count
+#: copied, which copy_file_range(2) allows and callers loop over): one request never holds
+#: the serving loop for a whole large file
+COPY_FILE_RANGE_BYTES_MAX = 64 << 20
 
 
 def child(parent: str, name: str) -> str:
@@ -265,6 +270,47 @@ class Provider:
         self._writable(path)
         self._killed_on_write(handle, path, cred)
         return self.fs.pwrite(handle, path, offset, data)
+
+    def fallocate(self, handle: FileHandle, path: str, offset: int, length: int, mode: int = 0, *,
+                  cred: Cred | None = None) -> None:
+        """``fallocate(2)`` through ``handle`` (open for writing): modes 0, ``KEEP_SIZE``,
+        ``PUNCH_HOLE|KEEP_SIZE``, ``ZERO_RANGE[|KEEP_SIZE]``, each undo-tracked with a full
+        preimage; any other (``COLLAPSE_RANGE``, ``INSERT_RANGE``, ``UNSHARE_RANGE``, …) is
+        ``EOPNOTSUPP`` before anything is touched. By an unprivileged ``cred`` it clears set-id
+        bits first, as a write does (Linux's ``file_modified``)."""
+        self._writable(path)
+        if offset < 0 or length <= 0:  # checked first, as fallocate(2) does
+            raise OSError(errno.EINVAL, "invalid fallocate range", path)
+        if mode not in FALLOCATE_MODES:
+            raise OSError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x} is not served", path)
+        self._killed_on_write(handle, path, cred)
+        self.fs.ffallocate(handle, path, offset, length, mode)
+
+    def copy_file_range(self, src: FileHandle, src_path: str, dst: FileHandle, dst_path: str, src_offset: int,
+                        dst_offset: int, length: int, *, cred: Cred | None = None) -> int:
+        """``copy_file_range(2)`` from ``src`` (open for reading; at ``src_path``) into ``dst``
+        (open for writing; at ``dst_path``): at most :data:`COPY_FILE_RANGE_BYTES_MAX` bytes
+        per call, clamped to the source's end; the count copied. The destination is
+        undo-tracked (a full preimage) and, by an unprivileged ``cred``, loses its set-id bits
+        as on a write."""
+        self._see(src_path, above_ok=False)
+        self._writable(dst_path)
+        self._killed_on_write(dst, dst_path, cred)
+        return self.fs.fcopy_file_range(src, dst, dst_path, src_offset, dst_offset,
+                                        min(length, COPY_FILE_RANGE_BYTES_MAX))
+
+    def lseek(self, handle: FileHandle, path: str, offset: int, whence: int) -> int:
+        """``SEEK_DATA``/``SEEK_HOLE`` on ``handle``'s file (:meth:`FileHandle.lseek`: the
+        host's answer; ``ENXIO`` at or past EOF). A read: never journalled."""
+        self._see(path, above_ok=False)
+        return handle.lseek(offset, whence)
+
+    def exchange(self, a: str, b: str) -> None:
+        """``renameat2(RENAME_EXCHANGE)``: ``a`` and ``b`` (both existing, any kinds) swap
+        names atomically on the host, undo-tracked as one ``exchanged`` intent."""
+        self._writable(a)
+        self._writable(b)
+        self.fs.exchange(a, b)
 
     def fsync(self, handle: FileHandle | None, datasync: bool = False) -> None:
         if handle is not None:

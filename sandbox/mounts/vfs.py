@@ -332,6 +332,9 @@ class VfsHostFS(HostFS):
     def rename(self, src: str, dst: str) -> None:
         self._refuse(src)
 
+    def exchange(self, a: str, b: str) -> None:
+        self._refuse(a)
+
     def mknod(self, path: str, mode: int, fmt: int) -> None:
         self._refuse(path)
 

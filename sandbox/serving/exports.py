@@ -76,6 +76,18 @@ class Export:
 
     handles_at = fids_at
 
+    def exchanged(self, a: str, b: str, a_is_dir: bool, b_is_dir: bool) -> None:
+        """RENAME_EXCHANGE: the handles at ``a`` (and below, for a directory) move to ``b`` and
+        those at ``b`` to ``a`` — both sets taken before either moves."""
+        at_a = [(p, f) for p in ([p for p in self._by_path if is_within(p, a)] if a_is_dir else [a])
+                for f in list(self._by_path.get(p, ()))]
+        at_b = [(p, f) for p in ([p for p in self._by_path if is_within(p, b)] if b_is_dir else [b])
+                for f in list(self._by_path.get(p, ()))]
+        for p, f in at_a:
+            self.move(f, b + p[len(a):])
+        for p, f in at_b:
+            self.move(f, a + p[len(b):])
+
     def renamed(self, src: str, dst: str, is_dir: bool) -> None:
         """Handles follow their files: those at ``src`` (and below it, for a directory) move."""
         paths = [p for p in self._by_path if is_within(p, src)] if is_dir else [src]

@@ -109,7 +109,7 @@ class RemoteHandle(FileHandle):
     def _mutation(self, *_a, **_k):
         raise OSError(errno.EPERM, "a remote handle is changed through its provider (the undo core)", self.path)
 
-    pwrite = truncate = chmod = utime = chown = setxattr = removexattr = _mutation
+    pwrite = truncate = chmod = utime = chown = setxattr = removexattr = fallocate = copy_range_to = _mutation
 
 
 class RemoteFS:
