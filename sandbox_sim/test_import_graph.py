@@ -63,7 +63,8 @@ LAYERS: list[tuple[str, ...]] = [
 #: package data, not code (the demo's sample project)
 NOT_CODE = ("sandbox/data/",)
 #: units of one layer that may import each other (none: siblings stay independent)
-SIBLINGS_ALLOWED = {frozenset(p) for p in [("scripted", "vm"), ("scripted", "session.guest"), ("vm", "session.guest")]}
+SIBLINGS_ALLOWED = {frozenset(p) for p in [("scripted", "vm"), ("scripted", "session.guest"), ("vm", "session.guest"),
+                                           ("local", "vm")]}  # local: GuestError
 FORBIDDEN_TOP = {"sandbox_sim", "sim", "e2e", "bench"}
 CORE_FORBIDDEN = {"asyncio", "socket", "selectors", "socketserver"}
 ALWAYS_ALLOWED = {"sandbox.__version__"}

@@ -67,6 +67,7 @@ from ..guest import control as proto
 from ..guest.shim import UndoEvents
 from ..lifeline import child_setup, run_in_spawner
 from ..limits import ServerLimits
+from ..vm.guest import GuestError
 from . import holder as _holder
 
 log = logging.getLogger("sandbox.local")
@@ -90,7 +91,7 @@ TAIL_LINES_MAX = 2000
 ENTER_SCRIPT = 'cd -- "$1" || exit 126; exec /bin/sh -c "$2"'
 
 
-class LocalGuestError(RuntimeError):
+class LocalGuestError(GuestError):
     """The local guest cannot start here (no /dev/fuse, no nsenter, no right to mount)."""
 
 

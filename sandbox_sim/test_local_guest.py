@@ -1,0 +1,227 @@
+"""The local guest (``sandbox run --local``, ``guest="local"``): host commands on a FUSE mount.
+
+Real commands (``sh``, ``rm``, ``stat``) run on this host against a real FUSE mount of the
+folder at its own path, made in the guest's private mount namespace and served by our
+dispatcher; the folder is compared with its snapshot from before
+(:mod:`sandbox_sim.oracle`: kinds, modes, mtimes, bytes, xattrs, owners) after ``undo``.
+Fast (well under a second per session) and in the default tier where it can run: skipped,
+saying why, without /dev/fuse or nsenter, or where the private namespace or the FUSE mount
+cannot be made (no privilege, e.g. a container without CAP_SYS_ADMIN).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import sandbox
+from sandbox.core.safeguard import SafeguardConfig
+from sandbox.local.guest import LocalGuest, LocalGuestError, check_usable
+from sandbox.session.runtime import Folder, Session
+from sandbox_sim import oracle
+from sandbox_sim.api_client import ApiClient
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WAIT_S = 60
+
+
+def _mount_points() -> set[str]:
+    with open("/proc/self/mountinfo") as f:
+        return {line.split()[4] for line in f}
+
+
+@pytest.fixture(scope="module")
+def usable(tmp_path_factory):
+    """Skip (saying why) where the local guest cannot run; probe it once with a real session."""
+    try:
+        check_usable()
+    except LocalGuestError as e:
+        pytest.skip(str(e))
+    d = tmp_path_factory.mktemp("probe")
+    try:
+        with Session([Folder(str(d))], guest="local", state_dirs=[str(d) + ".state"]):
+            pass
+    except LocalGuestError as e:
+        pytest.skip(f"the local guest cannot mount here: {e}")
+
+
+@pytest.fixture
+def project(tmp_path, usable):
+    p = tmp_path / "project"
+    (p / "src" / "pkg").mkdir(parents=True)
+    (p / "src" / "main.py").write_text("print('hi')\n")
+    (p / "src" / "pkg" / "data.bin").write_bytes(bytes(range(256)) * 40)
+    os.chmod(p / "src" / "main.py", 0o755)
+    os.symlink("src/main.py", p / "link")
+    (p / "big").mkdir()
+    for i in range(10):
+        (p / "big" / f"f{i}").write_text(f"{i}\n")
+    return str(p)
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=WAIT_S, **kw)
+
+
+def _ns_members(init_pid: int) -> set[int]:
+    """Every process in the PID namespace whose init is ``init_pid`` (empty once it is gone)."""
+    try:
+        ns = os.readlink(f"/proc/{init_pid}/ns/pid")
+    except OSError:
+        return set()
+    return _pids_in(ns)
+
+
+def _pids_in(ns: str) -> set[int]:
+    out = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    out.add(int(name))
+            except OSError:
+                pass
+    return out
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def test_run_local_then_undo_restores_the_tree_exactly(project, tmp_path):
+    state = str(tmp_path / "state")
+    before = oracle.snapshot_dir(project)
+    script = ('awk -v p="$PWD" \'$5 == p && / - fuse\\.sandbox /\' /proc/self/mountinfo | wc -l; stat -f -c %T "$PWD"; '
+              'rm -rf src && echo gone; echo new > added; exit 7')
+    r = _cli("run", "--local", "--workdir", project, "--state-dir", state, "--", "sh", "-c", script)
+    assert r.returncode == 7, r.stderr  # the command's exit code
+    lines = r.stdout.split()
+    assert lines[0] == "1", r.stdout  # the command saw the FUSE mount at the folder's own path …
+    assert lines[1].startswith("fuse"), r.stdout  # … and its cwd is on it
+    assert lines[2] == "gone" and "sandbox undo --workdir" in r.stderr
+    assert not os.path.exists(os.path.join(project, "src"))
+    assert project not in _mount_points()  # the host's own namespace never saw the mount
+    u = _cli("undo", "--workdir", project, "--state-dir", state)
+    assert u.returncode == 0, u.stdout + u.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(project))
+
+
+def test_run_local_help_says_undo_not_isolation(usable):
+    r = _cli("run", "--help")
+    assert r.returncode == 0
+    assert "--local" in r.stdout and "UNDO, NOT ISOLATION" in r.stdout and "private mount namespace" in r.stdout
+
+
+# ---------------------------------------------------------------------------- the SDK
+
+
+def test_sdk_local_guest_runs_undoes_exactly_and_reports_events(project, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "keep.txt").write_text("keep\n")
+    before = oracle.snapshot_dir(project)
+
+    async def main():
+        events = []
+        async with sandbox.Sandbox(volumes=[sandbox.Volume(project, state_dir=str(tmp_path / "st")), (str(ro), None, "ro")],
+                                   guest="local", on_event=events.append) as sb:
+            r2 = await sb.run(f"touch {ro}/nope", on_output=None)
+            assert r2.exit_code != 0 and "Read-only file system" in r2.stderr  # read-only volumes mount read-only
+            r = await sb.run("rm -rf src big && rm link && touch new.txt")
+            assert r.exit_code == 0 and r.step_id is not None, r
+            assert project not in _mount_points() and str(ro) not in _mount_points()
+            status = await sb.status()
+            assert status["guest"] == "local"
+            await sb.undo(1)
+        # every event is delivered by the time the sandbox has stopped
+        steps = [e for e in events if e["type"] == "step_completed" and e["step_id"] == r.step_id]
+        assert len(steps) == 1 and "new.txt" in steps[0]["affected_paths"]
+        assert any(e["type"] == "rollback" and e["step_ids"] == [r.step_id] for e in events)
+
+    asyncio.run(main())
+    oracle.assert_same(before, oracle.snapshot_dir(project))
+
+
+def test_after_stop_no_process_and_no_mount_remains(project, tmp_path):
+    s = Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")])
+    with s:
+        guest = s._s.guest
+        assert isinstance(guest, LocalGuest)
+        # a daemon that escapes the command's process group and session, holding no pipe
+        r = s.run("setsid sleep 1000 </dev/null >/dev/null 2>&1 & echo started")
+        assert r.exit_code == 0
+        init = guest.init_pid
+        ns = os.readlink(f"/proc/{init}/ns/pid")
+        assert len(_pids_in(ns)) >= 2  # init and the daemon
+        holder = guest._holder
+    assert holder.poll() is not None
+    assert _pids_in(ns) == set()  # the kernel killed what was left in the namespace with its init
+    assert project not in _mount_points()
+
+
+# ---------------------------------------------------------------------------- cancel and safeguards
+
+
+def test_cancel_of_a_running_command(project, tmp_path):
+    cancel = threading.Event()
+
+    def on_output(stream: str, text: str) -> None:
+        if "started" in text:
+            cancel.set()
+
+    with Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")]) as s:
+        r = s.run("echo started; exec sleep 1000", on_output, cancel=cancel)
+        assert r.cancelled and r.signal == 15 and r.exit_code == 128 + 15, r
+        assert s.run("echo again").exit_code == 0  # the guest goes on
+
+
+@pytest.mark.parametrize("action", ["allow", "deny"])
+def test_a_safeguard_hold_blocks_the_command_mid_syscall(project, tmp_path, action):
+    before = oracle.snapshot_dir(project)
+    seen: list[dict] = []
+
+    def decide(hold):
+        # the command is blocked inside its unlink(2): nothing after rm has run, some files remain
+        seen.append({"after": os.path.exists(os.path.join(project, "after")),
+                     "left": len(os.listdir(os.path.join(project, "big")))})
+        return action
+
+    with Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")], decide=decide,
+                 safeguard=SafeguardConfig(delete_threshold=3)) as s:
+        r = s.run("rm -rf big && echo done > after")
+        assert s.status()["guest"] == "local"
+    assert len(seen) == 1 and not seen[0]["after"] and seen[0]["left"] > 0, seen
+    if action == "allow":
+        assert r.exit_code == 0 and not os.path.exists(os.path.join(project, "big"))
+        assert os.path.exists(os.path.join(project, "after"))
+    else:  # a deny rolls the step back; the program saw an error and stopped
+        assert r.exit_code != 0
+        oracle.assert_same(before, oracle.snapshot_dir(project))
+
+
+# ---------------------------------------------------------------------------- STDIO
+
+
+def test_stdio_session_start_with_the_local_guest(project, tmp_path):
+    c = ApiClient(guest="local", env={"XDG_STATE_HOME": str(tmp_path / "xdg")})
+    try:
+        before = oracle.snapshot_dir(project)
+        started = c.ok("session.start", {"working_directories": [{"path": project}]}, timeout_s=WAIT_S)
+        assert started["guest"] == "local" and started["folders"][0]["guest_path"] == os.path.realpath(project)
+        r = c.ok("agent.execute", {"command": "rm -rf src && echo gone"})
+        assert r["exit_code"] == 0
+        assert not os.path.exists(os.path.join(project, "src"))
+        c.ok("undo.rollback", {"count": 1})
+        oracle.assert_same(before, oracle.snapshot_dir(project))
+        c.ok("session.stop")
+    finally:
+        if c.proc.poll() is None:
+            c.close()
+    c.check()
