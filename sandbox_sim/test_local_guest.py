@@ -225,3 +225,16 @@ def test_stdio_session_start_with_the_local_guest(project, tmp_path):
         if c.proc.poll() is None:
             c.close()
     c.check()
+
+
+def test_the_next_command_sees_an_undo_at_once(project, tmp_path):
+    """The kernel caches dentries and attributes for a second; an undo tells it to forget them."""
+    with Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")]) as s:
+        assert s.run("cat src/main.py >/dev/null && printf x > src/main.py && echo new > fresh && ls fresh").exit_code == 0
+        s.undo(1)
+        out: list[str] = []
+        r = s.run("cat src/main.py; ls fresh", lambda stream, text: out.append(text))
+        assert r.exit_code != 0  # fresh is gone
+        assert "print('hi')\n" in "".join(out)  # the whole restored file, not its cached size of 1
+        events = open(s._s.guest.undo_events.path).read()
+        assert '"fresh"' in events or "/fresh" in events  # $SANDBOX_UNDO_EVENTS names what was undone

@@ -28,7 +28,10 @@ How it fits the :class:`~sandbox.session.guest.Guest` protocol:
 * ``pause``: False — there is no VM to freeze; a held safeguard request keeps the command
   blocked in its system call (the kernel waits for our reply), which is what matters;
 * ``rollback_notify``: appended to an undo events file named in ``$SANDBOX_UNDO_EVENTS``
-  for every command (the shim's :class:`~sandbox.guest.shim.UndoEvents`, same format);
+  for every command (the shim's :class:`~sandbox.guest.shim.UndoEvents`, same format), and
+  the kernel told to forget its cached dentries and attributes of the undone paths (FUSE
+  notifications, :meth:`~sandbox.fuse.dispatcher.Dispatcher.invalidations`; every node when
+  the path list was truncated), so the next command sees the restored tree at once;
 * live ``mount``/``unmount``: one more FUSE mount (the target must exist) / detach it;
 * ``stop``: SIGKILL every command's process group, detach every mount (deepest first),
   close the holder's socket (init exits; the kernel kills whatever is left in its PID
@@ -49,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
+import errno
 import json
 import logging
 import os
@@ -61,6 +65,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..fuse.codec import encode_notify
 from ..fuse.dispatcher import Dispatcher
 from ..fuse.transport import FuseServer
 from ..guest import control as proto
@@ -414,6 +419,14 @@ class LocalGuest:
         self.undo_events.append({"step_ids": msg["step_ids"], "folder": folder, "time_ns": time.time_ns(),
                                  "paths": [{"path": where(p["path"]), "change": p["change"]} for p in msg["paths"]],
                                  "paths_truncated": msg["paths_truncated"]})
+        # the kernel's caches of what the undo changed behind its back: dentries and attributes
+        target = os.path.realpath(folder) if folder else None
+        for m in self._mounts:
+            if m.target == target:
+                rels = None if paths_truncated or paths is None else [p["path"] for p in paths]
+                notes = m.server.dispatcher.invalidations(rels)
+                if notes:  # written off the loop: the kernel may wait for a lock a request holds
+                    await asyncio.get_running_loop().run_in_executor(None, _notify, m.fd, notes)
 
     async def pause(self) -> bool:
         return False  # no VM to freeze: a held request blocks its command in the kernel anyway
@@ -440,6 +453,15 @@ class LocalGuest:
         await asyncio.wrap_future(m.task)
         os.close(m.fd)
         self._log(f"unmounted {target}")
+
+
+def _notify(fd: int, notes: list) -> None:
+    for n in notes:
+        try:
+            os.write(fd, encode_notify(n))
+        except OSError as e:  # ENOENT: the kernel no longer caches it; ENODEV: unmounted
+            if e.errno not in (errno.ENOENT, errno.ENODEV, errno.ENOTDIR):
+                log.warning("FUSE notification %s failed: %s", n, e)
 
 
 def _killpg(pgid: int, sig: int) -> None:
