@@ -238,3 +238,66 @@ def test_the_next_command_sees_an_undo_at_once(project, tmp_path):
         assert "print('hi')\n" in "".join(out)  # the whole restored file, not its cached size of 1
         events = open(s._s.guest.undo_events.path).read()
         assert '"fresh"' in events or "/fresh" in events  # $SANDBOX_UNDO_EVENTS names what was undone
+
+
+# ---------------------------------------------------------------------------- unprivileged
+
+
+NOBODY = 65534
+
+
+def _python_for_nobody() -> str | None:
+    """An interpreter of this version that an unprivileged user can run, and that can start
+    itself again (the holder): ours may be under /root."""
+    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", cand, "-c",
+                                "import subprocess, sys; subprocess.run([sys.executable, '-c', ''], check=True); "
+                                "print(sys.version_info[:2])"], capture_output=True, text=True, timeout=WAIT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if r.returncode == 0 and r.stdout.strip() == str(sys.version_info[:2]):
+            return cand
+    return None
+
+
+def test_unprivileged_in_a_user_namespace(usable, tmp_path):
+    """Not root: the holder makes a user namespace (uid mapped to itself) and mounts FUSE there.
+    This machine's /dev/fuse may be root's only, so the test runs in a private mount namespace
+    of its own where a 0666 node of the same device covers /dev/fuse (the host is untouched)."""
+    import shutil
+    import sysconfig
+    import tempfile
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        pytest.skip("needs root (to become an unprivileged user) and setpriv/unshare")
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip(f"no Python {sys.version_info[:2]} that an unprivileged user can run")
+    base = tempfile.mkdtemp(prefix="sandbox-local-unpriv-", dir="/tmp")
+    try:
+        os.chmod(base, 0o755)
+        proj = os.path.join(base, "proj")
+        os.makedirs(os.path.join(proj, "src"))
+        with open(os.path.join(proj, "src", "a.txt"), "w") as f:
+            f.write("a\n")
+        for d, dirs, files in os.walk(base):
+            for n in [d] + [os.path.join(d, x) for x in dirs + files]:
+                os.lchown(n, NOBODY, NOBODY)
+        before = oracle.snapshot_dir(proj)
+        path = os.pathsep.join([REPO, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+        as_nobody = (f"HOME={base} XDG_STATE_HOME={base}/xdg PYTHONPATH={path} "
+                     f"setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups {python} -m sandbox")
+        script = (f"mknod -m 666 {base}/fuse c 10 229 && mount --bind {base}/fuse /dev/fuse && "
+                  f"{as_nobody} run --local --workdir {proj} -- sh -c 'id -u; stat -f -c %T .; rm -rf src' && "
+                  f"{as_nobody} undo --workdir {proj}")
+        r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=WAIT_S)
+        if "Permission denied" in r.stderr and "sandbox" not in r.stdout:
+            pytest.skip(f"the unprivileged user cannot read this checkout or its packages: {r.stderr[-300:]}")
+        if "cannot make the private mount namespace" in r.stderr or "cannot mount" in r.stderr:
+            pytest.skip(f"the kernel does not allow FUSE in a user namespace here: {r.stderr[-300:]}")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.split()[:2] == [str(NOBODY), "fuseblk"], r.stdout
+        oracle.assert_same(before, oracle.snapshot_dir(proj))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
