@@ -301,3 +301,44 @@ def test_unprivileged_in_a_user_namespace(usable, tmp_path):
         oracle.assert_same(before, oracle.snapshot_dir(proj))
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- mounts and docs
+
+
+def test_in_memory_and_live_mounts_at_existing_directories(project, tmp_path):
+    tools, live = tmp_path / "tools", tmp_path / "live"
+    tools.mkdir()
+    live.mkdir()
+
+    async def main():
+        async with sandbox.Sandbox(volumes=[sandbox.Volume(project, state_dir=str(tmp_path / "st"))], guest="local",
+                                   mounts={str(tools): {"hello.sh": b"echo hi from memory\n"}}) as sb:
+            r = await sb.run(f"sh {tools}/hello.sh")
+            assert r.stdout == "hi from memory\n", r
+            await sb.mount(str(live), {"x.txt": b"live\n"})
+            assert (await sb.run(f"cat {live}/x.txt")).stdout == "live\n"
+            await sb.unmount(str(live))
+            assert (await sb.run(f"ls {live}")).stdout == ""  # the host's empty directory again
+        with pytest.raises(Exception, match="existing directories"):
+            async with sandbox.Sandbox(volumes=[sandbox.Volume(project, state_dir=str(tmp_path / "st"))], guest="local",
+                                       mounts={str(tmp_path / "absent"): {"a": b""}}):
+                pass
+
+    asyncio.run(main())
+    assert not os.listdir(tools) and not os.listdir(live)  # nothing was written to the host
+
+
+def test_docs_quote_the_local_guest_limits():
+    import re
+
+    from sandbox.local import guest, holder
+
+    doc = open(os.path.join(REPO, "docs", "fuse.md")).read()
+    section = doc[doc.index("## Local guest"):]
+    rows = dict(re.findall(r"\| `([A-Z_]+)` = ([\d,.]+)", section))
+    expected = {name: getattr(guest, name, getattr(holder, name, None)) for name in rows}
+    assert set(rows) == {"COMMANDS_RUNNING_MAX", "READ_CHUNK_BYTES_MAX", "CANCEL_GRACE_S", "HOLDER_REPLY_TIMEOUT_S",
+                         "STOP_TIMEOUT_S", "MESSAGE_BYTES_MAX"}
+    for name, text in rows.items():
+        assert float(text.replace(",", "")) == expected[name], name

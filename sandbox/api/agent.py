@@ -66,7 +66,8 @@ class _Running:
 
 class Agent:
     def __init__(self, emit, *, guest: str = "vm", progress=None, as_root: bool = False):
-        """``emit(message)`` gets every event; ``guest``: ``"vm"`` or ``"scripted"`` (tests);
+        """``emit(message)`` gets every event; ``guest``: ``"vm"``, ``"scripted"`` (tests) or ``"local"``
+        (host commands on FUSE mounts, :mod:`sandbox.local`);
         ``as_root``: the default of ``session.start``'s ``as_root`` (``sandbox serve --as-root``)."""
         self.emit = emit
         self.guest = guest
