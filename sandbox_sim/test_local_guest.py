@@ -342,3 +342,25 @@ def test_docs_quote_the_local_guest_limits():
                          "STOP_TIMEOUT_S", "MESSAGE_BYTES_MAX"}
     for name, text in rows.items():
         assert float(text.replace(",", "")) == expected[name], name
+
+
+def test_mcp_local_runs_on_the_mount_and_undoes_exactly(project, tmp_path):
+    from mcp import ClientSession
+    from mcp.client.stdio import StdioServerParameters, stdio_client
+
+    before = oracle.snapshot_dir(project)
+
+    async def go():
+        params = StdioServerParameters(command=sys.executable, args=[
+            "-m", "sandbox", "mcp", "--local", "--workdir", project, "--state-dir", str(tmp_path / "st")], cwd=REPO)
+        with open(tmp_path / "stderr", "w") as err:
+            async with stdio_client(params, errlog=err) as (r, w):
+                async with ClientSession(r, w) as cs:
+                    await cs.initialize()
+                    x = await cs.call_tool("execute_command", {"command": 'stat -f -c %T "$PWD"; rm -rf src'})
+                    assert not x.is_error and "fuse" in x.content[0].text, x
+                    assert not os.path.exists(os.path.join(project, "src"))
+                    assert not (await cs.call_tool("undo", {})).is_error
+
+    asyncio.run(go())
+    oracle.assert_same(before, oracle.snapshot_dir(project))

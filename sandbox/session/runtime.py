@@ -22,8 +22,10 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
   server's gates wait on it; embedders subscribe and answer through it; the VM is paused
   while any hold is pending and resumed when none is; ``decide`` is subscribed to it;
   :meth:`stop` denies what is still pending.
-* the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, or a
-  caller's factory; the share transport is ``share="9p"`` (the only one today).
+* the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, the
+  local guest (:mod:`sandbox.local`: host commands on FUSE mounts of the same exports, each
+  folder at its own path; undo, not isolation), or a caller's factory; the share transport
+  is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest).
 
 **Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
 ``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
