@@ -364,3 +364,91 @@ def test_mcp_local_runs_on_the_mount_and_undoes_exactly(project, tmp_path):
 
     asyncio.run(go())
     oracle.assert_same(before, oracle.snapshot_dir(project))
+
+
+# ---------------------------------------------------------------------------- lifetime and errors
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    out, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        kids = {c for c, pp in parents.items() if pp == p}
+        todo += list(kids - out)
+        out |= kids
+    return out
+
+
+def test_everything_dies_with_a_sigkilled_agent(project, tmp_path):
+    """QEMU-style lifetime: SIGKILL of `sandbox run --local` mid-command leaves nothing running —
+    not the holder, not init, not the command, not a daemon it started — and no mount."""
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "sandbox", "run", "--local", "--workdir", project, "--state-dir",
+                          str(tmp_path / "st"), "--", "setsid sleep 1001 </dev/null >/dev/null 2>&1 & echo started; "
+                          "exec sleep 1000"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert p.stdout.readline() == "started\n"
+        tree = _descendants(p.pid)
+        assert len(tree) >= 4, tree  # holder, init, nsenter, the command (and the daemon, in init's namespace)
+        ours = os.readlink("/proc/self/ns/pid")
+        spaces = {os.readlink(f"/proc/{pid}/ns/pid") for pid in tree} - {ours}
+        assert len(spaces) == 1  # init's
+        members = _pids_in(spaces.pop())
+        assert len(members) >= 3, members  # init, the command, the daemon
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + WAIT_S  # a condition wait: the kernel delivers the death signals
+        while any(_alive(pid) for pid in tree | members) and time.monotonic() < deadline:
+            os.sched_yield()
+        assert not [pid for pid in tree | members if _alive(pid)]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert project not in _mount_points()
+
+
+def test_an_unprivileged_user_without_dev_fuse_gets_a_clear_error(usable, tmp_path):
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become an unprivileged user")
+    if os.stat("/dev/fuse").st_mode & 0o006 == 0o006:
+        pytest.skip("/dev/fuse is open to every user here: the unprivileged path works instead")
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip(f"no Python {sys.version_info[:2]} that an unprivileged user can run")
+    import shutil
+    import sysconfig
+
+    base = tempfile.mkdtemp(prefix="sandbox-local-nofuse-", dir="/tmp")
+    try:
+        os.chmod(base, 0o777)
+        os.mkdir(os.path.join(base, "proj"))
+        os.chown(os.path.join(base, "proj"), NOBODY, NOBODY)
+        path = os.pathsep.join([REPO, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+        r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python, "-m",
+                            "sandbox", "run", "--local", "--workdir", os.path.join(base, "proj"), "--", "true"], capture_output=True,
+                           text=True, timeout=WAIT_S, env={**os.environ, "HOME": base, "XDG_STATE_HOME": base,
+                                                             "PYTHONPATH": path})
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "cannot open /dev/fuse" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
