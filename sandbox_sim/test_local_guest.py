@@ -71,15 +71,6 @@ def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
                           timeout=WAIT_S, **kw)
 
 
-def _ns_members(init_pid: int) -> set[int]:
-    """Every process in the PID namespace whose init is ``init_pid`` (empty once it is gone)."""
-    try:
-        ns = os.readlink(f"/proc/{init_pid}/ns/pid")
-    except OSError:
-        return set()
-    return _pids_in(ns)
-
-
 def _pids_in(ns: str) -> set[int]:
     out = set()
     for name in os.listdir("/proc"):
@@ -209,11 +200,13 @@ def test_a_safeguard_hold_blocks_the_command_mid_syscall(project, tmp_path, acti
 # ---------------------------------------------------------------------------- STDIO
 
 
-def test_stdio_session_start_with_the_local_guest(project, tmp_path):
-    c = ApiClient(guest="local", env={"XDG_STATE_HOME": str(tmp_path / "xdg")})
+@pytest.mark.parametrize("how", ["serve --guest local", "session.start guest local"])
+def test_stdio_session_start_with_the_local_guest(project, tmp_path, how):
+    c = ApiClient(guest="local" if how.startswith("serve") else "scripted", env={"XDG_STATE_HOME": str(tmp_path / "xdg")})
     try:
         before = oracle.snapshot_dir(project)
-        started = c.ok("session.start", {"working_directories": [{"path": project}]}, timeout_s=WAIT_S)
+        payload = {"working_directories": [{"path": project}]} | ({} if how.startswith("serve") else {"guest": "local"})
+        started = c.ok("session.start", payload, timeout_s=WAIT_S)
         assert started["guest"] == "local" and started["folders"][0]["guest_path"] == os.path.realpath(project)
         r = c.ok("agent.execute", {"command": "rm -rf src && echo gone"})
         assert r["exit_code"] == 0
