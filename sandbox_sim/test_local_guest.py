@@ -445,3 +445,19 @@ def test_an_unprivileged_user_without_dev_fuse_gets_a_clear_error(usable, tmp_pa
         assert "cannot open /dev/fuse" in r.stderr and "Traceback" not in r.stderr, r.stderr
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("network", ["disabled", "open"])
+def test_network_disabled_is_a_private_network_namespace(project, tmp_path, network):
+    with Session([Folder(project)], guest="local", network=network, state_dirs=[str(tmp_path / "st")]) as s:
+        out: list[str] = []
+        r = s.run("readlink /proc/self/ns/net; cat /proc/net/dev", lambda stream, text: out.append(text))
+        loopback = s.run(f"{sys.executable} -c 'import socket; s = socket.create_server((\"127.0.0.1\", 0)); "
+                         "socket.create_connection(s.getsockname())'")
+    assert r.exit_code == 0 and loopback.exit_code == 0  # loopback is up in a private namespace too
+    lines = "".join(out).splitlines()
+    interfaces = {line.split(":")[0].strip() for line in lines[3:]}
+    if network == "disabled":
+        assert lines[0] != os.readlink("/proc/self/ns/net") and interfaces == {"lo"}
+    else:
+        assert lines[0] == os.readlink("/proc/self/ns/net")
