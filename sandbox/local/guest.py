@@ -62,6 +62,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -169,8 +170,6 @@ class LocalGuest:
     # ------------------------------------------------------------------ lifecycle
 
     def boot(self, *, socket_path: str, mounts: list, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
-        import time
-
         t0 = time.monotonic()
         self._loop = loop
         check_usable()
@@ -184,6 +183,8 @@ class LocalGuest:
             raise
         self.boot_s = time.monotonic() - t0
         self._log(f"booted: {len(mounts)} FUSE mount(s) in namespace of pid {self.init_pid}")
+        self.progress(f"local guest: {len(mounts)} share(s) mounted through FUSE at their own paths in a private "
+                      "namespace — undo, not isolation (commands run on this host as you)")
 
     def _start_holder(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -411,8 +412,6 @@ class LocalGuest:
 
     async def rollback_notify(self, step_id: int, paths: list[dict] | None = None, *, step_ids: list[int] | None = None,
                               folder: str | None = None, paths_truncated: bool = False) -> None:
-        import time
-
         msg = proto.rollback_notify_request(step_id, step_ids=step_ids, folder=folder, paths=paths,
                                             paths_truncated=paths_truncated)
 
