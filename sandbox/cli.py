@@ -295,6 +295,8 @@ def _session(args, *, ask: bool = True, progress=None, **session_kw):
     from .session.runtime import Folder, Session
 
     folders = [Folder.parse(w) for w in args.workdir]
+    if getattr(args, "local", False):  # -- local guest (issue 16)
+        session_kw["guest"] = "local"
     for f in folders:
         if not os.path.isdir(f.path):
             raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
@@ -345,7 +347,7 @@ def _stream(stream: str, text: str) -> None:
 def cmd_run(args) -> int:
     """Boot a guest, run COMMAND as one step, stream its output, exit with its exit code."""
     words = args.command[1:] if args.command[:1] == ["--"] else args.command
-    command = " ".join(words).strip()
+    command = _command_line(words)
     if not command:
         raise CliError("give the command after --, e.g. sandbox run --workdir . -- make test", EXIT_USAGE)
     from .session.runtime import SessionError
@@ -362,6 +364,14 @@ def cmd_run(args) -> int:
         print(f"sandbox: step {result.step_id} ({how}{', cancelled' if result.cancelled else ''}); "
               f"undo it with: sandbox undo --workdir {first}{state}", file=sys.stderr)
     return result.exit_code
+
+
+def _command_line(words: list[str]) -> str:
+    """One word is a shell command line as it is (``-- 'rm -rf build && make'``); several are an
+    argv, quoted for the shell so each stays one word (``-- sh -c 'rm -rf src && echo gone'``)."""
+    import shlex
+
+    return (words[0] if len(words) == 1 else shlex.join(words)).strip()
 
 
 def _folder_path(spec: str) -> str:
@@ -947,6 +957,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--on-hold", choices=["ask", "allow", "deny"], default="ask",
                         help="how a safeguard hold is decided: ask on the terminal (default; no terminal = deny), "
                              "allow, or deny (the step is rolled back)")
+        # -- local guest (issue 16)
+        sp.add_argument("--local", action="store_true",
+                        help="no VM: run on the host against a FUSE mount of each folder at its own path, in a private "
+                             "mount namespace. UNDO, NOT ISOLATION: the command runs as you and can reach everything "
+                             "you can outside the folders. --network disabled (default) = loopback only, open = the "
+                             "host's; the VM options are ignored")
         return sp
 
     vm_codes = [(1, "the VM could not start (the message says why)"), (2, "bad usage"),
@@ -957,7 +973,13 @@ def build_parser() -> argparse.ArgumentParser:
         "each --workdir at /mnt/working/0, /1, … through the intercepting 9P server, run COMMAND\n"
         "there in a shell as one step, stream its output and exit with its exit code. Every write it\n"
         "makes is undoable: `sandbox undo --workdir DIR`. Ctrl-C cancels the command (SIGTERM, then\n"
-        "SIGKILL). KVM is used when it works, TCG otherwise (slower; the choice is printed).",
+        "SIGKILL). KVM is used when it works, TCG otherwise (slower; the choice is printed).\n\n"
+        "--local: no VM. COMMAND runs on the host (sh -c, your environment) against a FUSE mount of\n"
+        "each --workdir at the folder's own path, made in a private mount namespace (the rest of the\n"
+        "system never sees it); every write it makes there is undoable the same way. This gives UNDO,\n"
+        "NOT ISOLATION: the command runs as you and can do anything you can outside the folders.\n"
+        "Needs /dev/fuse and nsenter; as root, or unprivileged where the kernel allows FUSE in a user\n"
+        "namespace. See docs/fuse.md \"Local guest\".",
         [(0, "the command exited 0"), (None, "otherwise the command's own exit code")] + vm_codes))
     r.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command line to run")
     r.set_defaults(fn=cmd_run)
@@ -1025,9 +1047,11 @@ def build_parser() -> argparse.ArgumentParser:
         [(0, "stdin closed (or SIGTERM): session stopped"), (2, "bad usage")])
     sv.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                     help="least severe log level written to stderr (default info)")
-    sv.add_argument("--guest", default="vm", choices=["vm", "scripted"],
+    sv.add_argument("--guest", default="vm", choices=["vm", "scripted", "local"],
                     help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
-                         "applied over the real 9P server (sandbox/scripted/guest.py; for tests and frontend development)")
+                         "applied over the real 9P server (sandbox/scripted/guest.py; for tests and frontend development); "
+                         "local: no VM — commands run on the host against FUSE mounts of the folders at their own paths "
+                         "(undo, not isolation; docs/fuse.md)")
     sv.add_argument("--max-line-bytes", type=int, default=64 << 20, metavar="N",
                     help="longest request line accepted (default 64 MiB)")
     sv.add_argument("--print-schema", action="store_true", help="print the protocol's JSON Schema document and exit")

@@ -32,6 +32,10 @@ blocks; output, events and safeguard notifications come back onto the caller's l
   mounts (seed 000), never undo-tracked or persisted.
 * ``files`` — the handle-based file API (seed 002): :class:`FileAPI`, :class:`FileHandle`.
 
+``guest="local"`` (:mod:`sandbox.local`): no VM — commands run on the host against FUSE
+mounts of the volumes at their own paths (give no guest path), in a private mount namespace.
+Undo, not isolation: the commands can reach everything the agent's user can.
+
 Invariants: ``stop()`` is idempotent and releases everything ``start()`` acquired (also
 after a failed start); after ``stop()`` the ``events()`` iterators end.
 """
@@ -154,7 +158,7 @@ Files = Union[dict, Any]  # {rel: bytes} or a VirtualFileSystem
 
 
 class Sandbox:
-    """A session: a guest (VM or scripted) running commands on host folders, every write
+    """A session: a guest (VM, scripted or local) running commands on host folders, every write
     undoable. See the module docstring; every argument is keyword-only."""
 
     def __init__(self, *, volumes: Iterable = (), mounts: dict[str, Files] | Iterable[MemoryMount] | None = None,

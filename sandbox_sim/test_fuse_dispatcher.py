@@ -21,7 +21,7 @@ from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
-from sandbox.fuse.codec import encode_error, encode_reply
+from sandbox.fuse.codec import encode_error, encode_notify, encode_reply
 from sandbox.fuse.dispatcher import WANTED_INIT_FLAGS, Dispatcher, errno_of
 from sandbox.limits import DescriptorBudget, ServerLimits
 from sandbox.mounts import Provider
@@ -350,3 +350,25 @@ def test_a_held_delete_waits_while_other_requests_flow(tmp_path):
     finally:
         ws.close()
     assert_same(before_step, snapshot_dir(mo.work), "after undoing the held step")
+
+
+def test_invalidations_name_the_known_entries_and_nodes_of_changed_paths(mnt):
+    """After an undo changed files behind the kernel's back (sandbox/local/guest.py): the
+    notifications that make it forget them — a dentry per path whose parent it knows, an
+    inode per path it knows; nothing for what it never looked up."""
+    os.makedirs(os.path.join(mnt.work, "d"))
+    for rel in ("d/a", "d/b", "top"):
+        with open(os.path.join(mnt.work, rel), "w") as f:
+            f.write("x")
+    d = mnt.lookup("d").nodeid
+    a = mnt.call(m.Lookup(H(abi.Opcode.LOOKUP, d), b"a")).nodeid
+    top = mnt.lookup("top").nodeid
+    got = mnt.d.invalidations(["d/a", "d/b", "top", "never/seen", "."])
+    assert set(got) == {m.NotifyInvalInode(a, 0, 0), m.NotifyInvalEntry(d, b"a"), m.NotifyInvalEntry(d, b"b"),
+                        m.NotifyInvalInode(top, 0, 0), m.NotifyInvalEntry(ROOT, b"top"), m.NotifyInvalInode(ROOT, 0, 0)}
+    every = mnt.d.invalidations(None)  # a truncated path list: every node and each of its names
+    assert {n.ino for n in every if isinstance(n, m.NotifyInvalInode)} == {ROOT, d, a, top}
+    assert {(n.parent, n.name) for n in every if isinstance(n, m.NotifyInvalEntry)} == {
+        (ROOT, b"d"), (d, b"a"), (ROOT, b"top")}
+    for n in got + every:
+        encode_notify(n)  # the kernel can be sent each

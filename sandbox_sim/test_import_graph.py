@@ -13,8 +13,8 @@ never a higher one:
  3    ``barriers``, ``mounts``             external modifications; providers and mount table
  4    ``serving``                          what every protocol server shares (holds, exports)
  5    ``ninep``, ``fuse``                  the 9P server and client; the FUSE codec and server
- 6    ``session.guest``, ``vm``,           the guest seam and its implementations
-      ``scripted``
+ 6    ``session.guest``, ``vm``,           the guest seam and its implementations (``local``:
+      ``scripted``, ``local``              commands on the host against FUSE mounts, issue 16)
  7    ``session``                          the composition root of a session
  8    ``api.errors``                       the API's error taxonomy (stable codes)
  9    ``files``                            file operations for every API client
@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("ninep", "fuse"),  # -- fuse (issue 16): a peer of ninep
     # -- confined share servers (issue 13): the child process and the agent's proxy of it
     ("serving.shareserver", "serving.remote"),
-    ("session.guest", "vm", "scripted"),
+    ("session.guest", "vm", "scripted", "local"),
     ("session",),
     ("api.errors",),
     ("files",),
@@ -63,7 +63,8 @@ LAYERS: list[tuple[str, ...]] = [
 #: package data, not code (the demo's sample project)
 NOT_CODE = ("sandbox/data/",)
 #: units of one layer that may import each other (none: siblings stay independent)
-SIBLINGS_ALLOWED = {frozenset(p) for p in [("scripted", "vm"), ("scripted", "session.guest"), ("vm", "session.guest")]}
+SIBLINGS_ALLOWED = {frozenset(p) for p in [("scripted", "vm"), ("scripted", "session.guest"), ("vm", "session.guest"),
+                                           ("local", "vm")]}  # local: GuestError
 FORBIDDEN_TOP = {"sandbox_sim", "sim", "e2e", "bench"}
 CORE_FORBIDDEN = {"asyncio", "socket", "selectors", "socketserver"}
 ALWAYS_ALLOWED = {"sandbox.__version__"}

@@ -156,7 +156,10 @@ async def test_create_context_manager_and_start_stop(proj, tmp_path):
 
 @pytest.mark.parametrize("kw, exc, text", [
     ({"share": "virtiofs"}, NotImplementedError, "not available yet"),
-    ({"share": "local"}, NotImplementedError, "not available yet"),
+    ({"share": "local"}, ValueError, "goes with guest='local'"),
+    ({"guest": "local"}, ValueError, "at its own path"),
+    ({"guest": "local", "volumes": ["."], "network": "allowlist", "allow": ["example.org"]}, ValueError,
+     "cannot enforce a network allowlist"),
     ({"share": "nfs"}, ValueError, "share must be one of"),
     ({"network": "wide"}, ValueError, "network must be one of"),
     ({"guest": "qemu"}, ValueError, "guest must be"),

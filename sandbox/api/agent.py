@@ -66,7 +66,8 @@ class _Running:
 
 class Agent:
     def __init__(self, emit, *, guest: str = "vm", progress=None, as_root: bool = False):
-        """``emit(message)`` gets every event; ``guest``: ``"vm"`` or ``"scripted"`` (tests);
+        """``emit(message)`` gets every event; ``guest``: ``"vm"``, ``"scripted"`` (tests) or ``"local"``
+        (host commands on FUSE mounts, :mod:`sandbox.local`);
         ``as_root``: the default of ``session.start``'s ``as_root`` (``sandbox serve --as-root``)."""
         self.emit = emit
         self.guest = guest
@@ -252,7 +253,7 @@ class Agent:
                 safeguard=self._safeguard_config(SafeguardConfig(), sg), limits=Limits(**self._limits(limits)) if limits else None,
                 on_event=self._on_core_event, progress=self.progress, mounts=mem,
                 python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
-                guest=self.guest, as_root=p.get("as_root", self.as_root),
+                guest=p.get("guest", self.guest), as_root=p.get("as_root", self.as_root),
                 guest_root=p.get("guest_root", "host-usr"), guest_packages=p.get("guest_packages"))
         except ApiError:
             raise

@@ -259,6 +259,38 @@ class Dispatcher:
         return self.pipeline.run(unique, self.gated(req), lambda: self.handle(req), size,
                                  lambda result, error: send(unique, result, error))
 
+    def invalidations(self, paths: list[str] | None) -> list[m.Notify]:
+        """The notifications that make the kernel forget what it caches of ``paths``
+        (relative to the export root, ``"."`` the root; None: every node) after they changed
+        behind its back (an undo): for each path whose parent is a known node, its dentry
+        (``NotifyInvalEntry``); for each known node at a path, its attributes and pages
+        (``NotifyInvalInode``). Sans-I/O: the caller writes them — never on a thread that
+        must answer requests, since the kernel may wait for a directory lock a request holds."""
+        out: list[m.Notify] = []
+        if paths is None:
+            for n in list(self.nodes.values()):
+                out.append(m.NotifyInvalInode(n.nodeid, 0, 0))
+                out += [e for link in n.links if (e := self._inval_entry(link.path)) is not None]
+            return out
+        for rel in paths:
+            path = "" if rel in (".", "") else rel.strip("/")
+            for h in self.export.handles_at(path):
+                if isinstance(h, Link) and self.nodes.get(h.node.nodeid) is h.node:
+                    out.append(m.NotifyInvalInode(h.node.nodeid, 0, 0))
+            e = self._inval_entry(path)
+            if e is not None:
+                out.append(e)
+        return out
+
+    def _inval_entry(self, path: str) -> m.NotifyInvalEntry | None:
+        if not path:
+            return None
+        parent, name = parent_of(path), path.rpartition("/")[2]
+        for h in self.export.handles_at(parent):
+            if isinstance(h, Link) and self.nodes.get(h.node.nodeid) is h.node and h.node.kind == DIR:
+                return m.NotifyInvalEntry(h.node.nodeid, name.encode("utf-8", "surrogateescape"))
+        return None
+
     def close(self) -> None:
         """The mount is gone: close every open file, drop every node."""
         for fh in list(self.files):

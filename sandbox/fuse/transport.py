@@ -135,7 +135,9 @@ class FuseServer:
     (:meth:`serve`) — module docstring."""
 
     def __init__(self, dispatcher: Dispatcher, fd: int, limits: ServerLimits = ServerLimits(),
-                 poll_interval_s: float = POLL_INTERVAL_S):
+                 poll_interval_s: float | None = POLL_INTERVAL_S):
+        """``poll_interval_s``: None when another loop already polls the export's undo core and
+        holds (a session's 9P server does, for every export)."""
         self.dispatcher = dispatcher
         self.fd = fd
         self.limits = limits
@@ -152,14 +154,15 @@ class FuseServer:
         self._done = self._loop.create_future()
         os.set_blocking(self.fd, False)
         self._start_reading()
-        poller = self._loop.create_task(self._poll_loop())
+        pollers = [self._loop.create_task(self._poll_loop())] if self.poll_interval_s is not None else []
         try:
             await self._done
         finally:
             self._stop_reading()
-            poller.cancel()
+            for p in pollers:
+                p.cancel()
             tasks = self.dispatcher.pipeline.cancel_all()
-            await asyncio.gather(poller, *tasks, return_exceptions=True)
+            await asyncio.gather(*pollers, *tasks, return_exceptions=True)
             self.dispatcher.close()
 
     def stop(self) -> None:

@@ -8,6 +8,9 @@ and exit codes. Implementations:
 * :class:`sandbox.scripted.guest.ScriptedGuest` — real 9P clients running small
   file-operation scripts, no VM (``guest="scripted"``): the documented guest for frontend
   development and tests;
+* :class:`sandbox.local.guest.LocalGuest` — commands on the host against FUSE mounts of the
+  shares in a private mount namespace (``guest="local"``; undo, not isolation): it serves
+  the session's exports itself, so it is given the export table, not the socket;
 * anything else a caller passes as ``guest=factory`` (``factory(run_dir) -> Guest``).
 
 Threading contract: :meth:`Guest.boot` and :meth:`Guest.stop` are blocking and called from
@@ -32,8 +35,8 @@ from ..vm.guest import GuestMount
 __all__ = ["Guest", "GuestMount", "SHARES", "SHARES_LATER", "check_share", "missing_members"]
 
 #: share transports a session can use today, and those that are planned (a clear "not yet")
-SHARES = ("9p",)
-SHARES_LATER = ("virtiofs", "local")
+SHARES = ("9p", "local")  # "local": FUSE on the host, with guest="local" (sandbox.local)
+SHARES_LATER = ("virtiofs",)
 
 OutputCallback = Callable[[str, str], None]  # (stream "stdout"|"stderr", text)
 
@@ -100,5 +103,6 @@ def check_share(share: str) -> str:
     if share in SHARES:
         return share
     if share in SHARES_LATER:
-        raise NotImplementedError(f"share={share!r} is not available yet: the only share transport today is '9p'")
+        raise NotImplementedError(f"share={share!r} is not available yet: the share transports today are '9p' and "
+                                  "'local' (with guest='local')")
     raise ValueError(f"share must be one of {', '.join(SHARES + SHARES_LATER)}, not {share!r}")

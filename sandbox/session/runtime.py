@@ -22,8 +22,10 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
   server's gates wait on it; embedders subscribe and answer through it; the VM is paused
   while any hold is pending and resumed when none is; ``decide`` is subscribed to it;
   :meth:`stop` denies what is still pending.
-* the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, or a
-  caller's factory; the share transport is ``share="9p"`` (the only one today).
+* the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, the
+  local guest (:mod:`sandbox.local`: host commands on FUSE mounts of the same exports, each
+  folder at its own path; undo, not isolation), or a caller's factory; the share transport
+  is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest).
 
 **Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
 ``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
@@ -146,6 +148,14 @@ def remove_stale_run_dirs(base: str | None = None) -> list[str]:
                  "y" if len(removed) == 1 else "ies", ", ".join(removed))
     return removed
 # -- end stale run directories
+
+
+GUESTS = ("vm", "scripted", "local")
+
+
+def _refuse_target(f: "Folder"):
+    raise ValueError(f"guest='local' shows each folder at its own path: {f.path!r} cannot be at {f.target!r} "
+                     "(give no guest path)")
 
 
 class SessionError(GuestError):
@@ -282,7 +292,12 @@ class Session:
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
-        ``share``: the transport of the shares — ``"9p"`` (``"virtiofs"``/``"local"``: not yet).
+        ``share``: the transport of the shares — ``"9p"``; ``"local"`` (FUSE on the host) goes with
+        ``guest="local"``, which implies it (``"virtiofs"``: not yet).
+        ``guest="local"`` (:mod:`sandbox.local`): commands run on the host, each folder FUSE-mounted
+        at its own path in a private mount namespace — undo, not isolation; folders' guest paths
+        default to (and must be) their own paths; ``network`` ``disabled`` is a private network
+        namespace, ``open`` the host's, ``allowlist`` refused; ``share_servers`` is ``"thread"``.
         ``as_root``: a VM's commands run as root instead of the unprivileged guest user
         ``agent`` (:func:`~sandbox.vm.guestroot.user_ids`).
         ``guest_root``: the VM's userland — ``"host-usr"`` (the host's /usr and an allowlisted
@@ -295,6 +310,21 @@ class Session:
         9P server; ``"thread"``: the agent's own server thread. Default: the environment
         variable ``SANDBOX_SHARE_SERVERS`` if set, else ``"process"`` for ``guest="vm"`` and
         ``"thread"`` for the scripted guest and factories."""
+        # -- local guest (issue 16): FUSE mounts of the shares, commands on the host
+        if guest == "local" or share == "local":
+            if guest != "local":
+                raise ValueError("share='local' (FUSE on the host) goes with guest='local'")
+            if share_servers == "process":
+                raise ValueError("guest='local' needs share_servers='thread': its FUSE dispatcher serves the "
+                                 "folders' exports in this process")
+            share_servers, share = "thread", "9p"  # the env default does not apply; 9P still serves API clients
+            if network == "allowlist":
+                raise ValueError("guest='local' cannot enforce a network allowlist: network is 'disabled' (a private "
+                                 "network namespace, loopback only) or 'open'")
+            folders = [f if f.target is None or os.path.realpath(f.target) == os.path.realpath(f.path) else
+                       _refuse_target(f) for f in folders]
+            for f in folders:
+                f.target = os.path.realpath(f.path)
         # -- confined share servers (issue 13)
         if share_servers is None:  # a VM's folders are served confined; scripted/factory guests: in-process
             share_servers = os.environ.get(SHARE_SERVERS_ENV) or ("process" if guest == "vm" else "thread")
@@ -308,9 +338,9 @@ class Session:
         if guest_packages is not None and guest_root != "image":
             raise ValueError("guest_packages needs guest_root='image' (host-usr has the host's software)")
         self.guest_packages = list(imageroot.validate_packages(guest_packages)) if guest_root == "image" else None
-        self.share = check_share(share)
-        if not (callable(guest) or guest in ("vm", "scripted")):
-            raise ValueError(f"guest must be 'vm', 'scripted' or a factory, not {guest!r}")
+        self.share = "local" if guest == "local" else check_share(share)
+        if not (callable(guest) or guest in GUESTS):
+            raise ValueError(f"guest must be 'vm', 'scripted', 'local' or a factory, not {guest!r}")
         if not folders:
             raise ValueError("at least one working folder")
         if len(folders) > FOLDERS_MAX:
@@ -704,8 +734,13 @@ class Session:
             from ..scripted.guest import ScriptedGuest
 
             return ScriptedGuest()
+        if self.guest_kind == "local":  # -- local guest (issue 16)
+            from ..local.guest import LocalGuest
+
+            return LocalGuest(run_dir, self._s.server.server.exports, network=self.network != "disabled",
+                              progress=self.progress)
         if self.guest_kind != "vm":
-            raise ValueError(f"guest must be 'vm' or 'scripted', not {self.guest_kind!r}")
+            raise ValueError(f"guest must be 'vm', 'scripted' or 'local', not {self.guest_kind!r}")
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
         return VmGuest(run_dir=run_dir, network=self.network, allow=self.allow, memory_mb=self.memory_mb,
                        cpus=self.cpus, disk=disk, progress=self.progress, on_refused=self._net_refused,
@@ -895,7 +930,8 @@ class Session:
             "accel": self.accel,
             "accel_reason": getattr(s.guest, "accel_reason", None) if s else None,
             "boot_s": self.boot_s,
-            "guest": "vm" if isinstance(getattr(s, "guest", None), VmGuest) else (None if s is None else "scripted"),
+            "guest": None if s is None else (self.guest_kind if isinstance(self.guest_kind, str) else
+                                             "vm" if isinstance(s.guest, VmGuest) else "scripted"),
             "python_path": list(self.python_path),
             "external_modification_policy": self.external_policy,
             "network": self.network,

@@ -119,6 +119,10 @@ class SessionStart(Closed):
             "The image root's Debian packages (only with guest_root image; default python3, python3-venv, "
             "python3-pip, git, ca-certificates, build-essential, nftables; python3 is always added)."))
     external_modification_policy: Literal["barrier", "warn", "lock"] = None
+    guest: Literal["vm", "scripted", "local"] = Field(None, description=(
+        "Where commands run (default: the agent's `sandbox serve --guest`). vm: a QEMU guest; scripted: the test "
+        "double (file-operation scripts, no VM); local: no VM — commands run on the host against FUSE mounts of the "
+        "working directories at their own paths in a private mount namespace: undo, not isolation."))
     safeguard: SafeguardConfig = None
     undo_limits: UndoLimits = None
     agent: AgentConfig = None
