@@ -240,3 +240,111 @@ def test_a_safeguard_hold_blocks_the_program_then_allow_or_deny(folders, answer)
     else:
         _undo_all(work, state)
         assert_same(before, snapshot_dir(work), "the folder after undo")
+
+
+@contextlib.contextmanager
+def mount_with_terminal(work: str, point: str, state: str, *extra: str):
+    """``sandbox mount --on-hold ask`` with a pseudo-terminal as its controlling terminal:
+    yields ``(proc, master_fd)``; the hold prompt is read from, and answered on, the master."""
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+
+    def become_terminal_owner() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                             point, "--on-hold", "ask", *extra], cwd=REPO, stdin=slave, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=become_terminal_owner)
+    os.close(slave)
+    try:
+        line = _first_line(proc)
+        assert "mounted at" in line, line
+        yield proc, master
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError("sandbox mount did not stop on SIGTERM") from None
+        proc.stderr.close()
+        os.close(master)
+    assert not _mounted(point), "SIGTERM left the mount behind"
+
+
+def _read_until(fd: int, marker: bytes, timeout_s: float = START_TIMEOUT_S) -> bytes:
+    """What the terminal shows until ``marker`` (a condition wait on the prompt, bounded)."""
+    import select
+
+    seen = b""
+    while marker not in seen:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        assert ready, f"no {marker!r} on the terminal; it shows {seen!r}"
+        seen += os.read(fd, 4096)
+    return seen
+
+
+#: a program deleting src/f0..f5 one by one; it reports the errno (or the interrupt) it stops on
+DELETER = """
+import os, sys
+try:
+    for i in range(6):
+        os.unlink(os.path.join(sys.argv[1], f"f{i}"))
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+    sys.exit(3)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_a_signal_frees_a_program_blocked_by_a_hold_and_the_mount_keeps_serving(folders, sig):
+    """A program blocked mid-``unlink`` by a safeguard hold is interrupted by a signal (the
+    kernel sends INTERRUPT, the server answers EINTR): it ends while the hold is still being
+    asked about; the mount keeps serving; the hold, answered afterwards (deny), still rolls
+    the step back."""
+    work, point, state = folders
+    for i in range(6):
+        with open(os.path.join(work, "src", f"f{i}"), "w") as f:
+            f.write(str(i))
+    before = snapshot_dir(work)
+    with mount_with_terminal(work, point, state, "--delete-threshold", "3") as (proc, tty):
+        child = subprocess.Popen([sys.executable, "-c", DELETER, os.path.join(point, "src")],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            _read_until(tty, b"allow it?")  # the third unlink is held: the program blocks in it
+            assert child.poll() is None
+            child.send_signal(sig)
+            code = child.wait(STOP_TIMEOUT_S)  # without INTERRUPT it would wait for the answer
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        out = child.stdout.read()
+        child.stdout.close()
+        if sig == signal.SIGINT:
+            assert (code, out.strip()) == (3, "KeyboardInterrupt")
+        else:
+            assert code == -signal.SIGKILL
+        assert sorted(os.listdir(os.path.join(point, "src"))) == ["f2", "f3", "f4", "f5", "main.py"]
+        with open(os.path.join(point, "README.md")) as f:  # the mount still serves
+            assert f.read() == "# project\n"
+        assert proc.poll() is None
+        os.write(tty, b"n\n")  # deny: the step (two deletes) is rolled back
+        _wait_for(lambda: os.path.exists(os.path.join(work, "src", "f0")), "the denied step's rollback")
+    assert_same(before, snapshot_dir(work), "the folder after the interrupted hold was denied")
+
+
+def _wait_for(cond, what: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """A condition wait, polled (the condition is in another process), with a deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -326,10 +326,9 @@ def _hold_decider(policy: str):
             print(f"sandbox: {policy} (--on-hold {policy})", file=sys.stderr, flush=True)
             return policy
         try:
-            with open("/dev/tty", "r+") as tty:
-                tty.write("sandbox: allow it? [y/N] ")
-                tty.flush()
-                return "allow" if tty.readline().strip().lower() in ("y", "yes") else "deny"
+            with open("/dev/tty", "r+b", buffering=0) as tty:  # unbuffered: a text "r+" tty is refused as unseekable
+                tty.write(b"sandbox: allow it? [y/N] ")
+                return "allow" if tty.readline().strip().lower() in (b"y", b"yes") else "deny"
         except OSError:
             print("sandbox: no terminal to ask on: denied", file=sys.stderr, flush=True)
             return "deny"

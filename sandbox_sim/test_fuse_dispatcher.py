@@ -350,3 +350,110 @@ def test_a_held_delete_waits_while_other_requests_flow(tmp_path):
     finally:
         ws.close()
     assert_same(before_step, snapshot_dir(mo.work), "after undoing the held step")
+
+
+def _interrupt(target: int) -> m.Interrupt:
+    h = H(abi.Opcode.INTERRUPT)
+    return m.Interrupt(m.InHeader(h.len, h.opcode, target | 1, 0, 0, 0, 0), target)  # the kernel's FUSE_INT_REQ_BIT
+
+
+def test_interrupt_answers_a_held_request_eintr_and_the_hold_stays_pending(tmp_path):
+    """An INTERRUPT cancels a request waiting behind a hold (the head, or one queued behind
+    it): each is answered EINTR and never runs. The hold stays pending, as after a 9P
+    Tflush: the next mutation meets it again, and its answer still decides the step."""
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(4):
+        open(mo.host(f"f{i}"), "w").close()
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        settled = asyncio.Event()
+
+        def send(unique, reply, error):
+            sent[unique] = (reply, error)
+            settled.set()
+
+        async def until(n):
+            while len(sent) < n:
+                settled.clear()
+                await settled.wait()
+
+        reqs = [m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()) for i in range(3)]
+        assert [mo.d.submit(r, 64, send) for r in reqs] == [False, True, True]
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)  # the held task registers its hold on its first turn
+        hold_id = gate.pending.id
+        mo.d.submit(_interrupt(reqs[2].header.unique), 48, send)  # the queued one
+        await until(2)
+        assert sent[reqs[2].header.unique][1].errno == errno.EINTR
+        assert gate.pending is not None and mo.d.pipeline.held_bytes == 64
+        mo.d.submit(_interrupt(reqs[1].header.unique), 48, send)  # the head
+        await until(3)
+        assert sent[reqs[1].header.unique][1].errno == errno.EINTR
+        assert sorted(os.listdir(mo.work)) == ["f1", "f2", "f3"]  # neither ran
+        assert [h["safeguard_id"] for h in mo.holds.pending()] == [hold_id]  # still pending
+        assert mo.d.pipeline.held_bytes == 0 and not mo.export.gate.busy
+        assert mo.d.interrupts == 2
+        again = m.Unlink(H(abi.Opcode.UNLINK), b"f3")
+        assert mo.d.submit(again, 64, send) is True  # meets the same hold
+        while gate.pending is None:
+            await asyncio.sleep(0)
+        assert gate.pending.id == hold_id and len(mo.holds.pending()) == 1
+        assert mo.holds.answer(hold_id, "allow")
+        await until(4)
+        assert sent[again.header.unique][1] is None
+        assert sorted(os.listdir(mo.work)) == ["f1", "f2"]
+
+    try:
+        asyncio.run(go())
+    finally:
+        mo.close()
+
+
+def test_interrupt_of_a_finished_or_unknown_request_is_ignored_and_an_early_one_is_eagain(mnt):
+    async def go():
+        sent = []
+        send = lambda u, r, e: sent.append((u, r, e))  # noqa: E731
+        done = m.Statfs(H(abi.Opcode.STATFS))
+        mnt.d.submit(done, 40, send)
+        assert len(sent) == 1
+        mnt.d.submit(_interrupt(done.header.unique), 48, send)  # answered already: late, ignored
+        mnt.d.submit(_interrupt(2), 48, send)  # long gone (below the last unique read): ignored
+        assert len(sent) == 1 and mnt.d.interrupts == 0
+        ahead = done.header.unique + 1000 * 2
+        mnt.d.submit(_interrupt(ahead), 48, send)  # never read yet: EAGAIN to the INTERRUPT itself
+        assert len(sent) == 2
+        unique, reply, error = sent[1]
+        assert unique == ahead | 1 and error.errno == errno.EAGAIN
+        encode_error(unique, errno_of(error))
+
+    asyncio.run(go())
+
+
+def test_a_hold_interrupted_then_denied_rolls_the_step_back(tmp_path):
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(3):
+        open(mo.host(f"f{i}"), "w").close()
+    before = snapshot_dir(mo.work)
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        send = lambda u, r, e: sent.__setitem__(u, (r, e))  # noqa: E731
+        reqs = [m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()) for i in range(2)]
+        assert [mo.d.submit(r, 64, send) for r in reqs] == [False, True]
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)
+        hold_id = gate.pending.id
+        mo.d.submit(_interrupt(reqs[1].header.unique), 48, send)
+        await asyncio.gather(*mo.d.pipeline.tasks.values(), return_exceptions=True)
+        await asyncio.sleep(0)
+        assert sent[reqs[1].header.unique][1].errno == errno.EINTR
+        assert mo.holds.answer(hold_id, "deny")  # nobody waits on it any more; it still decides
+        assert_same(before, snapshot_dir(mo.work), "the folder after the interrupted hold was denied")
+
+    try:
+        asyncio.run(go())
+    finally:
+        mo.close()

@@ -199,6 +199,10 @@ class Dispatcher:
         self.dirs: dict[int, OpenDir] = {}
         self._next_fh = 1
         self.listing_bytes = 0
+        #: the largest request unique read so far (an INTERRUPT beyond it came before its request)
+        self.last_unique = 0
+        #: held requests cancelled by INTERRUPT (answered EINTR)
+        self.interrupts = 0
         #: called after a held request's reply (the transport reads again if it paused)
         self.on_settled = on_settled or (lambda: None)
         self.pipeline = RequestPipeline(on_settled=lambda: self.on_settled())
@@ -242,10 +246,15 @@ class Dispatcher:
 
     def submit(self, req: m.Request, size: int, send: Callable[[int, object, BaseException | None], None]) -> bool:
         """Run ``req`` through the pipeline; ``send(unique, reply, error)`` is called once with
-        the result (never for a request that expects no reply, nor for a cancelled one).
+        the result (never for a request that expects no reply; for one cancelled by INTERRUPT,
+        ``EINTR``).
         True if it was deferred behind a hold (its reply comes later)."""
         unique = req.header.unique
-        if req.OPCODE in m.NO_REPLY or isinstance(req, m.Interrupt):
+        if isinstance(req, m.Interrupt):
+            self._interrupted(req, send)
+            return False
+        self.last_unique = max(self.last_unique, unique)
+        if req.OPCODE in m.NO_REPLY:
             try:
                 self.handle(req)
             except Exception:  # pragma: no cover - forgets never fail
@@ -256,6 +265,20 @@ class Dispatcher:
             return False
         return self.pipeline.run(unique, self.gated(req), lambda: self.handle(req), size,
                                  lambda result, error: send(unique, result, error))
+
+    def _interrupted(self, req: m.Interrupt, send) -> None:
+        """INTERRUPT of request ``req.unique`` (docs/fuse.md "Interrupts"): a request waiting
+        behind a safeguard hold is cancelled and answered ``EINTR`` (it never ran; the hold
+        stays pending, as after a 9P Tflush). A request already answered, or unknown, is
+        left alone (the kernel may send INTERRUPT late). One not seen yet (a unique beyond
+        every one read) gets ``EAGAIN`` on the INTERRUPT itself: the kernel sends it again."""
+        if not self.initialized:
+            return
+        if self.pipeline.cancel(req.unique, InterruptedError(errno.EINTR, "interrupted")) is not None:
+            self.interrupts += 1
+            return
+        if req.unique > self.last_unique:
+            send(req.header.unique, None, BlockingIOError(errno.EAGAIN, "INTERRUPT before its request"))
 
     def close(self) -> None:
         """The mount is gone: close every open file, drop every node."""
@@ -407,7 +430,7 @@ class Dispatcher:
         self.initialized = False
 
     def _interrupt(self, req: m.Interrupt) -> None:
-        return None  # not yet: a held request stays held (docs/fuse.md)
+        return None  # answered by submit (:meth:`_interrupted`): only a waiting request can be
 
     def _forget(self, req: m.Forget) -> None:
         self._drop_lookups(req.header.nodeid, req.nlookup)
