@@ -49,7 +49,11 @@ def _check_store(args, must_exist: bool = True) -> str:
 
 
 def _open(args, must_exist: bool = True, **kwargs) -> Workspace:
-    ws = Workspace.open(args.workdir, state_dir=_check_store(args, must_exist), **kwargs)
+    return _recovered(Workspace.open(args.workdir, state_dir=_check_store(args, must_exist), **kwargs))
+
+
+def _recovered(ws: Workspace) -> Workspace:
+    """``ws``, having said on stderr what opening its store recovered."""
     if ws.recovery:
         print(f"sandbox: {describe_recovery(ws.recovery)}", file=sys.stderr)
         r = ws.recovery
@@ -719,10 +723,12 @@ def cmd_mount(args) -> int:
     import signal
 
     from .fuse.dispatcher import Dispatcher
+    from .fuse.notify import watch
     from .fuse.transport import FuseServer, mount, unmount
     from .limits import ServerLimits
     from .mounts import Provider
     from .serving import Export, HoldBroker
+    from .serving.workspaces import open_workspace
 
     setup_logging(args.log_level)
     for what, path in (("--workdir", args.workdir), ("MOUNTPOINT", args.mountpoint)):
@@ -732,7 +738,7 @@ def cmd_mount(args) -> int:
     if os.path.commonpath([work, point]) in (work, point):
         raise CliError("the mount point and the working folder must not contain each other "
                        "(the server would serve its own mount)", EXIT_USAGE)
-    ws = None
+    ws = own_writes = None
     if args.read_only:
         provider = Provider.read_only_dir(args.workdir)
         what = "read-only, no undo"
@@ -746,7 +752,11 @@ def cmd_mount(args) -> int:
         from .core.safeguard import SafeguardConfig
 
         safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
-        ws = _open(args, must_exist=False, on_event=on_event, safeguard=safeguard)
+        # watched: the workspace journals its own writes, so the watcher reports only the
+        # changes made beside the mount, which the kernel is then told to forget
+        ws, own_writes = open_workspace(args.workdir, watched=True, state_dir=_check_store(args, False),
+                                        on_event=on_event, safeguard=safeguard)
+        _recovered(ws)
         provider = Provider.intercepted(ws)
         what = f"intercepted; undo store {_state_dir(args)}"
     limits = ServerLimits()
@@ -765,6 +775,11 @@ def cmd_mount(args) -> int:
     async def serve() -> None:
         server = FuseServer(Dispatcher(export, limits), fd, limits)
         loop = asyncio.get_running_loop()
+        try:
+            watching.append(watch(server, work, own_writes))
+        except OSError as e:  # e.g. no inotify instance left: short timeouts, no invalidation
+            print(f"sandbox: warning: cannot watch {work} for changes made beside the mount ({e}); "
+                  "they show within a second", file=sys.stderr)
 
         def stop() -> None:
             """Detach the mount: once its last open file is closed the kernel ends the
@@ -785,9 +800,12 @@ def cmd_mount(args) -> int:
               flush=True)
         await server.serve()
 
+    watching: list = []
     try:
         asyncio.run(serve())
     finally:
+        for stop_watching in watching:
+            stop_watching()  # before the workspace closes (the watcher reads through it)
         try:
             unmount(point, via_fusermount)  # nothing to do unless the loop ended another way
         except OSError as e:

@@ -111,9 +111,10 @@ class RequestPipeline:
             self._answers[key] = answer
         return t
 
-    def cancel_all(self) -> list[asyncio.Task]:
-        """Cancel every task (the connection is gone); returns them for the caller to await."""
+    def cancel_all(self, answer: BaseException | None = None) -> list[asyncio.Task]:
+        """Cancel every task (the connection is gone); returns them for the caller to await.
+        ``answer``: as for :meth:`cancel`."""
         tasks = list(self.tasks.values())
-        for t in tasks:
-            t.cancel()
+        for key in list(self.tasks):
+            self.cancel(key, answer)
         return tasks
