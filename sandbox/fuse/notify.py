@@ -51,6 +51,11 @@ NOTIFY_HANDOFF_TIMEOUT_S = 5.0
 FLUSHED_REMEMBERED_MAX = 1024
 #: what :meth:`Notifier.wait_flushed` sees after an "everything" invalidation
 EVERYTHING = "*"
+#: seconds without a new inotify event before the watcher hands a batch over (the barrier
+#: watcher's default is 50 ms: here it is how long a host edit may be served stale), and
+#: the longest a batch may keep growing under a stream of events
+WATCH_SETTLE_S = 0.005
+WATCH_BATCH_MAX_S = 0.1
 
 
 class Notifier:
@@ -204,9 +209,11 @@ def watch(server, folder: str, own_writes=None) -> Callable[[], None]:
         server.invalidate_all()
 
     if own_writes is not None:
-        detector = watch_workspace(own_writes, folder, on_external, on_warning)
+        detector = watch_workspace(own_writes, folder, on_external, on_warning, settle_s=WATCH_SETTLE_S,
+                                   batch_max_s=WATCH_BATCH_MAX_S)
     else:
-        detector = TreeWatcher(os.path.realpath(folder), on_external, on_warning).start()
+        detector = TreeWatcher(os.path.realpath(folder), on_external, on_warning, settle_s=WATCH_SETTLE_S,
+                               batch_max_s=WATCH_BATCH_MAX_S).start()
     server.set_coherent(True)
 
     def stop() -> None:
