@@ -61,6 +61,7 @@ class LiveMount:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),), daemon=True)
         self.thread.start()
+        self._mark = 0
 
     def host(self, *parts: str) -> str:
         return os.path.join(self.work, *parts)
@@ -68,9 +69,14 @@ class LiveMount:
     def mnt(self, *parts: str) -> str:
         return os.path.join(self.point, *parts)
 
+    def mark(self) -> None:
+        """From now on: :meth:`written` waits for notifications written after this."""
+        self._mark = self.server.notifier.mark()
+
     def written(self, path: str) -> None:
-        """Wait until the invalidations for ``path`` (relative) have been written to the kernel."""
-        assert self.server.notifier.wait_flushed(path, WAIT_S), f"no invalidation of {path!r} was written"
+        """Wait until the invalidations for ``path`` (relative) have been written to the kernel
+        in a batch after the last :meth:`mark`."""
+        assert self.server.notifier.wait_flushed(path, WAIT_S, self._mark), f"no invalidation of {path!r} was written"
 
     def stop(self) -> None:
         """Unmount and stop serving (the workspace stays open for the test to inspect)."""
@@ -116,29 +122,36 @@ def test_host_edits_are_seen_through_the_mount_at_once(live):
     name, a rename and a mode change made on the host are visible through the mount as
     soon as their notifications are written — well inside the cache timeouts."""
     assert live.dispatcher.coherent
+    live.mark()
     with open(live.host("a"), "wb") as f:
         f.write(b"one\n")
     os.mkdir(live.host("d"))
     with open(live.host("d", "old"), "wb") as f:
         f.write(b"x")
+    for p in ("a", "d/old"):  # their creation was seen: no later wait can be satisfied by it
+        live.written(p)
     assert _read(live.mnt("a")) == b"one\n"  # now cached: pages, attributes, names
     assert os.stat(live.mnt("a")).st_mode & 0o777 == 0o644
     assert sorted(os.listdir(live.mnt("d"))) == ["old"] and os.path.exists(live.mnt("d", "old"))
 
+    live.mark()
     with open(live.host("a"), "r+b") as f:  # the same size: the kernel cannot guess
         f.write(b"two\n")
     live.written("a")
     assert _read(live.mnt("a")) == b"two\n"
 
+    live.mark()
     os.chmod(live.host("a"), 0o600)
     live.written("a")
     assert os.stat(live.mnt("a")).st_mode & 0o777 == 0o600
 
+    live.mark()
     os.rename(live.host("d", "old"), live.host("d", "new"))
     live.written("d/old")
     assert not os.path.exists(live.mnt("d", "old"))
     assert _read(live.mnt("d", "new")) == b"x"
 
+    live.mark()
     os.unlink(live.host("d", "new"))
     live.written("d/new")
     assert not os.path.exists(live.mnt("d", "new"))
@@ -216,7 +229,7 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
         t.start()
         while not lm.holds.pending():
             assert not done.wait(0.01), "the second delete was not held"
-        lm.server.notifier.flushed.clear()
+        lm.mark()
         assert lm.holds.answer(lm.holds.pending()[0]["safeguard_id"], "deny")
         assert done.wait(WAIT_S) and errors == [5]  # EIO
         lm.written("*")

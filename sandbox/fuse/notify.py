@@ -70,7 +70,8 @@ class Notifier:
         self.loop = loop
         self.paths_max = paths_max
         self.written = 0  # notifications written (the kernel took them, or had forgotten the node)
-        self.flushed: deque[str] = deque(maxlen=FLUSHED_REMEMBERED_MAX)
+        self.batches = 0  # batches whose notifications were all written
+        self.flushed: deque[tuple[int, str]] = deque(maxlen=FLUSHED_REMEMBERED_MAX)  # (batch, path)
         self._cond = threading.Condition()
         self._paths: set[str] = set()
         self._everything = False
@@ -113,10 +114,19 @@ class Notifier:
                 self._quiet = quiet
                 self._cond.notify_all()
 
-    def wait_flushed(self, path: str, timeout_s: float) -> bool:
-        """Wait until the notifications for ``path`` (or an "everything") have been written."""
+    def mark(self) -> int:
+        """The number of batches written so far (for :meth:`wait_flushed`)."""
         with self._cond:
-            return self._cond.wait_for(lambda: path in self.flushed or EVERYTHING in self.flushed, timeout_s)
+            return self.batches
+
+    def wait_flushed(self, path: str, timeout_s: float, since: int = 0) -> bool:
+        """Wait until the notifications of a batch after the ``since``-th holding ``path``
+        (or an "everything") have been written; False if ``timeout_s`` passed first."""
+        def done() -> bool:
+            return any(n > since and p in (path, EVERYTHING) for n, p in self.flushed)
+
+        with self._cond:
+            return self._cond.wait_for(done, timeout_s)
 
     def stop(self) -> None:
         with self._cond:
@@ -150,7 +160,8 @@ class Notifier:
                 if not self._write(note):
                     return
             with self._cond:
-                self.flushed.extend([EVERYTHING] if every else batch)
+                self.batches += 1
+                self.flushed.extend((self.batches, p) for p in ([EVERYTHING] if every else batch))
                 self._cond.notify_all()
 
     def _handoff(self, paths: list[str] | None) -> list[m.Notify] | None:
