@@ -61,13 +61,14 @@ WATCH_BATCH_MAX_S = 0.1
 class Notifier:
     """Invalidation notifications for one mount's descriptor ``fd`` (module docstring).
 
-    ``compute(paths)``: the notifications for ``paths`` (None: everything), run on ``loop``."""
+    ``compute(paths)``: the notifications for ``paths`` (None: everything), run on the loop
+    given to :meth:`start`; changes reported before it are kept until then."""
 
     def __init__(self, fd: int, compute: Callable[[list[str] | None], list[m.Notify]],
-                 loop: asyncio.AbstractEventLoop, paths_max: int = NOTIFY_PATHS_PENDING_MAX):
+                 paths_max: int = NOTIFY_PATHS_PENDING_MAX):
         self.fd = fd
         self.compute = compute
-        self.loop = loop
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.paths_max = paths_max
         self.written = 0  # notifications written (the kernel took them, or had forgotten the node)
         self.batches = 0  # batches whose notifications were all written
@@ -79,7 +80,8 @@ class Notifier:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="sandbox-fuse-notify", daemon=True)
 
-    def start(self) -> "Notifier":
+    def start(self, loop: asyncio.AbstractEventLoop) -> "Notifier":
+        self.loop = loop
         self._thread.start()
         return self
 

@@ -145,7 +145,7 @@ class FuseServer:
         self.poll_interval_s = poll_interval_s
         self.reading = False
         self.requests = 0  # handled (for tests and logs)
-        self.notifier: Notifier | None = None  # while serving: invalidation notifications
+        self.notifier = Notifier(fd, self._invalidations)  # its thread runs while serving
         self._done: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False  # never read again (stopped, or the mount is gone)
@@ -156,7 +156,7 @@ class FuseServer:
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         os.set_blocking(self.fd, False)
-        self.notifier = Notifier(self.fd, self._invalidations, self._loop).start()
+        self.notifier.start(self._loop)
         unsubscribe = self._on_denials()
         self._start_reading()
         poller = self._loop.create_task(self._poll_loop())
@@ -192,13 +192,11 @@ class FuseServer:
 
     def invalidate(self, paths) -> None:
         """``paths`` (relative to the root) changed beside the mount: the kernel forgets them."""
-        if self.notifier is not None:
-            self.notifier.changed(paths)
+        self.notifier.changed(paths)
 
     def invalidate_all(self) -> None:
         """Anything may have changed (a rollback, lost watcher events): the kernel forgets all."""
-        if self.notifier is not None:
-            self.notifier.everything()
+        self.notifier.everything()
 
     def set_coherent(self, coherent: bool) -> None:
         """Whether every change beside the mount is notified (:attr:`Dispatcher.coherent`)."""
@@ -255,8 +253,7 @@ class FuseServer:
             self._loop.remove_reader(self.fd)
 
     def _resume(self) -> None:
-        if self.notifier is not None:
-            self._quiet()
+        self._quiet()
         if not self.reading and not self._over_limits():
             self._start_reading()
 
