@@ -348,3 +348,75 @@ def _wait_for(cond, what: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.01)
+
+
+#: a program writing on the mount until it fails; it says when it has written, then the errno it stopped on
+WRITER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o644)
+chunk = b"w" * 65536
+try:
+    os.write(fd, chunk)
+    print("writing", flush=True)
+    while True:
+        if os.write(fd, chunk) and os.lseek(fd, 0, os.SEEK_CUR) > (8 << 20):
+            os.lseek(fd, 0, os.SEEK_SET)  # rewrite the first 8 MiB: the step stays small
+except OSError as e:
+    print(e.errno, flush=True)
+"""
+
+
+def test_sigkill_of_the_server_mid_write_then_unmount_and_recovery(folders):
+    """`sandbox mount` SIGKILLed while a program writes on the mount: the program gets
+    ENOTCONN, so does anything else on the mount; `umount` works; the next `sandbox history`
+    recovers the interrupted ambient step (rolled back, as after a SIGKILL of the 9P
+    server) and the folder is as before; the next `sandbox mount` serves again."""
+    import errno as _errno
+
+    work, point, state = folders
+    with open(os.path.join(work, "README.md"), "a") as f:
+        f.write("kept\n")
+    before = snapshot_dir(work)
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                             point], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    writer = None
+    try:
+        line = _first_line(proc)
+        if "mounted at" not in line:
+            proc.kill()
+            pytest.skip(f"mounting a FUSE filesystem failed here: {line}")
+        os.unlink(os.path.join(point, "link"))  # part of the step too
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, os.path.join(point, "big.bin")],
+                                  stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline().strip() == "writing"
+        proc.kill()  # SIGKILL, mid-write
+        assert proc.wait(STOP_TIMEOUT_S) == -signal.SIGKILL
+        assert writer.wait(STOP_TIMEOUT_S) == 0
+        assert int(writer.stdout.read().strip()) == _errno.ENOTCONN
+        with pytest.raises(OSError) as e:
+            os.stat(os.path.join(point, "README.md"))
+        assert e.value.errno == _errno.ENOTCONN
+        assert _mounted(point)  # the dead mount stays until unmounted
+        _run(["umount", point])
+        assert not _mounted(point)
+    finally:
+        if writer is not None:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+            writer.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        if _mounted(point):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+    hist = _sandbox("history", "--workdir", work, "--state-dir", state)
+    assert hist.returncode == 0, hist.stderr
+    assert "recovered: an interrupted step" in hist.stderr and "rolled back" in hist.stderr, hist.stderr
+    assert_same(before, snapshot_dir(work), "the folder after recovering from the SIGKILL")
+    with mount(work, point, state):  # serves again, and records again
+        with open(os.path.join(point, "after"), "w") as f:
+            f.write("x")
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing the next mount's step")
