@@ -420,3 +420,104 @@ def test_sigkill_of_the_server_mid_write_then_unmount_and_recovery(folders):
             f.write("x")
     _undo_all(work, state)
     assert_same(before, snapshot_dir(work), "the folder after undoing the next mount's step")
+
+
+#: run as root in a private mount namespace (``unshare -m``): a world-usable /dev/fuse there (as
+#: distributions ship it; bound over this machine's 0600 one, in that namespace only), then
+#: ``sandbox mount`` as uid/gid 65534 — through fusermount3 — a program writing on the mount as
+#: that user, SIGTERM; prints what it saw as JSON
+UNPRIVILEGED_DRIVER = r"""
+import json, os, signal, stat, subprocess, sys
+devs, work, state, point = sys.argv[1:5]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "sandbox-devs", devs], check=True)
+node = os.path.join(devs, "fuse")
+os.mknod(node, 0o666 | stat.S_IFCHR, os.stat("/dev/fuse").st_rdev)
+os.chmod(node, 0o666)
+subprocess.run(["mount", "--bind", node, "/dev/fuse"], check=True)
+nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+
+def mounts():
+    with open("/proc/self/mountinfo") as f:
+        return [line.split() for line in f if line.split()[4] == point]
+
+proc = subprocess.Popen(nobody + [sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                                  point], stderr=subprocess.PIPE, text=True)
+out = {"first": proc.stderr.readline(), "mounts": mounts()}
+if out["mounts"]:
+    program = ("import os, sys; p = sys.argv[1]; open(os.path.join(p, 'new.txt'), 'w').write('made by nobody\\n'); "
+               "os.unlink(os.path.join(p, 'README.md')); print(open(os.path.join(p, 'src', 'main.py')).read())")
+    r = subprocess.run(nobody + [sys.executable, "-c", program, point], capture_output=True, text=True, timeout=60)
+    out["program"] = [r.returncode, r.stdout, r.stderr]
+    out["host_new"] = open(os.path.join(work, "new.txt")).read() if os.path.exists(os.path.join(work, "new.txt")) else None
+proc.send_signal(signal.SIGTERM)
+try:
+    out["rc"] = proc.wait(30)
+except subprocess.TimeoutExpired:
+    proc.kill()
+    out["rc"] = "timeout"
+out["rest"] = proc.stderr.read()
+out["mounts_after"] = mounts()
+print(json.dumps(out))
+"""
+
+
+def test_unprivileged_mount_through_fusermount3(tmp_path):
+    """`sandbox mount` run as an unprivileged user (uid/gid 65534) on a folder and mount point
+    it owns mounts through fusermount3 (no allow_other), serves writes that `sandbox undo`
+    then undoes exactly, and unmounts cleanly on SIGTERM."""
+    import tempfile
+
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    if os.geteuid() != 0:
+        pytest.skip("not root: cannot switch to an unprivileged user (setpriv) or make /dev/fuse usable by it")
+    for tool in ("fusermount3", "setpriv", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (./dev installs fuse3 and util-linux)")
+    base = tempfile.mkdtemp(prefix="sandbox-fusermount-")  # /tmp: traversable by uid 65534, unlike tmp_path
+    try:
+        os.chmod(base, 0o755)
+        work, point, state, devs = (os.path.join(base, n) for n in ("work", "mnt", "state", "devs"))
+        for d in (work, point, state, devs):
+            os.mkdir(d)
+        os.makedirs(os.path.join(work, "src"))
+        with open(os.path.join(work, "README.md"), "w") as f:
+            f.write("# project\n")
+        with open(os.path.join(work, "src", "main.py"), "w") as f:
+            f.write("print('hi')\n")
+        for d in (work, point, state):
+            subprocess.run(["chown", "-R", "65534:65534", d], check=True)
+        before = snapshot_dir(work)
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", UNPRIVILEGED_DRIVER,
+                            devs, work, state, point], capture_output=True, text=True, cwd=REPO, timeout=120)
+        if r.returncode != 0 and "unshare" in r.stderr and "Operation not permitted" in r.stderr:
+            pytest.skip(f"no private mount namespace here: {r.stderr.strip()}")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        if not out["mounts"] and "fusermount3 failed" in out["first"] + out["rest"]:
+            pytest.skip(f"fusermount3 cannot mount here: {(out['first'] + out['rest']).strip()}")
+        assert "mounted at" in out["first"], out
+        (fields,) = out["mounts"]
+        assert fields[fields.index("-") + 1] == "fuse.sandbox"
+        options = fields[fields.index("-") + 3]
+        assert "user_id=65534" in options and "allow_other" not in options, options  # fusermount3's mount
+        assert "nosuid" in fields[5] and "nodev" in fields[5]
+        assert out["program"][0] == 0, out["program"]
+        assert out["program"][1] == "print('hi')\n\n"
+        assert out["host_new"] == "made by nobody\n"
+        assert not os.path.exists(os.path.join(work, "README.md"))
+        assert (out["rc"], out["mounts_after"]) == (0, []), out
+        st = os.stat(os.path.join(work, "new.txt"))
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
+        nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        hist = subprocess.run(nobody + [sys.executable, "-m", "sandbox", "history", "--workdir", work, "--state-dir",
+                                        state, "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert hist.returncode == 0, hist.stderr
+        steps = json.loads(hist.stdout)
+        steps = steps.get("steps", steps) if isinstance(steps, dict) else steps
+        undo = subprocess.run(nobody + [sys.executable, "-m", "sandbox", "undo", "--workdir", work, "--state-dir", state,
+                                        "-n", str(len(steps))], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert undo.returncode == 0, undo.stdout + undo.stderr
+        assert_same(before, snapshot_dir(work), "the folder after undoing the unprivileged mount's step")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
