@@ -6,9 +6,14 @@ Python, ``rm -rf``, ``mkfifo``), stops it with SIGTERM (which must unmount), und
 step with ``sandbox undo`` and compares the folder with its snapshot from before
 (:mod:`sandbox_sim.oracle`: kinds, modes, mtimes, bytes, xattrs, owners).
 
+Also: a program blocked by a safeguard hold freed by a signal (INTERRUPT), SIGKILL of the
+server mid-write and the recovery after it, and the unprivileged path through fusermount3
+(as uid 65534, in a private mount namespace).
+
 Fast (a few seconds each) and in the default tier where it can run: skipped, saying why,
-without /dev/fuse, without root (mount(2); the fusermount3 path is not exercised here), or
-when mounting fails (e.g. a container without CAP_SYS_ADMIN).
+without /dev/fuse, without root (mount(2); switching to an unprivileged user), without
+fusermount3/setpriv/unshare for the unprivileged test, or when mounting fails (e.g. a
+container without CAP_SYS_ADMIN).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def folders(tmp_path):
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine")
     if os.geteuid() != 0:
-        pytest.skip("not root: these tests mount with mount(2); the fusermount3 path needs fuse3 and a user")
+        pytest.skip("not root: these tests mount with mount(2)")
     work, point, state = tmp_path / "work", tmp_path / "mnt", tmp_path / "state"
     for d in (work, point, state):
         d.mkdir()
