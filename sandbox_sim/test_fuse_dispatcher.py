@@ -21,8 +21,9 @@ from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
-from sandbox.fuse.codec import encode_error, encode_reply
-from sandbox.fuse.dispatcher import WANTED_INIT_FLAGS, Dispatcher, errno_of
+from sandbox.fuse.codec import encode_error, encode_notify, encode_reply
+from sandbox.fuse.dispatcher import (ATTR_VALID_S, COHERENT_ATTR_VALID_S, COHERENT_ENTRY_VALID_S, ENTRY_VALID_S,
+                                     WANTED_INIT_FLAGS, Dispatcher, errno_of)
 from sandbox.limits import DescriptorBudget, ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
@@ -457,3 +458,41 @@ def test_a_hold_interrupted_then_denied_rolls_the_step_back(tmp_path):
         asyncio.run(go())
     finally:
         mo.close()
+
+
+def test_invalidations_name_what_the_kernel_knows(mnt):
+    """A changed path: its name under each known parent node, the parent's attributes, and
+    the node(s) it names (attributes and pages); an unknown path: nothing."""
+    os.mkdir(mnt.host("d"))
+    open(mnt.host("d", "f"), "w").close()
+    d = mnt.lookup("d").nodeid
+    f = mnt.lookup("f", d).nodeid
+    assert mnt.d.invalidations(["d/f"]) == [m.NotifyInvalInode(f, 0, 0), m.NotifyInvalEntry(d, b"f"),
+                                            m.NotifyInvalInode(d, -1, 0)]
+    assert mnt.d.invalidations(["d/new"]) == [m.NotifyInvalEntry(d, b"new"), m.NotifyInvalInode(d, -1, 0)]
+    assert mnt.d.invalidations(["elsewhere/x", "elsewhere"]) == [m.NotifyInvalEntry(ROOT, b"elsewhere"),
+                                                                 m.NotifyInvalInode(ROOT, -1, 0)]
+    assert mnt.d.invalidations([""]) == [m.NotifyInvalInode(ROOT, 0, 0)]
+    every = mnt.d.invalidations_all()
+    assert set(every) == {m.NotifyInvalInode(ROOT, 0, 0), m.NotifyInvalInode(d, 0, 0), m.NotifyInvalInode(f, 0, 0),
+                          m.NotifyInvalEntry(ROOT, b"d"), m.NotifyInvalEntry(d, b"f"),
+                          m.NotifyInvalInode(ROOT, -1, 0), m.NotifyInvalInode(d, -1, 0)}
+    mnt.forget(f, 1)  # forgotten: the kernel no longer knows it
+    assert m.NotifyInvalInode(f, 0, 0) not in mnt.d.invalidations(["d/f"])
+    for n in every:
+        encode_notify(n)
+
+
+def test_coherent_means_long_timeouts_and_kept_pages(mnt):
+    open(mnt.host("f"), "w").close()
+    e = mnt.lookup("f")
+    assert (e.entry_valid, e.attr_valid) == (ENTRY_VALID_S, ATTR_VALID_S)
+    o = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
+    assert not o.open_flags & abi.FOPEN_KEEP_CACHE
+    mnt.d.coherent = True
+    e2 = mnt.lookup("f")
+    assert (e2.entry_valid, e2.attr_valid) == (COHERENT_ENTRY_VALID_S, COHERENT_ATTR_VALID_S)
+    assert mnt.call(m.Getattr(H(abi.Opcode.GETATTR, e.nodeid), 0, 0)).attr_valid == COHERENT_ATTR_VALID_S
+    o2 = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
+    assert o2.open_flags & abi.FOPEN_KEEP_CACHE
+    assert WANTED_INIT_FLAGS & abi.FUSE_AUTO_INVAL_DATA and not WANTED_INIT_FLAGS & abi.FUSE_WRITEBACK_CACHE
