@@ -39,22 +39,27 @@ WAIT_S = 20
 class LiveMount:
     """``work`` served at ``point`` in this process (module docstring)."""
 
-    def __init__(self, tmp_path, safeguard: SafeguardConfig | None = None):
+    def __init__(self, tmp_path, safeguard: SafeguardConfig | None = None, read_only: bool = False):
         self.work, self.point = str(tmp_path / "work"), str(tmp_path / "mnt")
         for d in (self.work, self.point):
             os.makedirs(d, exist_ok=True)
         kw = {"safeguard": safeguard} if safeguard else {}
         self.state = str(tmp_path / "state")
-        self.ws, own_writes = open_workspace(self.work, watched=True, state_dir=self.state, **kw)
+        if read_only:  # as `sandbox mount --read-only`: no workspace, every change is someone else's
+            self.ws, own_writes = None, None
+            self.provider = Provider.read_only_dir(self.work)
+        else:
+            self.ws, own_writes = open_workspace(self.work, watched=True, state_dir=self.state, **kw)
+            self.provider = Provider.intercepted(self.ws)
         self.holds = HoldBroker()
-        self.provider = Provider.intercepted(self.ws)
         limits = ServerLimits()
         self.dispatcher = Dispatcher(Export(self.provider, self.holds, limits), limits)
         try:
             self.fd, self.via_fusermount = mount(self.point)
         except OSError as e:
             self.provider.close()
-            self.ws.close()
+            if self.ws is not None:
+                self.ws.close()
             pytest.skip(f"mounting a FUSE filesystem failed here: {e}")
         self.server = FuseServer(self.dispatcher, self.fd, limits)
         self._stop_watching = watch(self.server, self.work, own_writes)
@@ -239,5 +244,26 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
             assert (m.st_ino, m.st_size, m.st_mtime_ns) == (h.st_ino, h.st_size, h.st_mtime_ns), name
         assert _read(lm.mnt("x")) == b"orig"
         assert _read(lm.mnt("y")) == b"orig"
+    finally:
+        lm.close()
+
+
+def test_a_read_only_mount_sees_host_edits_at_once(tmp_path):
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root (mount(2))")
+    lm = LiveMount(tmp_path, read_only=True)
+    try:
+        lm.mark()
+        with open(lm.host("r"), "wb") as f:
+            f.write(b"aaaa")
+        lm.written("r")
+        assert _read(lm.mnt("r")) == b"aaaa"
+        assert os.stat(lm.mnt("r")).st_size == 4  # cached now
+        lm.mark()
+        with open(lm.host("r"), "wb") as f:
+            f.write(b"bbbbbb")
+        lm.written("r")
+        assert os.stat(lm.mnt("r")).st_size == 6
+        assert _read(lm.mnt("r")) == b"bbbbbb"
     finally:
         lm.close()

@@ -526,3 +526,32 @@ def test_unprivileged_mount_through_fusermount3(tmp_path):
         assert_same(before, snapshot_dir(work), "the folder after undoing the unprivileged mount's step")
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_sigterm_while_a_program_is_held_ends_it_and_the_mount(folders):
+    """SIGTERM while a program is blocked by a hold nobody has answered: the server detaches
+    the mount, answers the held request EIO when it stops (the program is not left hanging),
+    exits 0; the unanswered hold is denied as the workspace closes, so the step is rolled back."""
+    work, point, state = folders
+    for i in range(6):
+        with open(os.path.join(work, "src", f"f{i}"), "w") as f:
+            f.write(str(i))
+    before = snapshot_dir(work)
+    with mount_with_terminal(work, point, state, "--delete-threshold", "3") as (proc, tty):
+        child = subprocess.Popen([sys.executable, "-c", DELETER, os.path.join(point, "src")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _read_until(tty, b"allow it?")
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(STOP_TIMEOUT_S)
+            assert child.wait(STOP_TIMEOUT_S) != 0  # its unlink failed (EIO), not left hanging
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            err = child.stderr.read()
+            child.stdout.close()
+            child.stderr.close()
+        assert "Errno 5" in err or "Errno 107" in err, err  # EIO from the server, or ENOTCONN once it is gone
+        assert code == 0, proc.stderr.read()
+    assert_same(before, snapshot_dir(work), "the folder after a stop with a hold unanswered (denied: rolled back)")
