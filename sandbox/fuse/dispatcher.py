@@ -38,6 +38,12 @@ Invariants:
   :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
   snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
   reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
+* **caching**: entry/attribute timeouts and the page-cache mode follow :attr:`Dispatcher.coherent`
+  (True while the watcher's invalidations run: long timeouts, ``FOPEN_KEEP_CACHE``);
+  :meth:`Dispatcher.invalidations` says what the kernel must forget for changed paths —
+  only nodes and names it knows. No writeback cache: every write is a request.
+* **INTERRUPT** cancels a request waiting behind a hold and answers it ``EINTR``; the hold
+  stays pending (as after a 9P ``Tflush``).
 * nothing from the kernel is trusted except as data: unknown node ids and handles are
   ``ENOENT``/``EBADF``, a name that is not one component ``EINVAL``; any request before
   INIT is ``EIO``; an opcode the Provider cannot serve is ``ENOSYS`` (``docs/fuse.md``).

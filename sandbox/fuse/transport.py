@@ -25,6 +25,13 @@ Invariants:
   dropped; a reply the kernel no longer wants (``ENOENT``: interrupted) is dropped;
 * ``ENODEV`` on read (the mount is gone: unmounted, or the connection aborted) ends the
   loop, which then closes every handle (:meth:`Dispatcher.close`);
+* stopping (``ENODEV``, :meth:`FuseServer.stop`): gated requests fail ``EIO`` at once, held
+  ones are answered ``EIO``, and requests are still answered until the notifier's thread
+  has ended (≤ :data:`NOTIFY_STOP_TIMEOUT_S`) — its last write may wait for one of them;
+* invalidation notifications (:meth:`FuseServer.invalidate`, from any thread) are written
+  by the :class:`~sandbox.fuse.notify.Notifier`'s thread, never this loop's, and only while
+  no request is held; a safeguard's deny (a rollback behind the kernel's back) invalidates
+  everything the kernel knows;
 * bounded: one request buffer per read (:data:`~sandbox.fuse.abi.READ_BUFFER_BYTES`);
   requests held behind a safeguard hold ≤ ``held_request_bytes_per_connection_max``
   bytes — beyond it the descriptor is not read until they drain (the kernel queues, the
