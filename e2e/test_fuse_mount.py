@@ -6,9 +6,14 @@ Python, ``rm -rf``, ``mkfifo``), stops it with SIGTERM (which must unmount), und
 step with ``sandbox undo`` and compares the folder with its snapshot from before
 (:mod:`sandbox_sim.oracle`: kinds, modes, mtimes, bytes, xattrs, owners).
 
+Also: a program blocked by a safeguard hold freed by a signal (INTERRUPT), SIGKILL of the
+server mid-write and the recovery after it, and the unprivileged path through fusermount3
+(as uid 65534, in a private mount namespace).
+
 Fast (a few seconds each) and in the default tier where it can run: skipped, saying why,
-without /dev/fuse, without root (mount(2); the fusermount3 path is not exercised here), or
-when mounting fails (e.g. a container without CAP_SYS_ADMIN).
+without /dev/fuse, without root (mount(2); switching to an unprivileged user), without
+fusermount3/setpriv/unshare for the unprivileged test, or when mounting fails (e.g. a
+container without CAP_SYS_ADMIN).
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def folders(tmp_path):
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine")
     if os.geteuid() != 0:
-        pytest.skip("not root: these tests mount with mount(2); the fusermount3 path needs fuse3 and a user")
+        pytest.skip("not root: these tests mount with mount(2)")
     work, point, state = tmp_path / "work", tmp_path / "mnt", tmp_path / "state"
     for d in (work, point, state):
         d.mkdir()
@@ -306,3 +311,313 @@ def test_fallocate_copy_file_range_lseek_and_exchange_on_the_mount_are_undone(fo
         assert proc.poll() is None
     _undo_all(work, state)
     assert_same(before, snapshot_dir(work), "the folder after undoing fallocate, copy, exchange")
+
+
+@contextlib.contextmanager
+def mount_with_terminal(work: str, point: str, state: str, *extra: str):
+    """``sandbox mount --on-hold ask`` with a pseudo-terminal as its controlling terminal:
+    yields ``(proc, master_fd)``; the hold prompt is read from, and answered on, the master."""
+    import fcntl
+    import pty
+    import termios
+
+    master, slave = pty.openpty()
+
+    def become_terminal_owner() -> None:
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                             point, "--on-hold", "ask", *extra], cwd=REPO, stdin=slave, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=become_terminal_owner)
+    os.close(slave)
+    try:
+        line = _first_line(proc)
+        assert "mounted at" in line, line
+        yield proc, master
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError("sandbox mount did not stop on SIGTERM") from None
+        proc.stderr.close()
+        os.close(master)
+    assert not _mounted(point), "SIGTERM left the mount behind"
+
+
+def _read_until(fd: int, marker: bytes, timeout_s: float = START_TIMEOUT_S) -> bytes:
+    """What the terminal shows until ``marker`` (a condition wait on the prompt, bounded)."""
+    import select
+
+    seen = b""
+    while marker not in seen:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        assert ready, f"no {marker!r} on the terminal; it shows {seen!r}"
+        seen += os.read(fd, 4096)
+    return seen
+
+
+#: a program deleting src/f0..f5 one by one; it reports the errno (or the interrupt) it stops on
+DELETER = """
+import os, sys
+try:
+    for i in range(6):
+        os.unlink(os.path.join(sys.argv[1], f"f{i}"))
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+    sys.exit(3)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_a_signal_frees_a_program_blocked_by_a_hold_and_the_mount_keeps_serving(folders, sig):
+    """A program blocked mid-``unlink`` by a safeguard hold is interrupted by a signal (the
+    kernel sends INTERRUPT, the server answers EINTR): it ends while the hold is still being
+    asked about; the mount keeps serving; the hold, answered afterwards (deny), still rolls
+    the step back."""
+    work, point, state = folders
+    for i in range(6):
+        with open(os.path.join(work, "src", f"f{i}"), "w") as f:
+            f.write(str(i))
+    before = snapshot_dir(work)
+    with mount_with_terminal(work, point, state, "--delete-threshold", "3") as (proc, tty):
+        child = subprocess.Popen([sys.executable, "-c", DELETER, os.path.join(point, "src")],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            _read_until(tty, b"allow it?")  # the third unlink is held: the program blocks in it
+            assert child.poll() is None
+            child.send_signal(sig)
+            code = child.wait(STOP_TIMEOUT_S)  # without INTERRUPT it would wait for the answer
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        out = child.stdout.read()
+        child.stdout.close()
+        if sig == signal.SIGINT:
+            assert (code, out.strip()) == (3, "KeyboardInterrupt")
+        else:
+            assert code == -signal.SIGKILL
+        assert sorted(os.listdir(os.path.join(point, "src"))) == ["f2", "f3", "f4", "f5", "main.py"]
+        with open(os.path.join(point, "README.md")) as f:  # the mount still serves
+            assert f.read() == "# project\n"
+        assert proc.poll() is None
+        os.write(tty, b"n\n")  # deny: the step (two deletes) is rolled back
+        _wait_for(lambda: os.path.exists(os.path.join(work, "src", "f0")), "the denied step's rollback")
+    assert_same(before, snapshot_dir(work), "the folder after the interrupted hold was denied")
+
+
+def _wait_for(cond, what: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """A condition wait, polled (the condition is in another process), with a deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+#: a program writing on the mount until it fails; it says when it has written, then the errno it stopped on
+WRITER = """
+import os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o644)
+chunk = b"w" * 65536
+try:
+    os.write(fd, chunk)
+    print("writing", flush=True)
+    while True:
+        if os.write(fd, chunk) and os.lseek(fd, 0, os.SEEK_CUR) > (8 << 20):
+            os.lseek(fd, 0, os.SEEK_SET)  # rewrite the first 8 MiB: the step stays small
+except OSError as e:
+    print(e.errno, flush=True)
+"""
+
+
+def test_sigkill_of_the_server_mid_write_then_unmount_and_recovery(folders):
+    """`sandbox mount` SIGKILLed while a program writes on the mount: the program gets
+    ENOTCONN, so does anything else on the mount; `umount` works; the next `sandbox history`
+    recovers the interrupted ambient step (rolled back, as after a SIGKILL of the 9P
+    server) and the folder is as before; the next `sandbox mount` serves again."""
+    import errno as _errno
+
+    work, point, state = folders
+    with open(os.path.join(work, "README.md"), "a") as f:
+        f.write("kept\n")
+    before = snapshot_dir(work)
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                             point], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    writer = None
+    try:
+        line = _first_line(proc)
+        if "mounted at" not in line:
+            proc.kill()
+            pytest.skip(f"mounting a FUSE filesystem failed here: {line}")
+        os.unlink(os.path.join(point, "link"))  # part of the step too
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, os.path.join(point, "big.bin")],
+                                  stdout=subprocess.PIPE, text=True)
+        assert writer.stdout.readline().strip() == "writing"
+        proc.kill()  # SIGKILL, mid-write
+        assert proc.wait(STOP_TIMEOUT_S) == -signal.SIGKILL
+        assert writer.wait(STOP_TIMEOUT_S) == 0
+        assert int(writer.stdout.read().strip()) == _errno.ENOTCONN
+        with pytest.raises(OSError) as e:
+            os.stat(os.path.join(point, "README.md"))
+        assert e.value.errno == _errno.ENOTCONN
+        assert _mounted(point)  # the dead mount stays until unmounted
+        _run(["umount", point])
+        assert not _mounted(point)
+    finally:
+        if writer is not None:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+            writer.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+        if _mounted(point):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+    hist = _sandbox("history", "--workdir", work, "--state-dir", state)
+    assert hist.returncode == 0, hist.stderr
+    assert "recovered: an interrupted step" in hist.stderr and "rolled back" in hist.stderr, hist.stderr
+    assert_same(before, snapshot_dir(work), "the folder after recovering from the SIGKILL")
+    with mount(work, point, state):  # serves again, and records again
+        with open(os.path.join(point, "after"), "w") as f:
+            f.write("x")
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing the next mount's step")
+
+
+#: run as root in a private mount namespace (``unshare -m``): a world-usable /dev/fuse there (as
+#: distributions ship it; bound over this machine's 0600 one, in that namespace only), then
+#: ``sandbox mount`` as uid/gid 65534 — through fusermount3 — a program writing on the mount as
+#: that user, SIGTERM; prints what it saw as JSON
+UNPRIVILEGED_DRIVER = r"""
+import json, os, signal, stat, subprocess, sys
+devs, work, state, point = sys.argv[1:5]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=755", "sandbox-devs", devs], check=True)
+node = os.path.join(devs, "fuse")
+os.mknod(node, 0o666 | stat.S_IFCHR, os.stat("/dev/fuse").st_rdev)
+os.chmod(node, 0o666)
+subprocess.run(["mount", "--bind", node, "/dev/fuse"], check=True)
+nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+
+def mounts():
+    with open("/proc/self/mountinfo") as f:
+        return [line.split() for line in f if line.split()[4] == point]
+
+proc = subprocess.Popen(nobody + [sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state,
+                                  point], stderr=subprocess.PIPE, text=True)
+out = {"first": proc.stderr.readline(), "mounts": mounts()}
+if out["mounts"]:
+    program = ("import os, sys; p = sys.argv[1]; open(os.path.join(p, 'new.txt'), 'w').write('made by nobody\\n'); "
+               "os.unlink(os.path.join(p, 'README.md')); print(open(os.path.join(p, 'src', 'main.py')).read())")
+    r = subprocess.run(nobody + [sys.executable, "-c", program, point], capture_output=True, text=True, timeout=60)
+    out["program"] = [r.returncode, r.stdout, r.stderr]
+    out["host_new"] = open(os.path.join(work, "new.txt")).read() if os.path.exists(os.path.join(work, "new.txt")) else None
+proc.send_signal(signal.SIGTERM)
+try:
+    out["rc"] = proc.wait(30)
+except subprocess.TimeoutExpired:
+    proc.kill()
+    out["rc"] = "timeout"
+out["rest"] = proc.stderr.read()
+out["mounts_after"] = mounts()
+print(json.dumps(out))
+"""
+
+
+def test_unprivileged_mount_through_fusermount3(tmp_path):
+    """`sandbox mount` run as an unprivileged user (uid/gid 65534) on a folder and mount point
+    it owns mounts through fusermount3 (no allow_other), serves writes that `sandbox undo`
+    then undoes exactly, and unmounts cleanly on SIGTERM."""
+    import tempfile
+
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine")
+    if os.geteuid() != 0:
+        pytest.skip("not root: cannot switch to an unprivileged user (setpriv) or make /dev/fuse usable by it")
+    for tool in ("fusermount3", "setpriv", "unshare"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (./dev installs fuse3 and util-linux)")
+    base = tempfile.mkdtemp(prefix="sandbox-fusermount-")  # /tmp: traversable by uid 65534, unlike tmp_path
+    try:
+        os.chmod(base, 0o755)
+        work, point, state, devs = (os.path.join(base, n) for n in ("work", "mnt", "state", "devs"))
+        for d in (work, point, state, devs):
+            os.mkdir(d)
+        os.makedirs(os.path.join(work, "src"))
+        with open(os.path.join(work, "README.md"), "w") as f:
+            f.write("# project\n")
+        with open(os.path.join(work, "src", "main.py"), "w") as f:
+            f.write("print('hi')\n")
+        for d in (work, point, state):
+            subprocess.run(["chown", "-R", "65534:65534", d], check=True)
+        before = snapshot_dir(work)
+        r = subprocess.run(["unshare", "-m", "--propagation", "private", sys.executable, "-c", UNPRIVILEGED_DRIVER,
+                            devs, work, state, point], capture_output=True, text=True, cwd=REPO, timeout=120)
+        if r.returncode != 0 and "unshare" in r.stderr and "Operation not permitted" in r.stderr:
+            pytest.skip(f"no private mount namespace here: {r.stderr.strip()}")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        if not out["mounts"] and "fusermount3 failed" in out["first"] + out["rest"]:
+            pytest.skip(f"fusermount3 cannot mount here: {(out['first'] + out['rest']).strip()}")
+        assert "mounted at" in out["first"], out
+        (fields,) = out["mounts"]
+        assert fields[fields.index("-") + 1] == "fuse.sandbox"
+        options = fields[fields.index("-") + 3]
+        assert "user_id=65534" in options and "allow_other" not in options, options  # fusermount3's mount
+        assert "nosuid" in fields[5] and "nodev" in fields[5]
+        assert out["program"][0] == 0, out["program"]
+        assert out["program"][1] == "print('hi')\n\n"
+        assert out["host_new"] == "made by nobody\n"
+        assert not os.path.exists(os.path.join(work, "README.md"))
+        assert (out["rc"], out["mounts_after"]) == (0, []), out
+        st = os.stat(os.path.join(work, "new.txt"))
+        assert (st.st_uid, st.st_gid) == (65534, 65534)
+        nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        hist = subprocess.run(nobody + [sys.executable, "-m", "sandbox", "history", "--workdir", work, "--state-dir",
+                                        state, "--json"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert hist.returncode == 0, hist.stderr
+        steps = json.loads(hist.stdout)
+        steps = steps.get("steps", steps) if isinstance(steps, dict) else steps
+        undo = subprocess.run(nobody + [sys.executable, "-m", "sandbox", "undo", "--workdir", work, "--state-dir", state,
+                                        "-n", str(len(steps))], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert undo.returncode == 0, undo.stdout + undo.stderr
+        assert_same(before, snapshot_dir(work), "the folder after undoing the unprivileged mount's step")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_sigterm_while_a_program_is_held_ends_it_and_the_mount(folders):
+    """SIGTERM while a program is blocked by a hold nobody has answered: the server detaches
+    the mount, answers the held request EIO when it stops (the program is not left hanging),
+    exits 0; the unanswered hold is denied as the workspace closes, so the step is rolled back."""
+    work, point, state = folders
+    for i in range(6):
+        with open(os.path.join(work, "src", f"f{i}"), "w") as f:
+            f.write(str(i))
+    before = snapshot_dir(work)
+    with mount_with_terminal(work, point, state, "--delete-threshold", "3") as (proc, tty):
+        child = subprocess.Popen([sys.executable, "-c", DELETER, os.path.join(point, "src")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _read_until(tty, b"allow it?")
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(STOP_TIMEOUT_S)
+            assert child.wait(STOP_TIMEOUT_S) != 0  # its unlink failed (EIO), not left hanging
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            err = child.stderr.read()
+            child.stdout.close()
+            child.stderr.close()
+        assert "Errno 5" in err or "Errno 107" in err, err  # EIO from the server, or ENOTCONN once it is gone
+        assert code == 0, proc.stderr.read()
+    assert_same(before, snapshot_dir(work), "the folder after a stop with a hold unanswered (denied: rolled back)")

@@ -49,7 +49,11 @@ def _check_store(args, must_exist: bool = True) -> str:
 
 
 def _open(args, must_exist: bool = True, **kwargs) -> Workspace:
-    ws = Workspace.open(args.workdir, state_dir=_check_store(args, must_exist), **kwargs)
+    return _recovered(Workspace.open(args.workdir, state_dir=_check_store(args, must_exist), **kwargs))
+
+
+def _recovered(ws: Workspace) -> Workspace:
+    """``ws``, having said on stderr what opening its store recovered."""
     if ws.recovery:
         print(f"sandbox: {describe_recovery(ws.recovery)}", file=sys.stderr)
         r = ws.recovery
@@ -328,10 +332,9 @@ def _hold_decider(policy: str):
             print(f"sandbox: {policy} (--on-hold {policy})", file=sys.stderr, flush=True)
             return policy
         try:
-            with open("/dev/tty", "r+") as tty:
-                tty.write("sandbox: allow it? [y/N] ")
-                tty.flush()
-                return "allow" if tty.readline().strip().lower() in ("y", "yes") else "deny"
+            with open("/dev/tty", "r+b", buffering=0) as tty:  # unbuffered: a text "r+" tty is refused as unseekable
+                tty.write(b"sandbox: allow it? [y/N] ")
+                return "allow" if tty.readline().strip().lower() in (b"y", b"yes") else "deny"
         except OSError:
             print("sandbox: no terminal to ask on: denied", file=sys.stderr, flush=True)
             return "deny"
@@ -730,10 +733,12 @@ def cmd_mount(args) -> int:
     import signal
 
     from .fuse.dispatcher import Dispatcher
+    from .fuse.notify import watch
     from .fuse.transport import FuseServer, mount, unmount
     from .limits import ServerLimits
     from .mounts import Provider
     from .serving import Export, HoldBroker
+    from .serving.workspaces import open_workspace
 
     setup_logging(args.log_level)
     for what, path in (("--workdir", args.workdir), ("MOUNTPOINT", args.mountpoint)):
@@ -743,7 +748,7 @@ def cmd_mount(args) -> int:
     if os.path.commonpath([work, point]) in (work, point):
         raise CliError("the mount point and the working folder must not contain each other "
                        "(the server would serve its own mount)", EXIT_USAGE)
-    ws = None
+    ws = own_writes = None
     if args.read_only:
         provider = Provider.read_only_dir(args.workdir)
         what = "read-only, no undo"
@@ -757,7 +762,11 @@ def cmd_mount(args) -> int:
         from .core.safeguard import SafeguardConfig
 
         safeguard = SafeguardConfig(delete_threshold=args.delete_threshold) if args.delete_threshold else None
-        ws = _open(args, must_exist=False, on_event=on_event, safeguard=safeguard)
+        # watched: the workspace journals its own writes, so the watcher reports only the
+        # changes made beside the mount, which the kernel is then told to forget
+        ws, own_writes = open_workspace(args.workdir, watched=True, state_dir=_check_store(args, False),
+                                        on_event=on_event, safeguard=safeguard)
+        _recovered(ws)
         provider = Provider.intercepted(ws)
         what = f"intercepted; undo store {_state_dir(args)}"
     limits = ServerLimits()
@@ -776,6 +785,11 @@ def cmd_mount(args) -> int:
     async def serve() -> None:
         server = FuseServer(Dispatcher(export, limits), fd, limits)
         loop = asyncio.get_running_loop()
+        try:
+            watching.append(watch(server, work, own_writes))
+        except OSError as e:  # e.g. no inotify instance left: short timeouts, no invalidation
+            print(f"sandbox: warning: cannot watch {work} for changes made beside the mount ({e}); "
+                  "they show within a second", file=sys.stderr)
 
         def stop() -> None:
             """Detach the mount: once its last open file is closed the kernel ends the
@@ -796,9 +810,12 @@ def cmd_mount(args) -> int:
               flush=True)
         await server.serve()
 
+    watching: list = []
     try:
         asyncio.run(serve())
     finally:
+        for stop_watching in watching:
+            stop_watching()  # before the workspace closes (the watcher reads through it)
         try:
             unmount(point, via_fusermount)  # nothing to do unless the loop ended another way
         except OSError as e:
@@ -818,7 +835,10 @@ def _mount_parser(command, with_workdir, log_levels) -> None:
         "SIGTERM or Ctrl-C (which unmount cleanly) or `umount MOUNTPOINT`. Every change a program makes\n"
         "on the mount is intercepted: it lands in ambient steps (closed after 5 s without writes) that\n"
         "`sandbox history --workdir DIR` lists and `sandbox undo --workdir DIR` undoes once the mount\n"
-        "is gone (the undo store is locked while it runs). --read-only refuses every change (EROFS).\n\n"
+        "is gone (the undo store is locked while it runs). --read-only refuses every change (EROFS).\n"
+        "Changes made to DIR directly, beside the mount, show through it at once (a watcher tells the\n"
+        "kernel to forget what it cached). A program blocked by a safeguard hold can be interrupted\n"
+        "(Ctrl-C, kill): its call fails with EINTR and the hold stays to be answered.\n\n"
         "This gives UNDO, NOT ISOLATION: programs on the mount run on the host, as you, and can do\n"
         "anything you can elsewhere. Only what they change on the mount can be undone.\n\n"
         "As root the mount uses mount(2) (allow_other); otherwise fusermount3 (package fuse3). Always\n"

@@ -22,7 +22,8 @@ from sandbox.core.workspace import Workspace
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.fuse.codec import encode_error, encode_notify, encode_reply
-from sandbox.fuse.dispatcher import WANTED_INIT_FLAGS, Dispatcher, errno_of
+from sandbox.fuse.dispatcher import (ATTR_VALID_S, COHERENT_ATTR_VALID_S, COHERENT_ENTRY_VALID_S, ENTRY_VALID_S,
+                                     WANTED_INIT_FLAGS, Dispatcher, errno_of)
 from sandbox.limits import DescriptorBudget, ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
@@ -352,23 +353,146 @@ def test_a_held_delete_waits_while_other_requests_flow(tmp_path):
     assert_same(before_step, snapshot_dir(mo.work), "after undoing the held step")
 
 
-def test_invalidations_name_the_known_entries_and_nodes_of_changed_paths(mnt):
-    """After an undo changed files behind the kernel's back (sandbox/local/guest.py): the
-    notifications that make it forget them — a dentry per path whose parent it knows, an
-    inode per path it knows; nothing for what it never looked up."""
-    os.makedirs(os.path.join(mnt.work, "d"))
-    for rel in ("d/a", "d/b", "top"):
-        with open(os.path.join(mnt.work, rel), "w") as f:
-            f.write("x")
+def _interrupt(target: int) -> m.Interrupt:
+    h = H(abi.Opcode.INTERRUPT)
+    return m.Interrupt(m.InHeader(h.len, h.opcode, target | 1, 0, 0, 0, 0), target)  # the kernel's FUSE_INT_REQ_BIT
+
+
+def test_interrupt_answers_a_held_request_eintr_and_the_hold_stays_pending(tmp_path):
+    """An INTERRUPT cancels a request waiting behind a hold (the head, or one queued behind
+    it): each is answered EINTR and never runs. The hold stays pending, as after a 9P
+    Tflush: the next mutation meets it again, and its answer still decides the step."""
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(4):
+        open(mo.host(f"f{i}"), "w").close()
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        settled = asyncio.Event()
+
+        def send(unique, reply, error):
+            sent[unique] = (reply, error)
+            settled.set()
+
+        async def until(n):
+            while len(sent) < n:
+                settled.clear()
+                await settled.wait()
+
+        reqs = [m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()) for i in range(3)]
+        assert [mo.d.submit(r, 64, send) for r in reqs] == [False, True, True]
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)  # the held task registers its hold on its first turn
+        hold_id = gate.pending.id
+        mo.d.submit(_interrupt(reqs[2].header.unique), 48, send)  # the queued one
+        await until(2)
+        assert sent[reqs[2].header.unique][1].errno == errno.EINTR
+        assert gate.pending is not None and mo.d.pipeline.held_bytes == 64
+        mo.d.submit(_interrupt(reqs[1].header.unique), 48, send)  # the head
+        await until(3)
+        assert sent[reqs[1].header.unique][1].errno == errno.EINTR
+        assert sorted(os.listdir(mo.work)) == ["f1", "f2", "f3"]  # neither ran
+        assert [h["safeguard_id"] for h in mo.holds.pending()] == [hold_id]  # still pending
+        assert mo.d.pipeline.held_bytes == 0 and not mo.export.gate.busy
+        assert mo.d.interrupts == 2
+        again = m.Unlink(H(abi.Opcode.UNLINK), b"f3")
+        assert mo.d.submit(again, 64, send) is True  # meets the same hold
+        while gate.pending is None:
+            await asyncio.sleep(0)
+        assert gate.pending.id == hold_id and len(mo.holds.pending()) == 1
+        assert mo.holds.answer(hold_id, "allow")
+        await until(4)
+        assert sent[again.header.unique][1] is None
+        assert sorted(os.listdir(mo.work)) == ["f1", "f2"]
+
+    try:
+        asyncio.run(go())
+    finally:
+        mo.close()
+
+
+def test_interrupt_of_a_finished_or_unknown_request_is_ignored_and_an_early_one_is_eagain(mnt):
+    async def go():
+        sent = []
+        send = lambda u, r, e: sent.append((u, r, e))  # noqa: E731
+        done = m.Statfs(H(abi.Opcode.STATFS))
+        mnt.d.submit(done, 40, send)
+        assert len(sent) == 1
+        mnt.d.submit(_interrupt(done.header.unique), 48, send)  # answered already: late, ignored
+        mnt.d.submit(_interrupt(2), 48, send)  # long gone (below the last unique read): ignored
+        assert len(sent) == 1 and mnt.d.interrupts == 0
+        ahead = done.header.unique + 1000 * 2
+        mnt.d.submit(_interrupt(ahead), 48, send)  # never read yet: EAGAIN to the INTERRUPT itself
+        assert len(sent) == 2
+        unique, reply, error = sent[1]
+        assert unique == ahead | 1 and error.errno == errno.EAGAIN
+        encode_error(unique, errno_of(error))
+
+    asyncio.run(go())
+
+
+def test_a_hold_interrupted_then_denied_rolls_the_step_back(tmp_path):
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(3):
+        open(mo.host(f"f{i}"), "w").close()
+    before = snapshot_dir(mo.work)
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        send = lambda u, r, e: sent.__setitem__(u, (r, e))  # noqa: E731
+        reqs = [m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()) for i in range(2)]
+        assert [mo.d.submit(r, 64, send) for r in reqs] == [False, True]
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)
+        hold_id = gate.pending.id
+        mo.d.submit(_interrupt(reqs[1].header.unique), 48, send)
+        await asyncio.gather(*mo.d.pipeline.tasks.values(), return_exceptions=True)
+        await asyncio.sleep(0)
+        assert sent[reqs[1].header.unique][1].errno == errno.EINTR
+        assert mo.holds.answer(hold_id, "deny")  # nobody waits on it any more; it still decides
+        assert_same(before, snapshot_dir(mo.work), "the folder after the interrupted hold was denied")
+
+    try:
+        asyncio.run(go())
+    finally:
+        mo.close()
+
+
+def test_invalidations_name_what_the_kernel_knows(mnt):
+    """A changed path: its name under each known parent node, the parent's attributes, and
+    the node(s) it names (attributes and pages); an unknown path: nothing."""
+    os.mkdir(mnt.host("d"))
+    open(mnt.host("d", "f"), "w").close()
     d = mnt.lookup("d").nodeid
-    a = mnt.call(m.Lookup(H(abi.Opcode.LOOKUP, d), b"a")).nodeid
-    top = mnt.lookup("top").nodeid
-    got = mnt.d.invalidations(["d/a", "d/b", "top", "never/seen", "."])
-    assert set(got) == {m.NotifyInvalInode(a, 0, 0), m.NotifyInvalEntry(d, b"a"), m.NotifyInvalEntry(d, b"b"),
-                        m.NotifyInvalInode(top, 0, 0), m.NotifyInvalEntry(ROOT, b"top"), m.NotifyInvalInode(ROOT, 0, 0)}
-    every = mnt.d.invalidations(None)  # a truncated path list: every node and each of its names
-    assert {n.ino for n in every if isinstance(n, m.NotifyInvalInode)} == {ROOT, d, a, top}
-    assert {(n.parent, n.name) for n in every if isinstance(n, m.NotifyInvalEntry)} == {
-        (ROOT, b"d"), (d, b"a"), (ROOT, b"top")}
-    for n in got + every:
-        encode_notify(n)  # the kernel can be sent each
+    f = mnt.lookup("f", d).nodeid
+    assert mnt.d.invalidations(["d/f"]) == [m.NotifyInvalInode(f, 0, 0), m.NotifyInvalEntry(d, b"f"),
+                                            m.NotifyInvalInode(d, -1, 0)]
+    assert mnt.d.invalidations(["d/new"]) == [m.NotifyInvalEntry(d, b"new"), m.NotifyInvalInode(d, -1, 0)]
+    assert mnt.d.invalidations(["elsewhere/x", "elsewhere"]) == [m.NotifyInvalEntry(ROOT, b"elsewhere"),
+                                                                 m.NotifyInvalInode(ROOT, -1, 0)]
+    assert mnt.d.invalidations([""]) == [m.NotifyInvalInode(ROOT, 0, 0)]
+    every = mnt.d.invalidations_all()
+    assert set(every) == {m.NotifyInvalInode(ROOT, 0, 0), m.NotifyInvalInode(d, 0, 0), m.NotifyInvalInode(f, 0, 0),
+                          m.NotifyInvalEntry(ROOT, b"d"), m.NotifyInvalEntry(d, b"f"),
+                          m.NotifyInvalInode(ROOT, -1, 0), m.NotifyInvalInode(d, -1, 0)}
+    mnt.forget(f, 1)  # forgotten: the kernel no longer knows it
+    assert m.NotifyInvalInode(f, 0, 0) not in mnt.d.invalidations(["d/f"])
+    for n in every:
+        encode_notify(n)
+
+
+def test_coherent_means_long_timeouts_and_kept_pages(mnt):
+    open(mnt.host("f"), "w").close()
+    e = mnt.lookup("f")
+    assert (e.entry_valid, e.attr_valid) == (ENTRY_VALID_S, ATTR_VALID_S)
+    o = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
+    assert not o.open_flags & abi.FOPEN_KEEP_CACHE
+    mnt.d.coherent = True
+    e2 = mnt.lookup("f")
+    assert (e2.entry_valid, e2.attr_valid) == (COHERENT_ENTRY_VALID_S, COHERENT_ATTR_VALID_S)
+    assert mnt.call(m.Getattr(H(abi.Opcode.GETATTR, e.nodeid), 0, 0)).attr_valid == COHERENT_ATTR_VALID_S
+    o2 = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
+    assert o2.open_flags & abi.FOPEN_KEEP_CACHE
+    assert WANTED_INIT_FLAGS & abi.FUSE_AUTO_INVAL_DATA and not WANTED_INIT_FLAGS & abi.FUSE_WRITEBACK_CACHE

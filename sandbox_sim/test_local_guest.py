@@ -332,7 +332,7 @@ def test_docs_quote_the_local_guest_limits():
     rows = dict(re.findall(r"\| `([A-Z_]+)` = ([\d,.]+)", section))
     expected = {name: getattr(guest, name, getattr(holder, name, None)) for name in rows}
     assert set(rows) == {"COMMANDS_RUNNING_MAX", "READ_CHUNK_BYTES_MAX", "CANCEL_GRACE_S", "HOLDER_REPLY_TIMEOUT_S",
-                         "STOP_TIMEOUT_S", "MESSAGE_BYTES_MAX"}
+                         "STOP_TIMEOUT_S", "MESSAGE_BYTES_MAX", "UNDO_NOTIFY_WAIT_S"}
     for name, text in rows.items():
         assert float(text.replace(",", "")) == expected[name], name
 

@@ -38,6 +38,12 @@ Invariants:
   :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
   snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
   reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
+* **caching**: entry/attribute timeouts and the page-cache mode follow :attr:`Dispatcher.coherent`
+  (True while the watcher's invalidations run: long timeouts, ``FOPEN_KEEP_CACHE``);
+  :meth:`Dispatcher.invalidations` says what the kernel must forget for changed paths —
+  only nodes and names it knows. No writeback cache: every write is a request.
+* **INTERRUPT** cancels a request waiting behind a hold and answers it ``EINTR``; the hold
+  stays pending (as after a 9P ``Tflush``).
 * nothing from the kernel is trusted except as data: unknown node ids and handles are
   ``ENOENT``/``EBADF``, a name that is not one component ``EINVAL``; any request before
   INIT is ``EIO``; an opcode the Provider cannot serve is ``ENOSYS`` (``docs/fuse.md``).
@@ -63,10 +69,14 @@ from . import abi
 from . import messages as m
 from .codec import DirentPacker, negotiate_init
 
-#: seconds the kernel may cache a name → node answer and a node's attributes. Short, so a
-#: change made on the host beside the mount shows within a second (no notifications yet).
+#: seconds the kernel may cache a name → node answer and a node's attributes when nothing
+#: tells it of changes made on the host beside the mount (no watcher): they show within a second
 ENTRY_VALID_S = 1
 ATTR_VALID_S = 1
+#: the same while the watcher's invalidations tell the kernel of every change it sees
+#: (:attr:`Dispatcher.coherent`; docs/fuse.md "Caching" has the measurements)
+COHERENT_ENTRY_VALID_S = 60
+COHERENT_ATTR_VALID_S = 60
 #: node ids are never reused within one mount: one generation
 GENERATION = 1
 #: INIT: background requests the kernel may queue for us, and where it starts throttling
@@ -77,7 +87,7 @@ CONGESTION_THRESHOLD = 48
 #: (the kernel arbitrates them locally), no DONT_MASK (the kernel applies the umask)
 WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BIG_WRITES | abi.FUSE_MAX_PAGES
                      | abi.FUSE_DO_READDIRPLUS | abi.FUSE_READDIRPLUS_AUTO | abi.FUSE_PARALLEL_DIROPS
-                     | abi.FUSE_INIT_EXT)
+                     | abi.FUSE_AUTO_INVAL_DATA | abi.FUSE_INIT_EXT)
 
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
@@ -200,6 +210,16 @@ class Dispatcher:
         self.dirs: dict[int, OpenDir] = {}
         self._next_fh = 1
         self.listing_bytes = 0
+        #: True while every change made beside the mount is notified to the kernel (the
+        #: watcher runs): long timeouts and the page cache kept across opens; False: short
+        #: timeouts, the page cache dropped at each open
+        self.coherent = False
+        #: the mount is going away: gated requests fail with EIO at once instead of waiting
+        self.closing = False
+        #: the largest request unique read so far (an INTERRUPT beyond it came before its request)
+        self.last_unique = 0
+        #: held requests cancelled by INTERRUPT (answered EINTR)
+        self.interrupts = 0
         #: called after a held request's reply (the transport reads again if it paused)
         self.on_settled = on_settled or (lambda: None)
         self.pipeline = RequestPipeline(on_settled=lambda: self.on_settled())
@@ -244,10 +264,15 @@ class Dispatcher:
 
     def submit(self, req: m.Request, size: int, send: Callable[[int, object, BaseException | None], None]) -> bool:
         """Run ``req`` through the pipeline; ``send(unique, reply, error)`` is called once with
-        the result (never for a request that expects no reply, nor for a cancelled one).
+        the result (never for a request that expects no reply; for one cancelled by INTERRUPT,
+        ``EINTR``).
         True if it was deferred behind a hold (its reply comes later)."""
         unique = req.header.unique
-        if req.OPCODE in m.NO_REPLY or isinstance(req, m.Interrupt):
+        if isinstance(req, m.Interrupt):
+            self._interrupted(req, send)
+            return False
+        self.last_unique = max(self.last_unique, unique)
+        if req.OPCODE in m.NO_REPLY:
             try:
                 self.handle(req)
             except Exception:  # pragma: no cover - forgets never fail
@@ -256,40 +281,26 @@ class Dispatcher:
         if req.OPCODE in UNSUPPORTED:
             send(unique, None, OSError(errno.ENOSYS, f"{req.OPCODE.name} is not served"))
             return False
-        return self.pipeline.run(unique, self.gated(req), lambda: self.handle(req), size,
+        gate = self.gated(req)
+        if gate is not None and self.closing:
+            send(unique, None, OSError(errno.EIO, "the mount is going away"))
+            return False
+        return self.pipeline.run(unique, gate, lambda: self.handle(req), size,
                                  lambda result, error: send(unique, result, error))
 
-    def invalidations(self, paths: list[str] | None) -> list[m.Notify]:
-        """The notifications that make the kernel forget what it caches of ``paths``
-        (relative to the export root, ``"."`` the root; None: every node) after they changed
-        behind its back (an undo): for each path whose parent is a known node, its dentry
-        (``NotifyInvalEntry``); for each known node at a path, its attributes and pages
-        (``NotifyInvalInode``). Sans-I/O: the caller writes them — never on a thread that
-        must answer requests, since the kernel may wait for a directory lock a request holds."""
-        out: list[m.Notify] = []
-        if paths is None:
-            for n in list(self.nodes.values()):
-                out.append(m.NotifyInvalInode(n.nodeid, 0, 0))
-                out += [e for link in n.links if (e := self._inval_entry(link.path)) is not None]
-            return out
-        for rel in paths:
-            path = "" if rel in (".", "") else rel.strip("/")
-            for h in self.export.handles_at(path):
-                if isinstance(h, Link) and self.nodes.get(h.node.nodeid) is h.node:
-                    out.append(m.NotifyInvalInode(h.node.nodeid, 0, 0))
-            e = self._inval_entry(path)
-            if e is not None:
-                out.append(e)
-        return out
-
-    def _inval_entry(self, path: str) -> m.NotifyInvalEntry | None:
-        if not path:
-            return None
-        parent, name = parent_of(path), path.rpartition("/")[2]
-        for h in self.export.handles_at(parent):
-            if isinstance(h, Link) and self.nodes.get(h.node.nodeid) is h.node and h.node.kind == DIR:
-                return m.NotifyInvalEntry(h.node.nodeid, name.encode("utf-8", "surrogateescape"))
-        return None
+    def _interrupted(self, req: m.Interrupt, send) -> None:
+        """INTERRUPT of request ``req.unique`` (docs/fuse.md "Interrupts"): a request waiting
+        behind a safeguard hold is cancelled and answered ``EINTR`` (it never ran; the hold
+        stays pending, as after a 9P Tflush). A request already answered, or unknown, is
+        left alone (the kernel may send INTERRUPT late). One not seen yet (a unique beyond
+        every one read) gets ``EAGAIN`` on the INTERRUPT itself: the kernel sends it again."""
+        if not self.initialized:
+            return
+        if self.pipeline.cancel(req.unique, InterruptedError(errno.EINTR, "interrupted")) is not None:
+            self.interrupts += 1
+            return
+        if req.unique > self.last_unique:
+            send(req.header.unique, None, BlockingIOError(errno.EAGAIN, "INTERRUPT before its request"))
 
     def close(self) -> None:
         """The mount is gone: close every open file, drop every node."""
@@ -364,9 +375,48 @@ class Dispatcher:
         n = self._remember(path, a)
         return self._entry_out(n, a)
 
-    @staticmethod
-    def _entry_out(n: Node, a: Attr) -> m.EntryOut:
-        return m.EntryOut(n.nodeid, GENERATION, ENTRY_VALID_S, ATTR_VALID_S, 0, 0, fuse_attr(a))
+    @property
+    def entry_valid_s(self) -> int:
+        return COHERENT_ENTRY_VALID_S if self.coherent else ENTRY_VALID_S
+
+    @property
+    def attr_valid_s(self) -> int:
+        return COHERENT_ATTR_VALID_S if self.coherent else ATTR_VALID_S
+
+    def _entry_out(self, n: Node, a: Attr) -> m.EntryOut:
+        return m.EntryOut(n.nodeid, GENERATION, self.entry_valid_s, self.attr_valid_s, 0, 0, fuse_attr(a))
+
+    # ------------------------------------------------------------------ invalidation
+
+    def _nodes_at(self, path: str) -> list[Node]:
+        return [x.node for x in self.export.handles_at(path)
+                if isinstance(x, Link) and self.nodes.get(x.node.nodeid) is x.node]
+
+    def invalidations(self, paths) -> list[m.Notify]:
+        """What the kernel must forget after ``paths`` (relative to the root) changed beside
+        the mount: for each, the cached name under its parent's node (``NotifyInvalEntry``),
+        the parent's attributes, and the attributes and page cache of the node(s) it names
+        (``NotifyInvalInode``). Only nodes the kernel knows; duplicates once."""
+        out: dict = {}
+        for path in paths:
+            for n in self._nodes_at(path):
+                out[m.NotifyInvalInode(n.nodeid, 0, 0)] = None
+            if path == "":
+                continue
+            name = path.rsplit("/", 1)[-1].encode("utf-8", "surrogateescape")
+            if not name or len(name) > abi.NAME_BYTES_MAX:
+                continue
+            for parent in self._nodes_at(parent_of(path)):
+                if parent.kind == DIR:
+                    out[m.NotifyInvalEntry(parent.nodeid, name)] = None
+                    out[m.NotifyInvalInode(parent.nodeid, -1, 0)] = None
+        return list(out)
+
+    def invalidations_all(self) -> list[m.Notify]:
+        """What the kernel must forget when anything may have changed (a rollback, a missed
+        watcher event): every name and every node it knows."""
+        paths = {link.path for n in self.nodes.values() for link in n.links}
+        return self.invalidations(sorted(paths))
 
     def _drop_lookups(self, nodeid: int, count: int) -> None:
         n = self.nodes.get(nodeid)
@@ -441,7 +491,7 @@ class Dispatcher:
         self.initialized = False
 
     def _interrupt(self, req: m.Interrupt) -> None:
-        return None  # not yet: a held request stays held (docs/fuse.md)
+        return None  # answered by submit (:meth:`_interrupted`): only a waiting request can be
 
     def _forget(self, req: m.Forget) -> None:
         self._drop_lookups(req.header.nodeid, req.nlookup)
@@ -547,7 +597,7 @@ class Dispatcher:
     def _getattr(self, req: m.Getattr) -> m.AttrOut:
         n = self._node(req.header.nodeid)
         fh = req.fh if req.getattr_flags & abi.FUSE_GETATTR_FH else None
-        return m.AttrOut(ATTR_VALID_S, 0, fuse_attr(self._attr(n, self._cred(req), fh)))
+        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(self._attr(n, self._cred(req), fh)))
 
     def _setattr(self, req: m.Setattr) -> m.AttrOut:
         n = self._node(req.header.nodeid)
@@ -574,7 +624,7 @@ class Dispatcher:
             mtime_ns=when(abi.FATTR_MTIME, abi.FATTR_MTIME_NOW, req.mtime, req.mtimensec),
             chown=bool(v & (abi.FATTR_UID | abi.FATTR_GID)),
             uid=req.uid if v & abi.FATTR_UID else None, gid=req.gid if v & abi.FATTR_GID else None, cred=cred)
-        return m.AttrOut(ATTR_VALID_S, 0, fuse_attr(self._attr(n, cred, req.fh if f is not None else None)))
+        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(self._attr(n, cred, req.fh if f is not None else None)))
 
     def _readlink(self, req: m.Readlink) -> m.Data:
         n = self._node(req.header.nodeid)
@@ -641,7 +691,12 @@ class Dispatcher:
             handle.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
-        return m.OpenOut(self._add_file(n, handle), 0)
+        return m.OpenOut(self._add_file(n, handle), self._open_flags())
+
+    def _open_flags(self) -> int:
+        """Coherent: keep the page cache across opens (the watcher's notifications drop what
+        the host changes); otherwise the kernel drops it at each open."""
+        return abi.FOPEN_KEEP_CACHE if self.coherent else 0
 
     def _create(self, req: m.Create) -> m.CreateOut:
         d = self._dir(req.header.nodeid)
@@ -655,7 +710,7 @@ class Dispatcher:
             handle.close()
             self.descriptors.release()
             raise
-        return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), 0))
+        return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), self._open_flags()))
 
     def _file(self, fh: int) -> OpenFile:
         f = self.files.get(fh)

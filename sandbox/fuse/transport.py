@@ -25,6 +25,13 @@ Invariants:
   dropped; a reply the kernel no longer wants (``ENOENT``: interrupted) is dropped;
 * ``ENODEV`` on read (the mount is gone: unmounted, or the connection aborted) ends the
   loop, which then closes every handle (:meth:`Dispatcher.close`);
+* stopping (``ENODEV``, :meth:`FuseServer.stop`): gated requests fail ``EIO`` at once, held
+  ones are answered ``EIO``, and requests are still answered until the notifier's thread
+  has ended (≤ :data:`NOTIFY_STOP_TIMEOUT_S`) — its last write may wait for one of them;
+* invalidation notifications (:meth:`FuseServer.invalidate`, from any thread) are written
+  by the :class:`~sandbox.fuse.notify.Notifier`'s thread, never this loop's, and only while
+  no request is held; a safeguard's deny (a rollback behind the kernel's back) invalidates
+  everything the kernel knows;
 * bounded: one request buffer per read (:data:`~sandbox.fuse.abi.READ_BUFFER_BYTES`);
   requests held behind a safeguard hold ≤ ``held_request_bytes_per_connection_max``
   bytes — beyond it the descriptor is not read until they drain (the kernel queues, the
@@ -49,6 +56,7 @@ from . import abi
 from . import messages as m
 from .codec import decode_request, encode_error, encode_reply
 from .dispatcher import Dispatcher, errno_of
+from .notify import Notifier
 
 log = logging.getLogger("sandbox.fuse")
 
@@ -56,6 +64,8 @@ log = logging.getLogger("sandbox.fuse")
 REQUESTS_PER_WAKEUP_MAX = 64
 #: seconds between runs of the undo core's time-driven transitions (ambient step close, hold expiry)
 POLL_INTERVAL_S = 0.2
+#: seconds the server, stopping, keeps answering requests so the notifier's last write can finish
+NOTIFY_STOP_TIMEOUT_S = 5.0
 #: seconds `fusermount3` may take to mount or unmount
 FUSERMOUNT_TIMEOUT_S = 30
 MS_NOSUID, MS_NODEV = 2, 4
@@ -144,8 +154,10 @@ class FuseServer:
         self.poll_interval_s = poll_interval_s
         self.reading = False
         self.requests = 0  # handled (for tests and logs)
+        self.notifier = Notifier(fd, self._invalidations)  # its thread runs while serving
         self._done: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False  # never read again (stopped, or the mount is gone)
         dispatcher.on_settled = self._resume  # a held request ended: read again if paused
 
     async def serve(self) -> None:
@@ -153,21 +165,76 @@ class FuseServer:
         self._loop = asyncio.get_running_loop()
         self._done = self._loop.create_future()
         os.set_blocking(self.fd, False)
+        self.notifier.start(self._loop)
+        unsubscribe = self._on_denials()
         self._start_reading()
         pollers = [self._loop.create_task(self._poll_loop())] if self.poll_interval_s is not None else []
         try:
             await self._done
         finally:
+            unsubscribe()
+            await self._drain()
+            self._closed = True
             self._stop_reading()
             for p in pollers:
                 p.cancel()
-            tasks = self.dispatcher.pipeline.cancel_all()
-            await asyncio.gather(*pollers, *tasks, return_exceptions=True)
+            await asyncio.gather(*pollers, return_exceptions=True)
             self.dispatcher.close()
+
+    async def _drain(self) -> None:
+        """Stopping: gated requests fail at once (no new hold), held ones are answered ``EIO``
+        (the kernel releases what they lock), and requests are still answered until the
+        notifier's last write — which may wait for one of them — has finished."""
+        self.dispatcher.closing = True
+        self.notifier.stop()
+        tasks = self.dispatcher.pipeline.cancel_all(OSError(errno.EIO, "the mount is going away"))
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._resume()
+        if not await self._loop.run_in_executor(None, self.notifier.join, NOTIFY_STOP_TIMEOUT_S):
+            log.warning("fuse: a notification still waits for the kernel after %.0f s; stopping anyway",
+                        NOTIFY_STOP_TIMEOUT_S)
 
     def stop(self) -> None:
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
+
+    # -- invalidation (any thread)
+
+    def invalidate(self, paths) -> None:
+        """``paths`` (relative to the root) changed beside the mount: the kernel forgets them."""
+        self.notifier.changed(paths)
+
+    def invalidate_all(self) -> None:
+        """Anything may have changed (a rollback, lost watcher events): the kernel forgets all."""
+        self.notifier.everything()
+
+    def set_coherent(self, coherent: bool) -> None:
+        """Whether every change beside the mount is notified (:attr:`Dispatcher.coherent`)."""
+        if self._loop is None or self._closed:
+            self.dispatcher.coherent = coherent
+            return
+        try:
+            self._loop.call_soon_threadsafe(setattr, self.dispatcher, "coherent", coherent)
+        except RuntimeError:  # the loop is closed: nothing is served any more
+            pass
+
+    def _invalidations(self, paths):
+        return self.dispatcher.invalidations_all() if paths is None else self.dispatcher.invalidations(paths)
+
+    def _on_denials(self):
+        """A safeguard's deny rolled a step back behind the kernel's back: invalidate all."""
+        gate = self.dispatcher.export.gate
+        if gate is None:
+            return lambda: None
+
+        def on(kind: str, payload: dict) -> None:
+            if kind == "resolved" and payload.get("action") == "deny":
+                self.invalidate_all()
+
+        return gate.broker.subscribe(on)
+
+    def _quiet(self) -> None:
+        self.notifier.set_quiet(not self.dispatcher.pipeline.tasks)
 
     async def _poll_loop(self) -> None:
         export = self.dispatcher.export
@@ -186,7 +253,7 @@ class FuseServer:
         return self.dispatcher.pipeline.held_bytes > self.limits.held_request_bytes_per_connection_max
 
     def _start_reading(self) -> None:
-        if not self.reading and self._done is not None and not self._done.done():
+        if not self.reading and self._done is not None and not self._closed:
             self.reading = True
             self._loop.add_reader(self.fd, self._readable)
 
@@ -196,6 +263,7 @@ class FuseServer:
             self._loop.remove_reader(self.fd)
 
     def _resume(self) -> None:
+        self._quiet()
         if not self.reading and not self._over_limits():
             self._start_reading()
 
@@ -213,6 +281,8 @@ class FuseServer:
                     continue
                 if e.errno != errno.ENODEV:
                     log.error("fuse: read from /dev/fuse failed: %s; stopping", e)
+                self._closed = True  # never read again (the descriptor stays readable)
+                self._stop_reading()
                 self.stop()
                 return
             self._request(buf)
@@ -229,7 +299,8 @@ class FuseServer:
                     log.info("fuse: bad request: %s", e)
                 self._send(e.unique, None, OSError(e.errno, e.message))
             return
-        self.dispatcher.submit(req, len(buf), self._send)
+        if self.dispatcher.submit(req, len(buf), self._send) or isinstance(req, m.Interrupt):
+            self._quiet()
         if isinstance(req, m.Destroy):
             self.stop()
 

@@ -30,7 +30,7 @@ How it fits the :class:`~sandbox.session.guest.Guest` protocol:
 * ``rollback_notify``: appended to an undo events file named in ``$SANDBOX_UNDO_EVENTS``
   for every command (the shim's :class:`~sandbox.guest.shim.UndoEvents`, same format), and
   the kernel told to forget its cached dentries and attributes of the undone paths (FUSE
-  notifications, :meth:`~sandbox.fuse.dispatcher.Dispatcher.invalidations`; every node when
+  notifications through the mount's :class:`~sandbox.fuse.notify.Notifier`; every node when
   the path list was truncated), so the next command sees the restored tree at once;
 * live ``mount``/``unmount``: one more FUSE mount (the target must exist) / detach it;
 * ``stop``: SIGKILL every command's process group, detach every mount (deepest first),
@@ -52,7 +52,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
-import errno
 import json
 import logging
 import os
@@ -66,8 +65,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..fuse.codec import encode_notify
 from ..fuse.dispatcher import Dispatcher
+from ..fuse.notify import EVERYTHING
 from ..fuse.transport import FuseServer
 from ..guest import control as proto
 from ..guest.shim import UndoEvents
@@ -88,6 +87,8 @@ CANCEL_GRACE_S = 5.0
 HOLDER_REPLY_TIMEOUT_S = 30.0
 #: seconds stop() waits for the holder, a FUSE server or a killed command to end
 STOP_TIMEOUT_S = 10.0
+#: seconds an undo waits for its invalidations to reach the kernel before the next command
+UNDO_NOTIFY_WAIT_S = 5.0
 #: "1": make the private namespace inside a user namespace even as root (what a non-root agent
 #: always does; lets the unprivileged path be exercised on a root test machine)
 USER_NS_ENV = "SANDBOX_LOCAL_USERNS"
@@ -421,14 +422,27 @@ class LocalGuest:
         self.undo_events.append({"step_ids": msg["step_ids"], "folder": folder, "time_ns": time.time_ns(),
                                  "paths": [{"path": where(p["path"]), "change": p["change"]} for p in msg["paths"]],
                                  "paths_truncated": msg["paths_truncated"]})
-        # the kernel's caches of what the undo changed behind its back: dentries and attributes
+        # the kernel's caches of what the undo changed behind its back: dentries, attributes,
+        # pages — through the mount's notifier (written off the loop, never while a request
+        # is held); the next command starts once they are written
         target = os.path.realpath(folder) if folder else None
         for m in self._mounts:
             if m.target == target:
-                rels = None if paths_truncated or paths is None else [p["path"] for p in paths]
-                notes = m.server.dispatcher.invalidations(rels)
-                if notes:  # written off the loop: the kernel may wait for a lock a request holds
-                    await asyncio.get_running_loop().run_in_executor(None, _notify, m.fd, notes)
+                notifier = m.server.notifier
+                since = notifier.mark()
+                if paths_truncated or paths is None:
+                    m.server.invalidate_all()
+                    key = EVERYTHING
+                elif paths:
+                    rels = ["" if p["path"] in (".", "") else p["path"].strip("/") for p in paths]
+                    m.server.invalidate(rels)
+                    key = rels[0]
+                else:
+                    continue
+                if not await asyncio.get_running_loop().run_in_executor(
+                        None, notifier.wait_flushed, key, UNDO_NOTIFY_WAIT_S, since):
+                    log.warning("local guest: the undo's invalidations were not written within %.0f s",
+                                UNDO_NOTIFY_WAIT_S)
 
     async def pause(self) -> bool:
         return False  # no VM to freeze: a held request blocks its command in the kernel anyway
@@ -455,15 +469,6 @@ class LocalGuest:
         await asyncio.wrap_future(m.task)
         os.close(m.fd)
         self._log(f"unmounted {target}")
-
-
-def _notify(fd: int, notes: list) -> None:
-    for n in notes:
-        try:
-            os.write(fd, encode_notify(n))
-        except OSError as e:  # ENOENT: the kernel no longer caches it; ENODEV: unmounted
-            if e.errno not in (errno.ENOENT, errno.ENODEV, errno.ENOTDIR):
-                log.warning("FUSE notification %s failed: %s", n, e)
 
 
 def _killpg(pgid: int, sig: int) -> None:

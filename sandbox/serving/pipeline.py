@@ -12,10 +12,14 @@ pipeline runs it:
   the pipeline under the request's ``key`` (a 9P tag, a FUSE unique id) and its reply
   goes out when the task ends — later requests go on (pipelining);
 * :meth:`RequestPipeline.cancel` (``Tflush``, FUSE ``INTERRUPT``) cancels a waiting
-  request: it never runs and is never answered (the gate hands its place on).
+  request: it never runs (the gate hands its place on) and is never answered — unless
+  the canceller gives an ``answer`` (FUSE must answer an interrupted request: ``EINTR``);
+  a safeguard hold it was waiting on stays pending (:mod:`.holds`).
 
 Invariants: ``reply(result, error)`` is called exactly once per request that is not
-cancelled, and never for a cancelled one; ``held_bytes`` is the size of the requests
+cancelled, and for a cancelled one only with the canceller's ``answer`` (once, after the
+task has ended); a request that ended before the cancel took effect keeps its own reply;
+``held_bytes`` is the size of the requests
 waiting now (the server's backpressure bound); every task is in ``tasks`` until it ends,
 and :meth:`RequestPipeline.cancel_all` cancels them for the caller to await — nothing is
 left running.
@@ -38,6 +42,7 @@ class RequestPipeline:
         """``on_settled()`` runs after a deferred request's reply (the server reads on)."""
         self.tasks: dict[Hashable, asyncio.Task] = {}
         self.held_bytes = 0  # bytes of requests waiting behind a hold gate
+        self._answers: dict[Hashable, BaseException] = {}  # cancelled requests to answer anyway
         self._on_settled = on_settled or (lambda: None)
 
     def __contains__(self, key: Hashable) -> bool:
@@ -81,7 +86,11 @@ class RequestPipeline:
             provider.op_finished()
             self.tasks.pop(key, None)
             self.held_bytes -= size
+            answer = self._answers.pop(key, None)
             if t.cancelled():
+                if answer is not None:
+                    reply(None, answer)
+                self._on_settled()
                 return
             e = t.exception()
             reply(t.result() if e is None else None, e)
@@ -92,18 +101,20 @@ class RequestPipeline:
     def own(self, key: Hashable, task: asyncio.Task) -> None:
         """Keep a protocol's own task (e.g. the one answering a flush) under ``key`` until it ends."""
         self.tasks[key] = task
-        task.add_done_callback(lambda _t: self.tasks.pop(key, None))
+        task.add_done_callback(lambda _t: (self.tasks.pop(key, None), self._answers.pop(key, None)))
 
-    def cancel(self, key: Hashable) -> asyncio.Task | None:
-        """Cancel request ``key`` if it is waiting; returns its task (await it), or None."""
+    def cancel(self, key: Hashable, answer: BaseException | None = None) -> asyncio.Task | None:
+        """Cancel request ``key`` if it is waiting; returns its task (await it), or None.
+        ``answer``: the error a cancelled request is answered with (None: no answer)."""
         t = self.tasks.get(key)
-        if t is not None:
-            t.cancel()
+        if t is not None and t.cancel() and answer is not None and key not in self._answers:
+            self._answers[key] = answer
         return t
 
-    def cancel_all(self) -> list[asyncio.Task]:
-        """Cancel every task (the connection is gone); returns them for the caller to await."""
+    def cancel_all(self, answer: BaseException | None = None) -> list[asyncio.Task]:
+        """Cancel every task (the connection is gone); returns them for the caller to await.
+        ``answer``: as for :meth:`cancel`."""
         tasks = list(self.tasks.values())
-        for t in tasks:
-            t.cancel()
+        for key in list(self.tasks):
+            self.cancel(key, answer)
         return tasks

@@ -44,16 +44,17 @@ def open_workspace(path: str, *, watched: bool = False, **kwargs) -> OpenedWorks
 
 
 def watch_workspace(own_writes, path: str, on_external: Callable[[list[str]], None] | None = None,
-                    on_warning: Callable[[str], None] | None = None):
+                    on_warning: Callable[[str], None] | None = None, **watcher_kwargs):
     """Start the external-modification watcher on ``path``, the folder of a workspace
     opened with ``open_workspace(watched=True)``, given that call's ``own_writes``; returns
-    it (``stop()`` it before closing the workspace). Without callbacks, what it finds is logged."""
+    it (``stop()`` it before closing the workspace). Without callbacks, what it finds is logged.
+    ``watcher_kwargs``: :class:`~sandbox.barriers.watch.TreeWatcher`'s (``settle_s``, ``batch_max_s``)."""
     from ..barriers.watch import ExternalChangeDetector
 
     if own_writes is None:
         raise ValueError("the workspace was not opened with open_workspace(watched=True)")
     d = ExternalChangeDetector(os.path.realpath(path), own_writes,
                                on_external or (lambda paths: log.warning("external modification: %s", paths[:5])),
-                               on_warning or (lambda message: log.warning("%s", message)))
+                               on_warning or (lambda message: log.warning("%s", message)), **watcher_kwargs)
     d.start()
     return d
