@@ -349,6 +349,14 @@ class Decoder:
         """bytes of an incomplete message held"""
         return len(self._buf)
 
+    @property
+    def wanted(self) -> int:
+        """bytes that complete the current header or payload: a reader that asks for no more
+        never reads into the next message (so descriptors received belong to this one)"""
+        if self._header is None:
+            return HEADER_BYTES - len(self._buf)
+        return self._header.size - len(self._buf)
+
     def feed(self, data: bytes) -> list[Message]:
         self._buf += data
         out: list[Message] = []

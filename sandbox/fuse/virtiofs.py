@@ -1,0 +1,520 @@
+"""The virtio-fs device: a vhost-user back-end serving FUSE from guest virtqueues (issue 17).
+
+QEMU's ``vhost-user-fs-pci`` connects to our unix socket and drives the device with
+vhost-user messages (:mod:`.vhost`): features, the guest's memory (memfd descriptors, mmap'd
+here), and per virtqueue its size, addresses, base index and kick/call eventfds. Queue 0
+is the high-priority queue (FORGET, BATCH_FORGET: no reply); queues 1.. are request
+queues. Each chain's readable bytes are one FUSE request, decoded by the shared codec and
+handed to the shared :class:`~.dispatcher.Dispatcher` exactly as the ``/dev/fuse``
+transport does; the reply is written into the chain's writable segments, the chain put
+in the used ring, and the call eventfd signalled (event index honoured).
+
+:class:`Device` is the vhost-user state machine (message + descriptors in, reply bytes
+out; rings as :class:`~.virtqueue.Virtqueue`); :class:`VirtioFsServer` is the asyncio loop
+around it: the listening socket (one front-end at a time), ``recvmsg`` with
+``SCM_RIGHTS``, the kick eventfds, the undo core's polling.
+
+Invariants:
+
+* the front-end is trusted to speak vhost-user (a malformed message ends the connection,
+  never the server); the guest is not: ring contents are data — a bad chain is returned
+  used with length 0, an impossible ring index stops that queue (logged) until the
+  front-end sets it up again;
+* a request held by a safeguard keeps its chain unanswered (its memoryviews held) while
+  other chains and queues flow; held bytes ≤ ``held_request_bytes_per_connection_max``,
+  beyond it no chain is popped until they drain (the guest's queue fills: backpressure);
+* bounded: a request is at most :data:`~.abi.READ_BUFFER_BYTES` (larger: ``EINVAL``
+  reply, or dropped with length 0 when not even the header is readable), chains popped
+  per wake-up ≤ :data:`CHAINS_PER_WAKEUP_MAX`, virtqueues ≤ :data:`VIRTQUEUES_MAX`,
+  descriptors per message ≤ :data:`~.vhost.MEM_REGIONS_MAX` (more are closed, and the
+  message refused);
+* a reply that does not fit its chain's writable space is replaced by ``-EIO`` (or, if
+  not even a header fits, the chain is returned with length 0);
+* on disconnect every ring stops, the memory is unmapped, descriptors closed and the
+  dispatcher closed (every handle); a FUSE DESTROY (the guest unmounted) starts a fresh
+  dispatcher so the guest can mount again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..limits import ServerLimits
+from . import abi
+from . import messages as m
+from . import vhost as v
+from .codec import decode_request, encode_error
+from .dispatcher import Dispatcher
+from .transport import POLL_INTERVAL_S, poll_export, reply_bytes
+from .virtqueue import (F_EVENT_IDX, F_INDIRECT_DESC, F_VERSION_1, BadChain, BrokenRing, GuestMemory, Virtqueue)
+
+log = logging.getLogger("sandbox.virtiofs")
+
+#: the high-priority queue and this many request queues at most (QEMU's num-request-queues)
+REQUEST_QUEUES_MAX = 8
+VIRTQUEUES_MAX = 1 + REQUEST_QUEUES_MAX
+#: chains popped from one queue per wake-up before other callbacks run
+CHAINS_PER_WAKEUP_MAX = 64
+#: the virtio features offered: version 1, indirect descriptors, event index, vhost-user protocol features
+FEATURES = F_VERSION_1 | F_INDIRECT_DESC | F_EVENT_IDX | v.F_PROTOCOL_FEATURES
+#: the protocol features offered: several queues, acknowledged requests
+PROTOCOL_FEATURES = v.ProtocolFeature.MQ | v.ProtocolFeature.REPLY_ACK
+HIPRIO = 0
+_FUSE_IN_HEADER_BYTES = 40
+
+
+@dataclass
+class Ring:
+    index: int
+    num: int = 0
+    base: int = 0
+    addr: v.VringAddr | None = None
+    kick: int | None = None
+    call: int | None = None
+    err: int | None = None
+    enabled: bool | None = None  # None: not set by SET_VRING_ENABLE
+    vq: Virtqueue | None = None
+    broken: bool = False
+    paused: bool = False
+    held: set = field(default_factory=set)
+
+    def close_fds(self) -> None:
+        for name in ("kick", "call", "err"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
+
+
+class DeviceError(Exception):
+    """The front-end broke the protocol: end the connection."""
+
+
+class Device:
+    """The vhost-user back-end's state (module docstring). :meth:`message` handles one
+    message and its descriptors and returns the reply bytes (or ``None``); ring events go
+    to ``on_ring_start(ring)`` / ``on_ring_stop(ring)`` (the server watches the kick fd)."""
+
+    def __init__(self, on_ring_start: Callable[[Ring], None] = lambda r: None,
+                 on_ring_stop: Callable[[Ring], None] = lambda r: None):
+        self.features = 0
+        self.protocol_features = 0
+        self.owner = False
+        self.mem: GuestMemory | None = None
+        self.rings = [Ring(i) for i in range(VIRTQUEUES_MAX)]
+        self.on_ring_start = on_ring_start
+        self.on_ring_stop = on_ring_stop
+        self.log: list[tuple[str, int]] = []  # (request name, flags) of every message, for fixtures and tests
+
+    # -- messages
+
+    def message(self, msg: v.Message, fds: list[int]) -> bytes | None:
+        """Handle ``msg``; ``fds`` are owned by the device from here (each handler keeps or
+        closes them exactly once, also when it fails)."""
+        h = msg.header
+        try:
+            name = v.Req(h.request).name
+        except ValueError:
+            name = str(h.request)
+        self.log.append((name, h.flags))
+        try:
+            reply = self._handle(h.request, msg.payload, fds)
+            ok = True
+        except (v.ProtocolError, DeviceError, BrokenRing, OSError, ValueError) as e:
+            if h.request in v.REPLY_TYPES or not (h.need_reply and self._acked(v.ProtocolFeature.REPLY_ACK)):
+                raise DeviceError(f"{name}: {e}") from e
+            log.warning("virtiofs: %s failed: %s", name, e)
+            reply, ok = None, False
+        if reply is not None:
+            return v.encode_reply(h.request, reply)
+        if h.need_reply and self._acked(v.ProtocolFeature.REPLY_ACK):
+            return v.encode_reply(h.request, v.U64(0 if ok else 1))
+        return None
+
+    def _acked(self, feature: int) -> bool:
+        return bool(self.protocol_features & feature)
+
+    def _ring(self, index: int) -> Ring:
+        if not 0 <= index < VIRTQUEUES_MAX:
+            raise DeviceError(f"virtqueue {index} ≥ {VIRTQUEUES_MAX}")
+        return self.rings[index]
+
+    def _handle(self, request: int, p, fds: list[int]) -> v.Payload | None:
+        R = v.Req
+        if request not in (R.SET_MEM_TABLE, R.SET_VRING_KICK, R.SET_VRING_CALL, R.SET_VRING_ERR,
+                           R.SET_LOG_BASE, R.SET_LOG_FD) and fds:
+            for fd in fds:
+                os.close(fd)
+            raise DeviceError(f"{len(fds)} unexpected descriptors")
+        if request == R.GET_FEATURES:
+            return v.U64(FEATURES)
+        if request == R.SET_FEATURES:
+            if p.value & ~FEATURES:
+                raise DeviceError(f"features {p.value & ~FEATURES:#x} were not offered")
+            self.features = p.value
+            return None
+        if request == R.GET_PROTOCOL_FEATURES:
+            return v.U64(int(PROTOCOL_FEATURES))
+        if request == R.SET_PROTOCOL_FEATURES:
+            self.protocol_features = p.value & PROTOCOL_FEATURES
+            return None
+        if request == R.GET_QUEUE_NUM:
+            return v.U64(VIRTQUEUES_MAX)
+        if request == R.SET_OWNER:
+            self.owner = True
+            return None
+        if request in (R.RESET_OWNER, R.RESET_DEVICE):
+            self.reset()
+            return None
+        if request == R.SET_MEM_TABLE:
+            self._set_mem_table(p, fds)
+            return None
+        if request == R.SET_VRING_NUM:
+            ring = self._ring(p.index)
+            if not (0 < p.num <= 32768 and p.num & (p.num - 1) == 0):
+                raise DeviceError(f"queue size {p.num}")
+            ring.num = p.num
+            return None
+        if request == R.SET_VRING_ADDR:
+            self._ring(p.index).addr = p
+            return None
+        if request == R.SET_VRING_BASE:
+            self._ring(p.index).base = p.num & 0xFFFF
+            return None
+        if request == R.GET_VRING_BASE:
+            ring = self._ring(p.index)
+            self._stop(ring)
+            return v.VringState(ring.index, ring.base)
+        if request in (R.SET_VRING_KICK, R.SET_VRING_CALL, R.SET_VRING_ERR):
+            return self._set_fd(request, p, fds)
+        if request == R.SET_VRING_ENABLE:
+            ring = self._ring(p.index)
+            ring.enabled = bool(p.num)
+            if ring.enabled:
+                self._maybe_start(ring)
+            else:
+                self._stop(ring)
+            return None
+        if request == R.GET_MAX_MEM_SLOTS:
+            return v.U64(v.MEM_REGIONS_MAX)
+        for fd in fds:
+            os.close(fd)
+        raise DeviceError("not supported")
+
+    def _set_fd(self, request: int, p: v.VringFd, fds: list[int]) -> None:
+        ring = self._ring(p.index)
+        if len(fds) != (0 if p.nofd else 1):
+            for fd in fds:
+                os.close(fd)
+            raise DeviceError(f"{len(fds)} descriptors with nofd={p.nofd}")
+        fd = fds[0] if fds else None
+        name = {v.Req.SET_VRING_KICK: "kick", v.Req.SET_VRING_CALL: "call", v.Req.SET_VRING_ERR: "err"}[request]
+        if name == "kick":
+            self._stop(ring)
+        old = getattr(ring, name)
+        if old is not None:
+            os.close(old)
+        setattr(ring, name, fd)
+        if name == "kick":
+            if fd is None:
+                raise DeviceError("polling rings (no kick descriptor) are not supported")
+            os.set_blocking(fd, False)
+            self._maybe_start(ring)
+        return None
+
+    def _set_mem_table(self, table: v.MemTable, fds: list[int]) -> None:
+        new = GuestMemory.map(table, fds)  # closes fds
+        old, self.mem = self.mem, new
+        for ring in self.rings:  # running rings move to the new mapping
+            if ring.vq is not None:
+                vq = ring.vq
+                ring.base = vq.last_avail
+                self._stop(ring)
+                self._maybe_start(ring)
+        if old is not None:
+            old.close()
+
+    def _maybe_start(self, ring: Ring) -> None:
+        if ring.vq is not None or ring.kick is None or ring.addr is None or self.mem is None or not ring.num:
+            return
+        needs_enable = bool(self.features & v.F_PROTOCOL_FEATURES)
+        if ring.enabled is False or (needs_enable and ring.enabled is None):
+            return
+        try:
+            ring.vq = Virtqueue(self.mem, ring.num, ring.addr.desc, ring.addr.avail, ring.addr.used,
+                                event_idx=bool(self.features & F_EVENT_IDX),
+                                indirect=bool(self.features & F_INDIRECT_DESC), last_avail=ring.base)
+        except BrokenRing as e:
+            log.error("virtiofs: queue %d cannot start: %s", ring.index, e)
+            ring.broken = True
+            return
+        ring.broken = False
+        self.on_ring_start(ring)
+
+    def _stop(self, ring: Ring) -> None:
+        if ring.vq is not None:
+            self.on_ring_stop(ring)
+            ring.base = ring.vq.last_avail
+            ring.vq.close()
+            ring.vq = None
+        ring.held.clear()
+
+    def reset(self) -> None:
+        for ring in self.rings:
+            self._stop(ring)
+            ring.close_fds()
+        self.rings = [Ring(i) for i in range(VIRTQUEUES_MAX)]
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
+        self.features = self.protocol_features = 0
+
+    def notify(self, ring: Ring) -> None:
+        if ring.vq is not None and ring.call is not None and ring.vq.should_notify():
+            try:
+                os.write(ring.call, (1).to_bytes(8, "little"))
+            except BlockingIOError:  # the counter is saturated: the guest will see it anyway
+                pass
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class VirtioFsServer:
+    """Serve FUSE over vhost-user on a unix socket (module docstring); one front-end at a time.
+
+    ``make_dispatcher()`` makes a fresh :class:`Dispatcher` (per connection, and after a
+    DESTROY); the export behind it is shared."""
+
+    def __init__(self, make_dispatcher: Callable[[], Dispatcher], limits: ServerLimits = ServerLimits(),
+                 poll_interval_s: float = POLL_INTERVAL_S):
+        self.make_dispatcher = make_dispatcher
+        self.limits = limits
+        self.poll_interval_s = poll_interval_s
+        self.dispatcher: Dispatcher | None = None
+        self.device: Device | None = None
+        self.conn: socket.socket | None = None
+        self.requests = 0
+        self.connections = 0
+        self.logs: list[list[tuple[str, int]]] = []  # every connection's message log (fixtures, tests)
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._decoder: v.Decoder | None = None
+        self._fds: list[int] = []
+        self._draining = False
+        self._disconnected: asyncio.Event | None = None
+
+    # -- lifetime
+
+    async def serve(self, path: str, ready: Callable[[], None] = lambda: None) -> None:
+        """Listen on ``path`` and serve front-ends one after another until cancelled."""
+        self._loop = asyncio.get_running_loop()
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            if os.path.exists(path) and not os.path.isdir(path):
+                os.unlink(path)  # a stale socket of an earlier run
+            self._listener.bind(path)
+            self._listener.listen(1)
+            self._listener.setblocking(False)
+            poller = self._loop.create_task(self._poll_loop())
+            ready()
+            try:
+                while True:
+                    conn, _ = await self._loop.sock_accept(self._listener)
+                    await self._serve_connection(conn)
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+        finally:
+            self._listener.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    async def _poll_loop(self) -> None:
+        while self.dispatcher is None:
+            await asyncio.sleep(self.poll_interval_s)
+        await poll_export(self.dispatcher.export, self.poll_interval_s)
+
+    async def _serve_connection(self, conn: socket.socket) -> None:
+        self.connections += 1
+        conn.setblocking(False)
+        self.conn = conn
+        self._decoder = v.Decoder()
+        self.device = Device(self._ring_started, self._ring_stopped)
+        self.logs.append(self.device.log)
+        self._new_dispatcher()
+        self._disconnected = asyncio.Event()
+        self._loop.add_reader(conn.fileno(), self._readable)
+        try:
+            await self._disconnected.wait()
+        finally:
+            self._loop.remove_reader(conn.fileno())
+            for fd in self._fds:
+                _close_quietly(fd)
+            self._fds = []
+            self.device.reset()
+            tasks = self.dispatcher.pipeline.cancel_all()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.dispatcher.close()
+            conn.close()
+            self.conn = None
+
+    def _new_dispatcher(self) -> None:
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+        self.dispatcher = self.make_dispatcher()
+        self.dispatcher.on_settled = self._resume
+
+    # -- the vhost-user socket
+
+    def _readable(self) -> None:
+        try:
+            data, anc, _flags, _ = self.conn.recvmsg(self._decoder.wanted,
+                                                     socket.CMSG_SPACE(v.MEM_REGIONS_MAX * 4))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            log.warning("virtiofs: the front-end's socket failed: %s", e)
+            self._disconnected.set()
+            return
+        for level, kind, raw in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                n = len(raw) - len(raw) % 4
+                self._fds += list(memoryview(raw)[:n].cast("i"))
+        if not data:
+            log.info("virtiofs: the front-end disconnected")
+            self._disconnected.set()
+            return
+        try:
+            for msg in self._decoder.feed(data):
+                fds, self._fds = self._fds, []
+                if len(fds) > v.MEM_REGIONS_MAX:
+                    for fd in fds:
+                        _close_quietly(fd)
+                    raise DeviceError(f"{len(fds)} descriptors with one message")
+                reply = self.device.message(msg, fds)
+                if reply is not None:
+                    self.conn.sendall(reply)  # small (≤ 280 bytes): never blocks for long
+        except (v.ProtocolError, DeviceError, OSError) as e:
+            log.error("virtiofs: ending the connection: %s", e)
+            self._disconnected.set()
+
+    # -- rings
+
+    def _ring_started(self, ring: Ring) -> None:
+        self._loop.add_reader(ring.kick, self._kicked, ring)
+        self._loop.call_soon(self._drain, ring)  # entries may be waiting from before a restart
+
+    def _ring_stopped(self, ring: Ring) -> None:
+        if ring.kick is not None:
+            self._loop.remove_reader(ring.kick)
+
+    def _kicked(self, ring: Ring) -> None:
+        try:
+            os.read(ring.kick, 8)
+        except (BlockingIOError, InterruptedError):
+            pass
+        self._drain(ring)
+
+    def _over_limits(self) -> bool:
+        return self.dispatcher.pipeline.held_bytes > self.limits.held_request_bytes_per_connection_max
+
+    def _resume(self) -> None:
+        if self.device is None or self._over_limits():
+            return
+        for ring in self.device.rings:
+            if ring.paused:
+                ring.paused = False
+                self._loop.call_soon(self._drain, ring)
+
+    def _drain(self, ring: Ring) -> None:
+        vq = ring.vq
+        if vq is None or self.device is None:
+            return
+        self._draining = True
+        try:
+            for _ in range(CHAINS_PER_WAKEUP_MAX):
+                if self._over_limits():
+                    ring.paused = True
+                    return
+                try:
+                    chain = vq.pop()
+                except BrokenRing as e:
+                    log.error("virtiofs: queue %d stopped: %s", ring.index, e)
+                    ring.broken = True
+                    self._ring_stopped(ring)
+                    return
+                if chain is None:
+                    return
+                if isinstance(chain, BadChain):
+                    log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
+                    vq.push(chain.head, 0)
+                    continue
+                self._request(ring, vq, chain)
+            self._loop.call_soon(self._drain, ring)  # more may wait: after other callbacks
+        finally:
+            self._draining = False
+            self.device.notify(ring)
+
+    def _request(self, ring: Ring, vq: Virtqueue, chain) -> None:
+        self.requests += 1
+        buf = chain.gather(abi.READ_BUFFER_BYTES)
+        if buf is None:
+            head = bytes(chain.readable[0][:_FUSE_IN_HEADER_BYTES]) if chain.readable else b""
+            if len(head) == _FUSE_IN_HEADER_BYTES:
+                self._answer(ring, vq, chain, encode_error(int.from_bytes(head[8:16], "little"), errno.EINVAL))
+            else:
+                self._answer(ring, vq, chain, b"")
+            return
+        try:
+            req = decode_request(buf)
+        except m.ProtocolError as e:
+            if e.unique is None or ring.index == HIPRIO:
+                log.warning("virtiofs: undecodable request dropped: %s", e)
+                self._answer(ring, vq, chain, b"")
+            else:
+                if not isinstance(e, m.UnknownOpcode):
+                    log.info("virtiofs: bad request: %s", e)
+                self._answer(ring, vq, chain, encode_error(e.unique, e.errno))
+            return
+        dispatcher = self.dispatcher
+        if req.OPCODE in m.NO_REPLY or isinstance(req, m.Interrupt):
+            dispatcher.submit(req, len(buf), lambda *a: None)
+            self._answer(ring, vq, chain, b"")
+            return
+        ring.held.add(chain.head)
+
+        def send(unique: int, reply, error: BaseException | None) -> None:
+            if ring.vq is not vq or chain.head not in ring.held:  # the ring was stopped meanwhile
+                chain.release()
+                return
+            ring.held.discard(chain.head)
+            self._answer(ring, vq, chain, reply_bytes(unique, reply, error))
+            if not self._draining:
+                self.device.notify(ring)
+
+        dispatcher.submit(req, len(buf), send)
+        if isinstance(req, m.Destroy):  # the guest unmounted: a later mount starts afresh
+            self._new_dispatcher()
+
+    def _answer(self, ring: Ring, vq: Virtqueue, chain, data: bytes) -> None:
+        if len(data) > chain.writable_bytes:
+            log.error("virtiofs: a reply of %d bytes does not fit in %d", len(data), chain.writable_bytes)
+            data = encode_error(int.from_bytes(data[8:16], "little"), errno.EIO) if len(data) >= 16 else b""
+            if len(data) > chain.writable_bytes:
+                data = b""
+        n = chain.scatter(data) if data else 0
+        chain.release()
+        vq.push(chain.head, n)
