@@ -42,6 +42,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -308,6 +309,7 @@ class VirtioFsServer:
         self.connections = 0
         self.logs: list[list[tuple[str, int]]] = []  # every connection's message log (fixtures, tests)
         self._listener: socket.socket | None = None
+        self._bound = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._decoder: v.Decoder | None = None
         self._fds: list[int] = []
@@ -317,13 +319,25 @@ class VirtioFsServer:
     # -- lifetime
 
     async def serve(self, path: str, ready: Callable[[], None] = lambda: None) -> None:
-        """Listen on ``path`` and serve front-ends one after another until cancelled."""
+        """Listen on ``path`` (mode 0600; a stale socket there is replaced, anything else is
+        ``FileExistsError``) and serve front-ends one after another until cancelled."""
         self._loop = asyncio.get_running_loop()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            if os.path.exists(path) and not os.path.isdir(path):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                pass
+            else:
+                if not stat.S_ISSOCK(st.st_mode):
+                    raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
                 os.unlink(path)  # a stale socket of an earlier run
-            self._listener.bind(path)
+            old = os.umask(0o177)  # the socket is 0600: only our user's QEMU may connect
+            try:
+                self._listener.bind(path)
+            finally:
+                os.umask(old)
+            self._bound = True
             self._listener.listen(1)
             self._listener.setblocking(False)
             poller = self._loop.create_task(self._poll_loop())
@@ -337,10 +351,11 @@ class VirtioFsServer:
                 await asyncio.gather(poller, return_exceptions=True)
         finally:
             self._listener.close()
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            if self._bound:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     async def _poll_loop(self) -> None:
         while self.dispatcher is None:
