@@ -298,8 +298,11 @@ class VirtioFsServer:
     DESTROY); the export behind it is shared."""
 
     def __init__(self, make_dispatcher: Callable[[], Dispatcher], limits: ServerLimits = ServerLimits(),
-                 poll_interval_s: float = POLL_INTERVAL_S):
+                 poll_interval_s: float = POLL_INTERVAL_S, capture: bool = False):
         self.make_dispatcher = make_dispatcher
+        #: with ``capture``: every message's raw bytes and descriptor count, per connection (fixtures)
+        self.captures: list[list[tuple[bytes, int]]] | None = [] if capture else None
+        self._raw = bytearray()
         self.limits = limits
         self.poll_interval_s = poll_interval_s
         self.dispatcher: Dispatcher | None = None
@@ -369,6 +372,9 @@ class VirtioFsServer:
         self._decoder = v.Decoder()
         self.device = Device(self._ring_started, self._ring_stopped)
         self.logs.append(self.device.log)
+        if self.captures is not None:
+            self.captures.append([])
+        self._raw.clear()
         self._new_dispatcher()
         self._disconnected = asyncio.Event()
         self._loop.add_reader(conn.fileno(), self._readable)
@@ -412,9 +418,14 @@ class VirtioFsServer:
             log.info("virtiofs: the front-end disconnected")
             self._disconnected.set()
             return
+        if self.captures is not None:
+            self._raw += data
         try:
-            for msg in self._decoder.feed(data):
+            for msg in self._decoder.feed(data):  # at most one: we never read past its end
                 fds, self._fds = self._fds, []
+                if self.captures is not None:
+                    self.captures[-1].append((bytes(self._raw), len(fds)))
+                    self._raw.clear()
                 if len(fds) > v.MEM_REGIONS_MAX:
                     for fd in fds:
                         _close_quietly(fd)
