@@ -22,6 +22,7 @@ import threading
 
 import pytest
 
+from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.virtiofs import VirtioFsServer
@@ -65,9 +66,12 @@ def image():
 
 
 class ServerThread:
-    def __init__(self, provider, sock: str):
+    def __init__(self, provider, sock: str, decide=None):
         limits = ServerLimits()
-        self.export = Export(provider, HoldBroker(), limits)
+        holds = HoldBroker()
+        if decide is not None:
+            holds.ask(decide)
+        self.export = Export(provider, holds, limits)
         self.server = VirtioFsServer(lambda: Dispatcher(self.export, limits), limits, capture=True)
         self.loop = asyncio.new_event_loop()
         self.sock = sock
@@ -92,14 +96,14 @@ class ServerThread:
         self.thread.join(30)
 
 
-def run_guest(image, tmp_path, ws: Workspace, script: str) -> tuple[int, str, ServerThread]:
+def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple[int, str, ServerThread]:
     sock = str(tmp_path / "vfs.sock")
     image = image(script)
     extra = ["-object", f"memory-backend-memfd,id=mem,size={MEMORY_MB}M,share=on", "-numa", "node,memdev=mem",
              "-chardev", f"socket,id=vfs,path={sock}", "-device", "vhost-user-fs-pci,chardev=vfs,tag=work"]
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
                    extra=extra)
-    with ServerThread(Provider.intercepted(ws), sock) as srv:
+    with ServerThread(Provider.intercepted(ws), sock, decide) as srv:
         p = subprocess.run(build_command(cfg), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     out = p.stdout.replace("\r", "")
     assert "=== BEGIN" in out and "=== EXIT" in out, f"guest did not run the script:\n{out[-3000:]}\n{p.stderr[-2000:]}"
@@ -152,3 +156,30 @@ ls
     ws.rollback(len(ws.history()))
     ws.close()
     oracle.assert_same(before, oracle.snapshot_dir(str(work)), "undo of a real guest's work over virtio-fs")
+
+
+@pytest.mark.parametrize("answer", ["allow", "deny"])
+def test_a_safeguard_hold_blocks_the_guest_until_decided(image, tmp_path, answer):
+    """The 4th deletion's chain stays unanswered (the guest's rm blocks in the kernel) until
+    the decision; deny rolls the step back and the guest sees EIO."""
+    work = tmp_path / "work"
+    victims = work / "victims"
+    victims.mkdir(parents=True)
+    for i in range(8):
+        (victims / f"v{i}").write_bytes(b"v" * i)
+    before = oracle.snapshot_dir(str(work))
+    ws = Workspace.open(str(work), state_dir=str(tmp_path / "state"), safeguard=SafeguardConfig(delete_threshold=4))
+    seen = []
+
+    def decide(hold):
+        seen.append((hold.kind, hold.count, len(os.listdir(victims))))  # the guest is blocked right now
+        return answer
+
+    status, out, _srv = run_guest(image, tmp_path, ws, "rm -rf victims; echo rc=$?\n", decide=decide)
+    assert seen == [("delete", 4, 5)], seen  # 3 deleted; the 4th waits for the answer
+    if answer == "allow":
+        assert not victims.exists() and "rc=0" in out, out
+    else:
+        assert "rc=1" in out, out
+        oracle.assert_same(before, oracle.snapshot_dir(str(work)), "denied step")
+    ws.close()
