@@ -24,6 +24,9 @@ import threading
 
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.fuse import abi
@@ -34,6 +37,7 @@ from sandbox.fuse.virtiofs import FEATURES, VIRTQUEUES_MAX, VirtioFsServer
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
+from sandbox_sim.budget import scale
 from sandbox_sim.oracle import assert_same, snapshot_dir
 from sandbox_sim.test_fuse_codec import ref_request
 from sandbox_sim.test_fuse_dispatcher import H
@@ -74,9 +78,10 @@ class Guest:
         return base, base + 0x100, base + 0x200
 
     def alloc(self, n: int) -> int:
+        if self.data_at + n >= MEM:
+            self.data_at = DATA_AT  # wrap: earlier chains are all answered by now
         at = self.data_at
         self.data_at += (n + 15) // 16 * 16 or 16
-        assert self.data_at < MEM
         return at
 
     def submit(self, q: int, request: bytes, reply_room: int) -> tuple[int, int]:
@@ -374,3 +379,46 @@ def test_protocol_errors_end_the_connection_not_the_server(tmp_path):
     finally:
         srv.close()
         os.close(guest.fd)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """One initialised server, front-end and guest for the fuzzing examples."""
+    srv = Served(tmp_path_factory.mktemp("fuzz"))
+    guest = Guest()
+    fe = FrontEnd(srv.path, guest)
+    fe.handshake()
+    init(fe, guest)
+    yield srv, fe, guest
+    fe.close()
+    srv.close()
+    os.close(guest.fd)
+
+
+MUTATE_FROM = [ref_request(r) for r in (
+    m.Lookup(H(abi.Opcode.LOOKUP), b"x"), m.Getattr(H(abi.Opcode.GETATTR), 0, 0),
+    m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0, b"d"), m.Read(H(abi.Opcode.READ), 1, 0, 4096, 0, 0, 0),
+    m.BatchForget(H(abi.Opcode.BATCH_FORGET), ((1, 1), (99, 2))), m.Opendir(H(abi.Opcode.OPENDIR), 0, 0))]
+
+
+@settings(max_examples=scale(60, 1000), deadline=None)
+@given(st.sampled_from(MUTATE_FROM), st.lists(st.tuples(st.integers(0, 200), st.integers(0, 255)), max_size=6),
+       st.binary(max_size=80), st.integers(0, 300), st.sampled_from([0, 1]))
+def test_fuzz_hostile_requests_through_the_rings(live, base, flips, tail, room, q):
+    """Mutated and random FUSE requests on either queue: each chain comes back used, its
+    length within the room given and a well-formed reply header when there is one; the
+    server keeps serving (a GETATTR of the root answers afterwards)."""
+    srv, fe, guest = live
+    wire = bytearray(base + tail)
+    for at, byte in flips:
+        wire[at % len(wire)] = byte
+    head, at = guest.submit(q, bytes(wire), room)
+    ((used_head, n),) = fe.kick_and_wait(q)
+    assert used_head == head and n <= room
+    if n:
+        length, error, _unique = struct.unpack_from("<IiQ", guest.peek(at, 16))
+        assert length == n and -4095 <= error <= 0
+    if not srv.in_loop(lambda: srv.server.dispatcher.initialized):  # a mutated DESTROY: the guest mounts again
+        init(fe, guest)
+    head, at = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
+    assert fe.kick_and_wait(1) == [(head, 120)]
