@@ -14,18 +14,16 @@ busybox-static or the Debian kernel package cannot be had.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import subprocess
-import threading
 
 import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
 from sandbox.fuse.dispatcher import Dispatcher
-from sandbox.fuse.virtiofs import VirtioFsServer
+from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
@@ -65,45 +63,20 @@ def image():
     return lambda script: vm_image.build_initramfs(kernel, INIT, modules=MODULES, files={"run.sh": script.encode()})
 
 
-class ServerThread:
-    def __init__(self, provider, sock: str, decide=None):
-        limits = ServerLimits()
-        holds = HoldBroker()
-        if decide is not None:
-            holds.ask(decide)
-        self.export = Export(provider, holds, limits)
-        self.server = VirtioFsServer(lambda: Dispatcher(self.export, limits), limits, capture=True)
-        self.loop = asyncio.new_event_loop()
-        self.sock = sock
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        asyncio.set_event_loop(self.loop)
-        self.task = self.loop.create_task(self.server.serve(self.sock, self.ready.set))
-        try:
-            self.loop.run_until_complete(self.task)
-        except asyncio.CancelledError:
-            pass
-
-    def __enter__(self):
-        self.thread.start()
-        assert self.ready.wait(30)
-        return self
-
-    def __exit__(self, *exc):
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(30)
-
-
-def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple[int, str, ServerThread]:
+def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple[int, str, VirtioFsThread]:
     sock = str(tmp_path / "vfs.sock")
     image = image(script)
     extra = ["-object", f"memory-backend-memfd,id=mem,size={MEMORY_MB}M,share=on", "-numa", "node,memdev=mem",
              "-chardev", f"socket,id=vfs,path={sock}", "-device", "vhost-user-fs-pci,chardev=vfs,tag=work"]
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
                    extra=extra)
-    with ServerThread(Provider.intercepted(ws), sock, decide) as srv:
+    limits = ServerLimits()
+    holds = HoldBroker()
+    if decide is not None:
+        holds.ask(decide)
+    export = Export(Provider.intercepted(ws), holds, limits)
+    server = VirtioFsServer(lambda: Dispatcher(export, limits), limits, capture=True)
+    with VirtioFsThread(server, sock) as srv:
         p = subprocess.run(build_command(cfg), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     out = p.stdout.replace("\r", "")
     assert "=== BEGIN" in out and "=== EXIT" in out, f"guest did not run the script:\n{out[-3000:]}\n{p.stderr[-2000:]}"

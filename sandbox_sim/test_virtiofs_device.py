@@ -2,7 +2,7 @@
 test-side vhost-user front-end (the messages QEMU sends, descriptors passed with
 ``SCM_RIGHTS``) and a test-side guest driver writing split rings by hand into a memfd,
 FUSE requests from the reference encoder of ``test_fuse_codec.py``. The server runs its own
-asyncio loop in a thread, over a real unix socket, with the shared dispatcher on an
+asyncio loop in a thread (``VirtioFsThread``), over a real unix socket, with the shared dispatcher on an
 intercepted workspace.
 
 Checked: the vhost-user handshake and REPLY_ACK; FUSE requests on a request queue answered
@@ -15,12 +15,10 @@ disconnect; what was written is undone exactly.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import socket
 import struct
-import threading
 
 import pytest
 
@@ -33,7 +31,7 @@ from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.fuse import vhost as v
 from sandbox.fuse.dispatcher import Dispatcher
-from sandbox.fuse.virtiofs import FEATURES, VIRTQUEUES_MAX, VirtioFsServer
+from sandbox.fuse.virtiofs import FEATURES, VIRTQUEUES_MAX, VirtioFsServer, VirtioFsThread
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
@@ -218,36 +216,13 @@ class Served:
         self.export = Export(self.provider, self.holds, limits)
         self.path = str(tmp_path / "vfs.sock")
         self.server = VirtioFsServer(lambda: Dispatcher(self.export, limits), limits, poll_interval_s=0.05)
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        self.task = None
-
-        def run():
-            asyncio.set_event_loop(self.loop)
-            self.task = self.loop.create_task(self.server.serve(self.path, ready.set))
-            try:
-                self.loop.run_until_complete(self.task)
-            except asyncio.CancelledError:
-                pass
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(WAIT_S)
+        self.thread = VirtioFsThread(self.server, self.path).__enter__()
 
     def in_loop(self, fn):
-        done = threading.Event()
-        out = []
-
-        def call():
-            out.append(fn())
-            done.set()
-        self.loop.call_soon_threadsafe(call)
-        assert done.wait(WAIT_S)
-        return out[0]
+        return self.thread.call(fn)
 
     def close(self):
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(WAIT_S)
+        self.thread.__exit__(None, None, None)
         self.provider.close()
         self.ws.close()
 

@@ -12,7 +12,8 @@ in the used ring, and the call eventfd signalled (event index honoured).
 :class:`Device` is the vhost-user state machine (message + descriptors in, reply bytes
 out; rings as :class:`~.virtqueue.Virtqueue`); :class:`VirtioFsServer` is the asyncio loop
 around it: the listening socket (one front-end at a time), ``recvmsg`` with
-``SCM_RIGHTS``, the kick eventfds, the undo core's polling.
+``SCM_RIGHTS``, the kick eventfds, the undo core's polling; :class:`VirtioFsThread` runs it
+in a background thread.
 
 Invariants:
 
@@ -43,6 +44,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -544,3 +546,54 @@ class VirtioFsServer:
         n = chain.scatter(data) if data else 0
         chain.release()
         vq.push(chain.head, n)
+
+
+class VirtioFsThread:
+    """Run a :class:`VirtioFsServer` on ``path`` on its own event loop in a background thread
+    — for synchronous embedders, tests and benchmarks: ``with VirtioFsThread(server, path): …``.
+    ``call(fn)`` runs ``fn`` on the server's loop (for state the loop owns)."""
+
+    #: seconds to wait for the socket to listen, a call to run, the thread to end
+    WAIT_S = 30.0
+
+    def __init__(self, server: VirtioFsServer, path: str):
+        self.server = server
+        self.path = path
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._failed: BaseException | None = None
+        self._task: asyncio.Task | None = None
+        self._thread = threading.Thread(target=self._run, name="virtiofs-server", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._task = self.loop.create_task(self.server.serve(self.path, self._ready.set))
+        try:
+            self.loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as e:  # e.g. the socket path is taken
+            self._failed = e
+        finally:
+            self._ready.set()
+            self.loop.close()
+
+    def __enter__(self) -> VirtioFsThread:
+        self._thread.start()
+        if not self._ready.wait(self.WAIT_S):
+            raise TimeoutError(f"the virtio-fs server did not listen on {self.path} within {self.WAIT_S} s")
+        if self._failed is not None:
+            raise self._failed
+        return self
+
+    def call(self, fn: Callable):
+        return asyncio.run_coroutine_threadsafe(self._call(fn), self.loop).result(self.WAIT_S)
+
+    @staticmethod
+    async def _call(fn):
+        return fn()
+
+    def __exit__(self, *exc) -> None:
+        if self._task is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(self.WAIT_S)
