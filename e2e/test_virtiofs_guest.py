@@ -14,6 +14,7 @@ busybox-static or the Debian kernel package cannot be had.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -111,6 +112,9 @@ ln -s out/app.bin build/latest
 readlink build/latest
 dd if=/dev/zero of=build/zeros bs=65536 count=40 2>/dev/null
 stat -c '%n %s' build/zeros
+dd if=/dev/urandom of=build/big bs=1M count=4 2>/dev/null
+echo 3 > /proc/sys/vm/drop_caches
+echo "big $(md5sum < build/big | cut -d' ' -f1)"
 fallocate -l 1048576 build/falloc && stat -c '%n %s' build/falloc || echo "FALLOCATE-FAILED"
 rm -rf src
 ls
@@ -119,6 +123,9 @@ ls
     assert status == 0, out
     assert "compiled" in out and "out/app.bin" in out and "build/zeros 2621440" in out, out
     assert (work / "build" / "out" / "app.bin").read_bytes() == b"compiled\n"
+    # 1 MiB writes and reads: the guest's largest requests (one indirect table past the queue size)
+    assert f"big {hashlib.md5((work / 'build' / 'big').read_bytes()).hexdigest()}" in out, out
+    assert os.path.getsize(work / "build" / "big") == 4 << 20
     assert (work / "keep.txt").read_bytes() == b"precious\nappended\n"
     assert not (work / "src").exists()
     assert "build/falloc 1048576" in out and os.path.getsize(work / "build" / "falloc") == 1 << 20, out

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox.fuse import vhost
-from sandbox.fuse.virtqueue import BadChain, BrokenRing, Chain, GuestMemory, Virtqueue
+from sandbox.fuse.virtqueue import INDIRECT_DESCS_MAX, BadChain, BrokenRing, Chain, GuestMemory, Virtqueue
 from sandbox_sim.budget import scale
 
 MEM_BYTES = 1 << 20
@@ -123,6 +123,25 @@ def test_indirect_tables(drv):
     assert c.gather(10) == b"abc" and [len(w) for w in c.writable] == [16]
 
 
+def test_an_indirect_table_may_be_longer_than_the_queue(drv):
+    """Linux puts a large virtio-fs request (~124 pages + headers) in one indirect table of
+    more entries than a 128-entry queue: up to INDIRECT_DESCS_MAX entries are accepted."""
+    head = drv.chain([bytes([i]) for i in range(3 * drv.size)], [1] * drv.size, indirect=True)
+    drv.offer(head)
+    c = drv.q.pop()
+    assert isinstance(c, Chain) and len(c.readable) == 3 * drv.size and len(c.writable) == drv.size
+    assert c.gather(1000) == bytes(range(3 * drv.size))
+
+
+def test_a_loop_inside_an_indirect_table_is_a_bad_chain(drv):
+    ok = drv.buffer(b"x")
+    t = drv.buffer(le(ok, 8) + le(1, 4) + le(1, 2) + le(1, 2) + le(ok, 8) + le(1, 4) + le(1, 2) + le(0, 2))
+    drv.desc(DESC_AT, 0, t, 32, 4, 0)
+    drv.next_desc = 1
+    drv.offer(0)
+    assert isinstance(drv.q.pop(), BadChain)
+
+
 def test_indirect_not_negotiated_is_a_bad_chain():
     d = Driver(indirect=False)
     try:
@@ -133,7 +152,8 @@ def test_indirect_not_negotiated_is_a_bad_chain():
 
 
 @pytest.mark.parametrize("case", ["loop", "self-loop", "next-out", "addr-out", "addr-straddles", "read-after-write",
-                                  "nested-indirect", "indirect-next", "indirect-len"])
+                                  "nested-indirect", "indirect-next", "indirect-len",
+                                  "indirect-not-first", "indirect-too-long"])
 def test_hostile_chains_are_bad_chains_and_the_ring_goes_on(drv, case):
     ok = drv.buffer(b"x")
     if case == "loop":
@@ -160,6 +180,13 @@ def test_hostile_chains_are_bad_chains_and_the_ring_goes_on(drv, case):
     elif case == "indirect-len":
         t = drv.buffer(b"\0" * 24)
         drv.desc(DESC_AT, 0, t, 24, 4, 0)
+    elif case == "indirect-not-first":
+        t = drv.buffer(le(ok, 8) + le(1, 4) + le(0, 4))
+        drv.desc(DESC_AT, 0, ok, 1, 1, 1)
+        drv.desc(DESC_AT, 1, t, 16, 4, 0)
+    elif case == "indirect-too-long":
+        t = drv.buffer(b"\0" * 16 * (INDIRECT_DESCS_MAX + 1))
+        drv.desc(DESC_AT, 0, t, 16 * (INDIRECT_DESCS_MAX + 1), 4, 0)
     drv.next_desc = 2
     drv.offer(0)
     bad = drv.q.pop()
@@ -255,8 +282,8 @@ def test_fuzz_random_rings_never_crash_nor_escape_memory(table, heads, avail_idx
             if c is None:
                 break
             if isinstance(c, Chain):
-                assert len(c.readable) + len(c.writable) <= d.size
-                assert c.readable_bytes + c.writable_bytes <= d.size * 0x2000
+                assert len(c.readable) + len(c.writable) <= max(d.size, INDIRECT_DESCS_MAX)
+                assert c.readable_bytes + c.writable_bytes <= max(d.size, INDIRECT_DESCS_MAX) * 0x2000
                 c.release()
             d.q.push(c.head, 0)
     finally:

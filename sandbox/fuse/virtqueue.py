@@ -16,11 +16,12 @@ Invariants (the guest is untrusted: its ring contents are data, never a crash):
 
 * :meth:`Virtqueue.pop` returns the next :class:`Chain` — readable segments then writable
   ones, as memoryviews — or ``None`` when the ring is empty; a chain that cannot be walked
-  (an address outside every region, a ``next`` past the table, a loop or a chain longer
-  than the queue size — :data:`CHAIN_LEN_MAX` is the queue size —, a readable descriptor
-  after a writable one, a nested or malformed indirect table, indirect descriptors not
-  negotiated) is a :class:`BadChain` with its head: the device returns it used with
-  length 0 and goes on;
+  (an address outside every region, a ``next`` past its table, a loop or a chain longer
+  than its table — the queue size, or an indirect table's entries, at most
+  :data:`INDIRECT_DESCS_MAX` —, a readable descriptor after a writable one, an indirect
+  descriptor that is nested, chained or not the chain's only one, a malformed indirect
+  table, indirect descriptors not negotiated) is a :class:`BadChain` with its head: the
+  device returns it used with length 0 and goes on;
 * an available index more than ``size`` ahead of the last one seen, or a head index
   outside the table, breaks the ring: :class:`BrokenRing` (the device stops the queue; the
   driver must reset it) — the server's state is untouched;
@@ -43,6 +44,9 @@ AVAIL_F_NO_INTERRUPT = 1
 USED_F_NO_NOTIFY = 1
 #: the largest queue size (virtio: a power of two ≤ 32768)
 QUEUE_SIZE_MAX = 32768
+#: entries of one indirect table (QEMU's VIRTQUEUE_MAX_SIZE: Linux's largest virtio-fs
+#: request, ~124 pages plus headers, needs more than a 128-entry queue holds)
+INDIRECT_DESCS_MAX = 1024
 _U16 = struct.Struct("<H")
 _USED_ELEM = struct.Struct("<II")
 
@@ -225,19 +229,19 @@ class Virtqueue:
         try:
             while True:
                 count += 1
-                if count > self.size:
-                    raise _Bad(f"chain longer than the queue size {self.size} (a loop?)")
+                if count > limit:  # each table's chain visits each of its entries at most once
+                    raise _Bad(f"chain longer than its table of {limit} (a loop?)")
                 addr, length, flags, nxt = DESC.unpack_from(table, 16 * i)
                 if flags & DESC_F_INDIRECT:
                     if not self.indirect:
                         raise _Bad("indirect descriptor, not negotiated")
                     if nested:
                         raise _Bad("indirect descriptor inside an indirect table")
-                    if flags & DESC_F_NEXT:
-                        raise _Bad("indirect descriptor with NEXT")
-                    if length == 0 or length % 16 or length // 16 > self.size:
+                    if flags & DESC_F_NEXT or chain.readable or chain.writable:
+                        raise _Bad("an indirect descriptor must be the chain's only one")
+                    if length == 0 or length % 16 or length // 16 > INDIRECT_DESCS_MAX:
                         raise _Bad(f"indirect table of {length} bytes")
-                    table, limit, i, nested = self.mem.gpa(addr, length), length // 16, 0, True
+                    table, limit, i, count, nested = self.mem.gpa(addr, length), length // 16, 0, 0, True
                     continue
                 buf = self.mem.gpa(addr, length)
                 if flags & DESC_F_WRITE:
