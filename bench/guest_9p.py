@@ -110,6 +110,7 @@ echo BENCH-DONE
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
 VIRTIOFS_SIDES = ("vfs", "virtiofsd")
 MEMORY_MB = 1024
+PHASES = ("create", "read", "git", "write32M", "read32M", "rm")
 #: the ratio columns printed when both sides ran
 RATIOS = [("ours", "plain"), ("plain", "qemu"), ("ours", "qemu"), ("watched", "ours"), ("plain", "diod"),
           ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "qemu"), ("vfs", "ours")]
@@ -254,15 +255,18 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"guest workload ({accel.accel}), seconds, median of {args.repeat}; {args.files} small files")
+    for side in sides:  # the workload's total: the sum of the phases (boot and server CPU apart)
+        runs = len(next(iter(res[side].values())))
+        res[side]["total"] = [sum(v[i] for k, v in res[side].items() if k in PHASES) for i in range(runs)]
     med = {side: {k: statistics.median(v) for k, v in res[side].items()} for side in sides}
     ratios = [(a, b) for a, b in RATIOS if a in sides and b in sides]
     cols = list(sides) + [f"{a}/{b}" for a, b in ratios]
-    print(f"{'phase':14}" + "".join(f"{c:>13}" for c in cols))
+    print(f"{'phase':14}" + "".join(f"{c:>15}" for c in cols))
     for k in med[sides[0]]:
         row = [med[side].get(k, float("nan")) for side in sides]
         row += [med[a].get(k, float("nan")) / med[b].get(k, float("nan")) if med[b].get(k) else float("nan")
                 for a, b in ratios]
-        print(f"{k:14}" + "".join(f"{v:13.2f}" for v in row))
+        print(f"{k:14}" + "".join(f"{v:15.2f}" for v in row))
     return 0
 
 
