@@ -7,6 +7,7 @@ not replaced (exit 1).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -106,3 +107,29 @@ def test_bad_usage_and_a_file_at_the_socket_path(tmp_path, env):
     r = sandbox_cmd("serve-virtiofs", "--root", str(work), "--socket", str(victim), env=env)
     assert r.returncode == 1 and "not a socket" in r.stderr, r
     assert victim.read_bytes() == b"data"
+
+
+def test_sigkill_of_the_server_mid_session_recovers_exactly(tmp_path, env):
+    """The server is SIGKILLed after the guest's writes (its ambient step still open): the
+    next open recovers (today: the interrupted step is rolled back), and undoing whatever
+    history then lists gives the tree before."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_bytes(b"precious\n")
+    before = oracle.snapshot_dir(str(work))
+    sock = str(tmp_path / "vfs.sock")
+    p = start("--root", str(work), "--socket", sock, env=env)
+    try:
+        assert mkdir_over_virtiofs(sock, b"made-by-guest") == 0
+        assert (work / "made-by-guest").is_dir()
+    finally:
+        p.kill()
+        p.communicate(timeout=60)
+    hist = sandbox_cmd("history", "--workdir", str(work), "--json", env=env)
+    assert hist.returncode == 0, hist.stderr
+    steps = json.loads(hist.stdout)
+    steps = steps["steps"] if isinstance(steps, dict) else steps
+    if steps:
+        undo = sandbox_cmd("undo", "--workdir", str(work), "-n", str(len(steps)), env=env)
+        assert undo.returncode == 0, undo.stderr
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "recovery after SIGKILL of serve-virtiofs")

@@ -413,3 +413,39 @@ def test_the_virtiofs_doc_says_the_code_s_limits():
         assert getattr(owner, name) == int(value.replace(",", "")), name
     assert f"`READ_BUFFER_BYTES` = 1 MiB + {abi.READ_BUFFER_BYTES - (1 << 20)} B" in doc
     assert f"`held_request_bytes_per_connection_max` = {ServerLimits().held_request_bytes_per_connection_max >> 20} MiB" in doc
+
+
+def test_qemu_leaving_with_a_held_request_cancels_it_and_the_next_qemu_is_served(tmp_path):
+    srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(2):
+        open(os.path.join(srv.work, f"f{i}"), "w").close()
+    guest = Guest()
+    fe = FrontEnd(srv.path, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
+        assert fe.kick_and_wait(1) == [(h0, 16)]
+        guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # held
+        os.eventfd_write(fe.kick[1], 1)
+
+        def held():
+            return srv.server.dispatcher.pipeline.held_bytes
+        while srv.in_loop(held) == 0:  # a condition wait: the kick is served on the loop
+            select.select([], [], [], 0.01)
+        fe.close()  # QEMU goes away (killed, or the guest powered off)
+        while srv.in_loop(lambda: srv.server.conn is not None):
+            select.select([], [], [], 0.01)
+        assert srv.in_loop(lambda: srv.export.gate.pending) is None  # the hold was withdrawn
+        assert os.path.exists(os.path.join(srv.work, "f1"))  # the held deletion never happened
+        guest2 = Guest()
+        fe = FrontEnd(srv.path, guest2)
+        fe.handshake()
+        init(fe, guest2)
+        head, at = guest2.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
+        assert fe.kick_and_wait(1) == [(head, 120)]
+        os.close(guest2.fd)
+    finally:
+        fe.close()
+        srv.close()
+        os.close(guest.fd)
