@@ -449,3 +449,36 @@ def test_qemu_leaving_with_a_held_request_cancels_it_and_the_next_qemu_is_served
         fe.close()
         srv.close()
         os.close(guest.fd)
+
+
+def test_a_new_memory_table_moves_running_rings_and_keeps_held_chains(tmp_path):
+    """QEMU sends SET_MEM_TABLE again when guest memory changes (hotplug): the rings go on
+    from where they were, and a chain held across the change is answered after it."""
+    srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(2):
+        open(os.path.join(srv.work, f"f{i}"), "w").close()
+    guest = Guest()
+    fe = FrontEnd(srv.path, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
+        assert fe.kick_and_wait(1) == [(h0, 16)]
+        h1, at1 = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # held
+        os.eventfd_write(fe.kick[1], 1)
+        gate = srv.export.gate
+        while srv.in_loop(lambda: gate.pending) is None:  # a condition wait
+            select.select([], [], [], 0.01)
+        table = v.MemTable((v.MemRegion(GPA, MEM, UVA, 0),))
+        assert fe.acked(v.Req.SET_MEM_TABLE, table, [guest.fd]) == 0
+        head, _ = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
+        assert fe.kick_and_wait(1) == [(head, 120)]  # served through the new mapping
+        guest.poke(Guest.ring(1)[1] + 4 + 2 * QSIZE, le(guest.seen_used[1], 2))
+        assert srv.in_loop(lambda: srv.holds.answer(gate.pending.id, "allow"))
+        r, _, _ = select.select([fe.call[1]], [], [], WAIT_S)
+        assert r and guest.used(1) == [(h1, 16)] and fuse_reply(guest, at1, 16)[0] == 0
+        assert not os.path.exists(os.path.join(srv.work, "f1"))
+    finally:
+        fe.close()
+        srv.close()
+        os.close(guest.fd)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox.fuse import vhost
-from sandbox.fuse.virtqueue import INDIRECT_DESCS_MAX, BadChain, BrokenRing, Chain, GuestMemory, Virtqueue
+from sandbox.fuse.virtqueue import INDIRECT_DESCS_MAX, BadAddress, BadChain, BrokenRing, Chain, GuestMemory, Virtqueue
 from sandbox_sim.budget import scale
 
 MEM_BYTES = 1 << 20
@@ -288,3 +288,24 @@ def test_fuzz_random_rings_never_crash_nor_escape_memory(table, heads, avail_idx
             d.q.push(c.head, 0)
     finally:
         d.close()
+
+
+def test_two_regions_translate_apart_and_a_range_across_them_is_refused():
+    """QEMU splits RAM above 3 GiB into a second region (another offset of the same memfd)."""
+    fd = os.memfd_create("ram")
+    os.ftruncate(fd, 2 * MEM_BYTES)
+    lo = vhost.MemRegion(0, MEM_BYTES, UVA, 0)
+    hi = vhost.MemRegion(1 << 32, MEM_BYTES, UVA + MEM_BYTES, MEM_BYTES)
+    mem = GuestMemory.map(vhost.MemTable((lo, hi)), [os.dup(fd), os.dup(fd)])
+    try:
+        os.pwrite(fd, b"low", 16)
+        os.pwrite(fd, b"high", MEM_BYTES + 32)
+        assert bytes(mem.gpa(16, 3)) == b"low" and bytes(mem.gpa((1 << 32) + 32, 4)) == b"high"
+        assert bytes(mem.uva(UVA + MEM_BYTES + 32, 4)) == b"high"
+        with pytest.raises(BadAddress):
+            mem.gpa(MEM_BYTES - 2, 4)  # past the low region's end (the high one is elsewhere)
+        with pytest.raises(BadAddress):
+            mem.uva(UVA + MEM_BYTES - 2, 4)  # contiguous in QEMU's space, but two regions
+    finally:
+        mem.close()
+        os.close(fd)

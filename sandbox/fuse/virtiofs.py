@@ -31,6 +31,8 @@ Invariants:
   message refused);
 * a reply that does not fit its chain's writable space is replaced by ``-EIO`` (or, if
   not even a header fits, the chain is returned with length 0);
+* the message logs kept for tests are bounded (:data:`MESSAGE_LOG_MAX` messages per
+  connection, the last :data:`CONNECTION_LOGS_MAX` connections);
 * on disconnect every ring stops, the memory is unmapped, descriptors closed and the
   dispatcher closed (every handle); a FUSE DESTROY (the guest unmounted) starts a fresh
   dispatcher so the guest can mount again.
@@ -39,6 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
 import logging
 import os
@@ -68,6 +71,10 @@ CHAINS_PER_WAKEUP_MAX = 64
 FEATURES = F_VERSION_1 | F_INDIRECT_DESC | F_EVENT_IDX | v.F_PROTOCOL_FEATURES
 #: the protocol features offered: several queues, acknowledged requests
 PROTOCOL_FEATURES = v.ProtocolFeature.MQ | v.ProtocolFeature.REPLY_ACK
+#: messages kept in a connection's log (names and flags, for fixtures and tests); later ones are not logged
+MESSAGE_LOG_MAX = 1000
+#: connections whose logs the server keeps (the oldest is dropped)
+CONNECTION_LOGS_MAX = 16
 HIPRIO = 0
 _FUSE_IN_HEADER_BYTES = 40
 
@@ -86,6 +93,8 @@ class Ring:
     broken: bool = False
     paused: bool = False
     held: set = field(default_factory=set)
+    #: bumped when the ring stops: a held request's reply to an earlier epoch is dropped
+    epoch: int = 0
 
     def close_fds(self) -> None:
         for name in ("kick", "call", "err"):
@@ -125,7 +134,8 @@ class Device:
             name = v.Req(h.request).name
         except ValueError:
             name = str(h.request)
-        self.log.append((name, h.flags))
+        if len(self.log) < MESSAGE_LOG_MAX:
+            self.log.append((name, h.flags))
         try:
             reply = self._handle(h.request, msg.payload, fds)
             ok = True
@@ -234,14 +244,21 @@ class Device:
     def _set_mem_table(self, table: v.MemTable, fds: list[int]) -> None:
         new = GuestMemory.map(table, fds)  # closes fds
         old, self.mem = self.mem, new
-        for ring in self.rings:  # running rings move to the new mapping
+        for ring in self.rings:  # running rings move to the new mapping; held chains stay held
             if ring.vq is not None:
                 vq = ring.vq
-                ring.base = vq.last_avail
-                self._stop(ring)
-                self._maybe_start(ring)
+                try:
+                    ring.vq = Virtqueue(new, ring.num, ring.addr.desc, ring.addr.avail, ring.addr.used,
+                                        event_idx=vq.event_idx, indirect=vq.indirect, last_avail=vq.last_avail)
+                except BrokenRing as e:
+                    log.error("virtiofs: queue %d is not in the new memory table: %s", ring.index, e)
+                    ring.vq = vq  # stopped below, with its old mapping
+                    self._stop(ring)
+                    ring.broken = True
+                    continue
+                vq.close()
         if old is not None:
-            old.close()
+            old.close()  # a mapping a held chain still views is freed with the chain
 
     def _maybe_start(self, ring: Ring) -> None:
         if ring.vq is not None or ring.kick is None or ring.addr is None or self.mem is None or not ring.num:
@@ -267,6 +284,7 @@ class Device:
             ring.vq.close()
             ring.vq = None
         ring.held.clear()
+        ring.epoch += 1
 
     def reset(self) -> None:
         for ring in self.rings:
@@ -303,7 +321,7 @@ class VirtioFsServer:
                  poll_interval_s: float = POLL_INTERVAL_S, capture: bool = False):
         self.make_dispatcher = make_dispatcher
         #: with ``capture``: every message's raw bytes and descriptor count, per connection (fixtures)
-        self.captures: list[list[tuple[bytes, int]]] | None = [] if capture else None
+        self.captures: list[list[tuple[bytes, int]]] | None = [] if capture else None  # unbounded: tests only
         self._raw = bytearray()
         self.limits = limits
         self.poll_interval_s = poll_interval_s
@@ -312,7 +330,8 @@ class VirtioFsServer:
         self.conn: socket.socket | None = None
         self.requests = 0
         self.connections = 0
-        self.logs: list[list[tuple[str, int]]] = []  # every connection's message log (fixtures, tests)
+        #: the message logs of the last CONNECTION_LOGS_MAX connections (fixtures, tests)
+        self.logs: collections.deque[list[tuple[str, int]]] = collections.deque(maxlen=CONNECTION_LOGS_MAX)
         self._listener: socket.socket | None = None
         self._bound = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -523,13 +542,14 @@ class VirtioFsServer:
             self._answer(ring, vq, chain, b"")
             return
         ring.held.add(chain.head)
+        epoch = ring.epoch
 
         def send(unique: int, reply, error: BaseException | None) -> None:
-            if ring.vq is not vq or chain.head not in ring.held:  # the ring was stopped meanwhile
+            if ring.epoch != epoch or ring.vq is None:  # the ring was stopped meanwhile
                 chain.release()
                 return
             ring.held.discard(chain.head)
-            self._answer(ring, vq, chain, reply_bytes(unique, reply, error))
+            self._answer(ring, ring.vq, chain, reply_bytes(unique, reply, error))  # the current mapping's rings
             if not self._draining:
                 self.device.notify(ring)
 
