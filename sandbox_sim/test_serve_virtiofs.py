@@ -133,3 +133,26 @@ def test_sigkill_of_the_server_mid_session_recovers_exactly(tmp_path, env):
         undo = sandbox_cmd("undo", "--workdir", str(work), "-n", str(len(steps)), env=env)
         assert undo.returncode == 0, undo.stderr
     oracle.assert_same(before, oracle.snapshot_dir(str(work)), "recovery after SIGKILL of serve-virtiofs")
+
+
+def test_sigterm_while_qemu_is_connected_stops_cleanly(tmp_path, env):
+    work = tmp_path / "work"
+    work.mkdir()
+    sock = str(tmp_path / "vfs.sock")
+    p = start("--root", str(work), "--socket", sock, env=env)
+    guest = Guest()
+    fe = FrontEnd(sock, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        head, at = guest.submit(1, ref_request(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"d")), 16 + 128)
+        assert fe.kick_and_wait(1) == [(head, 144)]
+        p.send_signal(signal.SIGTERM)
+        _out, err = p.communicate(timeout=60)
+        assert fe.sock.recv(1) == b""  # the server closed the vhost-user connection
+    finally:
+        fe.close()
+        os.close(guest.fd)
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert sandbox_cmd("undo", "--workdir", str(work), env=env).returncode == 0
+    assert os.listdir(work) == []
