@@ -15,9 +15,13 @@ busybox-static or the Debian kernel package cannot be had.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import socket
 import shutil
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -64,13 +68,14 @@ def image():
     return lambda script: vm_image.build_initramfs(kernel, INIT, modules=MODULES, files={"run.sh": script.encode()})
 
 
-def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple[int, str, VirtioFsThread]:
+def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None, qmp: str | None = None,
+              on_server=None) -> tuple[int, str, VirtioFsThread]:
     sock = str(tmp_path / "vfs.sock")
     image = image(script)
     extra = ["-object", f"memory-backend-memfd,id=mem,size={MEMORY_MB}M,share=on", "-numa", "node,memdev=mem",
              "-chardev", f"socket,id=vfs,path={sock}", "-device", "vhost-user-fs-pci,chardev=vfs,tag=work"]
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
-                   extra=extra)
+                   extra=extra, qmp_socket=qmp)
     limits = ServerLimits()
     holds = HoldBroker()
     if decide is not None:
@@ -78,6 +83,8 @@ def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None) -> tuple
     export = Export(Provider.intercepted(ws), holds, limits)
     server = VirtioFsServer(lambda: Dispatcher(export, limits), limits, capture=True)
     with VirtioFsThread(server, sock) as srv:
+        if on_server is not None:
+            on_server(srv)
         p = subprocess.run(build_command(cfg), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
     out = p.stdout.replace("\r", "")
     assert "=== BEGIN" in out and "=== EXIT" in out, f"guest did not run the script:\n{out[-3000:]}\n{p.stderr[-2000:]}"
@@ -162,4 +169,86 @@ def test_a_safeguard_hold_blocks_the_guest_until_decided(image, tmp_path, answer
     else:
         assert "rc=1" in out, out
         oracle.assert_same(before, oracle.snapshot_dir(str(work)), "denied step")
+    ws.close()
+
+
+class SyncQmp:
+    """A few QMP commands, synchronously (the hold decider runs in its own thread)."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(30)
+        self.file = self.sock.makefile("rwb")
+        self._read()  # the greeting
+        self.execute("qmp_capabilities")
+
+    def _read(self) -> dict:
+        while True:
+            msg = json.loads(self.file.readline())
+            if "event" not in msg:
+                return msg
+
+    def execute(self, cmd: str) -> dict:
+        self.file.write(json.dumps({"execute": cmd}).encode() + b"\n")
+        self.file.flush()
+        reply = self._read()
+        assert "return" in reply, reply
+        return reply["return"]
+
+    def close(self):
+        self.file.close()
+        self.sock.close()
+
+
+def test_a_held_request_survives_a_qmp_pause_of_the_guest(image, tmp_path):
+    """A safeguard's QMP pause while a deletion is held: QEMU stops the device's rings
+    (GET_VRING_BASE); the deletion is allowed while the VM is paused (its reply parked),
+    the VM continues, the rings start where they stopped and the guest's rm completes."""
+    work = tmp_path / "work"
+    victims = work / "victims"
+    victims.mkdir(parents=True)
+    for i in range(6):
+        (victims / f"v{i}").write_bytes(b"v")
+    ws = Workspace.open(str(work), state_dir=str(tmp_path / "state"), safeguard=SafeguardConfig(delete_threshold=4))
+    qmp_path = str(tmp_path / "qmp.sock")
+    server = []
+    seen = []
+
+    def rings_stopped() -> bool:
+        return all(r.vq is None for r in server[0].server.device.rings[:2])
+
+    def decide(hold):
+        q = SyncQmp(qmp_path)
+        try:
+            q.execute("stop")  # what a session does while a hold waits
+            seen.append(q.execute("query-status")["status"])
+            deadline = time.monotonic() + 60
+            while not server[0].call(rings_stopped):  # a condition wait on the device's state
+                assert time.monotonic() < deadline, "QEMU did not stop the device's rings"
+                time.sleep(0.05)
+            seen.append("rings stopped")
+
+            def resume_when_parked():
+                q2 = SyncQmp(qmp_path)
+                try:
+                    end = time.monotonic() + 60
+                    while not server[0].call(lambda: any(r.parked for r in server[0].server.device.rings)):
+                        if time.monotonic() > end:
+                            break  # resume anyway: the test then fails on what the guest saw
+                        time.sleep(0.05)  # a condition wait: the allowed reply is parked
+                    q2.execute("cont")
+                finally:
+                    q2.close()
+            threading.Thread(target=resume_when_parked, daemon=True).start()
+        finally:
+            q.close()
+        return "allow"
+
+    status, out, srv = run_guest(image, tmp_path, ws, "rm -rf victims; echo rc=$?\n", decide=decide,
+                                 qmp=qmp_path, on_server=server.append)
+    assert seen == ["paused", "rings stopped"], seen
+    assert "rc=0" in out and not victims.exists(), out
+    names = [n for n, _ in srv.server.logs[0]]
+    assert names.count("GET_VRING_BASE") >= 4, names  # stopped for the pause, and at power-off
     ws.close()

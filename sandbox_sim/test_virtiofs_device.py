@@ -178,6 +178,27 @@ class FrontEnd:
             assert self.acked(v.Req.SET_VRING_CALL, v.VringFd(q, False), [self.call[q]]) == 0
             assert self.acked(v.Req.SET_VRING_ENABLE, v.VringState(q, 1)) == 0
 
+    def stop_rings(self) -> list[int]:
+        """What QEMU does when the VM pauses: disable, then GET_VRING_BASE; the bases."""
+        bases = []
+        for q in range(2):
+            assert self.acked(v.Req.SET_VRING_ENABLE, v.VringState(q, 0)) == 0
+            state = self.ask(v.Req.GET_VRING_BASE, v.VringState(q, 0))
+            assert state.index == q
+            bases.append(state.num)
+        return bases
+
+    def start_rings(self, bases: list[int]) -> None:
+        """What QEMU does when the VM runs again (vhost_dev_start), from ``bases``."""
+        for q in range(2):
+            desc, avail, used = Guest.ring(q)
+            assert self.acked(v.Req.SET_VRING_NUM, v.VringState(q, QSIZE)) == 0
+            assert self.acked(v.Req.SET_VRING_BASE, v.VringState(q, bases[q])) == 0
+            assert self.acked(v.Req.SET_VRING_ADDR, v.VringAddr(q, 0, UVA + desc, UVA + used, UVA + avail, 0)) == 0
+            assert self.acked(v.Req.SET_VRING_KICK, v.VringFd(q, False), [self.kick[q]]) == 0
+            assert self.acked(v.Req.SET_VRING_CALL, v.VringFd(q, False), [self.call[q]]) == 0
+            assert self.acked(v.Req.SET_VRING_ENABLE, v.VringState(q, 1)) == 0
+
     def kick_and_wait(self, q: int, n: int = 1) -> list[tuple[int, int]]:
         """Kick queue q; wait (condition: the call eventfd) until n new used entries. The
         driver asks for a call at the next used entry (event index: used_event)."""
@@ -478,6 +499,53 @@ def test_a_new_memory_table_moves_running_rings_and_keeps_held_chains(tmp_path):
         r, _, _ = select.select([fe.call[1]], [], [], WAIT_S)
         assert r and guest.used(1) == [(h1, 16)] and fuse_reply(guest, at1, 16)[0] == 0
         assert not os.path.exists(os.path.join(srv.work, "f1"))
+    finally:
+        fe.close()
+        srv.close()
+        os.close(guest.fd)
+
+
+@pytest.mark.parametrize("restart", ["resume", "reset"])
+def test_a_held_request_survives_a_paused_vm_and_is_forgotten_by_a_reset(tmp_path, restart):
+    """QEMU stops the rings when the VM pauses (a safeguard's QMP pause too): the held
+    deletion stays in flight, its reply is parked while the rings are stopped, and lands
+    when they start again where they stopped. A queue started elsewhere (the driver reset
+    it) forgets it: no stale used entry, the ring works from its new base."""
+    srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(2):
+        open(os.path.join(srv.work, f"f{i}"), "w").close()
+    guest = Guest()
+    fe = FrontEnd(srv.path, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
+        assert fe.kick_and_wait(1) == [(h0, 16)]
+        h1, at1 = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # held
+        os.eventfd_write(fe.kick[1], 1)
+        gate = srv.export.gate
+        while srv.in_loop(lambda: gate.pending) is None:  # a condition wait
+            select.select([], [], [], 0.01)
+        bases = fe.stop_rings()
+        assert bases == [0, 3]  # INIT, the first UNLINK and the held one were taken
+        assert srv.in_loop(lambda: srv.holds.answer(gate.pending.id, "allow"))
+        while os.path.exists(os.path.join(srv.work, "f1")):  # a condition wait: the deletion is done
+            select.select([], [], [], 0.01)
+        assert guest.used(1) == []  # parked: nothing is written into a stopped ring
+        guest.poke(Guest.ring(1)[1] + 4 + 2 * QSIZE, le(guest.seen_used[1], 2))
+        if restart == "resume":
+            fe.start_rings(bases)
+            r, _, _ = select.select([fe.call[1]], [], [], WAIT_S)
+            assert r and guest.used(1) == [(h1, 16)] and fuse_reply(guest, at1, 16)[0] == 0
+        else:
+            for q in range(2):  # the driver reset its queues: fresh rings from index 0
+                _, avail, used = Guest.ring(q)
+                guest.poke(avail, b"\0" * (6 + 2 * QSIZE))
+                guest.poke(used, b"\0" * (6 + 8 * QSIZE))
+                guest.avail[q] = guest.seen_used[q] = guest.next_desc[q] = 0
+            fe.start_rings([0, 0])
+            head, _ = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
+            assert fe.kick_and_wait(1) == [(head, 120)]  # and no stale entry for the forgotten one
     finally:
         fe.close()
         srv.close()

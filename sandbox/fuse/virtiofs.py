@@ -22,7 +22,9 @@ Invariants:
   used with length 0, an impossible ring index stops that queue (logged) until the
   front-end sets it up again;
 * a request held by a safeguard keeps its chain unanswered (its memoryviews held) while
-  other chains and queues flow; held bytes ≤ ``held_request_bytes_per_connection_max``,
+  other chains and queues flow; it stays in flight when QEMU stops the rings (a paused VM:
+  its reply is parked) and is answered once they start again where they stopped — a ring
+  started elsewhere (the driver reset it) or a disconnect forgets it; held bytes ≤ ``held_request_bytes_per_connection_max``,
   beyond it no chain is popped until they drain (the guest's queue fills: backpressure);
 * bounded: a request is at most :data:`~.abi.READ_BUFFER_BYTES` (larger: ``EINVAL``
   reply, or dropped with length 0 when not even the header is readable), chains popped
@@ -93,8 +95,12 @@ class Ring:
     broken: bool = False
     paused: bool = False
     held: set = field(default_factory=set)
-    #: bumped when the ring stops: a held request's reply to an earlier epoch is dropped
+    #: bumped when the ring's requests in flight are forgotten (a reset): their replies are dropped
     epoch: int = 0
+    #: replies to held requests that came while the ring was stopped (a paused VM): (chain, bytes)
+    parked: list = field(default_factory=list)
+    #: (base, addresses) when the ring last stopped: starting again there resumes it
+    resume: tuple | None = None
 
     def close_fds(self) -> None:
         for name in ("kick", "call", "err"):
@@ -266,6 +272,8 @@ class Device:
         needs_enable = bool(self.features & v.F_PROTOCOL_FEATURES)
         if ring.enabled is False or (needs_enable and ring.enabled is None):
             return
+        if (ring.held or ring.parked) and ring.resume != (ring.base, ring.addr):
+            self._forget_in_flight(ring)  # not where it stopped: the driver reset the queue
         try:
             ring.vq = Virtqueue(self.mem, ring.num, ring.addr.desc, ring.addr.avail, ring.addr.used,
                                 event_idx=bool(self.features & F_EVENT_IDX),
@@ -278,17 +286,28 @@ class Device:
         self.on_ring_start(ring)
 
     def _stop(self, ring: Ring) -> None:
+        """Stop serving ``ring`` (GET_VRING_BASE, disable, a new kick). Its held requests stay
+        in flight: QEMU stops the rings when the VM pauses (a safeguard's QMP pause too) and
+        starts them again where they stopped; their replies are parked until then."""
         if ring.vq is not None:
             self.on_ring_stop(ring)
             ring.base = ring.vq.last_avail
             ring.vq.close()
             ring.vq = None
+            ring.resume = (ring.base, ring.addr)
+
+    @staticmethod
+    def _forget_in_flight(ring: Ring) -> None:
         ring.held.clear()
         ring.epoch += 1
+        for chain, _data in ring.parked:
+            chain.release()
+        ring.parked.clear()
 
     def reset(self) -> None:
         for ring in self.rings:
             self._stop(ring)
+            self._forget_in_flight(ring)
             ring.close_fds()
         self.rings = [Ring(i) for i in range(VIRTQUEUES_MAX)]
         if self.mem is not None:
@@ -461,6 +480,11 @@ class VirtioFsServer:
     # -- rings
 
     def _ring_started(self, ring: Ring) -> None:
+        parked, ring.parked = ring.parked, []
+        for chain, data in parked:  # replies that came while it was stopped
+            self._answer(ring, ring.vq, chain, data)
+        if parked:
+            self.device.notify(ring)
         self._loop.add_reader(ring.kick, self._kicked, ring)
         self._loop.call_soon(self._drain, ring)  # entries may be waiting from before a restart
 
@@ -545,11 +569,15 @@ class VirtioFsServer:
         epoch = ring.epoch
 
         def send(unique: int, reply, error: BaseException | None) -> None:
-            if ring.epoch != epoch or ring.vq is None:  # the ring was stopped meanwhile
+            if ring.epoch != epoch:  # the queue was reset meanwhile: nobody waits for this reply
                 chain.release()
                 return
             ring.held.discard(chain.head)
-            self._answer(ring, ring.vq, chain, reply_bytes(unique, reply, error))  # the current mapping's rings
+            data = reply_bytes(unique, reply, error)
+            if ring.vq is None:  # stopped (the VM is paused): answered when the ring starts again
+                ring.parked.append((chain, data))
+                return
+            self._answer(ring, ring.vq, chain, data)  # the current mapping's rings
             if not self._draining:
                 self.device.notify(ring)
 
