@@ -124,13 +124,11 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
     virtio_fs = side in VIRTIOFS_SIDES
     kind = "vfs" if virtio_fs else "qemu" if side == "qemu" else "ours"
     extra = ["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else []
-    if virtio_fs:
-        extra = ["-object", f"memory-backend-memfd,id=mem,size={MEMORY_MB}M,share=on", "-numa", "node,memdev=mem",
-                 "-chardev", f"socket,id=vfs,path={sock}", "-device", "vhost-user-fs-pci,chardev=vfs,tag=work"]
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=MEMORY_MB, host_root=True,
                    accel=accel.accel, cpu=accel.cpu,
                    append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else ""),
-                   guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra)
+                   guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra,
+                   virtiofs=[("work", sock)] if virtio_fs else [])
     cmd = build_command(cfg)
     ws = None
     cpu = float("nan")

@@ -72,10 +72,8 @@ def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None, qmp: str
               on_server=None) -> tuple[int, str, VirtioFsThread]:
     sock = str(tmp_path / "vfs.sock")
     image = image(script)
-    extra = ["-object", f"memory-backend-memfd,id=mem,size={MEMORY_MB}M,share=on", "-numa", "node,memdev=mem",
-             "-chardev", f"socket,id=vfs,path={sock}", "-device", "vhost-user-fs-pci,chardev=vfs,tag=work"]
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
-                   extra=extra, qmp_socket=qmp)
+                   virtiofs=[("work", sock)], qmp_socket=qmp)
     limits = ServerLimits()
     holds = HoldBroker()
     if decide is not None:
