@@ -425,12 +425,13 @@ def test_the_virtiofs_doc_says_the_code_s_limits():
     from pathlib import Path
 
     from sandbox.fuse import virtiofs, virtqueue
+    from sandbox.vm import qemu
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "virtiofs.md").read_text()
     quoted = re.findall(r"`(\w+)` = ([\d,]+)(?! MiB)( B)?", doc)
     assert len({name for name, _, _ in quoted}) >= 7
     for name, value, _ in quoted:
-        owner = next(mod for mod in (v, virtiofs, virtqueue, abi) if hasattr(mod, name))
+        owner = next(mod for mod in (v, virtiofs, virtqueue, abi, qemu) if hasattr(mod, name))
         assert getattr(owner, name) == int(value.replace(",", "")), name
     assert f"`READ_BUFFER_BYTES` = 1 MiB + {abi.READ_BUFFER_BYTES - (1 << 20)} B" in doc
     assert f"`held_request_bytes_per_connection_max` = {ServerLimits().held_request_bytes_per_connection_max >> 20} MiB" in doc
