@@ -367,11 +367,22 @@ def test_protocol_errors_end_the_connection_not_the_server(tmp_path):
         fe.send(v.Req.SET_VRING_NUM, v.VringState(VIRTQUEUES_MAX, QSIZE))  # no such queue
         assert fe.sock.recv(1) == b""
         fe.close()
+        fe = FrontEnd(srv.path, guest)
+        fe.handshake()
+        fds = [os.eventfd(0) for _ in range(v.MEM_REGIONS_MAX + 1)]  # more than any message carries
+        fe.send(v.Req.SET_VRING_CALL, v.VringFd(0, False), fds)
+        for fd in fds:
+            os.close(fd)
+        try:
+            assert fe.sock.recv(1) == b""
+        except ConnectionResetError:  # closed with the message's payload unread: also an end
+            pass
+        fe.close()
         fe = FrontEnd(srv.path, guest)  # a fresh front-end: served from the start
         fe.handshake()
         init(fe, guest)
         fe.close()
-        assert srv.server.connections == 3
+        assert srv.server.connections == 4
     finally:
         srv.close()
         os.close(guest.fd)

@@ -442,8 +442,8 @@ class VirtioFsServer:
 
     def _readable(self) -> None:
         try:
-            data, anc, _flags, _ = self.conn.recvmsg(self._decoder.wanted,
-                                                     socket.CMSG_SPACE(v.MEM_REGIONS_MAX * 4))
+            data, anc, flags, _ = self.conn.recvmsg(self._decoder.wanted,
+                                                    socket.CMSG_SPACE(v.MEM_REGIONS_MAX * 4))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -454,6 +454,11 @@ class VirtioFsServer:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 n = len(raw) - len(raw) % 4
                 self._fds += list(memoryview(raw)[:n].cast("i"))
+        if flags & socket.MSG_CTRUNC:  # more descriptors than any message carries (the rest were closed)
+            log.error("virtiofs: ending the connection: more than %d descriptors with one message",
+                      v.MEM_REGIONS_MAX)
+            self._disconnected.set()
+            return
         if not data:
             log.info("virtiofs: the front-end disconnected")
             self._disconnected.set()
