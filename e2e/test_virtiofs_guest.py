@@ -30,7 +30,7 @@ from sandbox.core.workspace import Workspace
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
 from sandbox.limits import ServerLimits
-from sandbox.mounts import Provider
+from sandbox.mounts import Provider, memory_tree
 from sandbox.serving import Export, HoldBroker
 from sandbox.vm import image as vm_image
 from sandbox.vm.qemu import VmConfig, build_command
@@ -68,8 +68,8 @@ def image():
     return lambda script: vm_image.build_initramfs(kernel, INIT, modules=MODULES, files={"run.sh": script.encode()})
 
 
-def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None, qmp: str | None = None,
-              on_server=None) -> tuple[int, str, VirtioFsThread]:
+def run_guest(image, tmp_path, ws: Workspace | None, script: str, decide=None, qmp: str | None = None,
+              on_server=None, provider=None) -> tuple[int, str, VirtioFsThread]:
     sock = str(tmp_path / "vfs.sock")
     image = image(script)
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
@@ -78,7 +78,7 @@ def run_guest(image, tmp_path, ws: Workspace, script: str, decide=None, qmp: str
     holds = HoldBroker()
     if decide is not None:
         holds.ask(decide)
-    export = Export(Provider.intercepted(ws), holds, limits)
+    export = Export(provider or Provider.intercepted(ws), holds, limits)
     server = VirtioFsServer(lambda: Dispatcher(export, limits), limits, capture=True)
     with VirtioFsThread(server, sock) as srv:
         if on_server is not None:
@@ -250,3 +250,21 @@ def test_a_held_request_survives_a_qmp_pause_of_the_guest(image, tmp_path):
     names = [n for n, _ in srv.server.logs[0]]
     assert names.count("GET_VRING_BASE") >= 4, names  # stopped for the pause, and at power-off
     ws.close()
+
+
+@pytest.mark.parametrize("kind", ["read-only folder", "in-memory tree"])
+def test_read_only_folders_and_in_memory_trees_over_virtiofs(image, tmp_path, kind):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_bytes(b"from the host\n")
+    before = oracle.snapshot_dir(str(work))
+    provider = (Provider.read_only_dir(str(work)) if kind == "read-only folder"
+                else memory_tree({"notes.txt": "from the host\n", "sub/deep.txt": "deep\n"}))
+    script = "cat notes.txt; touch new.txt 2>&1 || echo TOUCH-REFUSED; rm notes.txt 2>&1 || echo RM-REFUSED\n"
+    try:
+        status, out, _srv = run_guest(image, tmp_path, None, script, provider=provider)
+    finally:
+        provider.close()
+    assert "from the host" in out and "TOUCH-REFUSED" in out and "RM-REFUSED" in out, out
+    assert "Read-only file system" in out, out  # EROFS
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "nothing changed on the host")
