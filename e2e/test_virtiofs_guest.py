@@ -20,6 +20,7 @@ import os
 import socket
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -268,3 +269,46 @@ def test_read_only_folders_and_in_memory_trees_over_virtiofs(image, tmp_path, ki
     assert "from the host" in out and "TOUCH-REFUSED" in out and "RM-REFUSED" in out, out
     assert "Read-only file system" in out, out  # EROFS
     oracle.assert_same(before, oracle.snapshot_dir(str(work)), "nothing changed on the host")
+
+
+def test_sigkill_of_serve_virtiofs_under_a_writing_guest_recovers_exactly(image, tmp_path):
+    """`sandbox serve-virtiofs` (its own process) is SIGKILLed while a real guest writes
+    through it; QEMU is then stopped. The next open of the folder recovers: the tree is
+    exactly as before the session (the interrupted step is rolled back)."""
+    work = tmp_path / "work"
+    (work / "src").mkdir(parents=True)
+    (work / "src" / "main.py").write_bytes(b"print('hi')\\n")
+    before = oracle.snapshot_dir(str(work))
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
+    sock = str(tmp_path / "vfs.sock")
+    server = subprocess.Popen([sys.executable, "-m", "sandbox", "serve-virtiofs", "--root", str(work),
+                               "--socket", sock], stderr=subprocess.PIPE, text=True, env=env,
+                              stdin=subprocess.DEVNULL)
+    qemu = None
+    try:
+        line = server.stderr.readline()  # blocks until it listens (or dies)
+        assert "serving" in line, line + server.stderr.read()
+        script = ("i=0; while :; do echo $i > f$i; echo more >> src/main.py; rm -f f$((i-3)); i=$((i+1)); done\n")
+        img = image(script)
+        cfg = VmConfig(kernel=img.vmlinuz, initrd=img.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
+                       virtiofs=[("work", sock)])
+        qemu = subprocess.Popen(build_command(cfg), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 240
+        while (work / "src" / "main.py").read_bytes().count(b"more") < 20:  # a condition wait: the guest writes
+            assert time.monotonic() < deadline and qemu.poll() is None, "the guest never wrote"
+            time.sleep(0.05)
+        server.kill()
+        server.wait(30)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+        if qemu is not None:
+            qemu.kill()
+            qemu.wait(30)
+    assert (work / "src" / "main.py").read_bytes() != b"print('hi')\\n"  # the guest's writes landed
+    r = subprocess.run([sys.executable, "-m", "sandbox", "history", "--workdir", str(work)], capture_output=True,
+                       text=True, env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and "recovered" in r.stderr, r
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "recovery after SIGKILL of serve-virtiofs")
