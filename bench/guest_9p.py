@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -21,9 +22,13 @@ try:
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from sandbox.fuse.dispatcher import Dispatcher
+from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
 from sandbox.hostfs.real import RealHostFS
+from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
 from sandbox.ninep.server import NinePServer, ServerThread
+from sandbox.serving import Export, HoldBroker
 from sandbox.vm import image as vm_image
 from sandbox.vm.qemu import VmConfig, build_command, probe_accel
 from sandbox.session.runtime import open_workspace, watch_workspace
@@ -45,10 +50,16 @@ project, mounted two ways (cache=none, msize 512 KiB both):
         watched/ours is its cost
   diod  Debian's C 9P2000.L server (package diod) behind the same guestfwd transport
         as ours, no interception — the transport held equal (skipped if not installed)
+  vfs   ours over virtio-fs (sandbox.fuse.virtiofs, intercepted; QEMU vhost-user-fs-pci,
+        guest RAM a shared memfd) — how sessions will mount working folders (issue 17)
+  virtiofsd  QEMU's C virtiofsd (/usr/lib/qemu/virtiofsd, cache=none, sandbox=chroot),
+        no interception — the virtio-fs reference (skipped if not installed)
 
 Phases (timed inside the guest with `date +%s%N`): create N small files; read them
 back; `git init && git add -A && git commit`; write a 32 MiB file with dd (1 MiB
-blocks); read it back; `rm -rf` everything. Median of --repeat boots per side,
+blocks); read it back; `rm -rf` everything; "server cpu" is the CPU seconds the file
+server used during the boot (ours: this process; diod/virtiofsd: theirs; qemu's 9p runs
+inside QEMU: not measured). Median of --repeat boots per side,
 alternating sides. Under TCG the guest CPU is emulated, so absolute numbers are low and
 ratios understate the server's share; on KVM hosts run it again.
 """
@@ -65,7 +76,9 @@ ip addr add 10.0.2.15/24 dev eth0
 mkdir -p /merged/mnt/work
 opts=version=9p2000.L,cache=none,msize=524288
 aname=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^sbx_aname=//p')
-if grep -q sbx_work=ours /proc/cmdline; then
+if grep -q sbx_work=vfs /proc/cmdline; then
+  mount -t virtiofs work /merged/mnt/work || echo MOUNT-FAILED
+elif grep -q sbx_work=ours /proc/cmdline; then
   mount -t 9p -o trans=tcp,port=564,uname=root,$opts${aname:+,aname=$aname} 10.0.2.100 /merged/mnt/work || echo MOUNT-FAILED
 else
   mount -t 9p -o trans=virtio,$opts work /merged/mnt/work || echo MOUNT-FAILED
@@ -94,20 +107,58 @@ echo BENCH-DONE
 """
 
 
+VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
+VIRTIOFS_SIDES = ("vfs", "virtiofsd")
+MEMORY_MB = 1024
+PHASES = ("create", "read", "git", "write32M", "read32M", "rm")
+#: the ratio columns printed when both sides ran
+RATIOS = [("ours", "plain"), ("plain", "qemu"), ("ours", "qemu"), ("watched", "ours"), ("plain", "diod"),
+          ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "qemu"), ("vfs", "ours")]
+
+
 def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     shutil.rmtree(work)
     shutil.copytree(sample, work, symlinks=True)
     sock = os.path.join(base, "9p.sock")
-    cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=1024, host_root=True,
+    virtio_fs = side in VIRTIOFS_SIDES
+    kind = "vfs" if virtio_fs else "qemu" if side == "qemu" else "ours"
+    extra = ["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else []
+    cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=MEMORY_MB, host_root=True,
                    accel=accel.accel, cpu=accel.cpu,
-                   append=f"sbx_work={'ours' if side != 'qemu' else 'qemu'}" + (f" sbx_aname={work}" if side == "diod" else ""),
-                   guestfwds=[(564, sock)] if side != "qemu" else [],
-                   extra=["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else [])
+                   append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else ""),
+                   guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra,
+                   virtiofs=[("work", sock)] if virtio_fs else [])
     cmd = build_command(cfg)
     ws = None
+    cpu = float("nan")
     try:
-        if side == "diod":
+        if side == "virtiofsd":
+            d = subprocess.Popen([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", "cache=none",
+                                  "-o", "sandbox=chroot", "-o", "log_level=err"], stdin=subprocess.DEVNULL)
+            try:
+                for _ in range(200):  # it creates its socket as it starts
+                    if os.path.exists(sock):
+                        break
+                    time.sleep(0.05)
+                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+                cpu = _proc_cpu_s(d.pid)
+            finally:
+                d.terminate()
+                d.wait(10)
+                if os.path.exists(sock):
+                    os.unlink(sock)
+        elif side == "vfs":
+            ws, _own = open_workspace(work, watched=False, state_dir=work + ".state")
+            provider = Provider.intercepted(ws)
+            limits = ServerLimits()
+            export = Export(provider, HoldBroker(), limits)
+            t0 = _self_cpu_s()
+            with VirtioFsThread(VirtioFsServer(lambda: Dispatcher(export, limits), limits), sock):
+                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+            cpu = _self_cpu_s() - t0
+            provider.close()
+        elif side == "diod":
             d = subprocess.Popen(["diod", "-f", "-n", "-N", "-u", str(os.getuid()), "-e", work, "-l", sock,
                                   "-L", os.path.join(base, "diod.log")], stdin=subprocess.DEVNULL)
             try:
@@ -116,6 +167,7 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
                         break
                     time.sleep(0.05)
                 p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+                cpu = _proc_cpu_s(d.pid)
             finally:
                 d.terminate()
                 d.wait(10)
@@ -131,8 +183,10 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
             else:
                 provider = Provider(RealHostFS(work), None, read_only=False)
             try:
+                t0 = _self_cpu_s()
                 with ServerThread(NinePServer(provider), unix_path=sock):
                     p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+                cpu = _self_cpu_s() - t0
             finally:
                 if detector is not None:
                     detector.stop()
@@ -155,7 +209,20 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
     booted = re.search(r"BOOTED ([0-9.]+)", out)
     if booted:
         res["boot (uptime)"] = float(booted.group(1))
+    res["server cpu"] = cpu
     return res
+
+
+def _self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of a live process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -165,10 +232,11 @@ def main() -> int:
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT,
-                                     modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay"),
+                                     modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay", "virtiofs", "fuse"),
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
-    sides = ("ours", "plain", "qemu", "watched") + (("diod",) if shutil.which("diod") else ())
+    sides = ("ours", "plain", "qemu", "watched") + (("diod",) if shutil.which("diod") else ()) + ("vfs",) \
+        + (("virtiofsd",) if os.access(VIRTIOFSD, os.X_OK) else ())
     if os.environ.get("BENCH_SIDES"):
         sides = tuple(os.environ["BENCH_SIDES"].split(","))
     if "diod" not in sides:
@@ -185,19 +253,18 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"guest workload ({accel.accel}), seconds, median of {args.repeat}; {args.files} small files")
+    for side in sides:  # the workload's total: the sum of the phases (boot and server CPU apart)
+        runs = len(next(iter(res[side].values())))
+        res[side]["total"] = [sum(v[i] for k, v in res[side].items() if k in PHASES) for i in range(runs)]
     med = {side: {k: statistics.median(v) for k, v in res[side].items()} for side in sides}
-    cols = list(sides) + ["ours/plain", "plain/qemu", "ours/qemu"] + (["watched/ours"] if "watched" in sides else []) \
-        + (["plain/diod", "ours/diod"] if "diod" in sides else [])
-    print(f"{'phase':14}" + "".join(f"{c:>13}" for c in cols))
-    for k in med["qemu"]:
+    ratios = [(a, b) for a, b in RATIOS if a in sides and b in sides]
+    cols = list(sides) + [f"{a}/{b}" for a, b in ratios]
+    print(f"{'phase':14}" + "".join(f"{c:>15}" for c in cols))
+    for k in med[sides[0]]:
         row = [med[side].get(k, float("nan")) for side in sides]
-        o, p_, q = med["ours"][k], med["plain"][k], med["qemu"][k]
-        ratios = [o / p_, p_ / q, o / q]
-        if "watched" in sides:
-            ratios.append(med["watched"][k] / o)
-        if "diod" in sides:
-            ratios += [p_ / med["diod"][k], o / med["diod"][k]]
-        print(f"{k:14}" + "".join(f"{v:13.2f}" for v in row + ratios))
+        row += [med[a].get(k, float("nan")) / med[b].get(k, float("nan")) if med[b].get(k) else float("nan")
+                for a, b in ratios]
+        print(f"{k:14}" + "".join(f"{v:15.2f}" for v in row))
     return 0
 
 

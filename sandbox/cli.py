@@ -721,6 +721,107 @@ def _served_exit(ws, stopped: str) -> int:
     return EXIT_OK
 
 
+# -- virtio-fs (issue 17): `sandbox serve-virtiofs`
+def cmd_serve_virtiofs(args) -> int:
+    """Serve a folder as a vhost-user-fs device (virtio-fs) until SIGTERM/SIGINT."""
+    import asyncio
+    import logging
+    import signal
+
+    from .fuse.dispatcher import Dispatcher
+    from .fuse.virtiofs import VirtioFsServer
+    from .limits import ServerLimits
+    from .mounts import Provider
+    from .serving import Export, HoldBroker
+
+    setup_logging(args.log_level)
+    if not os.path.isdir(args.root):
+        raise CliError(f"--root {args.root!r} does not exist or is not a directory", EXIT_USAGE)
+    ws = None
+    if args.read_only:
+        provider = Provider.read_only_dir(args.root)
+        what = "read-only"
+    else:
+        args.workdir = args.root
+        undo_log = logging.getLogger("sandbox.undo")
+
+        def on_event(event: dict) -> None:
+            if event.get("type") == "event.warning":
+                undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
+
+        ws = _open(args, must_exist=False, on_event=on_event)
+        provider = Provider.intercepted(ws)
+        what = f"intercepted; undo store {_state_dir(args)}"
+    limits = ServerLimits()
+    export = Export(provider, HoldBroker(), limits)
+
+    from . import confine  # before asyncio.run, while this is the only thread (as serve-9p)
+
+    try:
+        confine.confine(read_write=[] if args.read_only else [os.path.realpath(_state_dir(args)),
+                                                             os.path.realpath(args.root)],
+                        read_only=[os.path.realpath(args.root)] if args.read_only else [],
+                        socket_dirs=[os.path.dirname(os.path.abspath(args.socket))], tcp_bind_ports=[])
+    except (confine.ConfineError, OSError) as e:
+        provider.close()
+        if ws is not None:
+            ws.close()
+        raise CliError(f"cannot confine the server: {e}", EXIT_FAILED) from None
+
+    async def serve() -> None:
+        server = VirtioFsServer(lambda: Dispatcher(export, limits), limits)
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+
+        def ready() -> None:
+            print(f"sandbox: serving {os.path.realpath(args.root)} as virtio-fs ({what}) on vhost-user socket "
+                  f"{args.socket}. QEMU: -object memory-backend-memfd,id=mem,size=RAM,share=on -numa node,memdev=mem "
+                  f"-chardev socket,id=vfs,path={args.socket} -device vhost-user-fs-pci,chardev=vfs,tag=TAG. "
+                  "SIGTERM or Ctrl-C stops.", file=sys.stderr, flush=True)
+        try:
+            await server.serve(args.socket, ready)
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(serve())
+    except OSError as e:
+        raise CliError(f"cannot serve on {args.socket}: {e.strerror or e}", EXIT_FAILED) from None
+    finally:
+        provider.close()
+        if ws is not None:
+            ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
+    return _served_exit(ws, "server stopped")
+
+
+def _serve_virtiofs_parser(command, log_levels, mismatch) -> None:
+    sv = command(
+        "serve-virtiofs", "serve a folder as a virtio-fs device (vhost-user) to QEMU; every write is undoable",
+        "Serve the folder --root DIR as a vhost-user-fs device on the unix socket --socket PATH\n"
+        "(created 0600), until SIGTERM or Ctrl-C. QEMU connects with\n"
+        "  -object memory-backend-memfd,id=mem,size=RAM,share=on -numa node,memdev=mem\n"
+        "  -chardev socket,id=vfs,path=PATH -device vhost-user-fs-pci,chardev=vfs,tag=TAG\n"
+        "and the guest mounts it with: mount -t virtiofs TAG /mnt. One QEMU at a time; after it\n"
+        "disconnects the next one is served. Every mutation the guest makes is intercepted: it lands\n"
+        "in ambient steps (closed after 5 s without writes) that `sandbox history --workdir DIR` lists\n"
+        "and `sandbox undo --workdir DIR` undoes once the server has stopped. --read-only refuses\n"
+        "every mutation (EROFS). See docs/virtiofs.md.",
+        [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken), or the last step could "
+                                     "not be saved"),
+         (2, "bad usage (--root is not a directory)"), mismatch,
+         (5, "the undo store is in use by another process (another server or an undo)")])
+    sv.add_argument("--root", required=True, metavar="DIR", help="the folder to serve")
+    sv.add_argument("--socket", required=True, metavar="PATH", help="the vhost-user unix socket to listen on")
+    sv.add_argument("--read-only", action="store_true", help="refuse every mutation; no interception, no undo store")
+    sv.add_argument("--state-dir", metavar="DIR", help="where the undo store lives (default: under "
+                    "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
+    sv.add_argument("--log-level", default="warn", type=str.lower, choices=log_levels)
+    sv.set_defaults(fn=cmd_serve_virtiofs)
+# -- end virtio-fs
+
+
 # -- FUSE mount (issue 16): `sandbox mount`
 #: seconds after SIGTERM/Ctrl-C for files still open on the mount to be closed before serving stops
 UNMOUNT_GRACE_S = 5.0
@@ -875,6 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  sandbox run --workdir DIR [--workdir DIR2:ro] [--network open] -- COMMAND\n"
                "  sandbox shell --workdir DIR\n"
                "  sandbox serve-9p --root DIR --socket PATH [--read-only]\n"
+               "  sandbox serve-virtiofs --root DIR --socket PATH [--read-only]\n"
                "  sandbox mount --workdir DIR MOUNTPOINT [--read-only]\n"
                "  sandbox demo\n\n"
                "exit codes:\n"
@@ -1053,6 +1155,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest message size granted to clients (default 1 MiB; at least 8192)")
     s9.add_argument("--log-level", default="warn", type=str.lower, choices=LOG_LEVELS)
     s9.set_defaults(fn=cmd_serve_9p)
+    _serve_virtiofs_parser(command, LOG_LEVELS, mismatch)  # -- virtio-fs (issue 17)
     sv = command(
         "serve", "the STDIO API: a frontend drives sessions with JSON Lines on stdin/stdout",
         "Run the host agent for a frontend (GUI, IDE plugin, script): one JSON request per line on\n"

@@ -202,6 +202,28 @@ def test_a_read_only_export_tag_is_given_once(boot_files):
         qemu.build_command(cfg(boot_files, virtfs_ro=[("usr", "/usr"), ("usr", "/usr")]))
 
 
+def test_virtiofs_shares_share_the_guest_ram_as_a_memfd(boot_files, tmp_path):
+    cmd = qemu.build_command(cfg(boot_files, memory_mb=768,
+                                 virtiofs=[("work", str(tmp_path / "a,b.sock")), ("w1", str(tmp_path / "c.sock"))]))
+    assert values(cmd, "-object") == ["memory-backend-memfd,id=mem,size=768M,share=on"]
+    assert values(cmd, "-numa") == ["node,memdev=mem"]
+    assert values(cmd, "-chardev")[-2:] == [f"socket,id=vfs0,path={tmp_path}/a,,b.sock",
+                                            f"socket,id=vfs1,path={tmp_path}/c.sock"]
+    assert [d for d in values(cmd, "-device") if d.startswith("vhost-user-fs")] == [
+        "vhost-user-fs-pci,chardev=vfs0,tag=work", "vhost-user-fs-pci,chardev=vfs1,tag=w1"]
+    assert "-object" not in qemu.build_command(cfg(boot_files))  # no share, no memfd
+
+
+@pytest.mark.parametrize("tag, match", [("bad tag", "one word"), ("x" * 37, "one word"), ("a,b", "one word")])
+def test_virtiofs_tags_are_validated(boot_files, tmp_path, tag, match):
+    with pytest.raises(ValueError, match=match):
+        qemu.build_command(cfg(boot_files, virtiofs=[(tag, str(tmp_path / "s.sock"))]))
+    with pytest.raises(ValueError, match="given twice"):
+        qemu.build_command(cfg(boot_files, virtiofs=[("t", str(tmp_path / "s")), ("t", str(tmp_path / "s2"))]))
+    with pytest.raises(ValueError, match="does not exist"):
+        qemu.build_command(cfg(boot_files, virtiofs=[("t", "/nonexistent-dir/s.sock")]))
+
+
 def test_a_full_session_config(boot_files, tmp_path):
     disk = tmp_path / "d.img"
     disk.write_bytes(b"")

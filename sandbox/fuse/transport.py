@@ -140,6 +140,36 @@ def unmount(mountpoint: str, via_fusermount: bool) -> None:
             raise OSError(e, f"umount2 failed: {os.strerror(e)}", mountpoint)
 
 
+def reply_bytes(unique: int, reply, error: BaseException | None) -> bytes:
+    """The wire bytes of the dispatcher's answer to ``unique`` (``-errno`` for an error;
+    ``EIO``, logged, for the unexpected or a reply that cannot be encoded) — shared by the
+    /dev/fuse and virtio-fs servers."""
+    if error is not None:
+        if isinstance(error, HoldRequired):  # pragma: no cover - only gated requests can hold
+            log.error("fuse: request %d held outside the gate", unique)
+        elif not isinstance(error, OSError):
+            log.error("fuse: request %d failed unexpectedly", unique, exc_info=error)
+        return encode_error(unique, errno_of(error))
+    try:
+        return encode_reply(unique, reply)
+    except ValueError as e:  # a reply we cannot represent: a bug or absurd host data
+        log.error("fuse: cannot encode the reply to %d: %s", unique, e)
+        return encode_error(unique, errno.EIO)
+
+
+async def poll_export(export, interval_s: float) -> None:
+    """Forever: every ``interval_s``, the undo core's time-driven transitions (ambient step
+    close, hold expiry) for ``export`` — shared by the /dev/fuse and virtio-fs servers."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if export.gate is not None:
+            export.gate.broker.poll()
+        try:
+            export.provider.poll()
+        except Exception:
+            log.exception("undo core poll failed for %s", export.provider.label)
+
+
 class FuseServer:
     """Serve ``dispatcher`` on the FUSE descriptor ``fd`` until the mount goes away
     (:meth:`serve`) — module docstring."""
@@ -237,15 +267,7 @@ class FuseServer:
         self.notifier.set_quiet(not self.dispatcher.pipeline.tasks)
 
     async def _poll_loop(self) -> None:
-        export = self.dispatcher.export
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            if export.gate is not None:
-                export.gate.broker.poll()
-            try:
-                export.provider.poll()
-            except Exception:
-                log.exception("undo core poll failed for %s", export.provider.label)
+        await poll_export(self.dispatcher.export, self.poll_interval_s)
 
     # -- reading, with backpressure
 
@@ -305,18 +327,7 @@ class FuseServer:
             self.stop()
 
     def _send(self, unique: int, reply, error: BaseException | None) -> None:
-        if error is not None:
-            if isinstance(error, HoldRequired):  # pragma: no cover - only gated requests can hold
-                log.error("fuse: request %d held outside the gate", unique)
-            elif not isinstance(error, OSError):
-                log.error("fuse: request %d failed unexpectedly", unique, exc_info=error)
-            data = encode_error(unique, errno_of(error))
-        else:
-            try:
-                data = encode_reply(unique, reply)
-            except ValueError as e:  # a reply we cannot represent: a bug or absurd host data
-                log.error("fuse: cannot encode the reply to %d: %s", unique, e)
-                data = encode_error(unique, errno.EIO)
+        data = reply_bytes(unique, reply, error)
         try:
             os.write(self.fd, data)
         except OSError as e:

@@ -95,6 +95,9 @@ class VmConfig:
     disk: str | None = None  # a raw disk image, the guest's /dev/vda
     #: (name, host file) pairs exposed to the guest with ``-fw_cfg`` (names start ``opt/``)
     fw_cfg: list[tuple[str, str]] = field(default_factory=list)
+    #: virtio-fs shares (issue 17): (tag, the vhost-user socket of its device server, e.g.
+    #: ``sandbox serve-virtiofs``); the guest's RAM then is a shared memfd the servers map
+    virtiofs: list[tuple[str, str]] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     #: None: "max" under TCG, "host" under KVM; set it to what :func:`probe_accel` found
     cpu: str | None = None
@@ -111,6 +114,10 @@ class AccelChoice:
 
 
 # ---------------------------------------------------------------------------- command line
+
+
+#: bytes of a virtio-fs tag (the device's config space holds 36)
+VIRTIOFS_TAG_BYTES_MAX = 36
 
 
 def escape_opt(value: str) -> str:
@@ -180,6 +187,13 @@ def _validate(cfg: VmConfig) -> None:
         _check_path(f"virtfs {tag}", path)
         if not os.path.isdir(path):
             raise ValueError(f"virtfs {tag}: directory {path!r} does not exist")
+    vfs_tags: set[str] = set()
+    for tag, path in cfg.virtiofs:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,%d}" % VIRTIOFS_TAG_BYTES_MAX, tag) or tag in vfs_tags:
+            raise ValueError(f"virtio-fs tag {tag!r}: one word of [A-Za-z0-9_.-], at most "
+                             f"{VIRTIOFS_TAG_BYTES_MAX}, not given twice")
+        vfs_tags.add(tag)
+        _check_socket_path(f"virtio-fs {tag}", path)
     if cfg.disk is not None:
         _check_path("disk", cfg.disk)
         if not os.path.isfile(cfg.disk):
@@ -226,6 +240,11 @@ def build_command(cfg: VmConfig) -> list[str]:
         cmd += ["-chardev", f"socket,id=control,path={escape_opt(cfg.control_socket)},server=on,wait=off",
                 "-device", "virtio-serial-pci",
                 "-device", "virtserialport,chardev=control,name=control"]
+    if cfg.virtiofs:  # the device servers map the guest's RAM: it must be a shared memfd
+        cmd += ["-object", f"memory-backend-memfd,id=mem,size={cfg.memory_mb}M,share=on", "-numa", "node,memdev=mem"]
+    for k, (tag, path) in enumerate(cfg.virtiofs):
+        cmd += ["-chardev", f"socket,id=vfs{k},path={escape_opt(path)}",
+                "-device", f"vhost-user-fs-pci,chardev=vfs{k},tag={tag}"]
     if cfg.disk is not None:
         cmd += ["-drive", f"file={escape_opt(cfg.disk)},if=virtio,format=raw,cache=writeback,discard=unmap"]
     for name, path in cfg.fw_cfg:
