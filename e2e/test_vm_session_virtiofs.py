@@ -2,7 +2,8 @@
 
 The same session as ``test_vm_session.py`` (Debian's kernel under QEMU 7.2, TCG here; the
 session's guest root; commands as ``agent``), but each working folder reaches the guest as a
-``vhost-user-fs-pci`` device served from the folder's export on the session's loop, mounted
+``vhost-user-fs-pci`` device served from the folder's export — by its confined share-server
+child (the default for VM guests) or on the session's own loop (thread share servers) — mounted
 ``-t virtiofs``: a real program's step undone exactly (tree oracle), a safeguard hold allowed
 or denied (the VM paused over QMP meanwhile), a read-only folder refusing writes, and the
 guest's ``/proc/mounts`` naming virtiofs for the folders and 9p for an in-memory tree.
@@ -28,14 +29,16 @@ def run(s: Session, cmd: str) -> tuple[int, str]:
     return r.exit_code, "".join(out)
 
 
-def test_folders_over_virtiofs_rm_undone_read_only_refused_and_mounts_seen(sample_project, tmp_path):
+@pytest.mark.parametrize("share_servers", ["process", "thread"])
+def test_folders_over_virtiofs_rm_undone_read_only_refused_and_mounts_seen(sample_project, tmp_path, share_servers):
     ro = tmp_path / "ro"
     ro.mkdir()
     (ro / "keep").write_bytes(b"k")
     before = oracle.snapshot_dir(str(sample_project))
     with Session([Folder(str(sample_project)), Folder(str(ro), read_only=True)], share="virtiofs",
-                 mounts=[MemoryMount("/mnt/mem", {"a.txt": b"in memory"})]) as s:
-        assert s.status()["share"] == "virtiofs" and s.share_servers == "thread"
+                 mounts=[MemoryMount("/mnt/mem", {"a.txt": b"in memory"})], share_servers=share_servers) as s:
+        st = s.status()
+        assert st["share"] == "virtiofs" and len(st["share_server_pids"]) == (2 if share_servers == "process" else 0)
         code, mounts = run(s, "cat /proc/mounts")
         assert code == 0
         kinds = {f[1]: (f[2], f[3].split(",")[0]) for f in (ln.split() for ln in mounts.splitlines()) if len(f) > 3}

@@ -1079,7 +1079,7 @@ def build_parser() -> argparse.ArgumentParser:
         _share_servers_arg(sp)  # -- confined share servers (issue 13)
         sp.add_argument("--share", choices=["9p", "virtiofs"], default="9p",  # -- virtio-fs (issue 17)
                         help="how a VM guest reaches the working folders: 9p (default) or virtiofs (a vhost-user-fs "
-                             "device per folder; opt-in: served in this process, so --share-servers thread)")
+                             "device per folder, served by the folder's share server; opt-in)")
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",

@@ -6,7 +6,8 @@ to the guest's RAM, one ``vhost-user-fs-pci`` per folder, no forwarded port for 
 session side runs for real: a guest factory plays QEMU and the guest kernel on each folder's
 vhost-user socket (the test-side front-end and driver of ``test_virtiofs_device.py``), so a
 command's FUSE requests reach the folder's export and undo core through the session's own
-device servers — one step, undone exactly; a read-only folder answers ``EROFS``.
+device servers — in this process (thread share servers) or in each folder's confined
+share-server child (process) — one step, undone exactly; a read-only folder answers ``EROFS``.
 """
 
 from __future__ import annotations
@@ -70,13 +71,12 @@ def test_tags_fit_the_device_config():
     assert len(virtiofs_tag("l99").encode()) <= qemu.VIRTIOFS_TAG_BYTES_MAX
 
 
-def test_share_virtiofs_is_checked(tmp_path):
-    with pytest.raises(ValueError, match="share_servers='thread'"):
-        Session([Folder(str(tmp_path))], share="virtiofs", share_servers="process")
+def test_share_virtiofs_is_checked(tmp_path, monkeypatch):
+    monkeypatch.delenv("SANDBOX_SHARE_SERVERS", raising=False)
     with pytest.raises(ValueError, match="guest='vm'"):
         Session([Folder(str(tmp_path))], share="virtiofs", guest="scripted")
     s = Session([Folder(str(tmp_path))], share="virtiofs")
-    assert (s.share, s.share_servers) == ("virtiofs", "thread")
+    assert (s.share, s.share_servers) == ("virtiofs", "process")  # a VM's folders stay confined
     assert Session([Folder(str(tmp_path))]).share == "9p"  # the default stays 9P
 
 
@@ -156,7 +156,8 @@ def mkdir_then_write(fe: FrontEnd, guest: Guest, name: bytes) -> int:
     return -fuse_reply(guest, at, 24)[0]
 
 
-def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_path):
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_path, share_servers):
     work, ro = tmp_path / "work", tmp_path / "ro"
     work.mkdir()
     ro.mkdir()
@@ -172,11 +173,13 @@ def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_pat
 
     guest = DriverGuest({"write": write_both})
     s = Session([Folder(str(work), state_dir=str(tmp_path / "state")), Folder(str(ro), read_only=True)],
-                share="virtiofs", guest=lambda run_dir: guest, mounts=[MemoryMount("/mnt/mem", {"a": b"a"})])
+                share="virtiofs", guest=lambda run_dir: guest, mounts=[MemoryMount("/mnt/mem", {"a": b"a"})],
+                share_servers=share_servers)
     with s:
         assert sorted((mt.aname, bool(mt.virtiofs_socket)) for mt in guest.mounts) == [("0", True), ("1", True),
                                                                                        ("m0", False)]
-        assert s.status()["share"] == "virtiofs"
+        st = s.status()
+        assert st["share"] == "virtiofs" and len(st["share_server_pids"]) == (2 if share_servers == "process" else 0)
         r = s.run("write")
         assert (r.exit_code, results) == (0, {"rw": 0, "ro": errno.EROFS})
         assert (work / "d" / "f").read_bytes() == b"hello"

@@ -27,7 +27,8 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
   folder at its own path; undo, not isolation), or a caller's factory; the share transport
   is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest; ``"virtiofs"``, opt-in:
   each working folder of a VM also served as a virtio-fs device from the same export, on
-  the 9P server's loop — in-memory trees and live mounts stay on 9P).
+  the loop of the 9P server serving it (the share-server child's in process mode) — in-memory
+  trees and live mounts stay on 9P).
 
 **Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
 ``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
@@ -297,9 +298,8 @@ class Session:
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
         ``share``: the transport of the shares — ``"9p"``; ``"local"`` (FUSE on the host) goes with
         ``guest="local"``, which implies it; ``"virtiofs"`` (a VM guest: each working folder a
-        virtio-fs device served from its 9P export — opt-in, issue 17; needs
-        ``share_servers="thread"``, which it implies: the confined share-server process does not
-        serve virtio-fs yet).
+        virtio-fs device served from its 9P export, in the share-server process or thread that
+        serves it — opt-in, issue 17).
         ``guest="local"`` (:mod:`sandbox.local`): commands run on the host, each folder FUSE-mounted
         at its own path in a private mount namespace — undo, not isolation; folders' guest paths
         default to (and must be) their own paths; ``network`` ``disabled`` is a private network
@@ -331,15 +331,10 @@ class Session:
                        _refuse_target(f) for f in folders]
             for f in folders:
                 f.target = os.path.realpath(f.path)
-        # -- virtio-fs (issue 17): opt-in; the device servers run on this process's 9P loop
-        if share == "virtiofs":
-            if guest != "vm" and not callable(guest):
-                raise ValueError("share='virtiofs' goes with guest='vm' (QEMU's vhost-user-fs-pci) or a guest factory "
-                                 "(it is given each folder's vhost-user socket: GuestMount.virtiofs_socket)")
-            if share_servers == "process":
-                raise ValueError("share='virtiofs' needs share_servers='thread': the confined share-server "
-                                 "process does not serve virtio-fs yet (docs/virtiofs.md)")
-            share_servers = "thread"  # the env default does not apply
+        # -- virtio-fs (issue 17): opt-in; each folder's device is served where its 9P export is
+        if share == "virtiofs" and guest != "vm" and not callable(guest):
+            raise ValueError("share='virtiofs' goes with guest='vm' (QEMU's vhost-user-fs-pci) or a guest factory "
+                             "(it is given each folder's vhost-user socket: GuestMount.virtiofs_socket)")
         # -- confined share servers (issue 13)
         if share_servers is None:  # a VM's folders are served confined; scripted/factory guests: in-process
             share_servers = os.environ.get(SHARE_SERVERS_ENV) or ("process" if guest == "vm" else "thread")
@@ -636,7 +631,7 @@ class Session:
         served = {k: p for k, p in s.providers.items() if s.share is None or not k.isdigit()}
         server = NinePServer(served, ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
-        if self.share == "virtiofs":
+        if self.share == "virtiofs" and s.share is None:  # process mode: the share servers serve them
             self._start_virtiofs(s, limits, owners)
         s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
@@ -707,10 +702,13 @@ class Session:
                 if not f.read_only:
                     self._clear_stale_lock(f)
         for i, f in enumerate(self.folders):
-            folder = {"index": i, "name": self.table.folders[i].name, "path": os.path.realpath(f.path),
+            name = self.table.folders[i].name
+            folder = {"index": i, "name": name, "path": os.path.realpath(f.path),
                       "read_only": f.read_only, "state_dir": f.state_dir,
                       "label": self.table.folders[i].label or os.path.basename(f.path)}
-            s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock")},
+            vfs = {name: self._virtiofs_socket(s, name)} if self.share == "virtiofs" else {}  # -- virtio-fs (issue 17)
+            s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock"),
+                                        "virtiofs": vfs},
                                        on_event=lambda msg: self._share_event(s, msg),
                                        on_died=lambda reason: self._share_died(s, reason), dead_error=SessionError)
         s.share = s.shares[0]
