@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sandbox.core.safeguard import SafeguardConfig
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.session.runtime import Folder, MemoryMount, Session, SessionError
@@ -190,3 +191,39 @@ def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_pat
         s.undo(1)
         assert_same(before, snapshot_dir(str(work)), "undo of a step written over the session's virtio-fs device")
     assert not any(os.path.exists(mt.virtiofs_socket) for mt in guest.mounts if mt.virtiofs_socket)  # the device servers are gone with the session
+
+
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+@pytest.mark.parametrize("answer", ["allow", "deny"])
+def test_a_safeguard_hold_over_the_session_s_device(tmp_path, share_servers, answer):
+    work = tmp_path / "work"
+    work.mkdir()
+    for i in range(3):
+        (work / f"f{i}").write_bytes(b"v")
+    before = snapshot_dir(str(work))
+    asked, errors = [], []
+
+    def unlink_all(drivers) -> int:
+        fe, guest = drivers["/mnt/working/0"]
+        for i in range(3):
+            head, at = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode())), 16)
+            fe.kick_and_wait(1)  # the held one: answered once decide has answered
+            errors.append(-fuse_reply(guest, at, 16)[0])
+        return 0 if not any(errors) else 1
+
+    def decide(hold):
+        asked.append((hold.kind, sorted(os.listdir(work))))
+        return answer
+
+    guest = DriverGuest({"rm": unlink_all})
+    s = Session([Folder(str(work), state_dir=str(tmp_path / "state"))], share="virtiofs",
+                guest=lambda run_dir: guest, share_servers=share_servers, decide=decide,
+                safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    with s:
+        r = s.run("rm")
+    assert asked == [("delete", ["f1", "f2"])]  # the second deletion waited for the answer
+    if answer == "allow":
+        assert (r.exit_code, errors, os.listdir(work)) == (0, [0, 0, 0], [])
+    else:
+        assert r.exit_code == 1 and errors[0] == 0 and errors[1] != 0
+        assert_same(before, snapshot_dir(str(work)), "a denied hold over virtio-fs: the step rolled back")
