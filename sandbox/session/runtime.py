@@ -631,7 +631,7 @@ class Session:
         served = {k: p for k, p in s.providers.items() if s.share is None or not k.isdigit()}
         server = NinePServer(served, ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
-        if self.share == "virtiofs" and s.share is None:  # process mode: the share servers serve them
+        if self.share == "virtiofs" and s.share is None:  # thread mode (in process mode each child serves its own)
             self._start_virtiofs(s, limits, owners)
         s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
