@@ -172,6 +172,8 @@ class Sandbox:
                  on_safeguard: Callable[[dict], Any] | None = None, progress: Callable[[str], None] | None = None,
                  as_root: bool = False):
         check_share(share)
+        if share == "virtiofs" and (restrict or read_only):  # -- virtio-fs (issue 17)
+            raise ValueError("restrict/read_only views are not available with share='virtiofs' yet (use share='9p')")
         if external_modification_policy not in (None, *EXTERNAL_POLICIES):
             raise ValueError(f"external_modification_policy must be None or one of {', '.join(EXTERNAL_POLICIES)}")
         vols = [Volume.parse(v) for v in volumes]

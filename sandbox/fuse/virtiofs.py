@@ -337,7 +337,7 @@ class VirtioFsServer:
     DESTROY); the export behind it is shared."""
 
     def __init__(self, make_dispatcher: Callable[[], Dispatcher], limits: ServerLimits = ServerLimits(),
-                 poll_interval_s: float = POLL_INTERVAL_S, capture: bool = False):
+                 poll_interval_s: float | None = POLL_INTERVAL_S, capture: bool = False):
         self.make_dispatcher = make_dispatcher
         #: with ``capture``: every message's raw bytes and descriptor count, per connection (fixtures)
         self.captures: list[list[tuple[bytes, int]]] | None = [] if capture else None  # unbounded: tests only
@@ -383,15 +383,17 @@ class VirtioFsServer:
             self._bound = True
             self._listener.listen(1)
             self._listener.setblocking(False)
-            poller = self._loop.create_task(self._poll_loop())
+            # None: another loop polls the export's undo core already (a session's 9P server)
+            pollers = [self._loop.create_task(self._poll_loop())] if self.poll_interval_s is not None else []
             ready()
             try:
                 while True:
                     conn, _ = await self._loop.sock_accept(self._listener)
                     await self._serve_connection(conn)
             finally:
-                poller.cancel()
-                await asyncio.gather(poller, return_exceptions=True)
+                for poller in pollers:
+                    poller.cancel()
+                await asyncio.gather(*pollers, return_exceptions=True)
         finally:
             self._listener.close()
             if self._bound:
@@ -650,3 +652,20 @@ class VirtioFsThread:
         if self._task is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(self.WAIT_S)
+
+
+async def serve_export(export, path: str, limits: ServerLimits, owners=None) -> tuple[VirtioFsServer, asyncio.Task]:
+    """-- session wiring (issue 17): serve ``export`` (a 9P server's :class:`Export`: the same
+    provider, hold gate and undo core) as a virtio-fs device on ``path``, on the running loop —
+    the loop that serves the export over 9P, which polls its undo core already. Returns once
+    the socket listens (or raises why it cannot); cancel the task to stop it."""
+    server = VirtioFsServer(lambda: Dispatcher(export, limits, owners=owners), limits, poll_interval_s=None)
+    listening = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(server.serve(path, listening.set))
+    waiter = asyncio.get_running_loop().create_task(listening.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        task.result()  # raises why it could not listen
+        raise RuntimeError(f"the virtio-fs server on {path} ended before listening")
+    return server, task

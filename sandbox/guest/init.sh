@@ -4,7 +4,7 @@
 # Kernel command line (set by sandbox.session.runtime):
 #   sandbox.probe=1          print SANDBOX-PROBE-OK and power off (the KVM probe)
 #   (the shares come from the fw_cfg file opt/sandbox/mounts: 9P over TCP to 10.0.2.100:PORT,
-#    QEMU guestfwd -> the host's 9P server, one port per share)
+#    QEMU guestfwd -> the host's 9P server, one port per share; or virtio-fs, issue 17)
 #   (live mounts: the shim mounts more shares later, on spare forwarded ports; see
 #    sandbox/guest/control.py)
 #   sandbox.msize=BYTES      9P msize for them
@@ -122,12 +122,20 @@ NFT
 fi
 
 # -- the shares: the host's mount table (fw_cfg opt/sandbox/mounts), shallowest first.
-# One line per share: PORT ANAME ro|rw TARGET (the target is the rest of the line).
+# One line per share: PORT ANAME ro|rw TARGET (the target is the rest of the line); a
+# virtio-fs share (issue 17, share="virtiofs") is "virtiofs TAG ro|rw TARGET".
 MOUNTS=/sys/firmware/qemu_fw_cfg/by_name/opt/sandbox/mounts/raw
 : > /mounts
 [ -r "$MOUNTS" ] && cat "$MOUNTS" > /mounts
 while read -r port aname mode target; do
   [ -n "$port" ] || continue
+  if [ "$port" = virtiofs ]; then
+    mkdir -p "/merged$target" || fail "cannot make the mount point $target"
+    opts=rw
+    [ "$mode" = ro ] && opts=ro
+    mount -t virtiofs -o "$opts" "$aname" "/merged$target" || fail "cannot mount virtio-fs share $aname at $target"
+    continue
+  fi
   opts="trans=tcp,port=$port,version=9p2000.L,cache=none,msize=$MSIZE,aname=$aname"
   [ "$mode" = ro ] && opts="$opts,ro"
   mkdir -p "/merged$target" || fail "cannot make the mount point $target"

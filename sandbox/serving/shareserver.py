@@ -16,7 +16,10 @@ the agent), with one end of a socketpair as descriptor ``N``: the control channe
    folders, sockets in the run directory, what Python reads; ``no_new_privs``;
 4. serves the folders on its own :class:`~sandbox.ninep.server.NinePServer` (unix socket
    in the run directory), starts the external-modification watchers, starts the channel
-   and sends ``ready`` (with each workspace's recovery and the confinement applied).
+   and sends ``ready`` (with each workspace's recovery and the confinement applied);
+   with ``virtiofs`` in the configuration (``{attach name: socket path}``, issue 17) each
+   such folder's export is also served as a virtio-fs device on that socket in the run
+   directory (same export, holds and undo core; on the 9P server's loop).
 
 Safeguard holds: the server's gates wait on this process's own
 :class:`~sandbox.serving.holds.HoldBroker`; each hold the undo core raises is registered
@@ -43,6 +46,7 @@ it any more).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -55,6 +59,7 @@ from ..confine import confine
 from ..core.safeguard import SafeguardConfig
 from ..core.store import Limits
 from ..core.workspace import default_state_dir
+from ..fuse.virtiofs import serve_export  # -- virtio-fs (issue 17): imported before confinement
 from ..limits import ServerLimits
 from ..mounts import Provider
 from ..mounts.identity import OwnerMap
@@ -102,6 +107,7 @@ class ShareServer:
         self.names: dict[int, str] = {}
         self.detectors: list = []
         self.server: ServerThread | None = None
+        self.virtiofs: list = []  # -- virtio-fs (issue 17): the device servers' tasks, on the 9P server's loop
         self.channel: Channel | None = None
         self.holds = HoldBroker()
         self.door = FsDoor(lambda i: self.providers[self.names[self._ws_index(i)]].fs)  # API writes (remotefs)
@@ -195,6 +201,8 @@ class ShareServer:
         limits = ServerLimits(connections_max=max(ServerLimits().connections_max, int(c.get("connections_max", 0))))
         server = NinePServer(dict(self.providers), ServerConfig(limits, owners=owners), holds=self.holds)
         self.server = ServerThread(server, unix_path=c["socket"]).__enter__()
+        for name, path in (c.get("virtiofs") or {}).items():  # -- virtio-fs (issue 17): a device per folder
+            self.virtiofs.append(self.server.run(serve_export(server.exports[name], path, limits, owners), timeout_s=30)[1])
         self.holds.subscribe(self._hold_changed)
         if c.get("external_policy") is not None:
             for i, ws in self.workspaces.items():
@@ -280,6 +288,15 @@ class ShareServer:
         if self.server is not None:
             self.holds.deny_all()
             server, self.server = self.server, None
+            tasks, self.virtiofs = self.virtiofs, []
+
+            async def cancel_all() -> None:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+            if tasks:
+                server.run(cancel_all(), timeout_s=30)
             server.__exit__(None, None, None)
         for d in self.detectors:
             d.stop()

@@ -34,9 +34,11 @@ from ..vm.guest import GuestMount
 
 __all__ = ["Guest", "GuestMount", "SHARES", "SHARES_LATER", "check_share", "missing_members"]
 
-#: share transports a session can use today, and those that are planned (a clear "not yet")
-SHARES = ("9p", "local")  # "local": FUSE on the host, with guest="local" (sandbox.local)
-SHARES_LATER = ("virtiofs",)
+#: share transports a session can use today, and those that are planned (a clear "not yet").
+#: "local": FUSE on the host, with guest="local" (sandbox.local); "virtiofs": a VM's working
+#: folders as virtio-fs devices (issue 17; opt-in, the default stays "9p")
+SHARES = ("9p", "local", "virtiofs")
+SHARES_LATER: tuple[str, ...] = ()
 
 OutputCallback = Callable[[str, str], None]  # (stream "stdout"|"stderr", text)
 
@@ -103,6 +105,6 @@ def check_share(share: str) -> str:
     if share in SHARES:
         return share
     if share in SHARES_LATER:
-        raise NotImplementedError(f"share={share!r} is not available yet: the share transports today are '9p' and "
-                                  "'local' (with guest='local')")
+        raise NotImplementedError(f"share={share!r} is not available yet: the share transports today are "
+                                  f"{', '.join(map(repr, SHARES))}")
     raise ValueError(f"share must be one of {', '.join(SHARES + SHARES_LATER)}, not {share!r}")

@@ -25,7 +25,10 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
 * the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, the
   local guest (:mod:`sandbox.local`: host commands on FUSE mounts of the same exports, each
   folder at its own path; undo, not isolation), or a caller's factory; the share transport
-  is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest).
+  is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest; ``"virtiofs"``, opt-in:
+  each working folder of a VM also served as a virtio-fs device from the same export, on
+  the loop of the 9P server serving it (the share-server child's in process mode) — in-memory
+  trees and live mounts stay on 9P).
 
 **Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
 ``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
@@ -213,6 +216,7 @@ class _Started:
     server: ServerThread | None = None
     share: ShareProcess | None = None  # share_servers="process": folder 0's confined server
     shares: dict = field(default_factory=dict)  # share_servers="process": folder index -> its ShareProcess
+    virtiofs: list = field(default_factory=list)  # share="virtiofs": (VirtioFsServer, its task) per folder
     share_died: str | None = None  # why the share server went away mid-session
     guest: object = None
     workspaces: list = field(default_factory=list)
@@ -293,7 +297,9 @@ class Session:
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
         ``share``: the transport of the shares — ``"9p"``; ``"local"`` (FUSE on the host) goes with
-        ``guest="local"``, which implies it (``"virtiofs"``: not yet).
+        ``guest="local"``, which implies it; ``"virtiofs"`` (a VM guest: each working folder a
+        virtio-fs device served from its 9P export, in the share-server process or thread that
+        serves it — opt-in, issue 17).
         ``guest="local"`` (:mod:`sandbox.local`): commands run on the host, each folder FUSE-mounted
         at its own path in a private mount namespace — undo, not isolation; folders' guest paths
         default to (and must be) their own paths; ``network`` ``disabled`` is a private network
@@ -325,6 +331,10 @@ class Session:
                        _refuse_target(f) for f in folders]
             for f in folders:
                 f.target = os.path.realpath(f.path)
+        # -- virtio-fs (issue 17): opt-in; each folder's device is served where its 9P export is
+        if share == "virtiofs" and guest != "vm" and not callable(guest):
+            raise ValueError("share='virtiofs' goes with guest='vm' (QEMU's vhost-user-fs-pci) or a guest factory "
+                             "(it is given each folder's vhost-user socket: GuestMount.virtiofs_socket)")
         # -- confined share servers (issue 13)
         if share_servers is None:  # a VM's folders are served confined; scripted/factory guests: in-process
             share_servers = os.environ.get(SHARE_SERVERS_ENV) or ("process" if guest == "vm" else "thread")
@@ -443,6 +453,8 @@ class Session:
         provider narrowed to it (outside: ``EACCES``; read-only: ``EROFS``). The session's
         own providers (:meth:`provider`) stay whole — API clients narrow them for themselves."""
         s = self._require()
+        if self.share == "virtiofs":  # the devices' dispatchers hold the provider they started with
+            raise SessionError("restricting the guest's view is not available with share='virtiofs' yet (use '9p')")
         exports = s.server.server.exports
         for m in self.table.mounts:
             if s.share is not None and m.kind == "folder":
@@ -619,17 +631,49 @@ class Session:
         served = {k: p for k, p in s.providers.items() if s.share is None or not k.isdigit()}
         server = NinePServer(served, ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
+        if self.share == "virtiofs" and s.share is None:  # thread mode (in process mode each child serves its own)
+            self._start_virtiofs(s, limits, owners)
         s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
             s.hold_hooks.append(self.holds.ask(self.decide))
         s.guest = self._make_guest(s.run_dir)
         guest_mounts = [GuestMount(m.name, m.target, m.read_only,
-                                   s.shares[int(m.name)].config["socket"] if s.shares and m.kind == "folder" else None)
+                                   s.shares[int(m.name)].config["socket"] if s.shares and m.kind == "folder" else None,
+                                   virtiofs_socket=self._virtiofs_socket(s, m.name) if self.share == "virtiofs"
+                                   and m.kind == "folder" else None)
                         for m in self.table.mounts]
         try:
             s.guest.boot(socket_path=sock, mounts=guest_mounts, loop=s.server.loop, timeout_s=BOOT_TIMEOUT_S)
         except GuestError as e:
             raise SessionError(str(e)) from None
+
+    # -- virtio-fs (issue 17)
+    @staticmethod
+    def _virtiofs_socket(s: _Started, name: str) -> str:
+        return os.path.join(s.run_dir, f"vfs-{name}.sock")
+
+    def _start_virtiofs(self, s: _Started, limits: ServerLimits, owners: OwnerMap | None) -> None:
+        """One virtio-fs device server per working folder, on the 9P server's loop, serving
+        the folder's 9P export itself (same provider, hold gate, undo core; the 9P server
+        polls the core). QEMU connects to each socket at boot."""
+        from ..fuse.virtiofs import serve_export
+
+        for m in self.table.folders:
+            export = s.server.server.exports[m.name]
+            s.virtiofs.append(s.server.run(serve_export(export, self._virtiofs_socket(s, m.name), limits, owners),
+                                           timeout_s=30))
+
+    @staticmethod
+    def _stop_virtiofs(s: _Started) -> None:
+        async def cancel_all() -> None:
+            tasks = [task for _server, task in s.virtiofs]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if s.virtiofs and s.server is not None and not s.server.loop.is_closed():
+            s.server.run(cancel_all(), timeout_s=30)
+        s.virtiofs.clear()
 
     # -- confined share servers (issue 13)
     def _start_share_process(self, s: _Started) -> None:
@@ -658,10 +702,13 @@ class Session:
                 if not f.read_only:
                     self._clear_stale_lock(f)
         for i, f in enumerate(self.folders):
-            folder = {"index": i, "name": self.table.folders[i].name, "path": os.path.realpath(f.path),
+            name = self.table.folders[i].name
+            folder = {"index": i, "name": name, "path": os.path.realpath(f.path),
                       "read_only": f.read_only, "state_dir": f.state_dir,
                       "label": self.table.folders[i].label or os.path.basename(f.path)}
-            s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock")},
+            vfs = {name: self._virtiofs_socket(s, name)} if self.share == "virtiofs" else {}  # -- virtio-fs (issue 17)
+            s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock"),
+                                        "virtiofs": vfs},
                                        on_event=lambda msg: self._share_event(s, msg),
                                        on_died=lambda reason: self._share_died(s, reason), dead_error=SessionError)
         s.share = s.shares[0]
@@ -793,6 +840,10 @@ class Session:
                 s.guest.stop()
             except Exception as e:
                 errors.append(e)
+        try:
+            self._stop_virtiofs(s)  # after QEMU: it has disconnected
+        except Exception as e:
+            errors.append(e)
         if s.server is not None:
             try:
                 s.server.__exit__(None, None, None)
@@ -943,6 +994,7 @@ class Session:
             "share_servers": self.share_servers,
             "share_server_pid": s.share.pid if s is not None and s.share is not None else None,
             "share_server_pids": [sh.pid for sh in s.shares.values()] if s is not None else [],
+            "share": self.share,
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,

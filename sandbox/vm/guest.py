@@ -70,19 +70,42 @@ class GuestMount:
     #: the unix socket of the 9P server serving it; None: ``boot``'s ``socket_path`` (issue 13:
     #: a session's folders may be served by a share-server process, its in-memory trees by the agent)
     socket: str | None = None
+    #: -- virtio-fs (issue 17): the vhost-user socket of the device serving it; the guest then
+    #: mounts ``-t virtiofs`` the tag :func:`virtiofs_tag` instead of 9P (``socket`` unused)
+    virtiofs_socket: str | None = None
+
+
+#: the first word of a virtio-fs line of the guest's mount table (a 9P line has its port there)
+VIRTIOFS_WORD = "virtiofs"
+
+
+def virtiofs_tag(aname: str) -> str:
+    """The virtio-fs tag of the share with attach name ``aname`` (one word, ≤ 36 bytes)."""
+    return f"sandbox-{aname}"
 
 
 def mount_table_text(mounts: list[GuestMount], first_port: int = NINEP_PORT) -> str:
     """The guest's mount table (fw_cfg ``opt/sandbox/mounts``): ``PORT ANAME ro|rw TARGET``
-    per line, in the order given (shallowest first); share *k* is on port ``first_port + k``."""
+    per line, in the order given (shallowest first); share *k* is on port ``first_port + k``.
+    A virtio-fs share (``virtiofs_socket`` set) is ``virtiofs TAG ro|rw TARGET``."""
     lines = []
     for k, m in enumerate(mounts):
         if any(c in m.target for c in "\n\r\0") or not m.target.startswith("/"):
             raise ValueError(f"guest mount target {m.target!r} must be an absolute path on one line")
         if not m.aname or any(c.isspace() for c in m.aname):
             raise ValueError(f"attach name {m.aname!r} must be one word")
-        lines.append(f"{first_port + k} {m.aname} {'ro' if m.read_only else 'rw'} {m.target}")
+        first, name = (VIRTIOFS_WORD, virtiofs_tag(m.aname)) if m.virtiofs_socket else (first_port + k, m.aname)
+        lines.append(f"{first} {name} {'ro' if m.read_only else 'rw'} {m.target}")
     return "\n".join(lines) + "\n"
+
+
+def share_devices(mounts: list[GuestMount], socket_path: str) -> dict:
+    """The :class:`VmConfig` fields that carry ``mounts``: a 9P share is a forwarded port to its
+    server's socket (share *k* on ``NINEP_PORT + k``, then the spare live-mount ports); a
+    virtio-fs share (issue 17) a ``vhost-user-fs-pci`` device with tag :func:`virtiofs_tag`."""
+    return {"guestfwds": [(NINEP_PORT + k, m.socket or socket_path) for k, m in enumerate(mounts) if not m.virtiofs_socket]
+            + [(port, socket_path) for port in proto.live_mount_ports()],
+            "virtiofs": [(virtiofs_tag(m.aname), m.virtiofs_socket) for m in mounts if m.virtiofs_socket]}
 
 
 class VmGuest:
@@ -176,8 +199,7 @@ class VmGuest:
                        memory_mb=self.memory_mb, cpus=self.cpus, console="stdio",
                        qmp_socket=os.path.join(self.run_dir, "qmp.sock"),
                        control_socket=os.path.join(self.run_dir, "control.sock"), virtfs_ro=virtfs,
-                       guestfwds=[(NINEP_PORT + k, m.socket or socket_path) for k, m in enumerate(mounts)]
-                       + [(port, socket_path) for port in proto.live_mount_ports()],
+                       **share_devices(mounts, socket_path),
                        fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk,
                        guestfwd_cmds=fwd_cmds)
         t0 = time.monotonic()

@@ -1,0 +1,83 @@
+"""VM sessions whose working folders are virtio-fs devices (``share="virtiofs"``, issue 17).
+
+The same session as ``test_vm_session.py`` (Debian's kernel under QEMU 7.2, TCG here; the
+session's guest root; commands as ``agent``), but each working folder reaches the guest as a
+``vhost-user-fs-pci`` device served from the folder's export — by its confined share-server
+child (the default for VM guests) or on the session's own loop (thread share servers) — mounted
+``-t virtiofs``: a real program's step undone exactly (tree oracle), a safeguard hold allowed
+or denied (the VM paused over QMP meanwhile), a read-only folder refusing writes, and the
+guest's ``/proc/mounts`` naming virtiofs for the folders and 9p for an in-memory tree.
+Skipped with the reason where QEMU or the guest image cannot be had.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from sandbox.core.safeguard import SafeguardConfig
+from sandbox.session.runtime import Folder, MemoryMount, Session
+from sandbox_sim import oracle
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.usefixtures("vm_guest")]
+
+
+def run(s: Session, cmd: str) -> tuple[int, str]:
+    out: list[str] = []
+    r = s.run(cmd, lambda stream, text: out.append(text))
+    return r.exit_code, "".join(out)
+
+
+@pytest.mark.parametrize("share_servers", ["process", "thread"])
+def test_folders_over_virtiofs_rm_undone_read_only_refused_and_mounts_seen(sample_project, tmp_path, share_servers):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    (ro / "keep").write_bytes(b"k")
+    before = oracle.snapshot_dir(str(sample_project))
+    with Session([Folder(str(sample_project)), Folder(str(ro), read_only=True)], share="virtiofs",
+                 mounts=[MemoryMount("/mnt/mem", {"a.txt": b"in memory"})], share_servers=share_servers) as s:
+        st = s.status()
+        assert st["share"] == "virtiofs" and len(st["share_server_pids"]) == (2 if share_servers == "process" else 0)
+        code, mounts = run(s, "cat /proc/mounts")
+        assert code == 0
+        kinds = {f[1]: (f[2], f[3].split(",")[0]) for f in (ln.split() for ln in mounts.splitlines()) if len(f) > 3}
+        assert kinds["/mnt/working/0"] == ("virtiofs", "rw"), mounts
+        assert kinds["/mnt/working/1"] == ("virtiofs", "ro"), mounts
+        assert kinds["/mnt/mem"][0] == "9p", mounts  # in-memory trees stay on the agent's 9P server
+        code, out = run(s, "cat /mnt/mem/a.txt; ls -l")
+        assert code == 0 and "in memory" in out and "agent" in out, out  # the folder owner's files are the guest user's
+        code, out = run(s, "rm -rf src && echo gone > README.md && ls")
+        assert code == 0 and not (sample_project / "src").exists()
+        s.undo(1)
+        oracle.assert_same(before, oracle.snapshot_dir(str(sample_project)), "undo of rm -rf over virtio-fs")
+        code, out = run(s, "ls src >/dev/null && echo seen")  # the guest sees the restored tree
+        assert code == 0 and "seen" in out, out
+        code, out = run(s, "echo x > /mnt/working/1/new; cat /mnt/working/1/keep")
+        assert "Read-only file system" in out and "k" in out, out
+        assert sorted(os.listdir(ro)) == ["keep"]
+
+
+@pytest.mark.parametrize("answer", ["deny", "allow"])
+def test_a_safeguard_hold_over_virtiofs(sample_project, answer):
+    victims = sample_project / "victims"
+    victims.mkdir()
+    for i in range(80):
+        (victims / f"v{i:03d}").write_bytes(b"v")
+    before = oracle.snapshot_dir(str(sample_project))
+    seen = []
+
+    def decide(hold):
+        seen.append((hold.kind, 80 - len(os.listdir(victims))))
+        return answer
+
+    with Session([Folder(str(sample_project))], share="virtiofs", safeguard=SafeguardConfig(delete_threshold=20),
+                 decide=decide) as s:
+        r = s.run("rm -rf victims")
+        assert s.status()["vm"] == "running"  # resumed after the answer
+    assert seen and seen[0] == ("delete", 19)  # no more than 19 deletions reached the host
+    if answer == "deny":
+        assert r.exit_code != 0
+        oracle.assert_same(before, oracle.snapshot_dir(str(sample_project)), "denied rm -rf over virtio-fs")
+    else:
+        assert r.exit_code == 0 and not victims.exists()
