@@ -24,9 +24,12 @@ under the new name (the ``renamed`` record moves it back before older records ap
 Two undos must never be skipped by marks: the ``pre`` of a directory being removed
 (rmdir, or replaced by a rename) — its children's undos need it to exist first.
 
-Hardlinks are path-based: linking captures the existing file first (writes through
-either name change both); a rollback restores bytes in place, so links that survive
-the step stay links, but a link *deleted* in the step comes back as a separate file.
+Hard links: linking captures the existing file first (writes through either name change
+both); a rollback restores bytes in place, so links that survive the step stay links. The
+``pre`` of a regular file with more than one link also records its inode number, link
+count and other names (from the step's link index, :func:`preimage.link_index`), so a
+rollback makes names the step deleted or replaced one inode again
+(:class:`preimage.LinkGroups`; docs/undo-store.md § Hard links).
 
 Open handles: a change made through a handle (``pre_write``, ``pre_setattr``,
 ``pre_xattr`` with ``handle=``) reaches the handle's inode, not whatever the path names

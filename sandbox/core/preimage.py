@@ -10,6 +10,11 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
             change of a directory, before an     (target + mtime), directory (meta;
             rmdir; before any change of a fifo   created if missing) or fifo/socket
             or socket node (``kind`` other)      node (``mknod`` of ``fmt`` + mode, mtime)
+            A regular file with more than one    with ``LinkGroups``: a name of an
+            link (or of an inode the step        inode restored earlier in the same
+            captured so) also has ``ino``,       rollback, or a survivor in ``links``,
+            ``nlink`` and ``links`` (its other   is linked to, not copied: all names
+            names then, at most 64)              end as one inode
 ``meta``    before a metadata-only change of a   setting mode, xattrs, mtime again
             regular file (chmod, utime, xattr)
 ``created`` before something is created at path  removing whatever is at path
