@@ -2,7 +2,8 @@
 
 The workload is one step that exercises every primitive (create, O_TRUNC rewrite, an
 editor's temp-then-rename, chmod, utime, symlink, xattr, fallocate, copy_file_range, a
-directory rename, ``rm -rf``, ``mkdir -p``). For every k, a crash at host call k must
+directory rename, ``rm -rf``, ``mkdir -p``) on a tree with hard links, whose names it
+replaces, writes through and removes (an undo must leave them one inode again). For every k, a crash at host call k must
 recover to exactly the tree before the step — or, if the crash came after the step was
 promoted, exactly the tree the step left; and the rest of history must still roll back.
 """
@@ -33,6 +34,9 @@ def seed_fixed(fs) -> None:
         if data:
             fs.write_all(path, 0, data)
     fs.symlink("../top", "d2/link")
+    fs.link("d2/b", "d1/e/b.hard")  # hard links: one name replaced, then removed; the other survives
+    fs.link("top", "d2/top.hard")  # written through one name, the other removed by rm -rf
+    fs.link("d1/e/c", "d2/c.hard")  # both names removed, one after a directory rename
     fs.setxattr("d1/a", "user.note", b"keep me")
     fs.setxattr("d2", "user.dir", b"dir attr")
     for p in ("d1/a", "d1/e/c", "d2/b", "top", "d1/e", "d1", "d2", ""):
@@ -57,6 +61,7 @@ def workload(ws) -> None:
     c.rm_rf("d2")
     c.mkdir_p("x/y/z")
     fs.rename("moved/e", "x/y/z/e")
+    fs.unlink("x/y/z/e/c")
 
 
 def _world(kind: str, tmp_path) -> World:
