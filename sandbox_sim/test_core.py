@@ -335,6 +335,8 @@ LINK_PROGRAMS = {
     "link-more-then-rm": lambda fs: (fs.link("a", "z"), fs.unlink("a"), fs.unlink("d/b"), fs.link("s", "d/e/s2"),
                                      fs.unlink("s"), fs.write("z", 0, b"via the new name")),
     "exchange-then-rm": lambda fs: (fs.exchange("d/b", "s"), fs.unlink("s"), fs.unlink("a")),
+    "survivors-renamed-first": lambda fs: (fs.write("d/b", 0, b"x"), fs.rename("a", "a2"), fs.rename("d/e", "e2"),
+                                           fs.rename("d/t", "t2"), fs.unlink("d/b"), fs.unlink("s")),
 }
 
 
@@ -349,6 +351,26 @@ def test_hard_links_deleted_or_replaced_come_back_as_one_inode(world, program):
     ws.rollback(1)
     oracle.assert_same(before, world.snapshot())
     assert world.work.lstat("a").nlink == 3 and world.work.lstat("s").nlink == 2
+
+
+def test_hard_links_come_back_across_steps(world):
+    """The survivor of one step is removed by a later one: undoing both remakes it (a new
+    inode), and the older step's undo still links to it — by the name it recorded."""
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    with ws.step("rm one name"):
+        ws.fs.unlink("d/b")
+        ws.fs.unlink("d/t")
+    with ws.step("rm the others"):
+        ws.fs.unlink("a")
+        ws.fs.write("s", 0, b"changed")
+    with ws.step("and the last"):
+        ws.fs.unlink("d/e/c")
+        ws.fs.unlink("s")
+    ws.rollback(3)
+    oracle.assert_same(before, world.snapshot())
+    assert world.work.lstat("d/b").nlink == 3 and world.work.lstat("d/t").nlink == 2
 
 
 # ---------------------------------------------------------------------------- steps

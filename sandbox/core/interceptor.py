@@ -362,9 +362,16 @@ class UndoInterceptor:
                     break
         return out
 
-    def _names_moved(self, src: str, dst: str, exchange: bool = False) -> None:
-        """The link index follows a rename (or an exchange) of ``src`` to ``dst``."""
+    def _names_moved(self, src: str, dst: str, moved: Stat, exchange: bool = False) -> None:
+        """The link index follows a rename (or an exchange) of ``src`` (``moved``) to ``dst``:
+        one set for a file, every set for a directory or an exchange."""
         if self._names is None:
+            return
+        if not exchange and moved.kind != DIR:
+            names = self._names.get(moved.ino)
+            if names is not None and src in names:
+                names.discard(src)
+                names.add(dst)
             return
         for names in self._names.values():
             moved = {p for p in names if is_within(p, src) or (exchange and is_within(p, dst))}
@@ -482,7 +489,7 @@ class UndoInterceptor:
                 self._capture(dst, FULL, always=d.kind == DIR)
             if not self._intent({"op": "renamed", "src": src, "dst": dst}):
                 return
-            self._names_moved(src, dst)
+            self._names_moved(src, dst, s)
             if s.kind == DIR or (d is not None and d.kind == DIR):
                 self._drop_subtree(dst)
                 for p, m in self._drop_subtree(src):
@@ -511,7 +518,7 @@ class UndoInterceptor:
             self._capture_parent(b)
             if not self._intent({"op": "exchanged", "src": a, "dst": b, "src_ino": x.ino, "dst_ino": y.ino}):
                 return
-            self._names_moved(a, b, exchange=True)
+            self._names_moved(a, b, x, exchange=True)
             under_a, under_b = self._drop_subtree(a), self._drop_subtree(b)
             for p, m in under_a:
                 self._set_mark(b + p[len(a):], m)
