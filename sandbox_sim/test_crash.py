@@ -341,3 +341,52 @@ def test_crash_at_every_call_of_a_rename_over_an_existing_file(kind, tmp_path):
         w.crash(ws)
         w.open().close()
         oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of `mv src dst`")
+
+
+
+def _linked_world() -> tuple[World, object, dict]:
+    """``a``, ``d/b``, ``d/e/c`` one inode; one step writes through ``a`` and removes the
+    other names. With the link index empty (as past ``LINK_INDEX_ENTRIES_MAX``) the records
+    name no survivors: the undo remakes ``d/e/c`` and ``d/b`` as one new inode, then finds
+    ``a`` in place and relinks them to it (a temporary name, then a rename over)."""
+    w = World("sim")
+    with w.paused():
+        w.work.mkdir("d", 0o755)
+        w.work.mkdir("d/e", 0o755)
+        w.work.create("a", 0o640)
+        w.work.write_all("a", 0, b"one inode, three names")
+        w.work.link("a", "d/b")
+        w.work.link("a", "d/e/c")
+    initial = w.snapshot()
+    ws = w.open()
+    with ws.step("write a, rm the others"):
+        ws.fs.write("a", 0, b"ONE")
+        ws.fs.unlink("d/b")
+        ws.fs.unlink("d/e/c")
+    return w, ws, initial
+
+
+def test_crash_at_every_host_call_of_a_rollback_that_relinks(monkeypatch):
+    from sandbox.core import preimage
+
+    monkeypatch.setattr(preimage, "LINK_INDEX_ENTRIES_MAX", 0)
+    relinked = []
+    real_relink = preimage._relink
+    monkeypatch.setattr(preimage, "_relink", lambda fs, existing, name: (relinked.append(name), real_relink(fs, existing, name)))
+    w, ws, initial = _linked_world()
+    w.injector = FaultInjector()
+    ws.rollback(1)
+    total = w.injector.calls
+    assert sorted(relinked) == ["d/b", "d/e/c"], relinked  # remade as one inode, then both relinked to a
+    oracle.assert_same(initial, w.snapshot())
+    for k in range(total):
+        w, ws, initial = _linked_world()
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            ws.rollback(1)
+        w.crash(ws)
+        ws2 = w.open()  # finishes an interrupted rollback from its progress count
+        if ws2.history():  # the crash came before the rollback began
+            ws2.rollback(1)
+        oracle.assert_same(initial, w.snapshot(), f"crash at rollback call {k}")
+        ws2.close()
