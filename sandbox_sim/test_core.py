@@ -353,6 +353,28 @@ def test_hard_links_deleted_or_replaced_come_back_as_one_inode(world, program):
     assert world.work.lstat("a").nlink == 3 and world.work.lstat("s").nlink == 2
 
 
+def test_a_newer_step_writing_through_a_link_it_then_removed_is_not_an_external_change(world):
+    """Step 1 writes ``a``; step 2 writes through ``d/b`` (the same inode) and removes it.
+    ``a`` no longer matches step 1's fingerprint, but step 2 named it among the links of
+    what it changed: undoing both is exact, not refused."""
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    with ws.step("write a"):
+        ws.fs.write("a", 0, b"one")
+    with ws.step("write through d/b, then rm it"):
+        ws.fs.truncate("d/b", 900)
+        ws.fs.unlink("d/b")
+    ws.rollback(2)
+    oracle.assert_same(before, world.snapshot())
+    with ws.step("write a"):
+        ws.fs.write("a", 0, b"one")
+    with world.paused():
+        world.work.write_all("a", 0, b"someone else")  # still refused when it is not the step
+    with pytest.raises(ExternalChange):
+        ws.rollback(1)
+
+
 def test_hard_links_come_back_across_steps(world):
     """The survivor of one step is removed by a later one: undoing both remakes it (a new
     inode), and the older step's undo still links to it — by the name it recorded."""
