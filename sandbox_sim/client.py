@@ -119,8 +119,9 @@ def _new_path(rng: random.Random) -> str:
 #: manager's `rm -rf d && ln -s …`
 REPLACEMENT_LINK_TARGETS = ("d2", "d1/e", "/outside/of/the/root", "../../outside", "nowhere/at/all")
 
-# Hard links are left out of random workloads: undo is path-based for them, and a link that a
-# later step replaces comes back as a separate file (documented; see sandbox_sim/test_core.py).
+# OPS: what every random workload does. Hard links (``ln``) are in the undo model's programs
+# (OPS_UNDO_MODEL) and the seeded tree has some: a rollback makes the names of one inode one
+# inode again (sandbox/core/preimage.py LinkGroups; sandbox_sim/test_core.py).
 OPS = ("echo", "append", "write_at", "editor_save", "rm_rf", "mkdir_p", "cp", "chmod", "touch", "symlink",
        "setxattr", "removexattr", "fallocate", "punch", "truncate", "rename", "rename_dir", "unlink", "rmdir",
        "mkdir", "replace_dir_by_symlink", "replace_file_by_dir", "replace_symlink_by_dir", "replace_dir_by_file")
@@ -130,8 +131,9 @@ OPS_WITH_HARDLINKS = OPS + ("hardlink",)
 OPS_WITH_SPECIALS = OPS + ("mkfifo", "mksock")
 #: the undo model's programs on a filesystem that has ``exchange`` (renameat2 RENAME_EXCHANGE,
 #: as ``mv --exchange``): any two entries swap, files with directories too. 9P has no exchange:
-#: its driver's filesystem lacks the method and the op is then a plain ``mv``.
-OPS_UNDO_MODEL = OPS_WITH_SPECIALS + ("exchange",)
+#: its driver's filesystem lacks the method and the op is then a plain ``mv``. And ``ln`` (twice
+#: as likely as another op): later programs write, rename over, replace and remove its names.
+OPS_UNDO_MODEL = OPS_WITH_SPECIALS + ("exchange", "hardlink", "hardlink")
 
 
 def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[str, ...] = OPS) -> tuple[str, bool]:
@@ -291,9 +293,22 @@ def seed_tree(fs, rng: random.Random, files: int = 8) -> None:
         if rng.random() < 0.3:
             fs.setxattr(p, "user.one", b"seeded")
     fs.symlink("a", "d2/link")
+    _link_some(fs, rng)
     fs.setxattr("d1", "user.two", b"dir-xattr")
     _give_some_away(fs)
     fs.utime("", 1_600_000_000_123_456_789)
+
+
+def _link_some(fs, rng: random.Random) -> None:
+    """Hard links in the seeded tree (a ``cp -al`` backup, a pnpm store): a few files get a
+    second (sometimes a third) name in another directory."""
+    files = [join(d, n) for d in ("", "d1", "d2", "d1/e") for n in sorted(fs.listdir(d))
+             if fs.lstat(join(d, n)).kind == REG]
+    for p in rng.sample(files, min(len(files), rng.randint(1, 3))):
+        for _ in range(rng.choice((1, 1, 2))):
+            q = join(rng.choice(("", "d1", "d2", "d1/e")), rng.choice(NAMES) + ".ln")
+            if fs.lstat_or_none(q) is None:
+                fs.link(p, q)
 
 
 def _give_some_away(fs) -> None:

@@ -1,9 +1,13 @@
 """Tree snapshots: the oracle every invariant compares against.
 
-A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, fmt, uid, gid)`` where
-content is the bytes of a regular file, the target of a symlink, or ``None`` for a
-directory or a special file, and ``fmt`` the exact ``S_IFMT`` type (a fifo undone into a
-socket or a regular file differs). Fields are only ever appended. atime is deliberately absent (seed §11.3). The root is included (path
+A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, fmt, uid, gid, links)``
+where content is the bytes of a regular file, the target of a symlink, or ``None`` for a
+directory or a special file, ``fmt`` the exact ``S_IFMT`` type (a fifo undone into a
+socket or a regular file differs), and ``links`` the link structure: for a regular file
+that shares its inode with other paths of the snapshot, all those paths (itself included,
+sorted) — a partition of the snapshot's files into link groups, independent of inode
+numbers — else ``()``. Two hard links undone into two separate files differ. Fields are
+only ever appended (unpack with ``*_`` at the end). atime is deliberately absent (seed §11.3). The root is included (path
 ``""``), so the working root's own mode and mtime are checked too.
 """
 
@@ -16,12 +20,20 @@ Snapshot = dict[str, tuple]
 
 def snapshot(fs: HostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:
     out: Snapshot = {}
-    _walk(fs, path, out, skip)
+    inodes: dict[tuple[int, int], list[str]] = {}
+    _walk(fs, path, out, skip, inodes)
+    for group in inodes.values():
+        if len(group) > 1:
+            links = tuple(sorted(group))
+            for p in group:
+                out[p] = out[p][:-1] + (links,)
     return out
 
 
-def _walk(fs: HostFS, path: str, out: Snapshot, skip) -> None:
+def _walk(fs: HostFS, path: str, out: Snapshot, skip, inodes: dict) -> None:
     st = fs.lstat(path)
+    if st.kind == REG and st.nlink > 1:
+        inodes.setdefault((st.ino, st.dev), []).append(path)
     if st.kind == REG:
         content = fs.read_all(path)
     elif st.kind == LNK:
@@ -29,12 +41,12 @@ def _walk(fs: HostFS, path: str, out: Snapshot, skip) -> None:
     else:
         content = None
     xattrs = tuple(sorted(fs.xattrs(path).items())) if st.kind in (REG, DIR) else ()
-    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.file_type, st.uid, st.gid)
+    out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.file_type, st.uid, st.gid, ())
     if st.kind == DIR:
         for name in sorted(fs.listdir(path)):
             child = join(path, name)
             if child not in skip:
-                _walk(fs, child, out, skip)
+                _walk(fs, child, out, skip, inodes)
 
 
 def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
@@ -50,7 +62,7 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
         elif a is None:
             lines.append(f"- {name}: missing {e[0]}")
         else:
-            fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "fmt", "uid", "gid")
+            fields = ("kind", "mode", "mtime_ns", "content", "xattrs", "fmt", "uid", "gid", "links")
             bad = [f"{f} {_short(x, f)} != {_short(y, f)}" for f, x, y in zip(fields, e, a) if x != y]
             lines.append(f"~ {name}: " + "; ".join(bad))
         if len(lines) >= limit:

@@ -289,12 +289,110 @@ def test_hardlinks_path_based(world):
     ws.rollback(1)
     oracle.assert_same(before, world.snapshot())
     assert world.work.lstat("a").ino == world.work.lstat("b").ino  # links that survive stay links
-    # documented limitation: a link deleted in the step comes back as a separate file
-    with ws.step("delete one link"):
+    with ws.step("delete one link"):  # the other name survives: found, and linked again
         ws.fs.unlink("b")
     ws.rollback(1)
-    assert world.work.read_all("b") == b"shared"
-    assert world.work.lstat("a").ino != world.work.lstat("b").ino
+    oracle.assert_same(before, world.snapshot())
+    assert world.work.lstat("a").ino == world.work.lstat("b").ino
+
+
+def _linked_tree(world):
+    """``a``, ``d/b`` and ``d/e/c``: one inode (nlink 3) with an xattr; ``s``, ``d/t``: another (nlink 2)."""
+    with world.paused():
+        world.work.mkdir("d", 0o755)
+        world.work.mkdir("d/e", 0o755)
+        world.work.create("a", 0o640)
+        world.work.write_all("a", 0, b"shared bytes " * 50)
+        world.work.setxattr("a", "user.k", b"v")
+        world.work.link("a", "d/b")
+        world.work.link("a", "d/e/c")
+        world.work.create("s", 0o600)
+        world.work.write_all("s", 0, os.urandom(9000))  # a blob, not inline
+        world.work.link("s", "d/t")
+        world.work.utime("a", 1_600_000_000_000_000_000)
+
+
+def _rm_rf(fs, path):
+    st = fs.host.lstat(path)
+    if st.kind == "dir":
+        for name in sorted(fs.host.listdir(path)):
+            _rm_rf(fs, path + "/" + name)
+        fs.rmdir(path)
+    else:
+        fs.unlink(path)
+
+
+LINK_PROGRAMS = {
+    "rm-all-names": lambda fs: [fs.unlink(p) for p in ("a", "d/b", "d/e/c", "s", "d/t")],
+    "rm-rf-everything": lambda fs: [_rm_rf(fs, p) for p in ("a", "d", "s")],
+    "write-then-rm": lambda fs: (fs.write("d/b", 0, b"CHANGED"), fs.chmod("a", 0o600), fs.unlink("a"), _rm_rf(fs, "d")),
+    "rm-one-name-others-survive": lambda fs: (fs.unlink("d/b"), fs.unlink("s")),
+    "replace-by-rename": lambda fs: (fs.write_file("new", b"other"), fs.rename("new", "d/b"), fs.rename("d/t", "s")),
+    "overwrite-by-editor-save": lambda fs: (fs.write_file("d/.b.swp", b"edited"), fs.rename("d/.b.swp", "d/b"),
+                                            fs.unlink("a"), fs.write("d/e/c", 0, b"!")),
+    "move-dir-then-rm": lambda fs: (fs.rename("d", "moved"), fs.unlink("moved/b"), fs.unlink("a"),
+                                    fs.rename("moved/e", "e2"), fs.unlink("e2/c")),
+    "link-more-then-rm": lambda fs: (fs.link("a", "z"), fs.unlink("a"), fs.unlink("d/b"), fs.link("s", "d/e/s2"),
+                                     fs.unlink("s"), fs.write("z", 0, b"via the new name")),
+    "exchange-then-rm": lambda fs: (fs.exchange("d/b", "s"), fs.unlink("s"), fs.unlink("a")),
+    "survivors-renamed-first": lambda fs: (fs.write("d/b", 0, b"x"), fs.rename("a", "a2"), fs.rename("d/e", "e2"),
+                                           fs.rename("d/t", "t2"), fs.unlink("d/b"), fs.unlink("s")),
+}
+
+
+@pytest.mark.parametrize("program", sorted(LINK_PROGRAMS))
+def test_hard_links_deleted_or_replaced_come_back_as_one_inode(world, program):
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    assert before["a"][-1] == ("a", "d/b", "d/e/c")  # the oracle sees the link structure
+    with ws.step(program):
+        LINK_PROGRAMS[program](ws.fs)
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+    assert world.work.lstat("a").nlink == 3 and world.work.lstat("s").nlink == 2
+
+
+def test_a_newer_step_writing_through_a_link_it_then_removed_is_not_an_external_change(world):
+    """Step 1 writes ``a``; step 2 writes through ``d/b`` (the same inode) and removes it.
+    ``a`` no longer matches step 1's fingerprint, but step 2 named it among the links of
+    what it changed: undoing both is exact, not refused."""
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    with ws.step("write a"):
+        ws.fs.write("a", 0, b"one")
+    with ws.step("write through d/b, then rm it"):
+        ws.fs.truncate("d/b", 900)
+        ws.fs.unlink("d/b")
+    ws.rollback(2)
+    oracle.assert_same(before, world.snapshot())
+    with ws.step("write a"):
+        ws.fs.write("a", 0, b"one")
+    with world.paused():
+        world.work.write_all("a", 0, b"someone else")  # still refused when it is not the step
+    with pytest.raises(ExternalChange):
+        ws.rollback(1)
+
+
+def test_hard_links_come_back_across_steps(world):
+    """The survivor of one step is removed by a later one: undoing both remakes it (a new
+    inode), and the older step's undo still links to it — by the name it recorded."""
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    with ws.step("rm one name"):
+        ws.fs.unlink("d/b")
+        ws.fs.unlink("d/t")
+    with ws.step("rm the others"):
+        ws.fs.unlink("a")
+        ws.fs.write("s", 0, b"changed")
+    with ws.step("and the last"):
+        ws.fs.unlink("d/e/c")
+        ws.fs.unlink("s")
+    ws.rollback(3)
+    oracle.assert_same(before, world.snapshot())
+    assert world.work.lstat("d/b").nlink == 3 and world.work.lstat("d/t").nlink == 2
 
 
 # ---------------------------------------------------------------------------- steps

@@ -2,7 +2,8 @@
 
 The workload is one step that exercises every primitive (create, O_TRUNC rewrite, an
 editor's temp-then-rename, chmod, utime, symlink, xattr, fallocate, copy_file_range, a
-directory rename, ``rm -rf``, ``mkdir -p``). For every k, a crash at host call k must
+directory rename, ``rm -rf``, ``mkdir -p``) on a tree with hard links, whose names it
+replaces, writes through and removes (an undo must leave them one inode again). For every k, a crash at host call k must
 recover to exactly the tree before the step — or, if the crash came after the step was
 promoted, exactly the tree the step left; and the rest of history must still roll back.
 """
@@ -33,6 +34,9 @@ def seed_fixed(fs) -> None:
         if data:
             fs.write_all(path, 0, data)
     fs.symlink("../top", "d2/link")
+    fs.link("d2/b", "d1/e/b.hard")  # hard links: one name replaced, then removed; the other survives
+    fs.link("top", "d2/top.hard")  # written through one name, the other removed by rm -rf
+    fs.link("d1/e/c", "d2/c.hard")  # both names removed, one after a directory rename
     fs.setxattr("d1/a", "user.note", b"keep me")
     fs.setxattr("d2", "user.dir", b"dir attr")
     for p in ("d1/a", "d1/e/c", "d2/b", "top", "d1/e", "d1", "d2", ""):
@@ -57,6 +61,7 @@ def workload(ws) -> None:
     c.rm_rf("d2")
     c.mkdir_p("x/y/z")
     fs.rename("moved/e", "x/y/z/e")
+    fs.unlink("x/y/z/e/c")
 
 
 def _world(kind: str, tmp_path) -> World:
@@ -336,3 +341,52 @@ def test_crash_at_every_call_of_a_rename_over_an_existing_file(kind, tmp_path):
         w.crash(ws)
         w.open().close()
         oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of `mv src dst`")
+
+
+
+def _linked_world() -> tuple[World, object, dict]:
+    """``a``, ``d/b``, ``d/e/c`` one inode; one step writes through ``a`` and removes the
+    other names. With the link index empty (as past ``LINK_INDEX_ENTRIES_MAX``) the records
+    name no survivors: the undo remakes ``d/e/c`` and ``d/b`` as one new inode, then finds
+    ``a`` in place and relinks them to it (a temporary name, then a rename over)."""
+    w = World("sim")
+    with w.paused():
+        w.work.mkdir("d", 0o755)
+        w.work.mkdir("d/e", 0o755)
+        w.work.create("a", 0o640)
+        w.work.write_all("a", 0, b"one inode, three names")
+        w.work.link("a", "d/b")
+        w.work.link("a", "d/e/c")
+    initial = w.snapshot()
+    ws = w.open()
+    with ws.step("write a, rm the others"):
+        ws.fs.write("a", 0, b"ONE")
+        ws.fs.unlink("d/b")
+        ws.fs.unlink("d/e/c")
+    return w, ws, initial
+
+
+def test_crash_at_every_host_call_of_a_rollback_that_relinks(monkeypatch):
+    from sandbox.core import preimage
+
+    monkeypatch.setattr(preimage, "LINK_INDEX_ENTRIES_MAX", 0)
+    relinked = []
+    real_relink = preimage._relink
+    monkeypatch.setattr(preimage, "_relink", lambda fs, existing, name: (relinked.append(name), real_relink(fs, existing, name)))
+    w, ws, initial = _linked_world()
+    w.injector = FaultInjector()
+    ws.rollback(1)
+    total = w.injector.calls
+    assert sorted(relinked) == ["d/b", "d/e/c"], relinked  # remade as one inode, then both relinked to a
+    oracle.assert_same(initial, w.snapshot())
+    for k in range(total):
+        w, ws, initial = _linked_world()
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            ws.rollback(1)
+        w.crash(ws)
+        ws2 = w.open()  # finishes an interrupted rollback from its progress count
+        if ws2.history():  # the crash came before the rollback began
+            ws2.rollback(1)
+        oracle.assert_same(initial, w.snapshot(), f"crash at rollback call {k}")
+        ws2.close()

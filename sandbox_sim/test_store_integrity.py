@@ -68,6 +68,7 @@ def build(world: World, barrier: bool = False) -> Built:
         w.create("d/x", 0o644)
         w.write_all("d/x", 0, b"x")
         w.symlink("small.txt", "link")
+        w.link("small.txt", "d/small.hard")  # its preimage carries ino, nlink and links
     snaps = [world.snapshot()]
     with ws.step("one"):
         ws.fs.write_file("small.txt", b"one\n")  # inline zstd
@@ -353,7 +354,9 @@ def test_a_manifest_with_wrong_types_is_corrupt_and_history_still_works(field, v
 
 @pytest.mark.parametrize("field,value", [("mode", "755"), ("path", 5), ("path", "../../etc/passwd"), ("kind", "fifo"),
                                          ("mtime_ns", None), ("xattrs", {"user.k": "not base64!"}), ("blob", "../b1"),
-                                         ("size", -3), ("hash", "00"), ("op", "boom"), ("enc", "lz4")])
+                                         ("size", -3), ("hash", "00"), ("op", "boom"), ("enc", "lz4"), ("ino", True),
+                                         ("nlink", 0), ("links", "d/small.hard"), ("links", ["../x"]), ("links", [None]),
+                                         ("links", ["d/small.hard"] * 65)])
 def test_a_journal_record_with_wrong_types_is_corrupt_before_anything_is_touched(field, value):
     b = build(World("sim"))
 

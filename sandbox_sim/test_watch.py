@@ -318,6 +318,34 @@ def test_workspace_step_and_rollback_are_not_reported(tmp_path, folder, stack):
     assert r.warnings == []
 
 
+def test_rollback_relinking_hard_links_is_not_reported(tmp_path, folder, stack):
+    """A rollback that makes deleted and replaced names one inode again (link, then a
+    temporary name renamed over) does it all through the recording filesystem: nothing is
+    reported, and the names are one inode again."""
+    os.mkdir(os.path.join(folder, "d"))
+    write(folder, "a", "shared")
+    for name in ("d/b", "c", "d/keep"):
+        os.link(os.path.join(folder, "a"), os.path.join(folder, name))
+    wrapped: list[RecordingHostFS] = []
+    ws = Workspace.open(folder, state_dir=str(tmp_path / "state"),
+                        wrap_work=lambda fs: wrapped.append(RecordingHostFS(fs)) or wrapped[-1])
+    stack.append(ws.close)
+    r = Reports()
+    detect(folder, wrapped[0].journal, r, stack)
+    with ws.step("replace one name, write through another, remove two"):
+        ws.fs.write_file("new", b"other")
+        ws.fs.rename("new", "c")
+        ws.fs.write("d/keep", 0, b"SH")
+        ws.fs.unlink("a")
+        ws.fs.unlink("d/b")
+    ws.rollback(1)
+    inodes = {os.lstat(os.path.join(folder, n)).st_ino for n in ("a", "d/b", "c", "d/keep")}
+    assert len(inodes) == 1 and os.lstat(os.path.join(folder, "a")).st_nlink == 4
+    sentinel = r.sentinel(folder)
+    assert r.paths() == {sentinel}
+    assert r.warnings == []
+
+
 def test_reports_feed_the_undo_barrier(tmp_path, folder, stack):
     wrapped: list[RecordingHostFS] = []
     ws = Workspace.open(folder, state_dir=str(tmp_path / "state"),
@@ -722,7 +750,7 @@ def test_random_workloads_and_rollbacks_are_never_reported(tmp_path, folder, sta
             try:
                 ws.rollback(rng.randint(1, 2) if len(ws.history()) > 1 else 1)
             except ExternalChange:
-                pass  # the core's own refusal (undo of hard links is path-based), not ours to judge
+                pass  # the core's own refusal (its fingerprints), not ours to judge
     assert sum(ok for _, ok in done) > 40, done  # the workload did something
     sentinel = r.sentinel(folder)
     assert r.paths() == {sentinel}, done

@@ -24,9 +24,12 @@ under the new name (the ``renamed`` record moves it back before older records ap
 Two undos must never be skipped by marks: the ``pre`` of a directory being removed
 (rmdir, or replaced by a rename) — its children's undos need it to exist first.
 
-Hardlinks are path-based: linking captures the existing file first (writes through
-either name change both); a rollback restores bytes in place, so links that survive
-the step stay links, but a link *deleted* in the step comes back as a separate file.
+Hard links: linking captures the existing file first (writes through either name change
+both); a rollback restores bytes in place, so links that survive the step stay links. The
+``pre`` of a regular file with more than one link also records its inode number, link
+count and other names (from the step's link index, :func:`preimage.link_index`), so a
+rollback makes names the step deleted or replaced one inode again
+(:class:`preimage.LinkGroups`; docs/undo-store.md § Hard links).
 
 Open handles: a change made through a handle (``pre_write``, ``pre_setattr``,
 ``pre_xattr`` with ``handle=``) reaches the handle's inode, not whatever the path names
@@ -46,7 +49,7 @@ from typing import Callable
 
 from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, is_within, parent_of, same_inode
 from .errors import HoldRequired, RollbackIncomplete, SafeguardDenied
-from .preimage import INTENT_OPS, is_restorable_special, meta_of
+from .preimage import INTENT_OPS, LINKS_PER_RECORD_MAX, is_restorable_special, link_index, meta_of
 from .safeguard import Hold, Safeguard
 from .steps import AMBIENT, StepTracker
 from .store import UndoLog
@@ -68,6 +71,8 @@ class UndoInterceptor:
         self._emit = emit or (lambda e: None)
         self.lock = threading.RLock()
         self._marks: dict[str, int] = {}
+        self._linked: set[int] = set()  # inodes of this step captured with more than one name
+        self._names: dict[int, set[str]] | None = None  # the step's link index (see _other_names)
         self._mark_undo: list[tuple[str, int | None]] | None = None
         self._op_mark: tuple[int, int] | None = None  # (step seq, first record index) of the operation in hand
 
@@ -136,6 +141,7 @@ class UndoInterceptor:
 
     def _open(self, step_id: int, step_type: str, command: str) -> None:
         self._marks = {}
+        self._linked, self._names = set(), None
         if self.log.available:
             self._promote()  # a step that ended but waits for its promotion goes first
             self.log.begin(step_id, step_type, command)
@@ -332,10 +338,46 @@ class UndoInterceptor:
         rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st)}
         if rec["op"] == "pre" and st.kind == REG:
             rec.update(self.log.capture_content(self.work, path, st, len(step.records)))
+            if st.nlink > 1 or st.ino in self._linked:  # its names are made one inode again (preimage.LinkGroups)
+                rec["ino"], rec["nlink"] = st.ino, st.nlink
+                rec["links"] = self._other_names(path, st) if st.nlink > 1 else []
+                self._linked.add(st.ino)
         if not self._account(rec):
             return
         self.log.append(rec)
         self._set_mark(path, FULL if rec["op"] == "pre" else META)
+
+    def _other_names(self, path: str, st: Stat) -> list[str]:
+        """The other names of the file at ``path`` (``st``) now, as far as the step's link
+        index knows them (built at the first call of a step: :func:`preimage.link_index`;
+        kept up to date by ``ln`` and renames), each checked to be that inode."""
+        if self._names is None:
+            self._names = link_index(self.work)
+        out = []
+        for q in sorted(self._names.get(st.ino, ())):
+            o = self._lstat(q) if q != path else None
+            if o is not None and o.kind == REG and same_inode(o, st):
+                out.append(q)
+                if len(out) == LINKS_PER_RECORD_MAX:
+                    break
+        return out
+
+    def _names_moved(self, src: str, dst: str, moved: Stat, exchange: bool = False) -> None:
+        """The link index follows a rename (or an exchange) of ``src`` (``moved``) to ``dst``:
+        one set for a file, every set for a directory or an exchange."""
+        if self._names is None:
+            return
+        if not exchange and moved.kind != DIR:
+            names = self._names.get(moved.ino)
+            if names is not None and src in names:
+                names.discard(src)
+                names.add(dst)
+            return
+        for names in self._names.values():
+            moved = {p for p in names if is_within(p, src) or (exchange and is_within(p, dst))}
+            if moved:
+                names -= moved
+                names |= {dst + p[len(src):] if is_within(p, src) else src + p[len(dst):] for p in moved}
 
     def _capture_parent(self, path: str) -> None:
         self._capture(parent_of(path), FULL)
@@ -425,7 +467,10 @@ class UndoInterceptor:
                 return  # EEXIST follows; nothing to record
             self._capture(target, FULL)  # writes through the new name change this file too
             self._capture_parent(link_path)
-            self._intent({"op": "created", "path": link_path})
+            if self._intent({"op": "created", "path": link_path}) and self._names is not None:
+                t = self._lstat(target)
+                if t is not None and t.kind == REG:
+                    self._names.setdefault(t.ino, set()).update((target, link_path))
 
     def pre_rename(self, src: str, dst: str) -> None:
         with self.lock:
@@ -444,6 +489,7 @@ class UndoInterceptor:
                 self._capture(dst, FULL, always=d.kind == DIR)
             if not self._intent({"op": "renamed", "src": src, "dst": dst}):
                 return
+            self._names_moved(src, dst, s)
             if s.kind == DIR or (d is not None and d.kind == DIR):
                 self._drop_subtree(dst)
                 for p, m in self._drop_subtree(src):
@@ -472,6 +518,7 @@ class UndoInterceptor:
             self._capture_parent(b)
             if not self._intent({"op": "exchanged", "src": a, "dst": b, "src_ino": x.ino, "dst_ino": y.ino}):
                 return
+            self._names_moved(a, b, x, exchange=True)
             under_a, under_b = self._drop_subtree(a), self._drop_subtree(b)
             for p, m in under_a:
                 self._set_mark(b + p[len(a):], m)

@@ -10,6 +10,11 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
             change of a directory, before an     (target + mtime), directory (meta;
             rmdir; before any change of a fifo   created if missing) or fifo/socket
             or socket node (``kind`` other)      node (``mknod`` of ``fmt`` + mode, mtime)
+            A regular file with more than one    with ``LinkGroups``: a name of an
+            link (or of an inode the step        inode restored earlier in the same
+            captured so) also has ``ino``,       rollback, or a survivor in ``links``,
+            ``nlink`` and ``links`` (its other   is linked to, not copied: all names
+            names then, at most 64)              end as one inode
 ``meta``    before a metadata-only change of a   setting mode, xattrs, mtime again
             regular file (chmod, utime, xattr)
 ``created`` before something is created at path  removing whatever is at path
@@ -189,7 +194,7 @@ def _ensure_parent(fs: HostFS, path: str) -> None:
 
 
 def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True, user_forced: bool = False,
-            trust_intent: bool = False) -> None:
+            trust_intent: bool = False, links: "LinkGroups | None" = None) -> None:
     """Apply the undo of one record to the working filesystem.
 
     With ``dir_meta=False`` a directory's ``pre`` only makes sure the directory exists;
@@ -205,7 +210,18 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
     never ran (a crash between its intent and the host call) and the record is skipped.
     ``trust_intent``: ``fs`` is a replay of a finished step (whose intents all ran) on
     another filesystem, where the inode numbers an ``exchanged`` record names mean nothing.
+    ``links``: the rollback's :class:`LinkGroups` (hard links made one inode again); it
+    follows every record undone, this one included.
     """
+    try:
+        _restore(fs, rec, open_content, force, dir_meta, user_forced, trust_intent, links)
+    finally:
+        if links is not None:
+            links.undone(rec)
+
+
+def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, user_forced: bool,
+             trust_intent: bool, links: "LinkGroups | None") -> None:
     op = rec["op"]
     if op == "created":
         st = _lstat(fs, rec["path"])
@@ -243,6 +259,10 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
         _clear(fs, path, st, force)
         st = None
     if kind == REG:
+        live = links.live(fs, rec) if links is not None else []
+        if st is None and live:
+            fs.link(live[0], path)  # one atomic call: the name appears as one of the inode's links
+            st = _lstat(fs, path)
         if st is None:
             handle = fs.create_handle(path, 0o600)
         else:
@@ -255,6 +275,8 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
                 handle.pwrite_all(chunk, offset)
                 offset += len(chunk)
             _apply_meta(fs, path, rec, handle)
+        if links is not None:
+            links.restored(fs, rec, live)
         return
     if kind == LNK:
         if st is not None and fs.readlink(path) != rec["target"]:
@@ -273,6 +295,154 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
     else:  # pragma: no cover - capture refuses other kinds
         raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
     _apply_meta(fs, path, rec)
+
+
+#: capture looks through at most this many entries of the working folder, once per step
+#: (at its first change of a file with more than one name), for the other names of its files
+LINK_INDEX_ENTRIES_MAX = 200_000
+
+
+def link_index(fs: HostFS) -> dict[int, set[str]]:
+    """Inode number -> the names of every regular file with more than one link in the
+    folder (the first :data:`LINK_INDEX_ENTRIES_MAX` entries walked; never follows a symlink)."""
+    index: dict[int, set[str]] = {}
+    budget = [LINK_INDEX_ENTRIES_MAX]
+
+    def walk(d: str) -> None:
+        try:
+            names = sorted(fs.listdir(d))
+        except OSError:
+            return
+        for name in names:
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+            p = join(d, name)
+            st = _lstat(fs, p)
+            if st is not None and st.kind == DIR:
+                walk(p)
+            elif st is not None and st.kind == REG and st.nlink > 1:
+                index.setdefault(st.ino, set()).add(p)
+
+    walk("")
+    return index
+
+
+#: a record names at most this many other names of its file (``links``); more are not restored as links
+LINKS_PER_RECORD_MAX = 64
+#: the temporary name (in the name's own directory) through which a restored name is
+#: replaced by a link to the inode restored under another name: ``link`` to it, ``rename`` over
+RELINK_TMP_PREFIX = ".sandbox-relink-"
+
+
+class LinkGroups:
+    """The hard links of one rollback: every name a ``pre`` record of a regular file
+    restores, by the inode number it had when captured (``ino``), and where that name is
+    now as the rollback moves things back. A record carries ``ino`` and ``nlink`` when
+    its file had more than one name then, or shared the inode of one that had, and
+    ``links``: the file's other names found then (see ``UndoInterceptor._capture``).
+
+    Undone newest first, the records of one inode restore it: the first name restored is
+    made (or found) as usual; each later — older — record of the same inode makes its
+    name a link of that inode (``link`` if the name is gone, else the other names are
+    relinked to it by :func:`_relink`), then writes its own older bytes and metadata
+    through it: the oldest record, the state before the step, is what every name ends
+    with. A name the step left alone (a *survivor*) is one of the record's ``links``:
+    undone back to the moment of the capture, the tree has it at that path again — by
+    path, not inode number, since a later step's undo may have remade it as a new inode.
+
+    Invariant: a restored name is used only while the object at its path is a regular
+    file with the inode number it had when noted; so a stale path (moved or removed by
+    someone) is skipped, never linked. Idempotent across an interrupted rollback:
+    :meth:`replay` notes the records already undone (newest first) without touching
+    anything, and every step of a restore can run again (``link`` only where nothing is,
+    a relink only where the inodes differ).
+    """
+
+    def __init__(self, records: list[dict]):
+        self.multi = {r["ino"] for r in records
+                      if r.get("op") == "pre" and r.get("kind") == REG and r.get("nlink", 1) > 1}
+        self._members: dict[int, dict[str, int]] = {}  # recorded ino -> path -> ino now
+        self.touched: list[str] = []  # names relinked outside the record's own path (to sync)
+
+    def _of(self, rec: dict) -> int | None:
+        ino = rec.get("ino")
+        return ino if rec.get("op") == "pre" and rec.get("kind") == REG and ino in self.multi else None
+
+    def replay(self, fs: HostFS, done: list[dict]) -> None:
+        """Note ``done`` (already undone by an earlier, interrupted run; newest first)."""
+        for rec in done:
+            ino = self._of(rec)
+            if ino is not None:
+                for p in (rec["path"], *rec.get("links", ())):
+                    self._members.setdefault(ino, {})[p] = -1
+            self.undone(rec)
+        for members in self._members.values():
+            for path in members:
+                st = _lstat(fs, path)
+                members[path] = st.ino if st is not None and st.kind == REG else -1  # -1: never matches
+
+    def live(self, fs: HostFS, rec: dict) -> list[str]:
+        """The other names of ``rec``'s inode at hand now: restored ones, and survivors."""
+        ino = self._of(rec)
+        if ino is None:
+            return []
+        path, out = rec["path"], []
+        for p, cur in self._members.get(ino, {}).items():
+            st = _lstat(fs, p) if p != path else None
+            if st is not None and st.kind == REG and st.ino == cur:
+                out.append(p)
+        for p in rec.get("links", ()):
+            st = _lstat(fs, p) if p != path and p not in out else None
+            if st is not None and st.kind == REG:
+                out.append(p)
+        return out
+
+    def restored(self, fs: HostFS, rec: dict, live: list[str]) -> None:
+        """``rec``'s name has its inode and bytes back: every other name at hand becomes
+        a link of it, and it is noted."""
+        ino = self._of(rec)
+        if ino is None:
+            return
+        path = rec["path"]
+        st = _lstat(fs, path)
+        for q in live:
+            cur = _lstat(fs, q)
+            if cur is not None and cur.ino != st.ino:
+                _relink(fs, path, q)
+                self.touched.append(q)
+        members = self._members.setdefault(ino, {})
+        for q in live:
+            members[q] = st.ino
+        members[path] = st.ino
+
+    def undone(self, rec: dict) -> None:
+        """Follow the names through the undo of ``rec`` (a move back, a removal)."""
+        op = rec.get("op")
+        if op == "renamed":
+            self._move(lambda p: rec["src"] + p[len(rec["dst"]):] if is_within(p, rec["dst"]) else p)
+        elif op == "exchanged":
+            a, b = rec["src"], rec["dst"]
+            self._move(lambda p: b + p[len(a):] if is_within(p, a) else a + p[len(b):] if is_within(p, b) else p)
+        elif op == "created" or (op == "pre" and rec.get("kind") != REG):
+            for members in self._members.values():
+                for p in [p for p in members if (is_within(p, rec["path"]) if op == "created" else p == rec["path"])]:
+                    del members[p]
+
+    def _move(self, where) -> None:
+        for ino, members in self._members.items():
+            self._members[ino] = {where(p): cur for p, cur in members.items()}
+
+
+def _relink(fs: HostFS, existing: str, name: str) -> None:
+    """Make ``name`` a link of ``existing``'s inode: ``link`` to a temporary name beside it,
+    then ``rename`` over — at every moment ``name`` is one whole file. A temporary name
+    left by an interrupted run (a link of some file) is removed first."""
+    tmp = join(parent_of(name), f"{RELINK_TMP_PREFIX}{fs.lstat(existing).ino}")
+    if _lstat(fs, tmp) is not None:
+        fs.unlink(tmp)
+    fs.link(existing, tmp)
+    fs.rename(tmp, name)
 
 
 def _unexchange(fs: HostFS, rec: dict, trust_intent: bool) -> None:

@@ -326,6 +326,14 @@ def check_record(r: dict) -> None:
             _need(isinstance(t, str) and t != "" and "\0" not in t, "'target' is not a symlink target")
         if op == "pre" and kind == REG:
             keys |= {"enc", "size", "stored", "hash", "data" if "data" in r else "blob"}
+            if "ino" in r or "nlink" in r or "links" in r:  # a file with hard links (preimage.LinkGroups)
+                keys |= {"ino", "nlink", "links"}
+                _need_int(r, "ino", 0)
+                _need_int(r, "nlink", 1)
+                ln = r.get("links")
+                _need(isinstance(ln, list) and len(ln) <= preimage.LINKS_PER_RECORD_MAX, "'links' is not a list of paths")
+                for v in ln:
+                    _need_path({"links": v}, "links")
             _need(r.get("enc") in ("zstd", "raw"), "'enc' is not zstd or raw")
             if "data" in r:
                 _need(r["enc"] == "zstd", "inline data must be zstd")
@@ -1070,6 +1078,8 @@ class UndoLog:
         at that point of the step, a state that really existed. ``open_content``: what a
         ``pre`` record of a regular file restores (default: its checked preimage bytes)."""
         open_content = open_content or self._open_content(where)
+        links = preimage.LinkGroups(records)
+        links.replay(work, list(reversed(records[len(records) - start:])))  # what an interrupted run undid
         done = start
         stop = 0
         for i in range(len(records) - start - 1, -1, -1):
@@ -1085,7 +1095,7 @@ class UndoLog:
                 # a rollback that began always completes (force); only the user's force overrides
                 # the evidence that a rename never ran (see preimage.restore)
                 preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced,
-                                 trust_intent=trust_intents)
+                                 trust_intent=trust_intents, links=links)
             except CorruptStep as e:
                 if not_restored is None:
                     raise
@@ -1093,7 +1103,8 @@ class UndoLog:
                     not_restored.append((rec["path"], e.data.get("reason", e.message)))
             except OSError as e:  # name the path being restored, not just the host call's final component
                 raise OSError(e.errno, e.strerror or str(e), rec["src"] if rec["op"] in _TWO_PATHS else rec["path"]) from e
-            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)))
+            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)), *links.touched)
+            links.touched.clear()
             done += 1
             if progress is not None:
                 self.fs.write_all(join(where, "progress"), done - 1, b".")

@@ -469,8 +469,11 @@ class Workspace:
             except OSError:
                 return "unreadable"
 
+        # per age, (name, inode) of the other names of files a step changed (``links`` of its preimages)
+        linked = [{(q, r["ino"]) for r in records[s.seq] if r.get("op") == "pre" and r.get("kind") == "reg"
+                   for q in r.get("links", ())} for s in reversed(targets)]
         changed = [p for p, (fp, _) in expected.items() if current(p, fp) != fp]
-        changed = [p for p in changed if not self._changed_through_link(p, expected, current)]
+        changed = [p for p in changed if not self._changed_through_link(p, expected, current, linked)]
         if changed:
             changed.sort()
             raise ExternalChange(
@@ -478,14 +481,19 @@ class Workspace:
                 f"({', '.join(changed[:5])}{', …' if len(changed) > 5 else ''}); rolling back would overwrite "
                 "those changes — use force to do it anyway", paths=changed)
 
-    def _changed_through_link(self, path: str, expected: dict, current) -> bool:
+    def _changed_through_link(self, path: str, expected: dict, current, linked: list[set]) -> bool:
+        """``path`` changed because a newer step of the rollback changed its inode through
+        another name: one that step left as it fingerprinted it, or one whose preimage
+        named ``path`` among its ``links`` (the name may be gone since: removed by that step)."""
         try:
             st = self.work.lstat(path)
         except OSError:
             return False
+        age = expected[path][1]
+        if st.kind == "reg" and any((path, st.ino) in linked[a] for a in range(age)):
+            return True
         if st.kind != "reg" or st.nlink < 2:
             return False
-        age = expected[path][1]
         for other, (fp, other_age) in expected.items():
             if other_age < age and fp is not None and fp[0] == "reg":
                 try:
