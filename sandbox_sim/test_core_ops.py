@@ -322,3 +322,38 @@ def test_read_only_and_narrowed_providers_refuse(served):
     finally:
         h.close()
     assert ws.history() == []
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_undoing_an_exchange_whose_names_were_remade(kind, tmp_path):
+    """After the exchange the step replaces what one name holds; its undo re-creates that
+    object with a new inode number *before* the exchange is undone. A rollback interrupted
+    anywhere (also just after the exchange back, before its progress is kept) and resumed must
+    exchange exactly once: the recorded inode still at its own name says it is done."""
+    def make(where):
+        w = World(kind, str(where) if kind == "real" else None)
+        _seed(w)
+        pre = w.snapshot()
+        ws = w.open()
+        with ws.step("swap"):
+            ws.fs.exchange("big", "d/sub/c")
+            ws.fs.write_file("tmp", b"replacement")
+            ws.fs.rename("tmp", "d/sub/c")  # replaces what the exchange put there (big's object)
+        return w, ws, pre
+
+    w, ws, pre = make(tmp_path / "count")
+    w.injector = FaultInjector()
+    ws.rollback(1)
+    total = w.injector.calls
+    oracle.assert_same(pre, w.snapshot(), "rollback without a crash")
+    for k in range(total):
+        w, ws, pre = make(tmp_path / str(k))
+        w.injector = FaultInjector(crash_at=k)
+        with pytest.raises(SimulatedCrash):
+            ws.rollback(1)
+        w.crash(ws)
+        ws2 = w.open()
+        if ws2.history():
+            ws2.rollback(1)
+        ws2.close()
+        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of the rollback")

@@ -449,14 +449,20 @@ def _unexchange(fs: HostFS, rec: dict, trust_intent: bool) -> None:
     """Undo of an ``exchanged`` record: exchange ``src`` and ``dst`` back.
 
     Every later record is undone by now, so if the exchange ran, ``src`` holds the object
-    that was at ``dst`` and the other way round. Both recorded inodes already at their own
-    names means it never ran (a crash between the intent and the host call) or this undo
-    already ran (a rollback resumed): nothing to do — the undo is idempotent. Only one side
-    left (someone removed the other; a forced undo): it goes back to its own name."""
+    that was at ``dst`` and the other way round — though either may be a re-creation (a later
+    record's undo remade it: a new inode number). So the decision looks for one recorded inode
+    in place: one of them at the *other* name means the exchange is in effect (swap back);
+    otherwise one of them at its *own* name means it never ran (a crash between the intent
+    and the host call) or this undo already ran (a rollback resumed after it): nothing to do
+    — the undo is idempotent. Neither recorded inode at either name (both re-created): the
+    exchange ran (the records that re-created them came after it). Only one side left
+    (someone removed the other; a forced undo): it goes back to its own name."""
     src, dst = rec["src"], rec["dst"]
     s, d = _lstat(fs, src), _lstat(fs, dst)
     if s is not None and d is not None:
-        if not trust_intent and s.ino == rec["src_ino"] and d.ino == rec["dst_ino"]:
+        in_effect = s.ino == rec["dst_ino"] or d.ino == rec["src_ino"]
+        in_place = s.ino == rec["src_ino"] or d.ino == rec["dst_ino"]
+        if not trust_intent and in_place and not in_effect:
             return
         fs.exchange(src, dst)
     elif s is not None:
