@@ -21,10 +21,10 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
 ``renamed`` before ``src`` is renamed to ``dst`` renaming ``dst`` back to ``src`` (a
                                                  no-op if ``dst`` is gone: a later
                                                  record already covers it)
-``exchanged`` before ``src`` and ``dst`` swap     exchanging them back — unless the
-            names (RENAME_EXCHANGE); with both   inodes recorded are already in place
-            inode numbers (``src_ino``,          (the exchange never ran, or its undo
-            ``dst_ino``)                         already did)
+``exchanged`` before ``src`` and ``dst`` swap     exchanging them back — unless a
+            names (RENAME_EXCHANGE); with both   recorded inode is at its own name and
+            inode numbers (``src_ino``,          none at the other's (the exchange never
+            ``dst_ino``)                         ran, or its undo already did)
 =========== ==================================== ======================================
 
 Undo of every record is idempotent, so an interrupted rollback may redo the record it
