@@ -240,3 +240,39 @@ def test_a_safeguard_hold_blocks_the_program_then_allow_or_deny(folders, answer)
     else:
         _undo_all(work, state)
         assert_same(before, snapshot_dir(work), "the folder after undo")
+
+
+def test_venv_git_clone_and_sed_in_place_on_the_mount_are_undone_exactly(folders, tmp_path):
+    """More real programs: ``python -m venv`` (with pip: thousands of files, .pyc writes,
+    symlinks), ``git clone`` of a local repository (packs, hooks, checkout), ``git mv`` and a
+    commit, ``sed -i`` (an in-place edit: temp file + rename, keeping the mode). Undoing every
+    step gives the folder back exactly."""
+    work, point, state = folders
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@e", HOME=str(tmp_path))
+    origin = tmp_path / "origin"
+    _run(["git", "init", "-q", str(origin)], env=env)
+    for i in range(20):
+        (origin / f"m{i}.txt").write_text(f"module {i}\n" * (i + 1))
+    _run(["git", "add", "-A"], cwd=origin, env=env)
+    _run(["git", "commit", "-qm", "origin"], cwd=origin, env=env)
+    before = snapshot_dir(work)
+    with mount(work, point, state):
+        _run([sys.executable, "-m", "venv", os.path.join(point, ".venv")])
+        _run([os.path.join(point, ".venv", "bin", "python"), "-c",
+              "import sys; open(sys.argv[1], 'w').write(sys.prefix)", os.path.join(point, "prefix.txt")])
+        with open(os.path.join(work, "prefix.txt")) as f:
+            assert f.read() == os.path.join(point, ".venv")
+        _run(["git", "clone", "-q", str(origin), os.path.join(point, "clone")], env=env)
+        clone = os.path.join(point, "clone")
+        _run(["git", "mv", "m0.txt", "renamed.txt"], cwd=clone, env=env)
+        _run(["git", "commit", "-qm", "rename"], cwd=clone, env=env)
+        _run(["git", "fsck", "--no-progress"], cwd=clone, env=env)
+        _run(["sed", "-i", "s/hi/bye/", os.path.join(point, "src", "main.py")])
+        with open(os.path.join(work, "src", "main.py")) as f:
+            assert f.read() == "print('bye')\n"
+        assert os.stat(os.path.join(work, "src", "main.py")).st_mode & 0o777 == 0o755
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing venv, git clone and sed -i")
