@@ -433,3 +433,19 @@ def test_fsx_random_io_with_mmap_matches_a_plain_file(folders, tmp_path, seed):
         "FALLOCATE is served now: compare it (see the docstring)"
     _undo_all(work, state)
     assert_same(before, snapshot_dir(work), "the folder after undoing the random I/O")
+
+
+def test_no_undo_mount_for_benchmarks_writes_through_without_a_store(folders):
+    """The hidden ``--no-undo`` (bench/fuse_local.py's "interception off" side): the same
+    mount and dispatcher on a plain read-write Provider — changes land in the folder and no
+    undo store is made."""
+    work, point, state = folders
+    with mount(work, point, state, "--no-undo"):
+        with open(os.path.join(point, "new"), "w") as f:
+            f.write("plain")
+        os.rename(os.path.join(point, "new"), os.path.join(point, "renamed"))
+        os.unlink(os.path.join(point, "README.md"))
+    with open(os.path.join(work, "renamed")) as f:
+        assert f.read() == "plain"
+    assert not os.path.exists(os.path.join(work, "README.md"))
+    assert os.listdir(state) == [], "--no-undo made an undo store"
