@@ -350,3 +350,22 @@ def test_a_held_delete_waits_while_other_requests_flow(tmp_path):
     finally:
         ws.close()
     assert_same(before_step, snapshot_dir(mo.work), "after undoing the held step")
+
+
+def test_entries_made_in_a_setgid_directory_take_its_group_and_directories_its_setgid_bit(mnt):
+    """What a local filesystem does (the kernel leaves it to a FUSE server): in a set-gid
+    directory a new file, directory or node gets the directory's group, and a new directory
+    keeps the set-gid bit. Found by the POSIX model over FUSE (mkdir d; chmod 2755 d;
+    mkdir d/s gave 0755 where the kernel gives 2755)."""
+    d = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"shared")).nodeid
+    mnt.call(m.Setattr(H(abi.Opcode.SETATTR, d, uid=0, gid=0), abi.FATTR_GID, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4242))
+    mnt.call(m.Setattr(H(abi.Opcode.SETATTR, d), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0o2775, 0, 0))
+    assert (mnt.getattr(d).mode & 0o7777, mnt.getattr(d).gid) == (0o2775, 4242)
+    sub = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR, d), 0o755, 0o022, b"sub"))
+    assert (sub.attr.mode & 0o7777, sub.attr.gid) == (0o2755, 4242)
+    f = mnt.create("file", 0o640, parent=d)
+    assert (f.entry.attr.mode & 0o7777, f.entry.attr.gid) == (0o640, 4242)
+    fifo = mnt.call(m.Mknod(H(abi.Opcode.MKNOD, d), stat.S_IFIFO | 0o640, 0, 0o022, b"pipe"))
+    assert fifo.attr.mode & 0o7777 == 0o640  # a fifo keeps no owner of its own (the host's shows)
+    plain = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"plain"))
+    assert (plain.attr.mode & 0o7777, plain.attr.gid) == (0o755, GID)  # elsewhere: the caller's group

@@ -424,11 +424,22 @@ class Dispatcher:
         path = d.path if name == "." else parent_of(d.path) if name == ".." else child(d.path, name)
         return self._entry(path, cred=self._cred(req))
 
+    def _setgid_dir(self, d, cred: Cred, mode: int, is_dir: bool) -> tuple[int, int | None]:
+        """``(mode, gid)`` of a new entry in directory ``d``: in a set-gid directory it takes
+        the directory's group, and a new directory the set-gid bit — what a local filesystem
+        does (the kernel leaves it to a FUSE server; a 9P guest's v9fs does it itself).
+        Elsewhere ``(mode, None)``: the caller's group."""
+        a = self.provider.getattr(d.path, cred=cred)
+        if not a.mode & _stat.S_ISGID:
+            return mode, None
+        return (mode | _stat.S_ISGID if is_dir else mode), a.gid
+
     def _mkdir(self, req: m.Mkdir) -> m.EntryOut:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
         cred = self._cred(req)
-        self.provider.mkdir(path, req.mode & 0o7777, cred=cred)
+        mode, gid = self._setgid_dir(d, cred, req.mode & 0o7777, True)
+        self.provider.mkdir(path, mode, cred=cred, gid=gid)
         return self._entry(path, cred=cred)
 
     def _mknod(self, req: m.Mknod) -> m.EntryOut:
@@ -436,11 +447,13 @@ class Dispatcher:
         path = child(d.path, _name(req.name))
         cred = self._cred(req)
         fmt = req.mode & 0o170000
+        _mode, gid = self._setgid_dir(d, cred, 0, False)
         if fmt == _stat.S_IFREG:  # mknod(2) of a regular file: an exclusive create
-            handle, _made = self.provider.create(path, req.mode & 0o7777, os.O_WRONLY | os.O_EXCL, cred=cred)
+            handle, _made = self.provider.create(path, req.mode & 0o7777, os.O_WRONLY | os.O_EXCL, cred=cred,
+                                                 gid=gid)
             handle.close()
         else:
-            self.provider.mknod(path, req.mode & 0o7777, fmt, req.rdev, cred=cred)
+            self.provider.mknod(path, req.mode & 0o7777, fmt, req.rdev, cred=cred, gid=gid)
         return self._entry(path, cred=cred)
 
     def _symlink(self, req: m.Symlink) -> m.EntryOut:
@@ -602,7 +615,9 @@ class Dispatcher:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
         cred = self._cred(req)
-        handle, _made = self._opened(lambda: self.provider.create(path, req.mode & 0o7777, req.flags, cred=cred))
+        _mode, gid = self._setgid_dir(d, cred, 0, False)
+        handle, _made = self._opened(lambda: self.provider.create(path, req.mode & 0o7777, req.flags, cred=cred,
+                                                                  gid=gid))
         try:
             a = self.provider.fstat(handle, path, cred=cred)
             n = self._remember(path, a)
