@@ -75,6 +75,7 @@ class FuseDriver(Driver):
             self.mounted.stop()
         finally:
             self.lock.acquire()
+            self.requests_served = getattr(self, "requests_served", 0) + self.mounted.server.requests
             self.mounted = None
 
     def _set_decide(self, decide) -> None:
@@ -115,6 +116,12 @@ class FuseDriver(Driver):
 class FuseUndoModel(UndoRules):
     backend = "real"
     driver_class = FuseDriver
+
+    def teardown(self):
+        d = self.d
+        super().teardown()
+        if d is not None:  # the programs really went through the kernel and our server, not around them
+            assert d.ops_done == 0 or getattr(d, "requests_served", 0) > d.ops_done, (d.ops_done, d.requests_served)
 
 
 TestFuseModel = model_case(FuseUndoModel, 20, 15, 25)
