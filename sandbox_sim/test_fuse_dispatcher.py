@@ -369,3 +369,25 @@ def test_entries_made_in_a_setgid_directory_take_its_group_and_directories_its_s
     assert fifo.attr.mode & 0o7777 == 0o640  # a fifo keeps no owner of its own (the host's shows)
     plain = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"plain"))
     assert (plain.attr.mode & 0o7777, plain.attr.gid) == (0o755, GID)  # elsewhere: the caller's group
+
+
+def test_an_inode_number_reused_for_another_type_is_stale_not_the_same_node(mnt):
+    """The host reuses a freed inode number (ext4 often does at once): a file removed behind
+    the mount and a directory made at its name may carry the file's (st_ino, st_dev). The
+    file's node must not answer with the directory's attributes — the kernel would see its file
+    change type, mark the inode bad and fail every later call on it with EIO (found by the undo
+    model over FUSE). The type is checked too: ESTALE, and a lookup makes a new node."""
+    for _attempt in range(100):
+        c = mnt.create("victim")
+        mnt.release(c.entry.nodeid, c.open.fh)
+        ino = os.lstat(mnt.host("victim")).st_ino
+        os.unlink(mnt.host("victim"))  # behind the mount's back
+        os.mkdir(mnt.host("victim"))
+        if os.lstat(mnt.host("victim")).st_ino == ino:
+            break
+        os.rmdir(mnt.host("victim"))
+    else:
+        pytest.skip("the host filesystem never reused the inode number here")
+    assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, c.entry.nodeid), 0, 0)) == errno.ESTALE
+    d = mnt.lookup("victim")
+    assert d.nodeid != c.entry.nodeid and stat.S_ISDIR(d.attr.mode)

@@ -286,14 +286,17 @@ class Dispatcher:
     def _cred(self, req: m.Request) -> Cred:
         return Cred(req.header.uid, req.header.gid, self.owners)
 
-    def _names(self, path: str, inode: tuple[int, int]) -> bool:
+    def _names(self, path: str, inode: tuple[int, int], kind: str | None = None) -> bool:
+        """``path`` names ``inode`` (of ``kind``: a reused inode number of another type is
+        another file)."""
         try:
-            return _inode(self.provider.lookup(path)) == inode
+            a = self.provider.lookup(path)
         except OSError:
             return False
+        return _inode(a) == inode and (kind is None or a.kind == kind)
 
     def _still_names(self, node: Node) -> bool:
-        return self._names(node.path, node.inode)
+        return self._names(node.path, node.inode, node.kind)
 
     def _add_name(self, node: Node, path: str) -> None:
         link = Link(path, node)
@@ -311,7 +314,7 @@ class Dispatcher:
             if any(link.path == path for link in n.links):
                 n.lookups += count
                 return n
-            if any(self._names(link.path, key) for link in n.links):
+            if any(self._names(link.path, key, n.kind) for link in n.links):
                 self._add_name(n, path)
                 n.lookups += count
                 return n
@@ -374,7 +377,7 @@ class Dispatcher:
             if e.errno in _GONE:
                 raise OSError(errno.ENOENT, "no such file", n.path) from None
             raise
-        if _inode(a) != n.inode and n.nodeid != abi.FUSE_ROOT_ID:
+        if (_inode(a) != n.inode or a.kind != n.kind) and n.nodeid != abi.FUSE_ROOT_ID:  # a reused number too
             raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
         return a
 
