@@ -102,6 +102,12 @@ class FuseDriver(Driver):
     def store_error_in_rollback(self, n: int, j: int, code: int) -> None:
         self._remounted(super().store_error_in_rollback, n, j, code)
 
+    def _guarded_setup(self, files: int) -> None:
+        """The victim tree is made beside the mount (an external edit): the kernel may hold
+        entries and attributes of what was there for up to a second (docs/fuse.md, Caching;
+        no invalidation notifications yet), so the folder is mounted afresh after it."""
+        self._remounted(super()._guarded_setup, files)
+
     def reopen(self) -> None:
         self._unmount()
         super().reopen()  # closes the workspace, opens it again and mounts (_open)
