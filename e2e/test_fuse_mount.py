@@ -19,9 +19,12 @@ container without CAP_SYS_ADMIN).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
+import mmap
 import os
+import random
 import shutil
 import signal
 import stat
@@ -31,6 +34,7 @@ import textwrap
 
 import pytest
 
+from sandbox_sim.budget import scale
 from sandbox_sim.oracle import assert_same, snapshot_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -621,3 +625,198 @@ def test_sigterm_while_a_program_is_held_ends_it_and_the_mount(folders):
         assert "Errno 5" in err or "Errno 107" in err, err  # EIO from the server, or ENOTCONN once it is gone
         assert code == 0, proc.stderr.read()
     assert_same(before, snapshot_dir(work), "the folder after a stop with a hold unanswered (denied: rolled back)")
+def test_venv_git_clone_and_sed_in_place_on_the_mount_are_undone_exactly(folders, tmp_path):
+    """More real programs: ``python -m venv`` (with pip: thousands of files, .pyc writes,
+    symlinks), ``git clone`` of a local repository (packs, hooks, checkout), ``git mv`` and a
+    commit, ``sed -i`` (an in-place edit: temp file + rename, keeping the mode). Undoing every
+    step gives the folder back exactly."""
+    work, point, state = folders
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@e", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@e", HOME=str(tmp_path))
+    origin = tmp_path / "origin"
+    _run(["git", "init", "-q", str(origin)], env=env)
+    for i in range(20):
+        (origin / f"m{i}.txt").write_text(f"module {i}\n" * (i + 1))
+    _run(["git", "add", "-A"], cwd=origin, env=env)
+    _run(["git", "commit", "-qm", "origin"], cwd=origin, env=env)
+    before = snapshot_dir(work)
+    with mount(work, point, state):
+        _run([sys.executable, "-m", "venv", os.path.join(point, ".venv")])
+        _run([os.path.join(point, ".venv", "bin", "python"), "-c",
+              "import sys; open(sys.argv[1], 'w').write(sys.prefix)", os.path.join(point, "prefix.txt")])
+        with open(os.path.join(work, "prefix.txt")) as f:
+            assert f.read() == os.path.join(point, ".venv")
+        _run(["git", "clone", "-q", str(origin), os.path.join(point, "clone")], env=env)
+        clone = os.path.join(point, "clone")
+        _run(["git", "mv", "m0.txt", "renamed.txt"], cwd=clone, env=env)
+        _run(["git", "commit", "-qm", "rename"], cwd=clone, env=env)
+        _run(["git", "fsck", "--no-progress"], cwd=clone, env=env)
+        _run(["sed", "-i", "s/hi/bye/", os.path.join(point, "src", "main.py")])
+        with open(os.path.join(work, "src", "main.py")) as f:
+            assert f.read() == "print('bye')\n"
+        assert os.stat(os.path.join(work, "src", "main.py")).st_mode & 0o777 == 0o755
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing venv, git clone and sed -i")
+
+
+#: the file never grows past this (fsx's "maxfilelen")
+FILE_BYTES_MAX = 200_000
+#: fsx operations per seed
+FSX_OPS = scale(400, 4000)
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, FALLOC_FL_ZERO_RANGE = 0x01, 0x02, 0x10
+FALLOCATE_MODES = (0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE)
+
+_libc_fsx = ctypes.CDLL(None, use_errno=True)
+_libc_fsx.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def _fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    if _libc_fsx.fallocate(fd, mode, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+class Side:
+    """One file and its descriptor (the mount's or the oracle's)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def reopen(self) -> None:
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDWR)
+
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size
+
+    def content(self) -> bytes:
+        return os.pread(self.fd, FILE_BYTES_MAX + 1, 0)
+
+    def mapped(self, fn):
+        """``fn(map)`` over the whole file mapped MAP_SHARED (nothing to map when empty)."""
+        size = self.size()
+        if size == 0:
+            return None
+        mm = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            return fn(mm)
+        finally:
+            mm.close()
+
+
+def _op(rng: random.Random, size: int) -> tuple:
+    """One random operation, as data (applied alike to both sides)."""
+    kind = rng.choice(("write", "write", "read", "truncate", "mapread", "mapwrite", "mapwrite", "fallocate",
+                       "fsync", "reopen"))
+    off = rng.randint(0, max(0, min(FILE_BYTES_MAX - 1, size + 4096)))
+    n = rng.randint(1, min(20_000, FILE_BYTES_MAX - off))
+    if kind == "write":
+        return kind, off, rng.randbytes(n)
+    if kind == "truncate":
+        return kind, rng.randint(0, FILE_BYTES_MAX)
+    if kind in ("mapread", "mapwrite"):
+        if size == 0:
+            return "read", 0, 10
+        off = rng.randint(0, size - 1)
+        n = rng.randint(1, size - off)
+        return (kind, off, rng.randbytes(n)) if kind == "mapwrite" else (kind, off, n)
+    if kind == "fallocate":
+        return kind, rng.choice(FALLOCATE_MODES), off, n
+    return (kind, off, n) if kind == "read" else (kind,)
+
+
+def _apply(side: Side, op: tuple):
+    kind = op[0]
+    if kind == "write":
+        return os.pwrite(side.fd, op[2], op[1])
+    if kind == "read":
+        return os.pread(side.fd, op[2], op[1])
+    if kind == "truncate":
+        return os.ftruncate(side.fd, op[1])
+    if kind == "mapread":
+        return side.mapped(lambda mm: mm[op[1]:op[1] + op[2]])
+
+    def mapwrite(mm):
+        mm[op[1]:op[1] + len(op[2])] = op[2]
+        mm.flush()  # msync(MS_SYNC): the dirty pages are written back (WRITE requests) now
+
+    if kind == "mapwrite":
+        return side.mapped(mapwrite)
+    if kind == "fallocate":
+        return _fallocate(side.fd, op[1], op[2], op[3])
+    if kind == "fsync":
+        return os.fsync(side.fd)
+    return side.reopen()
+
+
+def _outcome(side: Side, op: tuple):
+    try:
+        return "ok", _apply(side, op)
+    except OSError as e:
+        return "err", e.errno
+
+
+def _show(op: tuple) -> str:
+    return repr(tuple(f"<{len(a)} bytes>" if isinstance(a, bytes) else a for a in op))
+
+
+@pytest.mark.parametrize("seed", range(scale(3, 20)))
+def test_fsx_random_io_with_mmap_matches_a_plain_file(folders, tmp_path, seed):
+    """fsx-style: one file on the mount and one plain file get the same seeded random
+    operations — ``pwrite``, ``pread``, ``ftruncate``, reads and writes through a
+    ``MAP_SHARED`` mapping (written pages pushed with ``msync``), ``fallocate`` (plain,
+    ``KEEP_SIZE``, ``PUNCH_HOLE``, ``ZERO_RANGE``), ``fsync``, close and reopen; after each,
+    the outcome (bytes read, or the errno), the size and every byte must agree. Then the
+    folder holds those bytes, and undoing every step gives it back exactly.
+
+    FALLOCATE is served (each of those modes through the undo core): its outcome is compared
+    like any other operation's. The server runs in its own process (``sandbox mount``):
+    a mapping served by the same Python process would deadlock on the GIL (a page fault in
+    a memcpy that holds it, waiting for a READ that needs it)."""
+    work, point, state = folders
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for d in (work, str(plain)):
+        with open(os.path.join(d, "f"), "wb") as f:
+            f.write(bytes(range(256)) * 40)
+    before = snapshot_dir(work)
+    rng = random.Random(seed)
+    done: list[str] = []
+    with mount(work, point, state):
+        ours, oracle = Side(os.path.join(point, "f")), Side(str(plain / "f"))
+        for _ in range(FSX_OPS):
+            op = _op(rng, oracle.size())
+            o = _outcome(ours, op)
+            k = _outcome(oracle, op)
+            done.append(_show(op))
+            where = f"seed {seed}, op {len(done)}: {done[-1]} (before it: {done[-6:-1]})"
+            assert o == k, f"{where}: the mount {o!r}, a plain file {k!r}"
+            assert ours.size() == oracle.size(), f"{where}: size {ours.size()} != {oracle.size()}"
+            assert ours.content() == oracle.content(), f"{where}: the bytes differ"
+        expected = oracle.content()
+        os.close(ours.fd)
+        os.close(oracle.fd)
+    with open(os.path.join(work, "f"), "rb") as f:
+        assert f.read() == expected, "the working folder does not hold what was written through the mount"
+    assert any(d.startswith("('fallocate'") for d in done), "no fallocate was compared"
+    _undo_all(work, state)
+    assert_same(before, snapshot_dir(work), "the folder after undoing the random I/O")
+
+
+def test_no_undo_mount_for_benchmarks_writes_through_without_a_store(folders):
+    """The hidden ``--no-undo`` (bench/fuse_local.py's "interception off" side): the same
+    mount and dispatcher on a plain read-write Provider — changes land in the folder and no
+    undo store is made."""
+    work, point, state = folders
+    with mount(work, point, state, "--no-undo"):
+        with open(os.path.join(point, "new"), "w") as f:
+            f.write("plain")
+        os.rename(os.path.join(point, "new"), os.path.join(point, "renamed"))
+        os.unlink(os.path.join(point, "README.md"))
+    with open(os.path.join(work, "renamed")) as f:
+        assert f.read() == "plain"
+    assert not os.path.exists(os.path.join(work, "README.md"))
+    assert os.listdir(state) == [], "--no-undo made an undo store"

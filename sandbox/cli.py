@@ -858,6 +858,11 @@ def cmd_mount(args) -> int:
     if args.read_only:
         provider = Provider.read_only_dir(args.workdir)
         what = "read-only, no undo"
+    elif args.no_undo:  # benchmarks only (bench/fuse_local.py): the mount's cost without the undo core's
+        from .hostfs.real import RealHostFS
+
+        provider = Provider(RealHostFS(work), None, read_only=False)
+        what = "read-write, NO UNDO (--no-undo: for benchmarks)"
     else:
         undo_log = logging.getLogger("sandbox.undo")
 
@@ -956,6 +961,7 @@ def _mount_parser(command, with_workdir, log_levels) -> None:
          (5, "the undo store is in use by another process")]))
     mt.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing directory to mount on")
     mt.add_argument("--read-only", action="store_true", help="refuse every change; no interception, no undo store")
+    mt.add_argument("--no-undo", action="store_true", help=argparse.SUPPRESS)  # bench/fuse_local.py: interception off
     mt.add_argument("--delete-threshold", type=int, metavar="N",
                     help="safeguard: the N-th deletion of a step waits for a decision, the deleting program blocked "
                          "mid-syscall (default: off)")

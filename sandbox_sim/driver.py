@@ -198,13 +198,17 @@ class Driver:
         """Who answers a safeguard hold for the client's writes (the wire driver: the server)."""
         self.ws.fs.decide = decide
 
-    def guarded_rm_rf(self, files: int, threshold: int, allow: bool) -> None:
-        """The crossing delete is held before it runs; deny restores the pre-step tree."""
+    def _guarded_setup(self, files: int) -> None:
+        """guarded_rm_rf's victim tree, made by the test itself (not the client), in a step."""
         with self.ws.step("setup for rm -rf"):
             self.ws.fs.remove_tree("victim")
             self.ws.fs.makedirs("victim")
             for i in range(files):
                 self.ws.fs.write_file(f"victim/f{i}", b"x" * i)
+
+    def guarded_rm_rf(self, files: int, threshold: int, allow: bool) -> None:
+        """The crossing delete is held before it runs; deny restores the pre-step tree."""
+        self._guarded_setup(files)
         self.checker.sync(self.ws)
         before = self.world.snapshot()
         seen = []

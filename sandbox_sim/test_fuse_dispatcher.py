@@ -496,3 +496,42 @@ def test_coherent_means_long_timeouts_and_kept_pages(mnt):
     o2 = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
     assert o2.open_flags & abi.FOPEN_KEEP_CACHE
     assert WANTED_INIT_FLAGS & abi.FUSE_AUTO_INVAL_DATA and not WANTED_INIT_FLAGS & abi.FUSE_WRITEBACK_CACHE
+def test_entries_made_in_a_setgid_directory_take_its_group_and_directories_its_setgid_bit(mnt):
+    """What a local filesystem does (the kernel leaves it to a FUSE server): in a set-gid
+    directory a new file, directory or node gets the directory's group, and a new directory
+    keeps the set-gid bit. Found by the POSIX model over FUSE (mkdir d; chmod 2755 d;
+    mkdir d/s gave 0755 where the kernel gives 2755)."""
+    d = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"shared")).nodeid
+    mnt.call(m.Setattr(H(abi.Opcode.SETATTR, d, uid=0, gid=0), abi.FATTR_GID, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4242))
+    mnt.call(m.Setattr(H(abi.Opcode.SETATTR, d), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0o2775, 0, 0))
+    assert (mnt.getattr(d).mode & 0o7777, mnt.getattr(d).gid) == (0o2775, 4242)
+    sub = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR, d), 0o755, 0o022, b"sub"))
+    assert (sub.attr.mode & 0o7777, sub.attr.gid) == (0o2755, 4242)
+    f = mnt.create("file", 0o640, parent=d)
+    assert (f.entry.attr.mode & 0o7777, f.entry.attr.gid) == (0o640, 4242)
+    fifo = mnt.call(m.Mknod(H(abi.Opcode.MKNOD, d), stat.S_IFIFO | 0o640, 0, 0o022, b"pipe"))
+    assert fifo.attr.mode & 0o7777 == 0o640  # a fifo keeps no owner of its own (the host's shows)
+    plain = mnt.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"plain"))
+    assert (plain.attr.mode & 0o7777, plain.attr.gid) == (0o755, GID)  # elsewhere: the caller's group
+
+
+def test_an_inode_number_reused_for_another_type_is_stale_not_the_same_node(mnt):
+    """The host reuses a freed inode number (ext4 often does at once): a file removed behind
+    the mount and a directory made at its name may carry the file's (st_ino, st_dev). The
+    file's node must not answer with the directory's attributes — the kernel would see its file
+    change type, mark the inode bad and fail every later call on it with EIO (found by the undo
+    model over FUSE). The type is checked too: ESTALE, and a lookup makes a new node."""
+    for _attempt in range(100):
+        c = mnt.create("victim")
+        mnt.release(c.entry.nodeid, c.open.fh)
+        ino = os.lstat(mnt.host("victim")).st_ino
+        os.unlink(mnt.host("victim"))  # behind the mount's back
+        os.mkdir(mnt.host("victim"))
+        if os.lstat(mnt.host("victim")).st_ino == ino:
+            break
+        os.rmdir(mnt.host("victim"))
+    else:
+        pytest.skip("the host filesystem never reused the inode number here")
+    assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, c.entry.nodeid), 0, 0)) == errno.ESTALE
+    d = mnt.lookup("victim")
+    assert d.nodeid != c.entry.nodeid and stat.S_ISDIR(d.attr.mode)

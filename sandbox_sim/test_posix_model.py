@@ -9,7 +9,15 @@ size, link count, mtime where it was set explicitly (nanoseconds), content, syml
 targets, listings and ``user.*`` xattrs. Each run ends with an undo of every step and an
 oracle-exact comparison with the starting tree.
 
-It runs twice: as root (attach uid 0, the oracle as root) and as an unprivileged uid
+It runs over two transports. **9P**: our share as above. **FUSE**: the same folder mounted
+through ``/dev/fuse`` (an in-process :class:`~sandbox_sim.fuse_mount.ServedMount`), and each
+operation is the same ``os.*`` call the oracle makes, on the mount instead of the plain
+directory, by the same uid — so over FUSE the host kernel's permission checks
+(``default_permissions``, against the attributes we report) are compared too, refusals
+included; the tree is read through the mount as root. Differences that only FUSE has are
+listed in :data:`FUSE_DIFFERENCES` (and in ``docs/fuse.md``).
+
+Each transport runs twice: as root (attach uid 0, the oracle as root) and as an unprivileged uid
 (attach ``n_uname`` 65534; the oracle performs each operation in a forked helper that did
 ``setresgid``/``setresuid(65534)``). Over raw 9P the permission checks belong to the guest
 kernel, so as 65534 only operations the real kernel permits that uid are compared (one it
@@ -49,6 +57,7 @@ from sandbox.ninep.client import Client
 from sandbox.ninep.wirefs import WireFS, serve
 from sandbox_sim import oracle
 from sandbox_sim.budget import scale
+from sandbox_sim.fuse_mount import ServedMount, fuse_unavailable
 
 pytestmark = [
     pytest.mark.timeout(900),
@@ -66,6 +75,16 @@ DIFFERENCES = {
     "special-setid": "by design: a chmod of a fifo or socket drops set-id bits (never applied on the host, no "
                      "user xattr to keep them in: docs/identity.md, Special files)",
 }
+
+#: Where the FUSE mount differs from the real kernel and 9P does not; same rules as DIFFERENCES.
+FUSE_DIFFERENCES = {
+    "special-owner-checks": "by design: follows from special-owner. The host kernel checks ownership on the mount "
+                            "against the owner we report, the host's, so a non-root uid that made a symlink, fifo "
+                            "or socket there does not own it: chmod, chown, utime, link, unlink and rename of it "
+                            "are EPERM/EACCES where the kernel lets its maker (docs/fuse.md). Not compared.",
+}
+#: the operations whose permission check depends on owning a path they name (see "special-owner-checks")
+OWNER_CHECKED_OPS = ("chmod", "chown", "utime", "link", "unlink", "rename")
 
 #: the types whose owner cannot be kept (see "special-owner")
 SPECIAL_FMTS = (stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK)
@@ -387,6 +406,7 @@ class PosixModel(RuleBasedStateMachine):
 
     uid: int | None = None
     tmp = None
+    transport = "9p"
 
     @initialize()
     def start(self):
@@ -399,11 +419,23 @@ class PosixModel(RuleBasedStateMachine):
             os.chmod(d, 0o777)  # the unprivileged uid may create at the top
         self.ws = Workspace.open(work, state_dir=os.path.join(base, "state"))
         self.start_snapshot = oracle.snapshot(self.ws.fs.host)
-        self._serve = serve(Provider.intercepted(self.ws))
-        _st, sock = self._serve.__enter__()
-        self.client = Client.connect_unix(sock)
-        self.client.attach(uname="nobody" if self.uid else "root", n_uname=self.uid or 0)
-        self.ours = Share(_Attached(self.client), self.uid or 0)
+        self.client = self.mounted = None
+        if self.transport == "fuse":
+            point = os.path.join(base, "mnt")
+            os.makedirs(point)
+            self.mounted = ServedMount(Provider.intercepted(self.ws), point)
+            try:
+                self.mounted.start()
+            except OSError as e:
+                self.mounted = None
+                pytest.skip(f"mounting a FUSE filesystem failed here: {e}")
+            self.ours = Oracle(point)  # the same system calls, on the mount
+        else:
+            self._serve = serve(Provider.intercepted(self.ws))
+            _st, sock = self._serve.__enter__()
+            self.client = Client.connect_unix(sock)
+            self.client.attach(uname="nobody" if self.uid else "root", n_uname=self.uid or 0)
+            self.ours = Share(_Attached(self.client), self.uid or 0)
         self.kernel = Oracle(kern)
         self.explicit_mtime: set[str] = set()
         self.compared = 0
@@ -414,8 +446,11 @@ class PosixModel(RuleBasedStateMachine):
             return
         os.umask(self.umask)
         try:
-            self.client.close()
-            self._serve.__exit__(None, None, None)
+            if self.mounted is not None:
+                self.mounted.stop()
+            if self.client is not None:
+                self.client.close()
+                self._serve.__exit__(None, None, None)
             self.ws.close_active()
             if self.ws.history():
                 self.ws.rollback(len(self.ws.history()))
@@ -428,10 +463,16 @@ class PosixModel(RuleBasedStateMachine):
     def both(self, op: str, *args, touches: tuple[str, ...] = ()):
         """Apply ``op`` to the kernel (as ``uid``) and, unless the kernel refused that uid
         the permission, to our share; compare the outcomes."""
+        if (self.transport == "fuse" and self.uid is not None and op in OWNER_CHECKED_OPS
+                and "special-owner-checks" in FUSE_DIFFERENCES and self.names_special(op, args)):
+            return None
         k = run_as(self.uid, getattr(self.kernel, op), *args)
-        if self.uid is not None and k[0] == "err" and k[1] in CLASSES_REFUSED:
+        if self.transport == "fuse":  # the host kernel checks permissions on the mount: compared too
+            o = run_as(self.uid, getattr(self.ours, op), *args)
+        elif self.uid is not None and k[0] == "err" and k[1] in CLASSES_REFUSED:
             return None  # the guest kernel's permission check: never sent to the server
-        o = run_as(None, getattr(self.ours, op), *args)
+        else:
+            o = run_as(None, getattr(self.ours, op), *args)
         assert o == k, f"{op}{tuple(a if len(repr(a)) < 60 else repr(a)[:40] + '…' for a in args)}: ours {o!r}, the kernel {k!r}"
         self.compared += 1
         if k[0] == "ok":
@@ -441,6 +482,17 @@ class PosixModel(RuleBasedStateMachine):
             if op in ("rename", "rmdir"):
                 self.explicit_mtime.clear()
         return k
+
+    def names_special(self, op: str, args) -> bool:
+        """True if a path ``op`` names is a symlink, fifo or socket (in the kernel's tree)."""
+        paths = args[:2] if op in ("rename", "link") else args[:1]
+        for p in paths:
+            try:
+                if stat.S_IFMT(os.lstat(self.kernel.p(p)).st_mode) in SPECIAL_FMTS:
+                    return True
+            except OSError:
+                pass
+        return False
 
     @invariant()
     def trees_agree(self):
@@ -558,15 +610,19 @@ def open_tmp():
     shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.parametrize("transport", ["9p", "fuse"])
 @pytest.mark.parametrize("uid", [None, NOBODY], ids=["root", "uid65534"])
-def test_posix_model(open_tmp, uid):
+def test_posix_model(open_tmp, uid, transport):
+    if transport == "fuse" and fuse_unavailable():
+        pytest.skip(fuse_unavailable())
+
     class Model(PosixModel):
         pass
 
-    Model.uid, Model.tmp = uid, open_tmp
+    Model.uid, Model.tmp, Model.transport = uid, open_tmp, transport
     run_state_machine_as_test(Model, settings=SETTINGS)
 
 
 def test_the_differences_table_names_a_reason_for_every_entry():
-    for key, why in DIFFERENCES.items():
+    for key, why in {**DIFFERENCES, **FUSE_DIFFERENCES}.items():
         assert why.startswith(("pending: wt-", "by design: ")), key

@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""Benchmark: `sandbox mount` (FUSE, the local backend) against the plain directory, side by side.
+
+Run ``python bench/fuse_local.py --help``. Prints medians and ratios; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DESCRIPTION = """\
+One workload, timed on three sides, in fresh folders on the same disk:
+
+  intercepted  `sandbox mount --workdir DIR MNT`: every change through the undo core
+  no-undo      the same mount with interception off (the hidden `--no-undo`: the same
+               dispatcher and /dev/fuse loop on a plain read-write Provider)
+  plain        DIR itself, no FUSE
+
+Phases (each timed with time.perf_counter; the sides are interleaved round by round, in a
+rotated order, and each phase's median over --repeat rounds is printed):
+  create    --files small files (1 KiB, in 20 directories): open, write, close
+  stat      os.stat of each file
+  read      open, read, close each file
+  git       `git init` then `git add -A && git commit` of the tree (git's identity from env)
+  write     --mb MiB written sequentially in 1 MiB writes, then fsync
+  read-seq  the same file read back in 1 MiB reads (warm: the host's page cache holds it on
+            every side; FUSE drops its own page cache at open, so the mount's reads all go
+            through the server)
+  rm -rf    `rm -rf` of everything
+
+The goals of issue 16 (printed as met or not; nothing is asserted): metadata-heavy phases
+(create, stat, read, git, rm -rf) at most 3x the plain directory's time; sequential write
+and read at least 50 % of its bandwidth.
+"""
+
+SIDES = ("intercepted", "no-undo", "plain")
+METADATA = ("create", "stat", "read", "git", "rm -rf")
+SEQUENTIAL = ("write", "read-seq")
+#: seconds to wait for `sandbox mount` to come up, and to exit after SIGTERM
+MOUNT_TIMEOUT_S = 60
+CHUNK = 1 << 20
+
+
+class Mounted:
+    """`sandbox mount` of ``work`` at ``point`` as a subprocess (stopped with SIGTERM)."""
+
+    def __init__(self, work: str, point: str, state: str, no_undo: bool):
+        argv = [sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state, point,
+                "--on-hold", "allow"] + (["--no-undo"] if no_undo else [])
+        self.proc = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        line: list[str] = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stderr.readline()), daemon=True)
+        t.start()
+        t.join(MOUNT_TIMEOUT_S)
+        if not line or "mounted at" not in line[0]:
+            self.proc.kill()
+            raise SystemExit(f"sandbox mount did not come up: {line[0] if line else 'timeout'}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(MOUNT_TIMEOUT_S)
+        self.proc.stderr.close()
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def workload(root: str, files: int, mb: int, env: dict) -> dict[str, float]:
+    names = [os.path.join(root, f"d{i % 20}", f"f{i}.txt") for i in range(files)]
+    data = b"x" * 1024
+    out = {}
+
+    def create():
+        for i in range(20):
+            os.mkdir(os.path.join(root, f"d{i}"))
+        for n in names:
+            with open(n, "wb") as f:
+                f.write(data)
+
+    def stat():
+        for n in names:
+            os.stat(n)
+
+    def read():
+        for n in names:
+            with open(n, "rb") as f:
+                f.read()
+
+    def git():
+        for argv in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench"]):
+            subprocess.run(argv, cwd=root, env=env, check=True, capture_output=True)
+
+    big = os.path.join(root, "big.bin")
+    block = os.urandom(CHUNK)
+
+    def write():
+        fd = os.open(big, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(mb):
+                os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read_seq():
+        fd = os.open(big, os.O_RDONLY)
+        try:
+            while os.read(fd, CHUNK):
+                pass
+        finally:
+            os.close(fd)
+
+    def rm_rf():
+        entries = [os.path.join(root, n) for n in os.listdir(root)]
+        subprocess.run(["rm", "-rf", "--", *entries], check=True)
+
+    for name, fn in (("create", create), ("stat", stat), ("read", read), ("git", git), ("write", write),
+                     ("read-seq", read_seq), ("rm -rf", rm_rf)):
+        out[name] = _timed(fn)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", help="where the folders go (a real disk, not tmpfs; default: the system temp dir)")
+    ap.add_argument("--quick", action="store_true", help="300 files, 32 MiB, 2 rounds")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"a comma-separated subset of {SIDES}")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.files, args.mb, args.repeat = 300, 32, 2
+    sides = [s for s in args.sides.split(",") if s]
+    if os.geteuid() != 0 and not shutil.which("fusermount3"):
+        print("needs root or fusermount3", file=sys.stderr)
+        return 1
+    base = tempfile.mkdtemp(prefix="fuse-bench-", dir=args.dir)
+    home = os.path.join(base, "home")
+    os.mkdir(home)
+    env = dict(os.environ, HOME=home, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@example.invalid",
+               GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@example.invalid", GIT_CONFIG_NOSYSTEM="1")
+    results: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+    print(f"{args.files} files, {args.mb} MiB, {args.repeat} rounds, in {base}", flush=True)
+    try:
+        for r in range(args.repeat):
+            order = sides[r % len(sides):] + sides[:r % len(sides)]
+            for side in order:
+                d = os.path.join(base, f"{side}-{r}")
+                work, point, state = d + "/work", d + "/mnt", d + "/state"
+                for x in (work, point, state):
+                    os.makedirs(x)
+                mounted = None if side == "plain" else Mounted(work, point, state, side == "no-undo")
+                try:
+                    times = workload(work if side == "plain" else point, args.files, args.mb, env)
+                finally:
+                    if mounted is not None:
+                        mounted.stop()
+                results[side].append(times)
+                print(f"  round {r + 1} {side:12s} " + "  ".join(f"{k} {v:.3f}s" for k, v in times.items()),
+                      flush=True)
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    report(results, args.files, args.mb)
+    return 0
+
+
+def report(results: dict, files: int, mb: int) -> None:
+    phases = list(next(iter(results.values()))[0])
+    med = {s: {p: statistics.median(t[p] for t in runs) for p in phases} for s, runs in results.items()}
+    print(f"\nmedian seconds ({files} files, {mb} MiB); ratio = side time / plain time")
+    print(f"{'phase':10s}" + "".join(f"{s:>14s}" for s in med) + "".join(f"{s + '/plain':>20s}" for s in med
+                                                                         if s != "plain"))
+    for p in phases:
+        line = f"{p:10s}" + "".join(f"{med[s][p]:14.3f}" for s in med)
+        if "plain" in med:
+            line += "".join(f"{med[s][p] / med['plain'][p]:19.2f}x" for s in med if s != "plain")
+        print(line)
+    if "plain" not in med:
+        return
+    print("\nbandwidth (MB/s) of the sequential phases")
+    for p in SEQUENTIAL:
+        print(f"{p:10s}" + "".join(f"{mb * 1.048576 / med[s][p]:14.1f}" for s in med))
+    print("\ngoals (issue 16): metadata <= 3x plain, sequential >= 50 % of plain's bandwidth")
+    for s in med:
+        if s == "plain":
+            continue
+        for p in METADATA:
+            ratio = med[s][p] / med["plain"][p]
+            print(f"  {s:12s} {p:9s} {ratio:6.2f}x plain   {'met' if ratio <= 3 else 'NOT met'}")
+        for p in SEQUENTIAL:
+            share = med["plain"][p] / med[s][p]
+            print(f"  {s:12s} {p:9s} {share * 100:5.0f} % of plain   {'met' if share >= 0.5 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
