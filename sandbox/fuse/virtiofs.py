@@ -48,12 +48,12 @@ import errno
 import logging
 import os
 import socket
-import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..limits import ServerLimits
+from ..serving.sockets import private_socket_path
 from . import abi
 from . import messages as m
 from . import vhost as v
@@ -367,19 +367,8 @@ class VirtioFsServer:
         self._loop = asyncio.get_running_loop()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                pass
-            else:
-                if not stat.S_ISSOCK(st.st_mode):
-                    raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
-                os.unlink(path)  # a stale socket of an earlier run
-            old = os.umask(0o177)  # the socket is 0600: only our user's QEMU may connect
-            try:
+            with private_socket_path(path):  # 0600: only our user's QEMU may connect
                 self._listener.bind(path)
-            finally:
-                os.umask(old)
             self._bound = True
             self._listener.listen(1)
             self._listener.setblocking(False)

@@ -45,7 +45,6 @@ import errno
 import logging
 import os
 import socket
-import stat
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, raise_
 from ..mounts import Provider
 from ..mounts.identity import OwnerMap
 from ..serving import Export, HoldBroker, RequestPipeline
+from ..serving.sockets import private_socket_path
 from . import messages as m
 from .codec import FrameSplitter, ProtocolError, decode, encode
 from .connection import Connection
@@ -315,19 +315,8 @@ class NinePServer:
     async def start_unix(self, path: str) -> None:
         """Listen on a unix socket (mode 0600). A stale socket at ``path`` is replaced;
         anything else there is an error."""
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
-            os.unlink(path)
-        old = os.umask(0o177)
-        try:
+        with private_socket_path(path):
             srv = await asyncio.get_running_loop().create_unix_server(self._protocol, path)
-        finally:
-            os.umask(old)
         self._listening()
         self.unix_path = path
         self._servers.append(srv)
