@@ -627,14 +627,52 @@ def _mcp_own_host(args):
 # -- end MCP transports
 
 
+def _served_folder(args):
+    """What ``serve-9p``/``serve-virtiofs`` serve: ``(workspace or None, provider, what)`` —
+    ``--root`` read-only, or intercepted through its undo store (opened, recovered)."""
+    import logging
+
+    from .mounts import Provider
+
+    if args.read_only:
+        return None, Provider.read_only_dir(args.root), "read-only"
+    args.workdir = args.root
+    undo_log = logging.getLogger("sandbox.undo")
+
+    def on_event(event: dict) -> None:
+        """The undo core's warnings (a step that cannot be recorded, a rollback that cannot
+        finish, evictions) are log lines: nobody else would hear of them."""
+        if event.get("type") == "event.warning":
+            undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
+
+    ws = _open(args, must_exist=False, on_event=on_event)
+    return ws, Provider.intercepted(ws), f"intercepted; undo store {_state_dir(args)}"
+
+
+def _confine_server(args, provider, ws, *, socket_dirs: list[str], tcp_bind_ports) -> None:
+    """Confine a standalone server (issue 13) to ``--root`` and its undo store: call it before
+    ``asyncio.run``, while this is the only thread (Landlock confines the calling thread and
+    what it starts later); sockets are bound afterwards."""
+    from . import confine
+
+    try:
+        confine.confine(read_write=[] if args.read_only else [os.path.realpath(_state_dir(args)),
+                                                             os.path.realpath(args.root)],
+                        read_only=[os.path.realpath(args.root)] if args.read_only else [],
+                        socket_dirs=socket_dirs, tcp_bind_ports=tcp_bind_ports)
+    except (confine.ConfineError, OSError) as e:
+        provider.close()
+        if ws is not None:
+            ws.close()
+        raise CliError(f"cannot confine the server: {e}", EXIT_FAILED) from None
+
+
 def cmd_serve_9p(args) -> int:
     """Serve a folder over 9P2000.L until SIGTERM/SIGINT; intercepted unless --read-only."""
     import asyncio
-    import logging
     import signal
 
     from .limits import ServerLimits
-    from .mounts import Provider
     from .ninep.server import NinePServer, ServerConfig
 
     setup_logging(args.log_level)
@@ -650,39 +688,11 @@ def cmd_serve_9p(args) -> int:
         except ValueError:
             raise CliError(f"--tcp wants [HOST:]PORT, not {args.tcp!r}", EXIT_USAGE) from None
     config = ServerConfig(ServerLimits(msize_bytes_max=args.msize_max))
-    ws = None
-    if args.read_only:
-        provider = Provider.read_only_dir(args.root)
-        what = "read-only"
-    else:
-        args.workdir = args.root
-        undo_log = logging.getLogger("sandbox.undo")
+    ws, provider, what = _served_folder(args)
 
-        def on_event(event: dict) -> None:
-            """The undo core's warnings (a step that cannot be recorded, a rollback that cannot
-            finish, evictions) are log lines: nobody else would hear of them."""
-            if event.get("type") == "event.warning":
-                undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
-
-        ws = _open(args, must_exist=False, on_event=on_event)
-        provider = Provider.intercepted(ws)
-        what = f"intercepted; undo store {_state_dir(args)}"
-
-    # -- confinement (issue 13): before asyncio.run, while this is the only thread (Landlock
-    # confines the calling thread and what it starts later); the socket is bound afterwards
-    from . import confine
-
-    try:
-        confine.confine(read_write=[] if args.read_only else [os.path.realpath(_state_dir(args)),
-                                                             os.path.realpath(args.root)],
-                        read_only=[os.path.realpath(args.root)] if args.read_only else [],
-                        socket_dirs=[os.path.dirname(os.path.abspath(args.socket))] if args.socket else [],
-                        tcp_bind_ports=None if tcp_port == 0 else ([tcp_port] if tcp_port else []))
-    except (confine.ConfineError, OSError) as e:
-        provider.close()
-        if ws is not None:
-            ws.close()
-        raise CliError(f"cannot confine the server: {e}", EXIT_FAILED) from None
+    # -- confinement (issue 13): before asyncio.run, while this is the only thread
+    _confine_server(args, provider, ws, socket_dirs=[os.path.dirname(os.path.abspath(args.socket))] if args.socket else [],
+                    tcp_bind_ports=None if tcp_port == 0 else ([tcp_port] if tcp_port else []))
     # -- end confinement
 
     async def serve() -> None:
@@ -730,48 +740,21 @@ def _served_exit(ws, stopped: str) -> int:
 def cmd_serve_virtiofs(args) -> int:
     """Serve a folder as a vhost-user-fs device (virtio-fs) until SIGTERM/SIGINT."""
     import asyncio
-    import logging
     import signal
 
     from .fuse.dispatcher import Dispatcher
     from .fuse.virtiofs import VirtioFsServer
     from .limits import ServerLimits
-    from .mounts import Provider
     from .serving import Export, HoldBroker
 
     setup_logging(args.log_level)
     if not os.path.isdir(args.root):
         raise CliError(f"--root {args.root!r} does not exist or is not a directory", EXIT_USAGE)
-    ws = None
-    if args.read_only:
-        provider = Provider.read_only_dir(args.root)
-        what = "read-only"
-    else:
-        args.workdir = args.root
-        undo_log = logging.getLogger("sandbox.undo")
-
-        def on_event(event: dict) -> None:
-            if event.get("type") == "event.warning":
-                undo_log.warning("%s", event.get("message"), extra={"step_id": event.get("step_id")})
-
-        ws = _open(args, must_exist=False, on_event=on_event)
-        provider = Provider.intercepted(ws)
-        what = f"intercepted; undo store {_state_dir(args)}"
+    ws, provider, what = _served_folder(args)
     limits = ServerLimits()
     export = Export(provider, HoldBroker(), limits)
 
-    from . import confine  # before asyncio.run, while this is the only thread (as serve-9p)
-
-    try:
-        confine.confine(read_write=[] if args.read_only else [os.path.realpath(_state_dir(args)),
-                                                             os.path.realpath(args.root)],
-                        read_only=[os.path.realpath(args.root)] if args.read_only else [],
-                        socket_dirs=[os.path.dirname(os.path.abspath(args.socket))], tcp_bind_ports=[])
-    except (confine.ConfineError, OSError) as e:
-        provider.close()
-        if ws is not None:
-            ws.close()
-        raise CliError(f"cannot confine the server: {e}", EXIT_FAILED) from None
+    _confine_server(args, provider, ws, socket_dirs=[os.path.dirname(os.path.abspath(args.socket))], tcp_bind_ports=[])
 
     async def serve() -> None:
         server = VirtioFsServer(lambda: Dispatcher(export, limits), limits)
