@@ -134,20 +134,8 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
     cpu = float("nan")
     try:
         if side == "virtiofsd":
-            d = subprocess.Popen([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", "cache=none",
-                                  "-o", "sandbox=chroot", "-o", "log_level=err"], stdin=subprocess.DEVNULL)
-            try:
-                for _ in range(200):  # it creates its socket as it starts
-                    if os.path.exists(sock):
-                        break
-                    time.sleep(0.05)
-                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
-                cpu = _proc_cpu_s(d.pid)
-            finally:
-                d.terminate()
-                d.wait(10)
-                if os.path.exists(sock):
-                    os.unlink(sock)
+            p, cpu = _beside_daemon([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", "cache=none",
+                                     "-o", "sandbox=chroot", "-o", "log_level=err"], sock, cmd)
         elif side == "vfs":
             ws, _own = open_workspace(work, watched=False, state_dir=work + ".state")
             provider = Provider.intercepted(ws)
@@ -159,20 +147,8 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
             cpu = _self_cpu_s() - t0
             provider.close()
         elif side == "diod":
-            d = subprocess.Popen(["diod", "-f", "-n", "-N", "-u", str(os.getuid()), "-e", work, "-l", sock,
-                                  "-L", os.path.join(base, "diod.log")], stdin=subprocess.DEVNULL)
-            try:
-                for _ in range(200):  # diod creates its socket as it starts
-                    if os.path.exists(sock):
-                        break
-                    time.sleep(0.05)
-                p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
-                cpu = _proc_cpu_s(d.pid)
-            finally:
-                d.terminate()
-                d.wait(10)
-                if os.path.exists(sock):
-                    os.unlink(sock)
+            p, cpu = _beside_daemon(["diod", "-f", "-n", "-N", "-u", str(os.getuid()), "-e", work, "-l", sock,
+                                     "-L", os.path.join(base, "diod.log")], sock, cmd)
         elif side in ("ours", "plain", "watched"):
             detector = None
             if side in ("ours", "watched"):
@@ -217,6 +193,24 @@ def _self_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
+
+
+def _beside_daemon(argv: list[str], sock: str, cmd: list[str]):
+    """Run the reference server ``argv`` (it creates ``sock`` as it starts), then the guest
+    ``cmd`` against it: ``(completed process, the server's CPU seconds)``."""
+    d = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+    try:
+        for _ in range(200):  # wait for its socket
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+        return p, _proc_cpu_s(d.pid)
+    finally:
+        d.terminate()
+        d.wait(10)
+        if os.path.exists(sock):
+            os.unlink(sock)
 
 def _proc_cpu_s(pid: int) -> float:
     """utime + stime of a live process (all its threads), from /proc."""
