@@ -12,111 +12,13 @@ one at a time), prints the seed and the minimal trace as replayable tuples, and 
 from __future__ import annotations
 
 import argparse
-import errno
-import random
 import sys
 import time
 import traceback
 
-from sandbox.core.store import Limits
+from .campaign import FAULTS, execute, plan, shrink
 
-from .driver import Driver
-from .world import World
-
-FAULTS = ("crash", "enospc", "eio", "torn", "power")
-
-
-def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
-    """Everything a campaign does, drawn from the seed up front (so it can be replayed)."""
-    rng = random.Random(seed)
-    tight = rng.random() < 0.3
-    config = {"seed": rng.randrange(2**32), "max_step_count": rng.randint(2, 8), "tight": tight, "durable": "power" in faults}
-    actions: list[tuple] = []
-    for _ in range(steps):
-        r = rng.random()
-        s, c = rng.randrange(2**32), rng.randint(1, 6)
-        fault = rng.choice(sorted(faults)) if faults and rng.random() < 0.35 else None
-        if r < 0.45:
-            if fault == "crash":
-                actions.append(("crash_in_step", s, c, rng.randint(0, 400)))
-            elif fault == "power":
-                actions.append(("power_loss_in_step", s, c, rng.randint(0, 600), rng.random() < 0.5))
-            elif fault == "torn":
-                actions.append(("torn_write_in_step", s, c, rng.randint(0, 300)))
-            elif fault in ("enospc", "eio"):
-                actions.append(("store_error_in_step", s, c, rng.randint(0, 60), errno.ENOSPC if fault == "enospc" else errno.EIO))
-            else:
-                actions.append(("step", s, c))
-        elif r < 0.55:
-            actions.append(("ambient", s, c))
-        elif r < 0.8:
-            n = rng.randint(1, 3)
-            if fault == "crash":
-                actions.append(("crash_in_rollback", n, rng.randint(0, 200)))
-            elif fault == "power":
-                actions.append(("power_loss_in_rollback", n, rng.randint(0, 300)))
-            elif fault in ("enospc", "eio"):
-                actions.append(("store_error_in_rollback", n, rng.randint(0, 40), errno.ENOSPC if fault == "enospc" else errno.EIO))
-            else:
-                actions.append(("rollback", n))
-        elif r < 0.9:
-            actions.append(("guarded_rm_rf", rng.randint(2, 12), rng.randint(1, 8), rng.random() < 0.5))
-        else:
-            actions.append(("reopen",))
-    return config, actions
-
-
-def _limits(config: dict) -> Limits:
-    return Limits(max_step_count=config["max_step_count"],
-                  max_single_step_size_bytes=6000 if config["tight"] else 200 << 20,
-                  max_log_size_bytes=40_000 if config["tight"] else 1 << 30)
-
-
-def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver | None, int, BaseException | None]:
-    """Run actions; returns (driver, index of the failing action or -1, error)."""
-    world = World("sim")
-    try:
-        d = Driver(world, config["seed"], _limits(config), durable=config.get("durable", False))
-    except BaseException as e:  # noqa: BLE001 - a campaign reports every failure
-        return None, 0, e
-    for i, action in enumerate(actions):
-        if d.history_len() == 0 and action[0] in ("rollback", "crash_in_rollback", "store_error_in_rollback", "power_loss_in_rollback"):
-            action = ("rollback_too_far",)
-        try:
-            d.run(action)
-            d.check(f"after action {i} {action}")
-        except BaseException as e:  # noqa: BLE001
-            return d, i, e
-        if progress is not None:
-            progress(i, d)
-    d.close()
-    return d, -1, None
-
-
-def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = 300.0) -> list[tuple]:
-    """Delta debugging: from the failing prefix, drop chunks of actions (halves, quarters,
-    … single actions) while the trace still fails. Stops after ``budget_s`` seconds with
-    the smallest failing trace found so far."""
-    trace = actions[: fail_at + 1]
-    deadline = time.monotonic() + budget_s
-
-    def fails(t: list[tuple]) -> bool:
-        _, _, err = execute(config, t)
-        return err is not None and not isinstance(err, KeyboardInterrupt)
-
-    chunk = max(1, len(trace) // 2)
-    while chunk >= 1 and time.monotonic() < deadline:
-        i = 0
-        removed = False
-        while i < len(trace) - 1 and time.monotonic() < deadline:
-            candidate = trace[:i] + trace[i + chunk:]
-            if candidate and fails(candidate):
-                trace, removed = candidate, True
-            else:
-                i += chunk
-        if not removed:
-            chunk //= 2
-    return trace
+__all__ = ["FAULTS", "execute", "plan", "shrink", "main"]
 
 
 def cmd_run(args) -> int:

@@ -106,6 +106,16 @@ class StepInfo:
     def dirname(self) -> str:
         return f"steps/{self.seq:010d}"
 
+    def copy(self) -> "StepInfo":
+        """An equal StepInfo whose ``paths`` and ``fingerprints`` are its own (what the
+        Workspace hands out: changing it changes nothing in the store). Field by field, as
+        ``dataclasses.replace`` would, without re-running ``__init__``."""
+        c = object.__new__(StepInfo)
+        c.__dict__.update(self.__dict__)
+        c.paths = list(self.paths)
+        c.fingerprints = dict(self.fingerprints)
+        return c
+
 
 @dataclass
 class OpenStep:

@@ -64,6 +64,10 @@ _PATH_MAX = TREE_PATH_BYTES_MAX  # longest path resolved (RealHostFS resolves lo
 _NAME_MAX = 255
 _XATTR_NAME_MAX = 255
 _XATTR_PREFIXES = ("user.", "trusted.", "security.")
+# a str of at most this many characters cannot exceed the byte limit in UTF-8 (4 bytes a
+# character at most; a surrogate-escaped byte is 1): the encode is skipped for it
+_SHORT_NAME = _NAME_MAX // 4
+_SHORT_PATH = _PATH_MAX // 4
 
 
 class SimClock:
@@ -295,6 +299,21 @@ class MemoryHostFS(HostFS):
                                       gid=self.gid)
         self._touch_dir(parent, now)
 
+    def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
+        """Every entry at and under ``path`` with its inode, depth first in sorted name order
+        (simulation control, not part of HostFS: no fault hook, no host call counted). For
+        the simulation's oracle and client, which read the tree without being part of the
+        run under test; the inodes are the live ones and must only be read."""
+        out: list[tuple[str, _Inode]] = []
+        stack = [(path, self._entry(path) if path else self._root)]
+        while stack:
+            p, node = stack.pop()
+            out.append((p, node))
+            if node.kind == DIR and node.entries:
+                prefix = p + "/" if p else ""
+                stack.extend((prefix + name, node.entries[name]) for name in sorted(node.entries, reverse=True))
+        return out
+
     # -- internals --
 
     def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
@@ -305,7 +324,7 @@ class MemoryHostFS(HostFS):
     @staticmethod
     def _child(d: _Inode, name: str, path: str) -> Optional[_Inode]:
         """Look ``name`` up in directory ``d``; a name no directory can hold is ENAMETOOLONG."""
-        if len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+        if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
             raise _err(errno.ENAMETOOLONG, path)
         return d.entries.get(name)
 
@@ -314,14 +333,14 @@ class MemoryHostFS(HostFS):
         node = self._root
         if not path:
             return node
-        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
         for part in path.split("/"):
-            if node.kind == LNK:
-                raise _err(errno.ELOOP, path)
             if node.kind != DIR:
-                raise _err(errno.ENOTDIR, path)
-            child = self._child(node, part, path)
+                raise _err(errno.ELOOP if node.kind == LNK else errno.ENOTDIR, path)
+            if len(part) > _SHORT_NAME and len(part.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, path)
+            child = node.entries.get(part)
             if child is None:
                 raise _err(errno.ENOENT, path)
             node = child
@@ -340,14 +359,13 @@ class MemoryHostFS(HostFS):
     def _parent(self, path: str) -> tuple[_Inode, str]:
         if not path:
             raise _err(errno.EBUSY, path)
-        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
             raise _err(errno.ENAMETOOLONG, path)
-        parent = self._walk(parent_of(path))
-        if parent.kind == LNK:
-            raise _err(errno.ELOOP, path)
+        i = path.rfind("/")
+        parent = self._walk(path[:i]) if i >= 0 else self._root
         if parent.kind != DIR:
-            raise _err(errno.ENOTDIR, path)
-        return parent, path.rsplit("/", 1)[-1]
+            raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
+        return parent, path[i + 1:]
 
     def _file(self, path: str) -> _Inode:
         node = self._walk(path)

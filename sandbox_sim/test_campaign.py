@@ -1,0 +1,162 @@
+"""The campaign runner (``sandbox_sim/campaign.py``, ``python -m sandbox_sim run``) and its
+oracle (issue 19).
+
+* Campaigns with every fault mix run clean, deterministically for a seed.
+* The oracle's fast path (the simulated disk's inodes read directly) gives exactly the
+  snapshot the HostFS calls give, on the working folder and the store, after every action
+  of campaigns with all faults (power loss included) — so the faster check is the same check.
+* Planted defects — an undo that forgets one file's mode, its mtime, or its xattrs — are
+  caught by a campaign, and the shrunk trace still fails with that difference: the faster
+  campaign keeps its teeth.
+* The command line: exit 0 on a clean campaign; exit 1, the shrunk trace and a replay
+  command that reproduces the violation on a defect.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import re
+
+import pytest
+
+from sandbox.core import preimage
+from sandbox.hostfs import REG
+
+from . import oracle
+from .__main__ import main
+from .budget import scale
+from .campaign import FAULTS, execute, plan, shrink
+from .world import World
+
+MIXES = ["", *FAULTS, ",".join(FAULTS)]
+
+
+@pytest.mark.parametrize("faults", MIXES, ids=lambda f: f or "none")
+def test_campaigns_run_clean_and_replay_identically(faults):
+    wanted = {f for f in faults.split(",") if f}
+    config, actions = plan(3, scale(150, 1500), wanted)
+    assert plan(3, scale(150, 1500), wanted) == (config, actions)
+    d, fail_at, err = execute(config, actions)
+    assert err is None, f"action {fail_at}: {err!r}"
+    again, _, _ = execute(config, actions)
+    assert (again.ops_done, again.faults_injected, again.recoveries) == (d.ops_done, d.faults_injected, d.recoveries)
+    assert d.ops_done > 0
+    if wanted & {"crash", "power", "torn"}:
+        assert d.recoveries > 0, "a fault campaign that never recovered explores nothing"
+
+
+def test_the_inode_walk_and_the_hostfs_calls_give_the_same_snapshot_after_every_action():
+    """Both disks, every action of an all-faults campaign (power losses, recoveries, hard
+    links, special files, xattrs, symlinks): the fast oracle is the slow oracle."""
+    config, actions = plan(11, scale(200, 1500), set(FAULTS))
+    seen = {"entries": 0, "links": 0, "xattrs": 0, "other": 0}
+
+    def progress(i, d):
+        w = d.world
+        with w.paused():
+            for fs in (w.work, w.store):
+                slow, fast = oracle.snapshot_via_calls(fs), oracle.snapshot_nodes(fs)
+                assert slow == fast, oracle.diff(slow, fast)
+            tree = oracle.snapshot_nodes(w.work)
+        seen["entries"] += len(tree)
+        seen["links"] += sum(1 for e in tree.values() if e[8])
+        seen["xattrs"] += sum(1 for e in tree.values() if e[4])
+        seen["other"] += sum(1 for e in tree.values() if e[0] not in ("reg", "dir", "lnk"))
+
+    _, fail_at, err = execute(config, actions, progress)
+    assert err is None, f"action {fail_at}: {err!r}"
+    assert all(seen.values()), f"the campaign never made one of these: {seen}"
+
+
+def test_a_subtree_snapshot_with_skips_is_the_same_both_ways():
+    w = World("sim")
+    with w.paused():
+        for d in ("a", "a/b", "a/b/c", "a/skip", "a/skip/x"):
+            w.work.mkdir(d, 0o755)
+        w.work.create("a/b/c/f", 0o640)
+        w.work.write("a/b/c/f", 0, b"bytes")
+        w.work.symlink("../f", "a/b/l")
+        w.work.link("a/b/c/f", "a/g")
+        w.work.setxattr("a/b", "user.k", b"v")
+        w.work.make_special("a/skip/x/fifo")
+        for path, skip in [("", frozenset()), ("a", frozenset({"a/skip"})), ("a/b", frozenset({"a/b/c"})), ("a/b/c/f", frozenset())]:
+            assert oracle.snapshot_nodes(w.work, path, skip) == oracle.snapshot_via_calls(w.work, path, skip)
+        assert "a/skip" not in oracle.snapshot_nodes(w.work, "a", frozenset({"a/skip"}))
+        with pytest.raises(FileNotFoundError):
+            oracle.snapshot_nodes(w.work, "missing")
+
+
+# --------------------------------------------------------------------------- planted defects
+
+
+def _forgetful_apply_meta(field: str):
+    """``preimage._apply_meta`` with one planted defect: for the regular file named ``a`` (in
+    any directory), the undo leaves ``field`` as it finds it instead of restoring it."""
+    original = preimage._apply_meta
+
+    def planted(fs, path, rec, handle=None):
+        if rec["kind"] == REG and path.rsplit("/", 1)[-1] == "a":
+            st = handle.fstat() if handle is not None else fs.lstat(path)
+            if field == "mode":
+                rec = dict(rec, mode=st.mode)
+            elif field == "mtime_ns":
+                rec = dict(rec, mtime_ns=st.mtime_ns)
+            elif field == "xattrs":
+                now = handle.xattrs() if handle is not None else fs.xattrs(path)
+                rec = dict(rec, xattrs={k: preimage.b64(v) for k, v in now.items()})
+        return original(fs, path, rec, handle)
+
+    return planted
+
+
+@pytest.mark.parametrize("field", ["mode", "mtime_ns", "xattrs"])
+def test_a_campaign_catches_an_undo_that_forgets_one_files_metadata_and_shrinks_it(field, monkeypatch):
+    config, actions = plan(5, 400, set())
+    _, fail_at, err = execute(config, actions)
+    assert err is None, "the campaign must be clean before the defect is planted"
+    monkeypatch.setattr(preimage, "_apply_meta", _forgetful_apply_meta(field))
+    _, fail_at, err = execute(config, actions)
+    assert isinstance(err, AssertionError), f"the planted defect ({field}) went unnoticed: {err!r}"
+    assert re.search(rf"~ (\S+/)?a: .*{field} ", str(err)), str(err)
+    minimal = shrink(config, actions, fail_at, budget_s=120)
+    assert len(minimal) < fail_at + 1
+    _, _, err2 = execute(config, minimal)
+    assert isinstance(err2, AssertionError) and field in str(err2), err2
+
+
+def test_the_cross_check_catches_a_fast_oracle_that_drifts(monkeypatch):
+    """If the inode walk ever missed what the HostFS calls see, the periodic cross-check
+    would stop the campaign: here the walk is made to drop xattrs."""
+    real = oracle.snapshot_nodes
+
+    def drifting(fs, path="", skip=frozenset()):
+        return {p: e[:4] + ((),) + e[5:] for p, e in real(fs, path, skip).items()}
+
+    monkeypatch.setattr(oracle, "snapshot_nodes", drifting)
+    config, actions = plan(5, 400, set())
+    _, fail_at, err = execute(config, actions)
+    assert isinstance(err, AssertionError) and "inode walk vs the HostFS calls" in str(err), err
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def test_run_exits_0_on_a_clean_campaign(capsys):
+    assert main(["run", "--seed", "2", "--steps", "60", "--faults", "crash,torn", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"ok: 60 actions, \d+ ops executed", out), out
+
+
+def test_run_exits_1_with_a_replayable_minimal_trace_on_a_defect(capsys, monkeypatch):
+    monkeypatch.setattr(preimage, "_apply_meta", _forgetful_apply_meta("mode"))
+    assert main(["run", "--seed", "5", "--steps", "400", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    m = re.search(r"replay: python -m sandbox_sim replay --seed 5 --config '(.*?)' --trace \"(.*?)\"\):", err)
+    assert m, err
+    ast.literal_eval(m.group(1)), ast.literal_eval(m.group(2))
+    assert main(["replay", "--config", m.group(1), "--trace", m.group(2)]) == 1
+    assert "mode" in capsys.readouterr().err
+    monkeypatch.undo()
+    with contextlib.redirect_stderr(None):
+        assert main(["replay", "--config", m.group(1), "--trace", m.group(2)]) == 0
