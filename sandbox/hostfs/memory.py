@@ -388,6 +388,26 @@ class MemoryHostFS(HostFS):
         self._fault("lstat", path)
         return self._entry(path).stat()
 
+    def lstat_or_none(self, path: str) -> Stat | None:
+        """:meth:`lstat`, or None where nothing is (``ENOENT``, ``ENOTDIR``, ``ELOOP``: the
+        ``ABSENT_ERRNOS`` rule of every "is it there?"), found without raising and catching
+        an error: the same fault hook call, the same answers, the same errors otherwise."""
+        self._fault("lstat", path)
+        if not path:
+            return self._root.stat()
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        node = self._root
+        for part in path.split("/"):  # _entry's checks, in its order
+            if node.kind != DIR:
+                return None  # a symlink (ELOOP) or another non-directory (ENOTDIR) on the way
+            if len(part) > _SHORT_NAME and len(part.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, path)
+            node = node.entries.get(part)
+            if node is None:
+                return None
+        return node.stat()
+
     def getattr(self, path: str) -> Attr:
         self._fault("getattr", path)
         return self._entry(path).attr()
