@@ -160,3 +160,29 @@ def test_run_exits_1_with_a_replayable_minimal_trace_on_a_defect(capsys, monkeyp
     monkeypatch.undo()
     with contextlib.redirect_stderr(None):
         assert main(["replay", "--config", m.group(1), "--trace", m.group(2)]) == 0
+
+
+def test_the_simulated_disks_lstat_or_none_answers_as_lstat_does():
+    """MemoryHostFS.lstat_or_none finds "absent" without raising; it must agree with
+    ``absent_as_none(lstat)`` everywhere: through files, symlinks, too-long names."""
+    from sandbox.hostfs import absent_as_none
+    from sandbox.hostfs.memory import MemoryHostFS
+
+    fs = MemoryHostFS()
+    fs.mkdir("d", 0o755)
+    fs.create("d/f", 0o644)
+    fs.symlink("d", "l")
+    fs.make_special("d/p")
+    long = "n" * 256
+    paths = ["", "d", "d/f", "d/f/x", "l", "l/f", "d/p", "d/p/x", "nope", "nope/x", "d/nope", long, f"d/{long}",
+             f"{long}/x", f"l/{long}", "é" * 64, "d/" + "é" * 200, "/".join(["d"] * 1100)]
+    for p in paths:
+        try:
+            want = ("ok", absent_as_none(fs.lstat, p))
+        except OSError as e:
+            want = ("err", e.errno)
+        try:
+            got = ("ok", fs.lstat_or_none(p))
+        except OSError as e:
+            got = ("err", e.errno)
+        assert got == want, p[:40]
