@@ -16,20 +16,30 @@ import sys
 import time
 import traceback
 
-from .campaign import FAULTS, execute, plan, shrink
+from .campaign import FAULTS, execute, parse_faults, plan, replay_command, shrink
 
 __all__ = ["FAULTS", "execute", "plan", "shrink", "main"]
 
 
+def _planted(args):
+    """Install ``--plant``'s defect for this command (a no-op without it); returns its removal."""
+    if not getattr(args, "plant", None):
+        return lambda: None
+    from . import defects
+
+    return defects.plant(args.plant)
+
+
 def cmd_run(args) -> int:
-    faults = {f.strip() for f in args.faults.split(",") if f.strip()} if args.faults else set()
-    unknown = faults - set(FAULTS)
-    if unknown:
-        print(f"unknown fault kind(s): {', '.join(sorted(unknown))} (choose from {', '.join(FAULTS)})", file=sys.stderr)
+    try:
+        faults = parse_faults(args.faults)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     config, actions = plan(args.seed, args.steps, faults)
     print(f"campaign seed={args.seed} steps={args.steps} faults={','.join(sorted(faults)) or 'none'} "
-          f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}", flush=True)
+          f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}"
+          + (f" PLANTED DEFECT: {args.plant}" if args.plant else ""), flush=True)
     t0 = time.perf_counter()
     every = max(1, args.steps // 10)
 
@@ -49,12 +59,12 @@ def cmd_run(args) -> int:
         traceback.print_exception(err)
     print("shrinking the trace…", file=sys.stderr, flush=True)
     minimal = shrink(config, actions, fail_at)
-    print(f"minimal trace ({len(minimal)} actions; replay: python -m sandbox_sim replay --seed {args.seed} "
-          f"--config '{config}' --trace \"{minimal}\"):", file=sys.stderr)
+    print(f"minimal trace ({len(minimal)} actions):", file=sys.stderr)
     for a in minimal:
         print(f"  {a}", file=sys.stderr)
     _, i, err2 = execute(config, minimal)
     print(f"it fails with: {type(err2).__name__}: {err2}", file=sys.stderr)
+    print(f"replay: {replay_command(args.seed, config, minimal, args.plant)}", file=sys.stderr)
     return 1
 
 
@@ -72,27 +82,59 @@ def cmd_replay(args) -> int:
     return 1
 
 
+def cmd_fanout(args) -> int:
+    from . import fanout
+
+    return fanout.cmd_fanout(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .defects import DEFECTS
+
     p = argparse.ArgumentParser(prog="python -m sandbox_sim", description="Simulation campaigns against the undo core: random "
                                 "guest programs, rollbacks and injected faults on a simulated disk, with the undo "
                                 "invariant checked after every action.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    plant_help = f"plant a defect first, to check the campaign catches it: {', '.join(DEFECTS)} (sandbox_sim/defects.py)"
     r = sub.add_parser("run", help="run a campaign (deterministic for a seed)")
     r.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
     r.add_argument("--steps", type=int, default=500, help="number of actions (default 500)")
     r.add_argument("--faults", default="", help=f"comma-separated fault kinds to inject: {','.join(FAULTS)}")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.add_argument("-v", "--verbose", action="store_true", help="print the violation's traceback")
+    r.add_argument("--plant", metavar="DEFECT", help=plant_help)
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="replay a trace printed by a failing run")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--config", required=True)
     rp.add_argument("--trace", required=True)
+    rp.add_argument("--plant", metavar="DEFECT", help=plant_help)
     rp.set_defaults(fn=cmd_replay)
+    f = sub.add_parser("fanout", help="run many seeds as Ray tasks (the sandbox[cluster] extra); shrink failures where they happen")
+    f.add_argument("--seeds", required=True, metavar="A:B", help="seeds A to B-1 (Python range)")
+    f.add_argument("--steps", type=int, default=500, help="actions per campaign (default 500)")
+    f.add_argument("--faults", default="", help=f"comma-separated fault kinds to inject: {','.join(FAULTS)}")
+    f.add_argument("--address", help="a running Ray cluster (e.g. ray://head:10001 or auto); default: start a local one")
+    f.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: this machine's, at most FANOUT_LOCAL_CPUS_MAX)")
+    f.add_argument("--chunk", type=int, help="seeds per task (default: about 4 tasks per CPU, at most FANOUT_CHUNK_SEEDS_MAX)")
+    f.add_argument("--shrink-budget", type=float, default=120.0, help="seconds a task may spend shrinking one failure (default 120)")
+    f.add_argument("--json", metavar="PATH", help="also write every seed's result as JSON lines here")
+    f.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job (a cluster whose nodes lack them)")
+    f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
+    f.set_defaults(fn=cmd_fanout)
     args = p.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         p.error("--steps must be at least 1")
-    return args.fn(args)
+    if getattr(args, "plant", None) and args.plant not in DEFECTS:
+        print(f"unknown defect {args.plant!r}; choose from {', '.join(DEFECTS)}", file=sys.stderr)
+        return 2
+    if args.cmd == "fanout":
+        return args.fn(args)  # the workers plant it themselves
+    remove = _planted(args)
+    try:
+        return args.fn(args)
+    finally:
+        remove()
 
 
 if __name__ == "__main__":

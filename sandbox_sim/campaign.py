@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import random
+import shlex
 import time
 
 from sandbox.core.store import Limits
@@ -130,3 +131,40 @@ def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = S
     return trace
 
 
+
+
+def replay_command(seed: int, config: dict, trace: list[tuple], plant: str | None = None) -> str:
+    """The shell command that replays ``trace`` (what a failing run prints)."""
+    planted = f"--plant {plant} " if plant else ""
+    return (f"python -m sandbox_sim replay {planted}--seed {seed} --config {shlex.quote(repr(config))} "
+            f"--trace {shlex.quote(repr([tuple(a) for a in trace]))}")
+
+
+def parse_faults(text: str) -> set[str]:
+    """``"crash,torn"`` -> ``{"crash", "torn"}``; ``ValueError`` naming an unknown kind."""
+    faults = {f.strip() for f in text.split(",") if f.strip()} if text else set()
+    unknown = faults - set(FAULTS)
+    if unknown:
+        raise ValueError(f"unknown fault kind(s): {', '.join(sorted(unknown))} (choose from {', '.join(FAULTS)})")
+    return faults
+
+
+def run_seed(seed: int, steps: int, faults: set[str], shrink_budget_s: float = SHRINK_BUDGET_S,
+             plant: str | None = None) -> dict:
+    """One campaign, shrunk where it fails: ``{"seed", "ops", "faults", "recoveries",
+    "cpu_s"}`` plus, on a violation, ``"violation"`` (the error), ``"config"``, ``"trace"``
+    (the minimal failing trace), ``"minimal_error"`` (what the minimal trace fails with) and
+    ``"replay"`` (the command). Plain data: what a fan-out task returns."""
+    config, actions = plan(seed, steps, faults)
+    c0 = time.process_time()
+    d, fail_at, err = execute(config, actions)
+    out = {"seed": seed, "steps": steps, "faults_kinds": sorted(faults), "ops": d.ops_done if d else 0,
+           "faults": d.faults_injected if d else 0, "recoveries": d.recoveries if d else 0}
+    if err is not None:
+        minimal = shrink(config, actions, fail_at, shrink_budget_s)
+        _, _, err2 = execute(config, minimal)
+        out.update(violation=f"action {fail_at}: {type(err).__name__}: {err}", config=config, trace=minimal,
+                   minimal_error=f"{type(err2).__name__}: {err2}" if err2 is not None else "no violation (flaky?)",
+                   replay=replay_command(seed, config, minimal, plant))
+    out["cpu_s"] = time.process_time() - c0
+    return out

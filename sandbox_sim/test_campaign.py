@@ -15,21 +15,21 @@ oracle (issue 19).
 from __future__ import annotations
 
 import ast
-import contextlib
 import re
+import shlex
 
 import pytest
 
 from sandbox.core import preimage
-from sandbox.hostfs import REG
 
-from . import oracle
+from . import defects, oracle
 from .__main__ import main
 from .budget import scale
 from .campaign import FAULTS, execute, plan, shrink
 from .world import World
 
 MIXES = ["", *FAULTS, ",".join(FAULTS)]
+ORIGINAL_APPLY_META = preimage._apply_meta
 
 
 @pytest.mark.parametrize("faults", MIXES, ids=lambda f: f or "none")
@@ -90,32 +90,21 @@ def test_a_subtree_snapshot_with_skips_is_the_same_both_ways():
 # --------------------------------------------------------------------------- planted defects
 
 
-def _forgetful_apply_meta(field: str):
-    """``preimage._apply_meta`` with one planted defect: for the regular file named ``a`` (in
-    any directory), the undo leaves ``field`` as it finds it instead of restoring it."""
-    original = preimage._apply_meta
-
-    def planted(fs, path, rec, handle=None):
-        if rec["kind"] == REG and path.rsplit("/", 1)[-1] == "a":
-            st = handle.fstat() if handle is not None else fs.lstat(path)
-            if field == "mode":
-                rec = dict(rec, mode=st.mode)
-            elif field == "mtime_ns":
-                rec = dict(rec, mtime_ns=st.mtime_ns)
-            elif field == "xattrs":
-                now = handle.xattrs() if handle is not None else fs.xattrs(path)
-                rec = dict(rec, xattrs={k: preimage.b64(v) for k, v in now.items()})
-        return original(fs, path, rec, handle)
-
-    return planted
+@pytest.fixture
+def planted():
+    removals = []
+    yield lambda name: removals.append(defects.plant(name))
+    for remove in removals:
+        remove()
 
 
-@pytest.mark.parametrize("field", ["mode", "mtime_ns", "xattrs"])
-def test_a_campaign_catches_an_undo_that_forgets_one_files_metadata_and_shrinks_it(field, monkeypatch):
+@pytest.mark.parametrize("defect", list(defects.DEFECTS))
+def test_a_campaign_catches_an_undo_that_forgets_one_files_metadata_and_shrinks_it(defect, planted):
+    field = defects.DEFECTS[defect][0]
     config, actions = plan(5, 400, set())
     _, fail_at, err = execute(config, actions)
     assert err is None, "the campaign must be clean before the defect is planted"
-    monkeypatch.setattr(preimage, "_apply_meta", _forgetful_apply_meta(field))
+    planted(defect)
     _, fail_at, err = execute(config, actions)
     assert isinstance(err, AssertionError), f"the planted defect ({field}) went unnoticed: {err!r}"
     assert re.search(rf"~ (\S+/)?a: .*{field} ", str(err)), str(err)
@@ -148,18 +137,24 @@ def test_run_exits_0_on_a_clean_campaign(capsys):
     assert re.search(r"ok: 60 actions, \d+ ops executed", out), out
 
 
-def test_run_exits_1_with_a_replayable_minimal_trace_on_a_defect(capsys, monkeypatch):
-    monkeypatch.setattr(preimage, "_apply_meta", _forgetful_apply_meta("mode"))
-    assert main(["run", "--seed", "5", "--steps", "400", "--quiet"]) == 1
+def test_run_exits_1_with_a_replayable_minimal_trace_on_a_planted_defect(capsys):
+    """``--plant`` installs the defect for the run; the printed replay command carries it,
+    and the same trace without the defect replays clean."""
+    try:
+        assert main(["run", "--seed", "5", "--steps", "400", "--quiet", "--plant", "forget_mode"]) == 1
+    finally:
+        assert preimage._apply_meta is ORIGINAL_APPLY_META, "--plant left its defect installed"
     err = capsys.readouterr().err
-    m = re.search(r"replay: python -m sandbox_sim replay --seed 5 --config '(.*?)' --trace \"(.*?)\"\):", err)
+    m = re.search(r"^replay: (python -m sandbox_sim replay .*)$", err, re.M)
     assert m, err
-    ast.literal_eval(m.group(1)), ast.literal_eval(m.group(2))
-    assert main(["replay", "--config", m.group(1), "--trace", m.group(2)]) == 1
+    argv = shlex.split(m.group(1))[3:]  # as a shell would split it
+    assert argv[:3] == ["replay", "--plant", "forget_mode"], argv
+    config, trace = ast.literal_eval(argv[argv.index("--config") + 1]), ast.literal_eval(argv[argv.index("--trace") + 1])
+    assert isinstance(config, dict) and len(trace) < 400
+    assert main(argv) == 1
     assert "mode" in capsys.readouterr().err
-    monkeypatch.undo()
-    with contextlib.redirect_stderr(None):
-        assert main(["replay", "--config", m.group(1), "--trace", m.group(2)]) == 0
+    assert main([a for a in argv if a not in ("--plant", "forget_mode")]) == 0
+    assert main(["run", "--plant", "no_such_defect"]) == 2
 
 
 def test_the_simulated_disks_lstat_or_none_answers_as_lstat_does():
