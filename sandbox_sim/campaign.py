@@ -136,8 +136,14 @@ def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = S
 def replay_command(seed: int, config: dict, trace: list[tuple], plant: str | None = None) -> str:
     """The shell command that replays ``trace`` (what a failing run prints)."""
     planted = f"--plant {plant} " if plant else ""
-    return (f"python -m sandbox_sim replay {planted}--seed {seed} --config {shlex.quote(repr(config))} "
-            f"--trace {shlex.quote(repr([tuple(a) for a in trace]))}")
+    return (f"python -m sandbox_sim replay {planted}--seed {seed} --config {_quote(repr(config))} "
+            f"--trace {_quote(repr([tuple(a) for a in trace]))}")
+
+
+def _quote(text: str) -> str:
+    """One shell word: in double quotes when nothing in it is special there (a Python
+    literal of numbers and quoted names usually), else ``shlex.quote``."""
+    return f'"{text}"' if not set(text) & set('"$`\\!') else shlex.quote(text)
 
 
 def parse_faults(text: str) -> set[str]:

@@ -38,6 +38,7 @@ import errno
 import hashlib
 import io
 import json
+import marshal
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -59,6 +60,13 @@ REFLINK_MIN_BYTES = 64 * 1024
 # larger one is checked by a first full pass, then decoded again (and re-checked) as written
 VERIFY_IN_MEMORY_BYTES_MAX = 8 << 20
 HEADER_READ_BYTES_MAX = 64 << 10
+#: parsed journals of finished steps remembered by their exact bytes (:meth:`UndoLog.records_of`):
+#: a rollback reads each journal twice (checked before anything is touched, then undone) and
+#: parsing — seals, JSON, schema — is a pure function of the bytes, so the second read of
+#: unchanged bytes reuses the first parse (a copy of it). Oldest forgotten past the count;
+#: a journal over the byte bound is parsed every time.
+PARSED_JOURNALS_KEPT_MAX = 16
+PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
@@ -451,6 +459,7 @@ class UndoLog:
         self.version_problem: str | None = None
         self.open_step: OpenStep | None = None
         self._steps: list[StepInfo] = []  # oldest first
+        self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
@@ -952,16 +961,30 @@ class UndoLog:
             else:
                 what = "journal.jsonl does not match the checksum in its manifest"
             raise self.corrupt(info, what)
-        try:
-            header, records = parse_journal(data, where)
-        except CorruptStep as e:
-            raise self.corrupt(info, e.data.get("reason", e.message)) from None
+        header, records = self._parse_checked(info, data, where)
         if header is None or header["seq"] != info.seq or header["id"] != info.id:
             raise self.corrupt(info, "journal.jsonl belongs to another step")
         live = [r for r in records if r["op"] != "unprotected"]
         if len(live) != info.records:
             raise self.corrupt(info, f"journal.jsonl has {len(live)} records, its manifest says {info.records}")
         return live
+
+    def _parse_checked(self, info: StepInfo, data: bytes, where: str) -> tuple[dict | None, list[dict]]:
+        """``parse_journal(data, where)`` (strict), or a fresh copy of the parse of the same
+        bytes done before: the same result, every record its own object."""
+        kept = self._parsed.get(data)
+        if kept is not None:
+            return marshal.loads(kept)
+        try:
+            parsed = parse_journal(data, where)
+        except CorruptStep as e:
+            raise self.corrupt(info, e.data.get("reason", e.message)) from None
+        if len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
+            if len(self._parsed) >= PARSED_JOURNALS_KEPT_MAX:
+                del self._parsed[next(iter(self._parsed))]
+            self._parsed[data] = marshal.dumps(parsed)
+            return marshal.loads(self._parsed[data])
+        return parsed
 
     # ------------------------------------------------------------------ rollback
 
