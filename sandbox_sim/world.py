@@ -146,18 +146,17 @@ class World:
         return self.injector(fs, op, path, nbytes)
 
     def _hook_obj(self):
+        """The disks' fault hook: :meth:`_hook` as a plain function (called before every
+        host call, so no bound-method hop), with the injector's ``after_torn_write``."""
         world = self
 
-        class _H:
-            def __call__(self, fs, op, path, nbytes):  # World._hook, inlined: called before every host call
-                if world.injector_paused:
-                    return None
-                return world.injector(fs, op, path, nbytes)
+        def hook(fs, op, path, nbytes):
+            if world.injector_paused:
+                return None
+            return world.injector(fs, op, path, nbytes)
 
-            def after_torn_write(self, fs, path, n):
-                return world.injector.after_torn_write(fs, path, n)
-
-        return _H()
+        hook.after_torn_write = lambda fs, path, n: world.injector.after_torn_write(fs, path, n)
+        return hook
 
     def clock_s(self) -> float:
         return self.now_s
