@@ -66,6 +66,9 @@ _XATTR_NAME_MAX = 255
 _XATTR_PREFIXES = ("user.", "trusted.", "security.")
 # a str of at most this many characters cannot exceed the byte limit in UTF-8 (4 bytes a
 # character at most; a surrogate-escaped byte is 1): the encode is skipped for it
+# the calls that change nothing: an fsync's deferred metadata commit may wait past them
+_READ_ONLY_OPS = frozenset({"lstat", "getattr", "statfs", "listdir", "read", "open", "readlink", "listxattr", "getxattr",
+                            "fstat", "lseek", "fsync"})
 _SHORT_NAME = _NAME_MAX // 4
 _SHORT_PATH = _PATH_MAX // 4
 
@@ -274,6 +277,7 @@ class MemoryHostFS(HostFS):
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         self._locks: dict[str, tuple[int, object]] = {}
         self._epoch = 0  # bumped by a process death: handles opened before it are closed
+        self._commit_pending = False  # an fsync's metadata commit not taken yet (see _fsync_node)
         self.uid = 0  # who uses this filesystem: the owner of what it creates; only 0 may give files away
         self.gid = 0
 
@@ -288,6 +292,8 @@ class MemoryHostFS(HostFS):
         """Place a special file (a fifo unless ``fmt`` says otherwise) for tests of 'never opened'."""
         if fmt in (0, _stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK) or fmt & ~0o170000:
             raise ValueError(f"not a special file type: {fmt:#o}")
+        if self._commit_pending:
+            self._commit_metadata()
         self._mknod_node(path, mode, fmt)
 
     def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
@@ -317,6 +323,8 @@ class MemoryHostFS(HostFS):
     # -- internals --
 
     def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
+        if self._commit_pending and op not in _READ_ONLY_OPS:
+            self._commit_metadata()  # an fsync's journal commit, taken before anything changes
         if self.fault_hook is not None:
             return self.fault_hook(self, op, path, nbytes)
         return None
@@ -800,7 +808,11 @@ class MemoryHostFS(HostFS):
         self._fsync_node(self._walk(path))
 
     def _fsync_node(self, node: _Inode) -> None:
-        self._commit_metadata()
+        # the journal commit of all metadata so far is *deferred* to the next call that may
+        # change something (``_fault`` of an op not in _READ_ONLY_OPS, ``make_special``,
+        # ``power_loss``): nothing changes in between, so the committed state is the same,
+        # and fsyncs in a row (a file then its directory) commit once
+        self._commit_pending = True
         node.durable_data = bytes(node.data)
 
     # -- power loss (simulation control, not part of HostFS) --
@@ -822,17 +834,21 @@ class MemoryHostFS(HostFS):
         return list(seen.values())
 
     def _commit_metadata(self) -> None:
+        self._commit_pending = False
         for node in self._reachable():
             node.durable_meta = node.meta()
 
     def sync_all(self) -> None:
         """Everything now on the disk is durable (a tree that has been there for a while)."""
+        self._commit_pending = False
         for node in self._reachable():
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
 
     def power_loss(self) -> None:
         """The machine lost power: back to the last committed metadata and fsynced data."""
+        if self._commit_pending:
+            self._commit_metadata()
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
