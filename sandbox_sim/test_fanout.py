@@ -99,3 +99,37 @@ def test_bad_arguments_and_the_bounds_need_no_ray(capsys):
     assert max(map(len, chunks(range(0, 10_000), cpus=1))) == FANOUT_CHUNK_SEEDS_MAX
     assert chunks(range(5, 8), cpus=64) == [[5], [6], [7]]
     assert chunks(range(0, 5), cpus=1, chunk=2) == [[0, 1], [2, 3], [4]]
+
+
+def test_docs_quote_the_fan_out_limits():
+    """docs/simulation.md's limits table names every FANOUT_* constant with its real value."""
+    import re
+
+    from . import fanout
+
+    text = open(os.path.join(ROOT, "docs", "simulation.md"), encoding="utf-8").read()
+    rows = dict(re.findall(r"^\| `(FANOUT_[A-Z_]+)` \| ([^|]+) \|", text, re.M))
+    names = {n for n in dir(fanout) if n.startswith("FANOUT_")}
+    assert set(rows) == names, (set(rows) ^ names)
+    for name, cell in rows.items():
+        value = getattr(fanout, name)
+        number = re.match(r"[\d,]+", cell.strip()).group(0).replace(",", "")
+        unit = 1 << 20 if "MiB" in cell else 1
+        assert int(number) * unit == value, (name, cell, value)
+
+
+def test_docs_quote_the_other_research_limits():
+    import re
+
+    from sandbox.core import store
+    from sandbox import hostfs
+
+    from . import campaign, explore
+
+    text = open(os.path.join(ROOT, "docs", "simulation.md"), encoding="utf-8").read()
+    where = {"CROSS_CHECK_EVERY": campaign, "EXPLORE_STATES_MAX": explore, "NORMALIZED_KEPT_MAX": hostfs,
+             "PARSED_JOURNALS_KEPT_MAX": store, "PARSED_JOURNAL_KEPT_BYTES_MAX": store}
+    for name, module in where.items():
+        m = re.search(rf"`{name}`\s*=\s*([\d,]+)( MiB)?", text)
+        assert m, f"docs/simulation.md does not quote {name}"
+        assert int(m.group(1).replace(",", "")) * ((1 << 20) if m.group(2) else 1) == getattr(module, name), name
