@@ -187,10 +187,14 @@ def _seal_hash(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=_SEAL_HEX // 2).hexdigest().encode("ascii")
 
 
+# what json.dumps(obj, separators=(",", ":"), ensure_ascii=True) builds on every call, built once
+_LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
+
+
 def seal(obj: dict) -> bytes:
     """``obj`` as one JSON line whose last member, ``"h"``, is a checksum of the bytes
     before it: any change to the line (a bit, a byte, a cut) fails :func:`unseal`."""
-    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    body = _LINE_ENCODER.encode(obj).encode("ascii")
     assert body[:1] == b"{" and len(body) > 2 and SEAL_KEY not in obj, obj
     return body[:-1] + _SEAL_PREFIX + _seal_hash(body) + b'"}\n'
 
