@@ -4,6 +4,7 @@ On a small local Ray cluster (2 CPUs) when the ``sandbox[cluster]`` extra is ins
 (``./dev setup`` installs it); skipped with the reason otherwise:
 
 * the command without ``--address`` starts its own local Ray, runs every seed, stops it;
+  with ``--address`` it sends the tasks to that cluster and leaves it running;
 * a seed's result from a worker is the result of the same campaign run here (the fan-out
   runs the same campaign, not a look-alike);
 * a planted defect is found by the fan-out and shrunk in the worker; the reported
@@ -133,3 +134,12 @@ def test_docs_quote_the_other_research_limits():
         m = re.search(rf"`{name}`\s*=\s*([\d,]+)( MiB)?", text)
         assert m, f"docs/simulation.md does not quote {name}"
         assert int(m.group(1).replace(",", "")) * ((1 << 20) if m.group(2) else 1) == getattr(module, name), name
+
+
+def test_address_sends_the_tasks_to_a_running_cluster_and_leaves_it_running(cluster):
+    address = cluster.get_runtime_context().gcs_address
+    proc = subprocess.run([sys.executable, "-m", "sandbox_sim", "fanout", "--seeds", "0:3", "--steps", "30",
+                           "--address", address], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"on {address}" in proc.stdout and "fanout done: 3 seed(s)" in proc.stdout, proc.stdout
+    assert cluster.is_initialized() and cluster.cluster_resources().get("CPU") == 2
