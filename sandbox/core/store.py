@@ -56,6 +56,10 @@ FORMAT_VERSION = 2
 ZSTD_LEVEL = 3
 INLINE_MAX_BYTES = 4096  # compressed preimages up to this size live in the journal line
 REFLINK_MIN_BYTES = 64 * 1024
+#: beside ``progress`` in a journal directory being undone: the inode numbers at an
+#: ``exchanged`` record's names just before its undo moved them (preimage.ExchangeNote)
+EXCHANGE_NOTE = "progress.exchange"
+EXCHANGE_NOTE_MAX_BYTES = 256
 # a preimage up to this size is decoded and checked in memory, then written in one go; a
 # larger one is checked by a first full pass, then decoded again (and re-checked) as written
 VERIFY_IN_MEMORY_BYTES_MAX = 8 << 20
@@ -911,7 +915,7 @@ class UndoLog:
         header = seal({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
         self._write_file(join(WAL, "journal.jsonl"), header)
         for name in self.fs.listdir(WAL):
-            if name.startswith("b") or name == "progress":
+            if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
                 self.fs.unlink(join(WAL, name))
         step.records, step.journal_offset, step.size_bytes, step.outcome = [], len(header), 0, "denied"
         step.record_lines, step.journal_lines, step.journal_hash = [], 1, _new_journal_hash()
@@ -1080,7 +1084,7 @@ class UndoLog:
         return content
 
     def _undo_resumable(self, work: HostFS, where: str, records: list[dict], user_forced: bool = False,
-                        not_restored: list[tuple[str, str]] | None = None) -> int:
+                        not_restored: list[tuple[str, str]] | None = None, last_may_be_stale: bool = False) -> int:
         """Undo a journal directory's records, resuming after the ones already undone.
 
         ``<where>/progress`` grows by one byte per record undone, after the undo; so a crash,
@@ -1088,6 +1092,13 @@ class UndoLog:
         one record's undo is harmless (every undo is idempotent on its own). Undoing from
         the newest again would not be: a ``renamed`` record's inverse must never run twice.
         Used by rollback, recovery and deny alike. ``not_restored``: see :meth:`_undo_records`.
+
+        ``last_may_be_stale``: the journal of a step whose process died (recovery), whose
+        newest record alone may be an intent whose host call never ran — every host call
+        runs under the interceptor's lock right after its intent, so nothing follows a stale
+        one. Every other intent ran: a finished step's, a denied step's (a failed call voids
+        its intent), and so their undo never guesses from inode numbers, which a real disk
+        reuses (see :func:`preimage.restore`, ``trust_intent``).
         """
         try:
             done = self.fs.lstat(join(where, "progress")).size
@@ -1097,11 +1108,12 @@ class UndoLog:
             done = 0
         done = min(done, len(records))
         return self._undo_records(work, where, records, start=done, progress=done, user_forced=user_forced,
-                                  not_restored=not_restored)
+                                  not_restored=not_restored, last_may_be_stale=last_may_be_stale)
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
                       user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None,
-                      open_content: Callable[[dict], Iterable[bytes]] | None = None, trust_intents: bool = False) -> int:
+                      open_content: Callable[[dict], Iterable[bytes]] | None = None, trust_intents: bool = False,
+                      last_may_be_stale: bool = False) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
         Pass 2: directory metadata, deepest first (idempotent, so always redone whole).
 
@@ -1117,6 +1129,7 @@ class UndoLog:
         open_content = open_content or self._open_content(where)
         links = preimage.LinkGroups(records)
         links.replay(work, list(reversed(records[len(records) - start:])))  # what an interrupted run undid
+        noted = self._exchange_noted(where) if progress is not None else None
         done = start
         stop = 0
         for i in range(len(records) - start - 1, -1, -1):
@@ -1131,8 +1144,13 @@ class UndoLog:
             try:
                 # a rollback that began always completes (force); only the user's force overrides
                 # the evidence that a rename never ran (see preimage.restore)
+                note = None
+                if rec["op"] == "exchanged" and progress is not None:
+                    note = preimage.ExchangeNote(before=noted[1] if noted is not None and noted[0] == i else None,
+                                                 keep=lambda now, i=i: self._keep_exchange_note(where, i, now))
+                trust = trust_intents or not (last_may_be_stale and i == len(records) - 1)
                 preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced,
-                                 trust_intent=trust_intents, links=links)
+                                 trust_intent=trust, links=links, exchange_note=note)
             except CorruptStep as e:
                 if not_restored is None:
                     raise
@@ -1151,6 +1169,29 @@ class UndoLog:
             preimage.apply_dir_meta(work, rec)
         self.sync_work(work, *(rec["path"] for rec in plan))
         return done - start
+
+    def _keep_exchange_note(self, where: str, index: int, now: tuple[int | None, int | None]) -> None:
+        """Durably note the inode numbers at an ``exchanged`` record's two names just before
+        its undo moves them (:class:`preimage.ExchangeNote`); ``index``: the record's."""
+        self._write_file(join(where, EXCHANGE_NOTE), json.dumps({"record": index, "before": list(now)}).encode())
+
+    def _exchange_noted(self, where: str) -> tuple[int, tuple[int | None, int | None]] | None:
+        """``(record index, inode numbers)`` of the last exchange note in ``where``, or None
+        (none, or unreadable: then the inode numbers the record carries decide alone)."""
+        try:
+            if self.fs.lstat(join(where, EXCHANGE_NOTE)).size > EXCHANGE_NOTE_MAX_BYTES:
+                return None
+            raw = self.fs.read_all(join(where, EXCHANGE_NOTE))
+        except FileNotFoundError:
+            return None
+        try:
+            note = json.loads(raw)
+            index, (a, b) = note["record"], note["before"]
+            if isinstance(index, int) and all(x is None or isinstance(x, int) for x in (a, b)):
+                return index, (a, b)
+        except (ValueError, KeyError, TypeError):
+            pass
+        return None
 
     # ------------------------------------------------------------------ inspection (read-only)
 
@@ -1286,7 +1327,7 @@ class UndoLog:
                     raise
                 return {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
             not_restored: list[tuple[str, str]] = []
-            self._undo_resumable(work, WAL, records, not_restored=not_restored)
+            self._undo_resumable(work, WAL, records, not_restored=not_restored, last_may_be_stale=True)
             self._to_trash(WAL, f"wal-{header['seq'] if header else 'corrupt'}")
         except (OSError, CorruptStep, KeyError, TypeError) as e:
             raise self._incomplete("recovery of an interrupted step", header, e) from e
