@@ -145,6 +145,9 @@ class OpenStep:
     outcome: str = "completed"
     journal_lines: int = 0  # lines written, the header included
     record_lines: list[int] = field(default_factory=list)  # the journal line of each of ``records``
+    #: intents whose host call failed but whose void line could not be written yet (the
+    #: store failed too): written before any other line and before the step finishes
+    pending_void: list[int] = field(default_factory=list)
     journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
 
     # set when the step has ended (its command finished) but its promotion failed: the
@@ -717,7 +720,10 @@ class UndoLog:
         """Append one sealed journal line. Once the write has succeeded the line exists, so
         memory is updated (``written``) *before* the fsync: if the fsync fails the caller's
         operation fails, but memory and file still agree (record indices, line numbers,
-        offsets and the running journal hash never drift)."""
+        offsets and the running journal hash never drift). A void still owed
+        (``pending_void``) is written first: no line may follow an intent that never ran."""
+        if step.pending_void and obj.get("op") != "void":
+            self.void([])
         line = seal(obj)
         self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
         step.journal_offset += len(line)
@@ -742,12 +748,19 @@ class UndoLog:
         return len(step.records) - 1
 
     def void(self, indices: list[int]) -> None:
-        """Cancel records whose host call failed (rule 2)."""
+        """Cancel records whose host call failed (rule 2). If the void line cannot be
+        written (the store fails too), it is owed (``OpenStep.pending_void``): written
+        before the next line, before the step finishes, and left out of a denied step's
+        undo; ``void([])`` pays what is owed."""
         step = self.open_step
         assert step is not None
+        indices = step.pending_void + [i for i in indices if i not in step.pending_void]
+        step.pending_void = indices
+
         def written() -> None:
             for i in indices:
                 step.records[i] = {"op": "void"}
+            step.pending_void = []
 
         if indices:
             self._append_line(step, {"op": "void", "lines": [step.record_lines[i] for i in indices]}, written)
@@ -821,6 +834,8 @@ class UndoLog:
         """Fingerprint what the step left, write its manifest, promote it (rule 4), apply limits."""
         step = self.open_step
         assert step is not None
+        if step.pending_void and not step.unprotected:
+            self.void([])
         live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
         info = StepInfo(seq=step.seq, id=step.id, type=step.type, command=step.command, started_ns=step.started_ns,
                         ended_ns=self.clock_ns(), exit_code=exit_code, outcome=step.outcome if step.outcome != "completed" else outcome, unprotected=step.unprotected,
@@ -906,7 +921,8 @@ class UndoLog:
         """
         step = self.open_step
         assert step is not None
-        live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
+        owed = set(step.pending_void)  # intents that never ran, their void not yet written
+        live = [r for n, r in enumerate(step.records) if r.get("op") not in ("void", "unprotected") and n not in owed]
         not_restored: list[tuple[str, str]] = []
         self._undo_resumable(work, WAL, live, not_restored=not_restored)
         if not_restored:
@@ -918,6 +934,7 @@ class UndoLog:
             if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
                 self.fs.unlink(join(WAL, name))
         step.records, step.journal_offset, step.size_bytes, step.outcome = [], len(header), 0, "denied"
+        step.pending_void = []
         step.record_lines, step.journal_lines, step.journal_hash = [], 1, _new_journal_hash()
         step.journal_hash.update(header)
         return len(live)
