@@ -9,6 +9,8 @@
 * marker ``slow``: only in the full run (``./dev test --full`` / ``SANDBOX_TEST_FULL=1``).
 * marker ``e2e``: needs a real kernel client or host facility; skipped with a reason
   where it is missing (never silently passed).
+* ``$SANDBOX_HYPOTHESIS_DB`` (+ ``$SANDBOX_HYPOTHESIS_DB_MODE``): a shared Hypothesis example
+  database (``sandbox_sim.budget.example_database``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ from __future__ import annotations
 import pytest
 
 from sandbox_sim import oracle
-from sandbox_sim.budget import FULL
+from sandbox_sim.budget import FULL, example_database
 from sandbox_sim.world import World
+
+_shared_examples = example_database()
+if _shared_examples is not None:  # $SANDBOX_HYPOTHESIS_DB: docs/testing.md "Shared Hypothesis examples"
+    from hypothesis import settings
+
+    settings.register_profile("sandbox-shared-examples", database=_shared_examples)
+    settings.load_profile("sandbox-shared-examples")
 
 
 def pytest_collection_modifyitems(config, items):

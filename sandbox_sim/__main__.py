@@ -12,122 +12,34 @@ one at a time), prints the seed and the minimal trace as replayable tuples, and 
 from __future__ import annotations
 
 import argparse
-import errno
-import random
 import sys
 import time
 import traceback
 
-from sandbox.core.store import Limits
+from .campaign import FAULTS, execute, parse_faults, plan, replay_command, shrink
 
-from .driver import Driver
-from .world import World
-
-FAULTS = ("crash", "enospc", "eio", "torn", "power")
+__all__ = ["FAULTS", "execute", "plan", "shrink", "main"]
 
 
-def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
-    """Everything a campaign does, drawn from the seed up front (so it can be replayed)."""
-    rng = random.Random(seed)
-    tight = rng.random() < 0.3
-    config = {"seed": rng.randrange(2**32), "max_step_count": rng.randint(2, 8), "tight": tight, "durable": "power" in faults}
-    actions: list[tuple] = []
-    for _ in range(steps):
-        r = rng.random()
-        s, c = rng.randrange(2**32), rng.randint(1, 6)
-        fault = rng.choice(sorted(faults)) if faults and rng.random() < 0.35 else None
-        if r < 0.45:
-            if fault == "crash":
-                actions.append(("crash_in_step", s, c, rng.randint(0, 400)))
-            elif fault == "power":
-                actions.append(("power_loss_in_step", s, c, rng.randint(0, 600), rng.random() < 0.5))
-            elif fault == "torn":
-                actions.append(("torn_write_in_step", s, c, rng.randint(0, 300)))
-            elif fault in ("enospc", "eio"):
-                actions.append(("store_error_in_step", s, c, rng.randint(0, 60), errno.ENOSPC if fault == "enospc" else errno.EIO))
-            else:
-                actions.append(("step", s, c))
-        elif r < 0.55:
-            actions.append(("ambient", s, c))
-        elif r < 0.8:
-            n = rng.randint(1, 3)
-            if fault == "crash":
-                actions.append(("crash_in_rollback", n, rng.randint(0, 200)))
-            elif fault == "power":
-                actions.append(("power_loss_in_rollback", n, rng.randint(0, 300)))
-            elif fault in ("enospc", "eio"):
-                actions.append(("store_error_in_rollback", n, rng.randint(0, 40), errno.ENOSPC if fault == "enospc" else errno.EIO))
-            else:
-                actions.append(("rollback", n))
-        elif r < 0.9:
-            actions.append(("guarded_rm_rf", rng.randint(2, 12), rng.randint(1, 8), rng.random() < 0.5))
-        else:
-            actions.append(("reopen",))
-    return config, actions
+def _planted(args):
+    """Install ``--plant``'s defect for this command (a no-op without it); returns its removal."""
+    if not getattr(args, "plant", None):
+        return lambda: None
+    from . import defects
 
-
-def _limits(config: dict) -> Limits:
-    return Limits(max_step_count=config["max_step_count"],
-                  max_single_step_size_bytes=6000 if config["tight"] else 200 << 20,
-                  max_log_size_bytes=40_000 if config["tight"] else 1 << 30)
-
-
-def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver | None, int, BaseException | None]:
-    """Run actions; returns (driver, index of the failing action or -1, error)."""
-    world = World("sim")
-    try:
-        d = Driver(world, config["seed"], _limits(config), durable=config.get("durable", False))
-    except BaseException as e:  # noqa: BLE001 - a campaign reports every failure
-        return None, 0, e
-    for i, action in enumerate(actions):
-        if d.history_len() == 0 and action[0] in ("rollback", "crash_in_rollback", "store_error_in_rollback", "power_loss_in_rollback"):
-            action = ("rollback_too_far",)
-        try:
-            d.run(action)
-            d.check(f"after action {i} {action}")
-        except BaseException as e:  # noqa: BLE001
-            return d, i, e
-        if progress is not None:
-            progress(i, d)
-    d.close()
-    return d, -1, None
-
-
-def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = 300.0) -> list[tuple]:
-    """Delta debugging: from the failing prefix, drop chunks of actions (halves, quarters,
-    … single actions) while the trace still fails. Stops after ``budget_s`` seconds with
-    the smallest failing trace found so far."""
-    trace = actions[: fail_at + 1]
-    deadline = time.monotonic() + budget_s
-
-    def fails(t: list[tuple]) -> bool:
-        _, _, err = execute(config, t)
-        return err is not None and not isinstance(err, KeyboardInterrupt)
-
-    chunk = max(1, len(trace) // 2)
-    while chunk >= 1 and time.monotonic() < deadline:
-        i = 0
-        removed = False
-        while i < len(trace) - 1 and time.monotonic() < deadline:
-            candidate = trace[:i] + trace[i + chunk:]
-            if candidate and fails(candidate):
-                trace, removed = candidate, True
-            else:
-                i += chunk
-        if not removed:
-            chunk //= 2
-    return trace
+    return defects.plant(args.plant)
 
 
 def cmd_run(args) -> int:
-    faults = {f.strip() for f in args.faults.split(",") if f.strip()} if args.faults else set()
-    unknown = faults - set(FAULTS)
-    if unknown:
-        print(f"unknown fault kind(s): {', '.join(sorted(unknown))} (choose from {', '.join(FAULTS)})", file=sys.stderr)
+    try:
+        faults = parse_faults(args.faults)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     config, actions = plan(args.seed, args.steps, faults)
     print(f"campaign seed={args.seed} steps={args.steps} faults={','.join(sorted(faults)) or 'none'} "
-          f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}", flush=True)
+          f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}"
+          + (f" PLANTED DEFECT: {args.plant}" if args.plant else ""), flush=True)
     t0 = time.perf_counter()
     every = max(1, args.steps // 10)
 
@@ -147,12 +59,12 @@ def cmd_run(args) -> int:
         traceback.print_exception(err)
     print("shrinking the trace…", file=sys.stderr, flush=True)
     minimal = shrink(config, actions, fail_at)
-    print(f"minimal trace ({len(minimal)} actions; replay: python -m sandbox_sim replay --seed {args.seed} "
-          f"--config '{config}' --trace \"{minimal}\"):", file=sys.stderr)
+    print(f"minimal trace ({len(minimal)} actions):", file=sys.stderr)
     for a in minimal:
         print(f"  {a}", file=sys.stderr)
     _, i, err2 = execute(config, minimal)
     print(f"it fails with: {type(err2).__name__}: {err2}", file=sys.stderr)
+    print(f"replay: {replay_command(args.seed, config, minimal, args.plant)}", file=sys.stderr)
     return 1
 
 
@@ -170,27 +82,59 @@ def cmd_replay(args) -> int:
     return 1
 
 
+def cmd_fanout(args) -> int:
+    from . import fanout
+
+    return fanout.cmd_fanout(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .defects import DEFECTS
+
     p = argparse.ArgumentParser(prog="python -m sandbox_sim", description="Simulation campaigns against the undo core: random "
                                 "guest programs, rollbacks and injected faults on a simulated disk, with the undo "
                                 "invariant checked after every action.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    plant_help = f"plant a defect first, to check the campaign catches it: {', '.join(DEFECTS)} (sandbox_sim/defects.py)"
     r = sub.add_parser("run", help="run a campaign (deterministic for a seed)")
     r.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
     r.add_argument("--steps", type=int, default=500, help="number of actions (default 500)")
     r.add_argument("--faults", default="", help=f"comma-separated fault kinds to inject: {','.join(FAULTS)}")
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.add_argument("-v", "--verbose", action="store_true", help="print the violation's traceback")
+    r.add_argument("--plant", metavar="DEFECT", help=plant_help)
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="replay a trace printed by a failing run")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--config", required=True)
     rp.add_argument("--trace", required=True)
+    rp.add_argument("--plant", metavar="DEFECT", help=plant_help)
     rp.set_defaults(fn=cmd_replay)
+    f = sub.add_parser("fanout", help="run many seeds as Ray tasks (the sandbox[cluster] extra); shrink failures where they happen")
+    f.add_argument("--seeds", required=True, metavar="A:B", help="seeds A to B-1 (Python range)")
+    f.add_argument("--steps", type=int, default=500, help="actions per campaign (default 500)")
+    f.add_argument("--faults", default="", help=f"comma-separated fault kinds to inject: {','.join(FAULTS)}")
+    f.add_argument("--address", help="a running Ray cluster (e.g. ray://head:10001 or auto); default: start a local one")
+    f.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: this machine's, at most FANOUT_LOCAL_CPUS_MAX)")
+    f.add_argument("--chunk", type=int, help="seeds per task (default: about 4 tasks per CPU, at most FANOUT_CHUNK_SEEDS_MAX)")
+    f.add_argument("--shrink-budget", type=float, default=120.0, help="seconds a task may spend shrinking one failure (default 120)")
+    f.add_argument("--json", metavar="PATH", help="also write every seed's result as JSON lines here")
+    f.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job (a cluster whose nodes lack them)")
+    f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
+    f.set_defaults(fn=cmd_fanout)
     args = p.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         p.error("--steps must be at least 1")
-    return args.fn(args)
+    if getattr(args, "plant", None) and args.plant not in DEFECTS:
+        print(f"unknown defect {args.plant!r}; choose from {', '.join(DEFECTS)}", file=sys.stderr)
+        return 2
+    if args.cmd == "fanout":
+        return args.fn(args)  # the workers plant it themselves
+    remove = _planted(args)
+    try:
+        return args.fn(args)
+    finally:
+        remove()
 
 
 if __name__ == "__main__":

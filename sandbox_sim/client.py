@@ -18,6 +18,7 @@ import stat
 
 from sandbox.core.intercepted_fs import InterceptedFS
 from sandbox.hostfs import DIR, REG, join, parent_of
+from sandbox.hostfs.memory import MemoryHostFS
 
 NAMES = ("a", "b", "c", "d")
 DIRS = ("", "d1", "d2", "d1/e", "d2/e", "d1/e/f")
@@ -78,7 +79,16 @@ class SimClient:
 
 
 def _tree(fs: InterceptedFS) -> tuple[list[str], list[str], list[str]]:
+    """The client's view of the tree (what ``ls -R`` would show it), sorted: files,
+    directories, other entries. On the simulated disk it is read from the inodes (no host
+    calls: the client looking around is not part of the run under test, and fault
+    positions count only the calls that are); elsewhere through lstat/listdir."""
     files, dirs, links = [], [], []
+    if isinstance(fs.host, MemoryHostFS):
+        for p, node in fs.host.tree_nodes():
+            if p:
+                (dirs if node.kind == DIR else files if node.kind == REG else links).append(p)
+        return files, dirs, links
 
     def walk(p: str) -> None:
         for name in sorted(fs.host.listdir(p)):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import errno
 import random
+from typing import Callable
 
 from sandbox.core.errors import NothingToUndo, StepUnprotected
 from sandbox.core.store import Limits
+from sandbox.hostfs import HostFS
 
 from . import oracle
 from .checker import Checker
@@ -23,13 +25,18 @@ NOW_NS = 1_700_000_000_000_000_000
 
 
 class Driver:
-    def __init__(self, world: World, seed: int, limits: Limits, durable: bool = False):
-        """``durable``: power-loss mode; the power_loss_* actions need it (and a simulated disk)."""
+    def __init__(self, world: World, seed: int, limits: Limits, durable: bool = False,
+                 tree: Callable[[HostFS], None] | None = None):
+        """``durable``: power-loss mode; the power_loss_* actions need it (and a simulated disk).
+        ``tree``: makes the initial tree on the working folder (default: a random one from ``seed``)."""
         self.world = world
         self.limits = limits
         self.durable = durable
         with world.paused():
-            seed_tree(world.work, random.Random(seed))
+            if tree is not None:
+                tree(world.work)
+            else:
+                seed_tree(world.work, random.Random(seed))
             if durable:
                 world.work.sync_all()
         self.checker = Checker(world)

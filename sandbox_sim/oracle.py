@@ -14,20 +14,65 @@ only ever appended (unpack with ``*_`` at the end). atime is deliberately absent
 from __future__ import annotations
 
 from sandbox.hostfs import DIR, LNK, REG, HostFS, join
+from sandbox.hostfs.memory import MemoryHostFS
 
 Snapshot = dict[str, tuple]
 
 
 def snapshot(fs: HostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:
+    """The snapshot of ``path`` (default: the whole tree) on ``fs``, ``skip`` left out
+    (with everything under it). A simulated disk is read from its inodes directly
+    (:func:`snapshot_nodes`), any other filesystem through the HostFS calls
+    (:func:`snapshot_via_calls`); both give the same snapshot of the same tree, which
+    ``sandbox_sim/test_oracle.py`` checks and a campaign re-checks every
+    ``CROSS_CHECK_EVERY`` actions (:func:`cross_check`)."""
+    if isinstance(fs, MemoryHostFS):
+        return snapshot_nodes(fs, path, skip)
+    return snapshot_via_calls(fs, path, skip)
+
+
+def snapshot_nodes(fs: MemoryHostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:
+    """The snapshot of a simulated disk from its inodes (``MemoryHostFS.tree_nodes``): no
+    path lookups, no host calls — what makes a campaign's check after every action cheap."""
+    out: Snapshot = {}
+    inodes: dict[int, list[str]] = {}
+    skipping = None
+    for p, node in fs.tree_nodes(path):
+        if skipping is not None and (p == skipping or p.startswith(skipping + "/")):
+            continue
+        if p in skip and p != path:
+            skipping = p
+            continue
+        kind = node.kind
+        if kind == REG:
+            if node.nlink > 1:
+                inodes.setdefault(node.ino, []).append(p)
+            out[p] = (kind, node.mode, node.mtime_ns, bytes(node.data), tuple(sorted(node.xattrs.items())), node.fmt,
+                      node.uid, node.gid, ())
+        elif kind == DIR:
+            out[p] = (kind, node.mode, node.mtime_ns, None, tuple(sorted(node.xattrs.items())), node.fmt, node.uid, node.gid, ())
+        else:
+            out[p] = (kind, node.mode, node.mtime_ns, node.target if kind == LNK else None, (), node.fmt, node.uid, node.gid, ())
+    _link_groups(out, inodes)
+    return out
+
+
+def snapshot_via_calls(fs: HostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:
+    """The snapshot through the HostFS calls (``lstat``, ``read``, ``readlink``,
+    ``listxattr``/``getxattr``, ``listdir``): any filesystem, a real directory included."""
     out: Snapshot = {}
     inodes: dict[tuple[int, int], list[str]] = {}
     _walk(fs, path, out, skip, inodes)
+    _link_groups(out, inodes)
+    return out
+
+
+def _link_groups(out: Snapshot, inodes: dict) -> None:
     for group in inodes.values():
         if len(group) > 1:
             links = tuple(sorted(group))
             for p in group:
                 out[p] = out[p][:-1] + (links,)
-    return out
 
 
 def _walk(fs: HostFS, path: str, out: Snapshot, skip, inodes: dict) -> None:

@@ -390,3 +390,45 @@ def test_crash_at_every_host_call_of_a_rollback_that_relinks(monkeypatch):
             ws2.rollback(1)
         oracle.assert_same(initial, w.snapshot(), f"crash at rollback call {k}")
         ws2.close()
+
+
+def _failing_moves(ws):
+    """A step whose renames reach the host and fail there (ENOENT: no such parent) after
+    their intents are journalled, with ordinary changes around them; every error is caught,
+    as a program would."""
+    with ws.step("failing moves"):
+        for op in (lambda: ws.fs.rename("d2", "nowhere/moved"), lambda: ws.fs.chmod("d2/b", 0o600),
+                   lambda: ws.fs.write_file("d2/new", b"x"), lambda: ws.fs.rename("top", "gone/top"),
+                   lambda: ws.fs.write_file("top", b"rewritten")):
+            try:
+                op()
+            except OSError:
+                pass
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_store_error_at_every_store_mutation_of_a_step_whose_moves_fail(code):
+    """The store may fail just as a host call fails — also on the very line that voids the
+    failed call's intent. The void is then owed and written before anything else, so the
+    finished step never holds an intent that did not run: its rollback restores the tree and
+    is never refused as if something outside had moved things (found by the issue-19
+    fan-out: an ExternalChange refusal after a store error)."""
+    w, ws, _ = _prepare("sim", None)
+    w.injector = FaultInjector()
+    _failing_moves(ws)
+    total = w.injector.store_mutations
+    for j in range(total):
+        w, ws, initial = _prepare("sim", None)
+        pre = w.snapshot()
+        w.injector = FaultInjector(error_at=(j, code))
+        try:
+            _failing_moves(ws)
+        except OSError as e:
+            assert e.errno == code, f"store error {j}: unexpected {e!r}"
+        w.injector = FaultInjector()
+        ws.close_active()
+        if ws.history()[0]["command"] == "failing moves":
+            ws.rollback(1)
+        oracle.assert_same(pre, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}")
+        ws.rollback(1)
+        oracle.assert_same(initial, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}: earlier step")

@@ -267,15 +267,17 @@ class UndoInterceptor:
         with self.lock:
             step = self.log.open_step
             mark, self._op_mark = self._op_mark, None
-            if step is not None and not step.unprotected and mark is not None and mark[0] == step.seq:
-                void = [i for i in range(mark[1], len(step.records)) if step.records[i].get("op") in INTENT_OPS]
-                self.log.void(void)
-            for path, old in reversed(self._mark_undo or []):
-                if old is None:
-                    self._marks.pop(path, None)
-                else:
-                    self._marks[path] = old
-            self._mark_undo = []
+            try:
+                if step is not None and not step.unprotected and mark is not None and mark[0] == step.seq:
+                    void = [i for i in range(mark[1], len(step.records)) if step.records[i].get("op") in INTENT_OPS]
+                    self.log.void(void)  # if the store fails too, the void is owed (UndoLog.void)
+            finally:
+                for path, old in reversed(self._mark_undo or []):
+                    if old is None:
+                        self._marks.pop(path, None)
+                    else:
+                        self._marks[path] = old
+                self._mark_undo = []
 
     # ------------------------------------------------------------------ marks
 

@@ -42,6 +42,8 @@ import base64
 import errno
 import hashlib
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
 
@@ -194,7 +196,8 @@ def _ensure_parent(fs: HostFS, path: str) -> None:
 
 
 def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: bool = True, user_forced: bool = False,
-            trust_intent: bool = False, links: "LinkGroups | None" = None) -> None:
+            trust_intent: bool = False, links: "LinkGroups | None" = None,
+            exchange_note: "ExchangeNote | None" = None) -> None:
     """Apply the undo of one record to the working filesystem.
 
     With ``dir_meta=False`` a directory's ``pre`` only makes sure the directory exists;
@@ -208,20 +211,24 @@ def restore(fs: HostFS, rec: dict, open_content, force: bool = False, dir_meta: 
     ``user_forced``: the user asked to overwrite external changes — only then is an object
     at a rename's source taken for foreign and removed; otherwise it proves the rename
     never ran (a crash between its intent and the host call) and the record is skipped.
-    ``trust_intent``: ``fs`` is a replay of a finished step (whose intents all ran) on
-    another filesystem, where the inode numbers an ``exchanged`` record names mean nothing.
+    ``trust_intent``: the record's intent is known to have run (a finished or denied step's,
+    or a replay on another filesystem, where the inode numbers an ``exchanged`` record names
+    mean nothing); only the newest record of a dead process's step may be a stale intent,
+    and only then do an ``exchanged`` record's inode numbers decide (nothing was re-created
+    since, so they still mean what they meant).
     ``links``: the rollback's :class:`LinkGroups` (hard links made one inode again); it
-    follows every record undone, this one included.
+    follows every record undone, this one included. ``exchange_note``: see
+    :class:`ExchangeNote` (an ``exchanged`` record undone where progress is kept).
     """
     try:
-        _restore(fs, rec, open_content, force, dir_meta, user_forced, trust_intent, links)
+        _restore(fs, rec, open_content, force, dir_meta, user_forced, trust_intent, links, exchange_note)
     finally:
         if links is not None:
             links.undone(rec)
 
 
 def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, user_forced: bool,
-             trust_intent: bool, links: "LinkGroups | None") -> None:
+             trust_intent: bool, links: "LinkGroups | None", exchange_note: "ExchangeNote | None" = None) -> None:
     op = rec["op"]
     if op == "created":
         st = _lstat(fs, rec["path"])
@@ -242,7 +249,7 @@ def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, u
             fs.rename(rec["dst"], rec["src"])
         return
     if op == "exchanged":
-        _unexchange(fs, rec, trust_intent)
+        _unexchange(fs, rec, trust_intent, exchange_note)
         return
     path = rec["path"]
     kind = rec["kind"]
@@ -445,29 +452,63 @@ def _relink(fs: HostFS, existing: str, name: str) -> None:
     fs.rename(tmp, name)
 
 
-def _unexchange(fs: HostFS, rec: dict, trust_intent: bool) -> None:
+@dataclass
+class ExchangeNote:
+    """Makes the undo of one ``exchanged`` record idempotent where inode numbers cannot.
+
+    When later records' undos re-created *both* objects (new inode numbers), neither recorded
+    inode is left to say whether an interrupted run already exchanged them back. So just
+    before the exchange back (or the one-sided move) the inode numbers at ``(src, dst)`` are
+    kept durably by ``keep``; a resumed run is given them as ``before``: finding them
+    swapped, it knows the move ran (and does nothing); finding them unchanged, it knows the
+    move was decided and had not run (and runs it). Invariant: ``keep`` returns only once
+    the note is durable, and the move runs only after it.
+    """
+
+    before: tuple[int | None, int | None] | None
+    keep: Callable[[tuple[int | None, int | None]], None]
+
+
+def _unexchange(fs: HostFS, rec: dict, trust_intent: bool, note: ExchangeNote | None = None) -> None:
     """Undo of an ``exchanged`` record: exchange ``src`` and ``dst`` back.
 
     Every later record is undone by now, so if the exchange ran, ``src`` holds the object
     that was at ``dst`` and the other way round — though either may be a re-creation (a later
-    record's undo remade it: a new inode number). So the decision looks for one recorded inode
-    in place: one of them at the *other* name means the exchange is in effect (swap back);
-    otherwise one of them at its *own* name means it never ran (a crash between the intent
-    and the host call) or this undo already ran (a rollback resumed after it): nothing to do
-    — the undo is idempotent. Neither recorded inode at either name (both re-created): the
-    exchange ran (the records that re-created them came after it). Only one side left
-    (someone removed the other; a forced undo): it goes back to its own name."""
+    record's undo remade it: a new inode number, or on a real disk a reused one). With
+    ``trust_intent`` (the exchange ran: every record but the newest of a dead process's
+    step) they are swapped back. Otherwise — the newest record of a step whose process died,
+    undone first, so nothing was re-created since — the recorded inode numbers decide: one at
+    its own name and none at the other's means the exchange never ran (a crash between the
+    intent and the host call): nothing to do. Only one side left (someone removed the other;
+    a forced undo): it goes back to its own name. An interrupted run of this very undo is
+    told apart by ``note`` (:class:`ExchangeNote`), so the move back runs exactly once."""
     src, dst = rec["src"], rec["dst"]
     s, d = _lstat(fs, src), _lstat(fs, dst)
+    now = (s.ino if s is not None else None, d.ino if d is not None else None)
+    if note is not None and note.before is not None and now != (None, None):
+        before = note.before
+        if now == (before[1], before[0]) and now != before:
+            return  # an interrupted run moved them back (see ExchangeNote)
+        if now == before:
+            _swap_back(fs, src, dst, now)
+            return
     if s is not None and d is not None:
         in_effect = s.ino == rec["dst_ino"] or d.ino == rec["src_ino"]
         in_place = s.ino == rec["src_ino"] or d.ino == rec["dst_ino"]
         if not trust_intent and in_place and not in_effect:
             return
+    if now != (None, None):
+        if note is not None:
+            note.keep(now)
+        _swap_back(fs, src, dst, now)
+
+
+def _swap_back(fs: HostFS, src: str, dst: str, now: tuple[int | None, int | None]) -> None:
+    if now[0] is not None and now[1] is not None:
         fs.exchange(src, dst)
-    elif s is not None:
+    elif now[0] is not None:
         fs.rename(src, dst)
-    elif d is not None:
+    else:
         fs.rename(dst, src)
 
 

@@ -38,6 +38,7 @@ import errno
 import hashlib
 import io
 import json
+import marshal
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -55,10 +56,21 @@ FORMAT_VERSION = 2
 ZSTD_LEVEL = 3
 INLINE_MAX_BYTES = 4096  # compressed preimages up to this size live in the journal line
 REFLINK_MIN_BYTES = 64 * 1024
+#: beside ``progress`` in a journal directory being undone: the inode numbers at an
+#: ``exchanged`` record's names just before its undo moved them (preimage.ExchangeNote)
+EXCHANGE_NOTE = "progress.exchange"
+EXCHANGE_NOTE_MAX_BYTES = 256
 # a preimage up to this size is decoded and checked in memory, then written in one go; a
 # larger one is checked by a first full pass, then decoded again (and re-checked) as written
 VERIFY_IN_MEMORY_BYTES_MAX = 8 << 20
 HEADER_READ_BYTES_MAX = 64 << 10
+#: parsed journals of finished steps remembered by their exact bytes (:meth:`UndoLog.records_of`):
+#: a rollback reads each journal twice (checked before anything is touched, then undone) and
+#: parsing — seals, JSON, schema — is a pure function of the bytes, so the second read of
+#: unchanged bytes reuses the first parse (a copy of it). Oldest forgotten past the count;
+#: a journal over the byte bound is parsed every time.
+PARSED_JOURNALS_KEPT_MAX = 16
+PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
@@ -106,6 +118,16 @@ class StepInfo:
     def dirname(self) -> str:
         return f"steps/{self.seq:010d}"
 
+    def copy(self) -> "StepInfo":
+        """An equal StepInfo whose ``paths`` and ``fingerprints`` are its own (what the
+        Workspace hands out: changing it changes nothing in the store). Field by field, as
+        ``dataclasses.replace`` would, without re-running ``__init__``."""
+        c = object.__new__(StepInfo)
+        c.__dict__.update(self.__dict__)
+        c.paths = list(self.paths)
+        c.fingerprints = dict(self.fingerprints)
+        return c
+
 
 @dataclass
 class OpenStep:
@@ -123,6 +145,9 @@ class OpenStep:
     outcome: str = "completed"
     journal_lines: int = 0  # lines written, the header included
     record_lines: list[int] = field(default_factory=list)  # the journal line of each of ``records``
+    #: intents whose host call failed but whose void line could not be written yet (the
+    #: store failed too): written before any other line and before the step finishes
+    pending_void: list[int] = field(default_factory=list)
     journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
 
     # set when the step has ended (its command finished) but its promotion failed: the
@@ -169,10 +194,14 @@ def _seal_hash(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=_SEAL_HEX // 2).hexdigest().encode("ascii")
 
 
+# what json.dumps(obj, separators=(",", ":"), ensure_ascii=True) builds on every call, built once
+_LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
+
+
 def seal(obj: dict) -> bytes:
     """``obj`` as one JSON line whose last member, ``"h"``, is a checksum of the bytes
     before it: any change to the line (a bit, a byte, a cut) fails :func:`unseal`."""
-    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    body = _LINE_ENCODER.encode(obj).encode("ascii")
     assert body[:1] == b"{" and len(body) > 2 and SEAL_KEY not in obj, obj
     return body[:-1] + _SEAL_PREFIX + _seal_hash(body) + b'"}\n'
 
@@ -441,6 +470,7 @@ class UndoLog:
         self.version_problem: str | None = None
         self.open_step: OpenStep | None = None
         self._steps: list[StepInfo] = []  # oldest first
+        self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
@@ -690,7 +720,10 @@ class UndoLog:
         """Append one sealed journal line. Once the write has succeeded the line exists, so
         memory is updated (``written``) *before* the fsync: if the fsync fails the caller's
         operation fails, but memory and file still agree (record indices, line numbers,
-        offsets and the running journal hash never drift)."""
+        offsets and the running journal hash never drift). A void still owed
+        (``pending_void``) is written first: no line may follow an intent that never ran."""
+        if step.pending_void and obj.get("op") != "void":
+            self.void([])
         line = seal(obj)
         self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
         step.journal_offset += len(line)
@@ -715,12 +748,19 @@ class UndoLog:
         return len(step.records) - 1
 
     def void(self, indices: list[int]) -> None:
-        """Cancel records whose host call failed (rule 2)."""
+        """Cancel records whose host call failed (rule 2). If the void line cannot be
+        written (the store fails too), it is owed (``OpenStep.pending_void``): written
+        before the next line, before the step finishes, and left out of a denied step's
+        undo; ``void([])`` pays what is owed."""
         step = self.open_step
         assert step is not None
+        indices = step.pending_void + [i for i in indices if i not in step.pending_void]
+        step.pending_void = indices
+
         def written() -> None:
             for i in indices:
                 step.records[i] = {"op": "void"}
+            step.pending_void = []
 
         if indices:
             self._append_line(step, {"op": "void", "lines": [step.record_lines[i] for i in indices]}, written)
@@ -794,6 +834,8 @@ class UndoLog:
         """Fingerprint what the step left, write its manifest, promote it (rule 4), apply limits."""
         step = self.open_step
         assert step is not None
+        if step.pending_void and not step.unprotected:
+            self.void([])
         live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
         info = StepInfo(seq=step.seq, id=step.id, type=step.type, command=step.command, started_ns=step.started_ns,
                         ended_ns=self.clock_ns(), exit_code=exit_code, outcome=step.outcome if step.outcome != "completed" else outcome, unprotected=step.unprotected,
@@ -879,7 +921,8 @@ class UndoLog:
         """
         step = self.open_step
         assert step is not None
-        live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
+        owed = set(step.pending_void)  # intents that never ran, their void not yet written
+        live = [r for n, r in enumerate(step.records) if r.get("op") not in ("void", "unprotected") and n not in owed]
         not_restored: list[tuple[str, str]] = []
         self._undo_resumable(work, WAL, live, not_restored=not_restored)
         if not_restored:
@@ -888,9 +931,10 @@ class UndoLog:
         header = seal({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
         self._write_file(join(WAL, "journal.jsonl"), header)
         for name in self.fs.listdir(WAL):
-            if name.startswith("b") or name == "progress":
+            if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
                 self.fs.unlink(join(WAL, name))
         step.records, step.journal_offset, step.size_bytes, step.outcome = [], len(header), 0, "denied"
+        step.pending_void = []
         step.record_lines, step.journal_lines, step.journal_hash = [], 1, _new_journal_hash()
         step.journal_hash.update(header)
         return len(live)
@@ -942,16 +986,30 @@ class UndoLog:
             else:
                 what = "journal.jsonl does not match the checksum in its manifest"
             raise self.corrupt(info, what)
-        try:
-            header, records = parse_journal(data, where)
-        except CorruptStep as e:
-            raise self.corrupt(info, e.data.get("reason", e.message)) from None
+        header, records = self._parse_checked(info, data, where)
         if header is None or header["seq"] != info.seq or header["id"] != info.id:
             raise self.corrupt(info, "journal.jsonl belongs to another step")
         live = [r for r in records if r["op"] != "unprotected"]
         if len(live) != info.records:
             raise self.corrupt(info, f"journal.jsonl has {len(live)} records, its manifest says {info.records}")
         return live
+
+    def _parse_checked(self, info: StepInfo, data: bytes, where: str) -> tuple[dict | None, list[dict]]:
+        """``parse_journal(data, where)`` (strict), or a fresh copy of the parse of the same
+        bytes done before: the same result, every record its own object."""
+        kept = self._parsed.get(data)
+        if kept is not None:
+            return marshal.loads(kept)
+        try:
+            parsed = parse_journal(data, where)
+        except CorruptStep as e:
+            raise self.corrupt(info, e.data.get("reason", e.message)) from None
+        if len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
+            if len(self._parsed) >= PARSED_JOURNALS_KEPT_MAX:
+                del self._parsed[next(iter(self._parsed))]
+            self._parsed[data] = marshal.dumps(parsed)
+            return marshal.loads(self._parsed[data])
+        return parsed
 
     # ------------------------------------------------------------------ rollback
 
@@ -1043,7 +1101,7 @@ class UndoLog:
         return content
 
     def _undo_resumable(self, work: HostFS, where: str, records: list[dict], user_forced: bool = False,
-                        not_restored: list[tuple[str, str]] | None = None) -> int:
+                        not_restored: list[tuple[str, str]] | None = None, last_may_be_stale: bool = False) -> int:
         """Undo a journal directory's records, resuming after the ones already undone.
 
         ``<where>/progress`` grows by one byte per record undone, after the undo; so a crash,
@@ -1051,6 +1109,13 @@ class UndoLog:
         one record's undo is harmless (every undo is idempotent on its own). Undoing from
         the newest again would not be: a ``renamed`` record's inverse must never run twice.
         Used by rollback, recovery and deny alike. ``not_restored``: see :meth:`_undo_records`.
+
+        ``last_may_be_stale``: the journal of a step whose process died (recovery), whose
+        newest record alone may be an intent whose host call never ran — every host call
+        runs under the interceptor's lock right after its intent, so nothing follows a stale
+        one. Every other intent ran: a finished step's, a denied step's (a failed call voids
+        its intent), and so their undo never guesses from inode numbers, which a real disk
+        reuses (see :func:`preimage.restore`, ``trust_intent``).
         """
         try:
             done = self.fs.lstat(join(where, "progress")).size
@@ -1060,11 +1125,12 @@ class UndoLog:
             done = 0
         done = min(done, len(records))
         return self._undo_records(work, where, records, start=done, progress=done, user_forced=user_forced,
-                                  not_restored=not_restored)
+                                  not_restored=not_restored, last_may_be_stale=last_may_be_stale)
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
                       user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None,
-                      open_content: Callable[[dict], Iterable[bytes]] | None = None, trust_intents: bool = False) -> int:
+                      open_content: Callable[[dict], Iterable[bytes]] | None = None, trust_intents: bool = False,
+                      last_may_be_stale: bool = False) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
         Pass 2: directory metadata, deepest first (idempotent, so always redone whole).
 
@@ -1080,6 +1146,7 @@ class UndoLog:
         open_content = open_content or self._open_content(where)
         links = preimage.LinkGroups(records)
         links.replay(work, list(reversed(records[len(records) - start:])))  # what an interrupted run undid
+        noted = self._exchange_noted(where) if progress is not None else None
         done = start
         stop = 0
         for i in range(len(records) - start - 1, -1, -1):
@@ -1094,8 +1161,13 @@ class UndoLog:
             try:
                 # a rollback that began always completes (force); only the user's force overrides
                 # the evidence that a rename never ran (see preimage.restore)
+                note = None
+                if rec["op"] == "exchanged" and progress is not None:
+                    note = preimage.ExchangeNote(before=noted[1] if noted is not None and noted[0] == i else None,
+                                                 keep=lambda now, i=i: self._keep_exchange_note(where, i, now))
+                trust = trust_intents or not (last_may_be_stale and i == len(records) - 1)
                 preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced,
-                                 trust_intent=trust_intents, links=links)
+                                 trust_intent=trust, links=links, exchange_note=note)
             except CorruptStep as e:
                 if not_restored is None:
                     raise
@@ -1114,6 +1186,29 @@ class UndoLog:
             preimage.apply_dir_meta(work, rec)
         self.sync_work(work, *(rec["path"] for rec in plan))
         return done - start
+
+    def _keep_exchange_note(self, where: str, index: int, now: tuple[int | None, int | None]) -> None:
+        """Durably note the inode numbers at an ``exchanged`` record's two names just before
+        its undo moves them (:class:`preimage.ExchangeNote`); ``index``: the record's."""
+        self._write_file(join(where, EXCHANGE_NOTE), json.dumps({"record": index, "before": list(now)}).encode())
+
+    def _exchange_noted(self, where: str) -> tuple[int, tuple[int | None, int | None]] | None:
+        """``(record index, inode numbers)`` of the last exchange note in ``where``, or None
+        (none, or unreadable: then the inode numbers the record carries decide alone)."""
+        try:
+            if self.fs.lstat(join(where, EXCHANGE_NOTE)).size > EXCHANGE_NOTE_MAX_BYTES:
+                return None
+            raw = self.fs.read_all(join(where, EXCHANGE_NOTE))
+        except FileNotFoundError:
+            return None
+        try:
+            note = json.loads(raw)
+            index, (a, b) = note["record"], note["before"]
+            if isinstance(index, int) and all(x is None or isinstance(x, int) for x in (a, b)):
+                return index, (a, b)
+        except (ValueError, KeyError, TypeError):
+            pass
+        return None
 
     # ------------------------------------------------------------------ inspection (read-only)
 
@@ -1249,7 +1344,7 @@ class UndoLog:
                     raise
                 return {"kind": "unprotected_step_kept", "step_id": header["id"], "paths_restored": 0}
             not_restored: list[tuple[str, str]] = []
-            self._undo_resumable(work, WAL, records, not_restored=not_restored)
+            self._undo_resumable(work, WAL, records, not_restored=not_restored, last_may_be_stale=True)
             self._to_trash(WAL, f"wal-{header['seq'] if header else 'corrupt'}")
         except (OSError, CorruptStep, KeyError, TypeError) as e:
             raise self._incomplete("recovery of an interrupted step", header, e) from e

@@ -564,7 +564,7 @@ class Workspace:
             if info is None:
                 what = f"no step {step_id} in history" if step_id is not None else "no finished step in history"
                 raise NoSuchStep(what, step_id=step_id)
-            return dataclasses.replace(info, paths=list(info.paths), fingerprints=dict(info.fingerprints))
+            return info.copy()
 
     def step_records(self, info: StepInfo) -> list[dict]:
         """The checked journal records of the finished step ``info`` (:meth:`step_info`),
@@ -591,7 +591,7 @@ class Workspace:
         """Finished steps as the store holds them, oldest first (:meth:`history` is the
         public summary). Copies: changing them changes nothing."""
         with self._interceptor.lock:
-            return [dataclasses.replace(s, paths=list(s.paths), fingerprints=dict(s.fingerprints)) for s in self._log.steps()]
+            return [s.copy() for s in self._log.steps()]
 
     @property
     def store_size_bytes(self) -> int:

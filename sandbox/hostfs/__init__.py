@@ -132,6 +132,12 @@ class StoreBusy(OSError):
         return self.strerror
 
 
+#: paths :func:`normalize` remembers (it is a pure function of the string); all forgotten
+#: when this many are kept. Errors are never remembered.
+NORMALIZED_KEPT_MAX = 4096
+_normalized: dict[str, str] = {}
+
+
 def normalize(path: str) -> str:
     """Return the canonical relative form of ``path`` or raise :class:`PathError`.
 
@@ -139,6 +145,18 @@ def normalize(path: str) -> str:
     ``..`` is refused outright rather than resolved: resolving it lexically would be
     wrong across symlinks, and the guest kernel never sends it to a server.
     """
+    if type(path) is str:
+        done = _normalized.get(path)
+        if done is not None:
+            return done
+    out = _normalize(path)
+    if len(_normalized) >= NORMALIZED_KEPT_MAX:
+        _normalized.clear()
+    _normalized[path] = out
+    return out
+
+
+def _normalize(path: str) -> str:
     if not isinstance(path, str):
         raise PathError(errno.EINVAL, f"path must be str, not {type(path).__name__}")
     if "\0" in path:

@@ -64,6 +64,13 @@ _PATH_MAX = TREE_PATH_BYTES_MAX  # longest path resolved (RealHostFS resolves lo
 _NAME_MAX = 255
 _XATTR_NAME_MAX = 255
 _XATTR_PREFIXES = ("user.", "trusted.", "security.")
+# a str of at most this many characters cannot exceed the byte limit in UTF-8 (4 bytes a
+# character at most; a surrogate-escaped byte is 1): the encode is skipped for it
+# the calls that change nothing: an fsync's deferred metadata commit may wait past them
+_READ_ONLY_OPS = frozenset({"lstat", "getattr", "statfs", "listdir", "read", "open", "readlink", "listxattr", "getxattr",
+                            "fstat", "lseek", "fsync"})
+_SHORT_NAME = _NAME_MAX // 4
+_SHORT_PATH = _PATH_MAX // 4
 
 
 class SimClock:
@@ -270,6 +277,7 @@ class MemoryHostFS(HostFS):
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         self._locks: dict[str, tuple[int, object]] = {}
         self._epoch = 0  # bumped by a process death: handles opened before it are closed
+        self._commit_pending = False  # an fsync's metadata commit not taken yet (see _fsync_node)
         self.uid = 0  # who uses this filesystem: the owner of what it creates; only 0 may give files away
         self.gid = 0
 
@@ -284,6 +292,8 @@ class MemoryHostFS(HostFS):
         """Place a special file (a fifo unless ``fmt`` says otherwise) for tests of 'never opened'."""
         if fmt in (0, _stat.S_IFREG, _stat.S_IFDIR, _stat.S_IFLNK) or fmt & ~0o170000:
             raise ValueError(f"not a special file type: {fmt:#o}")
+        if self._commit_pending:
+            self._commit_metadata()
         self._mknod_node(path, mode, fmt)
 
     def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
@@ -295,9 +305,26 @@ class MemoryHostFS(HostFS):
                                       gid=self.gid)
         self._touch_dir(parent, now)
 
+    def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
+        """Every entry at and under ``path`` with its inode, depth first in sorted name order
+        (simulation control, not part of HostFS: no fault hook, no host call counted). For
+        the simulation's oracle and client, which read the tree without being part of the
+        run under test; the inodes are the live ones and must only be read."""
+        out: list[tuple[str, _Inode]] = []
+        stack = [(path, self._entry(path) if path else self._root)]
+        while stack:
+            p, node = stack.pop()
+            out.append((p, node))
+            if node.kind == DIR and node.entries:
+                prefix = p + "/" if p else ""
+                stack.extend((prefix + name, node.entries[name]) for name in sorted(node.entries, reverse=True))
+        return out
+
     # -- internals --
 
     def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
+        if self._commit_pending and op not in _READ_ONLY_OPS:
+            self._commit_metadata()  # an fsync's journal commit, taken before anything changes
         if self.fault_hook is not None:
             return self.fault_hook(self, op, path, nbytes)
         return None
@@ -305,7 +332,7 @@ class MemoryHostFS(HostFS):
     @staticmethod
     def _child(d: _Inode, name: str, path: str) -> Optional[_Inode]:
         """Look ``name`` up in directory ``d``; a name no directory can hold is ENAMETOOLONG."""
-        if len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+        if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
             raise _err(errno.ENAMETOOLONG, path)
         return d.entries.get(name)
 
@@ -314,14 +341,14 @@ class MemoryHostFS(HostFS):
         node = self._root
         if not path:
             return node
-        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
         for part in path.split("/"):
-            if node.kind == LNK:
-                raise _err(errno.ELOOP, path)
             if node.kind != DIR:
-                raise _err(errno.ENOTDIR, path)
-            child = self._child(node, part, path)
+                raise _err(errno.ELOOP if node.kind == LNK else errno.ENOTDIR, path)
+            if len(part) > _SHORT_NAME and len(part.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, path)
+            child = node.entries.get(part)
             if child is None:
                 raise _err(errno.ENOENT, path)
             node = child
@@ -340,14 +367,13 @@ class MemoryHostFS(HostFS):
     def _parent(self, path: str) -> tuple[_Inode, str]:
         if not path:
             raise _err(errno.EBUSY, path)
-        if len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
             raise _err(errno.ENAMETOOLONG, path)
-        parent = self._walk(parent_of(path))
-        if parent.kind == LNK:
-            raise _err(errno.ELOOP, path)
+        i = path.rfind("/")
+        parent = self._walk(path[:i]) if i >= 0 else self._root
         if parent.kind != DIR:
-            raise _err(errno.ENOTDIR, path)
-        return parent, path.rsplit("/", 1)[-1]
+            raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
+        return parent, path[i + 1:]
 
     def _file(self, path: str) -> _Inode:
         node = self._walk(path)
@@ -369,6 +395,26 @@ class MemoryHostFS(HostFS):
     def lstat(self, path: str) -> Stat:
         self._fault("lstat", path)
         return self._entry(path).stat()
+
+    def lstat_or_none(self, path: str) -> Stat | None:
+        """:meth:`lstat`, or None where nothing is (``ENOENT``, ``ENOTDIR``, ``ELOOP``: the
+        ``ABSENT_ERRNOS`` rule of every "is it there?"), found without raising and catching
+        an error: the same fault hook call, the same answers, the same errors otherwise."""
+        self._fault("lstat", path)
+        if not path:
+            return self._root.stat()
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        node = self._root
+        for part in path.split("/"):  # _entry's checks, in its order
+            if node.kind != DIR:
+                return None  # a symlink (ELOOP) or another non-directory (ENOTDIR) on the way
+            if len(part) > _SHORT_NAME and len(part.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, path)
+            node = node.entries.get(part)
+            if node is None:
+                return None
+        return node.stat()
 
     def getattr(self, path: str) -> Attr:
         self._fault("getattr", path)
@@ -762,7 +808,11 @@ class MemoryHostFS(HostFS):
         self._fsync_node(self._walk(path))
 
     def _fsync_node(self, node: _Inode) -> None:
-        self._commit_metadata()
+        # the journal commit of all metadata so far is *deferred* to the next call that may
+        # change something (``_fault`` of an op not in _READ_ONLY_OPS, ``make_special``,
+        # ``power_loss``): nothing changes in between, so the committed state is the same,
+        # and fsyncs in a row (a file then its directory) commit once
+        self._commit_pending = True
         node.durable_data = bytes(node.data)
 
     # -- power loss (simulation control, not part of HostFS) --
@@ -784,17 +834,21 @@ class MemoryHostFS(HostFS):
         return list(seen.values())
 
     def _commit_metadata(self) -> None:
+        self._commit_pending = False
         for node in self._reachable():
             node.durable_meta = node.meta()
 
     def sync_all(self) -> None:
         """Everything now on the disk is durable (a tree that has been there for a while)."""
+        self._commit_pending = False
         for node in self._reachable():
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
 
     def power_loss(self) -> None:
         """The machine lost power: back to the last committed metadata and fsynced data."""
+        if self._commit_pending:
+            self._commit_metadata()
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
