@@ -565,6 +565,62 @@ def cmd_mcp(args) -> int:
     return EXIT_OK
 
 
+# -- web page (issue 18)
+def _ui_start_payload(args) -> dict:
+    """``session.start``'s payload from `sandbox ui`'s session options (the page's session is an
+    ordinary STDIO API session, started by this process)."""
+    from .session.runtime import Folder
+
+    wds = []
+    for spec in args.workdir:
+        f = Folder.parse(spec)
+        if not os.path.isdir(f.path):
+            raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
+        wds.append({"path": os.path.abspath(f.path), "access": "read_only" if f.read_only else "read_write"})
+    network, _, allow = args.network.partition(":")
+    if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
+        raise CliError(f"--network wants disabled, open or allowlist:CIDR|DOMAIN,…, not {args.network!r}", EXIT_USAGE)
+    p = {"working_directories": wds, "network_policy": network, "vm_mode": args.vm_mode, "memory_mb": args.memory,
+         "as_root": args.as_root, "guest_root": args.guest_root, "external_modification_policy": "barrier",
+         "guest": "local" if args.local else args.guest}
+    if allow:
+        p["network_allowlist"] = allow.split(",")
+    if _guest_packages(args):
+        p["guest_packages"] = _guest_packages(args)
+    if args.delete_threshold:
+        p["safeguard"] = {"delete_threshold": args.delete_threshold}
+    return p
+
+
+def cmd_ui(args) -> int:
+    """`sandbox ui`: a session of its own and the page over it, until SIGINT/SIGTERM."""
+    from .api.agent import Agent
+    from .api.errors import ApiError
+    from .api.ui.hub import Hub
+    from .api.ui.run import PageServer
+
+    setup_logging(args.log_level)
+    if args.share_servers:
+        os.environ["SANDBOX_SHARE_SERVERS"] = args.share_servers
+    payload = _ui_start_payload(args)
+    hub = Hub()
+    agent = Agent(hub.publish, guest=payload["guest"], as_root=args.as_root,
+                  progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+    try:
+        agent.handle("session.start", payload, "ui-start")
+    except ApiError as e:
+        raise CliError(f"{e.code}: {e.message}", EXIT_FAILED) from None
+    try:
+        page = PageServer(agent, hub)
+        print(f"sandbox: the page is at {page.url}", flush=True)
+        print("sandbox: (the link carries this session's token; Ctrl-C stops the session)", file=sys.stderr, flush=True)
+        page.serve(open_browser=not args.no_browser)
+    finally:
+        agent.shutdown()
+    return EXIT_OK
+# -- end web page
+
+
 def _mcp_on_hold(sp) -> None:
     """`sandbox mcp`'s --on-hold: what a hold gets when the client cannot be asked (no elicitation)."""
     for action in sp._actions:
@@ -1222,6 +1278,24 @@ def build_parser() -> argparse.ArgumentParser:
             a.required = False  # --attach takes none; cmd_mcp_net asks for it otherwise
     mc.set_defaults(fn=cmd_mcp_net, mcp_session_defaults={d: mc.get_default(d) for d in session_dests})
     # -- end MCP transports
+    # -- web page (issue 18)
+    ui = with_session(command(
+        "ui", "a local web page over a session: live terminal, step timeline with diffs, undo by click",
+        "Start a session on the --workdir folders (like `sandbox serve` would for a frontend) and serve a\n"
+        "page for it on 127.0.0.1 (a random port): a terminal with the live output of every command and a\n"
+        "command box, the steps newest first with their diffs, Undo to here, safeguard dialogs with Allow /\n"
+        "Deny, notices and the session's status. The URL printed carries a per-session token (no page\n"
+        "without it); it is opened in your browser when there is a display ($BROWSER, $DISPLAY). Ctrl-C\n"
+        "stops the session. Reference: docs/ui.md.",
+        [(0, "stopped by Ctrl-C or SIGTERM"), (1, "the session could not start"), (2, "bad usage")]))
+    ui.add_argument("--guest", default="vm", choices=["vm", "scripted", "local"],
+                    help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
+                         "(sandbox/scripted/script.py; for tests and trying the page); local: like --local")
+    ui.add_argument("--no-browser", action="store_true", help="only print the URL")
+    ui.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                    help="least severe log level written to stderr (default info)")
+    ui.set_defaults(fn=cmd_ui)
+    # -- end web page
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"

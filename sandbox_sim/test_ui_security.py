@@ -1,0 +1,150 @@
+"""The web page's server (issue 18) refuses whoever lacks the session's token, and DNS rebinding:
+plain HTTP and WebSocket handshakes, no browser. The page's WebSocket speaks the STDIO API,
+minus the session's lifecycle."""
+
+from __future__ import annotations
+
+import http.client
+
+import pytest
+
+from sandbox.api.ui import hub as hub_mod
+from sandbox.api.ui import server as ui_server
+
+from .ui_page import WsClient, origin_of, page_session, token_cookie
+
+
+@pytest.fixture
+def work(tmp_path):
+    (tmp_path / "work" / "src").mkdir(parents=True)
+    (tmp_path / "work" / "src" / "a.txt").write_text("alpha\n")
+    return tmp_path / "work"
+
+
+@pytest.fixture
+def served(work):
+    with page_session(work) as server:
+        yield server
+
+
+def get(server, path, headers=None, method="GET"):
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        c.request(method, path, headers=headers or {})
+        r = c.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        c.close()
+
+
+def test_the_page_needs_the_token(served):
+    assert get(served, "/")[0] == 403
+    assert get(served, "/?token=" + "0" * len(served.token))[0] == 403
+    assert get(served, "/app.js")[0] == 403
+    status, headers, body = get(served, f"/?token={served.token}")
+    assert status == 200 and b"<title>sandbox</title>" in body
+    assert "HttpOnly" in headers["set-cookie"] and "SameSite=strict" in headers["set-cookie"]
+    assert "default-src 'self'" in headers["content-security-policy"]
+    assert get(served, "/app.js", {"Cookie": token_cookie(served)})[0] == 200  # the cookie the page got
+    assert get(served, "/nothing", {"Cookie": token_cookie(served)})[0] == 404
+    assert get(served, "/", {"Cookie": token_cookie(served)}, method="POST")[0] == 405
+
+
+def test_host_and_origin_are_checked(served):
+    ok = f"/?token={served.token}"
+    assert get(served, ok, {"Host": f"evil.example:{served.port}"})[0] == 421
+    assert get(served, ok, {"Host": "127.0.0.1:1"})[0] == 421
+    assert get(served, ok, {"Origin": "http://evil.example"})[0] == 403
+    assert get(served, ok, {"Origin": origin_of(served)})[0] == 200
+    assert get(served, ok, {"Host": f"localhost:{served.port}"})[0] == 200
+
+
+def test_websocket_refused_without_token_or_with_a_foreign_origin(served):
+    cases = [
+        ({"Origin": origin_of(served)}, 403),                                              # no token
+        ({"Origin": origin_of(served), "Cookie": "sandbox_ui=wrong"}, 403),                 # wrong token
+        ({"Cookie": token_cookie(served)}, 403),                                           # no Origin
+        ({"Origin": "http://evil.example", "Cookie": token_cookie(served)}, 403),         # foreign Origin
+        ({"Origin": origin_of(served), "Cookie": token_cookie(served), "Host": "evil.example"}, 403),  # Host
+        ({"Origin": origin_of(served), "Cookie": token_cookie(served)}, 101),
+    ]
+    for headers, status in cases:
+        ws = WsClient(served.port, headers=headers)
+        try:
+            assert ws.status == status, headers
+        finally:
+            ws.close()
+
+
+def _open(served) -> WsClient:
+    ws = WsClient(served.port, headers={"Origin": origin_of(served), "Cookie": token_cookie(served)})
+    assert ws.status == 101
+    welcome = ws.recv()
+    assert welcome["type"] == "ui.welcome"
+    return ws
+
+
+def test_page_speaks_the_stdio_api_but_cannot_stop_the_session(served, work):
+    ws = _open(served)
+    try:
+        ws.send({"type": "session.stop", "request_id": "s", "payload": {}})
+        assert ws.recv_response("s")["error"]["code"] == "protocol.not_allowed"
+        ws.send("{not json")
+        m = ws.recv()
+        assert m["type"] == "response" and m["error"]["code"] == "protocol.invalid_json"
+        ws.send({"type": "undo.rollback", "request_id": "r", "payload": {"count": "x"}})
+        assert ws.recv_response("r")["error"]["code"] == "protocol.invalid_request"
+        ws.send({"type": "agent.execute", "request_id": "e", "payload": {"command": "rm -rf src"}})
+        assert ws.recv_response("e")["status"] == "ok"
+        assert not (work / "src").exists()
+        ws.send({"type": "undo.rollback", "request_id": "u", "payload": {"count": 1}})
+        assert ws.recv_response("u")["status"] == "ok"
+        assert (work / "src" / "a.txt").read_text() == "alpha\n"
+        assert served.agent.session.running  # nothing the page sent stopped it
+    finally:
+        ws.close()
+
+
+def test_a_reconnecting_page_gets_the_backlog(served):
+    ws = _open(served)
+    ws.send({"type": "agent.execute", "request_id": "e", "payload": {"command": "echo hello page"}})
+    assert ws.recv_response("e")["status"] == "ok"
+    ws.close()
+    ws2 = WsClient(served.port, headers={"Origin": origin_of(served), "Cookie": token_cookie(served)})
+    try:
+        welcome = ws2.recv()
+        kinds = [m["type"] for m in welcome["payload"]["backlog"]]
+        assert "ui.command" in kinds and "event.step_completed" in kinds
+        assert any(m["type"] == "event.terminal_output" and "hello page" in m["payload"]["data"]
+                   for m in welcome["payload"]["backlog"])
+        assert welcome["payload"]["limits"]["clients_max"] == hub_mod.CLIENTS_MAX
+    finally:
+        ws2.close()
+
+
+def test_more_pages_than_the_limit_are_told_and_closed(served):
+    opened = [_open(served) for _ in range(served.hub.clients_max)]
+    try:
+        extra = WsClient(served.port, headers={"Origin": origin_of(served), "Cookie": token_cookie(served)})
+        assert extra.status == 101 and extra.recv() is None and extra.close_code == hub_mod.CLOSE_TOO_MANY
+        extra.close()
+    finally:
+        for ws in opened:
+            ws.close()
+
+
+def test_a_page_too_far_behind_is_closed_and_the_backlog_is_bounded():
+    h = hub_mod.Hub(queue_max=3, backlog_max=4, backlog_chars_max=10_000)
+    import asyncio
+
+    async def scenario():
+        h.bind(asyncio.get_running_loop())
+        client, backlog, dropped = h.join()
+        for i in range(6):
+            h._deliver(hub_mod.encode({"type": "event.warning", "payload": {"message": str(i)}}))
+        assert client.closed_reason is not None and client.queue.get_nowait() is None  # told to close
+        again, backlog, dropped = h.join()
+        assert len(backlog) == 4 and dropped == 2 and '"5"' in backlog[-1]
+
+    asyncio.run(scenario())
+    assert ui_server.UI_OPERATIONS.isdisjoint({"session.start", "session.stop", "session.reset"})
