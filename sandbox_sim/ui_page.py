@@ -103,3 +103,36 @@ def token_cookie(server: PageServer) -> str:
 def page_url(server: PageServer, *, token: str | None = None, path: str = "/") -> str:
     q = "" if token is None else "?" + urllib.parse.urlencode({"token": token})
     return f"http://127.0.0.1:{server.port}{path}{q}"
+
+
+# ------------------------------------------------------------------ a browser (Debian's chromium, Playwright)
+
+CHROMIUM = "/usr/bin/chromium"
+#: where screenshots go (gitignored); override with $SANDBOX_TEST_ARTIFACTS
+ARTIFACTS_DIR = "test-artifacts"
+#: the longest a browser test waits for something to appear on the page (a condition wait, not a sleep)
+EXPECT_TIMEOUT_MS = 30_000
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    import os
+    import shutil
+
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Playwright for Python is not installed (pip install -e '.[test]')"
+    if not (os.access(CHROMIUM, os.X_OK) or shutil.which("chromium")):
+        return f"Debian's chromium is not installed ({CHROMIUM}; apt-get install chromium, or ./dev setup)"
+    return None
+
+
+def artifacts_dir(*parts: str) -> str:
+    import os
+
+    root = os.environ.get("SANDBOX_TEST_ARTIFACTS") or os.path.join(os.path.dirname(os.path.dirname(__file__)),
+                                                                     ARTIFACTS_DIR)
+    path = os.path.join(root, *parts)
+    os.makedirs(path, exist_ok=True)
+    return path

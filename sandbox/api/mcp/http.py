@@ -214,10 +214,12 @@ class HttpSessions:
                 await transport.terminate()
 
 
-async def serve_app(app, sock: socket.socket, *, signals: bool = True, **config) -> None:
-    """Serve the ASGI ``app`` on the listening ``sock`` with uvicorn until SIGINT/SIGTERM (then a
-    graceful shutdown) or until cancelled. ``signals``: receive SIGINT/SIGTERM (main thread only;
-    uvicorn's own handling, which re-raises them, is off either way). ``config``: more uvicorn settings."""
+async def serve_app(app, sock: socket.socket, *, signals: bool = True, stop: anyio.Event | None = None,
+                    **config) -> None:
+    """Serve the ASGI ``app`` on the listening ``sock`` with uvicorn until SIGINT/SIGTERM or ``stop``
+    is set (then a graceful shutdown), or until cancelled. ``signals``: receive SIGINT/SIGTERM (main
+    thread only; uvicorn's own handling, which re-raises them, is off either way). ``config``: more
+    uvicorn settings."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -235,8 +237,14 @@ async def serve_app(app, sock: socket.socket, *, signals: bool = True, **config)
                     server.should_exit = True
                     return
 
+        async def on_stop() -> None:
+            await stop.wait()
+            server.should_exit = True
+
         if signals:
             tg.start_soon(on_signal)
+        if stop is not None:
+            tg.start_soon(on_stop)
         await server.serve(sockets=[sock])
         tg.cancel_scope.cancel()
 

@@ -49,16 +49,10 @@ class PageServer:
         self.hub.bind(loop)
         self._portal_loop = loop
         self._stop = anyio.Event()
-        async with anyio.create_task_group() as tg:
-            async def serve() -> None:
-                await serve_app(self.app, self.sock, signals=signals, ws="wsproto", ws_max_size=WS_MESSAGE_BYTES_MAX)
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(serve)
-            if ready is not None:
-                ready()
-            await self._stop.wait()
-            tg.cancel_scope.cancel()
+        if ready is not None:
+            ready()
+        await serve_app(self.app, self.sock, signals=signals, stop=self._stop, ws="wsproto",
+                        ws_max_size=WS_MESSAGE_BYTES_MAX)
 
     def serve(self, *, open_browser: bool = False) -> None:
         """Serve until SIGINT/SIGTERM (main thread); ``open_browser``: open ``url`` when a display exists."""

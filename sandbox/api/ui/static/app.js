@@ -71,7 +71,7 @@ function onMessage(m, replay) {
       if (!replay) { refreshHistory(); refreshStatus(); }
       return;
     case "event.safeguard_triggered":
-      if (!replay) addHold(p);
+      if (!replay) { addHold(p); refreshStatus(); }
       return;
     case "event.external_modification":
       notice("info", `Changed outside the sandbox: ${listPaths(p.paths)}` +
@@ -124,7 +124,7 @@ function listPaths(paths, n = 5) {
 
 // ------------------------------------------------------------------ status
 
-async function refresh() { await refreshStatus(); await refreshHistory(); }
+async function refresh() { await refreshHistory(); await refreshStatus(); }
 
 async function refreshStatus() {
   const r = await request("session.status");
@@ -356,6 +356,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (!command) return;
     input.value = "";
     $("run").disabled = true;
+    $("cancel").disabled = false;
     const r = await request("agent.execute", {command});
     $("run").disabled = false;
     if (r.status !== "ok") term(`[${r.error.code}: ${r.error.message}]\n`, "stderr");
