@@ -519,6 +519,8 @@ def cmd_serve(args) -> int:
                              as_root=args.as_root)
     # -- end MCP socket
 
+    page = _serve_page(server.agent) if args.ui else None  # -- web page (issue 18)
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -528,6 +530,8 @@ def cmd_serve(args) -> int:
     finally:
         if mcp_socket is not None:  # -- MCP socket (issue 14)
             mcp_socket.close()
+        if page is not None:  # -- web page (issue 18)
+            page.stop()
 
 
 # -- MCP server (issue 14)
@@ -542,6 +546,7 @@ def cmd_mcp(args) -> int:
     from .api.mcp.server import serve_stdio
 
     host = _mcp_own_host(args)
+    page = _mcp_page(host, args) if args.ui else None  # -- web page (issue 18)
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
@@ -562,6 +567,8 @@ def cmd_mcp(args) -> int:
         anyio.run(serve)
     finally:
         host.stop()
+        if page is not None:
+            page.stop()
     return EXIT_OK
 
 
@@ -590,6 +597,24 @@ def _ui_start_payload(args) -> dict:
     if args.delete_threshold:
         p["safeguard"] = {"delete_threshold": args.delete_threshold}
     return p
+
+
+def _serve_page(agent):
+    """`sandbox serve --ui`: the page over the STDIO agent's session (api.ui.run.page_for_agent)."""
+    from .api.ui.run import page_for_agent
+
+    page = page_for_agent(agent)
+    print(f"sandbox: the page is at {page.url}", file=sys.stderr, flush=True)
+    return page
+
+
+def _mcp_page(host, args):
+    """`sandbox mcp --ui`: the page over the MCP host's own session (api.ui.run.page_for_mcp_host)."""
+    from .api.ui.run import page_for_mcp_host
+
+    page = page_for_mcp_host(host, guest=args.guest)
+    print(f"sandbox: the page is at {page.url}", file=sys.stderr, flush=True)
+    return page
 
 
 def cmd_ui(args) -> int:
@@ -656,12 +681,15 @@ def cmd_mcp_net(args) -> int:
     except HttpBindError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     host = _mcp_own_host(args)
+    page = _mcp_page(host, args) if args.ui else None  # -- web page (issue 18)
     try:
         run(host, args.http)  # until SIGINT/SIGTERM
     except OSError as e:
         raise CliError(f"--http {args.http}: {e.strerror or e}", EXIT_FAILED) from None
     finally:
         host.stop()
+        if page is not None:
+            page.stop()
     return EXIT_OK
 
 
@@ -1241,6 +1269,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(`sandbox mcp --attach PATH` connects an MCP client). The socket is 0600 in a 0700 "
                          "directory of yours (created if missing), its token in PATH.token (0600); see docs/mcp.md")
     # -- end MCP socket
+    sv.add_argument("--ui", action="store_true",  # -- web page (issue 18)
+                    help="also serve the web page (docs/ui.md) over the session the STDIO client starts; its URL "
+                         "(with this run's token) is logged on stderr")
     _share_servers_arg(sv)  # -- confined share servers (issue 13)
     sv.set_defaults(fn=cmd_serve)
     # -- MCP server (issue 14)
@@ -1272,6 +1303,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve MCP over streamable HTTP on this loopback address instead of stdio (port 0: any; "
                          "the URL and a bearer token for this run are logged on stderr). Host and Origin headers "
                          "are checked; only loopback binds are accepted")
+    mc.add_argument("--ui", action="store_true",  # -- web page (issue 18)
+                    help="also serve the web page (docs/ui.md) over this session, so a person watches and steers "
+                         "what the LLM does: its URL (with this run's token) is printed on stderr; while a page is "
+                         "open it answers safeguard holds")
     session_dests = [a.dest for a in mc._actions if a.dest not in ("help", "attach", "http", "log_level", "guest")]
     for a in mc._actions:
         if a.dest == "workdir":

@@ -7,11 +7,10 @@ test-artifacts/ui/ (gitignored). Every wait is Playwright's own (expect / wait_f
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
-from .ui_page import CHROMIUM, EXPECT_TIMEOUT_MS, artifacts_dir, browser_missing, page_session
+from .ui_page import EXPECT_TIMEOUT_MS, artifacts_dir, browser_missing, launch_chromium, page_session
 
 missing = browser_missing()
 pytestmark = pytest.mark.skipif(missing is not None, reason=missing or "")
@@ -25,8 +24,7 @@ SAFEGUARD_DELETES = 5  # the 5th deletion of one step is held
 @pytest.fixture(scope="module")
 def browser():
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM if os.access(CHROMIUM, os.X_OK) else shutil.which("chromium"),
-                              headless=True, args=["--no-sandbox"] if os.geteuid() == 0 else [])
+        b = launch_chromium(p)
         expect.set_options(timeout=EXPECT_TIMEOUT_MS)
         yield b
         b.close()

@@ -136,3 +136,13 @@ def artifacts_dir(*parts: str) -> str:
     path = os.path.join(root, *parts)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def launch_chromium(playwright):
+    """Debian's chromium, headless, through Playwright (never a downloaded browser)."""
+    import os
+    import shutil
+
+    exe = CHROMIUM if os.access(CHROMIUM, os.X_OK) else shutil.which("chromium")
+    return playwright.chromium.launch(executable_path=exe, headless=True,
+                                      args=["--no-sandbox"] if os.geteuid() == 0 else [])

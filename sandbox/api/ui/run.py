@@ -15,6 +15,7 @@ import anyio
 from ..agent import Agent
 from ..mcp.http import bind, new_token, serve_app
 from .hub import Hub
+from . import tap
 from .server import WS_MESSAGE_BYTES_MAX, UiApp
 
 log = logging.getLogger("sandbox.ui")
@@ -38,6 +39,7 @@ class PageServer:
         self.token = new_token()
         self.url = f"http://{host}:{self.port}/?token={self.token}"
         self.app = UiApp(agent, hub, port=self.port, token=self.token)
+        tap.attach(agent, hub)
         self._stop: anyio.Event | None = None
         self._thread: threading.Thread | None = None
         self._portal_loop = None
@@ -83,3 +85,39 @@ class PageServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
         self.sock.close()
+
+
+def page_for_agent(agent: Agent) -> PageServer:
+    """`sandbox serve --ui`: the page over the STDIO agent's session (whenever its frontend starts
+    one), served on a thread; the agent's events go to the frontend and to the page alike."""
+    hub = Hub()
+    emit = agent.emit
+
+    def both(message: dict) -> None:
+        emit(message)
+        hub.publish(message)
+
+    agent.emit = both
+    page = PageServer(agent, hub)
+    page.start_thread()
+    return page
+
+
+def page_for_mcp_host(host, *, guest: str = "vm") -> PageServer:
+    """`sandbox mcp --ui`: the page over an :class:`~sandbox.api.mcp.host.OwnSessionHost`'s session,
+    served on a thread. A page-side agent adopts the session once it has booted (the host keeps
+    owning it: stop the host, then the page); while a page is connected it answers safeguard
+    holds and MCP does not elicit them."""
+    hub = Hub()
+    agent = Agent(hub.publish, guest=guest)
+    host.holds_answered_elsewhere = lambda: bool(hub.clients)
+    page = PageServer(agent, hub)
+    page.start_thread()
+
+    def adopt() -> None:
+        host.wait_started()
+        if host.session.running:
+            agent.adopt(host.session)
+
+    threading.Thread(target=adopt, name="ui-adopt", daemon=True).start()
+    return page

@@ -214,9 +214,6 @@ class UiApp:
             tg.start_soon(self._run, client, t, req.get("payload", {}), rid, in_flight)
 
     async def _run(self, client: hub_mod.Client, t: str, payload: dict, rid, in_flight: list[int]) -> None:
-        if t in ("agent.execute", "agent.prompt"):  # every page's terminal shows what runs, and who ran it
-            self.hub.publish({"type": "ui.command", "payload": {"command": payload.get("command", payload.get("text", "")),
-                                                                "client": "page", "request_id": rid}})
         try:
             try:
                 result = await anyio.to_thread.run_sync(self.agent.handle, t, payload, rid, abandon_on_cancel=True)

@@ -58,9 +58,13 @@ function onMessage(m, replay) {
       refresh();
       return;
     case "ui.command":
-      term(`$ ${p.command}${p.client && p.client !== "page" ? `   (${p.client})` : ""}\n`, "cmd");
+      term(`$ ${p.command}${p.client === "mcp" ? "   (the LLM, over MCP)" : ""}\n`, "cmd");
       if (!replay) refreshStatus();
       return;
+    case "ui.session":
+      if (!replay) refresh();
+      return;
+    case "ui.output":
     case "event.terminal_output":
     case "event.agent_output":
       term(p.data, p.stream === "stderr" ? "stderr" : "");
