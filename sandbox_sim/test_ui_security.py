@@ -148,3 +148,78 @@ def test_a_page_too_far_behind_is_closed_and_the_backlog_is_bounded():
 
     asyncio.run(scenario())
     assert ui_server.UI_OPERATIONS.isdisjoint({"session.start", "session.stop", "session.reset"})
+
+
+# ------------------------------------------------------------------ the commands
+
+
+def _url_from(stream) -> str:
+    """The page's URL from the command's output (read line by line; pytest-timeout bounds it)."""
+    import re
+
+    for raw in stream:
+        line = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        m = re.search(r"the page is at (http://127\.0\.0\.1:\d+/\?token=[0-9a-f]+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("the command ended without printing the page's URL")
+
+
+def _status(url: str, *, with_token: bool = True) -> int:
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    try:
+        c.request("GET", "/?" + u.query if with_token else "/")
+        return c.getresponse().status
+    finally:
+        c.close()
+
+
+def test_sandbox_ui_prints_its_url_and_serves_the_page_only_with_the_token(work):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "ui", "--workdir", str(work), "--guest", "scripted",
+                             "--no-browser", "--log-level", "warn"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        url = _url_from(proc.stdout)
+        assert _status(url) == 200 and _status(url, with_token=False) == 403
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_sandbox_serve_ui_shows_the_stdio_frontends_session(work):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "serve", "--guest", "scripted", "--ui", "--log-level",
+                             "warn"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        url = _url_from(proc.stderr)
+        port = int(url.split(":")[2].split("/")[0])
+        token = url.split("token=")[1]
+        proc.stdin.write(json.dumps({"type": "session.start", "request_id": 1, "payload": {
+            "working_directories": [{"path": str(work)}]}}).encode() + b"\n")
+        proc.stdin.write(json.dumps({"type": "agent.execute", "request_id": 2,
+                                     "payload": {"command": "rm -r src"}}).encode() + b"\n")
+        proc.stdin.flush()
+        for line in proc.stdout:
+            if json.loads(line).get("request_id") == 2:
+                break
+        ws = WsClient(port, headers={"Origin": f"http://127.0.0.1:{port}", "Cookie": f"sandbox_ui={token}"})
+        try:
+            backlog = ws.recv()["payload"]["backlog"]
+            assert any(m["type"] == "ui.command" and m["payload"]["command"] == "rm -r src" for m in backlog)
+            ws.send({"type": "undo.rollback", "request_id": "u", "payload": {"count": 1}})
+            assert ws.recv_response("u")["status"] == "ok"  # the page undid the frontend's step
+        finally:
+            ws.close()
+        assert (work / "src" / "a.txt").read_text() == "alpha\n"
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
