@@ -223,3 +223,29 @@ def test_sandbox_serve_ui_shows_the_stdio_frontends_session(work):
     finally:
         proc.stdin.close()
         assert proc.wait(timeout=60) == 0
+
+
+def test_docs_ui_quotes_the_real_limits():
+    import os
+    import re
+
+    from sandbox.api.mcp.http import TOKEN_BYTES
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "ui.md")).read()
+    js = open(os.path.join(ui_server.STATIC_DIR, "app.js")).read()
+
+    def row(name: str) -> str:
+        m = re.search(rf"^\| `{name}`[^|]*\| ([0-9]+)", doc, re.M)
+        assert m, f"docs/ui.md has no row for {name}"
+        return m.group(1)
+
+    assert int(row("CLIENTS_MAX")) == hub_mod.CLIENTS_MAX
+    assert int(row("CLIENT_QUEUE_MAX")) == hub_mod.CLIENT_QUEUE_MAX
+    assert int(row("BACKLOG_MESSAGES_MAX")) == hub_mod.BACKLOG_MESSAGES_MAX
+    assert int(row("BACKLOG_CHARS_MAX")) == hub_mod.BACKLOG_CHARS_MAX
+    assert int(row("WS_MESSAGE_BYTES_MAX")) == ui_server.WS_MESSAGE_BYTES_MAX
+    assert int(row("REQUESTS_IN_FLIGHT_MAX")) == ui_server.REQUESTS_IN_FLIGHT_MAX
+    assert int(row("TOKEN_BYTES")) == TOKEN_BYTES
+    for name in ("TERMINAL_CHARS_MAX", "NOTICES_MAX", "RETRY_MS_MAX"):  # the page's own
+        value = re.search(rf"const {name} = ([^;]+);", js).group(1)
+        assert int(row(name)) == eval(value, {}), name  # noqa: S307 - our own literal (e.g. 1 << 20)
