@@ -578,6 +578,11 @@ def _ui_start_payload(args) -> dict:
     ordinary STDIO API session, started by this process)."""
     from .session.runtime import Folder
 
+    unused = [flag for flag, given in (("--state-dir", args.state_dir), ("--share", args.share != "9p"),
+                                       ("--on-hold", args.on_hold != "ask")) if given]
+    if unused:
+        raise CliError(f"sandbox ui does not take {', '.join(unused)}: its session's undo store is the default one, "
+                       "it shares folders over 9P and the page answers safeguard holds", EXIT_USAGE)
     wds = []
     for spec in args.workdir:
         f = Folder.parse(spec)

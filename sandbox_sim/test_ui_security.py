@@ -45,7 +45,9 @@ def test_the_page_needs_the_token(served):
     assert status == 200 and b"<title>sandbox</title>" in body
     assert "HttpOnly" in headers["set-cookie"] and "SameSite=strict" in headers["set-cookie"]
     assert "default-src 'self'" in headers["content-security-policy"]
+    assert headers["set-cookie"].startswith(token_cookie(served) + ";")
     assert get(served, "/app.js", {"Cookie": token_cookie(served)})[0] == 200  # the cookie the page got
+    assert get(served, "/app.js", {"Cookie": f"sandbox_ui_1={served.token}"})[0] == 403  # another port's name
     assert get(served, "/nothing", {"Cookie": token_cookie(served)})[0] == 404
     assert get(served, "/", {"Cookie": token_cookie(served)}, method="POST")[0] == 405
 
@@ -62,7 +64,7 @@ def test_host_and_origin_are_checked(served):
 def test_websocket_refused_without_token_or_with_a_foreign_origin(served):
     cases = [
         ({"Origin": origin_of(served)}, 403),                                              # no token
-        ({"Origin": origin_of(served), "Cookie": "sandbox_ui=wrong"}, 403),                 # wrong token
+        ({"Origin": origin_of(served), "Cookie": f"sandbox_ui_{served.port}=wrong"}, 403),                 # wrong token
         ({"Cookie": token_cookie(served)}, 403),                                           # no Origin
         ({"Origin": "http://evil.example", "Cookie": token_cookie(served)}, 403),         # foreign Origin
         ({"Origin": origin_of(served), "Cookie": token_cookie(served), "Host": "evil.example"}, 403),  # Host
@@ -211,7 +213,7 @@ def test_sandbox_serve_ui_shows_the_stdio_frontends_session(work):
         for line in proc.stdout:
             if json.loads(line).get("request_id") == 2:
                 break
-        ws = WsClient(port, headers={"Origin": f"http://127.0.0.1:{port}", "Cookie": f"sandbox_ui={token}"})
+        ws = WsClient(port, headers={"Origin": f"http://127.0.0.1:{port}", "Cookie": f"sandbox_ui_{port}={token}"})
         try:
             backlog = ws.recv()["payload"]["backlog"]
             assert any(m["type"] == "ui.command" and m["payload"]["command"] == "rm -r src" for m in backlog)
@@ -249,3 +251,28 @@ def test_docs_ui_quotes_the_real_limits():
     for name in ("TERMINAL_CHARS_MAX", "NOTICES_MAX", "RETRY_MS_MAX"):  # the page's own
         value = re.search(rf"const {name} = ([^;]+);", js).group(1)
         assert int(row(name)) == eval(value, {}), name  # noqa: S307 - our own literal (e.g. 1 << 20)
+
+
+def test_sandbox_ui_refuses_the_options_it_cannot_honour(work, tmp_path):
+    import subprocess
+    import sys
+
+    for extra in (["--state-dir", str(tmp_path / "s")], ["--on-hold", "allow"], ["--share", "virtiofs"]):
+        r = subprocess.run([sys.executable, "-m", "sandbox", "ui", "--workdir", str(work), "--guest", "scripted",
+                            "--no-browser", *extra], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and f"does not take {extra[0]}" in r.stderr, r.stderr
+
+
+def test_sandbox_mcp_ui_logs_the_page_url_and_serves_it(work):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox", "mcp", "--workdir", str(work), "--guest", "scripted",
+                             "--ui", "--log-level", "warn"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        url = _url_from(proc.stderr)
+        assert _status(url) == 200 and _status(url, with_token=False) == 403
+    finally:
+        proc.stdin.close()  # the MCP client leaves: the session stops
+        assert proc.wait(timeout=60) == 0

@@ -97,7 +97,7 @@ class WsClient:
 
 
 def token_cookie(server: PageServer) -> str:
-    return f"sandbox_ui={server.token}"
+    return f"sandbox_ui_{server.port}={server.token}"
 
 
 def page_url(server: PageServer, *, token: str | None = None, path: str = "/") -> str:

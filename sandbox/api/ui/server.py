@@ -7,7 +7,7 @@ Who may talk to it (docs/ui.md):
   (Host wrong: ``421``; Origin from elsewhere: ``403``); a WebSocket without an ``Origin`` is
   refused too (browsers always send one);
 * a per-session token (``TOKEN_BYTES`` random bytes, hex): in the URL's query (``?token=``) or
-  in the ``sandbox_ui`` cookie the page sets (``HttpOnly; SameSite=Strict``); without it
+  in the ``sandbox_ui_<port>`` cookie the page sets (``HttpOnly; SameSite=Strict``); without it
   no file is served (``403``) and no WebSocket accepted (closed before the handshake
   completes: ``403``).
 
@@ -55,7 +55,8 @@ log = logging.getLogger("sandbox.ui")
 WS_MESSAGE_BYTES_MAX = 1 << 20
 #: requests of one page being carried out at once (more: answered protocol.busy)
 REQUESTS_IN_FLIGHT_MAX = 8
-COOKIE = "sandbox_ui"
+#: the token's cookie is ``sandbox_ui_<port>``: cookies are not kept apart by port, two pages must not share one
+COOKIE_PREFIX = "sandbox_ui_"
 #: what the page may ask for: the STDIO operations minus the session's lifecycle and mounts
 UI_OPERATIONS = frozenset(protocol.REQUEST_TYPES) - {"session.start", "session.stop", "session.reset",
                                                    "mount.add", "mount.remove"}
@@ -82,6 +83,7 @@ class UiApp:
         self.hub = hub
         self.token = token.encode()
         self.loopback = LoopbackOrigin(port)
+        self.cookie = f"{COOKIE_PREFIX}{port}"
 
     # ------------------------------------------------------------------ who may
 
@@ -93,8 +95,8 @@ class UiApp:
             cookie.load(headers.get("cookie", ""))
         except Exception:  # a malformed cookie header: no token from it
             cookie = SimpleCookie()
-        if COOKIE in cookie:
-            given.append(cookie[COOKIE].value)
+        if self.cookie in cookie:
+            given.append(cookie[self.cookie].value)
         return any(hmac.compare_digest(g.encode(), self.token) for g in given)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,7 +132,7 @@ class UiApp:
                 body = f.read()
             resp = Response(body, media_type=ctype, headers=SECURITY_HEADERS)
             if name == "index.html":  # later requests (app.js, the WebSocket) carry the token as a cookie
-                resp.set_cookie(COOKIE, self.token.decode(), httponly=True, samesite="strict", path="/")
+                resp.set_cookie(self.cookie, self.token.decode(), httponly=True, samesite="strict", path="/")
         await resp(scope, receive, send)
 
     # ------------------------------------------------------------------ one page
