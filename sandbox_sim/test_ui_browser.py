@@ -161,4 +161,7 @@ def test_after_a_reload_the_page_shows_the_history_again(page_of, work):
     expect(page.locator("#timeline > li")).to_have_count(2)
     expect(page.locator("#timeline > li").first).to_contain_text("#2 write x.txt hello")  # newest first
     expect(page.locator("#status")).to_contain_text("scripted")
+    limits = server.agent.session.workspaces[0].limits  # the store's use against its limits
+    expect(page.locator("#status")).to_contain_text(f"2 of {limits.max_step_count} step(s)")
+    expect(page.locator("#status")).to_contain_text("of 1.0 GiB" if limits.max_log_size_bytes == 1 << 30 else " of ")
     shot(page, "after-reload")

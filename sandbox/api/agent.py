@@ -306,13 +306,16 @@ class Agent:
                 "read_only": self.view.read_only, "python_path": st["python_path"],
                 "external_modification_policy": st["external_modification_policy"]}
 
-    def _folders(self, s: Session) -> list[dict]:
+    def _folders(self, s: Session, store: bool = False) -> list[dict]:
+        """``store``: with each undo store's size and limits (``session.status``)."""
         out = []
         for i, (f, m) in enumerate(zip(s.folders, s.table.folders)):
             ws = s.workspaces[i] if s.running else None
             out.append({"index": i, "label": m.label, "path": os.path.realpath(f.path), "guest_path": m.target,
                         "access": "read_only" if f.read_only else "read_write",
                         "undo_available": bool(ws is not None and ws.undo_available)})
+            if store and ws is not None and ws.undo_available:
+                out[-1]["undo_store"] = {"size_bytes": ws.store_size_bytes, **dict(ws.limits.__dict__)}
         return out
 
     def op_session_stop(self, p: dict, rid) -> dict:
@@ -367,7 +370,8 @@ class Agent:
             state = "stopped" if st["vm"] == "stopped" else "error"
         return {"state": state, "vm": st["vm"], "guest": st["guest"], "accel": st["accel"],
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
-                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"], "folders": self._folders(s), "mounts": st["mounts"],
+                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"],
+                "folders": self._folders(s, store=True), "mounts": st["mounts"],
                 "running": None if r is None else r.as_dict(),
                 "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",

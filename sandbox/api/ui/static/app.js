@@ -144,12 +144,15 @@ async function refreshStatus() {
   }
   const running = s.running;
   $("cancel").disabled = !running;
-  const size = steps.reduce((a, st) => a + (st.size_bytes || 0), 0);
+  const shown = (s.folders || []).find((f) => f.index === folder);
+  const store = shown && shown.undo_store;
+  const undoText = store ? `${steps.length} of ${store.max_step_count} step(s), ${fmtBytes(store.size_bytes)} of ${fmtBytes(store.max_log_size_bytes)}`
+    : `${steps.length} step(s)`;
   const rows = [["State", s.state + (running ? ` (${running.client}: ${running.command})` : "")],
     ["Guest", s.guest || "–"], ["Accelerator", s.accel || "–"], ["Network", s.network || "–"],
     ["View", s.view ? s.view + (s.read_only ? " (read-only)" : "") : "–"],
     ["Folders", (s.folders || []).map((f) => `${f.path} → ${f.guest_path}${f.access === "read_only" ? " (ro)" : ""}`).join("; ")],
-    ["Undo store", `${steps.length} step(s), ${fmtBytes(size)}`]];
+    ["Undo store", undoText]];
   const dl = $("status"); dl.textContent = "";
   for (const [k, v] of rows) {
     const d = document.createElement("div"), dt = document.createElement("dt"), dd = document.createElement("dd");
