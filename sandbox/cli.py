@@ -1334,6 +1334,9 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--no-browser", action="store_true", help="only print the URL")
     ui.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                     help="least severe log level written to stderr (default info)")
+    for a in ui._actions:  # session options the page's session does not take (refused if given)
+        if a.dest in ("state_dir", "share", "on_hold"):
+            a.help = argparse.SUPPRESS
     ui.set_defaults(fn=cmd_ui)
     # -- end web page
     demo = command(

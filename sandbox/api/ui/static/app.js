@@ -12,6 +12,7 @@ let folder = 0, steps = [], folders = [];
 const expanded = new Set();           // step ids whose details are open
 const holds = new Map();              // safeguard_id -> {payload, deadline}
 let shownHold = null, countdownTimer = null, forceStep = null;
+let termChars = 0;                    // characters in the terminal now
 
 // ------------------------------------------------------------------ connection
 
@@ -52,7 +53,7 @@ function onMessage(m, replay) {
       return;
     }
     case "ui.welcome":
-      $("terminal").textContent = "";
+      $("terminal").textContent = ""; termChars = 0;
       if (p.dropped) term(`[${p.dropped} earlier events were dropped from the page's backlog]\n`, "cmd");
       for (const ev of p.backlog || []) onMessage(ev, true);
       refresh();
@@ -104,8 +105,8 @@ function term(text, cls) {
   if (cls) span.className = cls;
   span.textContent = text;
   t.appendChild(span);
-  let total = t.textContent.length;
-  while (total > TERMINAL_CHARS_MAX && t.firstChild) { total -= t.firstChild.textContent.length; t.removeChild(t.firstChild); }
+  termChars += text.length;
+  while (termChars > TERMINAL_CHARS_MAX && t.firstChild) { termChars -= t.firstChild.textContent.length; t.removeChild(t.firstChild); }
   if (atEnd) t.scrollTop = t.scrollHeight;
 }
 
