@@ -90,8 +90,12 @@ def test_rm_rf_then_diff_then_undo_by_click_restores_the_tree(page_of, work):
     step = page.locator("#timeline > li").first
     expect(step).to_contain_text("#1 rm -rf src")
     toggle = step.get_by_role("button", name="Step 1: rm -rf src. Show details")
-    toggle.focus()
-    page.keyboard.press("Enter")  # keyboard opens the step
+    page.get_by_label("Command", exact=True).focus()
+    page.keyboard.press("Tab")  # → Run (Cancel is disabled while nothing runs)
+    expect(page.get_by_role("button", name="Run", exact=True)).to_be_focused()
+    page.keyboard.press("Tab")  # → the newest step
+    expect(toggle).to_be_focused()
+    page.keyboard.press("Enter")  # the keyboard opens the step
     expect(toggle).to_have_attribute("aria-expanded", "true")
     diff = step.get_by_label("Diff of src/a.txt")
     expect(diff).to_contain_text("-alpha")
