@@ -276,3 +276,12 @@ def test_sandbox_mcp_ui_logs_the_page_url_and_serves_it(work):
     finally:
         proc.stdin.close()  # the MCP client leaves: the session stops
         assert proc.wait(timeout=60) == 0
+
+
+def test_the_browser_is_opened_only_where_one_can_be_shown():
+    from sandbox.api.ui.run import display_available
+
+    assert not display_available({}) or __import__("sys").platform == "darwin"
+    assert display_available({"DISPLAY": ":0"})
+    assert display_available({"WAYLAND_DISPLAY": "wayland-0"})
+    assert display_available({"BROWSER": "firefox"})

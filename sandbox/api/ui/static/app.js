@@ -201,6 +201,7 @@ function stepItem(st, index) {
   toggle.append(title);
   if (st.type !== "command") toggle.append(mark(st.type));
   if (st.exit_code != null) toggle.append(mark(`exit ${st.exit_code}`, st.exit_code !== 0));
+  if (st.started_ns) toggle.append(mark(new Date(st.started_ns / 1e6).toLocaleTimeString()));
   toggle.append(mark(`${(st.paths || []).length} path(s)`));
   if (st.barriers && st.barriers.length) toggle.append(mark(`${st.barriers.length} barrier(s)`, true));
   if (st.unprotected) toggle.append(mark("unprotected", true));
