@@ -519,6 +519,8 @@ def cmd_serve(args) -> int:
                              as_root=args.as_root)
     # -- end MCP socket
 
+    page = _serve_page(server.agent) if args.ui else None  # -- web page (issue 18)
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -528,6 +530,8 @@ def cmd_serve(args) -> int:
     finally:
         if mcp_socket is not None:  # -- MCP socket (issue 14)
             mcp_socket.close()
+        if page is not None:  # -- web page (issue 18)
+            page.stop()
 
 
 # -- MCP server (issue 14)
@@ -542,6 +546,7 @@ def cmd_mcp(args) -> int:
     from .api.mcp.server import serve_stdio
 
     host = _mcp_own_host(args)
+    page = _mcp_page(host, args) if args.ui else None  # -- web page (issue 18)
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
@@ -562,7 +567,88 @@ def cmd_mcp(args) -> int:
         anyio.run(serve)
     finally:
         host.stop()
+        if page is not None:
+            page.stop()
     return EXIT_OK
+
+
+# -- web page (issue 18)
+def _ui_start_payload(args) -> dict:
+    """``session.start``'s payload from `sandbox ui`'s session options (the page's session is an
+    ordinary STDIO API session, started by this process)."""
+    from .session.runtime import Folder
+
+    unused = [flag for flag, given in (("--state-dir", args.state_dir), ("--share", args.share != "9p"),
+                                       ("--on-hold", args.on_hold != "ask")) if given]
+    if unused:
+        raise CliError(f"sandbox ui does not take {', '.join(unused)}: its session's undo store is the default one, "
+                       "it shares folders over 9P and the page answers safeguard holds", EXIT_USAGE)
+    wds = []
+    for spec in args.workdir:
+        f = Folder.parse(spec)
+        if not os.path.isdir(f.path):
+            raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
+        wds.append({"path": os.path.abspath(f.path), "access": "read_only" if f.read_only else "read_write"})
+    network, _, allow = args.network.partition(":")
+    if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
+        raise CliError(f"--network wants disabled, open or allowlist:CIDR|DOMAIN,…, not {args.network!r}", EXIT_USAGE)
+    p = {"working_directories": wds, "network_policy": network, "vm_mode": args.vm_mode, "memory_mb": args.memory,
+         "as_root": args.as_root, "guest_root": args.guest_root, "external_modification_policy": "barrier",
+         "guest": "local" if args.local else args.guest}
+    if allow:
+        p["network_allowlist"] = allow.split(",")
+    if _guest_packages(args):
+        p["guest_packages"] = _guest_packages(args)
+    if args.delete_threshold:
+        p["safeguard"] = {"delete_threshold": args.delete_threshold}
+    return p
+
+
+def _serve_page(agent):
+    """`sandbox serve --ui`: the page over the STDIO agent's session (api.ui.run.page_for_agent)."""
+    from .api.ui.run import page_for_agent
+
+    page = page_for_agent(agent)
+    print(f"sandbox: the page is at {page.url}", file=sys.stderr, flush=True)
+    return page
+
+
+def _mcp_page(host, args):
+    """`sandbox mcp --ui`: the page over the MCP host's own session (api.ui.run.page_for_mcp_host)."""
+    from .api.ui.run import page_for_mcp_host
+
+    page = page_for_mcp_host(host, guest=args.guest)
+    print(f"sandbox: the page is at {page.url}", file=sys.stderr, flush=True)
+    return page
+
+
+def cmd_ui(args) -> int:
+    """`sandbox ui`: a session of its own and the page over it, until SIGINT/SIGTERM."""
+    from .api.agent import Agent
+    from .api.errors import ApiError
+    from .api.ui.hub import Hub
+    from .api.ui.run import PageServer
+
+    setup_logging(args.log_level)
+    if args.share_servers:
+        os.environ["SANDBOX_SHARE_SERVERS"] = args.share_servers
+    payload = _ui_start_payload(args)
+    hub = Hub()
+    agent = Agent(hub.publish, guest=payload["guest"], as_root=args.as_root,
+                  progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+    try:
+        agent.handle("session.start", payload, "ui-start")
+    except ApiError as e:
+        raise CliError(f"{e.code}: {e.message}", EXIT_FAILED) from None
+    try:
+        page = PageServer(agent, hub)
+        print(f"sandbox: the page is at {page.url}", flush=True)
+        print("sandbox: (the link carries this session's token; Ctrl-C stops the session)", file=sys.stderr, flush=True)
+        page.serve(open_browser=not args.no_browser)
+    finally:
+        agent.shutdown()
+    return EXIT_OK
+# -- end web page
 
 
 def _mcp_on_hold(sp) -> None:
@@ -600,12 +686,15 @@ def cmd_mcp_net(args) -> int:
     except HttpBindError as e:
         raise CliError(str(e), EXIT_USAGE) from None
     host = _mcp_own_host(args)
+    page = _mcp_page(host, args) if args.ui else None  # -- web page (issue 18)
     try:
         run(host, args.http)  # until SIGINT/SIGTERM
     except OSError as e:
         raise CliError(f"--http {args.http}: {e.strerror or e}", EXIT_FAILED) from None
     finally:
         host.stop()
+        if page is not None:
+            page.stop()
     return EXIT_OK
 
 
@@ -1185,6 +1274,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(`sandbox mcp --attach PATH` connects an MCP client). The socket is 0600 in a 0700 "
                          "directory of yours (created if missing), its token in PATH.token (0600); see docs/mcp.md")
     # -- end MCP socket
+    sv.add_argument("--ui", action="store_true",  # -- web page (issue 18)
+                    help="also serve the web page (docs/ui.md) over the session the STDIO client starts; its URL "
+                         "(with this run's token) is logged on stderr")
     _share_servers_arg(sv)  # -- confined share servers (issue 13)
     sv.set_defaults(fn=cmd_serve)
     # -- MCP server (issue 14)
@@ -1216,12 +1308,37 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve MCP over streamable HTTP on this loopback address instead of stdio (port 0: any; "
                          "the URL and a bearer token for this run are logged on stderr). Host and Origin headers "
                          "are checked; only loopback binds are accepted")
+    mc.add_argument("--ui", action="store_true",  # -- web page (issue 18)
+                    help="also serve the web page (docs/ui.md) over this session, so a person watches and steers "
+                         "what the LLM does: its URL (with this run's token) is printed on stderr; while a page is "
+                         "open it answers safeguard holds")
     session_dests = [a.dest for a in mc._actions if a.dest not in ("help", "attach", "http", "log_level", "guest")]
     for a in mc._actions:
         if a.dest == "workdir":
             a.required = False  # --attach takes none; cmd_mcp_net asks for it otherwise
     mc.set_defaults(fn=cmd_mcp_net, mcp_session_defaults={d: mc.get_default(d) for d in session_dests})
     # -- end MCP transports
+    # -- web page (issue 18)
+    ui = with_session(command(
+        "ui", "a local web page over a session: live terminal, step timeline with diffs, undo by click",
+        "Start a session on the --workdir folders (like `sandbox serve` would for a frontend) and serve a\n"
+        "page for it on 127.0.0.1 (a random port): a terminal with the live output of every command and a\n"
+        "command box, the steps newest first with their diffs, Undo to here, safeguard dialogs with Allow /\n"
+        "Deny, notices and the session's status. The URL printed carries a per-session token (no page\n"
+        "without it); it is opened in your browser when there is a display ($BROWSER, $DISPLAY). Ctrl-C\n"
+        "stops the session. Reference: docs/ui.md.",
+        [(0, "stopped by Ctrl-C or SIGTERM"), (1, "the session could not start"), (2, "bad usage")]))
+    ui.add_argument("--guest", default="vm", choices=["vm", "scripted", "local"],
+                    help="vm: a QEMU guest (default); scripted: no VM — commands are file-operation scripts "
+                         "(sandbox/scripted/script.py; for tests and trying the page); local: like --local")
+    ui.add_argument("--no-browser", action="store_true", help="only print the URL")
+    ui.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                    help="least severe log level written to stderr (default info)")
+    for a in ui._actions:  # session options the page's session does not take (refused if given)
+        if a.dest in ("state_dir", "share", "on_hold"):
+            a.help = argparse.SUPPRESS
+    ui.set_defaults(fn=cmd_ui)
+    # -- end web page
     demo = command(
         "demo", "run a session on a copy of the sample project: `rm -rf *`, history, undo, verify",
         "Copy the sample project to a temporary folder, boot a VM on it and run a destructive command\n"

@@ -20,8 +20,10 @@ never a higher one:
  9    ``files``                            file operations for every API client
 10    ``api``                              the STDIO agent and its schemas
 11    ``api.mcp``                          the MCP server (issue 14)
-12    ``cli``, ``sdk``, the package root   entry points (``sdk``: ``sandbox.Sandbox``, the composition root)
-13    ``__main__``                         ``python -m sandbox``
+12    ``api.ui``                           the web page's server (issue 18; reuses the MCP
+                                           server's loopback checks and uvicorn runner)
+13    ``cli``, ``sdk``, the package root   entry points (``sdk``: ``sandbox.Sandbox``, the composition root)
+14    ``__main__``                         ``python -m sandbox``
 ====  ===================================  ==================================================
 
 ``sandbox/data/`` is package data (the demo's sample project), not part of the graph.
@@ -57,6 +59,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api.messages",),  # -- the API's message models (issue 14): STDIO and MCP, one source
     ("api",),
     ("api.mcp",),  # -- MCP server (issue 14): the tools over the shared API machinery
+    ("api.ui",),  # -- web page (issue 18)
     ("cli", "sdk", ""),
     ("__main__",),
 ]

@@ -83,6 +83,8 @@ class Agent:
         self._start_payload: dict | None = None
         self._failed: str | None = None
         self.files: FileService | None = None  # this client's file operations (fs.*), made at session.start
+        #: called with each session this agent starts or adopts, once it runs (the web page taps its commands)
+        self.session_listeners: list = []
         #: request type -> handler(payload, request_id) -> ok payload; exactly the types of protocol.REQUEST_TYPES
         self._dispatch = {
             "hello": self.op_hello,
@@ -188,7 +190,41 @@ class Agent:
             except BaseException:  # a bad restrict option: no session is left running
                 self._stop()
                 raise
+            self._started(session)
             return self._describe()
+
+    def adopt(self, session: Session, *, client: str = "ui") -> None:
+        """Serve a session someone else started and owns (``sandbox mcp --ui``: the MCP host's):
+        its events come here too (chained after its own ``on_event``). The owner stops it;
+        :meth:`shutdown` then stops it as well (idempotent), so call it only when the owner has."""
+        with self._lifecycle:
+            if self.session is not None and self.session.running:
+                raise ApiError("session.already_started", "a session is already running; stop it first")
+            own = session.on_event
+
+            def on_event(e: dict) -> None:
+                if own is not None:
+                    own(e)
+                self._on_core_event(e)
+
+            session.on_event = on_event
+            self.session = session
+            self.view = session.table
+            self.files = FileService(session, self.view, client=client)
+            self._failed = None
+            self._started(session)
+
+    def _started(self, session: Session) -> None:
+        for fn in list(self.session_listeners):
+            try:
+                fn(session)
+            except Exception:
+                log.exception("a session listener failed")
+
+    def running_client(self) -> str | None:
+        """Who runs the session's current command (``stdio``, ``mcp``), or None."""
+        r = self._running
+        return r.client if r is not None else None
 
     def _build_session(self, p: dict) -> tuple[Session, dict | None]:
         def bad(msg: str, field: str):
@@ -270,13 +306,16 @@ class Agent:
                 "read_only": self.view.read_only, "python_path": st["python_path"],
                 "external_modification_policy": st["external_modification_policy"]}
 
-    def _folders(self, s: Session) -> list[dict]:
+    def _folders(self, s: Session, store: bool = False) -> list[dict]:
+        """``store``: with each undo store's size and limits (``session.status``)."""
         out = []
         for i, (f, m) in enumerate(zip(s.folders, s.table.folders)):
             ws = s.workspaces[i] if s.running else None
             out.append({"index": i, "label": m.label, "path": os.path.realpath(f.path), "guest_path": m.target,
                         "access": "read_only" if f.read_only else "read_write",
                         "undo_available": bool(ws is not None and ws.undo_available)})
+            if store and ws is not None and ws.undo_available:
+                out[-1]["undo_store"] = {"size_bytes": ws.store_size_bytes, **dict(ws.limits.__dict__)}
         return out
 
     def op_session_stop(self, p: dict, rid) -> dict:
@@ -331,7 +370,8 @@ class Agent:
             state = "stopped" if st["vm"] == "stopped" else "error"
         return {"state": state, "vm": st["vm"], "guest": st["guest"], "accel": st["accel"],
                 "accel_reason": st["accel_reason"], "boot_s": st["boot_s"], "network": st["network"],
-                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"], "folders": self._folders(s), "mounts": st["mounts"],
+                "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"],
+                "folders": self._folders(s, store=True), "mounts": st["mounts"],
                 "running": None if r is None else r.as_dict(),
                 "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",

@@ -27,6 +27,7 @@ CODES: dict[str, str] = {
     "protocol.unknown_type": "No operation has this type (data: type, known).",
     "protocol.unsupported_version": "hello asked for a protocol version the agent does not speak (data: requested, supported_versions).",
     "protocol.busy": "Too many requests in flight (data: limit); retry after some complete.",
+    "protocol.not_allowed": "The operation is not offered on this transport: the web page (sandbox ui) cannot start, stop or reset the session nor change its mounts (data: type).",
     "protocol.internal": "A bug in the agent; the request failed, the agent goes on (data: exception).",
     # session: lifecycle and configuration
     "session.not_started": "The operation needs a session: send session.start first.",

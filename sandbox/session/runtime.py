@@ -407,6 +407,10 @@ class Session:
         #: called (under command_lock) before a command step opens or an undo runs: API clients
         #: end their open API steps there (sandbox.files.FileService.end_steps)
         self.before_step: list[Callable[[], None]] = []
+        #: told of every command (``{"type": "command", "command", "step_id"}``, before it runs) and
+        #: its output (``{"type": "output", "stream", "data", "step_id"}``, on the I/O thread),
+        #: whichever client ran it — a watcher's tap (the web page, issue 18); must not block
+        self.command_listeners: list[Callable[[dict], None]] = []
 
     @property
     def state_dirs(self) -> list[str | None]:
@@ -903,6 +907,7 @@ class Session:
             log.info("step %s: exec %s", step_id, command[:200], extra={"step_id": step_id})
             exec_id = step_id if step_id is not None else int(time.time() * 1000) % (1 << 31)
             result = None
+            on_output = self._tapped(command, step_id, on_output)
             try:
                 try:
                     ex = s.server.run(s.guest.exec(exec_id, command, cwd or self.guest_path(0), env, on_output))
@@ -917,6 +922,28 @@ class Session:
                 for ws, sid in zip(s.workspaces, ids):
                     if ws is not None and sid is not None:
                         self._close_step(ws, sid, code)
+
+    def _tapped(self, command: str, step_id: int | None, on_output):
+        """``on_output``, also telling :attr:`command_listeners` (a failing listener is logged, never raised)."""
+        listeners = list(self.command_listeners)
+        if not listeners:
+            return on_output
+
+        def tell(event: dict) -> None:
+            for fn in listeners:
+                try:
+                    fn(event)
+                except Exception:
+                    log.exception("a command listener failed")
+
+        tell({"type": "command", "command": command, "step_id": step_id})
+
+        def out(stream: str, text: str) -> None:
+            if on_output is not None:
+                on_output(stream, text)
+            tell({"type": "output", "stream": stream, "data": text, "step_id": step_id})
+
+        return out
 
     def _wait(self, fut, cancel: threading.Event | None, exec_id: int) -> dict:
         s = self._s

@@ -126,8 +126,15 @@ class OwnSessionHost(McpHost):
     def network(self) -> str:
         return self.session.network
 
+    #: who else answers holds while it returns True (``sandbox mcp --ui``: a connected page)
+    holds_answered_elsewhere: Callable[[], bool] | None = None
+
     def decides_holds_elsewhere(self) -> bool:
-        return False
+        return bool(self.holds_answered_elsewhere is not None and self.holds_answered_elsewhere())
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Block until the boot has ended (started or failed); False on timeout."""
+        return self._done.wait(timeout)
 
     def narrow_guest(self, view) -> None:
         if self.session.running:

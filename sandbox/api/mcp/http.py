@@ -106,25 +106,42 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, messa
     await JSONResponse({"error": message}, status_code=status, headers=headers or None)(scope, receive, send)
 
 
+class LoopbackOrigin:
+    """The DNS-rebinding checks of a loopback server on ``port`` (this module's, and the web
+    page's, :mod:`sandbox.api.ui.server`): the ``Host`` header must name the loopback address
+    and the port; an ``Origin`` header, when present, must be ``http://`` one of those."""
+
+    def __init__(self, port: int):
+        names = ("127.0.0.1", "localhost", "[::1]")
+        self.hosts = {f"{n}:{port}" for n in names}
+        self.origins = {f"http://{h}" for h in self.hosts}
+
+    def refusal(self, headers: Headers, *, origin_required: bool = False) -> tuple[int, str] | None:
+        """None if ``headers`` pass, else (HTTP status, reason): 421 for the Host, 403 for the
+        Origin (``origin_required``: a missing one too — a browser's WebSocket always sends it)."""
+        if headers.get("host", "") not in self.hosts:
+            return 421, "the Host header does not name this loopback server"
+        origin = headers.get("origin")
+        if (origin is None and origin_required) or (origin is not None and origin not in self.origins):
+            return 403, "requests from another origin are refused"
+        return None
+
+
 class Guard:
-    """ASGI middleware: Host, Origin and the bearer token (the module's checks), then ``app``."""
+    """ASGI middleware: Host, Origin (:class:`LoopbackOrigin`) and the bearer token, then ``app``."""
 
     def __init__(self, app, *, port: int, token: str):
         self.app = app
         self.token = token.encode()
-        names = ("127.0.0.1", "localhost", "[::1]")
-        self.hosts = {f"{n}:{port}" for n in names}
-        self.origins = {f"http://{h}" for h in self.hosts}
+        self.loopback = LoopbackOrigin(port)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        if headers.get("host", "") not in self.hosts:
-            return await _refuse(scope, receive, send, 421, "the Host header does not name this loopback server")
-        origin = headers.get("origin")
-        if origin is not None and origin not in self.origins:
-            return await _refuse(scope, receive, send, 403, "requests from another origin are refused")
+        refused = self.loopback.refusal(headers)
+        if refused is not None:
+            return await _refuse(scope, receive, send, *refused)
         scheme, _, given = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.token):
             return await _refuse(scope, receive, send, 401, "a bearer token is required (printed on stderr at start)",
@@ -197,10 +214,12 @@ class HttpSessions:
                 await transport.terminate()
 
 
-async def serve_http(serve_connection: ServeConnection, sock: socket.socket, token: str) -> None:
-    """Serve MCP on the listening ``sock`` until SIGINT/SIGTERM (then a graceful shutdown: open
-    sessions end, ``serve_connection`` tasks are cancelled) or until cancelled. Main thread only
-    (it receives the signals itself; uvicorn's own handling, which re-raises them, is off)."""
+async def serve_app(app, sock: socket.socket, *, signals: bool = True, stop: anyio.Event | None = None,
+                    **config) -> None:
+    """Serve the ASGI ``app`` on the listening ``sock`` with uvicorn until SIGINT/SIGTERM or ``stop``
+    is set (then a graceful shutdown), or until cancelled. ``signals``: receive SIGINT/SIGTERM (main
+    thread only; uvicorn's own handling, which re-raises them, is off either way). ``config``: more
+    uvicorn settings."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -208,13 +227,9 @@ async def serve_http(serve_connection: ServeConnection, sock: socket.socket, tok
         def capture_signals(self):
             yield
 
-    port = sock.getsockname()[1]
+    server = Server(uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
+                                   timeout_graceful_shutdown=5, **config))
     async with anyio.create_task_group() as tg:
-        app = Guard(RequestBodyLimitMiddleware(HttpSessions(tg, serve_connection), HTTP_BODY_BYTES_MAX),
-                    port=port, token=token)
-        server = Server(uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                                       timeout_graceful_shutdown=5))
-
         async def on_signal() -> None:
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
@@ -222,8 +237,26 @@ async def serve_http(serve_connection: ServeConnection, sock: socket.socket, tok
                     server.should_exit = True
                     return
 
-        tg.start_soon(on_signal)
+        async def on_stop() -> None:
+            await stop.wait()
+            server.should_exit = True
+
+        if signals:
+            tg.start_soon(on_signal)
+        if stop is not None:
+            tg.start_soon(on_stop)
         await server.serve(sockets=[sock])
+        tg.cancel_scope.cancel()
+
+
+async def serve_http(serve_connection: ServeConnection, sock: socket.socket, token: str) -> None:
+    """Serve MCP on the listening ``sock`` (:func:`serve_app`): on SIGINT/SIGTERM open sessions
+    end and ``serve_connection`` tasks are cancelled."""
+    port = sock.getsockname()[1]
+    async with anyio.create_task_group() as tg:
+        app = Guard(RequestBodyLimitMiddleware(HttpSessions(tg, serve_connection), HTTP_BODY_BYTES_MAX),
+                    port=port, token=token)
+        await serve_app(app, sock)
         tg.cancel_scope.cancel()
 
 

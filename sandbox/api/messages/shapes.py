@@ -57,12 +57,23 @@ class FolderBase(Open):
     undo_available: bool = None
 
 
+class UndoStore(Open):
+    """A read-write folder's undo store now, beside the limits that evict its oldest steps."""
+
+    schema_name = "undo_store"
+    size_bytes: NonNeg
+    max_log_size_bytes: NonNeg
+    max_step_count: NonNeg
+    max_single_step_size_bytes: NonNeg
+
+
 class Folder(FolderBase):
     """A working folder of the session (STDIO): its host path and label too."""
 
     schema_name = "folder"
     label: str
     path: str
+    undo_store: UndoStore = Field(None, description="session.status only, read-write folders with undo")
 
 
 class Mount(Open):
