@@ -219,6 +219,7 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
         changed = os.stat(lm.mnt("x"))  # its attributes, cached now (the step's mtime)
         assert changed.st_mtime_ns == os.stat(lm.host("x")).st_mtime_ns
         os.unlink(lm.mnt("y"))  # ... and a delete; the second delete is held
+        assert not os.path.exists(lm.mnt("y"))  # a negative entry now, cached 60 s: the rollback must drop it
         done = threading.Event()
         errors = []
 
@@ -246,6 +247,43 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
         assert _read(lm.mnt("y")) == b"orig"
     finally:
         lm.close()
+
+
+def _ops(live, *names: str) -> dict:
+    return {n: live.server.op_counts[n] for n in names}
+
+
+def test_own_writes_stay_cached_and_closes_send_no_flush(live):
+    """What the mount's own writes put in the page cache is served from it after a reopen
+    (no READ: the watcher, not the mtime, decides what is dropped), and a close sends no
+    FLUSH (nothing is buffered in the server). A host edit of the same file is still seen."""
+    data = os.urandom(3 * 4096)
+    with open(live.mnt("w.bin"), "wb") as f:
+        f.write(data)
+    before = _ops(live, "READ", "FLUSH", "OPEN")
+    for _ in range(3):
+        assert _read(live.mnt("w.bin")) == data
+    after = _ops(live, "READ", "FLUSH", "OPEN")
+    assert after == {"READ": before["READ"], "FLUSH": before["FLUSH"], "OPEN": before["OPEN"] + 3}, (before, after)
+    live.mark()
+    with open(live.host("w.bin"), "r+b") as f:  # same size
+        f.write(b"HOST")
+    live.written("w.bin")
+    assert _read(live.mnt("w.bin")) == b"HOST" + data[4:]
+
+
+def test_missing_names_are_cached_until_the_host_makes_them(live):
+    """A missing name is a cached negative entry (a second look sends no LOOKUP); the host
+    making it is seen as soon as its notifications are written."""
+    assert not os.path.exists(live.mnt("later"))
+    before = live.server.op_counts["LOOKUP"]
+    assert not os.path.exists(live.mnt("later"))
+    assert live.server.op_counts["LOOKUP"] == before
+    live.mark()
+    with open(live.host("later"), "wb") as f:
+        f.write(b"now")
+    live.written("later")
+    assert _read(live.mnt("later")) == b"now"
 
 
 def test_a_read_only_mount_sees_host_edits_at_once(tmp_path):

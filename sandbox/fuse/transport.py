@@ -42,6 +42,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -185,6 +186,8 @@ class FuseServer:
         self.poll_interval_s = poll_interval_s
         self.reading = False
         self.requests = 0  # handled (for tests and logs)
+        #: requests read, by opcode name (cheap; ``sandbox mount --op-counts`` prints them for benchmarks)
+        self.op_counts: collections.Counter[str] = collections.Counter()
         self.notifier = Notifier(fd, self._invalidations)  # its thread runs while serving
         self._buf = memoryview(bytearray(abi.READ_BUFFER_BYTES))  # reused; each request is copied out
         self._done: asyncio.Future | None = None
@@ -323,6 +326,7 @@ class FuseServer:
                     log.info("fuse: bad request: %s", e)
                 self._send(e.unique, None, OSError(e.errno, e.message))
             return
+        self.op_counts[req.OPCODE.name] += 1
         if self.dispatcher.submit(req, len(buf), self._send) or isinstance(req, m.Interrupt):
             self._quiet()
         if isinstance(req, m.Destroy):
