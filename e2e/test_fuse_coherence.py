@@ -249,6 +249,51 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
         lm.close()
 
 
+def test_a_write_deferred_behind_a_hold_keeps_its_bytes(tmp_path):
+    """A WRITE's data is a view of the transport's read buffer: one deferred behind a
+    safeguard hold (the gate is busy) must keep its own bytes while later requests are read
+    — the file gets exactly what was written once the hold is allowed."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root (mount(2))")
+    lm = LiveMount(tmp_path, SafeguardConfig(delete_threshold=1, timeout_s=60))
+    try:
+        os.mkdir(lm.host("sub"))  # the held unlink locks this directory, not the root
+        with open(lm.host("sub", "victim"), "wb") as f:
+            f.write(b"v")
+        with open(lm.host("other"), "wb") as f:
+            f.write(b"o" * 4096)
+        w = os.open(lm.mnt("w.bin"), os.O_WRONLY | os.O_CREAT, 0o644)  # opened before the hold
+        data = os.urandom(256 * 1024)
+        done = {n: threading.Event() for n in ("unlink", "write")}
+
+        def unlink() -> None:
+            os.unlink(lm.mnt("sub", "victim"))
+            done["unlink"].set()
+
+        def write() -> None:
+            assert os.write(w, data) == len(data)
+            done["write"].set()
+
+        threading.Thread(target=unlink, daemon=True).start()
+        while not lm.holds.pending():
+            assert not done["unlink"].wait(0.01), "the delete was not held"
+        threading.Thread(target=write, daemon=True).start()
+        while not lm.dispatcher.pipeline.tasks or len(lm.dispatcher.pipeline.tasks) < 2:
+            assert not done["write"].wait(0.01), "the write was not deferred behind the hold"
+        for i in range(20):  # later requests, read while the write waits (into the read buffer)
+            assert not os.path.exists(lm.mnt(f"{i:03d}" + "n" * 240))  # a LOOKUP longer than a WRITE's header
+            os.stat(lm.mnt("other"))
+            with open(lm.mnt("other"), "rb") as f:
+                assert f.read() == b"o" * 4096
+            os.listdir(lm.mnt(""))
+        assert lm.holds.answer(lm.holds.pending()[0]["safeguard_id"], "allow")
+        assert done["unlink"].wait(WAIT_S) and done["write"].wait(WAIT_S)
+        os.close(w)
+        assert _read(lm.host("w.bin")) == data
+    finally:
+        lm.close()
+
+
 def _ops(live, *names: str) -> dict:
     return {n: live.server.op_counts[n] for n in names}
 
