@@ -233,6 +233,23 @@ def test_the_next_command_sees_an_undo_at_once(project, tmp_path):
         assert '"fresh"' in events or "/fresh" in events  # $SANDBOX_UNDO_EVENTS names what was undone
 
 
+def test_commands_see_a_proc_of_their_own_pid_namespace(project, tmp_path):
+    """init mounts a /proc of the guest's PID namespace: pid 1 is the holder's init, and the
+    agent's own process is not in it (the host's /proc would show both)."""
+    with Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")]) as s:
+        if not s._s.guest.private_proc:  # root may always mount it in its own namespaces
+            assert os.geteuid() != 0, "no private /proc, as root"
+            pytest.skip("the kernel refused a private /proc here (masked /proc in a user namespace?)")
+        out: list[str] = []
+        r = s.run(f"tr '\\0' ' ' < /proc/1/cmdline; echo; cat /proc/{os.getpid()}/cmdline 2>/dev/null | wc -c; "
+                  "echo $$", lambda stream, text: out.append(text))
+    assert r.exit_code == 0, out
+    lines = "".join(out).splitlines()
+    assert "holder.py" in lines[0], lines
+    assert lines[1].strip() == "0" or os.getpid() < 50, lines  # the agent is not there (unless its pid is tiny)
+    assert int(lines[2]) < 50, lines  # the command's shell has a pid of the new namespace
+
+
 # ---------------------------------------------------------------------------- unprivileged
 
 

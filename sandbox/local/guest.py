@@ -211,6 +211,10 @@ class LocalGuest:
             hint = (" (unprivileged: the kernel must allow user namespaces; or run as root)" if self.user_ns else "")
             raise LocalGuestError(f"cannot make the private mount namespace: {why}{hint}")
         self.init_pid = int(msg["pid"])
+        #: commands see a /proc of their own PID namespace (False: the kernel refused it; the host's)
+        self.private_proc = bool(msg.get("proc"))
+        if not self.private_proc:
+            log.warning("local guest: could not mount a private /proc; commands see the host's processes")
 
     def _request(self, req: dict) -> tuple[dict, int | None]:
         with self._sock_lock:
