@@ -842,9 +842,12 @@ def cmd_mount(args) -> int:
         provider = Provider.read_only_dir(args.workdir)
         what = "read-only, no undo"
     elif args.no_undo:  # benchmarks only (bench/fuse_local.py): the mount's cost without the undo core's
+        from .barriers.journal import OwnWrites, RecordingHostFS
         from .hostfs.real import RealHostFS
 
-        provider = Provider(RealHostFS(work), None, read_only=False)
+        host = RealHostFS(work)
+        own_writes = OwnWrites.for_fs(host)  # journaled as an intercepted mount's: the watcher skips them
+        provider = Provider(RecordingHostFS(host, own_writes), None, read_only=False)
         what = "read-write, NO UNDO (--no-undo: for benchmarks)"
     else:
         undo_log = logging.getLogger("sandbox.undo")
