@@ -26,7 +26,8 @@ One workload, timed on three sides, in fresh folders on the same disk:
 
   intercepted  `sandbox mount --workdir DIR MNT`: every change through the undo core
   no-undo      the same mount with interception off (the hidden `--no-undo`: the same
-               dispatcher and /dev/fuse loop on a plain read-write Provider)
+               dispatcher, /dev/fuse loop, watcher and own-write journal on a plain
+               read-write Provider: no undo core)
   plain        DIR itself, no FUSE
 
 Phases (each timed with time.perf_counter; the sides are interleaved round by round, in a
@@ -37,8 +38,8 @@ rotated order, and each phase's median over --repeat rounds is printed):
   git       `git init` then `git add -A && git commit` of the tree (git's identity from env)
   write     --mb MiB written sequentially in 1 MiB writes, then fsync
   read-seq  the same file read back in 1 MiB reads (warm: the host's page cache holds it on
-            every side; FUSE drops its own page cache at open, so the mount's reads all go
-            through the server)
+            every side, and the mount's own page cache keeps what its writes filled, so the
+            mount's reads are served by the kernel without the server)
   rm -rf    `rm -rf` of everything
 
 The goals of issue 16 (printed as met or not; nothing is asserted): metadata-heavy phases
