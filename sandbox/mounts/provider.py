@@ -170,7 +170,8 @@ class Provider:
         """The attributes a client is told: the host's, with the mode and owner the guest
         gave (owners as ``cred``'s view shows them)."""
         self._see(path)
-        return self._as_device(path, self._guest_attr(path, self.host.getattr(path), view=_view(cred)))
+        a, names = self.host.getattr_xattr_names(path)  # one resolution for both (the kept mode, owner)
+        return self._as_device(path, self._guest_attr(path, a, view=_view(cred), names=names))
 
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
@@ -512,13 +513,14 @@ class Provider:
 
     # ------------------------------------------------------------------ identity (identity.py)
 
-    def _reserved(self, path: str, handle: FileHandle | None) -> dict[str, bytes]:
+    def _reserved(self, path: str, handle: FileHandle | None, names: list[str] | None = None) -> dict[str, bytes]:
         """The mappings (:data:`identity.MODE_XATTR`, :data:`identity.OWNER_XATTR`) of
-        ``handle``'s inode, or else of ``path``: one ``listxattr``, a ``getxattr`` per one
-        present. Unreadable (no user xattrs, gone meanwhile): none."""
+        ``handle``'s inode, or else of ``path``: one ``listxattr`` (unless its ``names`` are
+        given), a ``getxattr`` per one present. Unreadable (no user xattrs, gone meanwhile): none."""
         out = {}
         try:
-            names = handle.listxattr() if handle is not None else self.host.listxattr(path)
+            if names is None:
+                names = handle.listxattr() if handle is not None else self.host.listxattr(path)
             for name in (identity.MODE_XATTR, identity.OWNER_XATTR):
                 if name in names:
                     out[name] = handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
@@ -526,14 +528,15 @@ class Provider:
             pass
         return out
 
-    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None, view=None) -> Attr:
+    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None, view=None,
+                    names: list[str] | None = None) -> Attr:
         """``a`` with the mode and owner the guest set, kept, not applied; owners without a
         kept one as ``view`` (:class:`identity.OwnerMap`) presents them.
 
         Only regular files and directories can carry the mappings (the kernel allows user
         xattrs on nothing else). With ``handle``, ``a`` is its inode's and so are the mappings
         read — wherever ``path`` points now."""
-        kept = self._reserved(path, handle) if a.kind in (REG, DIR) else {}
+        kept = self._reserved(path, handle, names) if a.kind in (REG, DIR) else {}
         mode = identity.guest_mode(a.mode, kept.get(identity.MODE_XATTR)) if kept else a.mode
         uid, gid = identity.guest_owner(a.uid, a.gid, kept.get(identity.OWNER_XATTR), view)
         if (mode, uid, gid) == (a.mode, a.uid, a.gid):
