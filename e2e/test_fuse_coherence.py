@@ -317,6 +317,46 @@ def test_own_writes_stay_cached_and_closes_send_no_flush(live):
     assert _read(live.mnt("w.bin")) == b"HOST" + data[4:]
 
 
+def test_writes_need_no_capability_lookup_and_drop_the_capability(live):
+    """HANDLE_KILLPRIV_V2: once the kernel has seen that a file has nothing to drop, its later
+    write(2)s send no GETXATTR of ``security.capability`` (before: one per write); the server
+    drops a file's kept (mapped) capability on write itself — as Linux does for every writer —
+    also one set on the host after the kernel stopped looking; undo brings it back."""
+    import struct
+
+    from sandbox.mounts.identity import host_xattr_name
+
+    cap = struct.pack("<IIIII", 0x02000000, 1 << 10, 0, 0, 0)  # VFS_CAP_REVISION_2: cap_net_bind_service
+    with open(live.host("c.bin"), "wb") as f:
+        f.write(b"0123456789")
+    os.setxattr(live.host("c.bin"), host_xattr_name("security.capability"), cap)  # before the step
+    fd = os.open(live.mnt("c.bin"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"a", 0)
+        assert host_xattr_name("security.capability") not in os.listxattr(live.host("c.bin"))
+        before = live.server.op_counts["GETXATTR"]
+        for i in range(1, 4):
+            os.pwrite(fd, b"x", i)
+        assert live.server.op_counts["GETXATTR"] == before  # no lookup per write
+        live.mark()
+        os.setxattr(live.host("c.bin"), host_xattr_name("security.capability"), cap)  # beside the mount
+        live.written("c.bin")
+        assert os.getxattr(live.mnt("c.bin"), "security.capability") == cap
+        os.pwrite(fd, b"y", 4)
+    finally:
+        os.close(fd)
+    assert host_xattr_name("security.capability") not in os.listxattr(live.host("c.bin"))
+    assert _read(live.mnt("c.bin")) == b"axxxy56789"
+    live.close()
+    ws = Workspace.open(live.work, state_dir=live.state)
+    try:
+        ws.rollback(1)
+    finally:
+        ws.close()
+    assert os.getxattr(live.host("c.bin"), host_xattr_name("security.capability")) == cap
+    assert _read(live.host("c.bin")) == b"0123456789"
+
+
 def test_missing_names_are_cached_until_the_host_makes_them(live):
     """A missing name is a cached negative entry (a second look sends no LOOKUP); the host
     making it is seen as soon as its notifications are written."""

@@ -575,3 +575,24 @@ def test_an_inode_number_reused_for_another_type_is_stale_not_the_same_node(mnt)
     assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, c.entry.nodeid), 0, 0)) == errno.ESTALE
     d = mnt.lookup("victim")
     assert d.nodeid != c.entry.nodeid and stat.S_ISDIR(d.attr.mode)
+
+
+def test_a_write_drops_the_kept_capability_undoably(mnt):
+    """HANDLE_KILLPRIV_V2 leaves dropping a file's capability on write to the server: the
+    kept (mapped) ``security.capability`` is removed before the bytes land, whoever writes,
+    and the undo brings it back."""
+    from sandbox.mounts.identity import host_xattr_name
+
+    name = host_xattr_name("security.capability")
+    with open(mnt.host("f"), "wb") as f:
+        f.write(b"abc")
+    os.setxattr(mnt.host("f"), name, b"\x00\x00\x00\x02" + bytes(16))
+    e = mnt.lookup("f")
+    o = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_WRONLY, 0))
+    assert mnt.write(e.nodeid, o.fh, b"X") == 1
+    assert name not in os.listxattr(mnt.host("f"))
+    assert mnt.write(e.nodeid, o.fh, b"Y", 1) == 1  # none left: nothing to drop
+    mnt.call(m.Release(H(abi.Opcode.RELEASE, e.nodeid), o.fh, 0, 0, 0))
+    mnt.ws.rollback(1)
+    assert os.getxattr(mnt.host("f"), name) == b"\x00\x00\x00\x02" + bytes(16)
+    assert open(mnt.host("f"), "rb").read() == b"abc"

@@ -88,10 +88,14 @@ CONGESTION_THRESHOLD = 48
 #: no writeback cache (every write reaches the interceptor, in order), no POSIX/flock locks
 #: (the kernel arbitrates them locally), no DONT_MASK (the kernel applies the umask), no
 #: AUTO_INVAL_DATA (it would drop the pages our own writes just filled, whenever the file's
-#: mtime moved: the host's changes are dropped by the watcher's notifications instead)
+#: mtime moved: the host's changes are dropped by the watcher's notifications instead);
+#: HANDLE_KILLPRIV_V2: the kernel no longer asks for a file's security.capability before every
+#: write(2) — the server clears what a write clears (the Provider: set-id bits for an
+#: unprivileged writer, on write, truncate, O_TRUNC open and chown; the capability on write:
+#: :meth:`Dispatcher._write`)
 WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BIG_WRITES | abi.FUSE_MAX_PAGES
                      | abi.FUSE_DO_READDIRPLUS | abi.FUSE_READDIRPLUS_AUTO | abi.FUSE_PARALLEL_DIROPS
-                     | abi.FUSE_INIT_EXT)
+                     | abi.FUSE_HANDLE_KILLPRIV_V2 | abi.FUSE_INIT_EXT)
 #: names answered "no such entry" with the coherent entry timeout, remembered (oldest first)
 #: so an invalidation of everything reaches them too; when full (after expiring those the
 #: kernel no longer trusts), a missing name is answered ENOENT, not cached
@@ -790,6 +794,8 @@ class Dispatcher:
         f = self._file(req.fh)
         if req.offset > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "offset beyond the largest file offset")
+        # HANDLE_KILLPRIV_V2: the kernel left the capability to us (set-id bits: Provider.write)
+        self.provider.drop_capability(f.handle, f.node.path)
         # req.data: a read-only view of the request's own bytes (no copy of up to 1 MiB here)
         return m.WriteOut(self.provider.write(f.handle, f.node.path, req.offset, req.data, cred=self._cred(req)))
 

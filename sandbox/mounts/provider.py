@@ -272,6 +272,20 @@ class Provider:
         self._killed_on_write(handle, path, cred)
         return self.fs.pwrite(handle, path, offset, data)
 
+    def drop_capability(self, handle: FileHandle, path: str) -> None:
+        """Before a write through ``handle``: the file's kept ``security.capability`` (mapped
+        into ``user.``, :func:`identity.host_xattr_name`) is removed, undo-tracked, as Linux
+        removes a file's capabilities on every write, whoever writes. For a client whose kernel
+        leaves that to the server (FUSE's ``HANDLE_KILLPRIV_V2``); one ``fgetxattr`` when the
+        file has none."""
+        name = identity.host_xattr_name(CAPABILITY_XATTR)
+        try:
+            handle.getxattr(name)
+        except OSError:
+            return  # none (ENODATA), or no xattrs here: nothing to drop
+        self._writable(path)
+        self.fs.fremovexattr(handle, path, name)
+
     def fallocate(self, handle: FileHandle, path: str, offset: int, length: int, mode: int = 0, *,
                   cred: Cred | None = None) -> None:
         """``fallocate(2)`` through ``handle`` (open for writing): modes 0, ``KEEP_SIZE``,
@@ -688,6 +702,10 @@ class Provider:
         kill = identity.privileges_on_write(seen)
         if kill:
             self._set_guest_mode(path, handle, seen & ~kill)
+
+
+#: the xattr holding a file's capabilities (kept mapped into ``user.``, never honoured)
+CAPABILITY_XATTR = "security.capability"
 
 
 def _view(cred: Cred | None):
