@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 
+from sandbox.fuse import abi
 from sandbox.fuse import dispatcher as dispatcher_module
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.notify import watch
@@ -171,7 +172,7 @@ def main() -> None:
             timeouts = {"t0": 0, "t1": 1}.get(side)
             if timeouts is not None:
                 dispatcher_module.ENTRY_VALID_S = dispatcher_module.ATTR_VALID_S = timeouts
-            Dispatcher._open_flags = (lambda self: 0) if side == "w-drop" else keep
+            Dispatcher._open_flags = (lambda self: keep(self) & ~abi.FOPEN_KEEP_CACHE) if side == "w-drop" else keep
             if side != "plain":
                 served = Served(work, point, os.path.join(base, f"state-{side}"), side)
             root = work if side == "plain" else point

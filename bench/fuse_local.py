@@ -7,6 +7,8 @@ Run ``python bench/fuse_local.py --help``. Prints medians and ratios; asserts no
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import shutil
 import signal
@@ -24,7 +26,8 @@ One workload, timed on three sides, in fresh folders on the same disk:
 
   intercepted  `sandbox mount --workdir DIR MNT`: every change through the undo core
   no-undo      the same mount with interception off (the hidden `--no-undo`: the same
-               dispatcher and /dev/fuse loop on a plain read-write Provider)
+               dispatcher, /dev/fuse loop, watcher and own-write journal on a plain
+               read-write Provider: no undo core)
   plain        DIR itself, no FUSE
 
 Phases (each timed with time.perf_counter; the sides are interleaved round by round, in a
@@ -35,8 +38,8 @@ rotated order, and each phase's median over --repeat rounds is printed):
   git       `git init` then `git add -A && git commit` of the tree (git's identity from env)
   write     --mb MiB written sequentially in 1 MiB writes, then fsync
   read-seq  the same file read back in 1 MiB reads (warm: the host's page cache holds it on
-            every side; FUSE drops its own page cache at open, so the mount's reads all go
-            through the server)
+            every side, and the mount's own page cache keeps what its writes filled, so the
+            mount's reads are served by the kernel without the server)
   rm -rf    `rm -rf` of everything
 
 The goals of issue 16 (printed as met or not; nothing is asserted): metadata-heavy phases
@@ -55,9 +58,10 @@ CHUNK = 1 << 20
 class Mounted:
     """`sandbox mount` of ``work`` at ``point`` as a subprocess (stopped with SIGTERM)."""
 
-    def __init__(self, work: str, point: str, state: str, no_undo: bool):
+    def __init__(self, work: str, point: str, state: str, no_undo: bool, counts: str | None = None):
         argv = [sys.executable, "-m", "sandbox", "mount", "--workdir", work, "--state-dir", state, point,
-                "--on-hold", "allow"] + (["--no-undo"] if no_undo else [])
+                "--on-hold", "allow"] + (["--no-undo"] if no_undo else []) + (["--op-counts", counts] if counts else [])
+        self.counts = counts
         self.proc = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True)
         line: list[str] = []
         t = threading.Thread(target=lambda: line.append(self.proc.stderr.readline()), daemon=True)
@@ -67,10 +71,31 @@ class Mounted:
             self.proc.kill()
             raise SystemExit(f"sandbox mount did not come up: {line[0] if line else 'timeout'}")
 
+    def op_counts(self) -> dict:
+        """The server's requests read so far, by opcode (+ "notified": invalidations written)."""
+        before = _lines(self.counts)
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        while _lines(self.counts) == before:  # a condition wait for the server's line
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not write its request counts")
+            time.sleep(0.01)
+        with open(self.counts) as f:
+            last = json.loads(f.read().splitlines()[-1])
+        return dict(last["ops"], notified=last["notified"])
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(MOUNT_TIMEOUT_S)
         self.proc.stderr.close()
+
+
+def _lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return len(f.read().splitlines())
+    except FileNotFoundError:
+        return 0
 
 
 def _timed(fn) -> float:
@@ -79,7 +104,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def workload(root: str, files: int, mb: int, env: dict) -> dict[str, float]:
+def workload(root: str, files: int, mb: int, env: dict, counted=None) -> dict[str, float]:
+    """Each phase's seconds; ``counted(phase, before)``: called before (True) and after
+    (False) each phase (``--counts``)."""
     names = [os.path.join(root, f"d{i % 20}", f"f{i}.txt") for i in range(files)]
     data = b"x" * 1024
     out = {}
@@ -130,7 +157,11 @@ def workload(root: str, files: int, mb: int, env: dict) -> dict[str, float]:
 
     for name, fn in (("create", create), ("stat", stat), ("read", read), ("git", git), ("write", write),
                      ("read-seq", read_seq), ("rm -rf", rm_rf)):
+        if counted:
+            counted(name, True)
         out[name] = _timed(fn)
+        if counted:
+            counted(name, False)
     return out
 
 
@@ -142,6 +173,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", help="where the folders go (a real disk, not tmpfs; default: the system temp dir)")
     ap.add_argument("--quick", action="store_true", help="300 files, 32 MiB, 2 rounds")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"a comma-separated subset of {SIDES}")
+    ap.add_argument("--counts", action="store_true",
+                    help="also print the FUSE requests each phase made, by opcode (last round; the server's "
+                         "hidden --op-counts: SIGUSR1 between phases)")
     args = ap.parse_args(argv)
     if args.quick:
         args.files, args.mb, args.repeat = 300, 32, 2
@@ -155,6 +189,7 @@ def main(argv=None) -> int:
     env = dict(os.environ, HOME=home, GIT_AUTHOR_NAME="bench", GIT_AUTHOR_EMAIL="bench@example.invalid",
                GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@example.invalid", GIT_CONFIG_NOSYSTEM="1")
     results: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
+    ops: dict[str, dict[str, collections.Counter]] = {s: {} for s in sides}
     print(f"{args.files} files, {args.mb} MiB, {args.repeat} rounds, in {base}", flush=True)
     try:
         for r in range(args.repeat):
@@ -164,9 +199,20 @@ def main(argv=None) -> int:
                 work, point, state = d + "/work", d + "/mnt", d + "/state"
                 for x in (work, point, state):
                     os.makedirs(x)
-                mounted = None if side == "plain" else Mounted(work, point, state, side == "no-undo")
+                counts = os.path.join(d, "counts.jsonl") if args.counts else None
+                mounted = None if side == "plain" else Mounted(work, point, state, side == "no-undo", counts)
+                counted = None
+                if mounted is not None and counts:
+                    marks: dict = {}
+
+                    def counted(phase, before, mounted=mounted, marks=marks, side=side):
+                        now = mounted.op_counts()
+                        if before:
+                            marks[phase] = now
+                        else:
+                            ops[side][phase] = collections.Counter(now) - collections.Counter(marks[phase])
                 try:
-                    times = workload(work if side == "plain" else point, args.files, args.mb, env)
+                    times = workload(work if side == "plain" else point, args.files, args.mb, env, counted)
                 finally:
                     if mounted is not None:
                         mounted.stop()
@@ -177,7 +223,17 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report(results, args.files, args.mb)
+    if args.counts:
+        report_counts(ops)
     return 0
+
+
+def report_counts(ops: dict) -> None:
+    print("\nFUSE requests per phase (last round; 'notified': invalidations the server wrote)")
+    for side, phases in ops.items():
+        for phase, c in phases.items():
+            print(f"  {side:12s} {phase:9s} {sum(v for k, v in c.items() if k != 'notified'):7d}  "
+                  + " ".join(f"{k}={v}" for k, v in c.most_common()))
 
 
 def report(results: dict, files: int, mb: int) -> None:

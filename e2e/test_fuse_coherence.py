@@ -219,6 +219,7 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
         changed = os.stat(lm.mnt("x"))  # its attributes, cached now (the step's mtime)
         assert changed.st_mtime_ns == os.stat(lm.host("x")).st_mtime_ns
         os.unlink(lm.mnt("y"))  # ... and a delete; the second delete is held
+        assert not os.path.exists(lm.mnt("y"))  # a negative entry now, cached 60 s: the rollback must drop it
         done = threading.Event()
         errors = []
 
@@ -246,6 +247,128 @@ def test_a_denied_step_is_not_served_stale(tmp_path):
         assert _read(lm.mnt("y")) == b"orig"
     finally:
         lm.close()
+
+
+def test_a_write_deferred_behind_a_hold_keeps_its_bytes(tmp_path):
+    """A WRITE's data is a view of the transport's read buffer: one deferred behind a
+    safeguard hold (the gate is busy) must keep its own bytes while later requests are read
+    — the file gets exactly what was written once the hold is allowed."""
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root (mount(2))")
+    lm = LiveMount(tmp_path, SafeguardConfig(delete_threshold=1, timeout_s=60))
+    try:
+        os.mkdir(lm.host("sub"))  # the held unlink locks this directory, not the root
+        with open(lm.host("sub", "victim"), "wb") as f:
+            f.write(b"v")
+        with open(lm.host("other"), "wb") as f:
+            f.write(b"o" * 4096)
+        w = os.open(lm.mnt("w.bin"), os.O_WRONLY | os.O_CREAT, 0o644)  # opened before the hold
+        data = os.urandom(256 * 1024)
+        done = {n: threading.Event() for n in ("unlink", "write")}
+
+        def unlink() -> None:
+            os.unlink(lm.mnt("sub", "victim"))
+            done["unlink"].set()
+
+        def write() -> None:
+            assert os.write(w, data) == len(data)
+            done["write"].set()
+
+        threading.Thread(target=unlink, daemon=True).start()
+        while not lm.holds.pending():
+            assert not done["unlink"].wait(0.01), "the delete was not held"
+        threading.Thread(target=write, daemon=True).start()
+        while not lm.dispatcher.pipeline.tasks or len(lm.dispatcher.pipeline.tasks) < 2:
+            assert not done["write"].wait(0.01), "the write was not deferred behind the hold"
+        for i in range(20):  # later requests, read while the write waits (into the read buffer)
+            assert not os.path.exists(lm.mnt(f"{i:03d}" + "n" * 240))  # a LOOKUP longer than a WRITE's header
+            os.stat(lm.mnt("other"))
+            with open(lm.mnt("other"), "rb") as f:
+                assert f.read() == b"o" * 4096
+            os.listdir(lm.mnt(""))
+        assert lm.holds.answer(lm.holds.pending()[0]["safeguard_id"], "allow")
+        assert done["unlink"].wait(WAIT_S) and done["write"].wait(WAIT_S)
+        os.close(w)
+        assert _read(lm.host("w.bin")) == data
+    finally:
+        lm.close()
+
+
+def _ops(live, *names: str) -> dict:
+    return {n: live.server.op_counts[n] for n in names}
+
+
+def test_own_writes_stay_cached_and_closes_send_no_flush(live):
+    """What the mount's own writes put in the page cache is served from it after a reopen
+    (no READ: the watcher, not the mtime, decides what is dropped), and a close sends no
+    FLUSH (nothing is buffered in the server). A host edit of the same file is still seen."""
+    data = os.urandom(3 * 4096)
+    with open(live.mnt("w.bin"), "wb") as f:
+        f.write(data)
+    before = _ops(live, "READ", "FLUSH", "OPEN")
+    for _ in range(3):
+        assert _read(live.mnt("w.bin")) == data
+    after = _ops(live, "READ", "FLUSH", "OPEN")
+    assert after == {"READ": before["READ"], "FLUSH": before["FLUSH"], "OPEN": before["OPEN"] + 3}, (before, after)
+    live.mark()
+    with open(live.host("w.bin"), "r+b") as f:  # same size
+        f.write(b"HOST")
+    live.written("w.bin")
+    assert _read(live.mnt("w.bin")) == b"HOST" + data[4:]
+
+
+def test_writes_need_no_capability_lookup_and_drop_the_capability(live):
+    """HANDLE_KILLPRIV_V2: once the kernel has seen that a file has nothing to drop, its later
+    write(2)s send no GETXATTR of ``security.capability`` (before: one per write); the server
+    drops a file's kept (mapped) capability on write itself — as Linux does for every writer —
+    also one set on the host after the kernel stopped looking; undo brings it back."""
+    import struct
+
+    from sandbox.mounts.identity import host_xattr_name
+
+    cap = struct.pack("<IIIII", 0x02000000, 1 << 10, 0, 0, 0)  # VFS_CAP_REVISION_2: cap_net_bind_service
+    with open(live.host("c.bin"), "wb") as f:
+        f.write(b"0123456789")
+    os.setxattr(live.host("c.bin"), host_xattr_name("security.capability"), cap)  # before the step
+    fd = os.open(live.mnt("c.bin"), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"a", 0)
+        assert host_xattr_name("security.capability") not in os.listxattr(live.host("c.bin"))
+        before = live.server.op_counts["GETXATTR"]
+        for i in range(1, 4):
+            os.pwrite(fd, b"x", i)
+        assert live.server.op_counts["GETXATTR"] == before  # no lookup per write
+        live.mark()
+        os.setxattr(live.host("c.bin"), host_xattr_name("security.capability"), cap)  # beside the mount
+        live.written("c.bin")
+        assert os.getxattr(live.mnt("c.bin"), "security.capability") == cap
+        os.pwrite(fd, b"y", 4)
+    finally:
+        os.close(fd)
+    assert host_xattr_name("security.capability") not in os.listxattr(live.host("c.bin"))
+    assert _read(live.mnt("c.bin")) == b"axxxy56789"
+    live.close()
+    ws = Workspace.open(live.work, state_dir=live.state)
+    try:
+        ws.rollback(1)
+    finally:
+        ws.close()
+    assert os.getxattr(live.host("c.bin"), host_xattr_name("security.capability")) == cap
+    assert _read(live.host("c.bin")) == b"0123456789"
+
+
+def test_missing_names_are_cached_until_the_host_makes_them(live):
+    """A missing name is a cached negative entry (a second look sends no LOOKUP); the host
+    making it is seen as soon as its notifications are written."""
+    assert not os.path.exists(live.mnt("later"))
+    before = live.server.op_counts["LOOKUP"]
+    assert not os.path.exists(live.mnt("later"))
+    assert live.server.op_counts["LOOKUP"] == before
+    live.mark()
+    with open(live.host("later"), "wb") as f:
+        f.write(b"now")
+    live.written("later")
+    assert _read(live.mnt("later")) == b"now"
 
 
 def test_a_read_only_mount_sees_host_edits_at_once(tmp_path):

@@ -30,6 +30,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import textwrap
 
 import pytest
@@ -822,3 +823,26 @@ def test_no_undo_mount_for_benchmarks_writes_through_without_a_store(folders):
         assert f.read() == "plain"
     assert not os.path.exists(os.path.join(work, "README.md"))
     assert os.listdir(state) == [], "--no-undo made an undo store"
+
+
+def test_op_counts_for_benchmarks_dump_the_requests_on_sigusr1(folders, tmp_path):
+    """The hidden ``--op-counts FILE`` (bench/fuse_local.py --counts): each SIGUSR1 appends one
+    JSON line with the requests read so far, by opcode, and the invalidations written."""
+    import json
+
+    work, point, state = folders
+    counts = str(tmp_path / "counts.jsonl")
+    with mount(work, point, state, "--op-counts", counts) as proc:
+        for _ in range(2):
+            assert not os.path.exists(os.path.join(point, "missing"))  # a LOOKUP, then a cached negative entry
+        with open(os.path.join(point, "README.md"), "rb") as f:
+            f.read()
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while not (os.path.exists(counts) and open(counts).read().endswith("\n")):  # a condition wait
+            assert time.monotonic() < deadline, "no counts were written"
+            time.sleep(0.01)
+        line = json.loads(open(counts).read().splitlines()[-1])
+    assert line["ops"]["INIT"] == 1 and line["ops"]["OPEN"] >= 1 and line["ops"]["LOOKUP"] >= 2, line
+    assert "FLUSH" not in line["ops"], line  # FOPEN_NOFLUSH
+    assert isinstance(line["notified"], int)

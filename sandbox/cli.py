@@ -931,9 +931,12 @@ def cmd_mount(args) -> int:
         provider = Provider.read_only_dir(args.workdir)
         what = "read-only, no undo"
     elif args.no_undo:  # benchmarks only (bench/fuse_local.py): the mount's cost without the undo core's
+        from .barriers.journal import OwnWrites, RecordingHostFS
         from .hostfs.real import RealHostFS
 
-        provider = Provider(RealHostFS(work), None, read_only=False)
+        host = RealHostFS(work)
+        own_writes = OwnWrites.for_fs(host)  # journaled as an intercepted mount's: the watcher skips them
+        provider = Provider(RecordingHostFS(host, own_writes), None, read_only=False)
         what = "read-write, NO UNDO (--no-undo: for benchmarks)"
     else:
         undo_log = logging.getLogger("sandbox.undo")
@@ -988,6 +991,8 @@ def cmd_mount(args) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
+        if args.op_counts:  # bench/fuse_local.py --counts: SIGUSR1 appends the requests read so far
+            loop.add_signal_handler(signal.SIGUSR1, _dump_op_counts, server, args.op_counts)
         print(f"sandbox: {work} mounted at {point} through FUSE ({what}). This gives undo, not isolation: "
               "programs on the mount run on the host as you. SIGTERM or Ctrl-C unmounts.", file=sys.stderr,
               flush=True)
@@ -1009,6 +1014,15 @@ def cmd_mount(args) -> int:
         if ws is not None:
             ws.close()  # closes the open ambient step: it is in `sandbox history` from now on
     return _served_exit(ws, "unmounted")
+
+
+def _dump_op_counts(server, path: str) -> None:
+    """One JSON line appended to ``path``: the requests ``server`` has read, by opcode, and
+    the invalidation notifications it has written (for benchmarks: hidden ``--op-counts``)."""
+    import json
+
+    with open(path, "a") as f:
+        f.write(json.dumps({"ops": dict(server.op_counts), "notified": server.notifier.written}) + "\n")
 
 
 def _mount_parser(command, with_workdir, log_levels) -> None:
@@ -1034,6 +1048,7 @@ def _mount_parser(command, with_workdir, log_levels) -> None:
     mt.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing directory to mount on")
     mt.add_argument("--read-only", action="store_true", help="refuse every change; no interception, no undo store")
     mt.add_argument("--no-undo", action="store_true", help=argparse.SUPPRESS)  # bench/fuse_local.py: interception off
+    mt.add_argument("--op-counts", metavar="FILE", help=argparse.SUPPRESS)  # bench/fuse_local.py --counts
     mt.add_argument("--delete-threshold", type=int, metavar="N",
                     help="safeguard: the N-th deletion of a step waits for a decision, the deleting program blocked "
                          "mid-syscall (default: off)")

@@ -23,7 +23,7 @@ from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.fuse.codec import encode_error, encode_notify, encode_reply
 from sandbox.fuse.dispatcher import (ATTR_VALID_S, COHERENT_ATTR_VALID_S, COHERENT_ENTRY_VALID_S, ENTRY_VALID_S,
-                                     WANTED_INIT_FLAGS, Dispatcher, errno_of)
+                                     NEGATIVE_ENTRIES_MAX, WANTED_INIT_FLAGS, Dispatcher, errno_of)
 from sandbox.limits import DescriptorBudget, ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
@@ -495,7 +495,47 @@ def test_coherent_means_long_timeouts_and_kept_pages(mnt):
     assert mnt.call(m.Getattr(H(abi.Opcode.GETATTR, e.nodeid), 0, 0)).attr_valid == COHERENT_ATTR_VALID_S
     o2 = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0))
     assert o2.open_flags & abi.FOPEN_KEEP_CACHE
-    assert WANTED_INIT_FLAGS & abi.FUSE_AUTO_INVAL_DATA and not WANTED_INIT_FLAGS & abi.FUSE_WRITEBACK_CACHE
+    # every write is a request (no writeback cache); our own writes' pages are not dropped
+    # when the mtime moves (no AUTO_INVAL_DATA: the watcher's notifications drop the host's)
+    assert not WANTED_INIT_FLAGS & (abi.FUSE_AUTO_INVAL_DATA | abi.FUSE_WRITEBACK_CACHE)
+    # nothing is buffered here: no FLUSH at close, whatever the mode
+    assert o.open_flags & abi.FOPEN_NOFLUSH and o2.open_flags & abi.FOPEN_NOFLUSH
+    assert mnt.create("g").open.open_flags & abi.FOPEN_NOFLUSH
+
+
+def test_missing_names_are_cached_negative_entries_only_while_coherent(mnt):
+    """Coherent: a missing name is answered as a negative entry (nodeid 0) with the long
+    entry timeout, and remembered, so an invalidation of everything reaches it; a path
+    invalidation of that name drops it from the memory. Not coherent: ENOENT (nothing cached)."""
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP, ROOT), b"nope")) == errno.ENOENT
+    assert not mnt.d.negative
+    mnt.d.coherent = True
+    e = mnt.lookup("nope")
+    assert (e.nodeid, e.entry_valid) == (0, COHERENT_ENTRY_VALID_S)
+    os.mkdir(mnt.host("d"))
+    d = mnt.lookup("d").nodeid
+    assert mnt.lookup("gone", parent=d).nodeid == 0
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP, ROOT), b"d/x")) == errno.EINVAL  # not one name: never cached
+    assert set(mnt.d.negative) == {(ROOT, b"nope"), (d, b"gone")}
+    assert m.NotifyInvalEntry(d, b"gone") in mnt.d.invalidations(["d/gone"])
+    assert set(mnt.d.negative) == {(ROOT, b"nope")}
+    mnt.lookup("again", parent=d)
+    every = mnt.d.invalidations_all()
+    assert m.NotifyInvalEntry(ROOT, b"nope") in every and m.NotifyInvalEntry(d, b"again") in every
+    assert len(every) == len(set(every)) and not mnt.d.negative
+    for n in every:
+        encode_notify(n)
+
+
+def test_negative_entries_are_bounded(mnt):
+    """At :data:`NEGATIVE_ENTRIES_MAX` remembered (none expired yet), a missing name is plain
+    ENOENT — never a negative entry an invalidation of everything would not reach."""
+    mnt.d.coherent = True
+    for i in range(NEGATIVE_ENTRIES_MAX):
+        assert mnt.lookup(f"n{i}").nodeid == 0
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP, ROOT), b"one-more")) == errno.ENOENT
+    assert mnt.lookup("n0").nodeid == 0  # one already remembered may be answered again
+    assert len(mnt.d.negative) == NEGATIVE_ENTRIES_MAX
 def test_entries_made_in_a_setgid_directory_take_its_group_and_directories_its_setgid_bit(mnt):
     """What a local filesystem does (the kernel leaves it to a FUSE server): in a set-gid
     directory a new file, directory or node gets the directory's group, and a new directory
@@ -535,3 +575,24 @@ def test_an_inode_number_reused_for_another_type_is_stale_not_the_same_node(mnt)
     assert mnt.err(m.Getattr(H(abi.Opcode.GETATTR, c.entry.nodeid), 0, 0)) == errno.ESTALE
     d = mnt.lookup("victim")
     assert d.nodeid != c.entry.nodeid and stat.S_ISDIR(d.attr.mode)
+
+
+def test_a_write_drops_the_kept_capability_undoably(mnt):
+    """HANDLE_KILLPRIV_V2 leaves dropping a file's capability on write to the server: the
+    kept (mapped) ``security.capability`` is removed before the bytes land, whoever writes,
+    and the undo brings it back."""
+    from sandbox.mounts.identity import host_xattr_name
+
+    name = host_xattr_name("security.capability")
+    with open(mnt.host("f"), "wb") as f:
+        f.write(b"abc")
+    os.setxattr(mnt.host("f"), name, b"\x00\x00\x00\x02" + bytes(16))
+    e = mnt.lookup("f")
+    o = mnt.call(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_WRONLY, 0))
+    assert mnt.write(e.nodeid, o.fh, b"X") == 1
+    assert name not in os.listxattr(mnt.host("f"))
+    assert mnt.write(e.nodeid, o.fh, b"Y", 1) == 1  # none left: nothing to drop
+    mnt.call(m.Release(H(abi.Opcode.RELEASE, e.nodeid), o.fh, 0, 0, 0))
+    mnt.ws.rollback(1)
+    assert os.getxattr(mnt.host("f"), name) == b"\x00\x00\x00\x02" + bytes(16)
+    assert open(mnt.host("f"), "rb").read() == b"abc"

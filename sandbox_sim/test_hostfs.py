@@ -2988,3 +2988,22 @@ def test_exchange_errors(fs):
     fs.exchange("f", "g")  # one inode: nothing happens
     fs.exchange("f", "f")
     assert fs.read_all("f") == b"f" and sorted(fs.listdir("")) == ["d", "f", "g", "l"]
+
+
+def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
+    """One resolution for both (the real fs: O_PATH|O_NOFOLLOW, fstat, listxattr through the
+    descriptor): the same answers as getattr and listxattr, a symlink has no names, and the
+    errors are getattr's (missing, a symlink on the way)."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"abc")
+    fs.setxattr("d/f", "user.k", b"v")
+    fs.symlink("f", "d/l")
+    for p in ("", "d", "d/f", "d/l"):
+        a, names = fs.getattr_xattr_names(p)
+        assert a == fs.getattr(p), p
+        assert sorted(names) == ([] if p == "d/l" else sorted(fs.listxattr(p))), p
+    assert "user.k" in fs.getattr_xattr_names("d/f")[1]
+    check_errno(errno.ENOENT, fs.getattr_xattr_names, "d/missing")
+    fs.symlink("d", "dl")
+    check_errno(errno.ELOOP, fs.getattr_xattr_names, "dl/f")
+    check_errno(errno.ENOTDIR, fs.getattr_xattr_names, "d/f/x")

@@ -233,6 +233,45 @@ def test_the_next_command_sees_an_undo_at_once(project, tmp_path):
         assert '"fresh"' in events or "/fresh" in events  # $SANDBOX_UNDO_EVENTS names what was undone
 
 
+def test_the_mount_caches_long_and_is_told_of_host_edits(project, tmp_path):
+    """The session watches the folder for the local guest: its mount is coherent (60 s
+    timeouts, pages kept), and a change made beside it — a chmod, a same-size rewrite —
+    is invalidated in the kernel, so the next command sees it at once."""
+    with Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")]) as s:
+        guest = s._s.guest
+        (m,) = guest._mounts
+        assert m.server.dispatcher.coherent
+        out: list[str] = []
+        assert s.run("stat -c %a src/main.py; cat src/main.py", lambda stream, text: out.append(text)).exit_code == 0
+        main = os.path.join(project, "src", "main.py")
+        assert "".join(out).split("\n")[:2] == [f"{os.stat(main).st_mode & 0o777:o}", "print('hi')"], out
+        since = m.server.notifier.mark()
+        os.chmod(main, 0o600)
+        with open(main, "w") as f:
+            f.write("print('HO')\n")  # the same size: only an invalidation can show it
+        assert m.server.notifier.wait_flushed("src/main.py", WAIT_S, since), "no invalidation was written"
+        out.clear()
+        assert s.run("stat -c %a src/main.py; cat src/main.py", lambda stream, text: out.append(text)).exit_code == 0
+        assert "".join(out).split("\n")[:2] == ["600", "print('HO')"], out
+
+
+def test_commands_see_a_proc_of_their_own_pid_namespace(project, tmp_path):
+    """init mounts a /proc of the guest's PID namespace: pid 1 is the holder's init, and the
+    agent's own process is not in it (the host's /proc would show both)."""
+    with Session([Folder(project)], guest="local", state_dirs=[str(tmp_path / "st")]) as s:
+        if not s._s.guest.private_proc:  # root may always mount it in its own namespaces
+            assert os.geteuid() != 0, "no private /proc, as root"
+            pytest.skip("the kernel refused a private /proc here (masked /proc in a user namespace?)")
+        out: list[str] = []
+        r = s.run(f"tr '\\0' ' ' < /proc/1/cmdline; echo; cat /proc/{os.getpid()}/cmdline 2>/dev/null | wc -c; "
+                  "echo $$", lambda stream, text: out.append(text))
+    assert r.exit_code == 0, out
+    lines = "".join(out).splitlines()
+    assert "holder.py" in lines[0], lines
+    assert lines[1].strip() == "0" or os.getpid() < 50, lines  # the agent is not there (unless its pid is tiny)
+    assert int(lines[2]) < 50, lines  # the command's shell has a pid of the new namespace
+
+
 # ---------------------------------------------------------------------------- unprivileged
 
 

@@ -471,6 +471,9 @@ class RecordingHostFS(HostFS):
     def listxattr(self, path: str) -> list[str]:
         return self.inner.listxattr(path)
 
+    def getattr_xattr_names(self, path: str) -> tuple[Attr, list[str]]:
+        return self.inner.getattr_xattr_names(path)
+
     def getxattr(self, path: str, name: str) -> bytes:
         return self.inner.getxattr(path, name)
 

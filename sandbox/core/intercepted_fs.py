@@ -272,7 +272,9 @@ class InterceptedFS(TreeOps):
         def call() -> int:
             view, done = memoryview(data), 0
             while done < len(view):
-                n = handle.pwrite(bytes(view[done:done + (1 << 20)]), offset + done)
+                # the whole of a write up to 1 MiB as given (bytes, or a read-only view: no copy)
+                chunk = data if done == 0 and len(view) <= 1 << 20 else bytes(view[done:done + (1 << 20)])
+                n = handle.pwrite(chunk, offset + done)
                 if n <= 0:
                     raise OSError(errno.EIO, f"write made no progress on {path!r}")
                 done += n

@@ -54,6 +54,8 @@ from __future__ import annotations
 import errno
 import os
 import stat as _stat
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -84,10 +86,20 @@ MAX_BACKGROUND = 64
 CONGESTION_THRESHOLD = 48
 #: INIT flags we ask for when the kernel offers them (docs/fuse.md "Dispatcher and mount"):
 #: no writeback cache (every write reaches the interceptor, in order), no POSIX/flock locks
-#: (the kernel arbitrates them locally), no DONT_MASK (the kernel applies the umask)
+#: (the kernel arbitrates them locally), no DONT_MASK (the kernel applies the umask), no
+#: AUTO_INVAL_DATA (it would drop the pages our own writes just filled, whenever the file's
+#: mtime moved: the host's changes are dropped by the watcher's notifications instead);
+#: HANDLE_KILLPRIV_V2: the kernel no longer asks for a file's security.capability before every
+#: write(2) — the server clears what a write clears (the Provider: set-id bits for an
+#: unprivileged writer, on write, truncate, O_TRUNC open and chown; the capability on write:
+#: :meth:`Dispatcher._write`)
 WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BIG_WRITES | abi.FUSE_MAX_PAGES
                      | abi.FUSE_DO_READDIRPLUS | abi.FUSE_READDIRPLUS_AUTO | abi.FUSE_PARALLEL_DIROPS
-                     | abi.FUSE_AUTO_INVAL_DATA | abi.FUSE_INIT_EXT)
+                     | abi.FUSE_HANDLE_KILLPRIV_V2 | abi.FUSE_INIT_EXT)
+#: names answered "no such entry" with the coherent entry timeout, remembered (oldest first)
+#: so an invalidation of everything reaches them too; when full (after expiring those the
+#: kernel no longer trusts), a missing name is answered ENOENT, not cached
+NEGATIVE_ENTRIES_MAX = 4096
 
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
@@ -98,6 +110,8 @@ _MUTATING = (m.Setattr, m.Symlink, m.Mknod, m.Mkdir, m.Unlink, m.Rmdir, m.Rename
              m.Write, m.Setxattr, m.Removexattr, m.Fallocate, m.CopyFileRange)
 #: the largest file offset (loff_t)
 _OFF_MAX = (1 << 63) - 1
+#: the attributes of a negative entry (nodeid 0): never read by the kernel
+_NO_ATTR = m.FuseAttr(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def errno_of(exc: BaseException) -> int:
@@ -210,6 +224,9 @@ class Dispatcher:
         self.dirs: dict[int, OpenDir] = {}
         self._next_fh = 1
         self.listing_bytes = 0
+        #: (parent nodeid, name) answered as a cached negative entry -> when the kernel stops
+        #: trusting it (time.monotonic); bounded by NEGATIVE_ENTRIES_MAX
+        self.negative: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         #: True while every change made beside the mount is notified to the kernel (the
         #: watcher runs): long timeouts and the page cache kept across opens; False: short
         #: timeouts, the page cache dropped at each open
@@ -413,13 +430,19 @@ class Dispatcher:
                 if parent.kind == DIR:
                     out[m.NotifyInvalEntry(parent.nodeid, name)] = None
                     out[m.NotifyInvalInode(parent.nodeid, -1, 0)] = None
+                    self.negative.pop((parent.nodeid, name), None)
         return list(out)
 
     def invalidations_all(self) -> list[m.Notify]:
         """What the kernel must forget when anything may have changed (a rollback, a missed
-        watcher event): every name and every node it knows."""
+        watcher event): every name and every node it knows, and every negative entry it
+        may still hold from us."""
         paths = {link.path for n in self.nodes.values() for link in n.links}
-        return self.invalidations(sorted(paths))
+        out = dict.fromkeys(self.invalidations(sorted(paths)))
+        out.update(dict.fromkeys(m.NotifyInvalEntry(parent, name) for parent, name in self.negative
+                                 if parent in self.nodes))
+        self.negative.clear()
+        return list(out)
 
     def _drop_lookups(self, nodeid: int, count: int) -> None:
         n = self.nodes.get(nodeid)
@@ -509,7 +532,30 @@ class Dispatcher:
         d = self._dir(req.header.nodeid)
         name = _name(req.name)
         path = d.path if name == "." else parent_of(d.path) if name == ".." else child(d.path, name)
-        return self._entry(path, cred=self._cred(req))
+        try:
+            return self._entry(path, cred=self._cred(req))
+        except OSError as e:
+            if e.errno != errno.ENOENT or name in (".", "..") or not self._remember_negative(d, req.name):
+                raise
+            return m.EntryOut(0, 0, COHERENT_ENTRY_VALID_S, 0, 0, 0, _NO_ATTR)
+
+    def _remember_negative(self, d: Node, name: bytes) -> bool:
+        """Whether the missing ``name`` in ``d`` may be cached by the kernel as a negative
+        entry (coherent only: the watcher's notifications drop it when the host makes the
+        name; :meth:`invalidations_all` reaches it). Remembered until the kernel stops
+        trusting it; none when :data:`NEGATIVE_ENTRIES_MAX` are."""
+        if not self.coherent:
+            return False
+        now = time.monotonic()
+        neg = self.negative
+        while neg and next(iter(neg.values())) <= now:
+            neg.popitem(last=False)
+        key = (d.nodeid, bytes(name))
+        if key not in neg and len(neg) >= NEGATIVE_ENTRIES_MAX:
+            return False
+        neg[key] = now + COHERENT_ENTRY_VALID_S
+        neg.move_to_end(key)
+        return True
 
     def _setgid_dir(self, d, cred: Cred, mode: int, is_dir: bool) -> tuple[int, int | None]:
         """``(mode, gid)`` of a new entry in directory ``d``: in a set-gid directory it takes
@@ -710,9 +756,11 @@ class Dispatcher:
         return m.OpenOut(self._add_file(n, handle), self._open_flags())
 
     def _open_flags(self) -> int:
-        """Coherent: keep the page cache across opens (the watcher's notifications drop what
-        the host changes); otherwise the kernel drops it at each open."""
-        return abi.FOPEN_KEEP_CACHE if self.coherent else 0
+        """``FOPEN_NOFLUSH`` always: nothing is buffered here, so a close sends no FLUSH (dirty
+        pages of a shared mmap are written back at msync/munmap, as before). Coherent: keep
+        the page cache across opens (the watcher's notifications drop what the host changes);
+        otherwise the kernel drops it at each open."""
+        return abi.FOPEN_NOFLUSH | (abi.FOPEN_KEEP_CACHE if self.coherent else 0)
 
     def _create(self, req: m.Create) -> m.CreateOut:
         d = self._dir(req.header.nodeid)
@@ -746,8 +794,10 @@ class Dispatcher:
         f = self._file(req.fh)
         if req.offset > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "offset beyond the largest file offset")
-        return m.WriteOut(self.provider.write(f.handle, f.node.path, req.offset, bytes(req.data),
-                                              cred=self._cred(req)))
+        # HANDLE_KILLPRIV_V2: the kernel left the capability to us (set-id bits: Provider.write)
+        self.provider.drop_capability(f.handle, f.node.path)
+        # req.data: a read-only view of the request's own bytes (no copy of up to 1 MiB here)
+        return m.WriteOut(self.provider.write(f.handle, f.node.path, req.offset, req.data, cred=self._cred(req)))
 
     def _fallocate(self, req: m.Fallocate) -> None:
         f = self._file(req.fh)

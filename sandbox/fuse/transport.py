@@ -5,9 +5,11 @@ asyncio event loop (as the 9P server): the ``/dev/fuse`` descriptor is non-block
 watched with ``add_reader``; each readable wake-up reads up to
 :data:`REQUESTS_PER_WAKEUP_MAX` requests, each into one reused buffer of
 :data:`~sandbox.fuse.abi.READ_BUFFER_BYTES` (the largest request: a 1 MiB write and its
-headers) and copied out at its own length (a fresh 1 MiB ``os.read`` per request cost ~50 µs
-of allocation, most of a small request's round trip), decodes it and hands it to the dispatcher, whose pipeline answers it at once or
-— a mutation met by a safeguard hold — later, while other requests flow. Replies are
+headers; a fresh 1 MiB ``os.read`` per request cost ~50 µs of allocation, most of a small
+request's round trip), decodes it from a read-only view of that buffer (a WRITE's data
+stays a view of it down to the host's ``pwrite``: no copy) and hands it to the dispatcher,
+whose pipeline answers it at once or — a mutation met by a safeguard hold — later, while
+other requests flow; a deferred request keeps its buffer and the next is read into a new one. Replies are
 written whole with one ``write(2)`` each.
 
 Mounting (:func:`mount`): as root with ``mount(2)`` (ctypes) — options
@@ -42,6 +44,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import ctypes.util
 import errno
@@ -185,6 +188,8 @@ class FuseServer:
         self.poll_interval_s = poll_interval_s
         self.reading = False
         self.requests = 0  # handled (for tests and logs)
+        #: requests read, by opcode name (cheap; ``sandbox mount --op-counts`` prints them for benchmarks)
+        self.op_counts: collections.Counter[str] = collections.Counter()
         self.notifier = Notifier(fd, self._invalidations)  # its thread runs while serving
         self._buf = memoryview(bytearray(abi.READ_BUFFER_BYTES))  # reused; each request is copied out
         self._done: asyncio.Future | None = None
@@ -309,9 +314,15 @@ class FuseServer:
                 self._stop_reading()
                 self.stop()
                 return
-            self._request(bytes(self._buf[:n]))  # immutable: a WRITE's data may be a view of it
+            if self._request(self._buf[:n].toreadonly()):
+                # deferred behind a hold: the request keeps the buffer (a WRITE's data is a
+                # view of it), so later requests are read into a new one
+                self._buf = memoryview(bytearray(abi.READ_BUFFER_BYTES))
 
-    def _request(self, buf: bytes) -> None:
+    def _request(self, buf: memoryview) -> bool:
+        """Decode and submit one request read into ``buf`` (a read-only view of the read
+        buffer, valid until the next read unless this returns True: the request was
+        deferred behind a hold and still refers to it)."""
         self.requests += 1
         try:
             req = decode_request(buf)
@@ -322,11 +333,14 @@ class FuseServer:
                 if not isinstance(e, m.UnknownOpcode):
                     log.info("fuse: bad request: %s", e)
                 self._send(e.unique, None, OSError(e.errno, e.message))
-            return
-        if self.dispatcher.submit(req, len(buf), self._send) or isinstance(req, m.Interrupt):
+            return False
+        self.op_counts[req.OPCODE.name] += 1
+        deferred = self.dispatcher.submit(req, len(buf), self._send)
+        if deferred or isinstance(req, m.Interrupt):
             self._quiet()
         if isinstance(req, m.Destroy):
             self.stop()
+        return deferred
 
     def _send(self, unique: int, reply, error: BaseException | None) -> None:
         data = reply_bytes(unique, reply, error)

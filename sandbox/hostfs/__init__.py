@@ -581,6 +581,19 @@ class HostFS(ABC):
     @abstractmethod
     def listxattr(self, path: str) -> list[str]: ...
 
+    def getattr_xattr_names(self, path: str) -> tuple[Attr, list[str]]:
+        """:meth:`getattr` of ``path`` and the names of its xattrs (none for a symlink; none
+        where they cannot be listed), for callers that need both on every call (a server's
+        getattr reads the kept mode and owner). Raises as :meth:`getattr`. This fallback
+        resolves the path twice; an implementation may do both from one resolution."""
+        a = self.getattr(path)
+        if a.kind == LNK:
+            return a, []
+        try:
+            return a, self.listxattr(path)
+        except OSError:
+            return a, []
+
     @abstractmethod
     def getxattr(self, path: str, name: str) -> bytes: ...
 

@@ -147,11 +147,14 @@ class LocalGuest:
     accel_reason = "local guest: no VM; commands run on the host against FUSE mounts (undo, not isolation)"
 
     def __init__(self, run_dir: str, exports: dict, *, limits: ServerLimits | None = None, network: bool = True,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, watched: frozenset = frozenset()):
         """``exports``: the session's live export table (attach name → Export);
-        ``network``: False gives commands a private network namespace (loopback only)."""
+        ``network``: False gives commands a private network namespace (loopback only);
+        ``watched``: attach names whose folders the session watches for changes made beside
+        it and reports here (:meth:`folder_changed`): their mounts cache long (coherent)."""
         self.run_dir = run_dir
         self.exports = exports
+        self.watched = watched
         self.limits = limits or ServerLimits()
         self.network = network
         self.progress = progress or (lambda msg: None)
@@ -211,6 +214,10 @@ class LocalGuest:
             hint = (" (unprivileged: the kernel must allow user namespaces; or run as root)" if self.user_ns else "")
             raise LocalGuestError(f"cannot make the private mount namespace: {why}{hint}")
         self.init_pid = int(msg["pid"])
+        #: commands see a /proc of their own PID namespace (False: the kernel refused it; the host's)
+        self.private_proc = bool(msg.get("proc"))
+        if not self.private_proc:
+            log.warning("local guest: could not mount a private /proc; commands see the host's processes")
 
     def _request(self, req: dict) -> tuple[dict, int | None]:
         with self._sock_lock:
@@ -245,7 +252,8 @@ class LocalGuest:
                                      if e.errno == 2 else "")) from None
         os.set_inheritable(fd, False)
         try:
-            server = asyncio.run_coroutine_threadsafe(self._server(export, fd), self._loop).result(HOLDER_REPLY_TIMEOUT_S)
+            server = asyncio.run_coroutine_threadsafe(self._server(export, fd, spec.aname in self.watched),
+                                                      self._loop).result(HOLDER_REPLY_TIMEOUT_S)
         except BaseException:
             os.close(fd)
             raise
@@ -255,9 +263,30 @@ class LocalGuest:
         self._log(f"mounted {spec.aname} at {target}{' (ro)' if spec.read_only else ''}")
         return m
 
-    async def _server(self, export, fd: int) -> FuseServer:
+    async def _server(self, export, fd: int, coherent: bool) -> FuseServer:
         """Made on the loop, where the export is served (the dispatcher reads its root)."""
-        return FuseServer(Dispatcher(export, self.limits), fd, self.limits, poll_interval_s=None)
+        server = FuseServer(Dispatcher(export, self.limits), fd, self.limits, poll_interval_s=None)
+        server.set_coherent(coherent)
+        return server
+
+    # ------------------------------------------------------------------ the session's watcher (any thread)
+
+    def folder_changed(self, aname: str, paths: list[str]) -> None:
+        """The folder served as ``aname`` changed beside the mount at ``paths`` (relative):
+        the kernel forgets what it cached of them."""
+        for m in list(self._mounts):
+            if m.aname == aname:
+                m.server.invalidate(paths)
+
+    def folder_unwatched(self, aname: str, overflow: bool = False) -> None:
+        """The watcher lost events (``overflow``) or can no longer see the whole folder: the
+        kernel forgets everything of that mount; unless it was only an overflow, the mount
+        goes back to the short timeouts."""
+        for m in list(self._mounts):
+            if m.aname == aname:
+                if not overflow:
+                    m.server.set_coherent(False)
+                m.server.invalidate_all()
 
     def stop(self) -> None:
         if self._stopped:

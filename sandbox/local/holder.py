@@ -16,9 +16,15 @@ What it makes, once, at start:
   ``unshare(CLONE_NEWPID)``). Every command the guest runs is entered into it (``nsenter
   --pid``), so when init exits — the session stops, or the agent dies and the parent-death
   signal reaches the holder and then init — the kernel kills every process still in it,
-  daemonized ones included.
+  daemonized ones included;
+* a fresh **/proc** of that PID namespace, mounted by init over ``/proc`` in the private
+  mount namespace (``nosuid,nodev,noexec``): commands see their own processes (init is pid
+  1), not the host's. Best effort: where the kernel refuses it (a user namespace whose
+  ``/proc`` has masked parts, as in some containers), the host's ``/proc`` stays and the
+  ready message says ``"proc": false``.
 
-The parent stays outside, sends ``{"ready": true, "pid": <init's pid>}`` (in the agent's PID
+The parent stays outside, waits until init has mounted /proc (or failed to), sends
+``{"ready": true, "pid": <init's pid>, "proc": bool}`` (the pid in the agent's PID
 namespace: what ``nsenter --target`` needs), then waits for init and exits with its status.
 Init answers requests on the socket (``SOCK_SEQPACKET``, one JSON object per message):
 
@@ -49,7 +55,7 @@ import struct
 import sys
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 1, 2, 4, 0x4000, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 0x4000, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 FS_TYPE, FS_NAME = b"fuse.sandbox", b"sandbox"
@@ -93,6 +99,13 @@ def enter(user: bool, net: bool) -> None:
     _check(_libc.mount(b"none", b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None), "making / private")
     if net:
         _loopback_up()
+
+
+def mount_proc() -> bool:
+    """In init (pid 1 of the new PID namespace, in the private mount namespace): a /proc of
+    this PID namespace over the host's. False if the kernel refused it."""
+    flags = ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    return _libc.mount(b"proc", b"/proc", b"proc", flags, None) == 0
 
 
 def _reply(sock: socket.socket, msg: dict, fd: int | None = None) -> None:
@@ -166,19 +179,28 @@ def main(argv: list[str]) -> int:
         _reply(sock, {"ready": False, "errno": e.errno, "error": str(e)})
         return 1
     alive_r, alive_w = os.pipe()  # init's view of the parent (getppid() is 0 across the PID namespace)
+    proc_r, proc_w = os.pipe()  # init says whether it mounted /proc (b"1"/b"0"; nothing: it died)
     pid = os.fork()
     if pid == 0:  # init of the new PID namespace
         try:
             os.close(alive_w)
+            os.close(proc_r)
             if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or _parent_gone(alive_r):
                 os._exit(1)
             signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps orphans
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            os.write(proc_w, b"1" if mount_proc() else b"0")
+            os.close(proc_w)
             serve(sock)
         finally:
             os._exit(0)
     os.close(alive_r)
-    _reply(sock, {"ready": True, "pid": pid})
+    os.close(proc_w)
+    try:
+        proc = os.read(proc_r, 1) == b"1"
+    finally:
+        os.close(proc_r)
+    _reply(sock, {"ready": True, "pid": pid, "proc": proc})
     sock.close()
     while True:
         try:

@@ -170,7 +170,8 @@ class Provider:
         """The attributes a client is told: the host's, with the mode and owner the guest
         gave (owners as ``cred``'s view shows them)."""
         self._see(path)
-        return self._as_device(path, self._guest_attr(path, self.host.getattr(path), view=_view(cred)))
+        a, names = self.host.getattr_xattr_names(path)  # one resolution for both (the kept mode, owner)
+        return self._as_device(path, self._guest_attr(path, a, view=_view(cred), names=names))
 
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
@@ -270,6 +271,20 @@ class Provider:
         self._writable(path)
         self._killed_on_write(handle, path, cred)
         return self.fs.pwrite(handle, path, offset, data)
+
+    def drop_capability(self, handle: FileHandle, path: str) -> None:
+        """Before a write through ``handle``: the file's kept ``security.capability`` (mapped
+        into ``user.``, :func:`identity.host_xattr_name`) is removed, undo-tracked, as Linux
+        removes a file's capabilities on every write, whoever writes. For a client whose kernel
+        leaves that to the server (FUSE's ``HANDLE_KILLPRIV_V2``); one ``fgetxattr`` when the
+        file has none."""
+        name = identity.host_xattr_name(CAPABILITY_XATTR)
+        try:
+            handle.getxattr(name)
+        except OSError:
+            return  # none (ENODATA), or no xattrs here: nothing to drop
+        self._writable(path)
+        self.fs.fremovexattr(handle, path, name)
 
     def fallocate(self, handle: FileHandle, path: str, offset: int, length: int, mode: int = 0, *,
                   cred: Cred | None = None) -> None:
@@ -512,13 +527,14 @@ class Provider:
 
     # ------------------------------------------------------------------ identity (identity.py)
 
-    def _reserved(self, path: str, handle: FileHandle | None) -> dict[str, bytes]:
+    def _reserved(self, path: str, handle: FileHandle | None, names: list[str] | None = None) -> dict[str, bytes]:
         """The mappings (:data:`identity.MODE_XATTR`, :data:`identity.OWNER_XATTR`) of
-        ``handle``'s inode, or else of ``path``: one ``listxattr``, a ``getxattr`` per one
-        present. Unreadable (no user xattrs, gone meanwhile): none."""
+        ``handle``'s inode, or else of ``path``: one ``listxattr`` (unless its ``names`` are
+        given), a ``getxattr`` per one present. Unreadable (no user xattrs, gone meanwhile): none."""
         out = {}
         try:
-            names = handle.listxattr() if handle is not None else self.host.listxattr(path)
+            if names is None:
+                names = handle.listxattr() if handle is not None else self.host.listxattr(path)
             for name in (identity.MODE_XATTR, identity.OWNER_XATTR):
                 if name in names:
                     out[name] = handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
@@ -526,14 +542,15 @@ class Provider:
             pass
         return out
 
-    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None, view=None) -> Attr:
+    def _guest_attr(self, path: str, a: Attr, handle: FileHandle | None = None, view=None,
+                    names: list[str] | None = None) -> Attr:
         """``a`` with the mode and owner the guest set, kept, not applied; owners without a
         kept one as ``view`` (:class:`identity.OwnerMap`) presents them.
 
         Only regular files and directories can carry the mappings (the kernel allows user
         xattrs on nothing else). With ``handle``, ``a`` is its inode's and so are the mappings
         read — wherever ``path`` points now."""
-        kept = self._reserved(path, handle) if a.kind in (REG, DIR) else {}
+        kept = self._reserved(path, handle, names) if a.kind in (REG, DIR) else {}
         mode = identity.guest_mode(a.mode, kept.get(identity.MODE_XATTR)) if kept else a.mode
         uid, gid = identity.guest_owner(a.uid, a.gid, kept.get(identity.OWNER_XATTR), view)
         if (mode, uid, gid) == (a.mode, a.uid, a.gid):
@@ -685,6 +702,10 @@ class Provider:
         kill = identity.privileges_on_write(seen)
         if kill:
             self._set_guest_mode(path, handle, seen & ~kill)
+
+
+#: the xattr holding a file's capabilities (kept mapped into ``user.``, never honoured)
+CAPABILITY_XATTR = "security.capability"
 
 
 def _view(cred: Cred | None):

@@ -573,17 +573,34 @@ class Session:
         finally:
             store.close()
 
+    def _watched(self) -> bool:
+        """Read-write folders are watched for changes made beside the sandbox: for the
+        external-modification policy, or so a local guest's FUSE mounts can cache long (the
+        kernel is told of every change the watcher sees: docs/fuse.md, Caching)."""
+        return self.external_policy is not None or self.guest_kind == "local"
+
     def _open_workspace_once(self, i: int, f: Folder) -> OpenedWorkspace:
-        return open_workspace(f.path, watched=self.external_policy is not None, state_dir=f.state_dir,
+        return open_workspace(f.path, watched=self._watched(), state_dir=f.state_dir,
                               safeguard=self.safeguard, limits=self.limits, on_event=self._folder_events(i))
 
     def _watch(self, s: _Started, i: int, ws: Workspace, own_writes, path: str) -> None:
+        from ..barriers.watch import OVERFLOW_WARNING
+
+        name = self.table.folders[i].name
+
         def on_external(paths: list[str]) -> None:
-            self._external(i, ws, paths)
+            if self.external_policy is not None:
+                self._external(i, ws, paths)
+            changed = getattr(s.guest, "folder_changed", None)  # a local guest's kernel caches
+            if changed is not None:
+                changed(name, paths)
 
         def on_warning(message: str) -> None:
-            if self.on_event is not None:
+            if self.on_event is not None and self.external_policy is not None:
                 self.on_event({"type": "event.warning", "message": message, "directory": i})
+            lost = getattr(s.guest, "folder_unwatched", None)
+            if lost is not None:
+                lost(name, overflow=message == OVERFLOW_WARNING)
 
         if self.external_policy == "lock":
             from ..barriers.lock import lock_folder
@@ -622,7 +639,7 @@ class Session:
                 s.providers[mount.name] = Provider.intercepted(ws, label=mount.label or os.path.basename(f.path))
         for j, m in enumerate(self.memory_mounts):
             s.providers[f"m{j}"] = _tree(m.files, m.writable, m.label or m.target)
-        if self.external_policy is not None and s.share is None:
+        if self._watched() and s.share is None:
             for i, (f, ws, journal) in enumerate(zip(self.folders, s.workspaces, s.own_writes)):
                 if ws is not None:
                     self._watch(s, i, ws, journal, f.path)
@@ -788,8 +805,10 @@ class Session:
         if self.guest_kind == "local":  # -- local guest (issue 16)
             from ..local.guest import LocalGuest
 
+            watched = frozenset(self.table.folders[i].name for i, ws in enumerate(self._s.workspaces)
+                                if ws is not None and self._s.share is None)
             return LocalGuest(run_dir, self._s.server.server.exports, network=self.network != "disabled",
-                              progress=self.progress)
+                              progress=self.progress, watched=watched)
         if self.guest_kind != "vm":
             raise ValueError(f"guest must be 'vm', 'scripted' or 'local', not {self.guest_kind!r}")
         disk = self._persistent_disk() if self.vm_mode == "persistent" else None
