@@ -324,73 +324,64 @@ def test_read_only_and_narrowed_providers_refuse(served):
     assert ws.history() == []
 
 
-@pytest.mark.parametrize("kind", ["sim", "real"])
-def test_crash_at_every_call_of_undoing_an_exchange_whose_names_were_remade(kind, tmp_path):
-    """After the exchange the step replaces what one name holds; its undo re-creates that
-    object with a new inode number *before* the exchange is undone. A rollback interrupted
-    anywhere (also just after the exchange back, before its progress is kept) and resumed must
-    exchange exactly once: the recorded inode still at its own name says it is done."""
+def _rollback_survives_a_crash_at_every_call(kind, tmp_path, steps) -> None:
+    """On a fresh seeded world per crash point: ``steps(ws)`` runs steps; a rollback of all of
+    them crashes at host call k (every k of an uninterrupted rollback), then recovery and a
+    rollback of whatever history is left must give the seeded tree exactly."""
     def make(where):
         w = World(kind, str(where) if kind == "real" else None)
         _seed(w)
         pre = w.snapshot()
         ws = w.open()
-        with ws.step("swap"):
-            ws.fs.exchange("big", "d/sub/c")
-            ws.fs.write_file("tmp", b"replacement")
-            ws.fs.rename("tmp", "d/sub/c")  # replaces what the exchange put there (big's object)
+        steps(ws)
         return w, ws, pre
 
     w, ws, pre = make(tmp_path / "count")
+    n = len(ws.history())
     w.injector = FaultInjector()
-    ws.rollback(1)
+    ws.rollback(n)
     total = w.injector.calls
     oracle.assert_same(pre, w.snapshot(), "rollback without a crash")
     for k in range(total):
         w, ws, pre = make(tmp_path / str(k))
         w.injector = FaultInjector(crash_at=k)
         with pytest.raises(SimulatedCrash):
-            ws.rollback(1)
-        w.crash(ws)
-        ws2 = w.open()
-        if ws2.history():
-            ws2.rollback(1)
-        ws2.close()
-        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of the rollback")
-
-
-@pytest.mark.parametrize("kind", ["sim", "real"])
-def test_crash_at_every_call_of_undoing_an_exchange_whose_both_names_were_remade(kind, tmp_path):
-    """A later step removes both exchanged objects; undoing it re-creates both with new inode
-    numbers, so neither recorded inode is left to tell whether the exchange back ran. A
-    rollback of both steps interrupted anywhere — also just after the exchange back, before
-    its progress is kept — and resumed must still exchange exactly once (found by the
-    issue-19 fan-out as a hard-link group restored under the wrong name)."""
-    def make(where):
-        w = World(kind, str(where) if kind == "real" else None)
-        _seed(w)
-        pre = w.snapshot()
-        ws = w.open()
-        with ws.step("swap"):
-            ws.fs.exchange("big", "d/sub/c")
-        with ws.step("rm both"):
-            ws.fs.unlink("big")
-            ws.fs.unlink("d/sub/c")
-        return w, ws, pre
-
-    w, ws, pre = make(tmp_path / "count")
-    w.injector = FaultInjector()
-    ws.rollback(2)
-    total = w.injector.calls
-    oracle.assert_same(pre, w.snapshot(), "rollback without a crash")
-    for k in range(total):
-        w, ws, pre = make(tmp_path / str(k))
-        w.injector = FaultInjector(crash_at=k)
-        with pytest.raises(SimulatedCrash):
-            ws.rollback(2)
+            ws.rollback(n)
         w.crash(ws)
         ws2 = w.open()
         if ws2.history():
             ws2.rollback(len(ws2.history()))
         ws2.close()
         oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of the rollback")
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_undoing_an_exchange_whose_names_were_remade(kind, tmp_path):
+    """After the exchange the step replaces what one name holds; its undo re-creates that
+    object with a new inode number *before* the exchange is undone. A rollback interrupted
+    anywhere (also just after the exchange back, before its progress is kept) and resumed must
+    exchange exactly once: the recorded inode still at its own name says it is done."""
+    def steps(ws):
+        with ws.step("swap"):
+            ws.fs.exchange("big", "d/sub/c")
+            ws.fs.write_file("tmp", b"replacement")
+            ws.fs.rename("tmp", "d/sub/c")  # replaces what the exchange put there (big's object)
+
+    _rollback_survives_a_crash_at_every_call(kind, tmp_path, steps)
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_undoing_an_exchange_whose_both_names_were_remade(kind, tmp_path):
+    """A later step removes both exchanged objects; undoing it re-creates both with new inode
+    numbers (on a real disk, perhaps reused ones), so neither recorded inode tells whether the
+    exchange back ran. A rollback of both steps interrupted anywhere — also just after the
+    exchange back, before its progress is kept — and resumed must still exchange exactly once
+    (found by the issue-19 fan-out as a hard-link group restored under the wrong name)."""
+    def steps(ws):
+        with ws.step("swap"):
+            ws.fs.exchange("big", "d/sub/c")
+        with ws.step("rm both"):
+            ws.fs.unlink("big")
+            ws.fs.unlink("d/sub/c")
+
+    _rollback_survives_a_crash_at_every_call(kind, tmp_path, steps)

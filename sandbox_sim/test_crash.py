@@ -149,27 +149,29 @@ def test_torn_write_at_every_write_of_a_step(tmp_path):
     assert torn > 20
 
 
-@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
-def test_store_error_at_every_store_mutation_of_a_step(code, tmp_path):
+def _store_error_sweep(code: int, run_step, command: str) -> tuple[int, int]:
+    """For every store mutation j of ``run_step(ws)`` (a step named ``command``, after one
+    earlier step): fail mutation j with ``code``; an error reaching the caller carries that
+    code, closing the step is retried once the disk recovers, and undo gives back the tree
+    before the step (if it opened) and then the one before the earlier step. Returns
+    ``(store mutations, errors that reached the caller)``."""
     w, ws, _ = _prepare("sim", None)
     w.injector = FaultInjector()
-    _step(ws)
+    run_step(ws)
     total = w.injector.store_mutations
-    assert total > 20
     failed_ops = 0
     for j in range(total):
         w, ws, initial = _prepare("sim", None)
         pre = w.snapshot()
         w.injector = FaultInjector(error_at=(j, code))
         try:
-            _step(ws)
+            run_step(ws)
         except OSError as e:
             assert e.errno == code, f"store error {j}: unexpected {e!r}"
             failed_ops += 1
-            w.injector = FaultInjector()
-            ws.close_active()  # the disk recovered: closing is retried
         w.injector = FaultInjector()
-        if ws.history()[0]["command"] != "workload":
+        ws.close_active()  # the disk recovered: closing is retried
+        if ws.history()[0]["command"] != command:
             # the error hit opening the step: it never started, and nothing was touched
             oracle.assert_same(pre, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j} (step never opened)")
         else:
@@ -177,6 +179,13 @@ def test_store_error_at_every_store_mutation_of_a_step(code, tmp_path):
             oracle.assert_same(pre, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}")
         ws.rollback(1)
         oracle.assert_same(initial, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}: earlier step")
+    return total, failed_ops
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_store_error_at_every_store_mutation_of_a_step(code):
+    total, failed_ops = _store_error_sweep(code, _step, "workload")
+    assert total > 20
     assert failed_ops == total  # every injected error surfaced to the caller, none was swallowed
 
 
@@ -413,22 +422,5 @@ def test_store_error_at_every_store_mutation_of_a_step_whose_moves_fail(code):
     finished step never holds an intent that did not run: its rollback restores the tree and
     is never refused as if something outside had moved things (found by the issue-19
     fan-out: an ExternalChange refusal after a store error)."""
-    w, ws, _ = _prepare("sim", None)
-    w.injector = FaultInjector()
-    _failing_moves(ws)
-    total = w.injector.store_mutations
-    for j in range(total):
-        w, ws, initial = _prepare("sim", None)
-        pre = w.snapshot()
-        w.injector = FaultInjector(error_at=(j, code))
-        try:
-            _failing_moves(ws)
-        except OSError as e:
-            assert e.errno == code, f"store error {j}: unexpected {e!r}"
-        w.injector = FaultInjector()
-        ws.close_active()
-        if ws.history()[0]["command"] == "failing moves":
-            ws.rollback(1)
-        oracle.assert_same(pre, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}")
-        ws.rollback(1)
-        oracle.assert_same(initial, w.snapshot(), f"{errno.errorcode[code]} at store mutation {j}: earlier step")
+    total, _ = _store_error_sweep(code, _failing_moves, "failing moves")
+    assert total > 10
