@@ -301,8 +301,8 @@ def _session(args, *, ask: bool = True, progress=None, **session_kw):
     folders = [Folder.parse(w) for w in args.workdir]
     if getattr(args, "local", False):  # -- local guest (issue 16)
         session_kw["guest"] = "local"
-    if getattr(args, "share", "9p") != "9p":  # -- virtio-fs (issue 17)
-        if session_kw.get("guest") == "local":
+    if getattr(args, "share", None) is not None:  # -- virtio-fs (issue 17)
+        if session_kw.get("guest") == "local" and args.share != "9p":
             raise CliError("--share virtiofs is for a VM guest (--local serves the folders over FUSE on the host)",
                            EXIT_USAGE)
         session_kw["share"] = args.share
@@ -1066,9 +1066,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "uid/gid of the first working folder's owner, 1000 if root owns it)")
         _guest_root_args(sp)
         _share_servers_arg(sp)  # -- confined share servers (issue 13)
-        sp.add_argument("--share", choices=["9p", "virtiofs"], default="9p",  # -- virtio-fs (issue 17)
-                        help="how a VM guest reaches the working folders: 9p (default) or virtiofs (a vhost-user-fs "
-                             "device per folder, served by the folder's share server; opt-in)")
+        sp.add_argument("--share", choices=["9p", "virtiofs"], default=None,  # -- virtio-fs (issue 17)
+                        help="how a VM guest reaches the working folders: virtiofs (default where QEMU has "
+                             "vhost-user-fs-pci: a device per folder, served by the folder's share server) or 9p "
+                             "(through QEMU's guestfwd; the fallback, logged, elsewhere)")
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",

@@ -42,6 +42,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -253,6 +254,34 @@ def build_command(cfg: VmConfig) -> list[str]:
         cmd += ["-qmp", f"unix:{escape_opt(cfg.qmp_socket)},server=on,wait=off"]
     cmd += list(cfg.extra)
     return cmd
+
+
+# -- virtio-fs (issue 17): whether a session's shares can be vhost-user-fs devices here
+VIRTIOFS_DEVICE = "vhost-user-fs-pci"
+DEVICE_PROBE_TIMEOUT_S = 10.0
+_virtiofs_probed: dict[str, str | None] = {}  # resolved QEMU path -> reason (None: available); one per binary
+
+
+def virtiofs_unavailable(qemu: str = QEMU) -> str | None:
+    """Why a VM session cannot share over virtio-fs here (None: it can): not Linux, no
+    ``memfd_create`` (the guest RAM the device maps), QEMU missing, or its ``-device help``
+    not listing :data:`VIRTIOFS_DEVICE`. Asked once per QEMU binary (by its resolved path)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return "virtio-fs needs Linux with memfd_create (the guest's RAM is a shared memfd)"
+    path = shutil.which(qemu)
+    if path is None:
+        return f"{qemu} is not installed"
+    path = os.path.realpath(path)
+    if path not in _virtiofs_probed:
+        try:
+            p = subprocess.run([path, "-machine", "none", "-device", "help"], check=False, capture_output=True,
+                               text=True, stdin=subprocess.DEVNULL, timeout=DEVICE_PROBE_TIMEOUT_S)
+            listed = re.search(r'name "%s"' % re.escape(VIRTIOFS_DEVICE), p.stdout) is not None
+            reason = None if listed else f"{path} has no {VIRTIOFS_DEVICE} device (-device help)"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            reason = f"{path} -device help failed: {e}"
+        _virtiofs_probed[path] = reason
+    return _virtiofs_probed[path]
 
 
 def qemu_version(qemu: str = QEMU) -> str:
