@@ -4,7 +4,8 @@ Every guest program runs as one step; each step is then undone on its own, newes
 and the tree must equal the snapshot taken before it (the tree oracle, byte-exact). The
 guest is Debian's kernel under QEMU (TCG here) on the session's guest root (the host's /usr
 and an allowlisted /etc, under an overlay), commands as the user ``agent``, the working
-folders over the intercepting 9P server. Skipped with the reason
+folders over the session's default share (virtio-fs where QEMU has it, issue 17; the
+``share``-parametrized tests also over 9P). Skipped with the reason
 where QEMU or the guest image cannot be had. The default run boots a few guests (about
 10 s each under TCG); the rest is marked slow (the full run).
 """
@@ -71,8 +72,8 @@ PROGRAMS = [
     "chmod 0600 run.sh && chmod 0750 src",
     "touch -d '2001-02-03 04:05:06' src-copy",
     "ln src-copy/$(ls src-copy | head -n1) hard.link && ln -s README.moved soft.link",
-    # 9P2000.L has no fallocate: the guest gets EOPNOTSUPP (coreutils then has no fallback)
-    "truncate -s 3 f.txt && ! fallocate -l 20000 big.bin 2>/dev/null && truncate -s 20000 big.bin",
+    # 9P2000.L has no fallocate (EOPNOTSUPP, and coreutils then has no fallback); virtio-fs has
+    "truncate -s 3 f.txt && { fallocate -l 20000 big.bin 2>/dev/null || truncate -s 20000 big.bin; }",
     "dd if=/dev/urandom of=big.bin bs=4096 count=4 seek=1 conv=notrunc 2>/dev/null",
     "mkdir t && echo inside > t/x && tar -cf t.tar t && rm -rf t && tar -xf t.tar",
     "python3 -c \"import os; os.setxattr('f.txt', 'user.note', b'guest'); os.setxattr('src', 'user.d', b'1')\"",
@@ -96,7 +97,7 @@ def test_programs_each_undone_exactly(project):
         for cmd, snap in zip(PROGRAMS[::-1], snaps[::-1]):
             s.undo(1)
             oracle.assert_same(snap, oracle.snapshot_dir(str(project)), f"undo of `{cmd}`")
-        # the guest sees the restored tree at once (cache=none): no stale handles
+        # the guest sees the restored tree when undo returns: no stale handles
         out = []
         r = s.run("cat README.md | head -c 20 && ls", lambda stream, text: out.append(text))
         assert r.exit_code == 0 and "src" in "".join(out), "".join(out)
@@ -128,14 +129,18 @@ def test_failing_cancelled_and_read_only(project, tmp_path):
         assert r.cancelled and r.exit_code in (143, 137), r
 
 
-def test_undo_while_running_is_seen_by_the_guest(project):
-    with Session([Folder(str(project))]) as s:
-        s.run("echo one > f")
-        s.run("echo two > f")
+@pytest.mark.parametrize("share", ["9p", "virtiofs"])
+def test_undo_while_running_is_seen_by_the_guest(project, share):
+    """The next command after an undo sees the restored tree — over virtio-fs too, whose guest
+    kernel caches entries and attributes (1 s) with no way for us to invalidate them: the
+    undo returns once those timeouts have run out (docs/virtiofs.md "Undo while the guest runs")."""
+    with Session([Folder(str(project))], share=share) as s:
+        s.run("echo one > f && echo keep > g")
+        s.run("echo twotwo > f && echo new > n && rm g && mkdir d && ls -l f n d >/dev/null")
         s.undo(1)
         out = []
-        s.run("cat f", lambda st, t: out.append(t))
-        assert "".join(out) == "one\n"
+        r = s.run("cat f g; for p in n d; do test -e $p && echo stale $p; done; true", lambda st, t: out.append(t))
+        assert (r.exit_code, "".join(out)) == (0, "one\nkeep\n")
 
 
 @pytest.mark.slow

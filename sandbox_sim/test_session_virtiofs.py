@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
+from sandbox.guest.control import LIVE_MOUNTS_MAX
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.session.runtime import Folder, MemoryMount, Session
@@ -60,11 +61,15 @@ def test_the_qemu_command_line_has_a_shared_memfd_and_one_device_per_folder(tmp_
     assert cmd[cmd.index("-numa") + 1] == "node,memdev=mem"
     devices = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-device" and cmd[i + 1].startswith("vhost-user-fs-pci")]
     assert devices == ["vhost-user-fs-pci,chardev=vfs0,tag=sandbox-0", "vhost-user-fs-pci,chardev=vfs1,tag=sandbox-1"]
+    # an empty root port per possible live mount: q35's pcie.0 takes no hot-plugged device
+    ports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-device" and cmd[i + 1].startswith("pcie-root-port")]
+    assert ports == [f"pcie-root-port,id={qemu.hotplug_port(k)},bus=pcie.0,chassis={k + 1}"
+                     for k in range(LIVE_MOUNTS_MAX)]
     # the default (9P) path is unchanged: no memfd, no device, a port per share
     plain = share_devices([GuestMount("0", "/mnt/working/0", False)], sock)
     assert plain["virtiofs"] == [] and plain["guestfwds"][0] == (NINEP_PORT, sock)
     cmd = qemu.build_command(qemu.VmConfig(kernel=str(kernel), initrd=str(initrd), **plain))
-    assert "-object" not in cmd and not any(a.startswith("vhost-user-fs-pci") for a in cmd)
+    assert "-object" not in cmd and not any(a.startswith(("vhost-user-fs-pci", "pcie-root-port")) for a in cmd)
 
 
 def test_tags_fit_the_device_config():

@@ -25,10 +25,10 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
 * the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, the
   local guest (:mod:`sandbox.local`: host commands on FUSE mounts of the same exports, each
   folder at its own path; undo, not isolation), or a caller's factory; the share transport
-  is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest; ``"virtiofs"``, opt-in:
-  each working folder of a VM also served as a virtio-fs device from the same export, on
-  the loop of the 9P server serving it (the share-server child's in process mode) — in-memory
-  trees and live mounts stay on 9P).
+  is ``share="virtiofs"`` for a VM where QEMU offers it (else ``"9p"``, the reason logged): each
+  working folder and in-memory tree a virtio-fs device served from the same export, on the loop
+  of the 9P server serving it (the share-server child's in process mode); live mounts are
+  hot-plugged devices; ``"local"``: FUSE on the host, with the local guest.
 
 **Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
 ``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
@@ -245,6 +245,7 @@ class _Started:
     share: ShareProcess | None = None  # share_servers="process": folder 0's confined server
     shares: dict = field(default_factory=dict)  # share_servers="process": folder index -> its ShareProcess
     virtiofs: list = field(default_factory=list)  # share="virtiofs": (VirtioFsServer, its task) per folder
+    live_virtiofs: dict = field(default_factory=dict)  # live mount name -> (VirtioFsServer, task): hot-plugged
     share_died: str | None = None  # why the share server went away mid-session
     guest: object = None
     workspaces: list = field(default_factory=list)
@@ -664,6 +665,7 @@ class Session:
         # -- the guest user (issue 13): a VM guest's user sees the folder owner's files as its own
         owners = guest_owner_map(self.folders[0].path, self.as_root) if self.guest_kind == "vm" else None
         served = {k: p for k, p in s.providers.items() if s.share is None or not k.isdigit()}
+        self._limits, self._owners = limits, owners  # what live mounts' devices are served with
         server = NinePServer(served, ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
         if self.share == "virtiofs":  # in process mode each child serves its folder's own; trees are served here
@@ -704,14 +706,15 @@ class Session:
     @staticmethod
     def _stop_virtiofs(s: _Started) -> None:
         async def cancel_all() -> None:
-            tasks = [task for _server, task in s.virtiofs]
+            tasks = [task for _server, task in s.virtiofs + list(s.live_virtiofs.values())]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        if s.virtiofs and s.server is not None and not s.server.loop.is_closed():
+        if (s.virtiofs or s.live_virtiofs) and s.server is not None and not s.server.loop.is_closed():
             s.server.run(cancel_all(), timeout_s=30)
         s.virtiofs.clear()
+        s.live_virtiofs.clear()
 
     # -- confined share servers (issue 13)
     def _start_share_process(self, s: _Started) -> None:
@@ -1080,7 +1083,9 @@ class Session:
                 raise
             self._live_seq += 1
             try:
-                s.server.run(s.guest.mount(GuestMount(name, m.target, m.read_only)), timeout_s=LIVE_MOUNT_TIMEOUT_S)
+                vfs = self._start_live_virtiofs(s, name)  # -- virtio-fs (issue 17): a hot-plugged device
+                s.server.run(s.guest.mount(GuestMount(name, m.target, m.read_only, virtiofs_socket=vfs)),
+                             timeout_s=LIVE_MOUNT_TIMEOUT_S)
             except BaseException as e:
                 self._drop_export(s, name)
                 if isinstance(e, Exception) and not isinstance(e, MountError):
@@ -1113,7 +1118,29 @@ class Session:
             self.table = self.table.without(mount.target)
             log.info("live mount %s at %s removed", mount.name, mount.target)
 
+    def _start_live_virtiofs(self, s: _Started, name: str) -> str | None:
+        """A live mount of a virtio-fs session whose guest hot-plugs devices: its device server
+        (on the 9P server's loop, serving the new export); its socket, or None (9P)."""
+        if self.share != "virtiofs" or not getattr(s.guest, "mounts_virtiofs", False):
+            return None
+        from ..fuse.virtiofs import serve_export
+
+        path = self._virtiofs_socket(s, name)
+        s.live_virtiofs[name] = s.server.run(serve_export(s.server.server.exports[name], path, self._limits, self._owners),
+                                             timeout_s=30)
+        return path
+
     def _drop_export(self, s: _Started, name: str) -> None:
+        served = s.live_virtiofs.pop(name, None)
+        if served is not None:  # the device (already unplugged, or never plugged) and its server go first
+            async def cancel(task=served[1]) -> None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+            try:
+                s.server.run(cancel(), timeout_s=30)
+            except Exception as e:
+                log.warning("stopping the device server of %s: %s", name, e)
         try:
             s.server.call(lambda: s.server.server.remove_export(name))
         except Exception as e:  # not served (the add failed): nothing to remove
