@@ -33,6 +33,11 @@ def project(sample_project):
     return sample_project
 
 
+#: the share transports a test runs over (issue 17): the session's default (virtio-fs where QEMU
+#: has it) in the default run, 9P (the fallback, and `--share 9p`) in the full run
+SHARES = [pytest.param(None, id="default-share"), pytest.param("9p", id="9p", marks=pytest.mark.slow)]
+
+
 def cli(*args, env=None, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "sandbox", *args], capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, env=env, timeout=400, **kw)
@@ -83,8 +88,9 @@ PROGRAMS = [
 ]
 
 
-def test_programs_each_undone_exactly(project):
-    with Session([Folder(str(project))]) as s:
+@pytest.mark.parametrize("share", SHARES)
+def test_programs_each_undone_exactly(project, share):
+    with Session([Folder(str(project))], share=share) as s:
         snaps = []
         for cmd in PROGRAMS:
             snaps.append(oracle.snapshot_dir(str(project)))
@@ -220,14 +226,16 @@ def test_network_policies(project, network, allow, host_reached, leaves_guest):
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_agent_mid_rm_then_recovery(project, tmp_path):
+@pytest.mark.parametrize("share", ["default", "9p"])
+def test_sigkill_of_the_agent_mid_rm_then_recovery(project, tmp_path, share):
     big = project / "big"
     big.mkdir()
     for i in range(400):
         (big / f"f{i:03d}").write_bytes(b"x" * 100)
     before = oracle.snapshot_dir(str(project))
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")}
-    p = subprocess.Popen([sys.executable, "-m", "sandbox", "run", "--workdir", str(project), "--",
+    p = subprocess.Popen([sys.executable, "-m", "sandbox", "run", "--workdir", str(project),
+                          *(["--share", share] if share != "default" else []), "--",
                           "for f in big/*; do rm $f; done"], env=env, stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -295,9 +303,10 @@ def test_sandbox_shell_interactive_undo(project, tmp_path):
 
 
 @pytest.mark.slow
-def test_background_writes_after_the_command_land_in_an_ambient_step(project):
+@pytest.mark.parametrize("share", SHARES)
+def test_background_writes_after_the_command_land_in_an_ambient_step(project, share):
     """A daemon the command left behind writes later: that write is undoable too (ambient)."""
-    with Session([Folder(str(project))]) as s:
+    with Session([Folder(str(project))], share=share) as s:
         r = s.run("(sleep 2; echo late > bg.txt) > /dev/null 2>&1 &")
         assert r.exit_code == 0
         ws = s.workspaces[0]
@@ -337,10 +346,11 @@ def test_ctrl_c_cancels_the_command_and_cleans_up(project, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_cwd_inside_an_undone_directory(project):
+@pytest.mark.parametrize("share", SHARES)
+def test_a_cwd_inside_an_undone_directory(project, share):
     """A process whose cwd was deleted and then restored by an undo: it keeps working or gets
     a clear error (the guest's dentry died with the `rm -rf`); nothing hangs, no ESTALE."""
-    with Session([Folder(str(project))]) as s:
+    with Session([Folder(str(project))], share=share) as s:
         assert s.run("mkdir d && echo one > d/f").exit_code == 0
         bg = ("(cd d; while [ ! -e /tmp/go ]; do sleep 0.1; done; cat f > ../seen.txt 2>&1; "
               "echo rc=$? >> ../seen.txt) > /dev/null 2>&1 &")

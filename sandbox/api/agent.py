@@ -335,7 +335,7 @@ class Agent:
                 "vm_mode": st["vm_mode"], "as_root": st["as_root"], "guest_root": st["guest_root"], "folders": self._folders(s), "mounts": st["mounts"],
                 "running": None if r is None else r.as_dict(),
                 "pending_safeguards": s.holds.pending(),
-                "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
+                "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": s.share,
                 "external_modification_policy": st["external_modification_policy"],
                 "files": self.files.counters() if self.files is not None else None}
 
