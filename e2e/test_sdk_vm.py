@@ -60,10 +60,13 @@ def test_sdk_session_in_a_vm(folders, tmp_path):
             r = await sb.run("ls build")  # the guest sees the restored tree at once
             assert r.stdout == "out.o\n"
 
-            await sb.mount("/mnt/up", {"upload.txt": b"uploaded\n"})
-            r = await sb.run("cat /mnt/up/upload.txt; ls /mnt")
-            assert r.stdout.startswith("uploaded\n") and "up" in r.stdout.split()
-            await sb.unmount("/mnt/up")
-            assert (await sb.run("cat /mnt/up/upload.txt")).exit_code != 0
+            for _round in range(2):  # over virtio-fs (the default here) a hot-plugged device, unplugged again
+                await sb.mount("/mnt/up", {"upload.txt": b"uploaded\n"})
+                r = await sb.run("cat /mnt/up/upload.txt; ls /mnt; grep ' /mnt/up ' /proc/mounts")
+                assert r.stdout.startswith("uploaded\n") and "up" in r.stdout.split()
+                fstype = r.stdout.splitlines()[-1].split()[2]
+                assert fstype == ("virtiofs" if sb._session.share == "virtiofs" else "9p"), r.stdout
+                await sb.unmount("/mnt/up")
+                assert (await sb.run("cat /mnt/up/upload.txt")).exit_code != 0
 
     asyncio.run(main())

@@ -301,8 +301,8 @@ def _session(args, *, ask: bool = True, progress=None, **session_kw):
     folders = [Folder.parse(w) for w in args.workdir]
     if getattr(args, "local", False):  # -- local guest (issue 16)
         session_kw["guest"] = "local"
-    if getattr(args, "share", "9p") != "9p":  # -- virtio-fs (issue 17)
-        if session_kw.get("guest") == "local":
+    if getattr(args, "share", None) is not None:  # -- virtio-fs (issue 17)
+        if session_kw.get("guest") == "local" and args.share != "9p":
             raise CliError("--share virtiofs is for a VM guest (--local serves the folders over FUSE on the host)",
                            EXIT_USAGE)
         session_kw["share"] = args.share
@@ -578,11 +578,10 @@ def _ui_start_payload(args) -> dict:
     ordinary STDIO API session, started by this process)."""
     from .session.runtime import Folder
 
-    unused = [flag for flag, given in (("--state-dir", args.state_dir), ("--share", args.share != "9p"),
-                                       ("--on-hold", args.on_hold != "ask")) if given]
+    unused = [flag for flag, given in (("--state-dir", args.state_dir), ("--on-hold", args.on_hold != "ask")) if given]
     if unused:
-        raise CliError(f"sandbox ui does not take {', '.join(unused)}: its session's undo store is the default one, "
-                       "it shares folders over 9P and the page answers safeguard holds", EXIT_USAGE)
+        raise CliError(f"sandbox ui does not take {', '.join(unused)}: its session's undo store is the default one "
+                       "and the page answers safeguard holds", EXIT_USAGE)
     wds = []
     for spec in args.workdir:
         f = Folder.parse(spec)
@@ -597,6 +596,8 @@ def _ui_start_payload(args) -> dict:
          "guest": "local" if args.local else args.guest}
     if allow:
         p["network_allowlist"] = allow.split(",")
+    if args.share is not None:
+        p["share"] = args.share
     if _guest_packages(args):
         p["guest_packages"] = _guest_packages(args)
     if args.delete_threshold:
@@ -1170,9 +1171,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "uid/gid of the first working folder's owner, 1000 if root owns it)")
         _guest_root_args(sp)
         _share_servers_arg(sp)  # -- confined share servers (issue 13)
-        sp.add_argument("--share", choices=["9p", "virtiofs"], default="9p",  # -- virtio-fs (issue 17)
-                        help="how a VM guest reaches the working folders: 9p (default) or virtiofs (a vhost-user-fs "
-                             "device per folder, served by the folder's share server; opt-in)")
+        sp.add_argument("--share", choices=["9p", "virtiofs"], default=None,  # -- virtio-fs (issue 17)
+                        help="how a VM guest reaches the working folders: virtiofs (default where QEMU has "
+                             "vhost-user-fs-pci: a device per folder, served by the folder's share server) or 9p "
+                             "(through QEMU's guestfwd; the fallback, logged, elsewhere)")
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",
@@ -1350,7 +1352,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                     help="least severe log level written to stderr (default info)")
     for a in ui._actions:  # session options the page's session does not take (refused if given)
-        if a.dest in ("state_dir", "share", "on_hold"):
+        if a.dest in ("state_dir", "on_hold"):
             a.help = argparse.SUPPRESS
     ui.set_defaults(fn=cmd_ui)
     # -- end web page

@@ -166,14 +166,13 @@ class Sandbox:
                  vm_mode: str = "ephemeral", memory_mb: int = 1024, cpus: int = 2,
                  safeguard: SafeguardConfig | None = None, limits: Limits | None = None,
                  external_modification_policy: str | None = "barrier", guest: str | Callable = "vm",
-                 share: str = "9p", restrict: str | None = None, read_only: bool = False,
+                 share: str | None = None, restrict: str | None = None, read_only: bool = False,
                  guest_root: str = "host-usr", guest_packages: list[str] | None = None,
                  on_event: Callable[[dict], Any] | None = None,
                  on_safeguard: Callable[[dict], Any] | None = None, progress: Callable[[str], None] | None = None,
                  as_root: bool = False):
-        check_share(share)
-        if share == "virtiofs" and (restrict or read_only):  # -- virtio-fs (issue 17)
-            raise ValueError("restrict/read_only views are not available with share='virtiofs' yet (use share='9p')")
+        if share is not None:
+            check_share(share)
         if external_modification_policy not in (None, *EXTERNAL_POLICIES):
             raise ValueError(f"external_modification_policy must be None or one of {', '.join(EXTERNAL_POLICIES)}")
         vols = [Volume.parse(v) for v in volumes]

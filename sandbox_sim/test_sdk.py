@@ -156,7 +156,6 @@ async def test_create_context_manager_and_start_stop(proj, tmp_path):
 
 @pytest.mark.parametrize("kw, exc, text", [
     ({"share": "virtiofs"}, ValueError, "goes with guest='vm'"),
-    ({"share": "virtiofs", "guest": "vm", "read_only": True}, ValueError, "not available with share='virtiofs'"),
     ({"share": "local"}, ValueError, "goes with guest='local'"),
     ({"guest": "local"}, ValueError, "at its own path"),
     ({"guest": "local", "volumes": ["."], "network": "allowlist", "allow": ["example.org"]}, ValueError,

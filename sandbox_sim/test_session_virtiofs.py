@@ -21,12 +21,12 @@ from types import SimpleNamespace
 import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
+from sandbox.guest.control import LIVE_MOUNTS_MAX
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
-from sandbox.session.runtime import Folder, MemoryMount, Session, SessionError
+from sandbox.session.runtime import Folder, MemoryMount, Session
 from sandbox.vm import qemu
 from sandbox.vm.guest import NINEP_PORT, GuestMount, mount_table_text, share_devices, virtiofs_tag
-from sandbox.mounts.table import MountTable
 from sandbox_sim.oracle import assert_same, snapshot_dir
 from sandbox_sim.test_fuse_codec import ref_request
 from sandbox_sim.test_fuse_dispatcher import H
@@ -61,11 +61,15 @@ def test_the_qemu_command_line_has_a_shared_memfd_and_one_device_per_folder(tmp_
     assert cmd[cmd.index("-numa") + 1] == "node,memdev=mem"
     devices = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-device" and cmd[i + 1].startswith("vhost-user-fs-pci")]
     assert devices == ["vhost-user-fs-pci,chardev=vfs0,tag=sandbox-0", "vhost-user-fs-pci,chardev=vfs1,tag=sandbox-1"]
+    # an empty root port per possible live mount: q35's pcie.0 takes no hot-plugged device
+    ports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-device" and cmd[i + 1].startswith("pcie-root-port")]
+    assert ports == [f"pcie-root-port,id={qemu.hotplug_port(k)},bus=pcie.0,chassis={k + 1}"
+                     for k in range(LIVE_MOUNTS_MAX)]
     # the default (9P) path is unchanged: no memfd, no device, a port per share
     plain = share_devices([GuestMount("0", "/mnt/working/0", False)], sock)
     assert plain["virtiofs"] == [] and plain["guestfwds"][0] == (NINEP_PORT, sock)
     cmd = qemu.build_command(qemu.VmConfig(kernel=str(kernel), initrd=str(initrd), **plain))
-    assert "-object" not in cmd and not any(a.startswith("vhost-user-fs-pci") for a in cmd)
+    assert "-object" not in cmd and not any(a.startswith(("vhost-user-fs-pci", "pcie-root-port")) for a in cmd)
 
 
 def test_tags_fit_the_device_config():
@@ -76,9 +80,47 @@ def test_share_virtiofs_is_checked(tmp_path, monkeypatch):
     monkeypatch.delenv("SANDBOX_SHARE_SERVERS", raising=False)
     with pytest.raises(ValueError, match="guest='vm'"):
         Session([Folder(str(tmp_path))], share="virtiofs", guest="scripted")
+    with pytest.raises(ValueError, match="guest='local' serves"):
+        Session([Folder(str(tmp_path))], share="virtiofs", guest="local")
     s = Session([Folder(str(tmp_path))], share="virtiofs")
     assert (s.share, s.share_servers) == ("virtiofs", "process")  # a VM's folders stay confined
-    assert Session([Folder(str(tmp_path))]).share == "9p"  # the default stays 9P
+    assert Session([Folder(str(tmp_path))], guest="scripted").share == "9p"  # other guests keep 9P
+
+
+def fake_qemu(tmp_path, devices: str):
+    """A ``qemu-system-x86_64`` on PATH whose ``-device help`` lists ``devices``."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    q = d / qemu.QEMU
+    q.write_text(f"#!/bin/sh\necho '{devices}'\n")  # a shell builtin: PATH has only this directory
+    q.chmod(0o755)
+    return str(d)
+
+
+@pytest.mark.parametrize("devices, share", [
+    ('name "virtio-9p-pci", bus PCI\nname "vhost-user-fs-pci", bus PCI', "virtiofs"),
+    ('name "virtio-9p-pci", bus PCI', "9p"),
+])
+def test_a_vm_guest_defaults_to_virtiofs_where_qemu_has_the_device(tmp_path, monkeypatch, caplog, devices, share):
+    monkeypatch.delenv("SANDBOX_SHARE", raising=False)
+    monkeypatch.setenv("PATH", fake_qemu(tmp_path, devices))
+    with caplog.at_level("INFO", logger="sandbox.session"):
+        s = Session([Folder(str(tmp_path))])
+    assert s.share == share
+    if share == "9p":  # the fallback says why
+        assert "no vhost-user-fs-pci device" in s.share_reason and s.share_reason in caplog.text
+    else:
+        assert s.share_reason is None
+    monkeypatch.setenv("SANDBOX_SHARE", "9p")
+    assert Session([Folder(str(tmp_path))]).share == "9p"  # the environment chooses when nobody else did
+    assert Session([Folder(str(tmp_path))], share="virtiofs").share == "virtiofs"
+
+
+def test_no_qemu_means_9p_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.delenv("SANDBOX_SHARE", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    s = Session([Folder(str(tmp_path))])
+    assert s.share == "9p" and "not installed" in s.share_reason
 
 
 class DriverGuest:
@@ -170,6 +212,7 @@ def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_pat
     def write_both(drivers) -> int:
         results["rw"] = mkdir_then_write(*drivers["/mnt/working/0"], b"d")
         results["ro"] = mkdir_then_write(*drivers["/mnt/working/1"], b"d")
+        results["mem"] = mkdir_then_write(*drivers["/mnt/mem"], b"d")  # a read-only in-memory tree, served here
         return 0
 
     guest = DriverGuest({"write": write_both})
@@ -178,19 +221,46 @@ def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_pat
                 share_servers=share_servers)
     with s:
         assert sorted((mt.aname, bool(mt.virtiofs_socket)) for mt in guest.mounts) == [("0", True), ("1", True),
-                                                                                       ("m0", False)]
+                                                                                       ("m0", True)]
         st = s.status()
         assert st["share"] == "virtiofs" and len(st["share_server_pids"]) == (2 if share_servers == "process" else 0)
         r = s.run("write")
-        assert (r.exit_code, results) == (0, {"rw": 0, "ro": errno.EROFS})
+        assert (r.exit_code, results) == (0, {"rw": 0, "ro": errno.EROFS, "mem": errno.EROFS})
         assert (work / "d" / "f").read_bytes() == b"hello"
         assert_same(ro_before, snapshot_dir(str(ro)), "a read-only folder over virtio-fs")
         assert [h["command"] for h in s.history()] == ["write"]
-        with pytest.raises(SessionError, match="virtiofs"):
-            s.restrict(MountTable(list(s.table.mounts)))
         s.undo(1)
         assert_same(before, snapshot_dir(str(work)), "undo of a step written over the session's virtio-fs device")
     assert not any(os.path.exists(mt.virtiofs_socket) for mt in guest.mounts if mt.virtiofs_socket)  # the device servers are gone with the session
+
+
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+def test_restricted_views_hold_over_the_device(tmp_path, share_servers):
+    """``Session.restrict`` (seed 004) narrows what the running device serves, as over 9P: the
+    export's provider is swapped and the device's dispatcher reads it at each request —
+    outside the view ``EACCES``, a read-only view ``EROFS``, inside it writes land (one step)."""
+    work = tmp_path / "work"
+    (work / "a").mkdir(parents=True)
+    (work / "b").mkdir()
+    results = []
+
+    def mkdir_at_root(drivers) -> int:
+        results.append(mkdir_then_write(*drivers["/mnt/working/0"], b"d%d" % len(results)))
+        return 0
+
+    guest = DriverGuest({"mk": mkdir_at_root})
+    s = Session([Folder(str(work), state_dir=str(tmp_path / "state"))], share="virtiofs",
+                guest=lambda run_dir: guest, share_servers=share_servers)
+    with s:
+        s.run("mk")  # the whole folder: written
+        s.restrict(s.table.restrict("/mnt/working/0/a"))
+        s.run("mk")  # "d1" at the root is outside the view
+        s.restrict(s.table.restrict("/mnt/working/0", read_only=True))
+        s.run("mk")
+        s.restrict(s.table)  # the whole table again (the session's own, not a sub-worker's)
+        s.run("mk")
+    assert results == [0, errno.EACCES, errno.EROFS, 0]
+    assert sorted(os.listdir(work)) == ["a", "b", "d0", "d3"]
 
 
 @pytest.mark.parametrize("share_servers", ["thread", "process"])

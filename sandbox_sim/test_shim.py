@@ -480,6 +480,10 @@ BAD_MOUNTS = {
     "newline target": {"target": "/mnt/x\nro"},
     "read_only as int": {"read_only": 1},
     "msize too small": {"msize": 100},
+    # -- virtio-fs (issue 17): a hot-plugged device's tag
+    "tag with comma": {"tag": "sandbox-l0,dax"},
+    "tag too long": {"tag": "t" * 37},
+    "tag as int": {"tag": 7},
 }
 
 

@@ -220,6 +220,10 @@ def test_session_reset_starts_the_same_session_fresh(api, project, cmds):
     ({"working_directories": [{"path": "/tmp"}, {"path": "/tmp/"}]}, "session.invalid_config"),
     ({"root": "/tmp", "mounts": [{"source": "/tmp", "target": "/again"}]}, "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}], "as_root": "yes"}, "protocol.invalid_request"),
+    # -- virtio-fs (issue 17): a transport of VM guests only
+    ({"working_directories": [{"path": "/tmp"}], "share": "virtiofs"}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "share": "virtiofs", "guest": "local"}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "share": "nfs"}, "protocol.invalid_request"),
 ])
 def test_bad_session_configs_are_clear_errors_and_leave_nothing_running(api, payload, code):
     c = api()

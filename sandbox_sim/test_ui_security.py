@@ -257,10 +257,20 @@ def test_sandbox_ui_refuses_the_options_it_cannot_honour(work, tmp_path):
     import subprocess
     import sys
 
-    for extra in (["--state-dir", str(tmp_path / "s")], ["--on-hold", "allow"], ["--share", "virtiofs"]):
+    for extra in (["--state-dir", str(tmp_path / "s")], ["--on-hold", "allow"]):
         r = subprocess.run([sys.executable, "-m", "sandbox", "ui", "--workdir", str(work), "--guest", "scripted",
                             "--no-browser", *extra], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and f"does not take {extra[0]}" in r.stderr, r.stderr
+
+
+def test_sandbox_ui_passes_share_to_its_session(work):
+    """``--share`` reaches ``session.start``: the session checks it (virtio-fs needs a VM)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "sandbox", "ui", "--workdir", str(work), "--guest", "scripted",
+                        "--no-browser", "--share", "virtiofs"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "session.invalid_config" in r.stderr and "virtiofs" in r.stderr, r.stderr
 
 
 def test_sandbox_mcp_ui_logs_the_page_url_and_serves_it(work):

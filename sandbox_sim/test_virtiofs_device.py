@@ -436,14 +436,16 @@ def test_the_virtiofs_doc_says_the_code_s_limits():
     from pathlib import Path
 
     from sandbox.fuse import virtiofs, virtqueue
-    from sandbox.vm import qemu
+    from sandbox.guest import control
+    from sandbox.session import runtime
+    from sandbox.vm import guest, qemu
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "virtiofs.md").read_text()
-    quoted = re.findall(r"`(\w+)` = ([\d,]+)(?! MiB)( B)?", doc)
-    assert len({name for name, _, _ in quoted}) >= 7
+    quoted = re.findall(r"`(\w+)` = (\d[\d,]*(?:\.\d+)?)(?! MiB)( B)?", doc)
+    assert len({name for name, _, _ in quoted}) >= 12
     for name, value, _ in quoted:
-        owner = next(mod for mod in (v, virtiofs, virtqueue, abi, qemu) if hasattr(mod, name))
-        assert getattr(owner, name) == int(value.replace(",", "")), name
+        owner = next(mod for mod in (v, virtiofs, virtqueue, abi, qemu, control, guest, runtime) if hasattr(mod, name))
+        assert getattr(owner, name) == float(value.replace(",", "")), name
     assert f"`READ_BUFFER_BYTES` = 1 MiB + {abi.READ_BUFFER_BYTES - (1 << 20)} B" in doc
     assert f"`held_request_bytes_per_connection_max` = {ServerLimits().held_request_bytes_per_connection_max >> 20} MiB" in doc
 

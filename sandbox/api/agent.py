@@ -290,7 +290,8 @@ class Agent:
                 on_event=self._on_core_event, progress=self.progress, mounts=mem,
                 python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
                 guest=p.get("guest", self.guest), as_root=p.get("as_root", self.as_root),
-                guest_root=p.get("guest_root", "host-usr"), guest_packages=p.get("guest_packages"))
+                guest_root=p.get("guest_root", "host-usr"), guest_packages=p.get("guest_packages"),
+                share=p.get("share"))
         except ApiError:
             raise
         except Exception as e:  # the mount table's own codes stand; anything else is the payload's fault
@@ -374,7 +375,7 @@ class Agent:
                 "folders": self._folders(s, store=True), "mounts": st["mounts"],
                 "running": None if r is None else r.as_dict(),
                 "pending_safeguards": s.holds.pending(),
-                "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": "9p",
+                "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": s.share,
                 "external_modification_policy": st["external_modification_policy"],
                 "files": self.files.counters() if self.files is not None else None}
 

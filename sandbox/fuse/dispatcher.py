@@ -207,11 +207,16 @@ class OpenDir:
 class Dispatcher:
     """One FUSE mount of ``export`` (module docstring)."""
 
+    @property
+    def provider(self):
+        """The export's provider *now*: a restricted view (seed 004, ``Session.restrict``) swaps
+        it on the export, as for the 9P server's fids, and the next request sees it."""
+        return self.export.provider
+
     def __init__(self, export: Export, limits: ServerLimits = ServerLimits(),
                  descriptors: DescriptorBudget = PROCESS_DESCRIPTORS, owners: OwnerMap | None = None,
                  on_settled: Callable[[], None] | None = None):
         self.export = export
-        self.provider = export.provider
         self.limits = limits
         self.descriptors = descriptors
         self.owners = owners

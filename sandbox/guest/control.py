@@ -21,8 +21,11 @@ Host → guest::
                                                    change}], bounded): the shim appends one line
                                                    to UNDO_EVENTS_PATH (see "Undo notifications")
     ping            {id}                           any JSON id, echoed in ``pong``
-    mount           {id, port, aname, target, read_only, msize?}
-                                                   mount 9P at ``target``: trans=tcp to
+    mount           {id, port, aname, target, read_only, msize?, tag?}
+                                                   with ``tag`` (issue 17): mount -t virtiofs TAG
+                                                   (a device the host hot-plugged; retried until it
+                                                   appears, at most VIRTIOFS_APPEAR_S; port unused);
+                                                   else mount 9P at ``target``: trans=tcp to
                                                    NINEP_ADDR:port (one of ``live_mount_ports()``),
                                                    attach name ``aname``; missing directories
                                                    of ``target`` are made (0755)
@@ -197,11 +200,19 @@ def check_aname(aname: Any) -> str:
     return aname
 
 
+# -- virtio-fs (issue 17): a live mount may be a hot-plugged vhost-user-fs device
+VIRTIOFS_TAG = re.compile(r"[A-Za-z0-9_.-]{1,36}")  # the device's config space holds 36 bytes
+VIRTIOFS_APPEAR_S = 30.0  # the shim retries mount -t virtiofs this long while the hot-plugged device appears
+VIRTIOFS_RETRY_S = 0.05
+
+
 def mount_request(req_id: int, *, port: int, aname: str, target: str, read_only: bool,
-                  msize: int = MSIZE_DEFAULT) -> dict:
+                  msize: int = MSIZE_DEFAULT, tag: str | None = None) -> dict:
     """A ``mount`` message, checked as the shim checks it (:func:`parse_mount`)."""
     msg = {"type": "mount", "id": req_id, "port": port, "aname": aname, "target": target,
            "read_only": read_only, "msize": msize}
+    if tag is not None:
+        msg["tag"] = tag
     parse_mount(msg)
     return msg
 
@@ -211,8 +222,12 @@ def parse_mount(msg: dict) -> dict:
     Raises ProtocolError with the reason."""
     if not valid_id(msg.get("id")):
         raise ProtocolError("mount: id must be an integer in the i64 range")
-    port = msg.get("port")
-    if type(port) is not int or port not in live_mount_ports():
+    port, tag = msg.get("port"), msg.get("tag")
+    if tag is not None and (not isinstance(tag, str) or not VIRTIOFS_TAG.fullmatch(tag)):
+        raise ProtocolError(f"mount: tag must be 1-36 of [A-Za-z0-9_.-], not {describe(tag)}")
+    if tag is not None:
+        port = None
+    elif type(port) is not int or port not in live_mount_ports():
         raise ProtocolError(f"mount: port must be one of {list(live_mount_ports())}, not {describe(port)}")
     read_only = msg.get("read_only")
     if type(read_only) is not bool:
@@ -225,7 +240,7 @@ def parse_mount(msg: dict) -> dict:
     except ProtocolError as exc:
         raise ProtocolError(f"mount: {exc}") from None
     return {"id": msg["id"], "port": port, "aname": aname, "target": target, "read_only": read_only,
-            "msize": msize}
+            "msize": msize, "tag": tag}
 
 
 def unmount_request(req_id: int, target: str) -> dict:

@@ -195,11 +195,23 @@ def _libc_calls() -> Any:
 
 
 def _mount_9p(req: dict) -> int:
-    """In the child: make the mount point's missing directories, mount; the errno or 0."""
+    """In the child: make the mount point's missing directories, mount; the errno or 0.
+    With a ``tag`` (issue 17) the share is the virtio-fs device the host hot-plugged: the
+    mount is retried while the kernel has not yet probed it (``EINVAL``/``ENODEV``/``ENOENT``),
+    at most :data:`~sandbox.guest.control.VIRTIOFS_APPEAR_S`."""
     try:
         os.makedirs(req["target"], mode=0o755, exist_ok=True)
     except OSError as exc:
         return exc.errno or errno.EIO
+    if req.get("tag"):
+        deadline = time.monotonic() + proto.VIRTIOFS_APPEAR_S
+        while True:
+            rc = _libc_calls().mount(req["tag"].encode(), req["target"].encode(), b"virtiofs",
+                                     MS_RDONLY if req["read_only"] else 0, None)
+            err = 0 if rc == 0 else (ctypes.get_errno() or errno.EIO)
+            if err not in (errno.EINVAL, errno.ENODEV, errno.ENOENT) or time.monotonic() >= deadline:
+                return err
+            time.sleep(proto.VIRTIOFS_RETRY_S)
     data = proto.ninep_mount_options(req["port"], req["aname"], req["msize"])
     rc = _libc_calls().mount(proto.NINEP_ADDR.encode(), req["target"].encode(), b"9p",
                              MS_RDONLY if req["read_only"] else 0, data.encode())

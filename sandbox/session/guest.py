@@ -35,8 +35,8 @@ from ..vm.guest import GuestMount
 __all__ = ["Guest", "GuestMount", "SHARES", "SHARES_LATER", "check_share", "missing_members"]
 
 #: share transports a session can use today, and those that are planned (a clear "not yet").
-#: "local": FUSE on the host, with guest="local" (sandbox.local); "virtiofs": a VM's working
-#: folders as virtio-fs devices (issue 17; opt-in, the default stays "9p")
+#: "local": FUSE on the host, with guest="local" (sandbox.local); "virtiofs": a VM's shares as
+#: virtio-fs devices (issue 17; a VM guest's default where QEMU offers it, else "9p")
 SHARES = ("9p", "local", "virtiofs")
 SHARES_LATER: tuple[str, ...] = ()
 

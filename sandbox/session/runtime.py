@@ -25,10 +25,10 @@ What :meth:`Session.start` puts together (SPEC §3, §5):
 * the guest (:class:`~sandbox.session.guest.Guest`): a QEMU VM, the scripted guest, the
   local guest (:mod:`sandbox.local`: host commands on FUSE mounts of the same exports, each
   folder at its own path; undo, not isolation), or a caller's factory; the share transport
-  is ``share="9p"`` (``"local"``, FUSE on the host, with the local guest; ``"virtiofs"``, opt-in:
-  each working folder of a VM also served as a virtio-fs device from the same export, on
-  the loop of the 9P server serving it (the share-server child's in process mode) — in-memory
-  trees and live mounts stay on 9P).
+  is ``share="virtiofs"`` for a VM where QEMU offers it (else ``"9p"``, the reason logged): each
+  working folder and in-memory tree a virtio-fs device served from the same export, on the loop
+  of the 9P server serving it (the share-server child's in process mode); live mounts are
+  hot-plugged devices; ``"local"``: FUSE on the host, with the local guest.
 
 **Live mounts** (seed 000, :meth:`Session.mount`/:meth:`Session.unmount`): after start, a
 ``{rel: bytes}`` dict or a :class:`~sandbox.mounts.vfs.VirtualFileSystem` becomes a new
@@ -66,6 +66,7 @@ from ..core.safeguard import SafeguardConfig
 from ..guest.control import LIVE_MOUNTS_MAX  # the guest's spare share ports bound the live mounts
 from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
+from ..fuse.dispatcher import ATTR_VALID_S, ENTRY_VALID_S
 from ..limits import ServerLimits
 from ..mounts import Provider, memory_tree
 from ..mounts.identity import OwnerMap
@@ -97,6 +98,33 @@ PERSISTENT_DISK_BYTES = 8 << 30  # sparse
 RUN_DIR_PREFIX = "sandbox-vm-"
 RUN_LOCK_NAME = "owner.lock"
 STALE_RUN_DIRS_MAX = 256  # looked at per start; the rest wait for the next start
+
+
+# -- virtio-fs (issue 17)
+#: how long after a rollback the guest of a virtio-fs session may still use entries and
+#: attributes its kernel cached before it: the device's timeouts (the dispatcher's 1 s) and a
+#: margin for replies the guest had not yet taken when the rollback ended. Session.undo returns
+#: this long after the rollback
+VIRTIOFS_UNDO_MARGIN_S = 0.25
+VIRTIOFS_UNDO_SETTLE_S = max(ENTRY_VALID_S, ATTR_VALID_S) + VIRTIOFS_UNDO_MARGIN_S
+SHARE_ENV = "SANDBOX_SHARE"  # the default of share when it is not given (VM guests only)
+
+
+def default_share(guest) -> tuple[str, str | None]:
+    """``(share, why not virtio-fs)`` for a session not told its share: ``$SANDBOX_SHARE`` if
+    set (a VM guest), else virtio-fs for a VM guest where QEMU and the kernel offer it (else
+    9P, with the reason, logged), 9P for every other guest."""
+    if guest != "vm":
+        return "9p", None
+    if os.environ.get(SHARE_ENV):
+        return os.environ[SHARE_ENV], None
+    from ..vm.qemu import virtiofs_unavailable
+
+    reason = virtiofs_unavailable()
+    if reason is None:
+        return "virtiofs", None
+    log.info("the VM's shares go over 9P: %s", reason)
+    return "9p", reason
 
 
 def new_run_dir(base: str | None = None) -> tuple[str, int]:
@@ -217,6 +245,7 @@ class _Started:
     share: ShareProcess | None = None  # share_servers="process": folder 0's confined server
     shares: dict = field(default_factory=dict)  # share_servers="process": folder index -> its ShareProcess
     virtiofs: list = field(default_factory=list)  # share="virtiofs": (VirtioFsServer, its task) per folder
+    live_virtiofs: dict = field(default_factory=dict)  # live mount name -> (VirtioFsServer, task): hot-plugged
     share_died: str | None = None  # why the share server went away mid-session
     guest: object = None
     workspaces: list = field(default_factory=list)
@@ -290,16 +319,19 @@ class Session:
                  decide: Callable | None = None, on_event: Callable[[dict], None] | None = None,
                  progress: Callable[[str], None] | None = None, state_dirs: list[str | None] | None = None,
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
-                 external_policy: str | None = None, guest: str | Callable = "vm", share: str = "9p",
+                 external_policy: str | None = None, guest: str | Callable = "vm", share: str | None = None,
                  as_root: bool = False, guest_root: str = "host-usr", guest_packages: list[str] | None = None,
                  share_servers: str | None = None):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
-        ``share``: the transport of the shares — ``"9p"``; ``"local"`` (FUSE on the host) goes with
-        ``guest="local"``, which implies it; ``"virtiofs"`` (a VM guest: each working folder a
-        virtio-fs device served from its 9P export, in the share-server process or thread that
-        serves it — opt-in, issue 17).
+        ``share``: the transport of the shares — ``"virtiofs"`` (a VM guest or a factory: each
+        working folder and in-memory tree a virtio-fs device served from its 9P export, in the
+        share-server process or thread that serves it; issue 17), ``"9p"`` (through QEMU's
+        ``guestfwd``); ``"local"`` (FUSE on the host) goes with ``guest="local"``, which implies it.
+        Default (None): ``$SANDBOX_SHARE`` if set, else for ``guest="vm"`` virtio-fs where
+        :func:`~sandbox.vm.qemu.virtiofs_unavailable` finds no reason against it (else 9P, the
+        reason logged and in :attr:`share_reason`), and 9P for scripted guests and factories.
         ``guest="local"`` (:mod:`sandbox.local`): commands run on the host, each folder FUSE-mounted
         at its own path in a private mount namespace — undo, not isolation; folders' guest paths
         default to (and must be) their own paths; ``network`` ``disabled`` is a private network
@@ -320,6 +352,9 @@ class Session:
         if guest == "local" or share == "local":
             if guest != "local":
                 raise ValueError("share='local' (FUSE on the host) goes with guest='local'")
+            if share not in (None, "9p", "local"):
+                raise ValueError(f"share={share!r} goes with guest='vm'; guest='local' serves the folders over FUSE "
+                                 "on the host")
             if share_servers == "process":
                 raise ValueError("guest='local' needs share_servers='thread': its FUSE dispatcher serves the "
                                  "folders' exports in this process")
@@ -331,7 +366,10 @@ class Session:
                        _refuse_target(f) for f in folders]
             for f in folders:
                 f.target = os.path.realpath(f.path)
-        # -- virtio-fs (issue 17): opt-in; each folder's device is served where its 9P export is
+        # -- virtio-fs (issue 17): the default of VM guests where QEMU can; each device is served where its export is
+        self.share_reason: str | None = None  # why a VM guest's default share is 9P, if it is
+        if share is None:
+            share, self.share_reason = default_share(guest)
         if share == "virtiofs" and guest != "vm" and not callable(guest):
             raise ValueError("share='virtiofs' goes with guest='vm' (QEMU's vhost-user-fs-pci) or a guest factory "
                              "(it is given each folder's vhost-user socket: GuestMount.virtiofs_socket)")
@@ -456,9 +494,7 @@ class Session:
         """From now on the guest sees only ``view`` (seed 004): each export is served by a
         provider narrowed to it (outside: ``EACCES``; read-only: ``EROFS``). The session's
         own providers (:meth:`provider`) stay whole — API clients narrow them for themselves."""
-        s = self._require()
-        if self.share == "virtiofs":  # the devices' dispatchers hold the provider they started with
-            raise SessionError("restricting the guest's view is not available with share='virtiofs' yet (use '9p')")
+        s = self._require()  # a virtio-fs device's dispatcher reads its export's provider at each request
         exports = s.server.server.exports
         for m in self.table.mounts:
             if s.share is not None and m.kind == "folder":
@@ -650,9 +686,10 @@ class Session:
         # -- the guest user (issue 13): a VM guest's user sees the folder owner's files as its own
         owners = guest_owner_map(self.folders[0].path, self.as_root) if self.guest_kind == "vm" else None
         served = {k: p for k, p in s.providers.items() if s.share is None or not k.isdigit()}
+        self._limits, self._owners = limits, owners  # what live mounts' devices are served with
         server = NinePServer(served, ServerConfig(limits, owners=owners), holds=self.holds)
         s.server = ServerThread(server, unix_path=sock).__enter__()
-        if self.share == "virtiofs" and s.share is None:  # thread mode (in process mode each child serves its own)
+        if self.share == "virtiofs":  # in process mode each child serves its folder's own; trees are served here
             self._start_virtiofs(s, limits, owners)
         s.hold_hooks.append(self.holds.subscribe(lambda kind, payload: self._pause_while_held(s)))
         if self.decide is not None:
@@ -661,7 +698,7 @@ class Session:
         guest_mounts = [GuestMount(m.name, m.target, m.read_only,
                                    s.shares[int(m.name)].config["socket"] if s.shares and m.kind == "folder" else None,
                                    virtiofs_socket=self._virtiofs_socket(s, m.name) if self.share == "virtiofs"
-                                   and m.kind == "folder" else None)
+                                   else None)
                         for m in self.table.mounts]
         try:
             s.guest.boot(socket_path=sock, mounts=guest_mounts, loop=s.server.loop, timeout_s=BOOT_TIMEOUT_S)
@@ -674,12 +711,15 @@ class Session:
         return os.path.join(s.run_dir, f"vfs-{name}.sock")
 
     def _start_virtiofs(self, s: _Started, limits: ServerLimits, owners: OwnerMap | None) -> None:
-        """One virtio-fs device server per working folder, on the 9P server's loop, serving
-        the folder's 9P export itself (same provider, hold gate, undo core; the 9P server
-        polls the core). QEMU connects to each socket at boot."""
+        """One virtio-fs device server per share served by this process's 9P server — every
+        working folder in thread mode, every in-memory tree in both modes — on that server's
+        loop, serving the share's 9P export itself (same provider, hold gate, undo core; the
+        9P server polls the core). QEMU connects to each socket at boot."""
         from ..fuse.virtiofs import serve_export
 
-        for m in self.table.folders:
+        for m in self.table.mounts:
+            if m.kind == "folder" and s.share is not None:
+                continue  # its confined child serves it
             export = s.server.server.exports[m.name]
             s.virtiofs.append(s.server.run(serve_export(export, self._virtiofs_socket(s, m.name), limits, owners),
                                            timeout_s=30))
@@ -687,14 +727,15 @@ class Session:
     @staticmethod
     def _stop_virtiofs(s: _Started) -> None:
         async def cancel_all() -> None:
-            tasks = [task for _server, task in s.virtiofs]
+            tasks = [task for _server, task in s.virtiofs + list(s.live_virtiofs.values())]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        if s.virtiofs and s.server is not None and not s.server.loop.is_closed():
+        if (s.virtiofs or s.live_virtiofs) and s.server is not None and not s.server.loop.is_closed():
             s.server.run(cancel_all(), timeout_s=30)
         s.virtiofs.clear()
+        s.live_virtiofs.clear()
 
     # -- confined share servers (issue 13)
     def _start_share_process(self, s: _Started) -> None:
@@ -993,8 +1034,11 @@ class Session:
     # ------------------------------------------------------------------ undo
 
     def undo(self, n: int = 1, force: bool = False, folder: int = 0) -> dict:
-        """Roll back the newest ``n`` steps of ``folder`` while the guest runs; the guest sees
-        the restored files at once (cache=none) and the shim is told."""
+        """Roll back the newest ``n`` steps of ``folder`` while the guest runs; the shim is told.
+        The guest sees the restored files when this returns: over 9P at once (cache=none); over
+        virtio-fs, whose guest driver has no notification queue to invalidate what its kernel
+        cached, this returns once every entry and attribute cached before the rollback ended
+        has expired (:data:`VIRTIOFS_UNDO_SETTLE_S` after it)."""
         s = self._require()
         ws = s.workspaces[folder]
         if ws is None:
@@ -1005,12 +1049,15 @@ class Session:
             finally:
                 self._lock.release()
         result = ws.rollback(n, force=force)
+        settled_at = time.monotonic() + VIRTIOFS_UNDO_SETTLE_S
         for sid in result.get("step_ids", [])[:1]:  # one notification per undo: every step and path (diff helper, issue 14)
             try:
                 s.server.run(s.guest.rollback_notify(sid, result.get("paths"), step_ids=result["step_ids"], folder=self.guest_path(
                     folder), paths_truncated=result.get("paths_truncated", False)), timeout_s=10)
             except Exception as e:
                 log.warning("could not notify the guest of the rollback: %s", e)
+        if self.share == "virtiofs" and result.get("step_ids"):  # the guest's cached entries run out meanwhile
+            time.sleep(max(0.0, settled_at - time.monotonic()))
         return result
 
     def status(self) -> dict:
@@ -1082,7 +1129,9 @@ class Session:
                 raise
             self._live_seq += 1
             try:
-                s.server.run(s.guest.mount(GuestMount(name, m.target, m.read_only)), timeout_s=LIVE_MOUNT_TIMEOUT_S)
+                vfs = self._start_live_virtiofs(s, name)  # -- virtio-fs (issue 17): a hot-plugged device
+                s.server.run(s.guest.mount(GuestMount(name, m.target, m.read_only, virtiofs_socket=vfs)),
+                             timeout_s=LIVE_MOUNT_TIMEOUT_S)
             except BaseException as e:
                 self._drop_export(s, name)
                 if isinstance(e, Exception) and not isinstance(e, MountError):
@@ -1115,7 +1164,29 @@ class Session:
             self.table = self.table.without(mount.target)
             log.info("live mount %s at %s removed", mount.name, mount.target)
 
+    def _start_live_virtiofs(self, s: _Started, name: str) -> str | None:
+        """A live mount of a virtio-fs session whose guest hot-plugs devices: its device server
+        (on the 9P server's loop, serving the new export); its socket, or None (9P)."""
+        if self.share != "virtiofs" or not getattr(s.guest, "mounts_virtiofs", False):
+            return None
+        from ..fuse.virtiofs import serve_export
+
+        path = self._virtiofs_socket(s, name)
+        s.live_virtiofs[name] = s.server.run(serve_export(s.server.server.exports[name], path, self._limits, self._owners),
+                                             timeout_s=30)
+        return path
+
     def _drop_export(self, s: _Started, name: str) -> None:
+        served = s.live_virtiofs.pop(name, None)
+        if served is not None:  # the device (already unplugged, or never plugged) and its server go first
+            async def cancel(task=served[1]) -> None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+            try:
+                s.server.run(cancel(), timeout_s=30)
+            except Exception as e:
+                log.warning("stopping the device server of %s: %s", name, e)
         try:
             s.server.call(lambda: s.server.server.remove_export(name))
         except Exception as e:  # not served (the add failed): nothing to remove

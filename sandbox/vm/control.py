@@ -197,13 +197,15 @@ class ControlClient:
                                                       paths_truncated=paths_truncated))
 
     async def mount(self, *, port: int, aname: str, target: str, read_only: bool,
-                    msize: int = proto.MSIZE_DEFAULT, timeout_s: float = proto.MOUNT_TIMEOUT_S + 10) -> dict:
+                    msize: int = proto.MSIZE_DEFAULT, timeout_s: float = proto.MOUNT_TIMEOUT_S + 10,
+                    tag: str | None = None) -> dict:
         """Ask the shim to mount export ``aname`` through forwarded ``port`` at ``target``.
         Returns the ``mounted`` message; raises :class:`MountError` (the guest's reason),
         ``ValueError`` (a field the protocol refuses, nothing sent), ``TimeoutError`` or
         :class:`ControlClosed`."""
         req_id = next(self._mount_ids)
-        msg = proto.mount_request(req_id, port=port, aname=aname, target=target, read_only=read_only, msize=msize)
+        msg = proto.mount_request(req_id, port=port, aname=aname, target=target, read_only=read_only, msize=msize,
+                                  tag=tag)
         return await self._mount_op(req_id, msg, timeout_s)
 
     async def unmount(self, target: str, timeout_s: float = proto.MOUNT_TIMEOUT_S + 10) -> dict:

@@ -42,7 +42,7 @@ from ..guest import control as proto
 from . import guestroot, imageroot
 from .console import BootError, Console
 from .control import ControlClient, ControlClosed, MountError
-from .qemu import VmConfig, build_command, probe_accel
+from .qemu import VmConfig, build_command, hotplug_port, probe_accel
 from .qmp import Qmp
 
 log = logging.getLogger("sandbox.session")
@@ -103,9 +103,24 @@ def share_devices(mounts: list[GuestMount], socket_path: str) -> dict:
     """The :class:`VmConfig` fields that carry ``mounts``: a 9P share is a forwarded port to its
     server's socket (share *k* on ``NINEP_PORT + k``, then the spare live-mount ports); a
     virtio-fs share (issue 17) a ``vhost-user-fs-pci`` device with tag :func:`virtiofs_tag`."""
+    vfs = [(virtiofs_tag(m.aname), m.virtiofs_socket) for m in mounts if m.virtiofs_socket]
     return {"guestfwds": [(NINEP_PORT + k, m.socket or socket_path) for k, m in enumerate(mounts) if not m.virtiofs_socket]
             + [(port, socket_path) for port in proto.live_mount_ports()],
-            "virtiofs": [(virtiofs_tag(m.aname), m.virtiofs_socket) for m in mounts if m.virtiofs_socket]}
+            "virtiofs": vfs,
+            # a virtio-fs guest's live mounts are hot-plugged devices: one empty root port each
+            "hotplug_ports": proto.LIVE_MOUNTS_MAX if vfs else 0}
+
+
+HOTPLUG_REMOVE_S = 30.0  # a hot-unplugged device the guest has not released by then: its port is not reused
+HOTPLUG_POLL_S = 0.05
+
+
+def _hot_chardev(k: int) -> str:
+    return f"vfshot{k}"
+
+
+def _hot_device(k: int) -> str:
+    return f"vfsdev{k}"
 
 
 class VmGuest:
@@ -148,6 +163,15 @@ class VmGuest:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, int] = {}  # live mount target → its forwarded port (also while mounting)
         self._ports_lost: set[int] = set()  # state unknown after a timeout: never reused
+        # -- virtio-fs (issue 17): live mounts as hot-plugged devices, one per empty root port
+        self.hotplug_ports = 0  # set at boot: the root ports the VM has (0: live mounts over 9P)
+        self._slots: dict[str, int] = {}  # live mount target → its root port (also while mounting)
+        self._slots_lost: set[int] = set()  # a device that would not go: its port is never reused
+
+    @property
+    def mounts_virtiofs(self) -> bool:
+        """Live mounts may be virtio-fs devices (``GuestMount.virtiofs_socket``): hot-plugged."""
+        return self.hotplug_ports > 0 and self.qmp is not None
 
     def _run(self, coro, timeout_s: float = 60.0):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
@@ -202,6 +226,7 @@ class VmGuest:
                        **share_devices(mounts, socket_path),
                        fw_cfg=[("opt/sandbox/mounts", table)], network=self.network, disk=self.disk,
                        guestfwd_cmds=fwd_cmds)
+        self.hotplug_ports = cfg.hotplug_ports
         t0 = time.monotonic()
         self.console = Console(build_command(cfg))
         try:
@@ -249,8 +274,10 @@ class VmGuest:
             raise GuestError("the guest is not running")
         proto.check_target(m.target)
         proto.check_aname(m.aname)
-        if m.target in self._live:
+        if m.target in self._live or m.target in self._slots:
             raise GuestError(f"a live mount is already at {m.target}")
+        if m.virtiofs_socket:
+            return await self._mount_virtiofs(m)
         busy = set(self._live.values()) | self._ports_lost
         free = [p for p in proto.live_mount_ports() if p not in busy]
         if not free:
@@ -272,6 +299,8 @@ class VmGuest:
         (GuestError with the guest's EBUSY)."""
         if self.control is None:
             raise GuestError("the guest is not running")
+        if target in self._slots:
+            return await self._unmount_virtiofs(target)
         port = self._live.get(target)
         if port is None:
             raise GuestError(f"no live mount at {target}")
@@ -284,6 +313,74 @@ class VmGuest:
             self._ports_lost.add(port)
             raise GuestError(f"unmounting {target}: {e or type(e).__name__}") from None
         del self._live[target]
+
+    # -- virtio-fs (issue 17): a live mount as a hot-plugged vhost-user-fs-pci
+    async def _mount_virtiofs(self, m: GuestMount) -> None:
+        """QMP ``chardev-add`` (a client of the device server's socket) and ``device_add`` of a
+        ``vhost-user-fs-pci`` on a free root port, then the shim mounts its tag. On failure
+        the device and chardev are taken away again."""
+        if not self.mounts_virtiofs:
+            raise GuestError("this guest has no hot-plug ports: a live mount over virtio-fs needs a virtio-fs session")
+        busy = set(self._slots.values()) | self._slots_lost
+        free = [k for k in range(self.hotplug_ports) if k not in busy]
+        if not free:
+            raise GuestError(f"no free hot-plug port for a live mount: {self.hotplug_ports} at most")
+        k = free[0]
+        self._slots[m.target] = k  # reserved before the first await
+        tag = virtiofs_tag(m.aname)
+        try:
+            await self.qmp.execute("chardev-add", {"id": _hot_chardev(k), "backend": {"type": "socket", "data": {
+                "addr": {"type": "unix", "data": {"path": m.virtiofs_socket}}, "server": False}}})
+            try:
+                await self.qmp.execute("device_add", {"driver": "vhost-user-fs-pci", "id": _hot_device(k),
+                                                      "chardev": _hot_chardev(k), "tag": tag, "bus": hotplug_port(k)})
+            except Exception:
+                await self._remove_chardev(k)
+                raise
+        except Exception as e:
+            del self._slots[m.target]
+            raise GuestError(f"cannot hot-plug a virtio-fs device for {m.target}: {e}") from None
+        try:
+            await self.control.mount(port=proto.live_mount_ports()[0], aname=m.aname, target=m.target,
+                                     read_only=m.read_only, tag=tag)
+        except (MountError, TimeoutError, ControlClosed) as e:
+            await self._unplug(m.target, k)
+            raise GuestError(f"cannot mount {m.aname!r} at {m.target}: {e or type(e).__name__}") from None
+
+    async def _unmount_virtiofs(self, target: str) -> None:
+        k = self._slots[target]
+        try:
+            await self.control.unmount(target)
+        except MountError as e:
+            raise GuestError(f"cannot unmount {target}: {e}") from None
+        except (TimeoutError, ControlClosed) as e:
+            del self._slots[target]
+            self._slots_lost.add(k)
+            raise GuestError(f"unmounting {target}: {e or type(e).__name__}") from None
+        await self._unplug(target, k)
+
+    async def _unplug(self, target: str, k: int) -> None:
+        """``device_del``, then wait (at most :data:`HOTPLUG_REMOVE_S`) until the guest has
+        released the device (it leaves ``/machine/peripheral``), then ``chardev-remove``. A
+        device still there after that: its port is never reused (logged)."""
+        del self._slots[target]
+        try:
+            await self.qmp.execute("device_del", {"id": _hot_device(k)})
+            deadline = time.monotonic() + HOTPLUG_REMOVE_S
+            while any(p.get("name") == _hot_device(k) for p in await self.qmp.execute("qom-list", {"path": "/machine/peripheral"})):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the guest did not release {_hot_device(k)} within {HOTPLUG_REMOVE_S:g} s")
+                await asyncio.sleep(HOTPLUG_POLL_S)
+            await self._remove_chardev(k)
+        except Exception as e:
+            self._slots_lost.add(k)
+            log.warning("hot-plug port %d is not reused: %s", k, e)
+
+    async def _remove_chardev(self, k: int) -> None:
+        try:
+            await self.qmp.execute("chardev-remove", {"id": _hot_chardev(k)})
+        except Exception as e:
+            log.warning("chardev-remove %s: %s", _hot_chardev(k), e)
 
     def live_mounts(self) -> dict[str, int]:
         """Live mount targets and their forwarded ports."""

@@ -42,6 +42,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -98,6 +99,9 @@ class VmConfig:
     #: virtio-fs shares (issue 17): (tag, the vhost-user socket of its device server, e.g.
     #: ``sandbox serve-virtiofs``); the guest's RAM then is a shared memfd the servers map
     virtiofs: list[tuple[str, str]] = field(default_factory=list)
+    #: empty PCIe root ports (``vfsrp0`` …) a ``vhost-user-fs-pci`` can be hot-plugged into
+    #: over QMP (q35's ``pcie.0`` takes no hot-plug): live mounts over virtio-fs
+    hotplug_ports: int = 0
     extra: list[str] = field(default_factory=list)
     #: None: "max" under TCG, "host" under KVM; set it to what :func:`probe_accel` found
     cpu: str | None = None
@@ -118,6 +122,14 @@ class AccelChoice:
 
 #: bytes of a virtio-fs tag (the device's config space holds 36)
 VIRTIOFS_TAG_BYTES_MAX = 36
+HOTPLUG_PORTS_MAX = 16
+HOTPLUG_CHASSIS_FIRST = 1  # the root ports' chassis numbers (unique per machine; nothing else sets one)
+
+
+def hotplug_port(k: int) -> str:
+    """The id of empty root port ``k`` (:attr:`VmConfig.hotplug_ports`)."""
+    return f"vfsrp{k}"
+
 
 
 def escape_opt(value: str) -> str:
@@ -194,6 +206,8 @@ def _validate(cfg: VmConfig) -> None:
                              f"{VIRTIOFS_TAG_BYTES_MAX}, not given twice")
         vfs_tags.add(tag)
         _check_socket_path(f"virtio-fs {tag}", path)
+    if not 0 <= cfg.hotplug_ports <= HOTPLUG_PORTS_MAX or (cfg.hotplug_ports and not cfg.virtiofs):
+        raise ValueError(f"hotplug_ports: 0 to {HOTPLUG_PORTS_MAX}, and only with virtio-fs shares (the shared memfd RAM)")
     if cfg.disk is not None:
         _check_path("disk", cfg.disk)
         if not os.path.isfile(cfg.disk):
@@ -245,6 +259,8 @@ def build_command(cfg: VmConfig) -> list[str]:
     for k, (tag, path) in enumerate(cfg.virtiofs):
         cmd += ["-chardev", f"socket,id=vfs{k},path={escape_opt(path)}",
                 "-device", f"vhost-user-fs-pci,chardev=vfs{k},tag={tag}"]
+    for k in range(cfg.hotplug_ports):
+        cmd += ["-device", f"pcie-root-port,id={hotplug_port(k)},bus=pcie.0,chassis={HOTPLUG_CHASSIS_FIRST + k}"]
     if cfg.disk is not None:
         cmd += ["-drive", f"file={escape_opt(cfg.disk)},if=virtio,format=raw,cache=writeback,discard=unmap"]
     for name, path in cfg.fw_cfg:
@@ -253,6 +269,34 @@ def build_command(cfg: VmConfig) -> list[str]:
         cmd += ["-qmp", f"unix:{escape_opt(cfg.qmp_socket)},server=on,wait=off"]
     cmd += list(cfg.extra)
     return cmd
+
+
+# -- virtio-fs (issue 17): whether a session's shares can be vhost-user-fs devices here
+VIRTIOFS_DEVICE = "vhost-user-fs-pci"
+DEVICE_PROBE_TIMEOUT_S = 10.0
+_virtiofs_probed: dict[str, str | None] = {}  # resolved QEMU path -> reason (None: available); one per binary
+
+
+def virtiofs_unavailable(qemu: str = QEMU) -> str | None:
+    """Why a VM session cannot share over virtio-fs here (None: it can): not Linux, no
+    ``memfd_create`` (the guest RAM the device maps), QEMU missing, or its ``-device help``
+    not listing :data:`VIRTIOFS_DEVICE`. Asked once per QEMU binary (by its resolved path)."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "memfd_create"):
+        return "virtio-fs needs Linux with memfd_create (the guest's RAM is a shared memfd)"
+    path = shutil.which(qemu)
+    if path is None:
+        return f"{qemu} is not installed"
+    path = os.path.realpath(path)
+    if path not in _virtiofs_probed:
+        try:
+            p = subprocess.run([path, "-machine", "none", "-device", "help"], check=False, capture_output=True,
+                               text=True, stdin=subprocess.DEVNULL, timeout=DEVICE_PROBE_TIMEOUT_S)
+            listed = re.search(r'name "%s"' % re.escape(VIRTIOFS_DEVICE), p.stdout) is not None
+            reason = None if listed else f"{path} has no {VIRTIOFS_DEVICE} device (-device help)"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            reason = f"{path} -device help failed: {e}"
+        _virtiofs_probed[path] = reason
+    return _virtiofs_probed[path]
 
 
 def qemu_version(qemu: str = QEMU) -> str:

@@ -123,6 +123,11 @@ class SessionStart(Closed):
         "Where commands run (default: the agent's `sandbox serve --guest`). vm: a QEMU guest; scripted: the test "
         "double (file-operation scripts, no VM); local: no VM — commands run on the host against FUSE mounts of the "
         "working directories at their own paths in a private mount namespace: undo, not isolation."))
+    share: Literal["9p", "virtiofs"] = Field(None, description=(
+        "How a VM guest reaches the working directories and in-memory mounts. virtiofs (the default on Linux when "
+        "QEMU has vhost-user-fs-pci and memfd): a vhost-user-fs device per share, served from its export; 9p: the "
+        "9P server through QEMU's guestfwd (the fallback, logged, where virtio-fs is unavailable). Both intercept "
+        "every write alike; not with guest local or scripted (they use their own transport)."))
     safeguard: SafeguardConfig = None
     undo_limits: UndoLimits = None
     agent: AgentConfig = None
