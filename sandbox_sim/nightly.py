@@ -1,0 +1,393 @@
+"""Nightly e2e: ``pytest -m e2e`` cut into shards that run as Ray tasks (issue 19).
+
+    python -m sandbox_sim nightly --out results/ [--shards 8] [--timeout 3600] [--address ray://head:10001] [--require-kvm]
+
+It lives beside ``fanout`` (``sandbox_sim/fanout.py``), whose Ray start/attach it reuses
+(:func:`sandbox_sim.fanout.start_or_attach`): both are research/CI commands of the test tree,
+not of the product, and ``python -m sandbox_sim --help`` lists them together.
+
+1. **Collect** here: ``pytest --collect-only -q -m e2e PATHS`` (default ``e2e``) in ``--cwd``.
+2. **Shard** by file (:func:`shard_by_file`): a file's tests stay together (module fixtures
+   such as a booted guest are built once per file), files go largest first to the shard
+   with the fewest tests. Deterministic; every test in exactly one shard; the shards'
+   sizes differ by at most the largest file's test count.
+3. **Run** each shard as one Ray task (:func:`run_shard`, one CPU, no retry — a rerun
+   would hide a flaky failure) that starts ``pytest`` in **its own process group**
+   (``start_new_session``) with a hard timeout: on expiry the whole group gets ``SIGKILL``
+   (``killpg``) and the shard is reported as ``timeout``; a group member left after a
+   normal exit (a leaked QEMU) is killed too and reported. Processes that left the group
+   (their own ``setsid``) are out of its reach.
+4. **Collect** each shard's JUnit XML and the tail of its output into ``--out``
+   (``shard-NN.xml``, ``shard-NN.log``) — the task returns them as data, so the nodes
+   need no shared filesystem — plus ``summary.json``; print a table (passed / failed /
+   skipped / status per shard). Exit 0 when every shard passed, 1 when any failed, timed
+   out or errored, 2 on bad arguments, no Ray, no tests, or ``--require-kvm`` with no KVM node.
+
+**KVM.** A node advertises the custom Ray resource ``kvm`` (1) when the project's KVM probe
+(:func:`sandbox.vm.qemu.probe_accel`: ``/dev/kvm`` usable *and* a probe guest boots with
+it; ``SANDBOX_ACCEL`` overrides) says so: the local Ray this command starts is given it
+from the probe, and a node joining a cluster takes it from
+``ray start --resources "$(python -m sandbox_sim nightly --node-resources)"``. When the
+cluster has any ``kvm`` resource every shard asks for one (so shards run on KVM hosts only,
+one at a time per host); when it has none, shards are scheduled without it and the e2e
+tests run under TCG (as here) — unless ``--require-kvm``, which then refuses to start.
+
+Nodes of a remote cluster need the checkout at the same path as ``--cwd`` and a Python
+with the project's test dependencies (``sys.executable`` of the worker runs ``pytest``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+
+from .fanout import _import_ray, start_or_attach
+
+#: shards one run may have (each is a Ray task and two files in --out)
+NIGHTLY_SHARDS_MAX = 64
+#: shards when --shards is not given
+NIGHTLY_SHARDS_DEFAULT = 4
+#: a shard's hard timeout when --timeout is not given, and the most it may be set to
+NIGHTLY_SHARD_TIMEOUT_S = 3600.0
+NIGHTLY_SHARD_TIMEOUT_MAX_S = 6 * 3600.0
+#: the collection step (``pytest --collect-only``) is killed after this long
+NIGHTLY_COLLECT_TIMEOUT_S = 600.0
+#: test ids one run may collect; more is refused (exit 2)
+NIGHTLY_TESTS_MAX = 100_000
+#: a shard's JUnit XML kept at most; a larger one is not kept and the shard is an error
+NIGHTLY_JUNIT_BYTES_MAX = 4 << 20
+#: a shard's output (stdout and stderr) kept: its last this many bytes
+NIGHTLY_LOG_BYTES_MAX = 256 << 10
+#: after a shard's pytest is gone, its output reader is waited for this long at most
+NIGHTLY_DRAIN_S = 5.0
+#: the whole run's deadline is (shard timeout) x (shards) + this; unfinished shards are then
+#: cancelled and reported as timeouts (a shard that cannot be scheduled never hangs the run)
+NIGHTLY_SCHEDULE_SLACK_S = 300.0
+#: the custom Ray resource a KVM host advertises
+KVM_RESOURCE = "kvm"
+
+STATUSES = ("passed", "failed", "timeout", "error")
+
+
+# ---------------------------------------------------------------------------- sharding
+
+
+def file_of(test_id: str) -> str:
+    """The file part of a pytest node id (``e2e/test_x.py::test_y[1]`` -> ``e2e/test_x.py``)."""
+    return test_id.split("::", 1)[0]
+
+
+def shard_by_file(test_ids: list[str], shards: int) -> list[list[str]]:
+    """``test_ids`` cut into at most ``shards`` non-empty shards, a file's tests together and
+    in their given order. Files go largest first (ties: by name) to the shard with the fewest
+    tests so far (ties: the lowest index), so the result depends only on the files' contents,
+    not on their order, and the largest and smallest shard differ by at most the largest
+    file's count. ``min(shards, files)`` shards; each id occurrence lands in exactly one."""
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1, not {shards}")
+    by_file: dict[str, list[str]] = {}
+    for t in test_ids:
+        by_file.setdefault(file_of(t), []).append(t)
+    files = sorted(by_file, key=lambda f: (-len(by_file[f]), f))
+    n = min(shards, len(files))
+    out: list[list[str]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for f in files:
+        i = min(range(n), key=lambda k: (loads[k], k))
+        out[i].extend(by_file[f])
+        loads[i] += len(by_file[f])
+    return out
+
+
+# ---------------------------------------------------------------------------- one shard
+
+
+class _Tail:
+    """The last ``limit`` bytes of a stream, and how many came in all."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.buf = limit, 0, bytearray()
+
+    def drain(self, stream) -> None:
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            self.total += len(chunk)
+            self.buf += chunk
+            if len(self.buf) > self.limit:
+                del self.buf[: len(self.buf) - self.limit]
+
+    def text(self) -> str:
+        head = f"[first {self.total - len(self.buf)} byte(s) of output dropped: NIGHTLY_LOG_BYTES_MAX]\n" \
+            if self.total > len(self.buf) else ""
+        return head + self.buf.decode("utf-8", "replace")
+
+
+def _kill_group(pgid: int) -> bool:
+    """SIGKILL every process of group ``pgid``; whether any was left to kill."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def junit_counts(xml_bytes: bytes) -> dict[str, int]:
+    """tests/passed/failed/errors/skipped summed over a JUnit file's test suites."""
+    root = ET.fromstring(xml_bytes)
+    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    c = {"tests": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for s in suites:
+        c["tests"] += int(s.get("tests", 0))
+        c["failed"] += int(s.get("failures", 0))
+        c["errors"] += int(s.get("errors", 0))
+        c["skipped"] += int(s.get("skipped", 0))
+    c["passed"] = c["tests"] - c["failed"] - c["errors"] - c["skipped"]
+    return c
+
+
+def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytest_args: list[str] = (),
+              env: dict[str, str] | None = None) -> dict:
+    """Run one shard's tests with ``pytest`` in ``cwd``, in a process group of its own, killed
+    whole (``SIGKILL``) after ``timeout_s``. Returns plain data: ``status`` (one of
+    :data:`STATUSES`), ``returncode``, the JUnit ``counts`` (None without a usable file),
+    ``junit`` (its text, at most ``NIGHTLY_JUNIT_BYTES_MAX`` bytes, else None), ``log`` (the
+    output's last ``NIGHTLY_LOG_BYTES_MAX`` bytes), ``strays_killed`` (group members left
+    after pytest exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed."""
+    res = {"index": index, "tests": len(test_ids), "host": os.uname().nodename, "status": "error", "returncode": None,
+           "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "", "seconds": 0.0}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="sandbox-nightly-") as tmp:
+        junit = os.path.join(tmp, "junit.xml")
+        ids = os.path.join(tmp, "tests.txt")
+        with open(ids, "w", encoding="utf-8") as f:
+            f.write("".join(t + "\n" for t in test_ids))
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", cwd, f"--junitxml={junit}",
+               "-o", f"junit_suite_name=shard-{index:02d}", *pytest_args, f"@{ids}"]
+        tail = _Tail(NIGHTLY_LOG_BYTES_MAX)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        reader = threading.Thread(target=tail.drain, args=(proc.stdout,), daemon=True, name=f"nightly-shard-{index}")
+        reader.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # the timeout, or this task cancelled: nothing of the shard outlives it
+            strays = _kill_group(proc.pid)
+            proc.wait()
+        reader.join(NIGHTLY_DRAIN_S)
+        res["seconds"] = round(time.monotonic() - t0, 3)
+        res["returncode"] = proc.returncode
+        res["log"] = tail.text()
+        if timed_out:
+            res["status"], res["reason"] = "timeout", f"killed (SIGKILL to its process group) after {timeout_s:g} s"
+            return res
+        res["strays_killed"] = strays
+        size = os.path.getsize(junit) if os.path.exists(junit) else None
+        if size is None:
+            res["reason"] = f"pytest exited {proc.returncode} without a JUnit file"
+            return res
+        if size > NIGHTLY_JUNIT_BYTES_MAX:
+            res["reason"] = f"JUnit file of {size} bytes not kept (NIGHTLY_JUNIT_BYTES_MAX = {NIGHTLY_JUNIT_BYTES_MAX})"
+            return res
+        with open(junit, "rb") as f:
+            data = f.read()
+        try:
+            res["counts"] = junit_counts(data)
+        except (ET.ParseError, ValueError) as e:
+            res["reason"] = f"unreadable JUnit file: {e}"
+            return res
+        res["junit"] = data.decode("utf-8", "replace")
+    if proc.returncode == 0:
+        res["status"] = "passed"
+    elif proc.returncode == 1:
+        res["status"], res["reason"] = "failed", "tests failed"
+    else:
+        res["reason"] = f"pytest exited {proc.returncode}"
+    if strays and res["status"] == "passed":
+        res["reason"] = "processes left in its group after pytest exited were killed"
+    return res
+
+
+# ---------------------------------------------------------------------------- KVM probe
+
+
+def probe_kvm() -> tuple[bool, str]:
+    """Whether this host runs guests under KVM, by the project's probe (``SANDBOX_ACCEL``
+    decides without probing; an unusable ``/dev/kvm`` needs no guest image), and why."""
+    from sandbox.vm import image as vm_image
+    from sandbox.vm import qemu
+
+    try:
+        choice = qemu.probe_accel(vm_image.guest_image)
+    except (qemu.QemuError, vm_image.ImageError, OSError, ValueError) as e:
+        return False, f"KVM probe failed: {e}"
+    return choice.accel == "kvm", choice.reason
+
+
+def node_resources() -> tuple[dict[str, float], str]:
+    """The custom Ray resources of this host (``{"kvm": 1}`` or none), and the probe's reason."""
+    kvm, why = probe_kvm()
+    return ({KVM_RESOURCE: 1.0} if kvm else {}), why
+
+
+# ---------------------------------------------------------------------------- the command
+
+
+def collect(cwd: str, marker: str, paths: list[str], pytest_args: list[str]) -> list[str]:
+    """The ids of the tests ``pytest -m marker PATHS`` would run (``ValueError`` with pytest's
+    output when collection fails, times out or finds more than ``NIGHTLY_TESTS_MAX``)."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "--rootdir", cwd,
+           "-m", marker, *pytest_args, *paths]
+    try:
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           timeout=NIGHTLY_COLLECT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"collection did not finish within {NIGHTLY_COLLECT_TIMEOUT_S:g} s") from None
+    if p.returncode not in (0, 5):  # 5: nothing collected
+        raise ValueError(f"collection failed (pytest exit {p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    ids = [ln for ln in p.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
+    if len(ids) > NIGHTLY_TESTS_MAX:
+        raise ValueError(f"{len(ids)} tests collected, at most {NIGHTLY_TESTS_MAX} (NIGHTLY_TESTS_MAX)")
+    return ids
+
+
+def _task_failure(index: int, tests: int, why: str) -> dict:
+    return {"index": index, "tests": tests, "host": "?", "status": "error", "returncode": None, "counts": None,
+            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0}
+
+
+def cmd_nightly(args) -> int:
+    if args.node_resources:
+        resources, why = node_resources()
+        print(f"# {why}", file=sys.stderr)
+        print(json.dumps(resources))
+        return 0
+    if not 1 <= args.shards <= NIGHTLY_SHARDS_MAX:
+        print(f"--shards must be 1..{NIGHTLY_SHARDS_MAX} (NIGHTLY_SHARDS_MAX), not {args.shards}", file=sys.stderr)
+        return 2
+    if not 0 < args.timeout <= NIGHTLY_SHARD_TIMEOUT_MAX_S:
+        print(f"--timeout must be in (0, {NIGHTLY_SHARD_TIMEOUT_MAX_S:g}] s (NIGHTLY_SHARD_TIMEOUT_MAX_S)", file=sys.stderr)
+        return 2
+    if not args.out:
+        print("--out DIR is required (an absent or empty directory for the JUnit files and the summary)", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out)
+    if os.path.isdir(out) and os.listdir(out):
+        print(f"--out {out}: not empty (each run gets its own directory)", file=sys.stderr)
+        return 2
+    cwd = os.path.abspath(args.cwd)
+    ray = _import_ray()
+    if ray is None:
+        print("nightly needs Ray: pip install 'sandbox[cluster]' (or ./dev setup, which installs it)", file=sys.stderr)
+        return 2
+    pytest_args = list(args.pytest_arg or [])
+    try:
+        tests = collect(cwd, args.marker, args.paths or ["e2e"], pytest_args)
+    except ValueError as e:
+        print(f"nightly: {e}", file=sys.stderr)
+        return 2
+    if not tests:
+        print(f"nightly: no test marked {args.marker!r} under {args.paths or ['e2e']} (in {cwd})", file=sys.stderr)
+        return 2
+    shards = shard_by_file(tests, args.shards)
+    resources, why = ({}, "") if args.address else node_resources()
+    if args.require_kvm and not args.address and not resources:
+        print(f"nightly: --require-kvm, but no node of the local Ray would advertise {KVM_RESOURCE!r}: {why}",
+              file=sys.stderr)
+        return 2
+    started = start_or_attach(ray, args.address, args.num_cpus, args.ship_code, resources)
+    try:
+        kvm_nodes = ray.cluster_resources().get(KVM_RESOURCE, 0)
+        where = args.address or "a local Ray" + (f" ({why})" if why else "")
+        if args.require_kvm and not kvm_nodes:
+            print(f"nightly: --require-kvm, but no node of {where} advertises the {KVM_RESOURCE!r} resource",
+                  file=sys.stderr)
+            return 2
+        print(f"nightly: {len(tests)} test(s) marked {args.marker!r} in {len(shards)} shard(s) on {where}; "
+              + (f"each shard takes one {KVM_RESOURCE!r} resource ({kvm_nodes:g} in the cluster)" if kvm_nodes
+                 else f"no {KVM_RESOURCE!r} resource in the cluster: shards run without it (TCG)")
+              + f"; hard timeout {args.timeout:g} s per shard", flush=True)
+        results = _run(ray, shards, cwd, args.timeout, pytest_args, kvm_nodes > 0)
+    finally:
+        if started:
+            ray.shutdown()
+    return write_results(out, shards, results)
+
+
+def _run(ray, shards: list[list[str]], cwd: str, timeout_s: float, pytest_args: list[str], kvm: bool) -> list[dict]:
+    opts = {"num_cpus": 1, "max_retries": 0}
+    if kvm:
+        opts["resources"] = {KVM_RESOURCE: 1}
+    remote = ray.remote(**opts)(run_shard)
+    refs = {remote.remote(i, s, cwd, timeout_s, pytest_args): i for i, s in enumerate(shards)}
+    deadline = time.monotonic() + timeout_s * len(shards) + NIGHTLY_SCHEDULE_SLACK_S
+    results: dict[int, dict] = {}
+    while refs:
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            for ref, i in refs.items():
+                ray.cancel(ref)  # not force: a running shard still kills its group
+                r = _task_failure(i, len(shards[i]), "not finished by the run's deadline (shard timeout x shards + "
+                                  "NIGHTLY_SCHEDULE_SLACK_S): cancelled")
+                r["status"] = "timeout"
+                results[i] = r
+            break
+        for ref in ready:
+            i = refs.pop(ref)
+            try:
+                results[i] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - the task itself failed (node lost, ...): that shard is an error
+                results[i] = _task_failure(i, len(shards[i]), f"task failed: {type(e).__name__}: "
+                                           + (str(e).strip().splitlines() or [""])[-1])
+            r = results[i]
+            print(f"  shard {i:02d}: {r['status']} ({r['seconds']:.1f} s on {r['host']})", flush=True)
+    return [results[i] for i in range(len(shards))]
+
+
+def summary_lines(shards: list[list[str]], results: list[dict]) -> list[str]:
+    """The printed table: one row per shard, then the totals."""
+    lines = [f"{'shard':<6}{'status':<9}{'passed':>7}{'failed':>7}{'skipped':>8}{'tests':>6}{'seconds':>9}  host / files / reason"]
+    tot = {"passed": 0, "failed": 0, "skipped": 0}
+    for i, r in enumerate(results):
+        c = r["counts"] or {}
+        failed = c.get("failed", 0) + c.get("errors", 0) if c else None
+        for k, v in (("passed", c.get("passed")), ("failed", failed), ("skipped", c.get("skipped"))):
+            tot[k] += v or 0
+        files = sorted({file_of(t) for t in shards[i]})
+        cell = [("-" if v is None else str(v)) for v in (c.get("passed"), failed, c.get("skipped"))]
+        lines.append(f"{i:02d}    {r['status']:<9}{cell[0]:>7}{cell[1]:>7}{cell[2]:>8}{r['tests']:>6}{r['seconds']:>9.1f}  "
+                     f"{r['host']} / {' '.join(files)}" + (f" / {r['reason']}" if r["reason"] else ""))
+    by = {s: sum(1 for r in results if r["status"] == s) for s in STATUSES}
+    lines.append(f"total: {tot['passed']} passed, {tot['failed']} failed, {tot['skipped']} skipped; shards: "
+                 f"{by['passed']} passed, {by['failed']} failed, {by['timeout']} timed out, {by['error']} error(s)")
+    return lines
+
+
+def write_results(out: str, shards: list[list[str]], results: list[dict]) -> int:
+    """``shard-NN.xml`` (when the shard left one), ``shard-NN.log``, ``summary.json`` and the
+    printed table; the exit code (0: every shard passed, else 1)."""
+    os.makedirs(out, exist_ok=True)
+    for i, r in enumerate(results):
+        if r["junit"] is not None:
+            with open(os.path.join(out, f"shard-{i:02d}.xml"), "w", encoding="utf-8") as f:
+                f.write(r["junit"])
+        with open(os.path.join(out, f"shard-{i:02d}.log"), "w", encoding="utf-8") as f:
+            f.write(r["log"])
+    summary = [{k: v for k, v in r.items() if k not in ("junit", "log")} | {"test_ids": shards[i]}
+               for i, r in enumerate(results)]
+    ok = all(r["status"] == "passed" for r in results)
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"ok": ok, "shards": summary}, f, indent=1)
+    lines = summary_lines(shards, results)
+    for ln in lines:
+        print(ln)
+    print(f"JUnit XML, logs and summary.json in {out}")
+    return 0 if ok else 1

@@ -1,0 +1,220 @@
+"""``python -m sandbox_sim nightly``: ``pytest -m e2e`` sharded over Ray (issue 19).
+
+* the sharding (no Ray): every test in exactly one shard, a file's tests together and in
+  order, deterministic whatever the order of the files, shard sizes within the largest
+  file's count, no empty shard — a Hypothesis property;
+* a shard's hard timeout kills its whole process tree: a tiny pytest file in tmp whose
+  test starts a child and both block reading a pipe nobody writes; after the timeout
+  both processes are gone and the shard is reported as ``timeout``;
+* the whole command on a local Ray (skipped with the reason without the ``sandbox[cluster]``
+  extra) over synthetic e2e-marked files in tmp — not the real VM suites: JUnit XML per
+  shard, the summary's counts, a non-e2e test left out, exit 1 because a test fails.
+  Here there is no ``kvm`` resource (``SANDBOX_ACCEL=tcg`` decides the probe), so the shards
+  run without it, and ``--require-kvm`` refuses to start (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from .nightly import file_of, junit_counts, run_shard, shard_by_file, summary_lines
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# --------------------------------------------------------------------------- sharding
+
+_files = st.dictionaries(st.from_regex(r"e2e/test_[a-z]{1,6}\.py", fullmatch=True), st.integers(1, 12), max_size=15)
+
+
+def _ids(files: dict[str, int]) -> list[str]:
+    return [f"{f}::test_{k}" for f, n in files.items() for k in range(n)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(files=_files, shards=st.integers(1, 10), order=st.randoms(use_true_random=False))
+def test_shards_hold_every_test_once_files_whole_balanced_and_deterministic(files, shards, order):
+    ids = _ids(files)
+    out = shard_by_file(ids, shards)
+    flat = [t for s in out for t in s]
+    assert sorted(flat) == sorted(ids)  # every test exactly once
+    assert len(out) == min(shards, len(files)) and all(out)  # no empty shard
+    for s in out:  # a file's tests together, in their collected order
+        for f in {file_of(t) for t in s}:
+            assert [t for t in s if file_of(t) == f] == [t for t in ids if file_of(t) == f]
+    where = {file_of(t): i for i, s in enumerate(out) for t in s}
+    assert len(where) == len(files)
+    if out:
+        sizes = [len(s) for s in out]
+        assert max(sizes) - min(sizes) <= max(files.values())
+    # deterministic: the same shards (as sets of files) whatever the order the files come in
+    names = list(files)
+    order.shuffle(names)
+    again = shard_by_file(_ids({f: files[f] for f in names}), shards)
+    assert [sorted(s) for s in again] == [sorted(s) for s in out]
+    assert shard_by_file(ids, shards) == out
+
+
+def test_equal_files_spread_evenly_and_a_bad_shard_count_is_refused():
+    ids = _ids({f"e2e/test_{c}.py": 2 for c in "abcdefg"})
+    assert [len(s) for s in shard_by_file(ids, 3)] == [6, 4, 4]
+    assert shard_by_file([], 3) == []
+    with pytest.raises(ValueError):
+        shard_by_file(ids, 0)
+
+
+# --------------------------------------------------------------------------- the hard timeout
+
+BLOCKING_TEST = '''
+import os, subprocess, sys
+
+def test_blocks_forever():
+    child = subprocess.Popen([sys.executable, "-c", "import os; r, w = os.pipe(); os.read(r, 1)"])
+    with open({pids!r} + ".tmp", "w") as f:
+        f.write(f"{{os.getpid()}} {{child.pid}}")
+    os.rename({pids!r} + ".tmp", {pids!r})
+    r, w = os.pipe()
+    os.read(r, 1)  # nobody writes: only the group's SIGKILL ends this
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, deadline_s: float = 10.0) -> bool:
+    """Condition wait: the killed child was reparented and is reaped by init."""
+    end = time.monotonic() + deadline_s
+    while not _gone(pid):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_shard_past_its_timeout_has_its_whole_process_tree_killed(tmp_path):
+    pids = tmp_path / "pids"
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_block.py").write_text(BLOCKING_TEST.format(pids=str(pids)))
+    res = run_shard(0, ["test_block.py::test_blocks_forever"], str(tmp_path), timeout_s=8.0)
+    assert res["status"] == "timeout", res
+    assert res["counts"] is None and res["junit"] is None
+    assert pids.exists(), "the test never reached its blocking read:\n" + res["log"]
+    test_pid, child_pid = map(int, pids.read_text().split())
+    assert _gone(test_pid)  # pytest itself, waited for by run_shard
+    assert _wait_gone(child_pid), f"the test's child {child_pid} outlived the shard"
+    lines = summary_lines([["test_block.py::test_blocks_forever"]], [res])
+    assert lines[1].split()[:2] == ["00", "timeout"] and "killed (SIGKILL to its process group)" in lines[1]
+    assert lines[-1].endswith("1 timed out, 0 error(s)")
+
+
+def test_junit_counts_sum_the_suites():
+    xml = (b'<testsuites><testsuite tests="5" failures="1" errors="1" skipped="2"/>'
+           b'<testsuite tests="3" failures="0" errors="0" skipped="0"/></testsuites>')
+    assert junit_counts(xml) == {"tests": 8, "failed": 1, "errors": 1, "skipped": 2, "passed": 4}
+
+
+# --------------------------------------------------------------------------- the command on Ray
+
+SYNTHETIC = {
+    "pytest.ini": "[pytest]\nmarkers =\n    e2e: synthetic\n",
+    "test_alpha.py": '''import pytest
+pytestmark = pytest.mark.e2e
+
+def test_ok():
+    pass
+
+def test_fails():
+    assert 1 == 2
+
+def test_skipped():
+    pytest.skip("not here")
+''',
+    "test_beta.py": '''import pytest
+
+@pytest.mark.e2e
+def test_one():
+    pass
+
+@pytest.mark.e2e
+def test_two():
+    pass
+
+def test_not_e2e():
+    raise AssertionError("the nightly collects only -m e2e")
+''',
+}
+
+
+def _nightly(tmp_path, *extra):
+    env = dict(os.environ, SANDBOX_ACCEL="tcg")  # the project's probe answers without booting a guest
+    return subprocess.run([sys.executable, "-m", "sandbox_sim", "nightly", "--cwd", str(tmp_path / "suite"),
+                           "--num-cpus", "2", *extra, "."], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _suite(tmp_path):
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name, text in SYNTHETIC.items():
+        (suite / name).write_text(text)
+
+
+def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
+    _suite(tmp_path)
+    out = tmp_path / "results"
+    proc = _nightly(tmp_path, "--out", str(out), "--shards", "2", "--timeout", "120")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # test_fails fails
+    assert "5 test(s) marked 'e2e' in 2 shard(s)" in proc.stdout, proc.stdout
+    assert "no 'kvm' resource in the cluster: shards run without it (TCG)" in proc.stdout, proc.stdout
+    assert sorted(os.listdir(out)) == ["shard-00.log", "shard-00.xml", "shard-01.log", "shard-01.xml", "summary.json"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is False
+    by_file = {tuple(sorted({file_of(t) for t in s["test_ids"]})): s for s in summary["shards"]}
+    alpha, beta = by_file[("test_alpha.py",)], by_file[("test_beta.py",)]
+    assert alpha["status"] == "failed" and beta["status"] == "passed"
+    assert alpha["counts"] == {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1}
+    assert beta["counts"] == {"tests": 2, "passed": 2, "failed": 0, "errors": 0, "skipped": 0}
+    assert "test_not_e2e" not in json.dumps(summary)
+    junit = (out / f"shard-{alpha['index']:02d}.xml").read_text()
+    assert junit_counts(junit.encode())["failed"] == 1 and 'name="test_fails"' in junit
+    assert "total: 3 passed, 1 failed, 1 skipped; shards: 1 passed, 1 failed, 0 timed out, 0 error(s)" in proc.stdout
+
+
+def test_require_kvm_refuses_a_cluster_without_it_and_a_used_out_dir_is_refused(tmp_path):
+    pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
+    _suite(tmp_path)
+    proc = _nightly(tmp_path, "--out", str(tmp_path / "results"), "--require-kvm")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--require-kvm, but no node" in proc.stderr and not (tmp_path / "results").exists()
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "old.xml").write_text("")
+    proc = _nightly(tmp_path, "--out", str(used))
+    assert proc.returncode == 2 and "not empty" in proc.stderr
+
+
+def test_a_node_advertises_kvm_exactly_when_the_projects_probe_chooses_it(monkeypatch):
+    from sandbox.vm import qemu
+
+    from .nightly import node_resources
+
+    def no_image():
+        raise AssertionError("a forced accelerator needs no guest image")
+
+    monkeypatch.setenv(qemu.ENV_ACCEL, "kvm")
+    assert qemu.probe_accel(no_image).accel == "kvm"
+    assert node_resources() == ({"kvm": 1.0}, "SANDBOX_ACCEL=kvm")
+    monkeypatch.setenv(qemu.ENV_ACCEL, "tcg")
+    assert node_resources() == ({}, "SANDBOX_ACCEL=tcg")
