@@ -276,16 +276,16 @@ def cmd_nightly(args) -> int:
     if not 0 < args.timeout <= NIGHTLY_SHARD_TIMEOUT_MAX_S:
         print(f"--timeout must be in (0, {NIGHTLY_SHARD_TIMEOUT_MAX_S:g}] s (NIGHTLY_SHARD_TIMEOUT_MAX_S)", file=sys.stderr)
         return 2
-    if not args.out:
+    if not args.out and not args.plan:
         print("--out DIR is required (an absent or empty directory for the JUnit files and the summary)", file=sys.stderr)
         return 2
-    out = os.path.abspath(args.out)
-    if os.path.isdir(out) and os.listdir(out):
+    out = os.path.abspath(args.out or ".")
+    if not args.plan and os.path.isdir(out) and os.listdir(out):
         print(f"--out {out}: not empty (each run gets its own directory)", file=sys.stderr)
         return 2
     cwd = os.path.abspath(args.cwd)
-    ray = _import_ray()
-    if ray is None:
+    ray = None if args.plan else _import_ray()
+    if ray is None and not args.plan:
         print("nightly needs Ray: pip install 'sandbox[cluster]' (or ./dev setup, which installs it)", file=sys.stderr)
         return 2
     pytest_args = list(args.pytest_arg or [])
@@ -298,6 +298,11 @@ def cmd_nightly(args) -> int:
         print(f"nightly: no test marked {args.marker!r} under {args.paths or ['e2e']} (in {cwd})", file=sys.stderr)
         return 2
     shards = shard_by_file(tests, args.shards)
+    if args.plan:
+        for i, shard in enumerate(shards):
+            files = sorted({file_of(t) for t in shard})
+            print(f"shard {i:02d}: {len(shard)} test(s) in {len(files)} file(s): {' '.join(files)}")
+        return 0
     resources, why = ({}, "") if args.address else node_resources()
     if args.require_kvm and not args.address and not resources:
         print(f"nightly: --require-kvm, but no node of the local Ray would advertise {KVM_RESOURCE!r}: {why}",

@@ -218,3 +218,12 @@ def test_a_node_advertises_kvm_exactly_when_the_projects_probe_chooses_it(monkey
     assert node_resources() == ({"kvm": 1.0}, "SANDBOX_ACCEL=kvm")
     monkeypatch.setenv(qemu.ENV_ACCEL, "tcg")
     assert node_resources() == ({}, "SANDBOX_ACCEL=tcg")
+
+
+def test_plan_collects_only_the_e2e_tests_and_prints_the_shards_without_ray(tmp_path):
+    _suite(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "sandbox_sim", "nightly", "--plan", "--shards", "5", "--cwd",
+                           str(tmp_path / "suite"), "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["shard 00: 3 test(s) in 1 file(s): test_alpha.py",
+                                        "shard 01: 2 test(s) in 1 file(s): test_beta.py"]
