@@ -227,3 +227,19 @@ def test_plan_collects_only_the_e2e_tests_and_prints_the_shards_without_ray(tmp_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["shard 00: 3 test(s) in 1 file(s): test_alpha.py",
                                         "shard 01: 2 test(s) in 1 file(s): test_beta.py"]
+
+
+def test_docs_quote_the_nightly_limits():
+    """docs/testing.md's limits table names every NIGHTLY_* constant with its real value."""
+    import re
+
+    from . import nightly
+
+    text = open(os.path.join(ROOT, "docs", "testing.md"), encoding="utf-8").read()
+    rows = dict(re.findall(r"^\| `(NIGHTLY_[A-Z_]+)` \| ([^|]+) \|", text, re.M))
+    names = {n for n in dir(nightly) if n.startswith("NIGHTLY_")}
+    assert set(rows) == names, set(rows) ^ names
+    for name, cell in rows.items():
+        number = int(re.match(r"[\d,]+", cell.strip()).group(0).replace(",", ""))
+        unit = 1 << 20 if "MiB" in cell else 1 << 10 if "KiB" in cell else 1
+        assert number * unit == getattr(nightly, name), (name, cell, getattr(nightly, name))
