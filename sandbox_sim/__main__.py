@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--address", help="a running Ray cluster; default: start a local one (kvm resource from the probe)")
     n.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: this machine's)")
     n.add_argument("--require-kvm", action="store_true", help="refuse to run (exit 2) unless a node advertises kvm")
+    n.add_argument("--weights-from", metavar="DIR", help="balance the shards by each file's seconds in an earlier "
+                   "run's --out DIR (its summary.json) instead of by test count")
     n.add_argument("--plan", action="store_true", help="only collect and print the shards (no Ray, nothing run)")
     n.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job")
     n.add_argument("--node-resources", action="store_true", help="only print this host's Ray resources from the KVM "

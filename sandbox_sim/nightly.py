@@ -70,6 +70,8 @@ NIGHTLY_DRAIN_S = 5.0
 #: the whole run's deadline is (shard timeout) x (shards) + this; unfinished shards are then
 #: cancelled and reported as timeouts (a shard that cannot be scheduled never hangs the run)
 NIGHTLY_SCHEDULE_SLACK_S = 300.0
+#: an earlier run's summary.json read by --weights-from at most
+NIGHTLY_SUMMARY_BYTES_MAX = 16 << 20
 #: the custom Ray resource a KVM host advertises
 KVM_RESOURCE = "kvm"
 
@@ -84,25 +86,76 @@ def file_of(test_id: str) -> str:
     return test_id.split("::", 1)[0]
 
 
-def shard_by_file(test_ids: list[str], shards: int) -> list[list[str]]:
+def shard_by_file(test_ids: list[str], shards: int, seconds: dict[str, float] | None = None) -> list[list[str]]:
     """``test_ids`` cut into at most ``shards`` non-empty shards, a file's tests together and
-    in their given order. Files go largest first (ties: by name) to the shard with the fewest
-    tests so far (ties: the lowest index), so the result depends only on the files' contents,
-    not on their order, and the largest and smallest shard differ by at most the largest
-    file's count. ``min(shards, files)`` shards; each id occurrence lands in exactly one."""
+    in their given order. A file weighs its test count, or with ``seconds`` (a file's time in
+    an earlier run, :func:`file_seconds`) that time — a file it does not name weighs its count
+    times the known files' mean seconds per test. Files go heaviest first (ties: by name) to
+    the lightest shard so far (ties: the one with fewer files, then the lowest index), so the result depends only on the
+    files' contents and weights, not on their order, and the heaviest and lightest shard
+    differ by at most the heaviest file's weight. ``min(shards, files)`` shards; each id
+    occurrence lands in exactly one."""
     if shards < 1:
         raise ValueError(f"shards must be at least 1, not {shards}")
     by_file: dict[str, list[str]] = {}
     for t in test_ids:
         by_file.setdefault(file_of(t), []).append(t)
-    files = sorted(by_file, key=lambda f: (-len(by_file[f]), f))
+    weight = _weights(by_file, seconds or {})
+    files = sorted(by_file, key=lambda f: (-weight[f], f))
     n = min(shards, len(files))
     out: list[list[str]] = [[] for _ in range(n)]
-    loads = [0] * n
+    loads = [0.0] * n
+    counts = [0] * n  # files per shard: among equally loaded shards (weights of 0) the emptier wins
     for f in files:
-        i = min(range(n), key=lambda k: (loads[k], k))
+        i = min(range(n), key=lambda k: (loads[k], counts[k], k))
         out[i].extend(by_file[f])
-        loads[i] += len(by_file[f])
+        loads[i] += weight[f]
+        counts[i] += 1
+    return out
+
+
+def _weights(by_file: dict[str, list[str]], seconds: dict[str, float]) -> dict[str, float]:
+    known = {f: max(0.0, float(seconds[f])) for f in by_file if f in seconds}
+    if not known:
+        return {f: float(len(ids)) for f, ids in by_file.items()}
+    per_test = sum(known.values()) / sum(len(by_file[f]) for f in known)
+    return {f: known.get(f, len(ids) * per_test) for f, ids in by_file.items()}
+
+
+def file_seconds(test_ids: list[str], xml_bytes: bytes) -> dict[str, float]:
+    """Seconds per test file in a JUnit file, for ``test_ids``' files: a test case belongs to
+    the file whose dotted path (``e2e/test_x.py`` -> ``e2e.test_x``) is, or is the longest
+    prefix of, its ``classname``; cases of no such file are left out."""
+    dotted = {f[:-3].replace("/", ".") if f.endswith(".py") else f.replace("/", "."): f
+              for f in {file_of(t) for t in test_ids}}
+    out: dict[str, float] = {}
+    for case in ET.fromstring(xml_bytes).iter("testcase"):
+        cls = case.get("classname", "")
+        match = max((d for d in dotted if cls == d or cls.startswith(d + ".")), key=len, default=None)
+        if match is not None:
+            f = dotted[match]
+            out[f] = round(out.get(f, 0.0) + float(case.get("time", 0) or 0), 3)
+    return out
+
+
+def seconds_from(out_dir: str) -> dict[str, float]:
+    """The per-file seconds of an earlier run's ``summary.json`` in ``out_dir`` (``ValueError``
+    when it is missing, larger than ``NIGHTLY_SUMMARY_BYTES_MAX`` or not a summary)."""
+    path = os.path.join(out_dir, "summary.json")
+    try:
+        size = os.path.getsize(path)
+        if size > NIGHTLY_SUMMARY_BYTES_MAX:
+            raise ValueError(f"{path}: {size} bytes, at most {NIGHTLY_SUMMARY_BYTES_MAX} (NIGHTLY_SUMMARY_BYTES_MAX)")
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        out: dict[str, float] = {}
+        for shard in data["shards"]:
+            for name, secs in (shard.get("file_seconds") or {}).items():
+                out[str(name)] = float(secs)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a nightly summary ({type(e).__name__}: {e})") from None
     return out
 
 
@@ -160,7 +213,7 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
     output's last ``NIGHTLY_LOG_BYTES_MAX`` bytes), ``strays_killed`` (group members left
     after pytest exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed."""
     res = {"index": index, "tests": len(test_ids), "host": os.uname().nodename, "status": "error", "returncode": None,
-           "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "", "seconds": 0.0}
+           "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "", "seconds": 0.0, "file_seconds": {}}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="sandbox-nightly-") as tmp:
         junit = os.path.join(tmp, "junit.xml")
@@ -201,6 +254,7 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
             data = f.read()
         try:
             res["counts"] = junit_counts(data)
+            res["file_seconds"] = file_seconds(test_ids, data)
         except (ET.ParseError, ValueError) as e:
             res["reason"] = f"unreadable JUnit file: {e}"
             return res
@@ -261,7 +315,7 @@ def collect(cwd: str, marker: str, paths: list[str], pytest_args: list[str]) -> 
 
 def _task_failure(index: int, tests: int, why: str) -> dict:
     return {"index": index, "tests": tests, "host": "?", "status": "error", "returncode": None, "counts": None,
-            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0}
+            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0, "file_seconds": {}}
 
 
 def cmd_nightly(args) -> int:
@@ -297,7 +351,12 @@ def cmd_nightly(args) -> int:
     if not tests:
         print(f"nightly: no test marked {args.marker!r} under {args.paths or ['e2e']} (in {cwd})", file=sys.stderr)
         return 2
-    shards = shard_by_file(tests, args.shards)
+    try:
+        seconds = seconds_from(args.weights_from) if args.weights_from else None
+    except ValueError as e:
+        print(f"nightly: --weights-from: {e}", file=sys.stderr)
+        return 2
+    shards = shard_by_file(tests, args.shards, seconds)
     if args.plan:
         for i, shard in enumerate(shards):
             files = sorted({file_of(t) for t in shard})

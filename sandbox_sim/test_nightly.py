@@ -25,7 +25,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .nightly import file_of, junit_counts, run_shard, shard_by_file, summary_lines
+from .nightly import _weights, file_of, file_seconds, junit_counts, run_shard, shard_by_file, summary_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,10 +39,13 @@ def _ids(files: dict[str, int]) -> list[str]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(files=_files, shards=st.integers(1, 10), order=st.randoms(use_true_random=False))
-def test_shards_hold_every_test_once_files_whole_balanced_and_deterministic(files, shards, order):
+@given(files=_files, shards=st.integers(1, 10), order=st.randoms(use_true_random=False), data=st.data())
+def test_shards_hold_every_test_once_files_whole_balanced_and_deterministic(files, shards, order, data):
     ids = _ids(files)
-    out = shard_by_file(ids, shards)
+    # weights: none (test counts), or an earlier run's seconds for some of the files (zeros too)
+    seconds = data.draw(st.none() | st.dictionaries(st.sampled_from(sorted(files) or ["e2e/test_x.py"]),
+                                                    st.floats(0, 1000) | st.just(0.0)))
+    out = shard_by_file(ids, shards, seconds)
     flat = [t for s in out for t in s]
     assert sorted(flat) == sorted(ids)  # every test exactly once
     assert len(out) == min(shards, len(files)) and all(out)  # no empty shard
@@ -51,15 +54,18 @@ def test_shards_hold_every_test_once_files_whole_balanced_and_deterministic(file
             assert [t for t in s if file_of(t) == f] == [t for t in ids if file_of(t) == f]
     where = {file_of(t): i for i, s in enumerate(out) for t in s}
     assert len(where) == len(files)
-    if out:
-        sizes = [len(s) for s in out]
-        assert max(sizes) - min(sizes) <= max(files.values())
+    if out:  # balanced: within the heaviest file's weight
+        weight = _weights({f: [t for t in ids if file_of(t) == f] for f in files}, seconds or {})
+        loads = [sum(weight[f] for f in {file_of(t) for t in s}) for s in out]
+        assert max(loads) - min(loads) <= max(weight.values()) + 1e-6
+        if not seconds:
+            assert loads == [len(s) for s in out]
     # deterministic: the same shards (as sets of files) whatever the order the files come in
     names = list(files)
     order.shuffle(names)
-    again = shard_by_file(_ids({f: files[f] for f in names}), shards)
+    again = shard_by_file(_ids({f: files[f] for f in names}), shards, seconds)
     assert [sorted(s) for s in again] == [sorted(s) for s in out]
-    assert shard_by_file(ids, shards) == out
+    assert shard_by_file(ids, shards, seconds) == out
 
 
 def test_equal_files_spread_evenly_and_a_bad_shard_count_is_refused():
@@ -190,6 +196,7 @@ def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_pa
     junit = (out / f"shard-{alpha['index']:02d}.xml").read_text()
     assert junit_counts(junit.encode())["failed"] == 1 and 'name="test_fails"' in junit
     assert "total: 3 passed, 1 failed, 1 skipped; shards: 1 passed, 1 failed, 0 timed out, 0 error(s)" in proc.stdout
+    assert set(alpha["file_seconds"]) == {"test_alpha.py"} and set(beta["file_seconds"]) == {"test_beta.py"}
 
 
 def test_require_kvm_refuses_a_cluster_without_it_and_a_used_out_dir_is_refused(tmp_path):
@@ -243,3 +250,35 @@ def test_docs_quote_the_nightly_limits():
         number = int(re.match(r"[\d,]+", cell.strip()).group(0).replace(",", ""))
         unit = 1 << 20 if "MiB" in cell else 1 << 10 if "KiB" in cell else 1
         assert number * unit == getattr(nightly, name), (name, cell, getattr(nightly, name))
+
+
+def test_file_seconds_sum_a_files_cases_by_their_classname():
+    ids = ["e2e/test_a.py::test_x", "e2e/test_a.py::TestK::test_y[1]", "e2e/test_ab.py::test_z"]
+    xml = (b'<testsuites><testsuite>'
+           b'<testcase classname="e2e.test_a" name="test_x" time="1.5"/>'
+           b'<testcase classname="e2e.test_a.TestK" name="test_y[1]" time="2.25"/>'
+           b'<testcase classname="e2e.test_ab" name="test_z" time="4"/>'
+           b'<testcase classname="other.test_q" name="test_w" time="9"/>'
+           b'</testsuite></testsuites>')
+    assert file_seconds(ids, xml) == {"e2e/test_a.py": 3.75, "e2e/test_ab.py": 4.0}
+
+
+def test_weights_from_an_earlier_run_balance_the_shards_by_time(tmp_path):
+    _suite(tmp_path)
+    (tmp_path / "suite" / "test_gamma.py").write_text("import pytest\n\n@pytest.mark.e2e\ndef test_g():\n    pass\n")
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "summary.json").write_text(json.dumps({"ok": True, "shards": [
+        {"file_seconds": {"test_alpha.py": 1.0, "test_beta.py": 50.0}}, {"file_seconds": {"test_gamma.py": 2.0}}]}))
+
+    def plan(*extra):
+        proc = subprocess.run([sys.executable, "-m", "sandbox_sim", "nightly", "--plan", "--shards", "2", "--cwd",
+                               str(tmp_path / "suite"), *extra, "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        return proc.returncode, proc.stdout.splitlines(), proc.stderr
+
+    assert plan() == (0, ["shard 00: 3 test(s) in 1 file(s): test_alpha.py",
+                          "shard 01: 3 test(s) in 2 file(s): test_beta.py test_gamma.py"], "")
+    assert plan("--weights-from", str(earlier)) == (0, ["shard 00: 2 test(s) in 1 file(s): test_beta.py",
+                                                        "shard 01: 4 test(s) in 2 file(s): test_alpha.py test_gamma.py"], "")
+    code, _, err = plan("--weights-from", str(tmp_path / "nowhere"))
+    assert code == 2 and "summary.json" in err
