@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     n.add_argument("--cwd", default=".", help="where pytest collects and runs (the checkout; same path on every node)")
     n.add_argument("--pytest-arg", action="append", metavar="ARG", help="an extra pytest argument for collection and "
                    "every shard (repeatable), e.g. --pytest-arg=-x")
+    n.add_argument("--env", action="append", metavar="NAME=VALUE", help="set in every shard's environment (repeatable), "
+                   "e.g. --env SANDBOX_TEST_FULL=1 for the slow tests")
     n.add_argument("--address", help="a running Ray cluster; default: start a local one (kvm resource from the probe)")
     n.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: this machine's)")
     n.add_argument("--require-kvm", action="store_true", help="refuse to run (exit 2) unless a node advertises kvm")

@@ -206,12 +206,13 @@ def junit_counts(xml_bytes: bytes) -> dict[str, int]:
 
 def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytest_args: list[str] = (),
               env: dict[str, str] | None = None) -> dict:
-    """Run one shard's tests with ``pytest`` in ``cwd``, in a process group of its own, killed
-    whole (``SIGKILL``) after ``timeout_s``. Returns plain data: ``status`` (one of
-    :data:`STATUSES`), ``returncode``, the JUnit ``counts`` (None without a usable file),
-    ``junit`` (its text, at most ``NIGHTLY_JUNIT_BYTES_MAX`` bytes, else None), ``log`` (the
-    output's last ``NIGHTLY_LOG_BYTES_MAX`` bytes), ``strays_killed`` (group members left
-    after pytest exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed."""
+    """Run one shard's tests with ``pytest`` in ``cwd`` (this process's environment plus
+    ``env``), in a process group of its own, killed whole (``SIGKILL``) after ``timeout_s``.
+    Returns plain data: ``status`` (one of :data:`STATUSES`), ``returncode``, the JUnit
+    ``counts`` (None without a usable file), ``junit`` (its text, at most
+    ``NIGHTLY_JUNIT_BYTES_MAX`` bytes, else None), ``file_seconds``, ``log`` (the output's last
+    ``NIGHTLY_LOG_BYTES_MAX`` bytes), ``strays_killed`` (group members left after pytest
+    exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed."""
     res = {"index": index, "tests": len(test_ids), "host": os.uname().nodename, "status": "error", "returncode": None,
            "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "", "seconds": 0.0, "file_seconds": {}}
     t0 = time.monotonic()
@@ -223,8 +224,8 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", cwd, f"--junitxml={junit}",
                "-o", f"junit_suite_name=shard-{index:02d}", *pytest_args, f"@{ids}"]
         tail = _Tail(NIGHTLY_LOG_BYTES_MAX)
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         reader = threading.Thread(target=tail.drain, args=(proc.stdout,), daemon=True, name=f"nightly-shard-{index}")
         reader.start()
         timed_out = False
@@ -343,6 +344,13 @@ def cmd_nightly(args) -> int:
         print("nightly needs Ray: pip install 'sandbox[cluster]' (or ./dev setup, which installs it)", file=sys.stderr)
         return 2
     pytest_args = list(args.pytest_arg or [])
+    env = {}
+    for item in args.env or []:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            print(f"--env {item!r}: must be NAME=VALUE", file=sys.stderr)
+            return 2
+        env[name] = value
     try:
         tests = collect(cwd, args.marker, args.paths or ["e2e"], pytest_args)
     except ValueError as e:
@@ -379,19 +387,20 @@ def cmd_nightly(args) -> int:
               + (f"each shard takes one {KVM_RESOURCE!r} resource ({kvm_nodes:g} in the cluster)" if kvm_nodes
                  else f"no {KVM_RESOURCE!r} resource in the cluster: shards run without it (TCG)")
               + f"; hard timeout {args.timeout:g} s per shard", flush=True)
-        results = _run(ray, shards, cwd, args.timeout, pytest_args, kvm_nodes > 0)
+        results = _run(ray, shards, cwd, args.timeout, pytest_args, env, kvm_nodes > 0)
     finally:
         if started:
             ray.shutdown()
     return write_results(out, shards, results)
 
 
-def _run(ray, shards: list[list[str]], cwd: str, timeout_s: float, pytest_args: list[str], kvm: bool) -> list[dict]:
+def _run(ray, shards: list[list[str]], cwd: str, timeout_s: float, pytest_args: list[str], env: dict[str, str],
+         kvm: bool) -> list[dict]:
     opts = {"num_cpus": 1, "max_retries": 0}
     if kvm:
         opts["resources"] = {KVM_RESOURCE: 1}
     remote = ray.remote(**opts)(run_shard)
-    refs = {remote.remote(i, s, cwd, timeout_s, pytest_args): i for i, s in enumerate(shards)}
+    refs = {remote.remote(i, s, cwd, timeout_s, pytest_args, env): i for i, s in enumerate(shards)}
     deadline = time.monotonic() + timeout_s * len(shards) + NIGHTLY_SCHEDULE_SLACK_S
     results: dict[int, dict] = {}
     while refs:

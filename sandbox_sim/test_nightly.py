@@ -8,7 +8,8 @@
   both processes are gone and the shard is reported as ``timeout``;
 * the whole command on a local Ray (skipped with the reason without the ``sandbox[cluster]``
   extra) over synthetic e2e-marked files in tmp — not the real VM suites: JUnit XML per
-  shard, the summary's counts, a non-e2e test left out, exit 1 because a test fails.
+  shard, the summary's counts, a non-e2e test left out, ``--env`` reaching the shards, exit 1
+  because a test fails.
   Here there is no ``kvm`` resource (``SANDBOX_ACCEL=tcg`` decides the probe), so the shards
   run without it, and ``--require-kvm`` refuses to start (exit 2).
 """
@@ -155,7 +156,8 @@ def test_one():
 
 @pytest.mark.e2e
 def test_two():
-    pass
+    import os
+    assert os.environ.get("NIGHTLY_SYNTHETIC") == "passed on", "--env reaches the shard"
 
 def test_not_e2e():
     raise AssertionError("the nightly collects only -m e2e")
@@ -180,7 +182,7 @@ def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_pa
     pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
     _suite(tmp_path)
     out = tmp_path / "results"
-    proc = _nightly(tmp_path, "--out", str(out), "--shards", "2", "--timeout", "120")
+    proc = _nightly(tmp_path, "--out", str(out), "--shards", "2", "--timeout", "120", "--env", "NIGHTLY_SYNTHETIC=passed on")
     assert proc.returncode == 1, proc.stdout + proc.stderr  # test_fails fails
     assert "5 test(s) marked 'e2e' in 2 shard(s)" in proc.stdout, proc.stdout
     assert "no 'kvm' resource in the cluster: shards run without it (TCG)" in proc.stdout, proc.stdout
