@@ -5,7 +5,8 @@
   file's count, no empty shard — a Hypothesis property;
 * a shard's hard timeout kills its whole process tree: a tiny pytest file in tmp whose
   test starts a child and both block reading a pipe nobody writes; after the timeout
-  both processes are gone and the shard is reported as ``timeout``;
+  both processes are gone and the shard is reported as ``timeout``; a child a passing test
+  leaves behind is killed with the group and reported;
 * the whole command on a local Ray (skipped with the reason without the ``sandbox[cluster]``
   extra) over synthetic e2e-marked files in tmp — not the real VM suites: JUnit XML per
   shard, the summary's counts, a non-e2e test left out, ``--env`` reaching the shards, exit 1
@@ -124,6 +125,27 @@ def test_a_shard_past_its_timeout_has_its_whole_process_tree_killed(tmp_path):
     lines = summary_lines([["test_block.py::test_blocks_forever"]], [res])
     assert lines[1].split()[:2] == ["00", "timeout"] and "killed (SIGKILL to its process group)" in lines[1]
     assert lines[-1].endswith("1 timed out, 0 error(s)")
+
+
+LEAKING_TEST = '''
+import subprocess, sys
+
+def test_leaves_a_child_behind():
+    child = subprocess.Popen([sys.executable, "-c", "import os; r, w = os.pipe(); os.read(r, 1)"])
+    with open({pids!r}, "w") as f:
+        f.write(str(child.pid))
+'''
+
+
+def test_a_process_left_in_a_passed_shards_group_is_killed_and_reported(tmp_path):
+    pids = tmp_path / "pid"
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_leak.py").write_text(LEAKING_TEST.format(pids=str(pids)))
+    res = run_shard(3, ["test_leak.py::test_leaves_a_child_behind"], str(tmp_path), timeout_s=120.0)
+    assert res["status"] == "passed" and res["counts"]["passed"] == 1, res
+    assert res["strays_killed"] and "left in its group" in res["reason"]
+    assert _wait_gone(int(pids.read_text())), "the leaked child outlived the shard"
+    assert 'name="test_leaves_a_child_behind"' in res["junit"] and set(res["file_seconds"]) == {"test_leak.py"}
 
 
 def test_junit_counts_sum_the_suites():
