@@ -316,7 +316,7 @@ def collect(cwd: str, marker: str, paths: list[str], pytest_args: list[str]) -> 
 
 def _task_failure(index: int, tests: int, why: str) -> dict:
     return {"index": index, "tests": tests, "host": "?", "status": "error", "returncode": None, "counts": None,
-            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0, "file_seconds": {}}
+            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0, "file_seconds": {}, "resources": {}}
 
 
 def cmd_nightly(args) -> int:
@@ -399,7 +399,7 @@ def _run(ray, shards: list[list[str]], cwd: str, timeout_s: float, pytest_args: 
     opts = {"num_cpus": 1, "max_retries": 0}
     if kvm:
         opts["resources"] = {KVM_RESOURCE: 1}
-    remote = ray.remote(**opts)(run_shard)
+    remote = ray.remote(**opts)(_shard_task)
     refs = {remote.remote(i, s, cwd, timeout_s, pytest_args, env): i for i, s in enumerate(shards)}
     deadline = time.monotonic() + timeout_s * len(shards) + NIGHTLY_SCHEDULE_SLACK_S
     results: dict[int, dict] = {}
@@ -423,6 +423,16 @@ def _run(ray, shards: list[list[str]], cwd: str, timeout_s: float, pytest_args: 
             r = results[i]
             print(f"  shard {i:02d}: {r['status']} ({r['seconds']:.1f} s on {r['host']})", flush=True)
     return [results[i] for i in range(len(shards))]
+
+
+def _shard_task(*args) -> dict:
+    """:func:`run_shard` as a Ray task, its result naming the resources Ray gave it."""
+    import ray
+
+    res = run_shard(*args)
+    res["resources"] = {k: v for k, v in ray.get_runtime_context().get_assigned_resources().items()
+                        if not k.startswith("node:")}
+    return res
 
 
 def summary_lines(shards: list[list[str]], results: list[dict]) -> list[str]:

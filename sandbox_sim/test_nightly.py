@@ -12,7 +12,8 @@
   shard, the summary's counts, a non-e2e test left out, ``--env`` reaching the shards, exit 1
   because a test fails.
   Here there is no ``kvm`` resource (``SANDBOX_ACCEL=tcg`` decides the probe), so the shards
-  run without it, and ``--require-kvm`` refuses to start (exit 2).
+  run without it, and ``--require-kvm`` refuses to start (exit 2); on a Ray started with a
+  ``kvm`` resource (as ``--node-resources`` gives a KVM host) every shard asks for one.
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_pa
     by_file = {tuple(sorted({file_of(t) for t in s["test_ids"]})): s for s in summary["shards"]}
     alpha, beta = by_file[("test_alpha.py",)], by_file[("test_beta.py",)]
     assert alpha["status"] == "failed" and beta["status"] == "passed"
+    assert alpha["resources"] == beta["resources"] == {"CPU": 1.0}  # no kvm resource asked for
     assert alpha["counts"] == {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1}
     assert beta["counts"] == {"tests": 2, "passed": 2, "failed": 0, "errors": 0, "skipped": 0}
     assert "test_not_e2e" not in json.dumps(summary)
@@ -221,6 +223,26 @@ def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_pa
     assert junit_counts(junit.encode())["failed"] == 1 and 'name="test_fails"' in junit
     assert "total: 3 passed, 1 failed, 1 skipped; shards: 1 passed, 1 failed, 0 timed out, 0 error(s)" in proc.stdout
     assert set(alpha["file_seconds"]) == {"test_alpha.py"} and set(beta["file_seconds"]) == {"test_beta.py"}
+
+
+def test_on_a_cluster_with_a_kvm_resource_every_shard_takes_one(tmp_path, capsys):
+    ray = pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
+    from .__main__ import main
+
+    _suite(tmp_path)
+    ray.init(num_cpus=2, resources={"kvm": 1}, include_dashboard=False, object_store_memory=128 << 20)
+    try:
+        code = main(["nightly", "--address", "auto", "--require-kvm", "--cwd", str(tmp_path / "suite"), "--out",
+                     str(tmp_path / "out"), "--env", "NIGHTLY_SYNTHETIC=passed on", "--shards", "2", "."])
+        assert ray.is_initialized(), "nightly must not stop a Ray it did not start"
+    finally:
+        ray.shutdown()
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "each shard takes one 'kvm' resource (1 in the cluster)" in out, out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [s["resources"] for s in summary["shards"]] == [{"CPU": 1.0, "kvm": 1.0}] * 2
+    assert "shards: 1 passed, 1 failed, 0 timed out, 0 error(s)" in out, out
 
 
 def test_require_kvm_refuses_a_cluster_without_it_and_a_used_out_dir_is_refused(tmp_path):
