@@ -245,6 +245,26 @@ def test_on_a_cluster_with_a_kvm_resource_every_shard_takes_one(tmp_path, capsys
     assert "shards: 1 passed, 1 failed, 0 timed out, 0 error(s)" in out, out
 
 
+def test_a_shard_no_node_can_take_is_cancelled_at_the_runs_deadline(tmp_path, capsys, monkeypatch):
+    ray = pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
+    from . import nightly
+    from .__main__ import main
+
+    _suite(tmp_path)
+    monkeypatch.setattr(nightly, "NIGHTLY_SCHEDULE_SLACK_S", 0.0)  # deadline: 1 shard x 2 s
+    ray.init(num_cpus=0, include_dashboard=False, object_store_memory=128 << 20)  # no CPU: a shard can never start
+    try:
+        code = main(["nightly", "--address", "auto", "--cwd", str(tmp_path / "suite"), "--out", str(tmp_path / "out"),
+                     "--shards", "1", "--timeout", "2", "."])
+    finally:
+        ray.shutdown()
+    out = capsys.readouterr().out
+    assert code == 1, out
+    [shard] = json.loads((tmp_path / "out" / "summary.json").read_text())["shards"]
+    assert shard["status"] == "timeout" and "cancelled" in shard["reason"], shard
+    assert "shards: 0 passed, 0 failed, 1 timed out, 0 error(s)" in out, out
+
+
 def test_require_kvm_refuses_a_cluster_without_it_and_a_used_out_dir_is_refused(tmp_path):
     pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
     _suite(tmp_path)
