@@ -308,9 +308,21 @@ def collect(cwd: str, marker: str, paths: list[str], pytest_args: list[str]) -> 
         raise ValueError(f"collection did not finish within {NIGHTLY_COLLECT_TIMEOUT_S:g} s") from None
     if p.returncode not in (0, 5):  # 5: nothing collected
         raise ValueError(f"collection failed (pytest exit {p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    ids = [ln for ln in p.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
+    ids = parse_collected(p.stdout)
     if len(ids) > NIGHTLY_TESTS_MAX:
         raise ValueError(f"{len(ids)} tests collected, at most {NIGHTLY_TESTS_MAX} (NIGHTLY_TESTS_MAX)")
+    return ids
+
+
+def parse_collected(stdout: str) -> list[str]:
+    """The node ids ``pytest --collect-only -q`` printed: its lines up to the first blank one
+    (what follows — the warnings summary, the count — may name tests too, and is not a list)."""
+    ids = []
+    for ln in stdout.splitlines():
+        if not ln.strip():
+            break
+        if "::" in ln and not ln.startswith(" "):
+            ids.append(ln)
     return ids
 
 

@@ -28,7 +28,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .nightly import _weights, file_of, file_seconds, junit_counts, run_shard, shard_by_file, summary_lines
+from .nightly import (_weights, file_of, file_seconds, junit_counts, parse_collected, run_shard, shard_by_file,
+                      summary_lines)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,6 +148,13 @@ def test_a_process_left_in_a_passed_shards_group_is_killed_and_reported(tmp_path
     assert res["strays_killed"] and "left in its group" in res["reason"]
     assert _wait_gone(int(pids.read_text())), "the leaked child outlived the shard"
     assert 'name="test_leaves_a_child_behind"' in res["junit"] and set(res["file_seconds"]) == {"test_leak.py"}
+
+
+def test_only_the_collected_list_is_read_not_the_warnings_after_it():
+    out = ("e2e/test_a.py::test_x\ne2e/test_a.py::test_y[p q]\n\n"
+           "=============================== warnings summary ===============================\n"
+           "e2e/test_b.py::test_z\n  /x/y.py:3: DeprecationWarning: old\n\n2 tests collected in 0.1s\n")
+    assert parse_collected(out) == ["e2e/test_a.py::test_x", "e2e/test_a.py::test_y[p q]"]
 
 
 def test_junit_counts_sum_the_suites():
