@@ -213,16 +213,17 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
     ``NIGHTLY_JUNIT_BYTES_MAX`` bytes, else None), ``file_seconds``, ``log`` (the output's last
     ``NIGHTLY_LOG_BYTES_MAX`` bytes), ``strays_killed`` (group members left after pytest
     exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed."""
-    res = {"index": index, "tests": len(test_ids), "host": os.uname().nodename, "status": "error", "returncode": None,
-           "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "", "seconds": 0.0, "file_seconds": {}}
+    res = {"index": index, "tests": len(test_ids), "host": os.uname().nodename, "status": "error",
+           "returncode": None, "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "",
+           "seconds": 0.0, "file_seconds": {}}
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="sandbox-nightly-") as tmp:
         junit = os.path.join(tmp, "junit.xml")
         ids = os.path.join(tmp, "tests.txt")
         with open(ids, "w", encoding="utf-8") as f:
             f.write("".join(t + "\n" for t in test_ids))
-        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir", cwd, f"--junitxml={junit}",
-               "-o", f"junit_suite_name=shard-{index:02d}", *pytest_args, f"@{ids}"]
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--rootdir", cwd,
+               f"--junitxml={junit}", "-o", f"junit_suite_name=shard-{index:02d}", *pytest_args, f"@{ids}"]
         tail = _Tail(NIGHTLY_LOG_BYTES_MAX)
         proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
@@ -241,7 +242,9 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
         res["returncode"] = proc.returncode
         res["log"] = tail.text()
         if timed_out:
-            res["status"], res["reason"] = "timeout", f"killed (SIGKILL to its process group) after {timeout_s:g} s"
+            last = last_started(tail.text(), test_ids)
+            res["status"], res["reason"] = "timeout", (f"killed (SIGKILL to its process group) after {timeout_s:g} s"
+                                                       + (f", in or after {last}" if last else ""))
             return res
         res["strays_killed"] = strays
         size = os.path.getsize(junit) if os.path.exists(junit) else None
@@ -269,6 +272,17 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
     if strays and res["status"] == "passed":
         res["reason"] = "processes left in its group after pytest exited were killed"
     return res
+
+
+def last_started(log: str, test_ids: list[str]) -> str | None:
+    """The last of ``test_ids`` whose line pytest ``-v`` printed (it prints a test's id as the
+    test starts, its outcome when it ends): for a killed shard, the test it hung in or after."""
+    wanted = set(test_ids)
+    for line in reversed(log.splitlines()):
+        first = line.split(" ", 1)[0]
+        if first in wanted:
+            return first
+    return None
 
 
 # ---------------------------------------------------------------------------- KVM probe

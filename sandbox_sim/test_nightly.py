@@ -125,6 +125,7 @@ def test_a_shard_past_its_timeout_has_its_whole_process_tree_killed(tmp_path):
     assert _gone(test_pid)  # pytest itself, waited for by run_shard
     assert _wait_gone(child_pid), f"the test's child {child_pid} outlived the shard"
     lines = summary_lines([["test_block.py::test_blocks_forever"]], [res])
+    assert res["reason"].endswith("in or after test_block.py::test_blocks_forever"), res["reason"]
     assert lines[1].split()[:2] == ["00", "timeout"] and "killed (SIGKILL to its process group)" in lines[1]
     assert lines[-1].endswith("1 timed out, 0 error(s)")
 
