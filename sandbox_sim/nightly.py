@@ -8,15 +8,18 @@ not of the product, and ``python -m sandbox_sim --help`` lists them together.
 
 1. **Collect** here: ``pytest --collect-only -q -m e2e PATHS`` (default ``e2e``) in ``--cwd``.
 2. **Shard** by file (:func:`shard_by_file`): a file's tests stay together (module fixtures
-   such as a booted guest are built once per file), files go largest first to the shard
-   with the fewest tests. Deterministic; every test in exactly one shard; the shards'
-   sizes differ by at most the largest file's test count.
+   such as a booted guest are built once per file), files go heaviest first to the lightest
+   shard — a file weighs its test count, or with ``--weights-from DIR`` its seconds in an
+   earlier run. Deterministic; every test in exactly one shard; the shards' loads differ by
+   at most the heaviest file's weight.
 3. **Run** each shard as one Ray task (:func:`run_shard`, one CPU, no retry — a rerun
-   would hide a flaky failure) that starts ``pytest`` in **its own process group**
-   (``start_new_session``) with a hard timeout: on expiry the whole group gets ``SIGKILL``
-   (``killpg``) and the shard is reported as ``timeout``; a group member left after a
-   normal exit (a leaked QEMU) is killed too and reported. Processes that left the group
-   (their own ``setsid``) are out of its reach.
+   would hide a flaky failure; ``--env`` adds to its environment) that starts ``pytest -v``
+   in **its own process group** (``start_new_session``) with a hard timeout: on expiry the
+   whole group gets ``SIGKILL`` (``killpg``) and the shard is reported as ``timeout`` with
+   the last test it started; a group member left after a normal exit (a leaked QEMU) is
+   killed too and reported. Processes that left the group (their own ``setsid``) are out
+   of its reach. Shards still unfinished (unschedulable) at the run's deadline are
+   cancelled and reported as timeouts: the run never hangs.
 4. **Collect** each shard's JUnit XML and the tail of its output into ``--out``
    (``shard-NN.xml``, ``shard-NN.log``) — the task returns them as data, so the nodes
    need no shared filesystem — plus ``summary.json``; print a table (passed / failed /
