@@ -17,8 +17,8 @@ not of the product, and ``python -m sandbox_sim --help`` lists them together.
    in **its own process group** (``start_new_session``) with a hard timeout: on expiry the
    whole group gets ``SIGKILL`` (``killpg``) and the shard is reported as ``timeout`` with
    the last test it started; a group member left after a normal exit (a leaked QEMU) is
-   killed too and reported. Processes that left the group (their own ``setsid``) are out
-   of its reach. Shards still unfinished (unschedulable) at the run's deadline are
+   killed too and reported, and so are processes that left the group (their own
+   ``setsid``): the Ray worker is their subreaper (``PR_SET_CHILD_SUBREAPER``). Shards still unfinished (unschedulable) at the run's deadline are
    cancelled and reported as timeouts: the run never hangs.
 4. **Collect** each shard's JUnit XML and the tail of its output into ``--out``
    (``shard-NN.xml``, ``shard-NN.log``) — the task returns them as data, so the nodes
@@ -41,6 +41,7 @@ with the project's test dependencies (``sys.executable`` of the worker runs ``py
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -75,6 +76,9 @@ NIGHTLY_DRAIN_S = 5.0
 NIGHTLY_SCHEDULE_SLACK_S = 300.0
 #: an earlier run's summary.json read by --weights-from at most
 NIGHTLY_SUMMARY_BYTES_MAX = 16 << 20
+#: rounds of killing the orphans a shard left to its Ray worker (each round: the processes
+#: re-parented to it since the shard began; their own children come to it next round)
+NIGHTLY_REAP_ROUNDS_MAX = 16
 #: the custom Ray resource a KVM host advertises
 KVM_RESOURCE = "kvm"
 
@@ -207,19 +211,70 @@ def junit_counts(xml_bytes: bytes) -> dict[str, int]:
     return c
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (``prctl``): a process that
+    leaves the shard's group and session (``setsid``) and outlives its parent comes back to
+    this process instead of init, so :func:`reap_orphans` can still kill it."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    return prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is ``pid`` (from ``/proc/*/stat``)."""
+    out = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(name))
+    return out
+
+
+def reap_orphans(before: set[int]) -> int:
+    """SIGKILL and reap every child of this process not in ``before`` (the orphans a shard
+    left to this subreaper), for at most ``NIGHTLY_REAP_ROUNDS_MAX`` rounds; how many."""
+    killed = 0
+    for _ in range(NIGHTLY_REAP_ROUNDS_MAX):
+        orphans = children(os.getpid()) - before
+        if not orphans:
+            break
+        for pid in orphans:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                continue
+            killed += 1
+    return killed
+
+
 def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytest_args: list[str] = (),
-              env: dict[str, str] | None = None) -> dict:
+              env: dict[str, str] | None = None, reap: bool = False) -> dict:
     """Run one shard's tests with ``pytest`` in ``cwd`` (this process's environment plus
     ``env``), in a process group of its own, killed whole (``SIGKILL``) after ``timeout_s``.
     Returns plain data: ``status`` (one of :data:`STATUSES`), ``returncode``, the JUnit
     ``counts`` (None without a usable file), ``junit`` (its text, at most
     ``NIGHTLY_JUNIT_BYTES_MAX`` bytes, else None), ``file_seconds``, ``log`` (the output's last
     ``NIGHTLY_LOG_BYTES_MAX`` bytes), ``strays_killed`` (group members left after pytest
-    exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed."""
+    exited, killed), ``seconds``, ``host`` and a ``reason`` for anything not passed. With
+    ``reap`` (the Ray task: a worker process of its own) this process becomes a subreaper
+    and the processes that left the group are killed too (``orphans_killed``)."""
     res = {"index": index, "tests": len(test_ids), "host": os.uname().nodename, "status": "error",
            "returncode": None, "counts": None, "junit": None, "log": "", "strays_killed": False, "reason": "",
-           "seconds": 0.0, "file_seconds": {}}
+           "seconds": 0.0, "file_seconds": {}, "orphans_killed": 0}
     t0 = time.monotonic()
+    before = children(os.getpid()) if reap and become_subreaper() else None
     with tempfile.TemporaryDirectory(prefix="sandbox-nightly-") as tmp:
         junit = os.path.join(tmp, "junit.xml")
         ids = os.path.join(tmp, "tests.txt")
@@ -240,6 +295,8 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
         finally:  # the timeout, or this task cancelled: nothing of the shard outlives it
             strays = _kill_group(proc.pid)
             proc.wait()
+            if before is not None:
+                res["orphans_killed"] = reap_orphans(before)
         reader.join(NIGHTLY_DRAIN_S)
         res["seconds"] = round(time.monotonic() - t0, 3)
         res["returncode"] = proc.returncode
@@ -272,8 +329,9 @@ def run_shard(index: int, test_ids: list[str], cwd: str, timeout_s: float, pytes
         res["status"], res["reason"] = "failed", "tests failed"
     else:
         res["reason"] = f"pytest exited {proc.returncode}"
-    if strays and res["status"] == "passed":
-        res["reason"] = "processes left in its group after pytest exited were killed"
+    if (strays or res["orphans_killed"]) and res["status"] == "passed":
+        res["reason"] = "processes left in its group after pytest exited were killed" if strays else \
+            f"{res['orphans_killed']} process(es) that left its group were killed"
     return res
 
 
@@ -345,7 +403,8 @@ def parse_collected(stdout: str) -> list[str]:
 
 def _task_failure(index: int, tests: int, why: str) -> dict:
     return {"index": index, "tests": tests, "host": "?", "status": "error", "returncode": None, "counts": None,
-            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0, "file_seconds": {}, "resources": {}}
+            "junit": None, "log": "", "strays_killed": False, "reason": why, "seconds": 0.0, "file_seconds": {},
+            "resources": {}, "orphans_killed": 0}
 
 
 def cmd_nightly(args) -> int:
@@ -458,7 +517,7 @@ def _shard_task(*args) -> dict:
     """:func:`run_shard` as a Ray task, its result naming the resources Ray gave it."""
     import ray
 
-    res = run_shard(*args)
+    res = run_shard(*args, reap=True)
     res["resources"] = {k: v for k, v in ray.get_runtime_context().get_assigned_resources().items()
                         if not k.startswith("node:")}
     return res

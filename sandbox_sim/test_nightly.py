@@ -9,7 +9,8 @@
   leaves behind is killed with the group and reported;
 * the whole command on a local Ray (skipped with the reason without the ``sandbox[cluster]``
   extra) over synthetic e2e-marked files in tmp — not the real VM suites: JUnit XML per
-  shard, the summary's counts, a non-e2e test left out, ``--env`` reaching the shards, exit 1
+  shard, the summary's counts, a non-e2e test left out, ``--env`` reaching the shards, a
+  daemon a test left in its own session killed by the worker (its subreaper), exit 1
   because a test fails.
   Here there is no ``kvm`` resource (``SANDBOX_ACCEL=tcg`` decides the probe), so the shards
   run without it, and ``--require-kvm`` refuses to start (exit 2); on a Ray started with a
@@ -184,7 +185,12 @@ def test_skipped():
 
 @pytest.mark.e2e
 def test_one():
-    pass
+    import os, subprocess, sys
+    where = os.environ.get("NIGHTLY_DAEMON_PID")
+    if where:  # a daemon of its own session and group, blocked on a pipe nobody writes
+        d = subprocess.Popen([sys.executable, "-c", "import os; r, w = os.pipe(); os.read(r, 1)"], start_new_session=True)
+        with open(where, "w") as f:
+            f.write(str(d.pid))
 
 @pytest.mark.e2e
 def test_two():
@@ -214,7 +220,9 @@ def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_pa
     pytest.importorskip("ray", reason="Ray is not installed: the optional extra sandbox[cluster] (./dev setup installs it)")
     _suite(tmp_path)
     out = tmp_path / "results"
-    proc = _nightly(tmp_path, "--out", str(out), "--shards", "2", "--timeout", "120", "--env", "NIGHTLY_SYNTHETIC=passed on")
+    daemon = tmp_path / "daemon.pid"
+    proc = _nightly(tmp_path, "--out", str(out), "--shards", "2", "--timeout", "120", "--env", "NIGHTLY_SYNTHETIC=passed on",
+                    "--env", f"NIGHTLY_DAEMON_PID={daemon}")
     assert proc.returncode == 1, proc.stdout + proc.stderr  # test_fails fails
     assert "5 test(s) marked 'e2e' in 2 shard(s)" in proc.stdout, proc.stdout
     assert "no 'kvm' resource in the cluster: shards run without it (TCG)" in proc.stdout, proc.stdout
@@ -225,6 +233,10 @@ def test_the_command_shards_e2e_tests_over_a_local_ray_and_collects_junit(tmp_pa
     alpha, beta = by_file[("test_alpha.py",)], by_file[("test_beta.py",)]
     assert alpha["status"] == "failed" and beta["status"] == "passed"
     assert alpha["resources"] == beta["resources"] == {"CPU": 1.0}  # no kvm resource asked for
+    # the daemon test_one left (its own session: out of killpg's reach) was killed by the worker, its subreaper
+    assert _wait_gone(int(daemon.read_text())), "a daemon of the shard outlived it"
+    assert beta["orphans_killed"] == 1 and alpha["orphans_killed"] == 0, beta
+    assert beta["reason"] == "1 process(es) that left its group were killed"
     assert alpha["counts"] == {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1}
     assert beta["counts"] == {"tests": 2, "passed": 2, "failed": 0, "errors": 0, "skipped": 0}
     assert "test_not_e2e" not in json.dumps(summary)
