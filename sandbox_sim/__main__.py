@@ -88,8 +88,15 @@ def cmd_fanout(args) -> int:
     return fanout.cmd_fanout(args)
 
 
+def cmd_nightly(args) -> int:
+    from . import nightly
+
+    return nightly.cmd_nightly(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .defects import DEFECTS
+    from .nightly import NIGHTLY_SHARD_TIMEOUT_S, NIGHTLY_SHARDS_DEFAULT
 
     p = argparse.ArgumentParser(prog="python -m sandbox_sim", description="Simulation campaigns against the undo core: random "
                                 "guest programs, rollbacks and injected faults on a simulated disk, with the undo "
@@ -122,13 +129,36 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job (a cluster whose nodes lack them)")
     f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
     f.set_defaults(fn=cmd_fanout)
+    n = sub.add_parser("nightly", help="shard pytest -m e2e over Ray nodes (kvm resource where the KVM probe finds it); "
+                       "JUnit XML per shard and a summary in --out")
+    n.add_argument("paths", nargs="*", help="test paths to collect from (default: e2e)")
+    n.add_argument("--out", metavar="DIR", help="an absent or empty directory for shard-NN.xml, shard-NN.log, summary.json")
+    n.add_argument("--shards", type=int, default=NIGHTLY_SHARDS_DEFAULT, help=f"number of shards, files kept whole (default {NIGHTLY_SHARDS_DEFAULT}, at most NIGHTLY_SHARDS_MAX)")
+    n.add_argument("--timeout", type=float, default=NIGHTLY_SHARD_TIMEOUT_S, help="hard timeout per shard in seconds: its process "
+                   f"group is killed and the shard reported as timeout (default {NIGHTLY_SHARD_TIMEOUT_S:g}, at most NIGHTLY_SHARD_TIMEOUT_MAX_S)")
+    n.add_argument("--marker", default="e2e", help="the pytest marker expression to collect (default e2e)")
+    n.add_argument("--cwd", default=".", help="where pytest collects and runs (the checkout; same path on every node)")
+    n.add_argument("--pytest-arg", action="append", metavar="ARG", help="an extra pytest argument for collection and "
+                   "every shard (repeatable), e.g. --pytest-arg=-x")
+    n.add_argument("--env", action="append", metavar="NAME=VALUE", help="set in every shard's environment (repeatable), "
+                   "e.g. --env SANDBOX_TEST_FULL=1 for the slow tests")
+    n.add_argument("--address", help="a running Ray cluster; default: start a local one (kvm resource from the probe)")
+    n.add_argument("--num-cpus", type=int, help="CPUs of the local cluster (default: this machine's)")
+    n.add_argument("--require-kvm", action="store_true", help="refuse to run (exit 2) unless a node advertises kvm")
+    n.add_argument("--weights-from", metavar="DIR", help="balance the shards by each file's seconds in an earlier "
+                   "run's --out DIR (its summary.json) instead of by test count")
+    n.add_argument("--plan", action="store_true", help="only collect and print the shards (no Ray, nothing run)")
+    n.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job")
+    n.add_argument("--node-resources", action="store_true", help="only print this host's Ray resources from the KVM "
+                   "probe as JSON, for: ray start --resources \"$(python -m sandbox_sim nightly --node-resources)\"")
+    n.set_defaults(fn=cmd_nightly)
     args = p.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         p.error("--steps must be at least 1")
     if getattr(args, "plant", None) and args.plant not in DEFECTS:
         print(f"unknown defect {args.plant!r}; choose from {', '.join(DEFECTS)}", file=sys.stderr)
         return 2
-    if args.cmd == "fanout":
+    if args.cmd in ("fanout", "nightly"):
         return args.fn(args)  # the workers plant it themselves
     remove = _planted(args)
     try:

@@ -103,24 +103,36 @@ def cmd_fanout(args) -> int:
     if ray is None:
         print("fanout needs Ray: pip install 'sandbox[cluster]' (or ./dev setup, which installs it)", file=sys.stderr)
         return 2
-    started = False
-    if not ray.is_initialized():
-        kwargs = {"include_dashboard": False, "log_to_driver": True}
-        if getattr(args, "ship_code", False):
-            import sandbox
-
-            kwargs["runtime_env"] = {"py_modules": [sandbox, sys.modules[__package__]]}  # sandbox, sandbox_sim
-        if args.address:
-            ray.init(address=args.address, **kwargs)
-        else:
-            cpus = args.num_cpus or min(os.cpu_count() or 1, FANOUT_LOCAL_CPUS_MAX)
-            ray.init(num_cpus=max(1, min(cpus, FANOUT_LOCAL_CPUS_MAX)), object_store_memory=FANOUT_LOCAL_OBJECT_STORE_BYTES, **kwargs)
-        started = True
+    started = start_or_attach(ray, args.address, args.num_cpus, getattr(args, "ship_code", False))
     try:
         return _fan_out(ray, args, seeds, faults)
     finally:
         if started:
             ray.shutdown()
+
+
+def start_or_attach(ray, address: str | None, num_cpus: int | None, ship_code: bool = False,
+                    resources: dict[str, float] | None = None) -> bool:
+    """Connect this process to Ray: to ``address`` when given (a running cluster, left running),
+    else to a local Ray started here with ``num_cpus`` (default this machine's, at most
+    ``FANOUT_LOCAL_CPUS_MAX``) and the custom node ``resources`` (e.g. ``{"kvm": 1}``).
+    ``ship_code`` uploads ``sandbox`` and ``sandbox_sim`` with the job. Returns whether it
+    connected (the caller then calls ``ray.shutdown()``); False when Ray was already initialised.
+    Also used by ``python -m sandbox_sim nightly`` (sandbox_sim/nightly.py)."""
+    if ray.is_initialized():
+        return False
+    kwargs = {"include_dashboard": False, "log_to_driver": True}
+    if ship_code:
+        import sandbox
+
+        kwargs["runtime_env"] = {"py_modules": [sandbox, sys.modules[__package__]]}  # sandbox, sandbox_sim
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        cpus = num_cpus or min(os.cpu_count() or 1, FANOUT_LOCAL_CPUS_MAX)
+        ray.init(num_cpus=max(1, min(cpus, FANOUT_LOCAL_CPUS_MAX)), object_store_memory=FANOUT_LOCAL_OBJECT_STORE_BYTES,
+                 resources=dict(resources or {}), **kwargs)
+    return True
 
 
 def _fan_out(ray, args, seeds: range, faults: list[str]) -> int:

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from . import image as vm_image
@@ -414,8 +415,8 @@ def _try_kvm(image: vm_image.Image, cpu: str, timeout_s: float, qemu: str) -> tu
     return None, f"-cpu {cpu}: no {PROBE_MARKER} within {timeout_s:g} s (last line: {seen[-1].strip()[:160]!r})"
 
 
-def probe_accel(image: vm_image.Image, timeout_s: float = 15.0, cache_dir: str | None = None,
-                qemu: str = QEMU) -> AccelChoice:
+def probe_accel(image: vm_image.Image | Callable[[], vm_image.Image], timeout_s: float = 15.0,
+                cache_dir: str | None = None, qemu: str = QEMU) -> AccelChoice:
     """KVM if a guest actually boots with it here, else TCG — with the reason.
 
     ``SANDBOX_ACCEL=tcg|kvm`` decides without probing. Otherwise an unusable /dev/kvm
@@ -423,7 +424,10 @@ def probe_accel(image: vm_image.Image, timeout_s: float = 15.0, cache_dir: str |
     ``SANDBOX-PROBE-OK`` and power off when the kernel command line has
     ``sandbox.probe=1``) with each of :data:`KVM_CPU_MODELS`, at most ``timeout_s`` each.
     The answer is cached in ``cache_dir`` (default: the image cache) per QEMU binary
-    (path and mtime), host kernel release and guest kernel version."""
+    (path and mtime), host kernel release and guest kernel version. ``image`` may be a
+    function returning it, called only when the probe needs a guest (``/dev/kvm`` usable,
+    no ``SANDBOX_ACCEL``): the nightly e2e runner asks this of every node without building
+    an image where there is no KVM to probe."""
     forced = os.environ.get(ENV_ACCEL, "").strip()
     if forced:
         if forced not in ACCELS:
@@ -435,6 +439,8 @@ def probe_accel(image: vm_image.Image, timeout_s: float = 15.0, cache_dir: str |
     qemu_path = shutil.which(qemu)
     if qemu_path is None:
         raise QemuError(f"{qemu} is not installed")
+    if callable(image):
+        image = image()
     cache = os.path.join(cache_dir or vm_image.cache_root(), PROBE_CACHE_FILE)
     key = _cache_key(qemu_path, image.kernel.version)
     hit = _from_cache(_cache_load(cache).get(key))
