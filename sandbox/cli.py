@@ -578,16 +578,16 @@ def _ui_start_payload(args) -> dict:
     ordinary STDIO API session, started by this process)."""
     from .session.runtime import Folder
 
-    unused = [flag for flag, given in (("--state-dir", args.state_dir), ("--on-hold", args.on_hold != "ask")) if given]
-    if unused:
-        raise CliError(f"sandbox ui does not take {', '.join(unused)}: its session's undo store is the default one "
-                       "and the page answers safeguard holds", EXIT_USAGE)
+    if args.on_hold != "ask":
+        raise CliError("sandbox ui does not take --on-hold: the page answers safeguard holds", EXIT_USAGE)
     wds = []
     for spec in args.workdir:
         f = Folder.parse(spec)
         if not os.path.isdir(f.path):
             raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
         wds.append({"path": os.path.abspath(f.path), "access": "read_only" if f.read_only else "read_write"})
+    if args.state_dir:  # like `sandbox run`: the first working folder's undo store
+        wds[0]["state_dir"] = os.path.abspath(args.state_dir)
     network, _, allow = args.network.partition(":")
     if network not in ("disabled", "open", "allowlist") or (network == "allowlist") != bool(allow):
         raise CliError(f"--network wants disabled, open or allowlist:CIDR|DOMAIN,…, not {args.network!r}", EXIT_USAGE)
@@ -625,6 +625,8 @@ def _mcp_page(host, args):
 
 def cmd_ui(args) -> int:
     """`sandbox ui`: a session of its own and the page over it, until SIGINT/SIGTERM."""
+    import signal
+
     from .api.agent import Agent
     from .api.errors import ApiError
     from .api.ui.hub import Hub
@@ -637,16 +639,28 @@ def cmd_ui(args) -> int:
     hub = Hub()
     agent = Agent(hub.publish, guest=payload["guest"], as_root=args.as_root,
                   progress=lambda msg: print(f"sandbox: {msg}", file=sys.stderr, flush=True))
+
+    class _Stopped(Exception):
+        pass
+
+    def stop(signum, frame):  # until the page serves (it handles both signals itself): stop cleanly
+        raise _Stopped
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
-        agent.handle("session.start", payload, "ui-start")
-    except ApiError as e:
-        raise CliError(f"{e.code}: {e.message}", EXIT_FAILED) from None
-    try:
+        try:
+            agent.handle("session.start", payload, "ui-start")
+        except ApiError as e:
+            raise CliError(f"{e.code}: {e.message}", EXIT_FAILED) from None
         page = PageServer(agent, hub)
         print(f"sandbox: the page is at {page.url}", flush=True)
         print("sandbox: (the link carries this session's token; Ctrl-C stops the session)", file=sys.stderr, flush=True)
         page.serve(open_browser=not args.no_browser)
+    except _Stopped:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown is not cut short by a second signal
         agent.shutdown()
     return EXIT_OK
 # -- end web page
@@ -1352,7 +1366,7 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                     help="least severe log level written to stderr (default info)")
     for a in ui._actions:  # session options the page's session does not take (refused if given)
-        if a.dest in ("state_dir", "on_hold"):
+        if a.dest == "on_hold":
             a.help = argparse.SUPPRESS
     ui.set_defaults(fn=cmd_ui)
     # -- end web page

@@ -181,6 +181,25 @@ def test_session_start_status_stop_and_directories(api, project, tmp_path):
     assert c.close() == 0
 
 
+def test_a_working_directory_may_name_its_undo_store(api, project, tmp_path, cmds):
+    """``working_directories[].state_dir`` (what `sandbox run --state-dir` / `sandbox ui
+    --state-dir` set): the folder's history is kept there, and `sandbox history` finds it."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "elsewhere" / "store"
+    c = api()
+    assert c.error("session.start", {"working_directories": [{"path": str(project), "state_dir": "relative/store"}]}
+                   )["code"] == "protocol.invalid_request"
+    start(c, project, working_directories=[{"path": str(project), "state_dir": str(store)}])
+    c.ok("agent.execute", {"command": cmds.write("named-store.txt", "x")})
+    c.ok("session.stop")
+    assert c.close() == 0
+    r = subprocess.run([sys.executable, "-m", "sandbox", "history", "--workdir", str(project), "--state-dir", str(store),
+                        "--json"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "named-store.txt" in r.stdout, r.stdout + r.stderr
+
+
 def test_as_root_is_a_session_option_reported_by_status(api, project):
     """Commands run as the unprivileged guest user unless session.start asks for root (issue 13)."""
     c = api()

@@ -255,7 +255,7 @@ class Agent:
                 raise bad(f"working_directories[{i}].path {path!r} does not exist or is not a directory",
                           f"working_directories[{i}].path")
             folders.append(Folder(path, read_only=wd.get("access", "read_write") == "read_only", target=wd.get("target"),
-                                  label=wd.get("label", "")))
+                                  label=wd.get("label", ""), state_dir=wd.get("state_dir")))
         rw = [(os.path.realpath(f.path), i) for i, f in enumerate(folders) if not f.read_only]
         for a, i in rw:
             for b, j in rw:

@@ -57,6 +57,7 @@ class WorkingDirectory(Closed):
     label: Name = None
     access: Literal["read_write", "read_only"] = None
     target: AbsPath = None
+    state_dir: AbsPath = None  # the folder's undo store (default: beside the user's state, see docs/cli.md)
 
 
 class MemoryMount(Closed):
