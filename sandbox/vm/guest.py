@@ -301,18 +301,21 @@ class VmGuest:
             raise GuestError("the guest is not running")
         if target in self._slots:
             return await self._unmount_virtiofs(target)
-        port = self._live.get(target)
-        if port is None:
+        if target not in self._live:
             raise GuestError(f"no live mount at {target}")
+        await self._shim_unmount(target, self._live, self._ports_lost)
+        del self._live[target]
+
+    async def _shim_unmount(self, target: str, held: dict, lost: set) -> None:
+        """The shim unmounts ``target``. If the guest does not answer, what ``held`` gave it
+        (a 9P port, a hot-plug slot) is taken out and noted ``lost``: never handed out again."""
         try:
             await self.control.unmount(target)
         except MountError as e:
             raise GuestError(f"cannot unmount {target}: {e}") from None
         except (TimeoutError, ControlClosed) as e:
-            del self._live[target]
-            self._ports_lost.add(port)
+            lost.add(held.pop(target))
             raise GuestError(f"unmounting {target}: {e or type(e).__name__}") from None
-        del self._live[target]
 
     # -- virtio-fs (issue 17): a live mount as a hot-plugged vhost-user-fs-pci
     async def _mount_virtiofs(self, m: GuestMount) -> None:
@@ -349,14 +352,7 @@ class VmGuest:
 
     async def _unmount_virtiofs(self, target: str) -> None:
         k = self._slots[target]
-        try:
-            await self.control.unmount(target)
-        except MountError as e:
-            raise GuestError(f"cannot unmount {target}: {e}") from None
-        except (TimeoutError, ControlClosed) as e:
-            del self._slots[target]
-            self._slots_lost.add(k)
-            raise GuestError(f"unmounting {target}: {e or type(e).__name__}") from None
+        await self._shim_unmount(target, self._slots, self._slots_lost)
         await self._unplug(target, k)
 
     async def _unplug(self, target: str, k: int) -> None:
