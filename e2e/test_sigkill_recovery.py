@@ -49,6 +49,9 @@ from sandbox.core.store import parse_journal
 from sandbox.hostfs.real import RealHostFS
 from sandbox_sim.oracle import assert_same, snapshot
 
+#: real processes SIGKILLed on a real disk: part of the nightly e2e shards (``-m e2e``) too
+pytestmark = pytest.mark.e2e
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "sigkill_child.py")
 FULL = os.environ.get("SANDBOX_TEST_FULL") == "1"
