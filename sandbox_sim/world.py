@@ -117,14 +117,14 @@ class ReflinkMemoryHostFS(MemoryHostFS):
 class World:
     def __init__(self, kind: str = "sim", tmp: str | None = None):
         self.kind = kind
-        self.injector = FaultInjector()
-        self.injector_paused = False
+        self._injector = FaultInjector()
+        self._paused = False
         if kind in ("sim", "sim-reflink"):
             disk = ReflinkMemoryHostFS if kind == "sim-reflink" else MemoryHostFS
             clock = SimClock()
             self.clock_ns = clock
-            self.work = disk("work", clock=clock, fault_hook=self._hook_obj())
-            self.store = disk("store", clock=clock, fault_hook=self._hook_obj())
+            self.work = disk("work", clock=clock, fault_hook=self._injector)
+            self.store = disk("store", clock=clock, fault_hook=self._injector)
             self._work_view, self._store_view = self.work, self.store
         elif kind == "real":
             assert tmp is not None
@@ -139,15 +139,37 @@ class World:
             raise ValueError(kind)
         self.now_s = 1000.0  # the workspace's step clock (ambient idle, quiescence, holds)
 
-    # the injector can be swapped per run; the filesystems keep calling through here
-    def _hook(self, fs, op, path, nbytes):
-        if self.injector_paused:
-            return None
-        return self.injector(fs, op, path, nbytes)
+    # The injector can be swapped per run and paused. A simulated disk calls the injector
+    # itself (its ``fault_hook`` is the injector, or None while paused: no hop per host call);
+    # both setters re-point the disks, so the disks always call the current injector.
+    @property
+    def injector(self) -> FaultInjector:
+        return self._injector
+
+    @injector.setter
+    def injector(self, injector: FaultInjector) -> None:
+        self._injector = injector
+        self._rehook()
+
+    @property
+    def injector_paused(self) -> bool:
+        return self._paused
+
+    @injector_paused.setter
+    def injector_paused(self, paused: bool) -> None:
+        self._paused = paused
+        self._rehook()
+
+    def _rehook(self) -> None:
+        hook = None if self.__dict__.get("_paused") else self.__dict__.get("_injector")
+        for name in ("work", "store"):  # the simulated disks (a real one is wrapped, see _hook_obj)
+            fs = self.__dict__.get(name)
+            if isinstance(fs, MemoryHostFS):
+                fs.fault_hook = hook
 
     def _hook_obj(self):
-        """The disks' fault hook: :meth:`_hook` as a plain function (called before every
-        host call, so no bound-method hop), with the injector's ``after_torn_write``."""
+        """The real disks' fault hook (through :class:`FaultyHostFS`): the current injector
+        unless paused, with the injector's ``after_torn_write``."""
         world = self
 
         def hook(fs, op, path, nbytes):

@@ -738,11 +738,10 @@ class UndoLog:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
         step = self.open_step
         assert step is not None
-        line_no = step.journal_lines
 
-        def written() -> None:
+        def written() -> None:  # after the line (and any owed void before it): the step's last line
             step.records.append(rec)
-            step.record_lines.append(line_no)
+            step.record_lines.append(step.journal_lines - 1)
 
         self._append_line(step, rec, written)
         return len(step.records) - 1

@@ -192,9 +192,13 @@ def is_within(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + "/")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, init=False)
 class Stat:
-    """What the core needs to know about one directory entry (never follows symlinks)."""
+    """What the core needs to know about one directory entry (never follows symlinks).
+
+    Frozen (assigning a field raises ``FrozenInstanceError``), compared and hashed by its
+    fields. Its ``__init__`` fills the fields in one ``__dict__`` update instead of the
+    frozen dataclass's one ``object.__setattr__`` per field: every lstat builds one."""
 
     kind: str  # REG | DIR | LNK | OTHER
     mode: int  # all 12 permission bits (S_IMODE)
@@ -207,6 +211,11 @@ class Stat:
     fmt: int = 0  # the exact S_IFMT bits (a fifo vs a socket, both OTHER); 0: not known (the kind's usual one)
     uid: int = 0  # the host owner
     gid: int = 0
+
+    def __init__(self, kind: str, mode: int, size: int, mtime_ns: int, ctime_ns: int, ino: int, nlink: int,
+                 dev: int = 0, fmt: int = 0, uid: int = 0, gid: int = 0):
+        self.__dict__.update(kind=kind, mode=mode, size=size, mtime_ns=mtime_ns, ctime_ns=ctime_ns, ino=ino, nlink=nlink,
+                             dev=dev, fmt=fmt, uid=uid, gid=gid)
 
     @classmethod
     def from_os(cls, st) -> "Stat":
