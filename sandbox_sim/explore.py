@@ -25,7 +25,8 @@ every combination of per-inode prefixes — each inode of the working folder and
 store independently keeping the first ``p`` of its un-fsynced changes, ``0 <= p <= n``,
 :func:`prefix_states` — is a state, plus the written-back tree. More than
 ``loss_states_max`` (default ``EXPLORE_LOSS_STATES_MAX``) combinations at one crash point
-are sampled: the two extremes and a seeded draw (``seed``), the same for the same seed;
+are sampled: both ends (nothing kept, all kept) and a seeded draw (``seed``), the same
+for the same seed;
 ``report.loss_states_sampled`` counts such points and ``report.loss_states_possible`` the
 states there were. ``durable=False`` with ``power_loss`` is the negative control: the same
 losses without the core's fsyncs, which must find violations.
