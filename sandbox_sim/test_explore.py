@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -190,3 +191,12 @@ def test_the_loss_states_of_a_crash_point(counts, limit, seed, k):
     for s in states:
         assert all(0 < p <= choices[(d, i)] for d, i, p in s)
     assert prefix_states(choices, k, seed, limit) == (states, total)  # deterministic
+
+
+def test_the_loss_states_of_more_combinations_than_an_index_holds():
+    choices = {("store", i): 1 + i % 3 for i in range(70)}  # more than sys.maxsize combinations
+    states, total = prefix_states(choices, 7, 0, 10)
+    assert total == math.prod(2 + i % 3 for i in range(70)) and total > sys.maxsize
+    assert len(states) == len(set(states)) == 10
+    assert states[0] == () and states[-1] == tuple(("store", i, 1 + i % 3) for i in range(70))
+    assert prefix_states(choices, 7, 0, 10) == (states, total) != prefix_states(choices, 7, 1, 10)
