@@ -6,6 +6,11 @@ explored, both outcomes of a crash inside a step occur (rolled back, kept), and 
 violated — with a crash, and with power loss in durable mode. The explorer has teeth: power
 loss without the core's fsyncs, and a planted undo defect, are found, each with the crash
 point that replays it alone.
+
+Between the power-loss extremes (``loss_states="prefixes"``): the same workload survives
+every per-inode prefix of un-fsynced writes; a toy store bug that relies on the order of
+two un-fsynced writes is found there and only there, and replayed alone; the per-point
+limit samples the same states for the same seed.
 """
 
 from __future__ import annotations
