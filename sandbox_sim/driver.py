@@ -73,12 +73,14 @@ class Driver:
             self.faults_injected += len(self.world.injector.injected)
         self.world.injector = FaultInjector()
 
-    def _crash_and_reopen(self, rolled_back=(), power: bool = False, writeback: bool = False) -> None:
+    def _crash_and_reopen(self, rolled_back=(), power: bool = False, writeback: bool = False,
+                          keep: dict | None = None) -> None:
+        """``keep``: the un-fsynced data the power loss keeps (``World.crash``)."""
         tree = self.world.snapshot()  # the process is dead: nothing changes after this
         self.faults_injected += len(self.world.injector.injected)
         if power and writeback:
             self.world.work.sync_all()  # the kernel had written the working tree back
-        self.world.crash(self.ws, power_loss=power)
+        self.world.crash(self.ws, power_loss=power, keep=keep)
         self._open()
         self.recoveries += 1
         if power and (self.ws.recovery or {}).get("kind") == "unprotected_step_kept":

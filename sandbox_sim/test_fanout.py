@@ -124,12 +124,14 @@ def test_docs_quote_the_other_research_limits():
 
     from sandbox.core import store
     from sandbox import hostfs
+    from sandbox.hostfs import memory
 
     from . import campaign, explore
 
     text = open(os.path.join(ROOT, "docs", "simulation.md"), encoding="utf-8").read()
     where = {"CROSS_CHECK_EVERY": campaign, "EXPLORE_STATES_MAX": explore, "NORMALIZED_KEPT_MAX": hostfs,
-             "PARSED_JOURNALS_KEPT_MAX": store, "PARSED_JOURNAL_KEPT_BYTES_MAX": store}
+             "PARSED_JOURNALS_KEPT_MAX": store, "PARSED_JOURNAL_KEPT_BYTES_MAX": store,
+             "EXPLORE_LOSS_STATES_MAX": explore, "UNSYNCED_VERSIONS_MAX": memory}
     for name, module in where.items():
         m = re.search(rf"`{name}`\s*=\s*([\d,]+)( MiB)?", text)
         assert m, f"docs/simulation.md does not quote {name}"

@@ -189,11 +189,12 @@ class World:
             kwargs.setdefault("clock_ns", self.clock_ns)
         return Workspace.open_on(self._work_view, self._store_view, **kwargs)
 
-    def crash(self, ws: Workspace | None, power_loss: bool = False) -> None:
+    def crash(self, ws: Workspace | None, power_loss: bool = False, keep: dict | None = None) -> None:
         """Process death: drop locks, forget the workspace, start the next process fault-free.
 
         ``power_loss`` (simulated disk only): the machine died too — everything not fsynced
-        is lost (``MemoryHostFS.power_loss``)."""
+        is lost (``MemoryHostFS.power_loss``), but for ``keep``: ``{"work"|"store": {ino: p}}``,
+        the first ``p`` un-fsynced data versions of those inodes (``record_losses``)."""
         if ws is not None and ws._log._lock is not None:
             ws._log._lock.release()
             ws._log._lock = None
@@ -201,8 +202,8 @@ class World:
             self.work.crash()
             self.store.crash()
             if power_loss:
-                self.work.power_loss()
-                self.store.power_loss()
+                self.work.power_loss(keep=(keep or {}).get("work"))
+                self.store.power_loss(keep=(keep or {}).get("store"))
         elif power_loss:
             raise ValueError("power loss can only be simulated on the simulated disk")
         self.injector.disarm()

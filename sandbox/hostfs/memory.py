@@ -72,6 +72,11 @@ _READ_ONLY_OPS = frozenset({"lstat", "getattr", "statfs", "listdir", "read", "op
 _SHORT_NAME = _NAME_MAX // 4
 _SHORT_PATH = _PATH_MAX // 4
 
+#: data versions one inode records since its last durability point (``record_losses``);
+#: beyond it the newest version replaces the last one recorded (counted in
+#: ``unsynced_versions_dropped``): the states in between are no longer offered
+UNSYNCED_VERSIONS_MAX = 64
+
 
 class SimClock:
     """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
@@ -201,6 +206,8 @@ class MemoryFileHandle(FileHandle):
         self._call("fsync")
         if datasync:
             self._node.durable_data = bytes(self._node.data)
+            if self._fs.record_losses:
+                self._fs._unsynced.pop(self._node.ino, None)
         else:
             self._fs._fsync_node(self._node)
 
@@ -280,6 +287,9 @@ class MemoryHostFS(HostFS):
         self._commit_pending = False  # an fsync's metadata commit not taken yet (see _fsync_node)
         self.uid = 0  # who uses this filesystem: the owner of what it creates; only 0 may give files away
         self.gid = 0
+        self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
+        self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
+        self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
 
     # -- simulation controls (not part of HostFS) --
 
@@ -488,6 +498,8 @@ class MemoryHostFS(HostFS):
             node.data[offset : offset + n] = data[:n]
             now = self.clock()
             node.mtime_ns = node.ctime_ns = now
+            if self.record_losses:
+                self._record_version(node)
         if limit is not None and n < len(data) and self.fault_hook is not None:
             after = getattr(self.fault_hook, "after_torn_write", None)
             if after is not None:
@@ -508,6 +520,8 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (size - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
+        if self.record_losses:
+            self._record_version(node)
 
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
@@ -780,6 +794,8 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (end - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
+        if self.record_losses:
+            self._record_version(node)
 
     def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
         self._fault("copy_file_range", dst, length)
@@ -800,6 +816,8 @@ class MemoryHostFS(HostFS):
         d.data[dst_offset : dst_offset + len(chunk)] = chunk
         now = self.clock()
         d.mtime_ns = d.ctime_ns = now
+        if self.record_losses:
+            self._record_version(d)
         return len(chunk)
 
     def fsync(self, path: str) -> None:
@@ -814,6 +832,8 @@ class MemoryHostFS(HostFS):
         # and fsyncs in a row (a file then its directory) commit once
         self._commit_pending = True
         node.durable_data = bytes(node.data)
+        if self.record_losses:
+            self._unsynced.pop(node.ino, None)
 
     # -- power loss (simulation control, not part of HostFS) --
     #
@@ -822,6 +842,15 @@ class MemoryHostFS(HostFS):
     # so a rename is atomic and any fsync commits every earlier metadata change; file *data*
     # survives only its own file's fsync. Power loss keeps the last committed metadata, and
     # per file the last fsynced bytes (none if never fsynced).
+    #
+    # With ``record_losses`` on, the states in between exist too: every change of an inode's
+    # bytes (write, truncate, fallocate, copy_file_range, the lock's pid) since its last
+    # durability point (fsync, fdatasync, sync_all, a power loss) is recorded as a version,
+    # and ``power_loss(keep={ino: p})`` keeps that inode's first ``p`` versions — a prefix of
+    # its own write order (the kernel's writeback reached it at some moment), chosen per
+    # inode independently (writeback orders no two files). Not modelled: one file's changes
+    # reaching the disk out of order, or one write in part (torn writes are the process
+    # crash's fault), and metadata between the last commit and now (it is all lost, as before).
 
     def _reachable(self) -> list[_Inode]:
         seen: dict[int, _Inode] = {}
@@ -832,6 +861,47 @@ class MemoryHostFS(HostFS):
                 seen[node.ino] = node
                 stack.extend(node.entries.values())
         return list(seen.values())
+
+    def _record_version(self, node: _Inode) -> None:
+        """``record_losses``: ``node``'s bytes changed — a new version, unless they are
+        the bytes of its newest one (or of its last fsync): no new state."""
+        entry = self._unsynced.get(node.ino)
+        if entry is None:
+            if node.data != (node.durable_data or b""):
+                self._unsynced[node.ino] = (node, [bytes(node.data)])
+            return
+        versions = entry[1]
+        if node.data == versions[-1]:
+            return
+        if len(versions) >= UNSYNCED_VERSIONS_MAX:
+            versions[-1] = bytes(node.data)
+            self.unsynced_versions_dropped += 1
+        else:
+            versions.append(bytes(node.data))
+
+    def _durable_reachable(self) -> set[int]:
+        """The inodes a power loss now leaves reachable (its tree: the committed entries)."""
+        if self._commit_pending:
+            self._commit_metadata()
+        seen: set[int] = set()
+        root = self._root
+        stack = [node for node in (root.durable_meta[4] if root.durable_meta is not None else {}).values()]
+        seen.add(root.ino)
+        while stack:
+            node = stack.pop()
+            if node.ino not in seen:
+                seen.add(node.ino)
+                stack.extend((node.durable_meta[4] if node.durable_meta is not None else node.entries).values())
+        return seen
+
+    def loss_choices(self) -> dict[int, int]:
+        """``{ino: n}``: each inode a power loss now would leave reachable with ``n`` > 0
+        un-fsynced data versions recorded — ``power_loss(keep={ino: p})`` for ``p`` in
+        ``0..n``. Empty unless ``record_losses`` is on."""
+        if not self._unsynced:
+            return {}
+        reachable = self._durable_reachable()
+        return {ino: len(versions) for ino, (_, versions) in sorted(self._unsynced.items()) if ino in reachable}
 
     def _commit_metadata(self) -> None:
         self._commit_pending = False
@@ -844,9 +914,25 @@ class MemoryHostFS(HostFS):
         for node in self._reachable():
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
+        self._unsynced.clear()
 
-    def power_loss(self) -> None:
-        """The machine lost power: back to the last committed metadata and fsynced data."""
+    def power_loss(self, keep: dict[int, int] | None = None) -> None:
+        """The machine lost power: back to the last committed metadata and fsynced data.
+
+        ``keep`` (needs ``record_losses``): ``{ino: p}`` — that inode keeps the data of its
+        first ``p`` un-fsynced versions (:meth:`loss_choices`); checked before anything is
+        lost (``ValueError``). What survived is then durable."""
+        kept: dict[int, bytes] = {}
+        for ino, p in (keep or {}).items():
+            if not self.record_losses:
+                raise ValueError("power_loss(keep=...) needs record_losses on")
+            if ino not in self._unsynced:
+                raise ValueError(f"inode {ino} has no un-fsynced data versions")
+            versions = self._unsynced[ino][1]
+            if not 0 <= p <= len(versions):
+                raise ValueError(f"inode {ino} has {len(versions)} un-fsynced data versions; cannot keep {p}")
+            if p:
+                kept[ino] = versions[p - 1]
         if self._commit_pending:
             self._commit_metadata()
         if self._root.durable_meta is None:
@@ -861,8 +947,11 @@ class MemoryHostFS(HostFS):
                 (node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns,
                  node.uid, node.gid) = node.durable_meta
                 node.entries, node.xattrs = dict(entries), dict(xattrs)
+            if node.ino in kept:
+                node.durable_data = kept[node.ino]
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())
+        self._unsynced.clear()
         self._locks.clear()
         self._epoch += 1  # the process died with the machine: its handles are gone
 
@@ -885,4 +974,6 @@ class MemoryHostFS(HostFS):
         self._locks[path] = (self.pid, lock)
         node.data[:] = f"{self.pid}\n".encode()
         node.mtime_ns = node.ctime_ns = self.clock()
+        if self.record_losses:
+            self._record_version(node)
         return lock
