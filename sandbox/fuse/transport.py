@@ -196,6 +196,9 @@ class FuseServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False  # never read again (stopped, or the mount is gone)
         dispatcher.on_settled = self._resume  # a held request ended: read again if paused
+        # the host's kernel, with the watcher's notifications: no-open when coherent at INIT
+        # (docs/fuse.md "No-open"); the virtio-fs device does not set it
+        dispatcher.no_open_allowed = True
 
     async def serve(self) -> None:
         """Until ``ENODEV`` (unmounted) or :meth:`stop`; then every handle is closed."""
