@@ -30,6 +30,12 @@ Invariants:
   :class:`~sandbox.hostfs.FileHandle`) from OPEN/CREATE to RELEASE; a directory handle
   keeps the listing taken at OPENDIR (``.``, ``..``, then names in code-point order), so
   READDIR offsets are positions in a stable snapshot. Handle ids are never reused.
+* **no-open** (:attr:`Dispatcher.no_open`, chosen at INIT for a coherent /dev/fuse mount):
+  OPEN and FLUSH are ``ENOSYS``, CREATE answers handle 0, and I/O with handle 0 goes through
+  the node's own descriptors (``Node.ro``/``Node.rw``), opened by path while the path names
+  the node's inode, at most :data:`NODE_DESCRIPTORS_MAX` nodes holding them (LRU); a regular
+  file whose last known name is removed through the mount gets them first and keeps them
+  (``Node.pinned``, outside the LRU) until its node is dropped; reads never open for writing.
 * **credentials** come from each request's header uid/gid (:class:`Cred`), which the
   Provider uses for owners and set-id clearing; permission checks are the kernel's
   (the mount's ``default_permissions``).
