@@ -883,14 +883,18 @@ class Dispatcher:
             return h
         if n.pinned:
             raise OSError(errno.EBADF, "removed while open, and not open for this here", n.path)
-        if not self._still_names(n):
+        # opening for writing may change the file (set-id bits cleared): only the node's own
+        # inode; a read-only open changes nothing, so the inode check after it suffices
+        if write and not self._still_names(n):
             raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
         self._make_room()
         self.descriptors.acquire()
         try:
             h = self._open_by_path(n.path, write)
-        except BaseException:
+        except BaseException as e:
             self.descriptors.release()
+            if isinstance(e, OSError) and e.errno in _GONE:
+                raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path) from None
             raise
         if _inode(h.fstat()) != n.inode:
             h.close()
