@@ -743,3 +743,46 @@ def test_no_open_descriptors_are_bounded_least_recently_used_first(tmp_path, mon
     finally:
         mo.close()
     assert budget.held == 0
+
+
+def test_no_open_without_the_watcher_a_host_edit_seen_in_attributes_drops_the_pages(nomnt):
+    """A no-open mount that lost its watcher (not coherent): the kernel keeps a file's pages
+    across opens and has no AUTO_INVAL_DATA, so the server does its part — a LOOKUP or GETATTR
+    reply whose mtime, ctime or size differ from what the kernel was last told of that file
+    asks for the file's invalidation (its path, to :attr:`Dispatcher.on_host_changed`). The
+    mount's own writes and truncations are no such change; nothing is asked while coherent."""
+    asked: list[str] = []
+    nomnt.d.on_host_changed = asked.extend
+    with open(nomnt.host("f"), "wb") as f:
+        f.write(b"0123456789")
+    e = nomnt.lookup("f")
+    os.utime(nomnt.host("f"), ns=(0, 10**9))  # beside the mount, while coherent: the watcher's part
+    nomnt.getattr(e.nodeid)
+    assert asked == []
+    nomnt.d.coherent = False  # the watcher is gone
+    nomnt.getattr(e.nodeid)
+    assert asked == []  # nothing changed since the kernel was last told
+    with open(nomnt.host("f"), "r+b") as f:  # the same size: only the mtime and ctime move
+        f.write(b"ABC")
+    nomnt.getattr(e.nodeid)
+    assert asked == ["f"]
+    nomnt.getattr(e.nodeid)
+    nomnt.lookup("f")
+    assert asked == ["f"]  # once per change
+    os.utime(nomnt.host("f"), ns=(0, 2 * 10**9))
+    assert nomnt.lookup("f").attr.mtime == 2
+    assert asked == ["f", "f"]
+    assert nomnt.write(e.nodeid, 0, b"own", 3) == 3  # the mount's own write: no invalidation
+    nomnt.getattr(e.nodeid)
+    req = m.Setattr(H(abi.Opcode.SETATTR, e.nodeid), abi.FATTR_SIZE, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert nomnt.call(req).attr.size == 4
+    nomnt.getattr(e.nodeid)
+    assert asked == ["f", "f"]
+    with open(nomnt.host("f"), "r+b") as f:  # beside the mount, then the mount's own write
+        f.write(b"H")
+    os.utime(nomnt.host("f"), ns=(0, 5 * 10**9))  # an mtime surely unlike the truncation's
+    assert nomnt.write(e.nodeid, 0, b"w", 3) == 1
+    assert asked == ["f", "f", "f"]  # the host's edit before it is still seen
+    nomnt.getattr(e.nodeid)
+    assert asked == ["f", "f", "f"]
+    assert open(nomnt.host("f"), "rb").read() == b"HBCw"

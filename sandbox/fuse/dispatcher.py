@@ -188,6 +188,9 @@ class Node:
     rw: FileHandle | None = None
     #: no-open mode: its last name was removed while the kernel knew it (descriptors kept)
     pinned: bool = False
+    #: a regular file's (mtime_ns, ctime_ns, size) as last reported to the kernel (None: not
+    #: yet): while not coherent, a report that differs drops its pages (:meth:`Dispatcher._told`)
+    told: tuple[int, int, int] | None = None
 
     @property
     def path(self) -> str:
@@ -260,6 +263,10 @@ class Dispatcher:
         #: the node's own descriptors (:data:`NODE_DESCRIPTORS_MAX`); no ATOMIC_O_TRUNC, so an
         #: O_TRUNC open arrives as a SETATTR of the size (a gated truncate)
         self.no_open = False
+        #: paths found changed beside the mount while not coherent (a regular file's mtime,
+        #: ctime or size moved since the kernel was last told): the transport invalidates them
+        #: (the kernel's pages stay across opens in no-open mode, and AUTO_INVAL_DATA is off)
+        self.on_host_changed: Callable[[list[str]], None] = lambda paths: None
         #: no-open: nodes holding descriptors, least recently used first (never pinned ones)
         self._lru: OrderedDict[int, Node] = OrderedDict()
         #: the mount is going away: gated requests fail with EIO at once instead of waiting
@@ -436,7 +443,35 @@ class Dispatcher:
         return COHERENT_ATTR_VALID_S if self.coherent else ATTR_VALID_S
 
     def _entry_out(self, n: Node, a: Attr) -> m.EntryOut:
+        self._told(n, a)
         return m.EntryOut(n.nodeid, GENERATION, self.entry_valid_s, self.attr_valid_s, 0, 0, fuse_attr(a))
+
+    def _told(self, n: Node, a: Attr) -> None:
+        """``a`` is about to be reported to the kernel for ``n``. Not coherent (no watcher),
+        a regular file whose mtime, ctime or size moved since the last report was changed
+        beside the mount (the mount's own writes update :attr:`Node.told`, :meth:`_own_write`):
+        its pages are invalidated — what the kernel's ``AUTO_INVAL_DATA`` would do, which we
+        do not ask for (it would also drop what our own writes cached)."""
+        if n.kind != REG:
+            return
+        stamp = (a.mtime_ns, a.ctime_ns, a.size)
+        if n.told is not None and n.told != stamp and not self.coherent:
+            self.on_host_changed([n.path])
+        n.told = stamp
+
+    def _own_write(self, n: Node, h: FileHandle, write: Callable[[], object]):
+        """``write()`` (a change of ``n``'s data through ``h``) — not coherent, its new
+        (mtime, ctime, size) become what the kernel was told, after a host change found
+        before it is invalidated (two ``fstat`` of the host file, only then)."""
+        if self.coherent or n.told is None:
+            return write()
+        before = h.fstat()
+        if (before.mtime_ns, before.ctime_ns, before.size) != n.told:
+            self.on_host_changed([n.path])
+        result = write()
+        after = h.fstat()
+        n.told = (after.mtime_ns, after.ctime_ns, after.size)
+        return result
 
     # ------------------------------------------------------------------ invalidation
 
@@ -705,7 +740,9 @@ class Dispatcher:
     def _getattr(self, req: m.Getattr) -> m.AttrOut:
         n = self._node(req.header.nodeid)
         fh = req.fh if req.getattr_flags & abi.FUSE_GETATTR_FH else None
-        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(self._attr(n, self._cred(req), fh)))
+        a = self._attr(n, self._cred(req), fh)
+        self._told(n, a)
+        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(a))
 
     def _setattr(self, req: m.Setattr) -> m.AttrOut:
         n = self._node(req.header.nodeid)
@@ -725,6 +762,8 @@ class Dispatcher:
 
         if v & abi.FATTR_SIZE and req.size > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "size beyond the largest file offset")
+        if not self.coherent and n.told is not None and n.kind == REG:  # a host change before ours
+            self._told(n, self._attr(n, cred, req.fh if f is not None else None))
         self.provider.setattr(
             n.path, handle=handle, mode=req.mode & 0o7777 if v & abi.FATTR_MODE else None,
             size=req.size if v & abi.FATTR_SIZE else None,
@@ -732,7 +771,9 @@ class Dispatcher:
             mtime_ns=when(abi.FATTR_MTIME, abi.FATTR_MTIME_NOW, req.mtime, req.mtimensec),
             chown=bool(v & (abi.FATTR_UID | abi.FATTR_GID)),
             uid=req.uid if v & abi.FATTR_UID else None, gid=req.gid if v & abi.FATTR_GID else None, cred=cred)
-        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(self._attr(n, cred, req.fh if f is not None else None)))
+        a = self._attr(n, cred, req.fh if f is not None else None)
+        n.told = (a.mtime_ns, a.ctime_ns, a.size) if n.kind == REG else None  # our own change
+        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(a))
 
     def _readlink(self, req: m.Readlink) -> m.Data:
         n = self._node(req.header.nodeid)
@@ -976,13 +1017,15 @@ class Dispatcher:
         # HANDLE_KILLPRIV_V2: the kernel left the capability to us (set-id bits: Provider.write)
         self.provider.drop_capability(f.handle, f.node.path)
         # req.data: a read-only view of the request's own bytes (no copy of up to 1 MiB here)
-        return m.WriteOut(self.provider.write(f.handle, f.node.path, offset, req.data, cred=self._cred(req)))
+        return m.WriteOut(self._own_write(f.node, f.handle, lambda: self.provider.write(
+            f.handle, f.node.path, offset, req.data, cred=self._cred(req))))
 
     def _fallocate(self, req: m.Fallocate) -> None:
         f = self._io(req.header.nodeid, req.fh, write=True)
         if req.offset > _OFF_MAX or req.length > _OFF_MAX - req.offset:
             raise OSError(errno.EFBIG, "beyond the largest file offset")
-        self.provider.fallocate(f.handle, f.node.path, req.offset, req.length, req.mode, cred=self._cred(req))
+        self._own_write(f.node, f.handle, lambda: self.provider.fallocate(
+            f.handle, f.node.path, req.offset, req.length, req.mode, cred=self._cred(req)))
 
     def _copy_file_range(self, req: m.CopyFileRange) -> m.WriteOut:
         """From the open file ``fh_in`` to ``fh_out`` (of node ``nodeid_out``); the count
@@ -994,8 +1037,9 @@ class Dispatcher:
         if req.off_in > _OFF_MAX or req.off_out > _OFF_MAX:
             raise OSError(errno.EOVERFLOW, "beyond the largest file offset")
         length = min(req.len, _OFF_MAX - req.off_out)
-        return m.WriteOut(self.provider.copy_file_range(src.handle, src.node.path, dst.handle, dst.node.path,
-                                                        req.off_in, req.off_out, length, cred=self._cred(req)))
+        return m.WriteOut(self._own_write(dst.node, dst.handle, lambda: self.provider.copy_file_range(
+            src.handle, src.node.path, dst.handle, dst.node.path, req.off_in, req.off_out, length,
+            cred=self._cred(req))))
 
     def _lseek(self, req: m.Lseek) -> m.LseekOut:
         """SEEK_DATA/SEEK_HOLE through the open file's descriptor (the kernel answers
