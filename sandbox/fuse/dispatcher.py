@@ -47,7 +47,10 @@ Invariants:
 * **caching**: entry/attribute timeouts and the page-cache mode follow :attr:`Dispatcher.coherent`
   (True while the watcher's invalidations run: long timeouts, ``FOPEN_KEEP_CACHE``);
   :meth:`Dispatcher.invalidations` says what the kernel must forget for changed paths —
-  only nodes and names it knows. No writeback cache: every write is a request.
+  only nodes and names it knows. No writeback cache: every write is a request. Not coherent,
+  a regular file's (mtime, ctime, size) in a reply that differs from the last one reported
+  (``Node.told``; the mount's own writes and SETATTRs update it) is a host change:
+  :attr:`Dispatcher.on_host_changed` is asked to invalidate it (no-open keeps pages across opens);
 * **INTERRUPT** cancels a request waiting behind a hold and answers it ``EINTR``; the hold
   stays pending (as after a 9P ``Tflush``).
 * nothing from the kernel is trusted except as data: unknown node ids and handles are
@@ -265,8 +268,9 @@ class Dispatcher:
         self.no_open = False
         #: paths found changed beside the mount while not coherent (a regular file's mtime,
         #: ctime or size moved since the kernel was last told): the transport invalidates them
-        #: (the kernel's pages stay across opens in no-open mode, and AUTO_INVAL_DATA is off)
-        self.on_host_changed: Callable[[list[str]], None] = lambda paths: None
+        #: (the kernel's pages stay across opens in no-open mode, and AUTO_INVAL_DATA is off).
+        #: None (a transport without notifications: the virtio-fs device): nothing is compared
+        self.on_host_changed: Callable[[list[str]], None] | None = None
         #: no-open: nodes holding descriptors, least recently used first (never pinned ones)
         self._lru: OrderedDict[int, Node] = OrderedDict()
         #: the mount is going away: gated requests fail with EIO at once instead of waiting
@@ -455,7 +459,7 @@ class Dispatcher:
         if n.kind != REG:
             return
         stamp = (a.mtime_ns, a.ctime_ns, a.size)
-        if n.told is not None and n.told != stamp and not self.coherent:
+        if n.told is not None and n.told != stamp and not self.coherent and self.on_host_changed is not None:
             self.on_host_changed([n.path])
         n.told = stamp
 
@@ -463,7 +467,7 @@ class Dispatcher:
         """``write()`` (a change of ``n``'s data through ``h``) — not coherent, its new
         (mtime, ctime, size) become what the kernel was told, after a host change found
         before it is invalidated (two ``fstat`` of the host file, only then)."""
-        if self.coherent or n.told is None:
+        if self.coherent or n.told is None or self.on_host_changed is None:
             return write()
         before = h.fstat()
         if (before.mtime_ns, before.ctime_ns, before.size) != n.told:
@@ -762,7 +766,8 @@ class Dispatcher:
 
         if v & abi.FATTR_SIZE and req.size > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "size beyond the largest file offset")
-        if not self.coherent and n.told is not None and n.kind == REG:  # a host change before ours
+        if not self.coherent and n.told is not None and n.kind == REG and self.on_host_changed is not None:
+            # a host change before ours
             self._told(n, self._attr(n, cred, req.fh if f is not None else None))
         self.provider.setattr(
             n.path, handle=handle, mode=req.mode & 0o7777 if v & abi.FATTR_MODE else None,
