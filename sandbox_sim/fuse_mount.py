@@ -68,8 +68,11 @@ class ServedMount:
 
     def __init__(self, provider, point: str, *, holds: HoldBroker | None = None,
                  limits: ServerLimits = ServerLimits(), lock: threading.Lock | None = None,
-                 poll_interval_s: float = NO_POLL_S):
+                 poll_interval_s: float = NO_POLL_S, coherent: bool = False):
+        """``coherent``: serve as a mount whose watcher runs (long caches, no-open), for
+        tests that change the folder only through the mount (nothing beside it to notify)."""
         self.provider = provider
+        self.coherent = coherent
         self.point = os.path.realpath(point)
         self.holds = holds if holds is not None else HoldBroker()
         self.limits = limits
@@ -83,6 +86,7 @@ class ServedMount:
     def start(self) -> "ServedMount":
         """Mount and serve; ``OSError`` if the kernel refuses the mount (the caller skips)."""
         self.dispatcher = Dispatcher(self.export, self.limits)
+        self.dispatcher.coherent = self.coherent
         self._fd, self._via_fusermount = mount(self.point)
         if self.lock is not None:
             server = _LockedServer(self.dispatcher, self._fd, self.limits, self.poll_interval_s)

@@ -22,6 +22,7 @@ from sandbox.core.workspace import Workspace
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.fuse.codec import encode_error, encode_notify, encode_reply
+from sandbox.fuse import dispatcher as dispatcher_module
 from sandbox.fuse.dispatcher import (ATTR_VALID_S, COHERENT_ATTR_VALID_S, COHERENT_ENTRY_VALID_S, ENTRY_VALID_S,
                                      NEGATIVE_ENTRIES_MAX, WANTED_INIT_FLAGS, Dispatcher, errno_of)
 from sandbox.limits import DescriptorBudget, ServerLimits
@@ -44,7 +45,7 @@ class Mount:
     once, to prove it encodes) or raises the handler's OSError."""
 
     def __init__(self, tmp_path, limits: ServerLimits = ServerLimits(), safeguard: SafeguardConfig | None = None,
-                 descriptors: DescriptorBudget | None = None):
+                 descriptors: DescriptorBudget | None = None, no_open: bool = False):
         self.work = str(tmp_path / "work")
         os.makedirs(self.work, exist_ok=True)
         kw = {"safeguard": safeguard} if safeguard is not None else {}
@@ -53,6 +54,8 @@ class Mount:
         self.holds = HoldBroker()
         self.export = Export(self.provider, self.holds, limits)
         self.d = Dispatcher(self.export, limits, **({"descriptors": descriptors} if descriptors else {}))
+        if no_open:  # what a /dev/fuse server with the watcher running is at INIT
+            self.d.no_open_allowed = self.d.coherent = True
         out = self.call(m.Init(H(abi.Opcode.INIT), 7, 38, 1 << 17,
                                0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
         self.init = out
@@ -596,3 +599,190 @@ def test_a_write_drops_the_kept_capability_undoably(mnt):
     mnt.ws.rollback(1)
     assert os.getxattr(mnt.host("f"), name) == b"\x00\x00\x00\x02" + bytes(16)
     assert open(mnt.host("f"), "rb").read() == b"abc"
+
+
+# ---------------------------------------------------------------------- no-open (docs/fuse.md "No-open")
+
+
+@pytest.fixture
+def nomnt(tmp_path):
+    mo = Mount(tmp_path, no_open=True)
+    yield mo
+    mo.close()
+
+
+def _granted(out: m.InitOut) -> int:
+    return out.flags | (out.flags2 << 32)
+
+
+@pytest.mark.parametrize("allowed,coherent", [(False, False), (True, False), (False, True), (True, True)])
+def test_no_open_only_on_a_transport_that_allows_it_and_while_coherent(tmp_path, allowed, coherent):
+    """No-open is chosen at INIT, only for /dev/fuse (the virtio-fs device does not allow it)
+    and only while the watcher's invalidations run; it gives up ATOMIC_O_TRUNC."""
+    mo = Mount(tmp_path)
+    try:
+        d = Dispatcher(mo.export, ServerLimits())
+        d.no_open_allowed, d.coherent = allowed, coherent
+        out = d.handle(m.Init(H(abi.Opcode.INIT), 7, 38, 1 << 17, 0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
+        assert d.no_open == (allowed and coherent)
+        assert bool(_granted(out) & abi.FUSE_ATOMIC_O_TRUNC) == (not d.no_open)
+        assert not _granted(out) & abi.FUSE_WRITEBACK_CACHE
+        d2 = Dispatcher(mo.export, ServerLimits())  # a kernel that does not offer it
+        d2.no_open_allowed = d2.coherent = True
+        d2.handle(m.Init(H(abi.Opcode.INIT), 7, 38, 1 << 17,
+                         0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED & ~abi.FUSE_NO_OPEN_SUPPORT, 0xFFFFFFFF))
+        assert not d2.no_open
+        d.close()
+        d2.close()
+    finally:
+        mo.close()
+
+
+def test_no_open_answers_open_and_flush_enosys_and_reads_writes_by_node(nomnt):
+    with open(nomnt.host("f"), "wb") as f:
+        f.write(b"0123456789")
+    e = nomnt.lookup("f")
+    assert nomnt.err(m.Open(H(abi.Opcode.OPEN, e.nodeid), os.O_RDONLY, 0)) == errno.ENOSYS
+    assert nomnt.err(m.Flush(H(abi.Opcode.FLUSH, e.nodeid), 0, 0)) == errno.ENOSYS
+    assert nomnt.read(e.nodeid, 0, 4, 2) == b"2345"
+    assert nomnt.write(e.nodeid, 0, b"ab", 8) == 2
+    assert open(nomnt.host("f"), "rb").read() == b"01234567ab"
+    nomnt.release(e.nodeid, 0)  # a RELEASE of handle 0 (a CREATE'd file's) is harmless
+    nomnt.call(m.Fsync(H(abi.Opcode.FSYNC, e.nodeid), 0, 0))
+    c = nomnt.create("new", flags=os.O_WRONLY)
+    assert c.open.fh == 0 and c.open.open_flags & abi.FOPEN_KEEP_CACHE
+    assert nomnt.write(c.entry.nodeid, 0, b"hello") == 5
+    assert nomnt.read(c.entry.nodeid, 0, 5) == b"hello"  # write-only asked, read-write kept: partial pages
+    nomnt.ws.rollback(1)
+    assert open(nomnt.host("f"), "rb").read() == b"0123456789"
+    assert not os.path.exists(nomnt.host("new"))
+
+
+def test_no_open_an_append_write_lands_at_the_hosts_end(nomnt):
+    with open(nomnt.host("log"), "wb") as f:
+        f.write(b"one\n")
+    e = nomnt.lookup("log")
+    with open(nomnt.host("log"), "ab") as f:  # beside the mount: the kernel's size is 4 until told
+        f.write(b"host\n")
+    w = m.Write(H(abi.Opcode.WRITE, e.nodeid), 0, 4, 4, 0, 0, os.O_WRONLY | os.O_APPEND, b"two\n")
+    assert nomnt.call(w).size == 4
+    assert open(nomnt.host("log"), "rb").read() == b"one\nhost\ntwo\n"
+    # a page written back from the cache (mmap) is placed where the kernel says
+    w = m.Write(H(abi.Opcode.WRITE, e.nodeid), 0, 0, 3, abi.FUSE_WRITE_CACHE, 0, os.O_APPEND, b"ONE")
+    assert nomnt.call(w).size == 3
+    assert open(nomnt.host("log"), "rb").read() == b"ONE\nhost\ntwo\n"
+
+
+def test_no_open_o_trunc_is_a_gated_truncating_setattr_undone_exactly(nomnt):
+    """Without ATOMIC_O_TRUNC the kernel truncates an ``O_TRUNC`` open with SETATTR(size 0,
+    handle 0): a mutation through the hold gate, its preimage kept."""
+    with open(nomnt.host("f"), "wb") as f:
+        f.write(b"precious")
+    e = nomnt.lookup("f")
+    req = m.Setattr(H(abi.Opcode.SETATTR, e.nodeid), abi.FATTR_SIZE | abi.FATTR_FH, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                    0, 0, 0)
+    assert nomnt.d.gated(req) is nomnt.export
+    assert nomnt.call(req).attr.size == 0
+    assert nomnt.write(e.nodeid, 0, b"new") == 3
+    assert open(nomnt.host("f"), "rb").read() == b"new"
+    nomnt.ws.rollback(1)
+    assert open(nomnt.host("f"), "rb").read() == b"precious"
+
+
+def test_no_open_an_unlinked_file_keeps_its_descriptor_until_forget(tmp_path):
+    budget = DescriptorBudget(reserved=0, nofile=lambda: 1000)
+    mo = Mount(tmp_path, no_open=True, descriptors=budget)
+    try:
+        with open(mo.host("tmp"), "wb") as f:
+            f.write(b"data")
+        e = mo.lookup("tmp")  # a program opens it (no request: no-open), then unlinks it
+        mo.call(m.Unlink(H(abi.Opcode.UNLINK), b"tmp"))
+        assert not os.path.exists(mo.host("tmp"))
+        assert mo.read(e.nodeid, 0, 4) == b"data"
+        assert mo.write(e.nodeid, 0, b"more", 4) == 4
+        assert mo.read(e.nodeid, 0, 8) == b"datamore"
+        assert mo.getattr(e.nodeid).size == 8
+        for i in range(dispatcher_module.NODE_DESCRIPTORS_MAX + 3):  # the LRU never closes it
+            with open(mo.host(f"o{i}"), "wb") as f:
+                f.write(b"x")
+            assert mo.read(mo.lookup(f"o{i}").nodeid, 0, 1) == b"x"
+        assert mo.read(e.nodeid, 0, 8) == b"datamore"
+        held = budget.held
+        mo.forget(e.nodeid, 1)
+        assert budget.held < held and e.nodeid not in mo.d.nodes
+        # renamed over: the replaced file is kept the same way
+        with open(mo.host("a"), "wb") as f:
+            f.write(b"old")
+        with open(mo.host("b"), "wb") as f:
+            f.write(b"new")
+        old = mo.lookup("a")
+        mo.call(m.Rename(H(abi.Opcode.RENAME), ROOT, b"b", b"a"))
+        assert mo.read(old.nodeid, 0, 3) == b"old"
+    finally:
+        mo.close()
+    assert budget.held == 0
+
+
+def test_no_open_descriptors_are_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatcher_module, "NODE_DESCRIPTORS_MAX", 3)
+    budget = DescriptorBudget(reserved=0, nofile=lambda: 1000)
+    mo = Mount(tmp_path, no_open=True, descriptors=budget)
+    try:
+        nodes = []
+        for i in range(8):
+            with open(mo.host(f"f{i}"), "wb") as f:
+                f.write(bytes([65 + i]))
+            nodes.append(mo.lookup(f"f{i}").nodeid)
+            assert mo.read(nodes[-1], 0, 1) == bytes([65 + i])
+            assert mo.write(nodes[-1], 0, b"z", 1) == 1
+            holding = [n for n in mo.d.nodes.values() if n.ro is not None or n.rw is not None]
+            assert len(holding) <= 3 and budget.held <= 2 * 3
+        assert mo.read(nodes[0], 0, 2) == b"Az"  # closed long ago: reopened by path
+        os.rename(mo.host("f1"), mo.host("moved"))  # beside the mount: the node's name now names nothing
+        assert mo.err(m.Read(H(abi.Opcode.READ, nodes[1]), 0, 0, 1, 0, 0, 0)) in (errno.ESTALE, errno.ENOENT)
+    finally:
+        mo.close()
+    assert budget.held == 0
+
+
+def test_no_open_without_the_watcher_a_host_edit_seen_in_attributes_drops_the_pages(nomnt):
+    """A no-open mount that lost its watcher (not coherent): the kernel keeps a file's pages
+    across opens and has no AUTO_INVAL_DATA, so the server does its part — a LOOKUP or GETATTR
+    reply whose mtime, ctime or size differ from what the kernel was last told of that file
+    asks for the file's invalidation (its path, to :attr:`Dispatcher.on_host_changed`). The
+    mount's own writes and truncations are no such change; nothing is asked while coherent."""
+    asked: list[str] = []
+    nomnt.d.on_host_changed = asked.extend
+    with open(nomnt.host("f"), "wb") as f:
+        f.write(b"0123456789")
+    e = nomnt.lookup("f")
+    os.utime(nomnt.host("f"), ns=(0, 10**9))  # beside the mount, while coherent: the watcher's part
+    nomnt.getattr(e.nodeid)
+    assert asked == []
+    nomnt.d.coherent = False  # the watcher is gone
+    nomnt.getattr(e.nodeid)
+    assert asked == []  # nothing changed since the kernel was last told
+    with open(nomnt.host("f"), "r+b") as f:  # the same size: only the mtime and ctime move
+        f.write(b"ABC")
+    nomnt.getattr(e.nodeid)
+    assert asked == ["f"]
+    nomnt.getattr(e.nodeid)
+    nomnt.lookup("f")
+    assert asked == ["f"]  # once per change
+    os.utime(nomnt.host("f"), ns=(0, 2 * 10**9))
+    assert nomnt.lookup("f").attr.mtime == 2
+    assert asked == ["f", "f"]
+    assert nomnt.write(e.nodeid, 0, b"own", 3) == 3  # the mount's own write: no invalidation
+    nomnt.getattr(e.nodeid)
+    req = m.Setattr(H(abi.Opcode.SETATTR, e.nodeid), abi.FATTR_SIZE, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert nomnt.call(req).attr.size == 4
+    nomnt.getattr(e.nodeid)
+    assert asked == ["f", "f"]
+    with open(nomnt.host("f"), "r+b") as f:  # beside the mount, then the mount's own write
+        f.write(b"H")
+    os.utime(nomnt.host("f"), ns=(0, 5 * 10**9))  # an mtime surely unlike the truncation's
+    assert nomnt.write(e.nodeid, 0, b"w", 3) == 1
+    assert asked == ["f", "f", "f"]  # the host's edit before it is still seen
+    nomnt.getattr(e.nodeid)
+    assert asked == ["f", "f", "f"]
+    assert open(nomnt.host("f"), "rb").read() == b"HBCw"

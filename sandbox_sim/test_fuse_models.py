@@ -41,6 +41,9 @@ class FuseDriver(Driver):
     Invariant: between actions the test thread holds ``self.lock`` (the server waits);
     it is released only inside the client's calls (``Unlocked``) and while unmounting."""
 
+    #: serve the mount coherent (no-open): :class:`FuseNoOpenDriver`
+    no_open = False
+
     def _open(self) -> None:
         if not hasattr(self, "lock"):
             self.lock = threading.Lock()
@@ -52,7 +55,7 @@ class FuseDriver(Driver):
         self._mount()
 
     def _mount(self) -> None:
-        self.mounted = ServedMount(Provider.intercepted(self.ws), self.point, lock=self.lock)
+        self.mounted = ServedMount(Provider.intercepted(self.ws), self.point, lock=self.lock, coherent=self.no_open)
         try:
             self.mounted.start()
         except OSError as e:
@@ -131,3 +134,23 @@ class FuseUndoModel(UndoRules):
 
 
 TestFuseModel = model_case(FuseUndoModel, 20, 15, 25)
+
+
+class FuseNoOpenDriver(FuseDriver):
+    """The mount served coherent, as with the watcher running: long caches and no-open
+    (no OPEN/RELEASE; READ/WRITE through the nodes' own descriptors; O_TRUNC as SETATTR)."""
+
+    no_open = True
+
+
+class FuseNoOpenUndoModel(FuseUndoModel):
+    driver_class = FuseNoOpenDriver
+
+    def teardown(self):
+        d = self.d
+        if d is not None and d.mounted is not None:
+            assert d.mounted.dispatcher.no_open, "the kernel did not take no-open"
+        super().teardown()
+
+
+TestFuseNoOpenModel = model_case(FuseNoOpenUndoModel, 10, 15, 25)

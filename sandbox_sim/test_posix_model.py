@@ -9,13 +9,15 @@ size, link count, mtime where it was set explicitly (nanoseconds), content, syml
 targets, listings and ``user.*`` xattrs. Each run ends with an undo of every step and an
 oracle-exact comparison with the starting tree.
 
-It runs over two transports. **9P**: our share as above. **FUSE**: the same folder mounted
+It runs over three transports. **9P**: our share as above. **FUSE**: the same folder mounted
 through ``/dev/fuse`` (an in-process :class:`~sandbox_sim.fuse_mount.ServedMount`), and each
 operation is the same ``os.*`` call the oracle makes, on the mount instead of the plain
 directory, by the same uid — so over FUSE the host kernel's permission checks
 (``default_permissions``, against the attributes we report) are compared too, refusals
 included; the tree is read through the mount as root. Differences that only FUSE has are
-listed in :data:`FUSE_DIFFERENCES` (and in ``docs/fuse.md``).
+listed in :data:`FUSE_DIFFERENCES` (and in ``docs/fuse.md``). **FUSE no-open**: the same mount
+served coherent, as ``sandbox mount`` with its watcher is (long caches; no OPEN/RELEASE, READ and
+WRITE through the nodes' own descriptors, ``O_TRUNC`` as a truncating SETATTR).
 
 Each transport runs twice: as root (attach uid 0, the oracle as root) and as an unprivileged uid
 (attach ``n_uname`` 65534; the oracle performs each operation in a forked helper that did
@@ -420,10 +422,11 @@ class PosixModel(RuleBasedStateMachine):
         self.ws = Workspace.open(work, state_dir=os.path.join(base, "state"))
         self.start_snapshot = oracle.snapshot(self.ws.fs.host)
         self.client = self.mounted = None
-        if self.transport == "fuse":
+        if self.transport.startswith("fuse"):
             point = os.path.join(base, "mnt")
             os.makedirs(point)
-            self.mounted = ServedMount(Provider.intercepted(self.ws), point)
+            # fuse-noopen: served coherent (as with the watcher: long caches, no OPEN/RELEASE)
+            self.mounted = ServedMount(Provider.intercepted(self.ws), point, coherent=self.transport == "fuse-noopen")
             try:
                 self.mounted.start()
             except OSError as e:
@@ -463,11 +466,11 @@ class PosixModel(RuleBasedStateMachine):
     def both(self, op: str, *args, touches: tuple[str, ...] = ()):
         """Apply ``op`` to the kernel (as ``uid``) and, unless the kernel refused that uid
         the permission, to our share; compare the outcomes."""
-        if (self.transport == "fuse" and self.uid is not None and op in OWNER_CHECKED_OPS
+        if (self.transport.startswith("fuse") and self.uid is not None and op in OWNER_CHECKED_OPS
                 and "special-owner-checks" in FUSE_DIFFERENCES and self.names_special(op, args)):
             return None
         k = run_as(self.uid, getattr(self.kernel, op), *args)
-        if self.transport == "fuse":  # the host kernel checks permissions on the mount: compared too
+        if self.transport.startswith("fuse"):  # the host kernel checks permissions on the mount: compared too
             o = run_as(self.uid, getattr(self.ours, op), *args)
         elif self.uid is not None and k[0] == "err" and k[1] in CLASSES_REFUSED:
             return None  # the guest kernel's permission check: never sent to the server
@@ -610,10 +613,10 @@ def open_tmp():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("transport", ["9p", "fuse"])
+@pytest.mark.parametrize("transport", ["9p", "fuse", "fuse-noopen"])
 @pytest.mark.parametrize("uid", [None, NOBODY], ids=["root", "uid65534"])
 def test_posix_model(open_tmp, uid, transport):
-    if transport == "fuse" and fuse_unavailable():
+    if transport.startswith("fuse") and fuse_unavailable():
         pytest.skip(fuse_unavailable())
 
     class Model(PosixModel):

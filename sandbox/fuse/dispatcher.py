@@ -30,6 +30,12 @@ Invariants:
   :class:`~sandbox.hostfs.FileHandle`) from OPEN/CREATE to RELEASE; a directory handle
   keeps the listing taken at OPENDIR (``.``, ``..``, then names in code-point order), so
   READDIR offsets are positions in a stable snapshot. Handle ids are never reused.
+* **no-open** (:attr:`Dispatcher.no_open`, chosen at INIT for a coherent /dev/fuse mount):
+  OPEN and FLUSH are ``ENOSYS``, CREATE answers handle 0, and I/O with handle 0 goes through
+  the node's own descriptors (``Node.ro``/``Node.rw``), opened by path while the path names
+  the node's inode, at most :data:`NODE_DESCRIPTORS_MAX` nodes holding them (LRU); a regular
+  file whose last known name is removed through the mount gets them first and keeps them
+  (``Node.pinned``, outside the LRU) until its node is dropped; reads never open for writing.
 * **credentials** come from each request's header uid/gid (:class:`Cred`), which the
   Provider uses for owners and set-id clearing; permission checks are the kernel's
   (the mount's ``default_permissions``).
@@ -41,7 +47,10 @@ Invariants:
 * **caching**: entry/attribute timeouts and the page-cache mode follow :attr:`Dispatcher.coherent`
   (True while the watcher's invalidations run: long timeouts, ``FOPEN_KEEP_CACHE``);
   :meth:`Dispatcher.invalidations` says what the kernel must forget for changed paths —
-  only nodes and names it knows. No writeback cache: every write is a request.
+  only nodes and names it knows. No writeback cache: every write is a request. Not coherent,
+  a regular file's (mtime, ctime, size) in a reply that differs from the last one reported
+  (``Node.told``; the mount's own writes and SETATTRs update it) is a host change:
+  :attr:`Dispatcher.on_host_changed` is asked to invalidate it (no-open keeps pages across opens);
 * **INTERRUPT** cancels a request waiting behind a hold and answers it ``EINTR``; the hold
   stays pending (as after a 9P ``Tflush``).
 * nothing from the kernel is trusted except as data: unknown node ids and handles are
@@ -100,6 +109,11 @@ WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BI
 #: so an invalidation of everything reaches them too; when full (after expiring those the
 #: kernel no longer trusts), a missing name is answered ENOENT, not cached
 NEGATIVE_ENTRIES_MAX = 4096
+#: no-open mode (:attr:`Dispatcher.no_open`): host descriptors kept on nodes for READ/WRITE,
+#: which then carry no handle; beyond it the least recently used node's are closed (reopened
+#: by path at its next use). Nodes whose last name was removed while the kernel knew them keep
+#: theirs until FORGET (an unlinked file a program still has open) and are not counted here
+NODE_DESCRIPTORS_MAX = 256
 
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
@@ -172,6 +186,14 @@ class Node:
     lookups: int = 0
     links: list = field(default_factory=list)
     files: list = field(default_factory=list)
+    #: no-open mode: the node's own host descriptors (read-only, and one open for writing)
+    ro: FileHandle | None = None
+    rw: FileHandle | None = None
+    #: no-open mode: its last name was removed while the kernel knew it (descriptors kept)
+    pinned: bool = False
+    #: a regular file's (mtime_ns, ctime_ns, size) as last reported to the kernel (None: not
+    #: yet): while not coherent, a report that differs drops its pages (:meth:`Dispatcher._told`)
+    told: tuple[int, int, int] | None = None
 
     @property
     def path(self) -> str:
@@ -188,7 +210,7 @@ class Node:
             if h.flags & os.O_ACCMODE != os.O_RDONLY:
                 return h
             found = found or h
-        return found
+        return found or self.rw or self.ro
 
 
 @dataclass(eq=False, slots=True)
@@ -236,6 +258,21 @@ class Dispatcher:
         #: watcher runs): long timeouts and the page cache kept across opens; False: short
         #: timeouts, the page cache dropped at each open
         self.coherent = False
+        #: the transport lets the kernel cache past opens: a /dev/fuse mount (set by its
+        #: FuseServer), not the virtio-fs device (docs/fuse.md "No-open")
+        self.no_open_allowed = False
+        #: chosen at INIT (allowed, coherent, offered by the kernel): OPEN is answered ENOSYS,
+        #: so the kernel sends no OPEN/RELEASE/FLUSH and READ/WRITE carry no handle — they use
+        #: the node's own descriptors (:data:`NODE_DESCRIPTORS_MAX`); no ATOMIC_O_TRUNC, so an
+        #: O_TRUNC open arrives as a SETATTR of the size (a gated truncate)
+        self.no_open = False
+        #: paths found changed beside the mount while not coherent (a regular file's mtime,
+        #: ctime or size moved since the kernel was last told): the transport invalidates them
+        #: (the kernel's pages stay across opens in no-open mode, and AUTO_INVAL_DATA is off).
+        #: None (a transport without notifications: the virtio-fs device): nothing is compared
+        self.on_host_changed: Callable[[list[str]], None] | None = None
+        #: no-open: nodes holding descriptors, least recently used first (never pinned ones)
+        self._lru: OrderedDict[int, Node] = OrderedDict()
         #: the mount is going away: gated requests fail with EIO at once instead of waiting
         self.closing = False
         #: the largest request unique read so far (an INTERRUPT beyond it came before its request)
@@ -331,6 +368,7 @@ class Dispatcher:
         for fh in list(self.dirs):
             self._close_dir(fh)
         for node in list(self.nodes.values()):
+            self._close_node_handles(node)
             for link in node.links:
                 self.export.discard(link)
         self.nodes.clear()
@@ -409,7 +447,35 @@ class Dispatcher:
         return COHERENT_ATTR_VALID_S if self.coherent else ATTR_VALID_S
 
     def _entry_out(self, n: Node, a: Attr) -> m.EntryOut:
+        self._told(n, a)
         return m.EntryOut(n.nodeid, GENERATION, self.entry_valid_s, self.attr_valid_s, 0, 0, fuse_attr(a))
+
+    def _told(self, n: Node, a: Attr) -> None:
+        """``a`` is about to be reported to the kernel for ``n``. Not coherent (no watcher),
+        a regular file whose mtime, ctime or size moved since the last report was changed
+        beside the mount (the mount's own writes update :attr:`Node.told`, :meth:`_own_write`):
+        its pages are invalidated — what the kernel's ``AUTO_INVAL_DATA`` would do, which we
+        do not ask for (it would also drop what our own writes cached)."""
+        if n.kind != REG:
+            return
+        stamp = (a.mtime_ns, a.ctime_ns, a.size)
+        if n.told is not None and n.told != stamp and not self.coherent and self.on_host_changed is not None:
+            self.on_host_changed([n.path])
+        n.told = stamp
+
+    def _own_write(self, n: Node, h: FileHandle, write: Callable[[], object]):
+        """``write()`` (a change of ``n``'s data through ``h``) — not coherent, its new
+        (mtime, ctime, size) become what the kernel was told, after a host change found
+        before it is invalidated (two ``fstat`` of the host file, only then)."""
+        if self.coherent or n.told is None or self.on_host_changed is None:
+            return write()
+        before = h.fstat()
+        if (before.mtime_ns, before.ctime_ns, before.size) != n.told:
+            self.on_host_changed([n.path])
+        result = write()
+        after = h.fstat()
+        n.told = (after.mtime_ns, after.ctime_ns, after.size)
+        return result
 
     # ------------------------------------------------------------------ invalidation
 
@@ -458,6 +524,7 @@ class Dispatcher:
             self._drop_node(n)
 
     def _drop_node(self, n: Node) -> None:
+        self._close_node_handles(n)
         self.nodes.pop(n.nodeid, None)
         if self._by_inode.get(n.inode) is n:
             del self._by_inode[n.inode]
@@ -473,8 +540,12 @@ class Dispatcher:
             if len(n.links) > 1:
                 n.links.remove(link)
                 self.export.discard(link)
-            elif self._by_inode.get(n.inode) is n:
+                continue
+            if self._by_inode.get(n.inode) is n:
                 del self._by_inode[n.inode]
+            if n.ro is not None or n.rw is not None:  # no-open: kept until FORGET, never evicted
+                n.pinned = True
+                self._lru.pop(n.nodeid, None)
 
     def _attr(self, n: Node, cred: Cred | None = None, fh: int | None = None) -> Attr:
         """The node's inode's attributes — through an open handle, else by path while the
@@ -508,11 +579,17 @@ class Dispatcher:
     def _init(self, req: m.Init) -> m.InitOut:
         if req.major > abi.KERNEL_VERSION:  # the kernel sends INIT again with our major
             return m.InitOut(abi.KERNEL_VERSION, 0, 0, 0, 0, 0, 0, 0, 0)
+        offered = req.flags | (req.flags2 << 32 if req.flags & abi.FUSE_INIT_EXT else 0)
+        no_open = self.no_open_allowed and self.coherent and bool(offered & abi.FUSE_NO_OPEN_SUPPORT)
+        # no-open: the kernel would skip both the OPEN carrying O_TRUNC and the truncating
+        # SETATTR with ATOMIC_O_TRUNC granted, so it is not asked for (O_TRUNC is a SETATTR)
+        wanted = WANTED_INIT_FLAGS & ~abi.FUSE_ATOMIC_O_TRUNC if no_open else WANTED_INIT_FLAGS
         try:
-            out = negotiate_init(req, WANTED_INIT_FLAGS, max_background=MAX_BACKGROUND,
+            out = negotiate_init(req, wanted, max_background=MAX_BACKGROUND,
                                  congestion_threshold=CONGESTION_THRESHOLD)
         except m.ProtocolError as e:
             raise OSError(e.errno, e.message) from None
+        self.no_open = no_open
         self.minor = min(req.minor, out.minor)
         self.initialized = True
         return out
@@ -615,6 +692,7 @@ class Dispatcher:
     def _unlink(self, req: m.Unlink) -> None:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
+        self._hold_open(path)
         self.provider.unlink(path)
         self._unlinked(path)
 
@@ -646,6 +724,8 @@ class Dispatcher:
             replaced = self.provider.lookup(dst)
         except OSError:
             replaced = None
+        if replaced is not None and _inode(replaced) != _inode(a) and replaced.kind == REG:
+            self._hold_open(dst)
         self.provider.rename(src, dst)
         if replaced is not None and _inode(replaced) != _inode(a):
             self._unlinked(dst)
@@ -664,7 +744,9 @@ class Dispatcher:
     def _getattr(self, req: m.Getattr) -> m.AttrOut:
         n = self._node(req.header.nodeid)
         fh = req.fh if req.getattr_flags & abi.FUSE_GETATTR_FH else None
-        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(self._attr(n, self._cred(req), fh)))
+        a = self._attr(n, self._cred(req), fh)
+        self._told(n, a)
+        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(a))
 
     def _setattr(self, req: m.Setattr) -> m.AttrOut:
         n = self._node(req.header.nodeid)
@@ -684,6 +766,9 @@ class Dispatcher:
 
         if v & abi.FATTR_SIZE and req.size > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "size beyond the largest file offset")
+        if not self.coherent and n.told is not None and n.kind == REG and self.on_host_changed is not None:
+            # a host change before ours
+            self._told(n, self._attr(n, cred, req.fh if f is not None else None))
         self.provider.setattr(
             n.path, handle=handle, mode=req.mode & 0o7777 if v & abi.FATTR_MODE else None,
             size=req.size if v & abi.FATTR_SIZE else None,
@@ -691,7 +776,9 @@ class Dispatcher:
             mtime_ns=when(abi.FATTR_MTIME, abi.FATTR_MTIME_NOW, req.mtime, req.mtimensec),
             chown=bool(v & (abi.FATTR_UID | abi.FATTR_GID)),
             uid=req.uid if v & abi.FATTR_UID else None, gid=req.gid if v & abi.FATTR_GID else None, cred=cred)
-        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(self._attr(n, cred, req.fh if f is not None else None)))
+        a = self._attr(n, cred, req.fh if f is not None else None)
+        n.told = (a.mtime_ns, a.ctime_ns, a.size) if n.kind == REG else None  # our own change
+        return m.AttrOut(self.attr_valid_s, 0, fuse_attr(a))
 
     def _readlink(self, req: m.Readlink) -> m.Data:
         n = self._node(req.header.nodeid)
@@ -745,6 +832,8 @@ class Dispatcher:
             self._drop_node(f.node)
 
     def _open(self, req: m.Open) -> m.OpenOut:
+        if self.no_open:  # the kernel remembers it: no OPEN, RELEASE or FLUSH any more
+            raise OSError(errno.ENOSYS, "no-open: READ and WRITE use the node's own descriptors")
         n = self._node(req.header.nodeid)
         if n.kind == DIR:
             raise OSError(errno.EISDIR, "is a directory", n.path)
@@ -772,6 +861,8 @@ class Dispatcher:
         path = child(d.path, _name(req.name))
         cred = self._cred(req)
         _mode, gid = self._setgid_dir(d, cred, 0, False)
+        if self.no_open:
+            return self._create_no_open(req, path, cred, gid)
         handle, _made = self._opened(lambda: self.provider.create(path, req.mode & 0o7777, req.flags, cred=cred,
                                                                   gid=gid))
         try:
@@ -783,49 +874,182 @@ class Dispatcher:
             raise
         return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), self._open_flags()))
 
+    def _create_no_open(self, req: m.Create, path: str, cred: Cred, gid: int | None) -> m.CreateOut:
+        """CREATE without handles: the new file's descriptor becomes its node's own
+        (answered with handle 0, as a no-open OPEN would be). Opened read-write where the
+        program asked write-only (reads of partial pages need it), without ``O_APPEND``
+        (each WRITE says whether it appends)."""
+        flags = req.flags & ~os.O_APPEND
+        if flags & os.O_ACCMODE == os.O_WRONLY:
+            flags = flags & ~os.O_ACCMODE | os.O_RDWR
+        self._make_room()
+        self.descriptors.acquire()
+        try:
+            handle, _made = self.provider.create(path, req.mode & 0o7777, flags, cred=cred, gid=gid)
+        except BaseException:
+            self.descriptors.release()
+            raise
+        try:
+            a = self.provider.fstat(handle, path, cred=cred)
+            n = self._remember(path, a)
+        except BaseException:
+            handle.close()
+            self.descriptors.release()
+            raise
+        self._keep_handle(n, handle)
+        return m.CreateOut(self._entry_out(n, a), m.OpenOut(0, self._open_flags()))
+
     def _file(self, fh: int) -> OpenFile:
         f = self.files.get(fh)
         if f is None:
             raise OSError(errno.EBADF, f"unknown file handle {fh}")
         return f
 
+    # ------------------------------------------------------------------ no-open: nodes' own descriptors
+
+    def _io(self, nodeid: int, fh: int, write: bool) -> OpenFile:
+        """The open file a READ/WRITE/… names: its handle, or (no-open: handle 0) the node's own
+        descriptor — one open for writing if ``write`` (``EBADF`` without)."""
+        f = self.files.get(fh)
+        if f is not None or not self.no_open:
+            return f if f is not None else self._file(fh)
+        n = self._node(nodeid)
+        return OpenFile(n, self._node_handle(n, write))
+
+    def _node_handle(self, n: Node, write: bool) -> FileHandle:
+        """``n``'s own descriptor for reading (read-write or read-only) or writing, opened by
+        path on first use while the path still names ``n``'s inode (``ESTALE`` otherwise)."""
+        if n.kind != REG:
+            raise OSError(errno.EBADF, "not a regular file", n.path)
+        rw = n.rw if n.rw is not None and not n.rw.closed else None
+        h = rw if write or (rw is not None and rw.flags & os.O_ACCMODE == os.O_RDWR) else n.ro
+        if h is not None and not h.closed:
+            if n.nodeid in self._lru:
+                self._lru.move_to_end(n.nodeid)
+            return h
+        if n.pinned:
+            raise OSError(errno.EBADF, "removed while open, and not open for this here", n.path)
+        # opening for writing may change the file (set-id bits cleared): only the node's own
+        # inode; a read-only open changes nothing, so the inode check after it suffices
+        if write and not self._still_names(n):
+            raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
+        self._make_room()
+        self.descriptors.acquire()
+        try:
+            h = self._open_by_path(n.path, write)
+        except BaseException as e:
+            self.descriptors.release()
+            if isinstance(e, OSError) and e.errno in _GONE:
+                raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path) from None
+            raise
+        if _inode(h.fstat()) != n.inode:
+            h.close()
+            self.descriptors.release()
+            raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
+        self._keep_handle(n, h)
+        return h
+
+    def _open_by_path(self, path: str, write: bool) -> FileHandle:
+        if not write:
+            return self.provider.open(path, os.O_RDONLY)
+        try:
+            return self.provider.open(path, os.O_RDWR)
+        except PermissionError:  # an unprivileged server and a file it may only write
+            return self.provider.open(path, os.O_WRONLY)
+
+    def _keep_handle(self, n: Node, h: FileHandle) -> None:
+        """``h`` (its descriptor already counted) becomes ``n``'s own; a duplicate is closed."""
+        slot = "ro" if h.flags & os.O_ACCMODE == os.O_RDONLY else "rw"
+        old = getattr(n, slot)
+        if old is not None and not old.closed:
+            h.close()
+            self.descriptors.release()
+        else:
+            setattr(n, slot, h)
+        if not n.pinned:
+            self._lru[n.nodeid] = n
+            self._lru.move_to_end(n.nodeid)
+
+    def _make_room(self) -> None:
+        """At most :data:`NODE_DESCRIPTORS_MAX` nodes keep descriptors: close the least
+        recently used one's (it reopens by path when next used)."""
+        while len(self._lru) >= NODE_DESCRIPTORS_MAX:
+            _nodeid, n = self._lru.popitem(last=False)
+            self._close_node_handles(n)
+
+    def _close_node_handles(self, n: Node) -> None:
+        self._lru.pop(n.nodeid, None)
+        for slot in ("ro", "rw"):
+            h = getattr(n, slot)
+            if h is not None:
+                setattr(n, slot, None)
+                if not h.closed:
+                    h.close()
+                    self.descriptors.release()
+
+    def _hold_open(self, path: str) -> None:
+        """No-open, before the name ``path`` is removed (unlink, rename over it): a regular
+        file known to the kernel under no other name gets its own descriptors now — a
+        program may hold it open, and only the kernel knows — which live until FORGET."""
+        if not self.no_open:
+            return
+        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+            n = link.node
+            if n.kind != REG or len(n.links) > 1 or self.nodes.get(n.nodeid) is not n:
+                continue
+            try:
+                self._node_handle(n, write=True)
+            except OSError:
+                try:
+                    self._node_handle(n, write=False)
+                except OSError:
+                    pass  # gone or replaced already: nothing of it to keep
+
     def _read(self, req: m.Read) -> m.Data:
-        f = self._file(req.fh)
+        f = self._io(req.header.nodeid, req.fh, write=False)
         if req.offset > (1 << 63) - 1:
             raise OSError(errno.EINVAL, "offset beyond the largest file offset")
         return m.Data(f.handle.pread(min(req.size, abi.MAX_WRITE_BYTES), req.offset))
 
     def _write(self, req: m.Write) -> m.WriteOut:
-        f = self._file(req.fh)
+        f = self._io(req.header.nodeid, req.fh, write=True)
         if req.offset > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "offset beyond the largest file offset")
+        offset = req.offset
+        if (f.handle.flags & os.O_APPEND == 0 and req.flags & os.O_APPEND
+                and not req.write_flags & abi.FUSE_WRITE_CACHE):
+            offset = f.handle.fstat().size  # no-open: an O_APPEND write(2) appends at the host's end
         # HANDLE_KILLPRIV_V2: the kernel left the capability to us (set-id bits: Provider.write)
         self.provider.drop_capability(f.handle, f.node.path)
         # req.data: a read-only view of the request's own bytes (no copy of up to 1 MiB here)
-        return m.WriteOut(self.provider.write(f.handle, f.node.path, req.offset, req.data, cred=self._cred(req)))
+        return m.WriteOut(self._own_write(f.node, f.handle, lambda: self.provider.write(
+            f.handle, f.node.path, offset, req.data, cred=self._cred(req))))
 
     def _fallocate(self, req: m.Fallocate) -> None:
-        f = self._file(req.fh)
+        f = self._io(req.header.nodeid, req.fh, write=True)
         if req.offset > _OFF_MAX or req.length > _OFF_MAX - req.offset:
             raise OSError(errno.EFBIG, "beyond the largest file offset")
-        self.provider.fallocate(f.handle, f.node.path, req.offset, req.length, req.mode, cred=self._cred(req))
+        self._own_write(f.node, f.handle, lambda: self.provider.fallocate(
+            f.handle, f.node.path, req.offset, req.length, req.mode, cred=self._cred(req)))
 
     def _copy_file_range(self, req: m.CopyFileRange) -> m.WriteOut:
         """From the open file ``fh_in`` to ``fh_out`` (of node ``nodeid_out``); the count
         copied (at most :data:`~sandbox.mounts.provider.COPY_FILE_RANGE_BYTES_MAX`)."""
-        src, dst = self._file(req.fh_in), self._file(req.fh_out)
+        src = self._io(req.header.nodeid, req.fh_in, write=False)
+        dst = self._io(req.nodeid_out, req.fh_out, write=True)
         if dst.node.nodeid != req.nodeid_out or req.flags:
             raise OSError(errno.EINVAL, "copy_file_range: flags, or a handle of another node")
         if req.off_in > _OFF_MAX or req.off_out > _OFF_MAX:
             raise OSError(errno.EOVERFLOW, "beyond the largest file offset")
         length = min(req.len, _OFF_MAX - req.off_out)
-        return m.WriteOut(self.provider.copy_file_range(src.handle, src.node.path, dst.handle, dst.node.path,
-                                                        req.off_in, req.off_out, length, cred=self._cred(req)))
+        return m.WriteOut(self._own_write(dst.node, dst.handle, lambda: self.provider.copy_file_range(
+            src.handle, src.node.path, dst.handle, dst.node.path, req.off_in, req.off_out, length,
+            cred=self._cred(req))))
 
     def _lseek(self, req: m.Lseek) -> m.LseekOut:
         """SEEK_DATA/SEEK_HOLE through the open file's descriptor (the kernel answers
         SEEK_SET/CUR/END itself); ``ENXIO`` at or past EOF, as lseek(2)."""
-        f = self._file(req.fh)
+        f = self._io(req.header.nodeid, req.fh, write=False)
         if req.offset > _OFF_MAX:
             raise OSError(errno.ENXIO, "beyond the largest file offset")
         return m.LseekOut(self.provider.lseek(f.handle, f.node.path, req.offset, req.whence))
@@ -834,10 +1058,12 @@ class Dispatcher:
         self._close_file(req.fh)
 
     def _flush(self, req: m.Flush) -> None:
+        if self.no_open:  # a no-open file has no FOPEN_NOFLUSH: ENOSYS stops FLUSH for good
+            raise OSError(errno.ENOSYS, "nothing is buffered here")
         self._file(req.fh)  # writes are never buffered here: nothing to flush
 
     def _fsync(self, req: m.Fsync) -> None:
-        f = self._file(req.fh)
+        f = self._io(req.header.nodeid, req.fh, write=False)
         self.provider.fsync(f.handle, bool(req.fsync_flags & abi.FUSE_FSYNC_FDATASYNC))
 
     # ------------------------------------------------------------------ directories

@@ -196,6 +196,11 @@ class FuseServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False  # never read again (stopped, or the mount is gone)
         dispatcher.on_settled = self._resume  # a held request ended: read again if paused
+        # the host's kernel, with the watcher's notifications: no-open when coherent at INIT
+        # (docs/fuse.md "No-open"); the virtio-fs device does not set it
+        dispatcher.no_open_allowed = True
+        # without the watcher, host changes the dispatcher notices in attributes it reports
+        dispatcher.on_host_changed = self.invalidate
 
     async def serve(self) -> None:
         """Until ``ENODEV`` (unmounted) or :meth:`stop`; then every handle is closed."""
@@ -246,7 +251,11 @@ class FuseServer:
         self.notifier.everything()
 
     def set_coherent(self, coherent: bool) -> None:
-        """Whether every change beside the mount is notified (:attr:`Dispatcher.coherent`)."""
+        """Whether every change beside the mount is notified (:attr:`Dispatcher.coherent`).
+        Losing it invalidates everything once (what the kernel cached may already be stale;
+        from then on the dispatcher compares what it reports, :meth:`Dispatcher._told`)."""
+        if not coherent and self.dispatcher.coherent:
+            self.invalidate_all()
         if self._loop is None or self._closed:
             self.dispatcher.coherent = coherent
             return
