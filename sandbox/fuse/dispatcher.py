@@ -865,14 +865,19 @@ class Dispatcher:
             return self._create_no_open(req, path, cred, gid)
         handle, _made = self._opened(lambda: self.provider.create(path, req.mode & 0o7777, req.flags, cred=cred,
                                                                   gid=gid))
+        n, a = self._remember_created(handle, path, cred)
+        return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), self._open_flags()))
+
+    def _remember_created(self, handle, path: str, cred: Cred):
+        """The node and attributes of a file CREATE just made, read through its new
+        descriptor; if that fails the descriptor is closed and its count given back."""
         try:
             a = self.provider.fstat(handle, path, cred=cred)
-            n = self._remember(path, a)
+            return self._remember(path, a), a
         except BaseException:
             handle.close()
             self.descriptors.release()
             raise
-        return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), self._open_flags()))
 
     def _create_no_open(self, req: m.Create, path: str, cred: Cred, gid: int | None) -> m.CreateOut:
         """CREATE without handles: the new file's descriptor becomes its node's own
@@ -889,13 +894,7 @@ class Dispatcher:
         except BaseException:
             self.descriptors.release()
             raise
-        try:
-            a = self.provider.fstat(handle, path, cred=cred)
-            n = self._remember(path, a)
-        except BaseException:
-            handle.close()
-            self.descriptors.release()
-            raise
+        n, a = self._remember_created(handle, path, cred)
         self._keep_handle(n, handle)
         return m.CreateOut(self._entry_out(n, a), m.OpenOut(0, self._open_flags()))
 
