@@ -317,6 +317,43 @@ def test_requests_are_served_through_guest_memory_and_undone_exactly(tmp_path):
     assert_same(srv.before, snapshot_dir(srv.work), "after undoing everything written over virtio-fs")
 
 
+def avail_event(guest: Guest, q: int) -> int:
+    return int.from_bytes(guest.peek(Guest.ring(q)[2] + 4 + 8 * QSIZE, 2), "little")
+
+
+def test_forgets_are_taken_in_batches_without_a_kick_each(tmp_path):
+    """The high-priority queue asks for a kick only a batch ahead (event index); FORGETs short
+    of it are taken on a request queue's turn, or by the sweep while the guest is idle."""
+    srv = Served(tmp_path)
+    open(os.path.join(srv.work, "f"), "w").close()
+    guest = Guest()
+    fe = FrontEnd(srv.path, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        assert avail_event(guest, 0) == QSIZE // 2 - 1  # kick me when the 8th FORGET comes
+        lookup = ref_request(m.Lookup(H(abi.Opcode.LOOKUP), b"f"))
+        head, at = guest.submit(1, lookup, 16 + 128)
+        assert fe.kick_and_wait(1) == [(head, 144)]
+        nodeid = struct.unpack_from("<Q", fuse_reply(guest, at, 144)[2])[0]
+        nodes = srv.in_loop(lambda: len(srv.server.dispatcher.nodes))
+        forget = guest.submit(0, ref_request(m.Forget(H(abi.Opcode.FORGET, nodeid), 1)), 0)[0]  # no kick
+        head, _ = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
+        assert fe.kick_and_wait(1) == [(head, 120)]
+        assert guest.used(0) == [(forget, 0)]  # taken on queue 1's turn
+        assert os.eventfd_read(fe.call[0]) == 1  # one call for it
+        assert srv.in_loop(lambda: len(srv.server.dispatcher.nodes)) == nodes - 1
+        assert avail_event(guest, 0) == 1 + QSIZE // 2 - 1
+        forget = guest.submit(0, ref_request(m.Forget(H(abi.Opcode.FORGET, 1), 0)), 0)[0]  # no kick, idle
+        guest.poke(Guest.ring(0)[1] + 4 + 2 * QSIZE, le(guest.seen_used[0], 2))  # call at the next entry
+        r, _, _ = select.select([fe.call[0]], [], [], WAIT_S)  # a condition wait: the sweep's call
+        assert r and guest.used(0) == [(forget, 0)]
+    finally:
+        fe.close()
+        srv.close()
+        os.close(guest.fd)
+
+
 def test_a_held_chain_stays_unanswered_while_others_flow(tmp_path):
     srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
     for i in range(2):

@@ -69,6 +69,12 @@ REQUEST_QUEUES_MAX = 8
 VIRTQUEUES_MAX = 1 + REQUEST_QUEUES_MAX
 #: chains popped from one queue per wake-up before other callbacks run
 CHAINS_PER_WAKEUP_MAX = 64
+#: FORGETs the guest adds to the high-priority queue before it kicks (event index: the
+#: device asks for the kick this many entries ahead, at most half the queue); fewer wait for
+#: a request queue's turn or the next sweep — the kernel waits for no FORGET
+HIPRIO_KICK_BATCH = 32
+#: seconds between sweeps of the rings for entries nobody kicked about (see HIPRIO_KICK_BATCH)
+RING_SWEEP_S = 0.1
 #: the virtio features offered: version 1, indirect descriptors, event index, vhost-user protocol features
 FEATURES = F_VERSION_1 | F_INDIRECT_DESC | F_EVENT_IDX | v.F_PROTOCOL_FEATURES
 #: the protocol features offered: several queues, acknowledged requests
@@ -79,6 +85,7 @@ MESSAGE_LOG_MAX = 1000
 CONNECTION_LOGS_MAX = 16
 HIPRIO = 0
 _FUSE_IN_HEADER_BYTES = 40
+_ONE = (1).to_bytes(8, "little")  # an eventfd increment
 
 
 @dataclass
@@ -318,7 +325,7 @@ class Device:
     def notify(self, ring: Ring) -> None:
         if ring.vq is not None and ring.call is not None and ring.vq.should_notify():
             try:
-                os.write(ring.call, (1).to_bytes(8, "little"))
+                os.write(ring.call, _ONE)
             except BlockingIOError:  # the counter is saturated: the guest will see it anyway
                 pass
 
@@ -409,9 +416,12 @@ class VirtioFsServer:
         self._new_dispatcher()
         self._disconnected = asyncio.Event()
         self._loop.add_reader(conn.fileno(), self._readable)
+        sweeper = self._loop.create_task(self._sweep_loop())
         try:
             await self._disconnected.wait()
         finally:
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
             self._loop.remove_reader(conn.fileno())
             for fd in self._fds:
                 _close_quietly(fd)
@@ -507,33 +517,74 @@ class VirtioFsServer:
                 self._loop.call_soon(self._drain, ring)
 
     def _drain(self, ring: Ring) -> None:
+        """Serve what ``ring`` has: kicks off while draining, then armed again (a batch ahead
+        on the high-priority queue); one call for what was answered. A request queue's turn
+        also takes the FORGETs waiting on the high-priority queue."""
         vq = ring.vq
         if vq is None or self.device is None:
             return
         self._draining = True
+        vq.suppress_kicks()
         try:
-            for _ in range(CHAINS_PER_WAKEUP_MAX):
-                if self._over_limits():
-                    ring.paused = True
+            budget = CHAINS_PER_WAKEUP_MAX
+            while True:
+                for _ in range(budget):
+                    if self._over_limits():
+                        ring.paused = True
+                        return
+                    try:
+                        chain = vq.pop()
+                    except BrokenRing as e:
+                        log.error("virtiofs: queue %d stopped: %s", ring.index, e)
+                        ring.broken = True
+                        self._ring_stopped(ring)
+                        return
+                    if chain is None:
+                        break
+                    if isinstance(chain, BadChain):
+                        log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
+                        vq.push(chain.head, 0)
+                        continue
+                    self._request(ring, vq, chain)
+                else:  # more may wait: after other callbacks (kicks stay off until then)
+                    self._loop.call_soon(self._drain, ring)
                     return
                 try:
-                    chain = vq.pop()
-                except BrokenRing as e:
-                    log.error("virtiofs: queue %d stopped: %s", ring.index, e)
-                    ring.broken = True
-                    self._ring_stopped(ring)
-                    return
-                if chain is None:
-                    return
-                if isinstance(chain, BadChain):
-                    log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
-                    vq.push(chain.head, 0)
-                    continue
-                self._request(ring, vq, chain)
-            self._loop.call_soon(self._drain, ring)  # more may wait: after other callbacks
+                    if not vq.arm(min(HIPRIO_KICK_BATCH, vq.size // 2) - 1 if ring.index == HIPRIO else 0):
+                        break
+                except BrokenRing:
+                    continue  # the next pop says why and stops the queue
         finally:
             self._draining = False
             self.device.notify(ring)
+        if ring.index != HIPRIO:
+            hiprio = self.device.rings[HIPRIO]
+            if hiprio.vq is not None and not hiprio.broken and not hiprio.paused:
+                try:
+                    waiting = hiprio.vq.pending() > 0
+                except BrokenRing:
+                    waiting = True  # _drain stops it, logged
+                if waiting:
+                    self._drain(hiprio)
+
+    async def _sweep_loop(self) -> None:
+        """Every RING_SWEEP_S: drain the rings with entries waiting — the FORGETs short of a
+        high-priority batch while the guest is idle, and any kick lost to a race."""
+        while True:
+            await asyncio.sleep(RING_SWEEP_S)
+            device = self.device
+            if device is None:
+                continue
+            for ring in device.rings:
+                vq = ring.vq
+                if vq is None or ring.broken or ring.paused:
+                    continue
+                try:
+                    waiting = vq.pending() > 0
+                except BrokenRing:
+                    waiting = True  # _drain stops it, logged
+                if waiting:
+                    self._drain(ring)
 
     def _request(self, ring: Ring, vq: Virtqueue, chain) -> None:
         self.requests += 1

@@ -26,9 +26,14 @@ Invariants (the guest is untrusted: its ring contents are data, never a crash):
   outside the table, breaks the ring: :class:`BrokenRing` (the device stops the queue; the
   driver must reset it) — the server's state is untouched;
 * :meth:`Virtqueue.push` writes the used element before the used index (the guest reads
-  the index, then the element); with ``VIRTIO_RING_F_EVENT_IDX`` the device publishes
-  ``avail_event`` after each pop and :meth:`Virtqueue.should_notify` applies the
-  driver's ``used_event``; without it, ``VRING_AVAIL_F_NO_INTERRUPT``.
+  the index, then the element); :meth:`Virtqueue.should_notify` applies the driver's
+  ``used_event`` with ``VIRTIO_RING_F_EVENT_IDX``, ``VRING_AVAIL_F_NO_INTERRUPT`` without it;
+* kicks: while the device drains a ring it asks for none (:meth:`Virtqueue.suppress_kicks`:
+  ``VRING_USED_F_NO_NOTIFY``, or with the event index ``avail_event`` simply left behind);
+  :meth:`Virtqueue.arm` asks for the next one (``avail_event`` = the next entry, or a batch
+  ahead) and then, after a full memory barrier, says whether entries came meanwhile — the
+  driver may have looked before the request was published, so the device drains again
+  rather than waiting for a kick that will not come.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 
 DESC = struct.Struct("<QIHH")
@@ -49,6 +55,15 @@ QUEUE_SIZE_MAX = 32768
 INDIRECT_DESCS_MAX = 1024
 _U16 = struct.Struct("<H")
 _USED_ELEM = struct.Struct("<II")
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier between our store to the ring and our next load from it (taking
+    a lock is a locked instruction on x86: stores before it are visible before loads after
+    it). The server's periodic sweep of the rings covers a kick missed anyway."""
+    with _FENCE:
+        pass
 
 # virtio feature bits used here
 F_INDIRECT_DESC = 1 << 28
@@ -216,8 +231,6 @@ class Virtqueue:
         if head >= self.size:
             raise BrokenRing(f"head {head} outside a table of {self.size}")
         self.last_avail = (self.last_avail + 1) & 0xFFFF
-        if self.event_idx:  # avail_event: kick us when the driver passes this index
-            _U16.pack_into(self.used, 4 + 8 * self.size, self.last_avail)
         try:
             return self._walk(head)
         except (BadAddress, _Bad) as e:
@@ -265,6 +278,25 @@ class Virtqueue:
         _USED_ELEM.pack_into(self.used, 4 + 8 * (self.used_idx % self.size), head, length)
         self.used_idx = (self.used_idx + 1) & 0xFFFF
         _U16.pack_into(self.used, 2, self.used_idx)
+
+    def suppress_kicks(self) -> None:
+        """While the device drains the ring the driver need not kick: ``VRING_USED_F_NO_NOTIFY``
+        without the event index; with it, ``avail_event`` stays where the last :meth:`arm`
+        put it, which the driver has passed."""
+        if not self.event_idx:
+            _U16.pack_into(self.used, 0, USED_F_NO_NOTIFY)
+
+    def arm(self, ahead: int = 0) -> bool:
+        """Ask for a kick when the driver makes available the entry ``ahead`` places past the
+        next one to read (0: at the next entry; without the event index: at every entry);
+        True if entries are waiting already (drain again: the driver may have decided
+        before it saw this)."""
+        if self.event_idx:
+            _U16.pack_into(self.used, 4 + 8 * self.size, (self.last_avail + ahead) & 0xFFFF)
+        else:
+            _U16.pack_into(self.used, 0, 0)
+        _fence()
+        return self.pending() > 0
 
     def should_notify(self) -> bool:
         """Whether to signal the call eventfd now for the entries pushed since the last time."""
