@@ -116,6 +116,21 @@ def test_a_chain_comes_out_as_put_in_and_its_reply_lands_in_guest_memory(drv):
     assert drv.q.pop() is None
 
 
+def test_parts_are_scattered_in_order_across_segment_boundaries(drv):
+    sizes = [3, 0, 5, 16]
+    head = drv.chain([b"r"], sizes)
+    drv.offer(head)
+    c = drv.q.pop()
+    data = bytes(range(21))
+    parts = (data[:2], memoryview(data)[2:11], bytearray(data[11:]))
+    with pytest.raises(ValueError):
+        c.scatter(*parts, b"wxyz")  # 25 bytes in a room of 24
+    assert c.scatter(*parts) == 21
+    got = b"".join(bytes(w) for w in c.writable)[:21]
+    assert got == data
+    c.release()
+
+
 def test_indirect_tables(drv):
     head = drv.chain([b"abc"], [16], indirect=True)
     drv.offer(head)

@@ -57,7 +57,7 @@ from ..serving.sockets import private_socket_path
 from . import abi
 from . import messages as m
 from . import vhost as v
-from .codec import decode_request, encode_error
+from .codec import decode_request, encode_error, encode_reply_parts
 from .dispatcher import Dispatcher
 from .transport import POLL_INTERVAL_S, poll_export, reply_bytes
 from .virtqueue import (F_EVENT_IDX, F_INDIRECT_DESC, F_VERSION_1, BadChain, BrokenRing, GuestMemory, Virtqueue)
@@ -620,7 +620,7 @@ class VirtioFsServer:
                 chain.release()
                 return
             ring.held.discard(chain.head)
-            data = reply_bytes(unique, reply, error)
+            data = _reply_parts(unique, reply, error)
             if ring.vq is None:  # stopped (the VM is paused): answered when the ring starts again
                 ring.parked.append((chain, data))
                 return
@@ -632,15 +632,31 @@ class VirtioFsServer:
         if isinstance(req, m.Destroy):  # the guest unmounted: a later mount starts afresh
             self._new_dispatcher()
 
-    def _answer(self, ring: Ring, vq: Virtqueue, chain, data: bytes) -> None:
-        if len(data) > chain.writable_bytes:
-            log.error("virtiofs: a reply of %d bytes does not fit in %d", len(data), chain.writable_bytes)
-            data = encode_error(int.from_bytes(data[8:16], "little"), errno.EIO) if len(data) >= 16 else b""
-            if len(data) > chain.writable_bytes:
-                data = b""
-        n = chain.scatter(data) if data else 0
+    def _answer(self, ring: Ring, vq: Virtqueue, chain, data) -> None:
+        """Write the reply ``data`` (bytes, or a tuple of bytes-like parts) into ``chain`` and
+        put it in the used ring."""
+        parts = data if isinstance(data, tuple) else (data,)
+        room = chain.writable_bytes
+        if sum(map(len, parts)) > room:
+            head = bytes(parts[0][:16])
+            log.error("virtiofs: a reply of %d bytes does not fit in %d", sum(map(len, parts)), room)
+            parts = (encode_error(int.from_bytes(head[8:16], "little"), errno.EIO) if len(head) >= 16 else b"",)
+            if len(parts[0]) > room:
+                parts = (b"",)
+        n = chain.scatter(*parts)
         chain.release()
         vq.push(chain.head, n)
+
+
+def _reply_parts(unique: int, reply, error: BaseException | None) -> tuple:
+    """The reply's wire bytes as parts: a READ's (or READDIR's) payload not joined to its
+    header, so it is copied once, into guest memory; anything else as ``reply_bytes``."""
+    if error is None and type(reply) is m.Data:
+        try:
+            return encode_reply_parts(unique, reply)
+        except ValueError:
+            pass  # reply_bytes logs it and answers EIO
+    return (reply_bytes(unique, reply, error),)
 
 
 class VirtioFsThread:

@@ -167,18 +167,31 @@ class Chain:
             return None
         return b"".join(self.readable)
 
-    def scatter(self, data: bytes) -> int:
-        """Write ``data`` across the writable segments; the bytes written (all or ``ValueError``)."""
-        if len(data) > self.writable_bytes:
-            raise ValueError(f"{len(data)} bytes do not fit in {self.writable_bytes}")
-        pos = 0
-        for seg in self.writable:
-            if pos == len(data):
-                break
-            n = min(len(seg), len(data) - pos)
-            seg[:n] = data[pos:pos + n]
-            pos += n
-        return pos
+    def scatter(self, *parts) -> int:
+        """Write ``parts`` (bytes-like, in order) across the writable segments, each byte
+        copied once; the bytes written (all, or ``ValueError`` and nothing written)."""
+        total = sum(map(len, parts))
+        if total > self.writable_bytes:
+            raise ValueError(f"{total} bytes do not fit in {self.writable_bytes}")
+        segs = iter(self.writable)
+        seg, off, room = None, 0, 0
+        for part in parts:
+            mv = memoryview(part)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            pos, n = 0, len(mv)
+            while pos < n:
+                if room == 0:
+                    seg = next(segs)
+                    off, room = 0, len(seg)
+                    if room == 0:
+                        continue
+                k = min(room, n - pos)
+                seg[off:off + k] = mv[pos:pos + k]
+                pos += k
+                off += k
+                room -= k
+        return total
 
     def release(self) -> None:
         for b in self.readable + self.writable:
