@@ -93,6 +93,8 @@ class GuestMemory:
     def __init__(self, regions: list[Region], mappings: list[mmap.mmap] | None = None):
         self.regions = regions
         self._mappings = mappings or []
+        #: (start, end, view) of each region by guest-physical address: the descriptor walk's table
+        self.by_gpa = tuple((r.guest_addr, r.guest_addr + r.size, r.view) for r in regions)
 
     @classmethod
     def map(cls, table, fds: list[int]) -> GuestMemory:
@@ -137,6 +139,7 @@ class GuestMemory:
 
     def close(self) -> None:
         """Unmap. A chain still holding a view keeps its mapping alive until it is dropped."""
+        self.by_gpa = ()
         for r in self.regions:
             r.view.release()
         for mm in self._mappings:
@@ -231,7 +234,7 @@ class Virtqueue:
         return _U16.unpack_from(self.avail, 2)[0]
 
     def pending(self) -> int:
-        n = (self.avail_idx() - self.last_avail) & 0xFFFF
+        n = (_U16.unpack_from(self.avail, 2)[0] - self.last_avail) & 0xFFFF
         if n > self.size:
             raise BrokenRing(f"available index {self.avail_idx()} is {n} ahead of {self.last_avail} "
                              f"(queue size {self.size})")
@@ -251,32 +254,41 @@ class Virtqueue:
 
     def _walk(self, head: int) -> Chain:
         chain = Chain(head)
+        readable, writable = chain.readable, chain.writable
+        regions = self.mem.by_gpa  # the guest-physical translation of GuestMemory.gpa, inlined
+        unpack = DESC.unpack_from
         table, limit, i, count, nested = self.desc, self.size, head, 0, False
         try:
             while True:
                 count += 1
                 if count > limit:  # each table's chain visits each of its entries at most once
                     raise _Bad(f"chain longer than its table of {limit} (a loop?)")
-                addr, length, flags, nxt = DESC.unpack_from(table, 16 * i)
+                addr, length, flags, nxt = unpack(table, 16 * i)
                 if flags & DESC_F_INDIRECT:
                     if not self.indirect:
                         raise _Bad("indirect descriptor, not negotiated")
                     if nested:
                         raise _Bad("indirect descriptor inside an indirect table")
-                    if flags & DESC_F_NEXT or chain.readable or chain.writable:
+                    if flags & DESC_F_NEXT or readable or writable:
                         raise _Bad("an indirect descriptor must be the chain's only one")
                     if length == 0 or length % 16 or length // 16 > INDIRECT_DESCS_MAX:
                         raise _Bad(f"indirect table of {length} bytes")
                     table, limit, i, count, nested = self.mem.gpa(addr, length), length // 16, 0, 0, True
                     continue
-                buf = self.mem.gpa(addr, length)
+                end = addr + length
+                for start, stop, view in regions:
+                    if start <= addr and end <= stop:
+                        buf = view[addr - start:end - start]
+                        break
+                else:
+                    raise BadAddress(f"guest range {addr:#x}+{length:#x} is not inside one mapped region")
                 if flags & DESC_F_WRITE:
-                    chain.writable.append(buf)
-                elif chain.writable:
+                    writable.append(buf)
+                elif writable:
                     buf.release()
                     raise _Bad("readable descriptor after a writable one")
                 else:
-                    chain.readable.append(buf)
+                    readable.append(buf)
                 if not flags & DESC_F_NEXT:
                     return chain
                 if nxt >= limit:
