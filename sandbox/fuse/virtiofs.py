@@ -526,9 +526,10 @@ class VirtioFsServer:
         self._draining = True
         vq.suppress_kicks()
         try:
-            budget = CHAINS_PER_WAKEUP_MAX
+            popped = 0
             while True:
-                for _ in range(budget):
+                while popped < CHAINS_PER_WAKEUP_MAX:
+                    popped += 1
                     if self._over_limits():
                         ring.paused = True
                         return
