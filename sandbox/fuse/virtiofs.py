@@ -31,6 +31,11 @@ Invariants:
   per wake-up ≤ :data:`CHAINS_PER_WAKEUP_MAX`, virtqueues ≤ :data:`VIRTQUEUES_MAX`,
   descriptors per message ≤ :data:`~.vhost.MEM_REGIONS_MAX` (more are closed, and the
   message refused);
+* notifications: a wake-up drains a ring with the driver's kicks off, re-arms them (after a
+  barrier, re-checking for entries) and signals the call eventfd once; the high-priority
+  queue asks for a kick only :data:`HIPRIO_KICK_BATCH` FORGETs ahead, so a FORGET waits for
+  that, a request queue's turn or the sweep of the rings every :data:`RING_SWEEP_S` (which
+  also bounds how long any entry whose kick was lost can wait);
 * a reply that does not fit its chain's writable space is replaced by ``-EIO`` (or, if
   not even a header fits, the chain is returned with length 0);
 * the message logs kept for tests are bounded (:data:`MESSAGE_LOG_MAX` messages per
