@@ -7,7 +7,10 @@ Run ``python bench/guest_9p.py --help``. Prints numbers and ratios; asserts noth
 from __future__ import annotations
 
 import argparse
+import collections
+import cProfile
 import os
+import pstats
 import re
 import resource
 import shutil
@@ -22,6 +25,7 @@ try:
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from sandbox.fuse import messages as fm
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
 from sandbox.hostfs.real import RealHostFS
@@ -53,14 +57,21 @@ project, mounted two ways (cache=none, msize 512 KiB both):
   vfs   ours over virtio-fs (sandbox.fuse.virtiofs, intercepted; QEMU vhost-user-fs-pci,
         guest RAM a shared memfd) — how sessions will mount working folders (issue 17)
   virtiofsd  QEMU's C virtiofsd (/usr/lib/qemu/virtiofsd, cache=none, sandbox=chroot),
-        no interception — the virtio-fs reference (skipped if not installed)
+        no interception — the virtio-fs reference (skipped if not installed); cache=none
+        opens every file FOPEN_DIRECT_IO (no guest page cache) with 0 s timeouts
+  virtiofsd-auto  the same with its default cache=auto: 1 s timeouts and the guest's page
+        cache dropped at each open — the caching vfs uses
 
 Phases (timed inside the guest with `date +%s%N`): create N small files; read them
 back; `git init && git add -A && git commit`; write a 32 MiB file with dd (1 MiB
 blocks); read it back; `rm -rf` everything; "server cpu" is the CPU seconds the file
 server used during the boot (ours: this process; diod/virtiofsd: theirs; qemu's 9p runs
-inside QEMU: not measured). Median of --repeat boots per side,
-alternating sides. Under TCG the guest CPU is emulated, so absolute numbers are low and
+inside QEMU: not measured); "boot (uptime)" the guest's uptime at its first output. Median
+of --repeat boots per side, alternating sides; the host's load average is printed too (the
+machine may be shared). For vfs, the guest marks each phase with a LOOKUP of
+".bench-phase-NAME" (every side runs the same script): --counts prints the FUSE requests
+of each phase by opcode and the server thread's CPU seconds per phase; --profile FILE
+profiles the vfs server thread (cProfile; slows it: not for timing). Under TCG the guest CPU is emulated, so absolute numbers are low and
 ratios understate the server's share; on KVM hosts run it again.
 """
 
@@ -97,26 +108,58 @@ echo "BOOTED $(cut -d' ' -f1 /proc/uptime)"
 t() { date +%s%N; }
 phase() { echo "PHASE $1 $(( $(t) - $2 ))"; }
 g() { git -c user.email=b@example.com -c user.name=bench "$@"; }
-s=$(t); mkdir many; i=0; while [ $i -lt NFILES ]; do echo "file $i" > many/f$i; i=$((i+1)); done; phase create $s
-s=$(t); cat many/* > /dev/null; phase read $s
-s=$(t); g init -q . && g add -A && g commit -qm bench; phase git $s
-s=$(t); dd if=/dev/zero of=big bs=1M count=32 2>/dev/null; phase write32M $s
-s=$(t); dd if=big of=/dev/null bs=1M 2>/dev/null; phase read32M $s
-s=$(t); rm -rf ./* .git; phase rm $s
+mark() { test -e .bench-phase-$1; }  # a LOOKUP the server can see: where --counts starts the phase
+mark create; s=$(t); mkdir many; i=0; while [ $i -lt NFILES ]; do echo "file $i" > many/f$i; i=$((i+1)); done; phase create $s
+mark read; s=$(t); cat many/* > /dev/null; phase read $s
+mark git; s=$(t); g init -q . && g add -A && g commit -qm bench; phase git $s
+mark write32M; s=$(t); dd if=/dev/zero of=big bs=1M count=32 2>/dev/null; phase write32M $s
+mark read32M; s=$(t); dd if=big of=/dev/null bs=1M 2>/dev/null; phase read32M $s
+mark rm; s=$(t); rm -rf ./* .git; phase rm $s
+mark end
 echo BENCH-DONE
 """
 
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
-VIRTIOFS_SIDES = ("vfs", "virtiofsd")
+VIRTIOFS_SIDES = ("vfs", "virtiofsd", "virtiofsd-auto")
 MEMORY_MB = 1024
 PHASES = ("create", "read", "git", "write32M", "read32M", "rm")
 #: the ratio columns printed when both sides ran
 RATIOS = [("ours", "plain"), ("plain", "qemu"), ("ours", "qemu"), ("watched", "ours"), ("plain", "diod"),
-          ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "qemu"), ("vfs", "ours")]
+          ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "virtiofsd-auto"), ("vfs", "qemu"), ("vfs", "ours")]
 
 
-def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
+class PhaseCounts:
+    """The vfs server's requests by opcode and its thread's CPU seconds, per guest phase (split
+    at the guest's ``.bench-phase-NAME`` LOOKUPs; called on the server's thread)."""
+
+    MARK = b".bench-phase-"
+
+    def __init__(self):
+        self.phase = "mount"
+        self.counts: dict[str, collections.Counter] = {}
+        self.cpu: dict[str, float] = {}
+        self._t0 = time.thread_time()
+
+    def see(self, req) -> None:
+        if type(req) is fm.Lookup and req.name.startswith(self.MARK):
+            now = time.thread_time()
+            self.cpu[self.phase] = self.cpu.get(self.phase, 0.0) + now - self._t0
+            self._t0 = now
+            self.phase = req.name[len(self.MARK):].decode()
+        self.counts.setdefault(self.phase, collections.Counter())[req.OPCODE.name] += 1
+
+
+def _counting(export, limits, phases: PhaseCounts):
+    class CountingDispatcher(Dispatcher):
+        def submit(self, req, size, send):
+            phases.see(req)
+            return super().submit(req, size, send)
+    return lambda: CountingDispatcher(export, limits)
+
+
+def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | None = None,
+        profile: cProfile.Profile | None = None) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
     shutil.rmtree(work)
     shutil.copytree(sample, work, symlinks=True)
@@ -133,17 +176,23 @@ def run(side: str, image, base: str, sample: str, accel) -> dict[str, float]:
     ws = None
     cpu = float("nan")
     try:
-        if side == "virtiofsd":
-            p, cpu = _beside_daemon([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", "cache=none",
+        if side in ("virtiofsd", "virtiofsd-auto"):
+            cache = "cache=none" if side == "virtiofsd" else "cache=auto"
+            p, cpu = _beside_daemon([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", cache,
                                      "-o", "sandbox=chroot", "-o", "log_level=err"], sock, cmd)
         elif side == "vfs":
             ws, _own = open_workspace(work, watched=False, state_dir=work + ".state")
             provider = Provider.intercepted(ws)
             limits = ServerLimits()
             export = Export(provider, HoldBroker(), limits)
+            make = _counting(export, limits, phases) if phases is not None else lambda: Dispatcher(export, limits)
             t0 = _self_cpu_s()
-            with VirtioFsThread(VirtioFsServer(lambda: Dispatcher(export, limits), limits), sock):
+            with VirtioFsThread(VirtioFsServer(make, limits), sock) as th:
+                if profile is not None:
+                    th.call(profile.enable)  # on the server's thread
                 p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
+                if profile is not None:
+                    th.call(profile.disable)
             cpu = _self_cpu_s() - t0
             provider.close()
         elif side == "diod":
@@ -223,6 +272,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--files", type=int, default=500, help="small files to create (default 500)")
     p.add_argument("--repeat", type=int, default=3, help="boots per side; medians are reported (default 3)")
+    p.add_argument("--counts", action="store_true", help="vfs: FUSE requests by opcode and server CPU per phase")
+    p.add_argument("--profile", metavar="FILE", help="vfs: cProfile the server thread into FILE (not for timing)")
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT,
@@ -230,7 +281,7 @@ def main() -> int:
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
     sides = ("ours", "plain", "qemu", "watched") + (("diod",) if shutil.which("diod") else ()) + ("vfs",) \
-        + (("virtiofsd",) if os.access(VIRTIOFSD, os.X_OK) else ())
+        + (("virtiofsd", "virtiofsd-auto") if os.access(VIRTIOFSD, os.X_OK) else ())
     if os.environ.get("BENCH_SIDES"):
         sides = tuple(os.environ["BENCH_SIDES"].split(","))
     if "diod" not in sides:
@@ -238,15 +289,25 @@ def main() -> int:
     accel = probe_accel(image)
     print(f"accelerator: {accel.accel} ({accel.reason})", file=sys.stderr)
     res: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
+    phases = [] if args.counts else None
+    profile = cProfile.Profile() if args.profile else None
+    loads = [os.getloadavg()[0]]
     try:
         for r in range(args.repeat):
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 print(f"boot {r + 1}/{args.repeat}: {side} …", file=sys.stderr, flush=True)
-                for k, v in run(side, image, base, os.path.join(here, "sandbox", "data", "sample-project"), accel).items():
+                pc = PhaseCounts() if phases is not None and side == "vfs" else None
+                for k, v in run(side, image, base, os.path.join(here, "sandbox", "data", "sample-project"), accel,
+                                pc, profile if side == "vfs" else None).items():
                     res[side].setdefault(k, []).append(v)
+                if pc is not None:
+                    phases.append(pc)
+                loads.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"guest workload ({accel.accel}), seconds, median of {args.repeat}; {args.files} small files")
+    print(f"guest workload ({accel.accel}), seconds, median of {args.repeat}; {args.files} small files; "
+          f"host load average (1 min) after each boot: min {min(loads):.2f}, median {statistics.median(loads):.2f}, "
+          f"max {max(loads):.2f} on {os.cpu_count()} CPUs")
     for side in sides:  # the workload's total: the sum of the phases (boot and server CPU apart)
         runs = len(next(iter(res[side].values())))
         res[side]["total"] = [sum(v[i] for k, v in res[side].items() if k in PHASES) for i in range(runs)]
@@ -259,7 +320,26 @@ def main() -> int:
         row += [med[a].get(k, float("nan")) / med[b].get(k, float("nan")) if med[b].get(k) else float("nan")
                 for a, b in ratios]
         print(f"{k:14}" + "".join(f"{v:15.2f}" for v in row))
+    if phases:
+        report_phases(phases)
+    if profile is not None:
+        profile.dump_stats(args.profile)
+        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(40)
     return 0
+
+
+def report_phases(phases: list[PhaseCounts]) -> None:
+    """Per phase (medians over the vfs boots): the server thread's CPU seconds, the requests
+    and their opcodes."""
+    print("\nvfs server, per phase (median of the boots): CPU seconds of its thread, FUSE requests by opcode")
+    for phase in [p for p in PHASES if any(p in pc.counts for pc in phases)]:
+        cpu = statistics.median(pc.cpu.get(phase, 0.0) for pc in phases)
+        ops = sorted({op for pc in phases for op in pc.counts.get(phase, {})})
+        med = {op: statistics.median(pc.counts.get(phase, {}).get(op, 0) for pc in phases) for op in ops}
+        total = sum(med.values())
+        per = f", {1e6 * cpu / total:.0f} µs/request" if total else ""
+        print(f"  {phase:9} cpu {cpu:6.2f} s, {total:6.0f} requests{per}: "
+              + ", ".join(f"{op} {n:.0f}" for op, n in sorted(med.items(), key=lambda kv: -kv[1])))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,21 @@ def test_a_chain_comes_out_as_put_in_and_its_reply_lands_in_guest_memory(drv):
     assert drv.q.pop() is None
 
 
+def test_parts_are_scattered_in_order_across_segment_boundaries(drv):
+    sizes = [3, 0, 5, 16]
+    head = drv.chain([b"r"], sizes)
+    drv.offer(head)
+    c = drv.q.pop()
+    data = bytes(range(21))
+    parts = (data[:2], memoryview(data)[2:11], bytearray(data[11:]))
+    with pytest.raises(ValueError):
+        c.scatter(*parts, b"wxyz")  # 25 bytes in a room of 24
+    assert c.scatter(*parts) == 21
+    got = b"".join(bytes(w) for w in c.writable)[:21]
+    assert got == data
+    c.release()
+
+
 def test_indirect_tables(drv):
     head = drv.chain([b"abc"], [16], indirect=True)
     drv.offer(head)
@@ -231,6 +246,7 @@ def test_event_idx_publishes_avail_event_and_honours_used_event():
             d.offer(d.chain([b"a"], []))
         d.poke(AVAIL_AT + 4 + 2 * d.size, le(1, 2))  # used_event: notify once used idx passes 1
         heads = [d.q.pop().head for _ in range(3)]
+        assert d.q.arm() is False  # drained: kick at the next entry
         assert int.from_bytes(d.peek(USED_AT + 4 + 8 * d.size, 2), "little") == 3  # avail_event
         d.q.push(heads[0], 0)  # used idx 0 -> 1: not past 1
         assert d.q.should_notify() is False
@@ -240,6 +256,53 @@ def test_event_idx_publishes_avail_event_and_honours_used_event():
         assert d.q.should_notify() is False
     finally:
         d.close()
+
+
+def avail_event(d) -> int:
+    return int.from_bytes(d.peek(USED_AT + 4 + 8 * d.size, 2), "little")
+
+
+def driver_kicks(d, old: int) -> bool:
+    """The driver's rule (virtio 2.7.10 with the event index): after moving the available
+    index from ``old`` to its current value, kick iff avail_event lies in [old, new)."""
+    new, event = d.avail_idx, avail_event(d)
+    return (new - event - 1) & 0xFFFF < (new - old) & 0xFFFF
+
+
+def test_with_event_idx_kicks_stay_off_while_draining_and_arm_asks_for_the_next():
+    d = Driver(event_idx=True)
+    try:
+        assert d.q.arm() is False and avail_event(d) == 0
+        d.offer(d.chain([b"a"], []))
+        assert driver_kicks(d, 0)  # idle: the first entry kicks
+        d.q.suppress_kicks()
+        d.q.pop()
+        d.offer(d.chain([b"b"], []))  # added while the device drains: no kick ...
+        assert not driver_kicks(d, 1)
+        assert d.q.arm() is True  # ... and arming finds it waiting
+        assert d.q.pop().gather(4) == b"b"
+        assert d.q.arm() is False and avail_event(d) == 2
+        d.offer(d.chain([b"c"], []))
+        assert driver_kicks(d, 2)
+        d.q.pop()
+        assert d.q.arm(ahead=3) is False and avail_event(d) == 6  # a batch: the 4th entry from now kicks
+        kicked = []
+        for _ in range(4):
+            old = d.avail_idx
+            d.offer(d.chain([b"x"], []))
+            kicked.append(driver_kicks(d, old))
+        assert kicked == [False, False, False, True]
+    finally:
+        d.close()
+
+
+def test_without_event_idx_draining_sets_no_notify_and_arm_clears_it(drv):
+    drv.q.suppress_kicks()
+    assert drv.peek(USED_AT, 2) == le(1, 2)  # VRING_USED_F_NO_NOTIFY
+    drv.offer(drv.chain([b"a"], []))
+    assert drv.q.arm() is True and drv.peek(USED_AT, 2) == le(0, 2)
+    drv.q.pop()
+    assert drv.q.arm() is False
 
 
 def test_indices_wrap_at_65536():

@@ -66,6 +66,7 @@ __all__ = [
     "encode_error",
     "encode_notify",
     "encode_reply",
+    "encode_reply_parts",
     "negotiate_init",
 ]
 
@@ -434,9 +435,16 @@ def _check_unique(unique: int) -> None:
 def encode_reply(unique: int, reply: m.Reply | None) -> bytes:
     """The whole reply to request ``unique``: out header (error 0) + the reply's struct
     (``None``: header only, for requests whose success carries nothing)."""
+    header, body = encode_reply_parts(unique, reply)
+    return header + body
+
+
+def encode_reply_parts(unique: int, reply: m.Reply | None) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """:func:`encode_reply` as (out header, body) not joined: a :class:`~.messages.Data`
+    body is the payload itself, so a transport that scatters it (virtio-fs) copies it once."""
     _check_unique(unique)
     body = _body(reply)
-    return _OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), 0, unique) + body
+    return _OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), 0, unique), body
 
 
 def encode_error(unique: int, errno: int) -> bytes:

@@ -31,6 +31,11 @@ Invariants:
   per wake-up ≤ :data:`CHAINS_PER_WAKEUP_MAX`, virtqueues ≤ :data:`VIRTQUEUES_MAX`,
   descriptors per message ≤ :data:`~.vhost.MEM_REGIONS_MAX` (more are closed, and the
   message refused);
+* notifications: a wake-up drains a ring with the driver's kicks off, re-arms them (after a
+  barrier, re-checking for entries) and signals the call eventfd once; the high-priority
+  queue asks for a kick only :data:`HIPRIO_KICK_BATCH` FORGETs ahead, so a FORGET waits for
+  that, a request queue's turn or the sweep of the rings every :data:`RING_SWEEP_S` (which
+  also bounds how long any entry whose kick was lost can wait);
 * a reply that does not fit its chain's writable space is replaced by ``-EIO`` (or, if
   not even a header fits, the chain is returned with length 0);
 * the message logs kept for tests are bounded (:data:`MESSAGE_LOG_MAX` messages per
@@ -57,7 +62,7 @@ from ..serving.sockets import private_socket_path
 from . import abi
 from . import messages as m
 from . import vhost as v
-from .codec import decode_request, encode_error
+from .codec import decode_request, encode_error, encode_reply_parts
 from .dispatcher import Dispatcher
 from .transport import POLL_INTERVAL_S, poll_export, reply_bytes
 from .virtqueue import (F_EVENT_IDX, F_INDIRECT_DESC, F_VERSION_1, BadChain, BrokenRing, GuestMemory, Virtqueue)
@@ -69,6 +74,12 @@ REQUEST_QUEUES_MAX = 8
 VIRTQUEUES_MAX = 1 + REQUEST_QUEUES_MAX
 #: chains popped from one queue per wake-up before other callbacks run
 CHAINS_PER_WAKEUP_MAX = 64
+#: FORGETs the guest adds to the high-priority queue before it kicks (event index: the
+#: device asks for the kick this many entries ahead, at most half the queue); fewer wait for
+#: a request queue's turn or the next sweep — the kernel waits for no FORGET
+HIPRIO_KICK_BATCH = 32
+#: seconds between sweeps of the rings for entries nobody kicked about (see HIPRIO_KICK_BATCH)
+RING_SWEEP_S = 0.1
 #: the virtio features offered: version 1, indirect descriptors, event index, vhost-user protocol features
 FEATURES = F_VERSION_1 | F_INDIRECT_DESC | F_EVENT_IDX | v.F_PROTOCOL_FEATURES
 #: the protocol features offered: several queues, acknowledged requests
@@ -79,6 +90,7 @@ MESSAGE_LOG_MAX = 1000
 CONNECTION_LOGS_MAX = 16
 HIPRIO = 0
 _FUSE_IN_HEADER_BYTES = 40
+_ONE = (1).to_bytes(8, "little")  # an eventfd increment
 
 
 @dataclass
@@ -318,7 +330,7 @@ class Device:
     def notify(self, ring: Ring) -> None:
         if ring.vq is not None and ring.call is not None and ring.vq.should_notify():
             try:
-                os.write(ring.call, (1).to_bytes(8, "little"))
+                os.write(ring.call, _ONE)
             except BlockingIOError:  # the counter is saturated: the guest will see it anyway
                 pass
 
@@ -409,9 +421,12 @@ class VirtioFsServer:
         self._new_dispatcher()
         self._disconnected = asyncio.Event()
         self._loop.add_reader(conn.fileno(), self._readable)
+        sweeper = self._loop.create_task(self._sweep_loop())
         try:
             await self._disconnected.wait()
         finally:
+            sweeper.cancel()
+            await asyncio.gather(sweeper, return_exceptions=True)
             self._loop.remove_reader(conn.fileno())
             for fd in self._fds:
                 _close_quietly(fd)
@@ -507,33 +522,75 @@ class VirtioFsServer:
                 self._loop.call_soon(self._drain, ring)
 
     def _drain(self, ring: Ring) -> None:
+        """Serve what ``ring`` has: kicks off while draining, then armed again (a batch ahead
+        on the high-priority queue); one call for what was answered. A request queue's turn
+        also takes the FORGETs waiting on the high-priority queue."""
         vq = ring.vq
         if vq is None or self.device is None:
             return
         self._draining = True
+        vq.suppress_kicks()
         try:
-            for _ in range(CHAINS_PER_WAKEUP_MAX):
-                if self._over_limits():
-                    ring.paused = True
+            popped = 0
+            while True:
+                while popped < CHAINS_PER_WAKEUP_MAX:
+                    popped += 1
+                    if self._over_limits():
+                        ring.paused = True
+                        return
+                    try:
+                        chain = vq.pop()
+                    except BrokenRing as e:
+                        log.error("virtiofs: queue %d stopped: %s", ring.index, e)
+                        ring.broken = True
+                        self._ring_stopped(ring)
+                        return
+                    if chain is None:
+                        break
+                    if isinstance(chain, BadChain):
+                        log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
+                        vq.push(chain.head, 0)
+                        continue
+                    self._request(ring, vq, chain)
+                else:  # more may wait: after other callbacks (kicks stay off until then)
+                    self._loop.call_soon(self._drain, ring)
                     return
                 try:
-                    chain = vq.pop()
-                except BrokenRing as e:
-                    log.error("virtiofs: queue %d stopped: %s", ring.index, e)
-                    ring.broken = True
-                    self._ring_stopped(ring)
-                    return
-                if chain is None:
-                    return
-                if isinstance(chain, BadChain):
-                    log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
-                    vq.push(chain.head, 0)
-                    continue
-                self._request(ring, vq, chain)
-            self._loop.call_soon(self._drain, ring)  # more may wait: after other callbacks
+                    if not vq.arm(min(HIPRIO_KICK_BATCH, vq.size // 2) - 1 if ring.index == HIPRIO else 0):
+                        break
+                except BrokenRing:
+                    continue  # the next pop says why and stops the queue
         finally:
             self._draining = False
             self.device.notify(ring)
+        if ring.index != HIPRIO:
+            hiprio = self.device.rings[HIPRIO]
+            if hiprio.vq is not None and not hiprio.broken and not hiprio.paused:
+                try:
+                    waiting = hiprio.vq.pending() > 0
+                except BrokenRing:
+                    waiting = True  # _drain stops it, logged
+                if waiting:
+                    self._drain(hiprio)
+
+    async def _sweep_loop(self) -> None:
+        """Every RING_SWEEP_S: drain the rings with entries waiting — the FORGETs short of a
+        high-priority batch while the guest is idle, and any kick lost to a race."""
+        while True:
+            await asyncio.sleep(RING_SWEEP_S)
+            device = self.device
+            if device is None:
+                continue
+            for ring in device.rings:
+                vq = ring.vq
+                if vq is None or ring.broken or ring.paused:
+                    continue
+                try:
+                    waiting = vq.pending() > 0
+                except BrokenRing:
+                    waiting = True  # _drain stops it, logged
+                if waiting:
+                    self._drain(ring)
 
     def _request(self, ring: Ring, vq: Virtqueue, chain) -> None:
         self.requests += 1
@@ -569,7 +626,7 @@ class VirtioFsServer:
                 chain.release()
                 return
             ring.held.discard(chain.head)
-            data = reply_bytes(unique, reply, error)
+            data = _reply_parts(unique, reply, error)
             if ring.vq is None:  # stopped (the VM is paused): answered when the ring starts again
                 ring.parked.append((chain, data))
                 return
@@ -581,15 +638,31 @@ class VirtioFsServer:
         if isinstance(req, m.Destroy):  # the guest unmounted: a later mount starts afresh
             self._new_dispatcher()
 
-    def _answer(self, ring: Ring, vq: Virtqueue, chain, data: bytes) -> None:
-        if len(data) > chain.writable_bytes:
-            log.error("virtiofs: a reply of %d bytes does not fit in %d", len(data), chain.writable_bytes)
-            data = encode_error(int.from_bytes(data[8:16], "little"), errno.EIO) if len(data) >= 16 else b""
-            if len(data) > chain.writable_bytes:
-                data = b""
-        n = chain.scatter(data) if data else 0
+    def _answer(self, ring: Ring, vq: Virtqueue, chain, data) -> None:
+        """Write the reply ``data`` (bytes, or a tuple of bytes-like parts) into ``chain`` and
+        put it in the used ring."""
+        parts = data if isinstance(data, tuple) else (data,)
+        room = chain.writable_bytes
+        if sum(map(len, parts)) > room:
+            head = bytes(parts[0][:16])
+            log.error("virtiofs: a reply of %d bytes does not fit in %d", sum(map(len, parts)), room)
+            parts = (encode_error(int.from_bytes(head[8:16], "little"), errno.EIO) if len(head) >= 16 else b"",)
+            if len(parts[0]) > room:
+                parts = (b"",)
+        n = chain.scatter(*parts)
         chain.release()
         vq.push(chain.head, n)
+
+
+def _reply_parts(unique: int, reply, error: BaseException | None) -> tuple:
+    """The reply's wire bytes as parts: a READ's (or READDIR's) payload not joined to its
+    header, so it is copied once, into guest memory; anything else as ``reply_bytes``."""
+    if error is None and type(reply) is m.Data:
+        try:
+            return encode_reply_parts(unique, reply)
+        except ValueError:
+            pass  # reply_bytes logs it and answers EIO
+    return (reply_bytes(unique, reply, error),)
 
 
 class VirtioFsThread:

@@ -26,9 +26,14 @@ Invariants (the guest is untrusted: its ring contents are data, never a crash):
   outside the table, breaks the ring: :class:`BrokenRing` (the device stops the queue; the
   driver must reset it) — the server's state is untouched;
 * :meth:`Virtqueue.push` writes the used element before the used index (the guest reads
-  the index, then the element); with ``VIRTIO_RING_F_EVENT_IDX`` the device publishes
-  ``avail_event`` after each pop and :meth:`Virtqueue.should_notify` applies the
-  driver's ``used_event``; without it, ``VRING_AVAIL_F_NO_INTERRUPT``.
+  the index, then the element); :meth:`Virtqueue.should_notify` applies the driver's
+  ``used_event`` with ``VIRTIO_RING_F_EVENT_IDX``, ``VRING_AVAIL_F_NO_INTERRUPT`` without it;
+* kicks: while the device drains a ring it asks for none (:meth:`Virtqueue.suppress_kicks`:
+  ``VRING_USED_F_NO_NOTIFY``, or with the event index ``avail_event`` simply left behind);
+  :meth:`Virtqueue.arm` asks for the next one (``avail_event`` = the next entry, or a batch
+  ahead) and then, after a full memory barrier, says whether entries came meanwhile — the
+  driver may have looked before the request was published, so the device drains again
+  rather than waiting for a kick that will not come.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 
 DESC = struct.Struct("<QIHH")
@@ -49,6 +55,15 @@ QUEUE_SIZE_MAX = 32768
 INDIRECT_DESCS_MAX = 1024
 _U16 = struct.Struct("<H")
 _USED_ELEM = struct.Struct("<II")
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier between our store to the ring and our next load from it (taking
+    a lock is a locked instruction on x86: stores before it are visible before loads after
+    it). The server's periodic sweep of the rings covers a kick missed anyway."""
+    with _FENCE:
+        pass
 
 # virtio feature bits used here
 F_INDIRECT_DESC = 1 << 28
@@ -78,6 +93,8 @@ class GuestMemory:
     def __init__(self, regions: list[Region], mappings: list[mmap.mmap] | None = None):
         self.regions = regions
         self._mappings = mappings or []
+        #: (start, end, view) of each region by guest-physical address: the descriptor walk's table
+        self.by_gpa = tuple((r.guest_addr, r.guest_addr + r.size, r.view) for r in regions)
 
     @classmethod
     def map(cls, table, fds: list[int]) -> GuestMemory:
@@ -122,6 +139,7 @@ class GuestMemory:
 
     def close(self) -> None:
         """Unmap. A chain still holding a view keeps its mapping alive until it is dropped."""
+        self.by_gpa = ()
         for r in self.regions:
             r.view.release()
         for mm in self._mappings:
@@ -152,18 +170,31 @@ class Chain:
             return None
         return b"".join(self.readable)
 
-    def scatter(self, data: bytes) -> int:
-        """Write ``data`` across the writable segments; the bytes written (all or ``ValueError``)."""
-        if len(data) > self.writable_bytes:
-            raise ValueError(f"{len(data)} bytes do not fit in {self.writable_bytes}")
-        pos = 0
-        for seg in self.writable:
-            if pos == len(data):
-                break
-            n = min(len(seg), len(data) - pos)
-            seg[:n] = data[pos:pos + n]
-            pos += n
-        return pos
+    def scatter(self, *parts) -> int:
+        """Write ``parts`` (bytes-like, in order) across the writable segments, each byte
+        copied once; the bytes written (all, or ``ValueError`` and nothing written)."""
+        total = sum(map(len, parts))
+        if total > self.writable_bytes:
+            raise ValueError(f"{total} bytes do not fit in {self.writable_bytes}")
+        segs = iter(self.writable)
+        seg, off, room = None, 0, 0
+        for part in parts:
+            mv = memoryview(part)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            pos, n = 0, len(mv)
+            while pos < n:
+                if room == 0:
+                    seg = next(segs)
+                    off, room = 0, len(seg)
+                    if room == 0:
+                        continue
+                k = min(room, n - pos)
+                seg[off:off + k] = mv[pos:pos + k]
+                pos += k
+                off += k
+                room -= k
+        return total
 
     def release(self) -> None:
         for b in self.readable + self.writable:
@@ -203,7 +234,7 @@ class Virtqueue:
         return _U16.unpack_from(self.avail, 2)[0]
 
     def pending(self) -> int:
-        n = (self.avail_idx() - self.last_avail) & 0xFFFF
+        n = (_U16.unpack_from(self.avail, 2)[0] - self.last_avail) & 0xFFFF
         if n > self.size:
             raise BrokenRing(f"available index {self.avail_idx()} is {n} ahead of {self.last_avail} "
                              f"(queue size {self.size})")
@@ -216,8 +247,6 @@ class Virtqueue:
         if head >= self.size:
             raise BrokenRing(f"head {head} outside a table of {self.size}")
         self.last_avail = (self.last_avail + 1) & 0xFFFF
-        if self.event_idx:  # avail_event: kick us when the driver passes this index
-            _U16.pack_into(self.used, 4 + 8 * self.size, self.last_avail)
         try:
             return self._walk(head)
         except (BadAddress, _Bad) as e:
@@ -225,32 +254,41 @@ class Virtqueue:
 
     def _walk(self, head: int) -> Chain:
         chain = Chain(head)
+        readable, writable = chain.readable, chain.writable
+        regions = self.mem.by_gpa  # the guest-physical translation of GuestMemory.gpa, inlined
+        unpack = DESC.unpack_from
         table, limit, i, count, nested = self.desc, self.size, head, 0, False
         try:
             while True:
                 count += 1
                 if count > limit:  # each table's chain visits each of its entries at most once
                     raise _Bad(f"chain longer than its table of {limit} (a loop?)")
-                addr, length, flags, nxt = DESC.unpack_from(table, 16 * i)
+                addr, length, flags, nxt = unpack(table, 16 * i)
                 if flags & DESC_F_INDIRECT:
                     if not self.indirect:
                         raise _Bad("indirect descriptor, not negotiated")
                     if nested:
                         raise _Bad("indirect descriptor inside an indirect table")
-                    if flags & DESC_F_NEXT or chain.readable or chain.writable:
+                    if flags & DESC_F_NEXT or readable or writable:
                         raise _Bad("an indirect descriptor must be the chain's only one")
                     if length == 0 or length % 16 or length // 16 > INDIRECT_DESCS_MAX:
                         raise _Bad(f"indirect table of {length} bytes")
                     table, limit, i, count, nested = self.mem.gpa(addr, length), length // 16, 0, 0, True
                     continue
-                buf = self.mem.gpa(addr, length)
+                end = addr + length
+                for start, stop, view in regions:
+                    if start <= addr and end <= stop:
+                        buf = view[addr - start:end - start]
+                        break
+                else:
+                    raise BadAddress(f"guest range {addr:#x}+{length:#x} is not inside one mapped region")
                 if flags & DESC_F_WRITE:
-                    chain.writable.append(buf)
-                elif chain.writable:
+                    writable.append(buf)
+                elif writable:
                     buf.release()
                     raise _Bad("readable descriptor after a writable one")
                 else:
-                    chain.readable.append(buf)
+                    readable.append(buf)
                 if not flags & DESC_F_NEXT:
                     return chain
                 if nxt >= limit:
@@ -265,6 +303,25 @@ class Virtqueue:
         _USED_ELEM.pack_into(self.used, 4 + 8 * (self.used_idx % self.size), head, length)
         self.used_idx = (self.used_idx + 1) & 0xFFFF
         _U16.pack_into(self.used, 2, self.used_idx)
+
+    def suppress_kicks(self) -> None:
+        """While the device drains the ring the driver need not kick: ``VRING_USED_F_NO_NOTIFY``
+        without the event index; with it, ``avail_event`` stays where the last :meth:`arm`
+        put it, which the driver has passed."""
+        if not self.event_idx:
+            _U16.pack_into(self.used, 0, USED_F_NO_NOTIFY)
+
+    def arm(self, ahead: int = 0) -> bool:
+        """Ask for a kick when the driver makes available the entry ``ahead`` places past the
+        next one to read (0: at the next entry; without the event index: at every entry);
+        True if entries are waiting already (drain again: the driver may have decided
+        before it saw this)."""
+        if self.event_idx:
+            _U16.pack_into(self.used, 4 + 8 * self.size, (self.last_avail + ahead) & 0xFFFF)
+        else:
+            _U16.pack_into(self.used, 0, 0)
+        _fence()
+        return self.pending() > 0
 
     def should_notify(self) -> bool:
         """Whether to signal the call eventfd now for the entries pushed since the last time."""
