@@ -442,6 +442,11 @@ def _err(buf, **kw) -> ProtocolError:
 
 def test_bounds_errnos():
     assert _err(b"").unique is None
+    # unique 0 is the notifications' id: no reply could name such a request, so nobody is
+    # answered (a reply encoded for it would raise) — malformed or not; FORGETs need none
+    zero = _hdr(1, b"hello\0", unique=0)
+    assert _err(zero).unique is None and _err(zero + b"\0").unique is None
+    assert decode_request(_hdr(2, struct.pack("<Q", 1), unique=0)).header.unique == 0
     assert _err(bytes(39)).errno == errno.EINVAL
     good = _hdr(1, b"hello\0")
     assert (_err(good + b"\0").errno, _err(good + b"\0").unique) == (errno.EINVAL, 9)  # len != buffer

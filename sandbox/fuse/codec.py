@@ -269,6 +269,9 @@ _DISPATCH[Opcode.BATCH_FORGET.value] = _decode_batch_forget
 assert set(_DISPATCH) == set(m.REQUEST_TYPES), "every request class has a decoder"
 
 
+_NO_REPLY_OPCODES = frozenset(op.value for op in m.NO_REPLY)
+
+
 def decode_request(buf: bytes | bytearray | memoryview, *, setxattr_ext: bool = False) -> m.Request:
     """One request read from ``/dev/fuse`` -> its :class:`~sandbox.fuse.messages.Request`.
 
@@ -286,6 +289,8 @@ def decode_request(buf: bytes | bytearray | memoryview, *, setxattr_ext: bool = 
     length, opcode, unique, nodeid, uid, gid, pid, extlen, _ = _IN_HEADER.unpack_from(buf, 0)
     if length != n:
         raise ProtocolError(E.EINVAL, f"header len {length} but {n} bytes read", unique, opcode)
+    if unique == 0 and opcode not in _NO_REPLY_OPCODES:  # no reply can name it: nobody to answer
+        raise ProtocolError(E.EINVAL, "a request with unique 0 (the id of notifications)", None, opcode)
     if n > REQUEST_BYTES_MAX:
         raise ProtocolError(E.EINVAL, f"request of {n} bytes > {REQUEST_BYTES_MAX}", unique, opcode)
     end = n - 8 * extlen

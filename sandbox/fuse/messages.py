@@ -61,14 +61,15 @@ class ProtocolError(Exception):
     ``errno`` is what the dispatcher answers (``EINVAL`` for malformed bytes,
     ``ENAMETOOLONG``/``ERANGE``/``E2BIG`` for over-long names and values, ``ENOSYS`` for
     :class:`UnknownOpcode`); ``unique`` is the request's id when the header was readable
-    (``None``: not even that, there is nobody to answer), ``opcode`` likewise.
+    (``None``: not even that, or 0 — the id of notifications, which no request may carry —:
+    there is nobody to answer), ``opcode`` likewise.
     """
 
     def __init__(self, errno: int, message: str, unique: int | None = None, opcode: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
         self.message = message
-        self.unique = unique
+        self.unique = unique or None
         self.opcode = opcode
 
     def __str__(self) -> str:
