@@ -15,6 +15,7 @@ disconnect; what was written is undone exactly.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -608,3 +609,25 @@ def test_a_held_request_survives_a_paused_vm_and_is_forgotten_by_a_reset(tmp_pat
         fe.close()
         srv.close()
         os.close(guest.fd)
+
+
+@pytest.mark.parametrize("unique", [0, 7])
+def test_a_request_too_big_to_gather_is_refused_by_its_unique_or_dropped(live, unique):
+    """A chain whose readable bytes exceed the request buffer (two descriptors over the same
+    768 KiB, 1.5 MiB in all) is not gathered: answered EINVAL under its header's unique, or —
+    unique 0, the notifications' id, which no reply may carry — returned empty; the server
+    keeps serving."""
+    srv, fe, guest = live
+    span = MEM - DATA_AT
+    assert 2 * span > abi.READ_BUFFER_BYTES
+    guest.poke(DATA_AT, struct.pack("<IIQ", 2 * span, abi.Opcode.GETATTR, unique))
+    reply_at = 0x30000
+    head = guest.offer(1, [(GPA + DATA_AT, span, 0), (GPA + DATA_AT, span, 0), (GPA + reply_at, 64, 2)])
+    ((used_head, n),) = fe.kick_and_wait(1)
+    assert used_head == head
+    if unique:
+        assert n == 16 and struct.unpack_from("<IiQ", guest.peek(reply_at, 16)) == (16, -errno.EINVAL, unique)
+    else:
+        assert n == 0
+    head, at = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
+    assert fe.kick_and_wait(1) == [(head, 120)]

@@ -597,8 +597,9 @@ class VirtioFsServer:
         buf = chain.gather(abi.READ_BUFFER_BYTES)
         if buf is None:
             head = bytes(chain.readable[0][:_FUSE_IN_HEADER_BYTES]) if chain.readable else b""
-            if len(head) == _FUSE_IN_HEADER_BYTES:
-                self._answer(ring, vq, chain, encode_error(int.from_bytes(head[8:16], "little"), errno.EINVAL))
+            unique = int.from_bytes(head[8:16], "little") if len(head) == _FUSE_IN_HEADER_BYTES else 0
+            if unique:  # 0: no reply can name it (the notifications' id)
+                self._answer(ring, vq, chain, encode_error(unique, errno.EINVAL))
             else:
                 self._answer(ring, vq, chain, b"")
             return
