@@ -551,7 +551,10 @@ class VirtioFsServer:
                         log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
                         vq.push(chain.head, 0)
                         continue
-                    self._request(ring, vq, chain)
+                    try:
+                        self._request(ring, vq, chain)
+                    except Exception:  # a defect of ours: that request goes unanswered, the rest flow
+                        log.exception("virtiofs: queue %d: request in chain %d failed", ring.index, chain.head)
                 else:  # more may wait: after other callbacks (kicks stay off until then)
                     self._loop.call_soon(self._drain, ring)
                     return
