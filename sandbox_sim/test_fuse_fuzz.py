@@ -68,8 +68,11 @@ def check_one(buf: bytes, setxattr_ext: bool = False) -> None:
     try:
         r = decode_request(buf, setxattr_ext=setxattr_ext)
     except ProtocolError as e:
-        assert (e.unique is None) == (len(buf) < abi.IN_HEADER_SIZE)
+        # nobody to answer: no readable header, or its unique is 0 (the notifications' id)
+        unreadable = len(buf) < abi.IN_HEADER_SIZE or struct.unpack_from("<Q", buf, 8)[0] == 0
+        assert (e.unique is None) == unreadable
         return
+    assert r.header.unique or r.OPCODE in m.NO_REPLY  # only FORGETs may carry no id
     _check_request(r, buf, setxattr_ext)
 
 
