@@ -594,7 +594,10 @@ def dir_meta_plan(records: list[dict]) -> list[dict]:
     return plan
 
 
-def content_hash(fs: HostFS, path: str) -> str:
+def content_hash(fs: HostFS, path: str, size: int | None = None) -> str:
+    """The blake2b of the file's bytes, read until a read returns none — or, given the
+    ``size`` it was just seen with, until a short read at or past that size (the end then:
+    no read more to see nothing, which costs a path resolution)."""
     h = hashlib.blake2b(digest_size=16)
     offset = 0
     while True:
@@ -603,6 +606,8 @@ def content_hash(fs: HostFS, path: str) -> str:
             return h.hexdigest()
         h.update(chunk)
         offset += len(chunk)
+        if size is not None and len(chunk) < CHUNK_BYTES and offset >= size:
+            return h.hexdigest()
 
 
 def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | None:
@@ -617,7 +622,7 @@ def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | N
     if st is None:
         return None
     if st.kind == REG:
-        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path)]
+        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path, st.size)]
     if st.kind == LNK:
         return [LNK, fs.readlink(path)]
     if st.kind == DIR:

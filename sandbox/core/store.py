@@ -807,6 +807,8 @@ class UndoLog:
                 self.fs.write_all(blob, stored, bytes(pending))
                 stored += len(pending)
                 pending.clear()
+            if len(chunk) < preimage.CHUNK_BYTES and offset >= st.size:
+                break  # a short read at the size just seen: the end (no read more to find nothing)
         pending += comp.flush()
         if not in_blob and len(pending) <= INLINE_MAX_BYTES:
             return {"enc": "zstd", "data": b64(bytes(pending)), "size": size, "stored": len(pending), "hash": digest.hexdigest()}

@@ -122,6 +122,10 @@ UNSUPPORTED = frozenset({abi.Opcode.GETLK, abi.Opcode.SETLK, abi.Opcode.SETLKW})
 #: requests that may mutate the tree: they pass the export's hold gate
 _MUTATING = (m.Setattr, m.Symlink, m.Mknod, m.Mkdir, m.Unlink, m.Rmdir, m.Rename, m.Rename2, m.Link, m.Create,
              m.Write, m.Setxattr, m.Removexattr, m.Fallocate, m.CopyFileRange)
+#: the same as exact types (a request is always one of the codec's classes: ``type(req) in``)
+_MUTATING_TYPES = frozenset(_MUTATING)
+#: requests the kernel expects no reply to (:data:`~.messages.NO_REPLY`), as types
+_NO_REPLY_TYPES = frozenset({m.Forget, m.BatchForget})
 #: the largest file offset (loff_t)
 _OFF_MAX = (1 << 63) - 1
 #: the attributes of a negative entry (nodeid 0): never read by the kernel
@@ -309,7 +313,7 @@ class Dispatcher:
         h = self._handlers.get(type(req))
         if h is None:
             raise OSError(errno.ENOSYS, f"{type(req).__name__} is not served")
-        if not self.initialized and not isinstance(req, m.Init):
+        if not self.initialized and type(req) is not m.Init:
             raise OSError(errno.EIO, "INIT must come first")
         return h(req)
 
@@ -317,7 +321,7 @@ class Dispatcher:
         """The export whose hold gate ``req`` must pass (it may mutate an intercepted tree)."""
         if self.export.gate is None:
             return None
-        if isinstance(req, _MUTATING) or (isinstance(req, m.Open) and req.flags & os.O_TRUNC):
+        if type(req) in _MUTATING_TYPES or (type(req) is m.Open and req.flags & os.O_TRUNC):
             return self.export
         return None
 
@@ -327,11 +331,13 @@ class Dispatcher:
         ``EINTR``).
         True if it was deferred behind a hold (its reply comes later)."""
         unique = req.header.unique
-        if isinstance(req, m.Interrupt):
+        kind = type(req)
+        if kind is m.Interrupt:
             self._interrupted(req, send)
             return False
-        self.last_unique = max(self.last_unique, unique)
-        if req.OPCODE in m.NO_REPLY:
+        if unique > self.last_unique:
+            self.last_unique = unique
+        if kind in _NO_REPLY_TYPES:
             try:
                 self.handle(req)
             except Exception:  # pragma: no cover - forgets never fail
@@ -341,7 +347,15 @@ class Dispatcher:
             send(unique, None, OSError(errno.ENOSYS, f"{req.OPCODE.name} is not served"))
             return False
         gate = self.gated(req)
-        if gate is not None and self.closing:
+        if gate is None:  # the pipeline's ungated case, without its closures: at once, in this turn
+            try:
+                result = self.handle(req)
+            except Exception as e:
+                send(unique, None, e)
+            else:
+                send(unique, result, None)
+            return False
+        if self.closing:
             send(unique, None, OSError(errno.EIO, "the mount is going away"))
             return False
         return self.pipeline.run(unique, gate, lambda: self.handle(req), size,
