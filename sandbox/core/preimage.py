@@ -601,13 +601,26 @@ def content_hash(fs: HostFS, path: str, size: int | None = None) -> str:
     h = hashlib.blake2b(digest_size=16)
     offset = 0
     while True:
-        chunk = fs.read(path, offset, CHUNK_BYTES)
+        want = CHUNK_BYTES if size is None else read_size(size, offset)
+        chunk = fs.read(path, offset, want)
         if not chunk:
             return h.hexdigest()
         h.update(chunk)
         offset += len(chunk)
-        if size is not None and len(chunk) < CHUNK_BYTES and offset >= size:
+        if size is not None and len(chunk) < want and offset >= size:
             return h.hexdigest()
+
+
+#: the smallest read of a file whose size is known (:func:`read_size`)
+SIZED_READ_BYTES_MIN = 64 << 10
+
+
+def read_size(size: int, offset: int) -> int:
+    """How much to read at ``offset`` of a file just seen ``size`` bytes long: what is left and
+    one byte more (a short read then says it was the end), at least
+    :data:`SIZED_READ_BYTES_MIN` (a file that grew meanwhile is read on in such steps), at
+    most :data:`CHUNK_BYTES` — a small file costs no 1 MiB buffer."""
+    return min(CHUNK_BYTES, max(size - offset + 1, SIZED_READ_BYTES_MIN))
 
 
 def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | None:
