@@ -33,7 +33,7 @@ Invariants:
 * **no-open** (:attr:`Dispatcher.no_open`, chosen at INIT for a coherent /dev/fuse mount):
   OPEN and FLUSH are ``ENOSYS``, CREATE answers handle 0, and I/O with handle 0 goes through
   the node's own descriptors (``Node.ro``/``Node.rw``), opened by path while the path names
-  the node's inode, at most :data:`NODE_DESCRIPTORS_MAX` nodes holding them (LRU); a regular
+  the node's inode, at most :attr:`Dispatcher.node_descriptors_max` nodes holding them (LRU); a regular
   file whose last known name is removed through the mount gets them first and keeps them
   (``Node.pinned``, outside the LRU) until its node is dropped; reads never open for writing.
 * **credentials** come from each request's header uid/gid (:class:`Cred`), which the
@@ -111,9 +111,14 @@ WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BI
 NEGATIVE_ENTRIES_MAX = 4096
 #: no-open mode (:attr:`Dispatcher.no_open`): host descriptors kept on nodes for READ/WRITE,
 #: which then carry no handle; beyond it the least recently used node's are closed (reopened
-#: by path at its next use). Nodes whose last name was removed while the kernel knew them keep
-#: theirs until FORGET (an unlinked file a program still has open) and are not counted here
-NODE_DESCRIPTORS_MAX = 256
+#: by path at its next use). Never more than the mount's share of the process's descriptor budget
+#: allows either, two a node (:attr:`Dispatcher.node_descriptors_max`: 2,468 nodes under a soft
+#: RLIMIT_NOFILE of 20,000, 96 under 1,024). Large enough that a tree of a few thousand files the
+#: kernel keeps cached is served through its nodes' descriptors: a READ is one ``pread``, a
+#: GETATTR one ``fstat`` and one ``flistxattr``, no path resolved (docs/fuse.md "Benchmark").
+#: Nodes whose last name was removed while the kernel knew them keep theirs until FORGET (an
+#: unlinked file a program still has open) and are not counted here
+NODE_DESCRIPTORS_MAX = 4096
 
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
@@ -983,10 +988,19 @@ class Dispatcher:
             self._lru[n.nodeid] = n
             self._lru.move_to_end(n.nodeid)
 
+    @property
+    def node_descriptors_max(self) -> int:
+        """How many nodes may keep descriptors now (no-open): :data:`NODE_DESCRIPTORS_MAX`, and
+        at most half of this mount's share of the process's descriptor budget (the share
+        ``open_files_per_connection_share_max`` an OPEN-handle mount may hold), at least one."""
+        share = int(self.descriptors.capacity * self.limits.open_files_per_connection_share_max)
+        return max(1, min(NODE_DESCRIPTORS_MAX, share // 2))
+
     def _make_room(self) -> None:
-        """At most :data:`NODE_DESCRIPTORS_MAX` nodes keep descriptors: close the least
+        """At most :attr:`node_descriptors_max` nodes keep descriptors: close the least
         recently used one's (it reopens by path when next used)."""
-        while len(self._lru) >= NODE_DESCRIPTORS_MAX:
+        bound = self.node_descriptors_max
+        while len(self._lru) >= bound:
             _nodeid, n = self._lru.popitem(last=False)
             self._close_node_handles(n)
 
