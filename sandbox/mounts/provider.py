@@ -367,8 +367,10 @@ class Provider:
             self._killed_on_write(handle, path, cred)
         if atime_ns is not None or mtime_ns is not None:
             now = time.time_ns()
-            cur = handle.fstat() if handle is not None else self.host.getattr(path)
-            m = cur.mtime_ns if mtime_ns is None else (now if mtime_ns == -1 else mtime_ns)
+            if mtime_ns is None:  # only the atime changes: the mtime stays as it is now
+                m = (handle.fstat() if handle is not None else self.host.getattr(path)).mtime_ns
+            else:
+                m = now if mtime_ns == -1 else mtime_ns
             a = None if atime_ns is None else (now if atime_ns == -1 else atime_ns)
             if handle is not None:
                 self.fs.futime(handle, path, m, a)
