@@ -766,6 +766,29 @@ def test_no_open_descriptors_stay_within_the_mounts_share_of_the_process_budget(
     assert budget.held == 0
 
 
+def test_no_open_a_full_process_budget_closes_idle_node_descriptors_before_failing_a_read(tmp_path):
+    """Other servers of the process hold all but one descriptor: a read needing a new one first
+    closes this mount's least recently used node's, instead of failing with ENFILE."""
+    budget = DescriptorBudget(reserved=0, nofile=lambda: 40)  # 5 nodes for this mount
+    mo = Mount(tmp_path, no_open=True, descriptors=budget)
+    try:
+        for _ in range(39):  # the rest of the process
+            budget.acquire()
+        nodes = []
+        for i in range(3):
+            with open(mo.host(f"f{i}"), "wb") as f:
+                f.write(bytes([65 + i]))
+            nodes.append(mo.lookup(f"f{i}").nodeid)
+            assert mo.read(nodes[-1], 0, 1) == bytes([65 + i])
+            assert budget.held == 40
+        assert mo.read(nodes[0], 0, 1) == b"A"  # reopened by path, another one closed
+        for _ in range(39):
+            budget.release()
+    finally:
+        mo.close()
+    assert budget.held == 0
+
+
 def test_no_open_without_the_watcher_a_host_edit_seen_in_attributes_drops_the_pages(nomnt):
     """A no-open mount that lost its watcher (not coherent): the kernel keeps a file's pages
     across opens and has no AUTO_INVAL_DATA, so the server does its part — a LOOKUP or GETATTR

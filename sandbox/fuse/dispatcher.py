@@ -998,9 +998,12 @@ class Dispatcher:
 
     def _make_room(self) -> None:
         """At most :attr:`node_descriptors_max` nodes keep descriptors: close the least
-        recently used one's (it reopens by path when next used)."""
+        recently used one's (it reopens by path when next used). Also while the process's
+        budget has no descriptor left for the one about to be opened (other mounts or servers
+        of this process hold the rest): this mount's idle ones go first, not the request."""
         bound = self.node_descriptors_max
-        while len(self._lru) >= bound:
+        budget = self.descriptors
+        while self._lru and (len(self._lru) >= bound or budget.held >= budget.capacity):
             _nodeid, n = self._lru.popitem(last=False)
             self._close_node_handles(n)
 
