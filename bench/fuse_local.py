@@ -30,7 +30,8 @@ One workload, timed on three sides, in fresh folders on the same disk:
                read-write Provider: no undo core)
   plain        DIR itself, no FUSE
 
-Phases (each timed with time.perf_counter; the sides are interleaved round by round, in a
+Phases (each timed with time.perf_counter, and the server's own CPU time read from
+/proc/PID/task/*/schedstat before and after, which the load of other processes changes least; the sides are interleaved round by round, in a
 rotated order, and each phase's median over --repeat rounds is printed):
   create    --files small files (1 KiB, in 20 directories): open, write, close
   stat      os.stat of each file
@@ -83,6 +84,19 @@ class Mounted:
         with open(self.counts) as f:
             last = json.loads(f.read().splitlines()[-1])
         return dict(last["ops"], notified=last["notified"])
+
+    def cpu_s(self) -> float:
+        """Seconds of CPU the server has used so far, all its threads (``/proc/PID/task/*/schedstat``:
+        nanoseconds on a CPU; the serving loop's, the watcher's and the notifier's)."""
+        total = 0
+        task = f"/proc/{self.proc.pid}/task"
+        for tid in os.listdir(task):
+            try:
+                with open(f"{task}/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # a thread that ended meanwhile
+        return total / 1e9
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -190,6 +204,7 @@ def main(argv=None) -> int:
                GIT_COMMITTER_NAME="bench", GIT_COMMITTER_EMAIL="bench@example.invalid", GIT_CONFIG_NOSYSTEM="1")
     results: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
     ops: dict[str, dict[str, collections.Counter]] = {s: {} for s in sides}
+    cpu: dict[str, list[dict[str, float]]] = {s: [] for s in sides if s != "plain"}
     print(f"{args.files} files, {args.mb} MiB, {args.repeat} rounds, in {base}", flush=True)
     try:
         for r in range(args.repeat):
@@ -202,15 +217,23 @@ def main(argv=None) -> int:
                 counts = os.path.join(d, "counts.jsonl") if args.counts else None
                 mounted = None if side == "plain" else Mounted(work, point, state, side == "no-undo", counts)
                 counted = None
-                if mounted is not None and counts:
+                if mounted is not None:
                     marks: dict = {}
+                    server_cpu = {}
+                    cpu[side].append(server_cpu)
 
-                    def counted(phase, before, mounted=mounted, marks=marks, side=side):
-                        now = mounted.op_counts()
+                    def counted(phase, before, mounted=mounted, marks=marks, side=side, server_cpu=server_cpu,
+                                counts=counts):
+                        if not before:
+                            server_cpu[phase] = mounted.cpu_s() - marks[phase, "cpu"]
+                        if counts:
+                            now = mounted.op_counts()
+                            if before:
+                                marks[phase] = now
+                            else:
+                                ops[side][phase] = collections.Counter(now) - collections.Counter(marks[phase])
                         if before:
-                            marks[phase] = now
-                        else:
-                            ops[side][phase] = collections.Counter(now) - collections.Counter(marks[phase])
+                            marks[phase, "cpu"] = mounted.cpu_s()
                 try:
                     times = workload(work if side == "plain" else point, args.files, args.mb, env, counted)
                 finally:
@@ -223,9 +246,26 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report(results, args.files, args.mb)
+    report_cpu(cpu, ops if args.counts else None)
     if args.counts:
         report_counts(ops)
     return 0
+
+
+def report_cpu(cpu: dict, ops: dict | None) -> None:
+    """The server's own CPU per phase (medians): what the load of other processes changes least."""
+    if not any(cpu.values()):
+        return
+    print("\nserver CPU per phase (ms, medians; all its threads)" + (", and µs per request" if ops else ""))
+    for side, runs in cpu.items():
+        if not runs:
+            continue
+        cells = []
+        for phase in runs[0]:
+            ms = statistics.median(r[phase] for r in runs) * 1000
+            n = sum(v for k, v in ops[side].get(phase, {}).items() if k != "notified") if ops else 0
+            cells.append(f"{phase} {ms:.0f}" + (f" ({ms * 1000 / n:.0f} µs/req)" if n else ""))
+        print(f"  {side:12s} " + "  ".join(cells))
 
 
 def report_counts(ops: dict) -> None:

@@ -702,7 +702,7 @@ def test_no_open_an_unlinked_file_keeps_its_descriptor_until_forget(tmp_path):
         assert mo.write(e.nodeid, 0, b"more", 4) == 4
         assert mo.read(e.nodeid, 0, 8) == b"datamore"
         assert mo.getattr(e.nodeid).size == 8
-        for i in range(dispatcher_module.NODE_DESCRIPTORS_MAX + 3):  # the LRU never closes it
+        for i in range(mo.d.node_descriptors_max + 3):  # the LRU never closes it
             with open(mo.host(f"o{i}"), "wb") as f:
                 f.write(b"x")
             assert mo.read(mo.lookup(f"o{i}").nodeid, 0, 1) == b"x"
@@ -740,6 +740,50 @@ def test_no_open_descriptors_are_bounded_least_recently_used_first(tmp_path, mon
         assert mo.read(nodes[0], 0, 2) == b"Az"  # closed long ago: reopened by path
         os.rename(mo.host("f1"), mo.host("moved"))  # beside the mount: the node's name now names nothing
         assert mo.err(m.Read(H(abi.Opcode.READ, nodes[1]), 0, 0, 1, 0, 0, 0)) in (errno.ESTALE, errno.ENOENT)
+    finally:
+        mo.close()
+    assert budget.held == 0
+
+
+def test_no_open_descriptors_stay_within_the_mounts_share_of_the_process_budget(tmp_path):
+    """NODE_DESCRIPTORS_MAX is large (a cached tree's files are served through their nodes'
+    descriptors); under a small RLIMIT_NOFILE the bound is half the mount's share of the
+    process's budget (two descriptors a node), so the LRU closes before the budget runs out."""
+    budget = DescriptorBudget(reserved=0, nofile=lambda: 40)  # share 1/4: 10 descriptors, 5 nodes
+    mo = Mount(tmp_path, no_open=True, descriptors=budget)
+    try:
+        assert mo.d.node_descriptors_max == 5 < dispatcher_module.NODE_DESCRIPTORS_MAX
+        for i in range(12):
+            with open(mo.host(f"f{i}"), "wb") as f:
+                f.write(bytes([65 + i]))
+            nodeid = mo.lookup(f"f{i}").nodeid
+            assert mo.read(nodeid, 0, 1) == bytes([65 + i])
+            assert mo.write(nodeid, 0, b"z", 1) == 1
+            holding = [n for n in mo.d.nodes.values() if n.ro is not None or n.rw is not None]
+            assert len(holding) <= 5 and budget.held <= 10
+    finally:
+        mo.close()
+    assert budget.held == 0
+
+
+def test_no_open_a_full_process_budget_closes_idle_node_descriptors_before_failing_a_read(tmp_path):
+    """Other servers of the process hold all but one descriptor: a read needing a new one first
+    closes this mount's least recently used node's, instead of failing with ENFILE."""
+    budget = DescriptorBudget(reserved=0, nofile=lambda: 40)  # 5 nodes for this mount
+    mo = Mount(tmp_path, no_open=True, descriptors=budget)
+    try:
+        for _ in range(39):  # the rest of the process
+            budget.acquire()
+        nodes = []
+        for i in range(3):
+            with open(mo.host(f"f{i}"), "wb") as f:
+                f.write(bytes([65 + i]))
+            nodes.append(mo.lookup(f"f{i}").nodeid)
+            assert mo.read(nodes[-1], 0, 1) == bytes([65 + i])
+            assert budget.held == 40
+        assert mo.read(nodes[0], 0, 1) == b"A"  # reopened by path, another one closed
+        for _ in range(39):
+            budget.release()
     finally:
         mo.close()
     assert budget.held == 0

@@ -594,15 +594,33 @@ def dir_meta_plan(records: list[dict]) -> list[dict]:
     return plan
 
 
-def content_hash(fs: HostFS, path: str) -> str:
+def content_hash(fs: HostFS, path: str, size: int | None = None) -> str:
+    """The blake2b of the file's bytes, read until a read returns none — or, given the
+    ``size`` it was just seen with, until a short read at or past that size (the end then:
+    no read more to see nothing, which costs a path resolution)."""
     h = hashlib.blake2b(digest_size=16)
     offset = 0
     while True:
-        chunk = fs.read(path, offset, CHUNK_BYTES)
+        want = CHUNK_BYTES if size is None else read_size(size, offset)
+        chunk = fs.read(path, offset, want)
         if not chunk:
             return h.hexdigest()
         h.update(chunk)
         offset += len(chunk)
+        if size is not None and len(chunk) < want and offset >= size:
+            return h.hexdigest()
+
+
+#: the smallest read of a file whose size is known (:func:`read_size`)
+SIZED_READ_BYTES_MIN = 64 << 10
+
+
+def read_size(size: int, offset: int) -> int:
+    """How much to read at ``offset`` of a file just seen ``size`` bytes long: what is left and
+    one byte more (a short read then says it was the end), at least
+    :data:`SIZED_READ_BYTES_MIN` (a file that grew meanwhile is read on in such steps), at
+    most :data:`CHUNK_BYTES` — a small file costs no 1 MiB buffer."""
+    return min(CHUNK_BYTES, max(size - offset + 1, SIZED_READ_BYTES_MIN))
 
 
 def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | None:
@@ -617,7 +635,7 @@ def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | N
     if st is None:
         return None
     if st.kind == REG:
-        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path)]
+        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path, st.size)]
     if st.kind == LNK:
         return [LNK, fs.readlink(path)]
     if st.kind == DIR:

@@ -793,7 +793,8 @@ class UndoLog:
         in_blob = False
         offset = 0
         while True:
-            chunk = work.read(path, offset, preimage.CHUNK_BYTES)
+            want = preimage.read_size(st.size, offset)
+            chunk = work.read(path, offset, want)
             if not chunk:
                 break
             offset += len(chunk)
@@ -807,6 +808,8 @@ class UndoLog:
                 self.fs.write_all(blob, stored, bytes(pending))
                 stored += len(pending)
                 pending.clear()
+            if len(chunk) < want and offset >= st.size:
+                break  # a short read at the size just seen: the end (no read more to find nothing)
         pending += comp.flush()
         if not in_blob and len(pending) <= INLINE_MAX_BYTES:
             return {"enc": "zstd", "data": b64(bytes(pending)), "size": size, "stored": len(pending), "hash": digest.hexdigest()}

@@ -33,7 +33,7 @@ Invariants:
 * **no-open** (:attr:`Dispatcher.no_open`, chosen at INIT for a coherent /dev/fuse mount):
   OPEN and FLUSH are ``ENOSYS``, CREATE answers handle 0, and I/O with handle 0 goes through
   the node's own descriptors (``Node.ro``/``Node.rw``), opened by path while the path names
-  the node's inode, at most :data:`NODE_DESCRIPTORS_MAX` nodes holding them (LRU); a regular
+  the node's inode, at most :attr:`Dispatcher.node_descriptors_max` nodes holding them (LRU); a regular
   file whose last known name is removed through the mount gets them first and keeps them
   (``Node.pinned``, outside the LRU) until its node is dropped; reads never open for writing.
 * **credentials** come from each request's header uid/gid (:class:`Cred`), which the
@@ -111,9 +111,14 @@ WANTED_INIT_FLAGS = (abi.FUSE_ASYNC_READ | abi.FUSE_ATOMIC_O_TRUNC | abi.FUSE_BI
 NEGATIVE_ENTRIES_MAX = 4096
 #: no-open mode (:attr:`Dispatcher.no_open`): host descriptors kept on nodes for READ/WRITE,
 #: which then carry no handle; beyond it the least recently used node's are closed (reopened
-#: by path at its next use). Nodes whose last name was removed while the kernel knew them keep
-#: theirs until FORGET (an unlinked file a program still has open) and are not counted here
-NODE_DESCRIPTORS_MAX = 256
+#: by path at its next use). Never more than the mount's share of the process's descriptor budget
+#: allows either, two a node (:attr:`Dispatcher.node_descriptors_max`: 2,468 nodes under a soft
+#: RLIMIT_NOFILE of 20,000, 96 under 1,024). Large enough that a tree of a few thousand files the
+#: kernel keeps cached is served through its nodes' descriptors: a READ is one ``pread``, a
+#: GETATTR one ``fstat`` and one ``flistxattr``, no path resolved (docs/fuse.md "Benchmark").
+#: Nodes whose last name was removed while the kernel knew them keep theirs until FORGET (an
+#: unlinked file a program still has open) and are not counted here
+NODE_DESCRIPTORS_MAX = 4096
 
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
@@ -122,6 +127,10 @@ UNSUPPORTED = frozenset({abi.Opcode.GETLK, abi.Opcode.SETLK, abi.Opcode.SETLKW})
 #: requests that may mutate the tree: they pass the export's hold gate
 _MUTATING = (m.Setattr, m.Symlink, m.Mknod, m.Mkdir, m.Unlink, m.Rmdir, m.Rename, m.Rename2, m.Link, m.Create,
              m.Write, m.Setxattr, m.Removexattr, m.Fallocate, m.CopyFileRange)
+#: the same as exact types (a request is always one of the codec's classes: ``type(req) in``)
+_MUTATING_TYPES = frozenset(_MUTATING)
+#: requests the kernel expects no reply to (:data:`~.messages.NO_REPLY`), as types
+_NO_REPLY_TYPES = frozenset({m.Forget, m.BatchForget})
 #: the largest file offset (loff_t)
 _OFF_MAX = (1 << 63) - 1
 #: the attributes of a negative entry (nodeid 0): never read by the kernel
@@ -309,7 +318,7 @@ class Dispatcher:
         h = self._handlers.get(type(req))
         if h is None:
             raise OSError(errno.ENOSYS, f"{type(req).__name__} is not served")
-        if not self.initialized and not isinstance(req, m.Init):
+        if not self.initialized and type(req) is not m.Init:
             raise OSError(errno.EIO, "INIT must come first")
         return h(req)
 
@@ -317,7 +326,7 @@ class Dispatcher:
         """The export whose hold gate ``req`` must pass (it may mutate an intercepted tree)."""
         if self.export.gate is None:
             return None
-        if isinstance(req, _MUTATING) or (isinstance(req, m.Open) and req.flags & os.O_TRUNC):
+        if type(req) in _MUTATING_TYPES or (type(req) is m.Open and req.flags & os.O_TRUNC):
             return self.export
         return None
 
@@ -327,11 +336,13 @@ class Dispatcher:
         ``EINTR``).
         True if it was deferred behind a hold (its reply comes later)."""
         unique = req.header.unique
-        if isinstance(req, m.Interrupt):
+        kind = type(req)
+        if kind is m.Interrupt:
             self._interrupted(req, send)
             return False
-        self.last_unique = max(self.last_unique, unique)
-        if req.OPCODE in m.NO_REPLY:
+        if unique > self.last_unique:
+            self.last_unique = unique
+        if kind in _NO_REPLY_TYPES:
             try:
                 self.handle(req)
             except Exception:  # pragma: no cover - forgets never fail
@@ -341,7 +352,15 @@ class Dispatcher:
             send(unique, None, OSError(errno.ENOSYS, f"{req.OPCODE.name} is not served"))
             return False
         gate = self.gated(req)
-        if gate is not None and self.closing:
+        if gate is None:  # the pipeline's ungated case, without its closures: at once, in this turn
+            try:
+                result = self.handle(req)
+            except Exception as e:
+                send(unique, None, e)
+            else:
+                send(unique, result, None)
+            return False
+        if self.closing:
             send(unique, None, OSError(errno.EIO, "the mount is going away"))
             return False
         return self.pipeline.run(unique, gate, lambda: self.handle(req), size,
@@ -969,10 +988,22 @@ class Dispatcher:
             self._lru[n.nodeid] = n
             self._lru.move_to_end(n.nodeid)
 
+    @property
+    def node_descriptors_max(self) -> int:
+        """How many nodes may keep descriptors now (no-open): :data:`NODE_DESCRIPTORS_MAX`, and
+        at most half of this mount's share of the process's descriptor budget (the share
+        ``open_files_per_connection_share_max`` an OPEN-handle mount may hold), at least one."""
+        share = int(self.descriptors.capacity * self.limits.open_files_per_connection_share_max)
+        return max(1, min(NODE_DESCRIPTORS_MAX, share // 2))
+
     def _make_room(self) -> None:
-        """At most :data:`NODE_DESCRIPTORS_MAX` nodes keep descriptors: close the least
-        recently used one's (it reopens by path when next used)."""
-        while len(self._lru) >= NODE_DESCRIPTORS_MAX:
+        """At most :attr:`node_descriptors_max` nodes keep descriptors: close the least
+        recently used one's (it reopens by path when next used). Also while the process's
+        budget has no descriptor left for the one about to be opened (other mounts or servers
+        of this process hold the rest): this mount's idle ones go first, not the request."""
+        bound = self.node_descriptors_max
+        budget = self.descriptors
+        while self._lru and (len(self._lru) >= bound or budget.held >= budget.capacity):
             _nodeid, n = self._lru.popitem(last=False)
             self._close_node_handles(n)
 

@@ -84,9 +84,27 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
+_RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
+#: ``struct open_how`` (by reference) per open flags, with mode 0 and :data:`_RESOLVE`: the
+#: resolution flags are the same for every call, so the few flag sets in use are built once
+#: (read-only to the kernel; at most one per distinct ``flags``, a handful)
+_HOWS: dict[int, object] = {}
+_syscall = _libc.syscall
+
+
+def _how(flags: int, mode: int):
+    if mode:
+        return ctypes.byref(_OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE))
+    how = _HOWS.get(flags)
+    if how is None:
+        how = _HOWS[flags] = ctypes.byref(_OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE))
+    return how
+
+
 def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(_SYS_OPENAT2, dirfd, os.fsencode(path or "."), ctypes.byref(how), ctypes.sizeof(how))
+    fd = _syscall(_SYS_OPENAT2, dirfd, path.encode("utf-8", "surrogateescape") if path else b".",
+                  _how(flags, mode), _HOW_SIZE)
     if fd < 0:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), path)
@@ -99,6 +117,8 @@ def _openat2_long(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
     Same results and errnos as one call would give if the kernel took the whole path:
     a symlink on the way is ``ELOOP``, a non-directory ``ENOTDIR``, a missing one
     ``ENOENT``; longer than :data:`~sandbox.hostfs.TREE_PATH_BYTES_MAX` is ``ENAMETOOLONG``."""
+    if len(path) <= _OPENAT2_PATH_BYTES_MAX // 4:  # at most 4 bytes a character: fits, not encoded twice
+        return _openat2(dirfd, path, flags, mode)
     raw = os.fsencode(path)
     if len(raw) <= _OPENAT2_PATH_BYTES_MAX:
         return _openat2(dirfd, path, flags, mode)

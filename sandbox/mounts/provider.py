@@ -171,7 +171,7 @@ class Provider:
         gave (owners as ``cred``'s view shows them)."""
         self._see(path)
         a, names = self.host.getattr_xattr_names(path)  # one resolution for both (the kept mode, owner)
-        return self._as_device(path, self._guest_attr(path, a, view=_view(cred), names=names))
+        return self._as_device(path, self._guest_attr(path, a, view=_view(cred), names=names), names)
 
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
@@ -367,8 +367,10 @@ class Provider:
             self._killed_on_write(handle, path, cred)
         if atime_ns is not None or mtime_ns is not None:
             now = time.time_ns()
-            cur = handle.fstat() if handle is not None else self.host.getattr(path)
-            m = cur.mtime_ns if mtime_ns is None else (now if mtime_ns == -1 else mtime_ns)
+            if mtime_ns is None:  # only the atime changes: the mtime stays as it is now
+                m = (handle.fstat() if handle is not None else self.host.getattr(path)).mtime_ns
+            else:
+                m = now if mtime_ns == -1 else mtime_ns
             a = None if atime_ns is None else (now if atime_ns == -1 else atime_ns)
             if handle is not None:
                 self.fs.futime(handle, path, m, a)
@@ -513,10 +515,11 @@ class Provider:
         except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: not a device
             return None
 
-    def _as_device(self, path: str, a: Attr) -> Attr:
+    def _as_device(self, path: str, a: Attr, names: list[str] | None = None) -> Attr:
         """``a`` as the guest sees it: an emulated device if it is a placeholder. Only an
-        empty regular file can be one (others cost no xattr read)."""
-        if a.kind != REG or a.size != 0:
+        empty regular file can be one (others cost no xattr read); with its xattr ``names``
+        read along with ``a`` (the same resolution), only one that has the device's xattr."""
+        if a.kind != REG or a.size != 0 or (names is not None and devices.DEV_XATTR not in names):
             return a
         return devices.emulated_attr(a, self._device_value(path))
 
@@ -645,9 +648,11 @@ class Provider:
             return
         a = handle.fstat() if handle is not None else self.host.lstat(path)
         owner = (cred.uid, cred.gid if identity.unchanged_id(gid) else gid)
+        value = identity.owner_mapping(owner, a.uid, a.gid, cred.view)
+        if value is None:  # the owner it shows anyway: a new object has no mapping to drop
+            return
         try:
-            self._set_mapping(path, handle, identity.owner_mapping(owner, a.uid, a.gid, cred.view),
-                              identity.OWNER_XATTR)
+            self._set_mapping(path, handle, value, identity.OWNER_XATTR)
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                 raise

@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""The FUSE server's own CPU per request, without the kernel: the real dispatcher, Provider
+and undo core on a temporary folder, fed encoded requests.
+Each phase is its own step (the one before is closed first), so its changes to files made
+earlier take preimages, as on a mount whose ambient step closed while it was idle.
+
+Each request is built as the kernel's bytes, decoded by ``decode_request``, run through
+``Dispatcher.submit`` (the request pipeline and the export's hold gate, as the /dev/fuse loop
+does) and its reply encoded by the transport's ``reply_bytes``; only the read of the request
+and the write of the reply — the kernel's part — are missing. The mount is what
+``sandbox mount`` runs with its watcher: intercepted (``open_workspace(watched=True)``: the undo
+core and the own-write journal), coherent, no-open.
+
+Phases, per file of ``--files`` (in 20 directories), the requests Linux sends for the
+benchmark's phases (docs/fuse.md "Benchmark"):
+
+  create  LOOKUP (a missing name) + GETATTR (its directory) + CREATE + GETXATTR
+          (security.capability) + WRITE (1 KiB, no handle) + RELEASE
+  stat    GETATTR
+  read    READ (no handle)
+  git     LOOKUP + GETATTR + SETATTR (mtime) of each file
+  rm      GETATTR (its directory) + UNLINK + FORGET
+
+Prints µs per request (wall, perf_counter) per opcode and, per phase, µs per file in process
+CPU time and wall time. With ``--other TREE`` (a checkout, e.g. a worktree of another commit)
+each round runs both trees in child processes (``PYTHONPATH=TREE``), alternating which goes
+first, and prints the medians side by side with their ratio. Nothing is asserted.
+
+    .venv/bin/python bench/fuse_requests.py [--files 2000] [--repeat 5] [--other ../wt-base]
+    .venv/bin/python bench/fuse_requests.py --profile create     # cProfile of one phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+PHASES = ("create", "stat", "read", "git", "rm")
+IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen padding
+DIRS = 20
+DATA = os.urandom(1024)
+
+
+class Wire:
+    """Requests as the kernel's bytes (struct layouts from include/uapi/linux/fuse.h)."""
+
+    def __init__(self):
+        self.unique = 1
+        self.uid, self.gid = os.getuid(), os.getgid()
+
+    def req(self, opcode: int, nodeid: int, body: bytes) -> bytes:
+        self.unique += 1
+        return IN_HEADER.pack(40 + len(body), opcode, self.unique, nodeid, self.uid, self.gid, 4242, 0, 0) + body
+
+    def init(self, flags: int, flags2: int) -> bytes:
+        return self.req(26, 0, struct.pack("<IIIII44x", 7, 38, 1 << 17, flags, flags2))
+
+    def lookup(self, parent: int, name: bytes) -> bytes:
+        return self.req(1, parent, name + b"\0")
+
+    def getattr(self, nodeid: int) -> bytes:
+        return self.req(3, nodeid, struct.pack("<IIQ", 0, 0, 0))
+
+    def create(self, parent: int, name: bytes) -> bytes:
+        return self.req(35, parent, struct.pack("<IIII", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o100644, 0o022, 0)
+                        + name + b"\0")
+
+    def getxattr(self, nodeid: int, name: bytes) -> bytes:
+        return self.req(22, nodeid, struct.pack("<II", 0, 0) + name + b"\0")
+
+    def write(self, nodeid: int, data: bytes) -> bytes:
+        return self.req(16, nodeid, struct.pack("<QQIIQII", 0, 0, len(data), 0, 0, os.O_WRONLY, 0) + data)
+
+    def release(self, nodeid: int) -> bytes:
+        return self.req(18, nodeid, struct.pack("<QIIQ", 0, os.O_WRONLY, 0, 0))
+
+    def read(self, nodeid: int, size: int) -> bytes:
+        return self.req(15, nodeid, struct.pack("<QQIIQII", 0, 0, size, 0, 0, os.O_RDONLY, 0))
+
+    def setattr_mtime(self, nodeid: int, sec: int) -> bytes:
+        valid = 1 << 4 | 1 << 5  # FATTR_ATIME | FATTR_MTIME
+        return self.req(4, nodeid, struct.pack("<IIQQQQQQIIIIIIII", valid, 0, 0, 0, 0, sec, sec, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0))
+
+    def unlink(self, parent: int, name: bytes) -> bytes:
+        return self.req(10, parent, name + b"\0")
+
+    def forget(self, nodeid: int, n: int) -> bytes:
+        return self.req(2, nodeid, struct.pack("<Q", n))
+
+
+def run_once(files: int, base: str, profile: str | None) -> dict:
+    """One full run in a fresh folder: per phase, CPU and wall µs per file, and per opcode
+    the wall µs per request."""
+    from sandbox.fuse import abi
+    from sandbox.fuse.codec import decode_request
+    from sandbox.fuse.dispatcher import Dispatcher
+    from sandbox.fuse.transport import reply_bytes
+    from sandbox.limits import ServerLimits
+    from sandbox.mounts import Provider
+    from sandbox.serving import Export, HoldBroker
+    from sandbox.serving.workspaces import open_workspace
+
+    work, state = os.path.join(base, "work"), os.path.join(base, "state")
+    os.makedirs(work)
+    ws, _own = open_workspace(work, watched=True, state_dir=state)
+    provider = Provider.intercepted(ws)
+    limits = ServerLimits()
+    d = Dispatcher(Export(provider, HoldBroker(), limits), limits)
+    d.no_open_allowed = d.coherent = True  # what a /dev/fuse mount with its watcher runs
+    w = Wire()
+    replies: list = []
+
+    def send(unique, reply, error):
+        replies.append((error, reply_bytes(unique, reply, error)))
+
+    def call(raw: bytes):
+        del replies[:]
+        d.submit(decode_request(memoryview(raw).toreadonly()), len(raw), send)
+        return replies[0] if replies else (None, b"")
+
+    err, _ = call(w.init(0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
+    assert err is None and d.no_open, (err, d.no_open)
+    dirs = []
+    for i in range(DIRS):
+        os.mkdir(os.path.join(work, f"d{i:02d}"))
+    for i in range(DIRS):
+        err, out = call(w.lookup(abi.FUSE_ROOT_ID, f"d{i:02d}".encode()))
+        assert err is None, err
+        dirs.append(struct.unpack_from("<Q", out, 16)[0])
+    names = [(dirs[i % DIRS], f"f{i:05d}".encode()) for i in range(files)]
+    nodes: list[int] = []
+    ops: dict[str, list[int]] = collections.defaultdict(list)
+    result: dict = {"phases": {}, "ops": {}}
+
+    def timed(op: str, raw: bytes, ok=(None,)):
+        t = time.perf_counter_ns()
+        err, out = call(raw)
+        ops[op].append(time.perf_counter_ns() - t)
+        if err is not None and err.errno not in ok:
+            raise SystemExit(f"{op}: {err!r}")
+        return out
+
+    def create():
+        for parent, name in names:
+            timed("LOOKUP-", w.lookup(parent, name), ok=(None, 2))
+            timed("GETATTR", w.getattr(parent))
+            out = timed("CREATE", w.create(parent, name))
+            nodeid = struct.unpack_from("<Q", out, 16)[0]
+            nodes.append(nodeid)
+            timed("GETXATTR", w.getxattr(nodeid, b"security.capability"), ok=(61,))
+            timed("WRITE", w.write(nodeid, DATA))
+            timed("RELEASE", w.release(nodeid))
+
+    def stat():
+        for nodeid in nodes:
+            timed("GETATTR", w.getattr(nodeid))
+
+    def read():
+        for nodeid in nodes:
+            timed("READ", w.read(nodeid, 4096))
+
+    def git():
+        for (parent, name), nodeid in zip(names, nodes):
+            timed("LOOKUP+", w.lookup(parent, name))
+            timed("GETATTR", w.getattr(nodeid))
+            timed("SETATTR", w.setattr_mtime(nodeid, 1_700_000_000))
+            call(w.forget(nodeid, 1))  # the lookup's count back: one per node stays
+
+    def rm():
+        for (parent, name), nodeid in zip(names, nodes):
+            timed("GETATTR", w.getattr(parent))
+            timed("UNLINK", w.unlink(parent, name))
+            timed("FORGET", w.forget(nodeid, 1))
+
+    for phase, fn in zip(PHASES, (create, stat, read, git, rm)):
+        ws.close_active()  # each phase its own step, as an idle mount's ambient steps close between them
+        ops.clear()
+        prof = None
+        if profile == phase:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
+        c, t = time.process_time(), time.perf_counter()
+        fn()
+        c, t = time.process_time() - c, time.perf_counter() - t
+        if prof is not None:
+            import pstats
+
+            prof.disable()
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(35)
+        result["phases"][phase] = {"cpu_us": c / files * 1e6, "wall_us": t / files * 1e6}
+        for op, ns in ops.items():
+            result["ops"][f"{phase}:{op}"] = statistics.median(ns) / 1000
+    d.close()
+    provider.close()
+    ws.close()
+    return result
+
+
+def child(tree: str, files: int, profile: str | None = None) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree)
+    cmd = [sys.executable, os.path.abspath(__file__), "--files", str(files), "--json", "--repeat", "1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if r.returncode:
+        raise SystemExit(f"{tree}: {r.stderr}")
+    return json.loads(r.stdout)
+
+
+def medians(runs: list[dict]) -> dict:
+    out: dict = {"phases": {}, "ops": {}}
+    for phase in runs[0]["phases"]:
+        out["phases"][phase] = {k: statistics.median(r["phases"][phase][k] for r in runs)
+                                for k in ("cpu_us", "wall_us")}
+    for op in runs[0]["ops"]:
+        out["ops"][op] = statistics.median(r["ops"][op] for r in runs if op in r["ops"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds (medians are printed)")
+    ap.add_argument("--other", help="another checkout to run side by side (its PYTHONPATH)")
+    ap.add_argument("--profile", choices=PHASES, help="cProfile this phase (stderr), in this process")
+    ap.add_argument("--dir", help="where to make the temporary folders")
+    ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if args.json or args.profile:
+        runs = []
+        for _ in range(args.repeat):
+            base = tempfile.mkdtemp(prefix="fuse-req-", dir=args.dir)
+            try:
+                runs.append(run_once(args.files, base, args.profile))
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+        if args.json:
+            print(json.dumps(medians(runs)))
+            return
+        sides = {"this": medians(runs)}
+    else:
+        trees = {"this": os.environ.get("PYTHONPATH") or here}
+        if args.other:
+            trees["other"] = os.path.abspath(args.other)
+        runs = {k: [] for k in trees}
+        for i in range(args.repeat):
+            order = list(trees) if i % 2 == 0 else list(reversed(trees))
+            for k in order:
+                runs[k].append(child(trees[k], args.files))
+        sides = {k: medians(v) for k, v in runs.items()}
+    this = sides["this"]
+    other = sides.get("other")
+    load = os.getloadavg()[0]
+    print(f"{args.files} files, medians of {args.repeat} rounds, load average {load:.2f}"
+          + (f"; other = {args.other}" if other else ""))
+    print(f"{'phase':8} {'CPU µs/file':>12} {'wall µs/file':>13}" + (f" {'other CPU':>10} {'ratio':>6}" if other else ""))
+    for phase, v in this["phases"].items():
+        line = f"{phase:8} {v['cpu_us']:12.1f} {v['wall_us']:13.1f}"
+        if other:
+            o = other["phases"][phase]["cpu_us"]
+            line += f" {o:10.1f} {v['cpu_us'] / o:6.2f}"
+        print(line)
+    print(f"{'request':18} {'wall µs':>8}" + (f" {'other':>8} {'ratio':>6}" if other else ""))
+    for op, us in this["ops"].items():
+        line = f"{op:18} {us:8.1f}"
+        if other and op in other["ops"]:
+            line += f" {other['ops'][op]:8.1f} {us / other['ops'][op]:6.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
