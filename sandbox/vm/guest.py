@@ -42,7 +42,7 @@ from ..guest import control as proto
 from . import guestroot, imageroot
 from .console import BootError, Console
 from .control import ControlClient, ControlClosed, MountError
-from .qemu import VmConfig, build_command, hotplug_port, probe_accel
+from .qemu import VIRTIOFS_QUEUE_SIZE, VmConfig, build_command, hotplug_port, probe_accel
 from .qmp import Qmp
 
 log = logging.getLogger("sandbox.session")
@@ -336,7 +336,8 @@ class VmGuest:
                 "addr": {"type": "unix", "data": {"path": m.virtiofs_socket}}, "server": False}}})
             try:
                 await self.qmp.execute("device_add", {"driver": "vhost-user-fs-pci", "id": _hot_device(k),
-                                                      "chardev": _hot_chardev(k), "tag": tag, "bus": hotplug_port(k)})
+                                                      "chardev": _hot_chardev(k), "tag": tag, "bus": hotplug_port(k),
+                                                      "queue-size": VIRTIOFS_QUEUE_SIZE})
             except Exception:
                 await self._remove_chardev(k)
                 raise
