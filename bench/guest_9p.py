@@ -28,6 +28,7 @@ except ImportError:  # run from a checkout without the editable install
 from sandbox.fuse import messages as fm
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
+from sandbox.guest.control import VIRTIOFS_READ_AHEAD_KB
 from sandbox.hostfs.real import RealHostFS
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
@@ -89,6 +90,11 @@ opts=version=9p2000.L,cache=none,msize=524288
 aname=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^sbx_aname=//p')
 if grep -q sbx_work=vfs /proc/cmdline; then
   mount -t virtiofs work /merged/mnt/work || echo MOUNT-FAILED
+  ra=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^sandbox.vfs_ra_kb=//p')
+  if [ -n "$ra" ]; then  # as sandbox/guest/init.sh does for a session's virtio-fs shares
+    BDI_NAME
+    echo "$ra" > /sys/class/bdi/$(bdi_name "$(stat -c %d /merged/mnt/work)")/read_ahead_kb || echo MOUNT-FAILED
+  fi
 elif grep -q sbx_work=ours /proc/cmdline; then
   mount -t 9p -o trans=tcp,port=564,uname=root,$opts${aname:+,aname=$aname} 10.0.2.100 /merged/mnt/work || echo MOUNT-FAILED
 else
@@ -169,7 +175,8 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
     extra = ["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else []
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=MEMORY_MB, host_root=True,
                    accel=accel.accel, cpu=accel.cpu,
-                   append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else ""),
+                   append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else "")
+                   + (f" sandbox.vfs_ra_kb={VIRTIOFS_READ_AHEAD_KB}" if side == "vfs" else ""),
                    guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra,
                    virtiofs=[("work", sock)] if virtio_fs else [])
     cmd = build_command(cfg)
@@ -238,6 +245,16 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
     return res
 
 
+def _init_sh_bdi_name() -> str:
+    """The session guest's ``bdi_name`` shell function (sandbox/guest/init.sh), reused here."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox", "guest",
+                           "init.sh")) as f:
+        fn = re.search(r"^bdi_name\(\) \{.*\}$", f.read(), re.M)
+    if fn is None:
+        raise SystemExit("sandbox/guest/init.sh no longer defines bdi_name()")
+    return fn.group(0)
+
+
 def _self_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -276,7 +293,7 @@ def main() -> int:
     p.add_argument("--profile", metavar="FILE", help="vfs: cProfile the server thread into FILE (not for timing)")
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT,
+    image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT.replace("BDI_NAME", _init_sh_bdi_name()),
                                      modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay", "virtiofs", "fuse"),
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")

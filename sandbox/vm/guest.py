@@ -204,7 +204,8 @@ class VmGuest:
         except (guestroot.GuestRootError, OSError) as e:
             raise GuestError(f"cannot make the guest root: {e}") from None
         virtfs = [usr, (guestroot.SKELETON_TAG, skeleton)]
-        append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} sandbox.rootfs={self.guest_root} "
+        append = (f"sandbox.msize={MSIZE} sandbox.vfs_ra_kb={proto.VIRTIOFS_READ_AHEAD_KB} "
+                  f"sandbox.net={self.network} sandbox.rootfs={self.guest_root} "
                   f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
         # -- network allowlist (issue 13): the guest learns nothing of the list; the host enforces it
         fwd_cmds = []
