@@ -62,10 +62,15 @@ project, mounted two ways (cache=none, msize 512 KiB both):
         opens every file FOPEN_DIRECT_IO (no guest page cache) with 0 s timeouts
   virtiofsd-auto  the same with its default cache=auto: 1 s timeouts and the guest's page
         cache dropped at each open — the caching vfs uses
+  Every virtio-fs side's device has queues of 1024 entries (sandbox.vm.qemu.VIRTIOFS_QUEUE_SIZE,
+  as sessions: 1 MiB requests); only vfs's mount reads ahead 1 MiB (VIRTIOFS_READ_AHEAD_KB, set
+  as sandbox/guest/init.sh sets it for sessions), the virtiofsd sides keep Linux's 128 KiB
 
 Phases (timed inside the guest with `date +%s%N`): create N small files; read them
 back; `git init && git add -A && git commit`; write a 32 MiB file with dd (1 MiB
-blocks); read it back; `rm -rf` everything; "server cpu" is the CPU seconds the file
+blocks); read it back; the same two on the guest's own tmpfs (tmpfsW32M, tmpfsR32M: the
+guest's page-cache copies alone, the floor of every side that caches; not in the total);
+`rm -rf` everything; "server cpu" is the CPU seconds the file
 server used during the boot (ours: this process; diod/virtiofsd: theirs; qemu's 9p runs
 inside QEMU: not measured); "boot (uptime)" the guest's uptime at its first output. Median
 of --repeat boots per side, alternating sides; the host's load average is printed too (the
@@ -120,6 +125,8 @@ mark read; s=$(t); cat many/* > /dev/null; phase read $s
 mark git; s=$(t); g init -q . && g add -A && g commit -qm bench; phase git $s
 mark write32M; s=$(t); dd if=/dev/zero of=big bs=1M count=32 2>/dev/null; phase write32M $s
 mark read32M; s=$(t); dd if=big of=/dev/null bs=1M 2>/dev/null; phase read32M $s
+s=$(t); dd if=/dev/zero of=/tmp/floor bs=1M count=32 2>/dev/null; phase tmpfsW32M $s
+s=$(t); dd if=/tmp/floor of=/dev/null bs=1M 2>/dev/null; phase tmpfsR32M $s; rm -f /tmp/floor
 mark rm; s=$(t); rm -rf ./* .git; phase rm $s
 mark end
 echo BENCH-DONE
