@@ -344,12 +344,26 @@ def main() -> int:
         row += [med[a].get(k, float("nan")) / med[b].get(k, float("nan")) if med[b].get(k) else float("nan")
                 for a, b in ratios]
         print(f"{k:14}" + "".join(f"{v:15.2f}" for v in row))
+    report_floor(res, sides)
     if phases:
         report_phases(phases)
     if profile is not None:
         profile.dump_stats(args.profile)
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(40)
     return 0
+
+
+def report_floor(res: dict[str, dict[str, list[float]]], sides) -> None:
+    """The 32 MiB phases over the same dd on the guest's tmpfs in the same boot (median, min–max
+    of the boots): the guest's CPU, which the host's load slows, cancels out."""
+    print("\n32 MiB phases over the guest's tmpfs in the same boot (median, min-max of the boots):")
+    for side in sides:
+        cells = []
+        for phase, floor in (("write32M", "tmpfsW32M"), ("read32M", "tmpfsR32M")):
+            r = [a / b for a, b in zip(res[side].get(phase, []), res[side].get(floor, [])) if b]
+            if r:
+                cells.append(f"{phase}/{floor} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+        print(f"  {side:15} " + ", ".join(cells))
 
 
 def report_phases(phases: list[PhaseCounts]) -> None:
