@@ -8,6 +8,8 @@
 #   (live mounts: the shim mounts more shares later, on spare forwarded ports; see
 #    sandbox/guest/control.py)
 #   sandbox.msize=BYTES      9P msize for them
+#   sandbox.vfs_ra_kb=KIB    readahead of each virtio-fs share (control.VIRTIOFS_READ_AHEAD_KB;
+#                            unset: the kernel's 128 KiB)
 #   sandbox.net=MODE         disabled | open | allowlist
 #   sandbox.upper=tmpfs|disk the writable layer over the read-only guest root: tmpfs
 #                            (ephemeral) or the ext4 disk /dev/vda (persistent)
