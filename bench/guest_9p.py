@@ -28,6 +28,7 @@ except ImportError:  # run from a checkout without the editable install
 from sandbox.fuse import messages as fm
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
+from sandbox.guest.control import VIRTIOFS_READ_AHEAD_KB
 from sandbox.hostfs.real import RealHostFS
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
@@ -61,10 +62,15 @@ project, mounted two ways (cache=none, msize 512 KiB both):
         opens every file FOPEN_DIRECT_IO (no guest page cache) with 0 s timeouts
   virtiofsd-auto  the same with its default cache=auto: 1 s timeouts and the guest's page
         cache dropped at each open — the caching vfs uses
+  Every virtio-fs side's device has queues of 1024 entries (sandbox.vm.qemu.VIRTIOFS_QUEUE_SIZE,
+  as sessions: 1 MiB requests); only vfs's mount reads ahead 1 MiB (VIRTIOFS_READ_AHEAD_KB, set
+  as sandbox/guest/init.sh sets it for sessions), the virtiofsd sides keep Linux's 128 KiB
 
 Phases (timed inside the guest with `date +%s%N`): create N small files; read them
 back; `git init && git add -A && git commit`; write a 32 MiB file with dd (1 MiB
-blocks); read it back; `rm -rf` everything; "server cpu" is the CPU seconds the file
+blocks); read it back; the same two on the guest's own tmpfs (tmpfsW32M, tmpfsR32M: the
+guest's page-cache copies alone, the floor of every side that caches; not in the total);
+`rm -rf` everything; "server cpu" is the CPU seconds the file
 server used during the boot (ours: this process; diod/virtiofsd: theirs; qemu's 9p runs
 inside QEMU: not measured); "boot (uptime)" the guest's uptime at its first output. Median
 of --repeat boots per side, alternating sides; the host's load average is printed too (the
@@ -89,6 +95,11 @@ opts=version=9p2000.L,cache=none,msize=524288
 aname=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^sbx_aname=//p')
 if grep -q sbx_work=vfs /proc/cmdline; then
   mount -t virtiofs work /merged/mnt/work || echo MOUNT-FAILED
+  ra=$(tr ' ' '\n' < /proc/cmdline | sed -n 's/^sandbox.vfs_ra_kb=//p')
+  if [ -n "$ra" ]; then  # as sandbox/guest/init.sh does for a session's virtio-fs shares
+    BDI_NAME
+    echo "$ra" > /sys/class/bdi/$(bdi_name "$(stat -c %d /merged/mnt/work)")/read_ahead_kb || echo MOUNT-FAILED
+  fi
 elif grep -q sbx_work=ours /proc/cmdline; then
   mount -t 9p -o trans=tcp,port=564,uname=root,$opts${aname:+,aname=$aname} 10.0.2.100 /merged/mnt/work || echo MOUNT-FAILED
 else
@@ -114,6 +125,8 @@ mark read; s=$(t); cat many/* > /dev/null; phase read $s
 mark git; s=$(t); g init -q . && g add -A && g commit -qm bench; phase git $s
 mark write32M; s=$(t); dd if=/dev/zero of=big bs=1M count=32 2>/dev/null; phase write32M $s
 mark read32M; s=$(t); dd if=big of=/dev/null bs=1M 2>/dev/null; phase read32M $s
+s=$(t); dd if=/dev/zero of=/tmp/floor bs=1M count=32 2>/dev/null; phase tmpfsW32M $s
+s=$(t); dd if=/tmp/floor of=/dev/null bs=1M 2>/dev/null; phase tmpfsR32M $s; rm -f /tmp/floor
 mark rm; s=$(t); rm -rf ./* .git; phase rm $s
 mark end
 echo BENCH-DONE
@@ -169,7 +182,8 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
     extra = ["-virtfs", f"local,path={work},mount_tag=work,security_model=none"] if side == "qemu" else []
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=MEMORY_MB, host_root=True,
                    accel=accel.accel, cpu=accel.cpu,
-                   append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else ""),
+                   append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else "")
+                   + (f" sandbox.vfs_ra_kb={VIRTIOFS_READ_AHEAD_KB}" if side == "vfs" else ""),
                    guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra,
                    virtiofs=[("work", sock)] if virtio_fs else [])
     cmd = build_command(cfg)
@@ -238,6 +252,16 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
     return res
 
 
+def _init_sh_bdi_name() -> str:
+    """The session guest's ``bdi_name`` shell function (sandbox/guest/init.sh), reused here."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox", "guest",
+                           "init.sh")) as f:
+        fn = re.search(r"^bdi_name\(\) \{.*\}$", f.read(), re.M)
+    if fn is None:
+        raise SystemExit("sandbox/guest/init.sh no longer defines bdi_name()")
+    return fn.group(0)
+
+
 def _self_cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
@@ -276,7 +300,7 @@ def main() -> int:
     p.add_argument("--profile", metavar="FILE", help="vfs: cProfile the server thread into FILE (not for timing)")
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT,
+    image = vm_image.build_initramfs(vm_image.fetch_kernel(), INIT.replace("BDI_NAME", _init_sh_bdi_name()),
                                      modules=vm_image.NINEP_MODULES + ("9pnet_virtio", "overlay", "virtiofs", "fuse"),
                                      files={"bench.sh": WORKLOAD.replace("NFILES", str(args.files)).encode()})
     base = tempfile.mkdtemp(prefix="sandbox-bench-guest-")
@@ -320,12 +344,26 @@ def main() -> int:
         row += [med[a].get(k, float("nan")) / med[b].get(k, float("nan")) if med[b].get(k) else float("nan")
                 for a, b in ratios]
         print(f"{k:14}" + "".join(f"{v:15.2f}" for v in row))
+    report_floor(res, sides)
     if phases:
         report_phases(phases)
     if profile is not None:
         profile.dump_stats(args.profile)
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(40)
     return 0
+
+
+def report_floor(res: dict[str, dict[str, list[float]]], sides) -> None:
+    """The 32 MiB phases over the same dd on the guest's tmpfs in the same boot (median, min–max
+    of the boots): the guest's CPU, which the host's load slows, cancels out."""
+    print("\n32 MiB phases over the guest's tmpfs in the same boot (median, min-max of the boots):")
+    for side in sides:
+        cells = []
+        for phase, floor in (("write32M", "tmpfsW32M"), ("read32M", "tmpfsR32M")):
+            r = [a / b for a, b in zip(res[side].get(phase, []), res[side].get(floor, [])) if b]
+            if r:
+                cells.append(f"{phase}/{floor} {statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})")
+        print(f"  {side:15} " + ", ".join(cells))
 
 
 def report_phases(phases: list[PhaseCounts]) -> None:

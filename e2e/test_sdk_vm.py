@@ -13,6 +13,7 @@ import asyncio
 import pytest
 
 import sandbox
+from sandbox.guest import control as proto
 from sandbox_sim import oracle
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -66,6 +67,9 @@ def test_sdk_session_in_a_vm(folders, tmp_path):
                 assert r.stdout.startswith("uploaded\n") and "up" in r.stdout.split()
                 fstype = r.stdout.splitlines()[-1].split()[2]
                 assert fstype == ("virtiofs" if sb._session.share == "virtiofs" else "9p"), r.stdout
+                if fstype == "virtiofs":  # the shim sets a live mount's readahead as init.sh does at boot
+                    r = await sb.run("cat /sys/class/bdi/$(mountpoint -d /mnt/up)/read_ahead_kb")
+                    assert r.stdout.split() == [str(proto.VIRTIOFS_READ_AHEAD_KB)], (r.stdout, r.stderr)
                 await sb.unmount("/mnt/up")
                 assert (await sb.run("cat /mnt/up/upload.txt")).exit_code != 0
 

@@ -28,6 +28,8 @@ import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
+from sandbox.fuse import abi
+from sandbox.fuse import messages as m
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.virtiofs import VirtioFsServer, VirtioFsThread
 from sandbox.limits import ServerLimits
@@ -70,7 +72,7 @@ def image():
 
 
 def run_guest(image, tmp_path, ws: Workspace | None, script: str, decide=None, qmp: str | None = None,
-              on_server=None, provider=None) -> tuple[int, str, VirtioFsThread]:
+              on_server=None, provider=None, dispatcher=Dispatcher) -> tuple[int, str, VirtioFsThread]:
     sock = str(tmp_path / "vfs.sock")
     image = image(script)
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, append="loglevel=3", memory_mb=MEMORY_MB,
@@ -80,7 +82,7 @@ def run_guest(image, tmp_path, ws: Workspace | None, script: str, decide=None, q
     if decide is not None:
         holds.ask(decide)
     export = Export(provider or Provider.intercepted(ws), holds, limits)
-    server = VirtioFsServer(lambda: Dispatcher(export, limits), limits, capture=True)
+    server = VirtioFsServer(lambda: dispatcher(export, limits), limits, capture=True)
     with VirtioFsThread(server, sock) as srv:
         if on_server is not None:
             on_server(srv)
@@ -125,9 +127,20 @@ fallocate -l 1048576 build/falloc && stat -c '%n %s' build/falloc || echo "FALLO
 rm -rf src
 ls
 """
-    status, out, srv = run_guest(image, tmp_path, ws, script)
+    writes: list[int] = []  # WRITE sizes, as the guest sent them
+
+    class Recording(Dispatcher):
+        def submit(self, req, size, send):
+            if type(req) is m.Write:
+                writes.append(req.size)
+            return super().submit(req, size, send)
+
+    status, out, srv = run_guest(image, tmp_path, ws, script, dispatcher=Recording)
     assert status == 0, out
     assert "compiled" in out and "out/app.bin" in out and "build/zeros 2621440" in out, out
+    # the device's queues hold a whole 1 MiB request (qemu.VIRTIOFS_QUEUE_SIZE): `dd bs=1M` of
+    # 4 MiB is 4 WRITEs of 1 MiB, not 124 + 124 + 8 pages each as with QEMU's default 128
+    assert writes.count(abi.MAX_WRITE_BYTES) == 4 and max(writes) == abi.MAX_WRITE_BYTES, writes
     assert (work / "build" / "out" / "app.bin").read_bytes() == b"compiled\n"
     # 1 MiB writes and reads: the guest's largest requests (one indirect table past the queue size)
     assert f"big {hashlib.md5((work / 'build' / 'big').read_bytes()).hexdigest()}" in out, out

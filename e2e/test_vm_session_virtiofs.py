@@ -17,6 +17,7 @@ import os
 import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
+from sandbox.guest import control as proto
 from sandbox.session.runtime import Folder, MemoryMount, Session
 from sandbox_sim import oracle
 
@@ -45,6 +46,10 @@ def test_folders_over_virtiofs_rm_undone_read_only_refused_and_mounts_seen(sampl
         assert kinds["/mnt/working/0"] == ("virtiofs", "rw"), mounts
         assert kinds["/mnt/working/1"] == ("virtiofs", "ro"), mounts
         assert kinds["/mnt/mem"][0] == "virtiofs", mounts  # in-memory trees too, served by the agent's own loop
+        # every virtio-fs mount reads ahead one full request (init.sh; Linux's default is 128 KiB)
+        code, out = run(s, "for m in /mnt/working/0 /mnt/working/1 /mnt/mem; do "
+                           "cat /sys/class/bdi/$(mountpoint -d $m)/read_ahead_kb; done")
+        assert code == 0 and out.split() == [str(proto.VIRTIOFS_READ_AHEAD_KB)] * 3, out
         code, out = run(s, "cat /mnt/mem/a.txt; ls -l")
         assert code == 0 and "in memory" in out and "agent" in out, out  # the folder owner's files are the guest user's
         code, out = run(s, "rm -rf src && echo gone > README.md && ls")

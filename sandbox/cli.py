@@ -870,7 +870,7 @@ def cmd_serve_virtiofs(args) -> int:
         def ready() -> None:
             print(f"sandbox: serving {os.path.realpath(args.root)} as virtio-fs ({what}) on vhost-user socket "
                   f"{args.socket}. QEMU: -object memory-backend-memfd,id=mem,size=RAM,share=on -numa node,memdev=mem "
-                  f"-chardev socket,id=vfs,path={args.socket} -device vhost-user-fs-pci,chardev=vfs,tag=TAG. "
+                  f"-chardev socket,id=vfs,path={args.socket} -device vhost-user-fs-pci,chardev=vfs,tag=TAG,queue-size=1024. "
                   "SIGTERM or Ctrl-C stops.", file=sys.stderr, flush=True)
         try:
             await server.serve(args.socket, ready)
@@ -894,7 +894,8 @@ def _serve_virtiofs_parser(command, log_levels, mismatch) -> None:
         "Serve the folder --root DIR as a vhost-user-fs device on the unix socket --socket PATH\n"
         "(created 0600), until SIGTERM or Ctrl-C. QEMU connects with\n"
         "  -object memory-backend-memfd,id=mem,size=RAM,share=on -numa node,memdev=mem\n"
-        "  -chardev socket,id=vfs,path=PATH -device vhost-user-fs-pci,chardev=vfs,tag=TAG\n"
+        "  -chardev socket,id=vfs,path=PATH -device vhost-user-fs-pci,chardev=vfs,tag=TAG,queue-size=1024\n"
+        "(queue-size=1024 lets the guest send 1 MiB requests; QEMU's default 128 caps them at 496 KiB)\n"
         "and the guest mounts it with: mount -t virtiofs TAG /mnt. One QEMU at a time; after it\n"
         "disconnects the next one is served. Every mutation the guest makes is intercepted: it lands\n"
         "in ambient steps (closed after 5 s without writes) that `sandbox history --workdir DIR` lists\n"

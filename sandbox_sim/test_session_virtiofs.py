@@ -60,7 +60,8 @@ def test_the_qemu_command_line_has_a_shared_memfd_and_one_device_per_folder(tmp_
     assert cmd[cmd.index("-object") + 1] == "memory-backend-memfd,id=mem,size=1536M,share=on"
     assert cmd[cmd.index("-numa") + 1] == "node,memdev=mem"
     devices = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-device" and cmd[i + 1].startswith("vhost-user-fs-pci")]
-    assert devices == ["vhost-user-fs-pci,chardev=vfs0,tag=sandbox-0", "vhost-user-fs-pci,chardev=vfs1,tag=sandbox-1"]
+    q = f"queue-size={qemu.VIRTIOFS_QUEUE_SIZE}"
+    assert devices == [f"vhost-user-fs-pci,chardev=vfs0,tag=sandbox-0,{q}", f"vhost-user-fs-pci,chardev=vfs1,tag=sandbox-1,{q}"]
     # an empty root port per possible live mount: q35's pcie.0 takes no hot-plugged device
     ports = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-device" and cmd[i + 1].startswith("pcie-root-port")]
     assert ports == [f"pcie-root-port,id={qemu.hotplug_port(k)},bus=pcie.0,chassis={k + 1}"

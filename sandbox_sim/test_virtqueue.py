@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandbox.fuse import vhost
+from sandbox.fuse import abi, vhost
 from sandbox.fuse.virtqueue import INDIRECT_DESCS_MAX, BadAddress, BadChain, BrokenRing, Chain, GuestMemory, Virtqueue
+from sandbox.vm.qemu import VIRTIOFS_QUEUE_SIZE
 from sandbox_sim.budget import scale
 
 MEM_BYTES = 1 << 20
@@ -29,10 +30,11 @@ def le(n: int, w: int) -> bytes:
 class Driver:
     """The guest side: a memfd shared with the device's GuestMemory, rings written by hand."""
 
-    def __init__(self, size: int = 16, *, event_idx: bool = False, indirect: bool = True):
+    def __init__(self, size: int = 16, *, event_idx: bool = False, indirect: bool = True, mem_bytes: int = MEM_BYTES):
+        assert 16 * size <= AVAIL_AT and AVAIL_AT + 6 + 2 * size <= USED_AT and USED_AT + 6 + 8 * size <= DATA_AT
         self.fd = os.memfd_create("guest")
-        os.ftruncate(self.fd, OFFSET + MEM_BYTES)
-        table = vhost.MemTable((vhost.MemRegion(GPA, MEM_BYTES, UVA, OFFSET),))
+        os.ftruncate(self.fd, OFFSET + mem_bytes)
+        table = vhost.MemTable((vhost.MemRegion(GPA, mem_bytes, UVA, OFFSET),))
         self.mem = GuestMemory.map(table, [os.dup(self.fd)])
         self.size = size
         self.avail_idx = 0
@@ -146,6 +148,40 @@ def test_an_indirect_table_may_be_longer_than_the_queue(drv):
     c = drv.q.pop()
     assert isinstance(c, Chain) and len(c.readable) == 3 * drv.size and len(c.writable) == drv.size
     assert c.gather(1000) == bytes(range(3 * drv.size))
+
+
+@pytest.mark.parametrize("indirect", [False, True])
+def test_a_ring_of_1024_carries_a_one_mebibyte_write_and_read(indirect):
+    """The size sessions give the device (``sandbox.vm.qemu.VIRTIOFS_QUEUE_SIZE``): Linux then
+    sends a 1 MiB WRITE as its two headers and 256 pages, a 1 MiB READ's reply as its header
+    and 256 pages — in an indirect table, or (without indirect descriptors) as a chain of
+    ring descriptors; both come out whole, and a chain of all 1024 entries too."""
+    d = Driver(VIRTIOFS_QUEUE_SIZE, indirect=indirect, mem_bytes=4 << 20)
+    try:
+        header = bytes(range(80))
+        pages = [bytes([k]) * abi.PAGE_SIZE for k in range(abi.MAX_PAGES)]
+        head = d.chain([header, *pages], [16, 8], indirect=indirect)
+        d.offer(head)
+        c = d.q.pop()
+        assert isinstance(c, Chain) and len(c.readable) == 1 + abi.MAX_PAGES and len(c.writable) == 2
+        data = c.gather(abi.REQUEST_BYTES_MAX)
+        assert len(data) == 80 + abi.MAX_WRITE_BYTES and data == header + b"".join(pages)
+        c.release()
+        head = d.chain([header], [16] + [abi.PAGE_SIZE] * abi.MAX_PAGES, indirect=indirect)
+        d.offer(head)
+        c = d.q.pop()
+        payload = os.urandom(abi.MAX_WRITE_BYTES)
+        assert c.scatter(b"h" * 16, payload) == 16 + abi.MAX_WRITE_BYTES
+        assert b"".join(bytes(w) for w in c.writable[1:]) == payload
+        c.release()
+        d.next_desc = 0  # every entry of the table in one chain (the previous ones are done with)
+        head = d.chain([b"x"] * (d.size - 1), [1], indirect=indirect)
+        d.offer(head)
+        c = d.q.pop()
+        assert isinstance(c, Chain) and len(c.readable) + len(c.writable) == VIRTIOFS_QUEUE_SIZE
+        c.release()
+    finally:
+        d.close()
 
 
 def test_a_loop_inside_an_indirect_table_is_a_bad_chain(drv):

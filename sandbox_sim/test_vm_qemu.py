@@ -210,8 +210,22 @@ def test_virtiofs_shares_share_the_guest_ram_as_a_memfd(boot_files, tmp_path):
     assert values(cmd, "-chardev")[-2:] == [f"socket,id=vfs0,path={tmp_path}/a,,b.sock",
                                             f"socket,id=vfs1,path={tmp_path}/c.sock"]
     assert [d for d in values(cmd, "-device") if d.startswith("vhost-user-fs")] == [
-        "vhost-user-fs-pci,chardev=vfs0,tag=work", "vhost-user-fs-pci,chardev=vfs1,tag=w1"]
+        f"vhost-user-fs-pci,chardev=vfs0,tag=work,queue-size={qemu.VIRTIOFS_QUEUE_SIZE}",
+        f"vhost-user-fs-pci,chardev=vfs1,tag=w1,queue-size={qemu.VIRTIOFS_QUEUE_SIZE}"]
     assert "-object" not in qemu.build_command(cfg(boot_files))  # no share, no memfd
+
+
+def test_the_virtiofs_queue_lets_the_guest_send_one_mebibyte_requests():
+    """Linux's virtio-fs caps a request at the request queue's size less 4 header entries
+    (fs/fuse/virtio_fs.c, since 5.14): with QEMU's default 128 a 1 MiB write became WRITEs of
+    124 + 124 + 8 pages. The queue must hold the 256 pages our INIT grants, plus the headers,
+    and stay within QEMU's VIRTQUEUE_MAX_SIZE and our device's indirect-table bound."""
+    from sandbox.fuse import abi
+    from sandbox.fuse.virtqueue import INDIRECT_DESCS_MAX
+
+    q = qemu.VIRTIOFS_QUEUE_SIZE
+    assert q & (q - 1) == 0 and q <= 1024 and q <= INDIRECT_DESCS_MAX
+    assert q - 4 >= abi.MAX_PAGES
 
 
 @pytest.mark.parametrize("tag, match", [("bad tag", "one word"), ("x" * 37, "one word"), ("a,b", "one word")])

@@ -61,6 +61,7 @@ port is free again (the next mount's Tversion resets the server's session on it)
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any
 
@@ -90,6 +91,17 @@ ANAME_CHARS_MAX = 255
 TARGET_BYTES_MAX = 4095  # PATH_MAX - 1
 MOUNT_TIMEOUT_S = 60.0  # the shim kills a mount/unmount still running after this
 MOUNT_OPS_RUNNING_MAX = 2 * LIVE_MOUNTS_MAX  # mount/unmount operations in flight in the shim
+#: the readahead of every virtio-fs mount, KiB (init.sh for boot shares, from the kernel
+#: command line ``sandbox.vfs_ra_kb``; the shim for live mounts): one full FUSE request
+#: (``fuse.abi.MAX_WRITE_BYTES``). Linux's default, 128 KiB, made a sequential read 128 KiB
+#: READs; INIT can only lower it. Reads never go past a file's end, so small files cost nothing
+VIRTIOFS_READ_AHEAD_KB = 1024
+
+
+def bdi_read_ahead_path(st_dev: int) -> str:
+    """The ``read_ahead_kb`` file of the backing device of a mount whose ``st_dev`` this is
+    (FUSE and virtio-fs name it by the superblock's ``major:minor``)."""
+    return f"/sys/class/bdi/{os.major(st_dev)}:{os.minor(st_dev)}/read_ahead_kb"
 
 # ---------------------------------------------------------------------------- undo notifications
 # The convention guest processes use to learn of an undo (docs/vm.md "Undo notifications in the

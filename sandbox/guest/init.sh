@@ -8,6 +8,8 @@
 #   (live mounts: the shim mounts more shares later, on spare forwarded ports; see
 #    sandbox/guest/control.py)
 #   sandbox.msize=BYTES      9P msize for them
+#   sandbox.vfs_ra_kb=KIB    readahead of each virtio-fs share (control.VIRTIOFS_READ_AHEAD_KB;
+#                            unset: the kernel's 128 KiB)
 #   sandbox.net=MODE         disabled | open | allowlist
 #   sandbox.upper=tmpfs|disk the writable layer over the read-only guest root: tmpfs
 #                            (ephemeral) or the ext4 disk /dev/vda (persistent)
@@ -26,12 +28,13 @@
 say() { echo "sandbox-init: $*"; }
 fail() { echo "SANDBOX-FAILED: $*"; sleep 2; poweroff -f; }
 
-MSIZE=524288 NET=disabled UPPER=tmpfs ROOTFS=host-usr
+MSIZE=524288 NET=disabled UPPER=tmpfs ROOTFS=host-usr VFS_RA_KB=
 AGENT_UID=1000 AGENT_GID=1000 AS_ROOT=0
 for x in $(cat /proc/cmdline); do
   case "$x" in
     sandbox.probe=1) echo SANDBOX-PROBE-OK; poweroff -f ;;
     sandbox.msize=*) MSIZE=${x#*=} ;;
+    sandbox.vfs_ra_kb=*) VFS_RA_KB=${x#*=} ;;
     sandbox.net=*) NET=${x#*=} ;;
     sandbox.upper=*) UPPER=${x#*=} ;;
     sandbox.rootfs=*) ROOTFS=${x#*=} ;;
@@ -121,6 +124,9 @@ NFT
   fi
 fi
 
+# a mount's backing device (/sys/class/bdi/MAJOR:MINOR) from its st_dev (decimal, glibc's encoding)
+bdi_name() { echo "$(( ($1 >> 8) & 0xfff )):$(( ($1 & 0xff) | (($1 >> 12) & 0xfff00) ))"; }
+
 # -- the shares: the host's mount table (fw_cfg opt/sandbox/mounts), shallowest first.
 # One line per share: PORT ANAME ro|rw TARGET (the target is the rest of the line); a
 # virtio-fs share (issue 17, share="virtiofs") is "virtiofs TAG ro|rw TARGET".
@@ -134,6 +140,11 @@ while read -r port aname mode target; do
     opts=rw
     [ "$mode" = ro ] && opts=ro
     mount -t virtiofs -o "$opts" "$aname" "/merged$target" || fail "cannot mount virtio-fs share $aname at $target"
+    # its readahead (control.VIRTIOFS_READ_AHEAD_KB; the kernel's default is 128 KiB)
+    if [ -n "$VFS_RA_KB" ]; then
+      ra=/sys/class/bdi/$(bdi_name "$(stat -c %d "/merged$target")")/read_ahead_kb
+      echo "$VFS_RA_KB" > "$ra" || say "cannot set $ra: the default readahead stays"
+    fi
     continue
   fi
   opts="trans=tcp,port=$port,version=9p2000.L,cache=none,msize=$MSIZE,aname=$aname"

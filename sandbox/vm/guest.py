@@ -42,7 +42,7 @@ from ..guest import control as proto
 from . import guestroot, imageroot
 from .console import BootError, Console
 from .control import ControlClient, ControlClosed, MountError
-from .qemu import VmConfig, build_command, hotplug_port, probe_accel
+from .qemu import VIRTIOFS_QUEUE_SIZE, VmConfig, build_command, hotplug_port, probe_accel
 from .qmp import Qmp
 
 log = logging.getLogger("sandbox.session")
@@ -204,7 +204,8 @@ class VmGuest:
         except (guestroot.GuestRootError, OSError) as e:
             raise GuestError(f"cannot make the guest root: {e}") from None
         virtfs = [usr, (guestroot.SKELETON_TAG, skeleton)]
-        append = (f"sandbox.msize={MSIZE} sandbox.net={self.network} sandbox.rootfs={self.guest_root} "
+        append = (f"sandbox.msize={MSIZE} sandbox.vfs_ra_kb={proto.VIRTIOFS_READ_AHEAD_KB} "
+                  f"sandbox.net={self.network} sandbox.rootfs={self.guest_root} "
                   f"sandbox.upper={'disk' if self.disk else 'tmpfs'} quiet")
         # -- network allowlist (issue 13): the guest learns nothing of the list; the host enforces it
         fwd_cmds = []
@@ -336,7 +337,8 @@ class VmGuest:
                 "addr": {"type": "unix", "data": {"path": m.virtiofs_socket}}, "server": False}}})
             try:
                 await self.qmp.execute("device_add", {"driver": "vhost-user-fs-pci", "id": _hot_device(k),
-                                                      "chardev": _hot_chardev(k), "tag": tag, "bus": hotplug_port(k)})
+                                                      "chardev": _hot_chardev(k), "tag": tag, "bus": hotplug_port(k),
+                                                      "queue-size": VIRTIOFS_QUEUE_SIZE})
             except Exception:
                 await self._remove_chardev(k)
                 raise

@@ -123,6 +123,13 @@ class AccelChoice:
 
 #: bytes of a virtio-fs tag (the device's config space holds 36)
 VIRTIOFS_TAG_BYTES_MAX = 36
+#: entries of each ``vhost-user-fs-pci`` virtqueue (QEMU's default is 128; at most its
+#: VIRTQUEUE_MAX_SIZE, 1024). The guest's virtio-fs driver caps a request at the request
+#: queue's size less 4 entries for its headers (Linux 5.14+), so with 128 a 1 MiB write was
+#: three WRITEs (124 + 124 + 8 pages); 1024 lets one request carry the 256 pages (1 MiB) our
+#: INIT grants (``fuse.abi.MAX_PAGES``). The device server accepts such chains
+#: (``fuse.virtqueue.INDIRECT_DESCS_MAX``)
+VIRTIOFS_QUEUE_SIZE = 1024
 HOTPLUG_PORTS_MAX = 16
 HOTPLUG_CHASSIS_FIRST = 1  # the root ports' chassis numbers (unique per machine; nothing else sets one)
 
@@ -259,7 +266,7 @@ def build_command(cfg: VmConfig) -> list[str]:
         cmd += ["-object", f"memory-backend-memfd,id=mem,size={cfg.memory_mb}M,share=on", "-numa", "node,memdev=mem"]
     for k, (tag, path) in enumerate(cfg.virtiofs):
         cmd += ["-chardev", f"socket,id=vfs{k},path={escape_opt(path)}",
-                "-device", f"vhost-user-fs-pci,chardev=vfs{k},tag={tag}"]
+                "-device", f"vhost-user-fs-pci,chardev=vfs{k},tag={tag},queue-size={VIRTIOFS_QUEUE_SIZE}"]
     for k in range(cfg.hotplug_ports):
         cmd += ["-device", f"pcie-root-port,id={hotplug_port(k)},bus=pcie.0,chassis={HOTPLUG_CHASSIS_FIRST + k}"]
     if cfg.disk is not None:
