@@ -77,6 +77,10 @@ _SHORT_PATH = _PATH_MAX // 4
 #: ``unsynced_versions_dropped``): the states in between are no longer offered
 UNSYNCED_VERSIONS_MAX = 64
 
+#: paths whose resolution one disk remembers (``MemoryHostFS._walk``); past it the memory is
+#: cleared and refilled by the next lookups (answers never change, only their cost)
+RESOLVED_PATHS_KEPT_MAX = 4096
+
 
 class SimClock:
     """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
@@ -290,6 +294,14 @@ class MemoryHostFS(HostFS):
         self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
         self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
         self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
+        # path -> the inode a successful _walk of it found. Valid while no name is removed or
+        # replaced (unlink, rmdir, rename, exchange, power_loss clear it): adding a name cannot
+        # change where an existing path leads, and an inode's kind never changes. Failures are
+        # not kept, so every error is found by a real walk.
+        self._resolved: dict[str, _Inode] = {}
+        #: bumped before every call that may change the tree (and by power_loss): equal
+        #: values mean an unchanged tree, for callers that keep what they read of it
+        self.changes = 0
 
     # -- simulation controls (not part of HostFS) --
 
@@ -304,6 +316,7 @@ class MemoryHostFS(HostFS):
             raise ValueError(f"not a special file type: {fmt:#o}")
         if self._commit_pending:
             self._commit_metadata()
+        self.changes += 1
         self._mknod_node(path, mode, fmt)
 
     def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
@@ -333,8 +346,10 @@ class MemoryHostFS(HostFS):
     # -- internals --
 
     def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
-        if self._commit_pending and op not in _READ_ONLY_OPS:
-            self._commit_metadata()  # an fsync's journal commit, taken before anything changes
+        if op not in _READ_ONLY_OPS:
+            self.changes += 1
+            if self._commit_pending:
+                self._commit_metadata()  # an fsync's journal commit, taken before anything changes
         if self.fault_hook is not None:
             return self.fault_hook(self, op, path, nbytes)
         return None
@@ -348,6 +363,9 @@ class MemoryHostFS(HostFS):
 
     def _walk(self, path: str) -> _Inode:
         """Resolve a whole path, as RealHostFS's single openat2 of it does."""
+        node = self._resolved.get(path)
+        if node is not None:
+            return node
         node = self._root
         if not path:
             return node
@@ -362,6 +380,9 @@ class MemoryHostFS(HostFS):
             if child is None:
                 raise _err(errno.ENOENT, path)
             node = child
+        if len(self._resolved) >= RESOLVED_PATHS_KEPT_MAX:
+            self._resolved.clear()
+        self._resolved[path] = node
         return node
 
     def _entry(self, path: str) -> _Inode:
@@ -415,6 +436,16 @@ class MemoryHostFS(HostFS):
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
+        i = path.rfind("/")
+        node = self._resolved.get(path[:i]) if i > 0 else None
+        if node is not None:  # the parent resolved before: its components passed every check
+            if node.kind != DIR:
+                return None
+            name = path[i + 1:]
+            if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, path)
+            node = node.entries.get(name)
+            return None if node is None else node.stat()
         node = self._root
         for part in path.split("/"):  # _entry's checks, in its order
             if node.kind != DIR:
@@ -526,6 +557,7 @@ class MemoryHostFS(HostFS):
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
         parent, name = self._parent(path)
+        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
@@ -540,6 +572,7 @@ class MemoryHostFS(HostFS):
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
         parent, name = self._parent(path)
+        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
@@ -587,6 +620,7 @@ class MemoryHostFS(HostFS):
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
         now = self.clock()
+        self._resolved.clear()
         del sparent.entries[sname]
         if existing is not None:
             if existing.kind == DIR:
@@ -616,6 +650,7 @@ class MemoryHostFS(HostFS):
         if is_within(b, a) or is_within(a, b):
             raise _err(errno.EINVAL, b)  # one inside the other
         now = self.clock()
+        self._resolved.clear()
         aparent.entries[aname], bparent.entries[bname] = y, x
         if aparent is not bparent and (x.kind == DIR) != (y.kind == DIR):
             step = 1 if x.kind == DIR else -1  # the directory's ".." moves from a's parent to b's
@@ -935,6 +970,8 @@ class MemoryHostFS(HostFS):
                 kept[ino] = versions[p - 1]
         if self._commit_pending:
             self._commit_metadata()
+        self._resolved.clear()
+        self.changes += 1
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
