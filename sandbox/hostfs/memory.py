@@ -380,15 +380,21 @@ class MemoryHostFS(HostFS):
             if child is None:
                 raise _err(errno.ENOENT, path)
             node = child
+        self._keep_resolved(path, node)
+        return node
+
+    def _keep_resolved(self, path: str, node: _Inode) -> None:
         if len(self._resolved) >= RESOLVED_PATHS_KEPT_MAX:
             self._resolved.clear()
         self._resolved[path] = node
-        return node
 
     def _entry(self, path: str) -> _Inode:
         """Resolve the parent, then the final name, as RealHostFS's ``*at()`` calls do."""
         if not path:
             return self._root
+        node = self._resolved.get(path)
+        if node is not None:  # resolved before: the same walk, the same checks passed
+            return node
         parent, name = self._parent(path)
         node = self._child(parent, name, path)
         if node is None:
@@ -436,16 +442,22 @@ class MemoryHostFS(HostFS):
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
+        node = self._resolved.get(path)
+        if node is not None:  # resolved before: every component passed every check
+            return node.stat()
         i = path.rfind("/")
         node = self._resolved.get(path[:i]) if i > 0 else None
-        if node is not None:  # the parent resolved before: its components passed every check
+        if node is not None:  # the parent resolved before
             if node.kind != DIR:
                 return None
             name = path[i + 1:]
             if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
                 raise _err(errno.ENAMETOOLONG, path)
             node = node.entries.get(name)
-            return None if node is None else node.stat()
+            if node is None:
+                return None
+            self._keep_resolved(path, node)
+            return node.stat()
         node = self._root
         for part in path.split("/"):  # _entry's checks, in its order
             if node.kind != DIR:
@@ -455,6 +467,7 @@ class MemoryHostFS(HostFS):
             node = node.entries.get(part)
             if node is None:
                 return None
+        self._keep_resolved(path, node)
         return node.stat()
 
     def getattr(self, path: str) -> Attr:
