@@ -729,3 +729,31 @@ def test_bytes_a_failed_append_left_past_the_journal_do_not_make_the_step_corrup
     ws.rollback(1)
     assert world.work.listdir("") == []
     ws.close()
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+
+
+@given(st.dictionaries(st.text(max_size=10).filter(lambda k: k != "h"), _json_values, min_size=1, max_size=6))
+@settings(max_examples=300, deadline=None)
+def test_a_sealed_line_is_json_dumps_of_the_object_then_its_checksum(obj):
+    """seal() calls the C JSON encoder directly: the body must be exactly what
+    json.dumps(obj, separators=(",", ":"), ensure_ascii=True) gives, and unseal its inverse."""
+    line = seal(obj)
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    assert line.startswith(body[:-1] + b',"h":"') and line.endswith(b'"}\n')
+    assert unseal(line) == json.loads(body)
+
+
+def test_seal_refuses_what_json_dumps_refuses():
+    cyclic: dict = {"a": []}
+    cyclic["a"].append(cyclic)
+    with pytest.raises(ValueError, match="Circular"):
+        seal(cyclic)
+    with pytest.raises(TypeError):
+        seal({"a": object()})
+    assert seal({"a": [1, 2]}).startswith(b'{"a":[1,2],"h":"')  # no markers left behind by the failures

@@ -43,6 +43,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
+from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_ascii as _encode_ascii
+
 import zstandard
 
 from ..hostfs import ABSENT_ERRNOS, DIR, LNK, MKNOD_FMTS, OTHER, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
@@ -198,10 +200,21 @@ def _seal_hash(body: bytes) -> bytes:
 _LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
 
 
+def _encode_line(obj: dict) -> str:
+    """``_LINE_ENCODER.encode(obj)``, the same characters: the C encoder ``JSONEncoder.encode``
+    itself builds for a one-shot encode (fresh circular-reference markers each call), called
+    without the two Python layers around it. Without the C accelerator: the encoder itself."""
+    if _c_make_encoder is None:
+        return _LINE_ENCODER.encode(obj)
+    e = _LINE_ENCODER
+    return "".join(_c_make_encoder({}, e.default, _encode_ascii, None, e.key_separator, e.item_separator, e.sort_keys,
+                                   e.skipkeys, e.allow_nan)(obj, 0))
+
+
 def seal(obj: dict) -> bytes:
     """``obj`` as one JSON line whose last member, ``"h"``, is a checksum of the bytes
     before it: any change to the line (a bit, a byte, a cut) fails :func:`unseal`."""
-    body = _LINE_ENCODER.encode(obj).encode("ascii")
+    body = _encode_line(obj).encode("ascii")
     assert body[:1] == b"{" and len(body) > 2 and SEAL_KEY not in obj, obj
     return body[:-1] + _SEAL_PREFIX + _seal_hash(body) + b'"}\n'
 
