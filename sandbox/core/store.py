@@ -72,6 +72,10 @@ HEADER_READ_BYTES_MAX = 64 << 10
 #: unchanged bytes reuses the first parse (a copy of it). Oldest forgotten past the count;
 #: a journal over the byte bound is parsed every time.
 PARSED_JOURNALS_KEPT_MAX = 16
+#: zstd decompression contexts kept for reuse (making one costs more than decoding a small
+#: preimage): each preimage being read owns one until it is done, so readers never share one;
+#: past the bound a finished reader's context is dropped
+DECOMPRESSORS_KEPT_MAX = 4
 PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
@@ -489,6 +493,7 @@ class UndoLog:
         self._reflink_ok: bool | None = None
         self.eviction_pending = False
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._dctxs: list[zstandard.ZstdDecompressor] = []  # free for the next reader (DECOMPRESSORS_KEPT_MAX)
 
     # ------------------------------------------------------------------ opening
 
@@ -1073,12 +1078,20 @@ class UndoLog:
 
         digest = hashlib.blake2b(digest_size=16)
         size = 0
+        dctx = None
         try:
             if "data" in rec:
                 src = io.BytesIO(unb64(rec["data"]))
             else:
                 src = _StoreFile(self.fs, join(where, rec["blob"]))
-            reader = src if rec["enc"] == "raw" else zstandard.ZstdDecompressor().stream_reader(src, read_size=preimage.CHUNK_BYTES)
+            if rec["enc"] == "raw":
+                reader = src
+            else:
+                try:
+                    dctx = self._dctxs.pop()  # this reader's own (atomic: no other reader gets it)
+                except IndexError:
+                    dctx = zstandard.ZstdDecompressor()
+                reader = dctx.stream_reader(src, read_size=preimage.CHUNK_BYTES)  # resets the context
             while True:
                 chunk = reader.read(preimage.CHUNK_BYTES)
                 if not chunk:
@@ -1092,6 +1105,9 @@ class UndoLog:
             raise bad(f"is missing ({rec['blob']})") from None
         except (OSError, ValueError, zstandard.ZstdError) as e:
             raise bad(f"is unreadable ({e})") from None
+        finally:  # done, failed or abandoned: no read of this reader follows
+            if dctx is not None and len(self._dctxs) < DECOMPRESSORS_KEPT_MAX:
+                self._dctxs.append(dctx)
         if size != want:
             raise bad(f"has {size} bytes, expected {want}")
         if digest.hexdigest() != rec["hash"]:
