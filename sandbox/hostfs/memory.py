@@ -93,6 +93,9 @@ class SimClock:
         return self._now
 
 
+_USUAL_FMT = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}  # a new inode's S_IFMT by kind (else a fifo)
+
+
 @dataclass(slots=True)
 class _Inode:
     ino: int
@@ -116,7 +119,7 @@ class _Inode:
         if self.atime_ns is None:
             self.atime_ns = self.mtime_ns
         if not self.fmt:
-            self.fmt = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}.get(self.kind, _stat.S_IFIFO)
+            self.fmt = _USUAL_FMT.get(self.kind, _stat.S_IFIFO)
 
     def meta(self) -> tuple:
         return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
@@ -340,7 +343,8 @@ class MemoryHostFS(HostFS):
             out.append((p, node))
             if node.kind == DIR and node.entries:
                 prefix = p + "/" if p else ""
-                stack.extend((prefix + name, node.entries[name]) for name in sorted(node.entries, reverse=True))
+                entries = node.entries
+                stack += [(prefix + name, entries[name]) for name in sorted(entries, reverse=True)]
         return out
 
     # -- internals --
