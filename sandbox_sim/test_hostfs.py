@@ -3066,3 +3066,32 @@ def test_sim_changes_counts_every_call_that_may_change_the_tree():
     fs.chmod("f", 0o600)
     fs.power_loss()
     assert fs.changes == n + 3
+
+
+def test_sim_read_all_and_write_all_make_exactly_the_calls_of_their_loops():
+    """write_all: one write per chunk, continuing after a short write where it stopped, none
+    for no bytes; read_all: reads until one returns nothing (one read for an empty file)."""
+    rec = _Recorder()
+    short = {"left": 1}
+
+    def hook(fs, op, path, nbytes):
+        rec(fs, op, path, nbytes)
+        if op == "write" and short["left"]:
+            short["left"] -= 1
+            return 3  # a short write (no crash follows: this hook has no after_torn_write)
+        return None
+
+    fs = MemoryHostFS(fault_hook=hook)
+    fs.create("f", 0o644)
+    rec.calls.clear()
+    fs.write_all("f", 0, b"abcdefgh")
+    fs.write_all("f", 8, bytearray(b"ij"))
+    fs.write_all("f", 10, b"")
+    assert [c for c in rec.calls if c[0] == "write"] == [("write", "f", 8), ("write", "f", 5), ("write", "f", 2)]
+    rec.calls.clear()
+    assert fs.read_all("f") == b"abcdefghij" and type(fs.read_all("f")) is bytes
+    fs.create("empty", 0o644)
+    assert fs.read_all("empty") == b""
+    assert fs.read_all("f", chunk_bytes=4) == b"abcdefghij"
+    assert [c[1:] for c in rec.calls if c[0] == "read"] == [("f", 0), ("f", 0), ("f", 0), ("f", 0), ("empty", 0), ("f", 0), ("f", 0), ("f", 0),
+                                          ("f", 0)]

@@ -126,9 +126,9 @@ class _Inode:
                 self.atime_ns, self.uid, self.gid)
 
     def stat(self) -> Stat:
-        size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
-        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, fmt=self.fmt, uid=self.uid,
-                    gid=self.gid)
+        kind = self.kind
+        size = len(self.data) if kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if kind == LNK else 4096 if kind == DIR else 0
+        return Stat(kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid, self.gid)
 
     def attr(self) -> Attr:
         """As ext4 reports it: whole 4 KiB blocks, symlinks under 60 bytes inline."""
