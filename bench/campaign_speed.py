@@ -20,7 +20,14 @@ alternately (REF, this, REF, this …) so that noise from other processes falls 
 the table shows medians over seeds and repeats and the ratio this/REF. A campaign that finds
 a violation is reported as such (its number is not a speed).
 
-Numbers on a shared machine are noisy: read the ratio, not the absolute values.
+Numbers on a shared machine are noisy: read the ratio, not the absolute values. Where
+other jobs share the cores even the CPU time of one run moves by ±20 %; ``--instructions``
+then measures work instead of time: every campaign runs under ``valgrind --tool=callgrind``
+(about 50× slower: use it with ``--quick`` or few seeds) and the table gives the CPU
+instructions per op — those of a campaign of 0 actions (imports, the world's setup)
+subtracted — which do not depend on what else runs on the machine, and the ratio
+base/this. It also says whether both trees applied the same ops and injected the same
+faults (they do unless the core's host calls changed).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +46,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAULT_KINDS = ("crash", "enospc", "eio", "torn", "power")
 MIXES = {"none": "", **{k: k for k in FAULT_KINDS}, "all": ",".join(FAULT_KINDS)}
 WORKER_TIMEOUT_S = 900  # one campaign; past it the benchmark stops with an error
+VALGRIND_SLOWDOWN = 100  # under --instructions a campaign may take this many times longer
 
 # Runs inside the tree under test (old or new): only plan() and execute() of
 # sandbox_sim/__main__.py and Driver.ops_done, which every version has.
@@ -54,13 +64,24 @@ print(json.dumps({"ops": d.ops_done if d is not None else 0, "cpu": cpu, "wall":
 """
 
 
-def run_one(tree: str, seed: int, steps: int, faults: str) -> dict:
+def run_one(tree: str, seed: int, steps: int, faults: str, instructions: bool = False) -> dict:
+    """One campaign in a fresh process; with ``instructions`` under callgrind, the result
+    then also has ``instr``: the instructions the whole process executed."""
     env = dict(os.environ, PYTHONPATH=tree, PYTHONHASHSEED="0")
-    out = subprocess.run([sys.executable, "-c", _WORKER, str(seed), str(steps), faults], cwd=tree, env=env,
-                         capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    cmd = [sys.executable, "-c", _WORKER, str(seed), str(steps), faults]
+    if instructions:
+        cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"] + cmd
+    out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
+                         timeout=WORKER_TIMEOUT_S * (VALGRIND_SLOWDOWN if instructions else 1))
     if out.returncode != 0:
         raise SystemExit(f"campaign failed to run in {tree} (seed {seed}, faults {faults!r}):\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if instructions:
+        m = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
+        if m is None:
+            raise SystemExit(f"no instruction count from valgrind:\n{out.stderr[-2000:]}")
+        r["instr"] = int(m.group(1))
+    return r
 
 
 def make_baseline(ref: str, tmp: str) -> str:
@@ -81,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="runs of each campaign per tree (default 1)")
     p.add_argument("--mixes", default=",".join(MIXES), help=f"which fault mixes (default all: {','.join(MIXES)})")
     p.add_argument("--quick", action="store_true", help="2 seeds of 500 actions")
+    p.add_argument("--instructions", action="store_true",
+                   help="count CPU instructions per op under valgrind instead of timing (immune to other jobs; ~50x slower)")
     args = p.parse_args(argv)
+    if args.instructions and shutil.which("valgrind") is None:
+        p.error("--instructions needs valgrind on PATH")
     if args.quick:
         args.seeds, args.steps = 2, 500
     mixes = [m.strip() for m in args.mixes.split(",") if m.strip()]
@@ -93,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             trees = {"base": make_baseline(args.baseline, tmp), "this": HERE}
         try:
-            return report(trees, mixes, args)
+            return (report_instructions if args.instructions else report)(trees, mixes, args)
         finally:
             if "base" in trees:
                 drop_baseline(trees["base"])
@@ -126,6 +151,41 @@ def report(trees: dict[str, str], mixes: list[str], args) -> int:
         line = f"{mix:8} " + " ".join(f"{med[c]:14,.0f}" for c in cols)
         if len(cols) == 2:
             line += f"   {med['this'] / med['base']:8.2f}x"
+        print(line + f"   {ops:>5}  {faults:>6}", flush=True)
+        for e in errors:
+            failed = True
+            print(f"  VIOLATION (not a speed): {e}")
+    return 1 if failed else 0
+
+
+def report_instructions(trees: dict[str, str], mixes: list[str], args) -> int:
+    head = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"campaign work: {args.seeds} seed(s) x {args.steps} actions per mix, under callgrind; "
+          f"this tree = {HERE} (HEAD {head}{', uncommitted changes' if _dirty() else ''})"
+          + (f"; baseline = {args.baseline}" if "base" in trees else ""), flush=True)
+    print("unit: CPU instructions per guest program applied (thousands), a campaign of 0 actions subtracted")
+    cols = list(trees)
+    setup = {c: run_one(trees[c], 1, 0, "", instructions=True)["instr"] for c in cols}
+    print(f"{'mix':8} " + " ".join(f"{c + ' kinstr/op':>16}" for c in cols)
+          + ("   base/this  same work" if len(cols) == 2 else "") + "   ops  faults")
+    failed = False
+    for mix in mixes:
+        instr = {c: 0 for c in cols}
+        work = {c: [] for c in cols}
+        errors = []
+        for seed in range(1, args.seeds + 1):
+            for c in cols:
+                r = run_one(trees[c], seed, args.steps, MIXES[mix], instructions=True)
+                if r["error"]:
+                    errors.append(f"{c} seed {seed}: {r['error']}")
+                    continue
+                instr[c] += r["instr"] - setup[c]
+                work[c].append((r["ops"], r["faults"]))
+        per = {c: instr[c] / max(1, sum(o for o, _ in work[c])) / 1000 for c in cols}
+        line = f"{mix:8} " + " ".join(f"{per[c]:16,.0f}" for c in cols)
+        if len(cols) == 2:
+            line += f"   {per['base'] / per['this']:8.2f}x  {'yes' if work['base'] == work['this'] else 'NO':>9}"
+        ops, faults = sum(o for o, _ in work["this"]), sum(f for _, f in work["this"])
         print(line + f"   {ops:>5}  {faults:>6}", flush=True)
         for e in errors:
             failed = True

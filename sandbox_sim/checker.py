@@ -34,8 +34,9 @@ class Checker:
         """Catch up with history: new steps get ``tree`` (default: now) as post-state;
         steps gone from history were popped (if in ``rolled_back``) or evicted."""
         seqs = {s.seq for s in ws.steps()}
-        for seq in seqs - set(self.post):
-            self.post[seq] = tree if tree is not None else self.world.snapshot()
+        for seq in sorted(seqs):  # new steps: not in post (a set of post's keys would grow with the run)
+            if seq not in self.post:
+                self.post[seq] = tree if tree is not None else self.world.snapshot()
         for q in self.known - seqs:
             if q in rolled_back:
                 self.post.pop(q, None)

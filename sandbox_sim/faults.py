@@ -36,20 +36,46 @@ class SimulatedCrash(BaseException):
     """The process died at this host call."""
 
 
+def _plan_field(name: str) -> property:
+    """An attribute that decides whether a call may be faulted: setting it re-derives
+    ``FaultInjector._quiet`` (nothing planned, no trace, not dead)."""
+    private = "_" + name
+
+    def get(self):
+        return getattr(self, private)
+
+    def set(self, value) -> None:
+        setattr(self, private, value)
+        self._quiet = (self._crash_at is None and self._torn_at is None and self._error_at is None
+                       and self._error_if is None and self._trace is None and not self._crashed)
+
+    return property(get, set)
+
+
 class FaultInjector:
+    """Counts host calls (``calls``, and ``store_mutations``: mutating calls on the store)
+    and injects the faults planned. With nothing planned, no trace and the process alive
+    (``_quiet``) a call is only counted, by the same rules as when a fault is planned, so
+    positions mean the same whether or not anything is armed."""
+
+    crash_at = _plan_field("crash_at")
+    torn_at = _plan_field("torn_at")
+    error_at = _plan_field("error_at")
+    error_if = _plan_field("error_if")
+    trace = _plan_field("trace")
+    crashed = _plan_field("crashed")
+
     def __init__(self, crash_at: int | None = None, torn_at: int | None = None,
                  error_at: tuple[int, int] | None = None, seed: int = 0,
                  error_if: tuple[Callable[[str, str, str], bool], int] | None = None):
-        self.crash_at = crash_at
-        self.torn_at = torn_at
-        self.error_at = error_at
-        self.error_if = error_if
+        self._crash_at, self._torn_at, self._error_at, self._error_if = crash_at, torn_at, error_at, error_if
+        self._trace: list[tuple[str, str, str]] | None = None
+        self._crashed = False
         self.rng = random.Random(seed)
         self.calls = 0
         self.store_mutations = 0
-        self.crashed = False
+        self.crashed = False  # derives _quiet
         self.injected: list[str] = []
-        self.trace: list[tuple[str, str, str]] | None = None
 
     def disarm(self) -> None:
         """After a crash: the next process starts with no faults planned."""
@@ -57,6 +83,11 @@ class FaultInjector:
         self.crashed = False
 
     def __call__(self, fs, op: str, path: str, nbytes: int):
+        if self._quiet:
+            self.calls += 1
+            if op in STORE_MUTATIONS and fs.name == "store":
+                self.store_mutations += 1
+            return None
         if self.crashed:
             raise SimulatedCrash(f"process already dead ({fs.name}.{op} {path!r})")
         k = self.calls

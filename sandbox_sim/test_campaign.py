@@ -15,6 +15,7 @@ oracle (issue 19).
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shlex
 
@@ -222,3 +223,26 @@ def test_fixed_violations_found_by_the_fan_out_stay_fixed(name):
     assert err is None, f"action {fail_at}: {err}"
 
 
+
+
+def test_the_world_reads_the_tree_again_after_any_change_and_cross_checks_what_it_kept():
+    """``World.snapshot`` keeps its last read of a simulated disk while no call that may
+    change the tree has run (``MemoryHostFS.changes``): a change through a path or a handle
+    is seen at once, each caller gets its own dict, and the campaign's cross-check compares
+    the kept read with a fresh one (here a change made behind the disk's back)."""
+    w = World("sim")
+    w.work.create("f", 0o644)
+    first = w.snapshot()
+    first.pop("f")  # a caller's own dict
+    assert "f" in w.snapshot()
+    with w.work.open("f", os.O_RDWR) as h:
+        h.pwrite(b"new", 0)
+    assert w.snapshot()["f"][3] == b"new"
+    w.work.setxattr("f", "user.k", b"v")
+    assert w.snapshot()["f"][4] == (("user.k", b"v"),)
+    w.cross_check()
+    for p, node in w.work.tree_nodes():  # behind the disk's back: no call, no count
+        if p == "f":
+            node.mode = 0o600
+    with pytest.raises(AssertionError, match="kept snapshot vs a fresh one"):
+        w.cross_check()

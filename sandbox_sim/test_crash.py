@@ -447,3 +447,47 @@ def test_store_error_at_every_store_mutation_of_a_step_whose_creates_fail_in_a_r
     bench/campaign_speed.py, seed 3 with ENOSPC)."""
     total, _ = _store_error_sweep(code, _failing_creates_in_a_row, "failing creates in a row")
     assert total > 10
+
+
+def test_an_injector_with_nothing_planned_counts_calls_as_an_armed_one_does():
+    """Fault positions are counts of host calls: an injector with nothing planned (which
+    only counts) must count exactly as one with faults planned, or a seed's ``k`` would
+    name another call. Compared on the fixed workload: nothing planned; a crash and a
+    store error planned past the end; a trace of every call; and a crash at the last call
+    of the quiet count, which must be the traced call."""
+    counts = []
+    traced = None
+    for injector in (FaultInjector(), FaultInjector(crash_at=10**9), FaultInjector(error_at=(10**9, errno.EIO)), FaultInjector()):
+        w, ws, _ = _prepare("sim", None)
+        if traced is None and len(counts) == 3:
+            injector.trace = traced = []
+        w.injector = injector
+        _step(ws)
+        counts.append((injector.calls, injector.store_mutations))
+    assert len(set(counts)) == 1 and counts[0][0] > 100 and counts[0][1] > 10, counts
+    assert len(traced) == counts[0][0]
+    last = counts[0][0] - 1
+    w, ws, _ = _prepare("sim", None)
+    w.injector = FaultInjector(crash_at=last)
+    with pytest.raises(SimulatedCrash, match=rf"crash at call {last}: {traced[-1][0]}\.{traced[-1][1]} "):
+        _step(ws)
+
+
+def test_planning_a_fault_on_a_live_injector_takes_effect_at_once():
+    w, ws, _ = _prepare("sim", None)
+    w.injector = FaultInjector()
+    seen = []
+    with pytest.raises(SimulatedCrash):  # closing the step dies too: the process is dead
+        with ws.step("s"):
+            ws.fs.write_file("a", b"1")
+            w.injector.crash_at = w.injector.calls  # the very next host call dies
+            for call in (lambda: ws.fs.write_file("b", b"2"), lambda: ws.fs.lstat("a")):
+                try:
+                    call()
+                except SimulatedCrash as e:
+                    seen.append(str(e))
+    assert seen[0].startswith("crash at call") and "already dead" in seen[1], seen
+    w.injector.disarm()
+    w.injector.calls, n = 0, w.injector.calls
+    w.store.lstat("")  # disarmed: counted again, nothing raised
+    assert w.injector.calls == 1 and n > 0

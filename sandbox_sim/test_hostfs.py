@@ -3007,3 +3007,91 @@ def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
     fs.symlink("d", "dl")
     check_errno(errno.ELOOP, fs.getattr_xattr_names, "dl/f")
     check_errno(errno.ENOTDIR, fs.getattr_xattr_names, "d/f/x")
+
+
+def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss():
+    """MemoryHostFS remembers where a path led (``_walk``); every answer must still be the
+    one a fresh walk gives after the tree's names move, go or come back from a power loss."""
+    fs = MemoryHostFS()
+    fs.mkdir("d", 0o755)
+    fs.mkdir("d/e", 0o755)
+    mkfile(fs, "d/e/f", b"one")
+    fs.sync_all()
+    assert fs.read_all("d/e/f") == b"one" and fs.lstat_or_none("d/e/f") is not None  # both remembered now
+    fs.rename("d", "g")
+    check_errno(errno.ENOENT, fs.read, "d/e/f", 0, 3)
+    assert fs.lstat_or_none("d/e/f") is None and fs.read_all("g/e/f") == b"one"
+    fs.unlink("g/e/f")
+    fs.rmdir("g/e")
+    mkfile(fs, "g/e", b"a file now")  # the name now holds a file: no longer a way through
+    check_errno(errno.ENOTDIR, fs.read, "g/e/f", 0, 3)
+    assert fs.lstat_or_none("g/e/f") is None
+    fs.mkdir("x", 0o755)
+    fs.mkdir("y", 0o755)
+    mkfile(fs, "x/in_x", b"x")
+    mkfile(fs, "y/in_y", b"y")
+    assert fs.read_all("x/in_x") == b"x"
+    fs.exchange("x", "y")
+    assert fs.read_all("x/in_y") == b"y" and fs.lstat_or_none("x/in_x") is None
+    fs.power_loss()  # back to the synced tree: d/e/f, and nothing made since
+    assert fs.read_all("d/e/f") == b"one"
+    for gone in ("g/e", "x/in_y", "y/in_x"):
+        assert fs.lstat_or_none(gone) is None
+        check_errno(errno.ENOENT, fs.read, gone, 0, 1)
+
+
+def test_sim_remembered_paths_are_bounded():
+    from sandbox.hostfs.memory import RESOLVED_PATHS_KEPT_MAX
+
+    fs = MemoryHostFS()
+    fs.mkdir("d", 0o755)
+    for i in range(RESOLVED_PATHS_KEPT_MAX + 10):
+        fs.create(f"d/{i}", 0o644)
+        fs.read(f"d/{i}", 0, 1)
+    assert 0 < len(fs._resolved) <= RESOLVED_PATHS_KEPT_MAX
+    assert all(fs.lstat(f"d/{i}").kind == "reg" for i in range(0, RESOLVED_PATHS_KEPT_MAX + 10, 97))
+
+
+def test_sim_changes_counts_every_call_that_may_change_the_tree():
+    fs = MemoryHostFS()
+    mkfile(fs, "f", b"x")
+    n = fs.changes
+    fs.read_all("f")
+    fs.lstat("f")
+    fs.listdir("")
+    assert fs.changes == n  # reads change nothing
+    with fs.open("f", os.O_RDWR) as h:
+        h.pwrite(b"y", 0)  # through a handle
+        assert fs.changes == n + 1
+    fs.chmod("f", 0o600)
+    fs.power_loss()
+    assert fs.changes == n + 3
+
+
+def test_sim_read_all_and_write_all_make_exactly_the_calls_of_their_loops():
+    """write_all: one write per chunk, continuing after a short write where it stopped, none
+    for no bytes; read_all: reads until one returns nothing (one read for an empty file)."""
+    rec = _Recorder()
+    short = {"left": 1}
+
+    def hook(fs, op, path, nbytes):
+        rec(fs, op, path, nbytes)
+        if op == "write" and short["left"]:
+            short["left"] -= 1
+            return 3  # a short write (no crash follows: this hook has no after_torn_write)
+        return None
+
+    fs = MemoryHostFS(fault_hook=hook)
+    fs.create("f", 0o644)
+    rec.calls.clear()
+    fs.write_all("f", 0, b"abcdefgh")
+    fs.write_all("f", 8, bytearray(b"ij"))
+    fs.write_all("f", 10, b"")
+    assert [c for c in rec.calls if c[0] == "write"] == [("write", "f", 8), ("write", "f", 5), ("write", "f", 2)]
+    rec.calls.clear()
+    assert fs.read_all("f") == b"abcdefghij" and type(fs.read_all("f")) is bytes
+    fs.create("empty", 0o644)
+    assert fs.read_all("empty") == b""
+    assert fs.read_all("f", chunk_bytes=4) == b"abcdefghij"
+    assert [c[1:] for c in rec.calls if c[0] == "read"] == [("f", 0), ("f", 0), ("f", 0), ("f", 0), ("empty", 0), ("f", 0), ("f", 0), ("f", 0),
+                                          ("f", 0)]

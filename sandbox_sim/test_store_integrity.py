@@ -729,3 +729,76 @@ def test_bytes_a_failed_append_left_past_the_journal_do_not_make_the_step_corrup
     ws.rollback(1)
     assert world.work.listdir("") == []
     ws.close()
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20)
+
+
+@given(st.dictionaries(st.text(max_size=10).filter(lambda k: k != "h"), _json_values, min_size=1, max_size=6))
+@settings(max_examples=300, deadline=None)
+def test_a_sealed_line_is_json_dumps_of_the_object_then_its_checksum(obj):
+    """seal() calls the C JSON encoder directly: the body must be exactly what
+    json.dumps(obj, separators=(",", ":"), ensure_ascii=True) gives, and unseal its inverse."""
+    line = seal(obj)
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    assert line.startswith(body[:-1] + b',"h":"') and line.endswith(b'"}\n')
+    assert unseal(line) == json.loads(body)
+
+
+def test_seal_refuses_what_json_dumps_refuses():
+    cyclic: dict = {"a": []}
+    cyclic["a"].append(cyclic)
+    with pytest.raises(ValueError, match="Circular"):
+        seal(cyclic)
+    with pytest.raises(TypeError):
+        seal({"a": object()})
+    assert seal({"a": [1, 2]}).startswith(b'{"a":[1,2],"h":"')  # no markers left behind by the failures
+
+
+def test_preimage_readers_each_own_their_decompressor(monkeypatch):
+    """Decompression contexts are reused (``DECOMPRESSORS_KEPT_MAX``): two preimages read
+    interleaved chunk by chunk both come out exact, and a context that failed on a damaged
+    preimage decodes the next one exactly."""
+    from sandbox.core import preimage
+
+    world = World("sim")
+    ws = world.open()
+    old = {"a": _bytes(7, 30_000) + b"a" * 5000, "b": b"b" * 9000 + _bytes(8, 20_000)}
+    with world.paused():
+        for path, data in old.items():
+            world.work.create(path, 0o644)
+            world.work.write_all(path, 0, data)
+    with ws.step("overwrite"):
+        for path in old:
+            ws.fs.write_file(path, b"new")
+    log = ws._log
+    info = log.steps()[-1]
+    pres = {r["path"]: r for r in log.records_of(info) if r["op"] == "pre" and r.get("enc") == "zstd"}
+    assert set(pres) == {"a", "b"}
+    monkeypatch.setattr(preimage, "CHUNK_BYTES", 4096)
+    ga, gb = log._preimage_chunks(info.dirname, pres["a"]), log._preimage_chunks(info.dirname, pres["b"])
+    got = {"a": b"", "b": b""}
+    live = {"a": ga, "b": gb}
+    while live:  # one chunk of each in turn: both readers are mid-frame at once
+        for path, gen in list(live.items()):
+            chunk = next(gen, None)
+            if chunk is None:
+                del live[path]
+            else:
+                got[path] += chunk
+    assert got == old
+    damaged = dict(pres["a"], data=base64.b64encode(b"\x28\xb5\x2f\xfd" + b"\x00" * 40).decode()) if "data" in pres["a"] else None
+    if damaged is None:  # stored as a blob: damage the blob instead
+        blob = join(info.dirname, pres["a"]["blob"])
+        with world.paused():
+            world.store.write_all(blob, 8, b"\xff" * 32)
+        damaged = pres["a"]
+    for _ in range(store_mod.DECOMPRESSORS_KEPT_MAX + 1):
+        with pytest.raises(StoreCorruptStep):
+            b"".join(log._preimage_chunks(info.dirname, damaged))
+        assert b"".join(log._preimage_chunks(info.dirname, pres["b"])) == old["b"]
+    assert 0 < len(log._dctxs) <= store_mod.DECOMPRESSORS_KEPT_MAX

@@ -138,6 +138,9 @@ class World:
         else:
             raise ValueError(kind)
         self.now_s = 1000.0  # the workspace's step clock (ambient idle, quiescence, holds)
+        # the last snapshot of a simulated working disk and its ``changes`` count when taken:
+        # while the count is the same no call that may change the tree has run since
+        self._kept_snapshot: tuple[int, oracle.Snapshot] | None = None
 
     # The injector can be swapped per run and paused. A simulated disk calls the injector
     # itself (its ``fault_hook`` is the injector, or None while paused: no hop per host call);
@@ -218,14 +221,28 @@ class World:
             self.injector_paused = old
 
     def snapshot(self) -> oracle.Snapshot:
+        """The working tree's snapshot (a new dict each time: callers may keep or change it).
+        On a simulated disk the tree is read again only after a call that may have changed it
+        (``MemoryHostFS.changes``); :meth:`cross_check` compares the kept one with a fresh read."""
+        work = self.work
+        if isinstance(work, MemoryHostFS):
+            kept = self._kept_snapshot
+            if kept is not None and kept[0] == work.changes:
+                return dict(kept[1])
+            snap = oracle.snapshot_nodes(work)
+            self._kept_snapshot = (work.changes, snap)
+            return dict(snap)
         with self.paused():
-            return oracle.snapshot(self.work)
+            return oracle.snapshot(work)
 
     def cross_check(self) -> None:
         """The oracle's two ways of reading a simulated disk agree on both of this world's
         disks (``oracle.snapshot_nodes`` vs ``oracle.snapshot_via_calls``); nothing on a real one."""
         if self.kind == "real":
             return
+        kept = self._kept_snapshot
+        if kept is not None and kept[0] == self.work.changes:
+            oracle.assert_same(oracle.snapshot_nodes(self.work), kept[1], "work: the kept snapshot vs a fresh one")
         with self.paused():
             for fs in (self.work, self.store):
                 oracle.assert_same(oracle.snapshot_via_calls(fs), oracle.snapshot_nodes(fs),

@@ -43,6 +43,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
+from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_ascii as _encode_ascii
+
 import zstandard
 
 from ..hostfs import ABSENT_ERRNOS, DIR, LNK, MKNOD_FMTS, OTHER, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
@@ -70,6 +72,10 @@ HEADER_READ_BYTES_MAX = 64 << 10
 #: unchanged bytes reuses the first parse (a copy of it). Oldest forgotten past the count;
 #: a journal over the byte bound is parsed every time.
 PARSED_JOURNALS_KEPT_MAX = 16
+#: zstd decompression contexts kept for reuse (making one costs more than decoding a small
+#: preimage): each preimage being read owns one until it is done, so readers never share one;
+#: past the bound a finished reader's context is dropped
+DECOMPRESSORS_KEPT_MAX = 4
 PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
@@ -198,10 +204,21 @@ def _seal_hash(body: bytes) -> bytes:
 _LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
 
 
+def _encode_line(obj: dict) -> str:
+    """``_LINE_ENCODER.encode(obj)``, the same characters: the C encoder ``JSONEncoder.encode``
+    itself builds for a one-shot encode (fresh circular-reference markers each call), called
+    without the two Python layers around it. Without the C accelerator: the encoder itself."""
+    if _c_make_encoder is None:
+        return _LINE_ENCODER.encode(obj)
+    e = _LINE_ENCODER
+    return "".join(_c_make_encoder({}, e.default, _encode_ascii, None, e.key_separator, e.item_separator, e.sort_keys,
+                                   e.skipkeys, e.allow_nan)(obj, 0))
+
+
 def seal(obj: dict) -> bytes:
     """``obj`` as one JSON line whose last member, ``"h"``, is a checksum of the bytes
     before it: any change to the line (a bit, a byte, a cut) fails :func:`unseal`."""
-    body = _LINE_ENCODER.encode(obj).encode("ascii")
+    body = _encode_line(obj).encode("ascii")
     assert body[:1] == b"{" and len(body) > 2 and SEAL_KEY not in obj, obj
     return body[:-1] + _SEAL_PREFIX + _seal_hash(body) + b'"}\n'
 
@@ -476,6 +493,7 @@ class UndoLog:
         self._reflink_ok: bool | None = None
         self.eviction_pending = False
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._dctxs: list[zstandard.ZstdDecompressor] = []  # free for the next reader (DECOMPRESSORS_KEPT_MAX)
 
     # ------------------------------------------------------------------ opening
 
@@ -1063,12 +1081,20 @@ class UndoLog:
 
         digest = hashlib.blake2b(digest_size=16)
         size = 0
+        dctx = None
         try:
             if "data" in rec:
                 src = io.BytesIO(unb64(rec["data"]))
             else:
                 src = _StoreFile(self.fs, join(where, rec["blob"]))
-            reader = src if rec["enc"] == "raw" else zstandard.ZstdDecompressor().stream_reader(src, read_size=preimage.CHUNK_BYTES)
+            if rec["enc"] == "raw":
+                reader = src
+            else:
+                try:
+                    dctx = self._dctxs.pop()  # this reader's own (atomic: no other reader gets it)
+                except IndexError:
+                    dctx = zstandard.ZstdDecompressor()
+                reader = dctx.stream_reader(src, read_size=preimage.CHUNK_BYTES)  # resets the context
             while True:
                 chunk = reader.read(preimage.CHUNK_BYTES)
                 if not chunk:
@@ -1082,6 +1108,9 @@ class UndoLog:
             raise bad(f"is missing ({rec['blob']})") from None
         except (OSError, ValueError, zstandard.ZstdError) as e:
             raise bad(f"is unreadable ({e})") from None
+        finally:  # done, failed or abandoned: no read of this reader follows
+            if dctx is not None and len(self._dctxs) < DECOMPRESSORS_KEPT_MAX:
+                self._dctxs.append(dctx)
         if size != want:
             raise bad(f"has {size} bytes, expected {want}")
         if digest.hexdigest() != rec["hash"]:

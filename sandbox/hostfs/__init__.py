@@ -466,6 +466,10 @@ def absent_as_none(lstat, path: str):
             return None
         raise
 
+
+_WRITE_ALL_CHUNK = 1 << 20  # HostFS.write_all: bytes per write call
+
+
 class HostFS(ABC):
     """Every host operation the core performs. Paths are normalised and relative."""
 
@@ -636,19 +640,35 @@ class HostFS(ABC):
     # -- conveniences built on the primitives (same for both implementations) --
 
     def read_all(self, path: str, chunk_bytes: int = 1 << 20) -> bytes:
-        out = bytearray()
-        while True:
-            chunk = self.read(path, len(out), chunk_bytes)
-            if not chunk:
-                return bytes(out)
+        """Every byte of ``path``: reads from offset 0 until a read returns nothing. A file
+        read whole by its first read is returned as that read's bytes (no copy)."""
+        first = self.read(path, 0, chunk_bytes)
+        if not first:
+            return b""
+        chunk = self.read(path, len(first), chunk_bytes)
+        if not chunk:
+            return first if type(first) is bytes else bytes(first)
+        out = bytearray(first)
+        while chunk:
             out += chunk
+            chunk = self.read(path, len(out), chunk_bytes)
+        return bytes(out)
 
     def write_all(self, path: str, offset: int, data: bytes) -> None:
-        """Write every byte of ``data`` at ``offset`` (loops over short writes)."""
+        """Write every byte of ``data`` at ``offset`` (loops over short writes), at most
+        ``_WRITE_ALL_CHUNK`` bytes a call. ``bytes`` that fit one call are passed as they are."""
+        if type(data) is bytes and 0 < len(data) <= _WRITE_ALL_CHUNK:
+            n = self.write(path, offset, data)
+            if n == len(data):
+                return
+            if n <= 0:
+                raise OSError(errno.EIO, f"write made no progress on {path!r}")
+            done = n
+        else:
+            done = 0
         view = memoryview(data)
-        done = 0
         while done < len(view):
-            n = self.write(path, offset + done, bytes(view[done : done + (1 << 20)]))
+            n = self.write(path, offset + done, bytes(view[done : done + _WRITE_ALL_CHUNK]))
             if n <= 0:
                 raise OSError(errno.EIO, f"write made no progress on {path!r}")
             done += n

@@ -77,6 +77,10 @@ _SHORT_PATH = _PATH_MAX // 4
 #: ``unsynced_versions_dropped``): the states in between are no longer offered
 UNSYNCED_VERSIONS_MAX = 64
 
+#: paths whose resolution one disk remembers (``MemoryHostFS._walk``); past it the memory is
+#: cleared and refilled by the next lookups (answers never change, only their cost)
+RESOLVED_PATHS_KEPT_MAX = 4096
+
 
 class SimClock:
     """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
@@ -87,6 +91,9 @@ class SimClock:
     def __call__(self) -> int:
         self._now += 1_000_001
         return self._now
+
+
+_USUAL_FMT = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}  # a new inode's S_IFMT by kind (else a fifo)
 
 
 @dataclass(slots=True)
@@ -112,16 +119,16 @@ class _Inode:
         if self.atime_ns is None:
             self.atime_ns = self.mtime_ns
         if not self.fmt:
-            self.fmt = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}.get(self.kind, _stat.S_IFIFO)
+            self.fmt = _USUAL_FMT.get(self.kind, _stat.S_IFIFO)
 
     def meta(self) -> tuple:
         return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
                 self.atime_ns, self.uid, self.gid)
 
     def stat(self) -> Stat:
-        size = len(self.data) if self.kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if self.kind == LNK else 4096 if self.kind == DIR else 0
-        return Stat(self.kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, fmt=self.fmt, uid=self.uid,
-                    gid=self.gid)
+        kind = self.kind
+        size = len(self.data) if kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if kind == LNK else 4096 if kind == DIR else 0
+        return Stat(kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid, self.gid)
 
     def attr(self) -> Attr:
         """As ext4 reports it: whole 4 KiB blocks, symlinks under 60 bytes inline."""
@@ -290,6 +297,14 @@ class MemoryHostFS(HostFS):
         self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
         self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
         self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
+        # path -> the inode a successful _walk of it found. Valid while no name is removed or
+        # replaced (unlink, rmdir, rename, exchange, power_loss clear it): adding a name cannot
+        # change where an existing path leads, and an inode's kind never changes. Failures are
+        # not kept, so every error is found by a real walk.
+        self._resolved: dict[str, _Inode] = {}
+        #: bumped before every call that may change the tree (and by power_loss): equal
+        #: values mean an unchanged tree, for callers that keep what they read of it
+        self.changes = 0
 
     # -- simulation controls (not part of HostFS) --
 
@@ -304,6 +319,7 @@ class MemoryHostFS(HostFS):
             raise ValueError(f"not a special file type: {fmt:#o}")
         if self._commit_pending:
             self._commit_metadata()
+        self.changes += 1
         self._mknod_node(path, mode, fmt)
 
     def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
@@ -327,14 +343,17 @@ class MemoryHostFS(HostFS):
             out.append((p, node))
             if node.kind == DIR and node.entries:
                 prefix = p + "/" if p else ""
-                stack.extend((prefix + name, node.entries[name]) for name in sorted(node.entries, reverse=True))
+                entries = node.entries
+                stack += [(prefix + name, entries[name]) for name in sorted(entries, reverse=True)]
         return out
 
     # -- internals --
 
     def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
-        if self._commit_pending and op not in _READ_ONLY_OPS:
-            self._commit_metadata()  # an fsync's journal commit, taken before anything changes
+        if op not in _READ_ONLY_OPS:
+            self.changes += 1
+            if self._commit_pending:
+                self._commit_metadata()  # an fsync's journal commit, taken before anything changes
         if self.fault_hook is not None:
             return self.fault_hook(self, op, path, nbytes)
         return None
@@ -348,6 +367,9 @@ class MemoryHostFS(HostFS):
 
     def _walk(self, path: str) -> _Inode:
         """Resolve a whole path, as RealHostFS's single openat2 of it does."""
+        node = self._resolved.get(path)
+        if node is not None:
+            return node
         node = self._root
         if not path:
             return node
@@ -362,12 +384,21 @@ class MemoryHostFS(HostFS):
             if child is None:
                 raise _err(errno.ENOENT, path)
             node = child
+        self._keep_resolved(path, node)
         return node
+
+    def _keep_resolved(self, path: str, node: _Inode) -> None:
+        if len(self._resolved) >= RESOLVED_PATHS_KEPT_MAX:
+            self._resolved.clear()
+        self._resolved[path] = node
 
     def _entry(self, path: str) -> _Inode:
         """Resolve the parent, then the final name, as RealHostFS's ``*at()`` calls do."""
         if not path:
             return self._root
+        node = self._resolved.get(path)
+        if node is not None:  # resolved before: the same walk, the same checks passed
+            return node
         parent, name = self._parent(path)
         node = self._child(parent, name, path)
         if node is None:
@@ -415,6 +446,22 @@ class MemoryHostFS(HostFS):
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
+        node = self._resolved.get(path)
+        if node is not None:  # resolved before: every component passed every check
+            return node.stat()
+        i = path.rfind("/")
+        node = self._resolved.get(path[:i]) if i > 0 else None
+        if node is not None:  # the parent resolved before
+            if node.kind != DIR:
+                return None
+            name = path[i + 1:]
+            if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+                raise _err(errno.ENAMETOOLONG, path)
+            node = node.entries.get(name)
+            if node is None:
+                return None
+            self._keep_resolved(path, node)
+            return node.stat()
         node = self._root
         for part in path.split("/"):  # _entry's checks, in its order
             if node.kind != DIR:
@@ -424,6 +471,7 @@ class MemoryHostFS(HostFS):
             node = node.entries.get(part)
             if node is None:
                 return None
+        self._keep_resolved(path, node)
         return node.stat()
 
     def getattr(self, path: str) -> Attr:
@@ -526,6 +574,7 @@ class MemoryHostFS(HostFS):
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
         parent, name = self._parent(path)
+        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
@@ -540,6 +589,7 @@ class MemoryHostFS(HostFS):
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
         parent, name = self._parent(path)
+        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
@@ -587,6 +637,7 @@ class MemoryHostFS(HostFS):
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
         now = self.clock()
+        self._resolved.clear()
         del sparent.entries[sname]
         if existing is not None:
             if existing.kind == DIR:
@@ -616,6 +667,7 @@ class MemoryHostFS(HostFS):
         if is_within(b, a) or is_within(a, b):
             raise _err(errno.EINVAL, b)  # one inside the other
         now = self.clock()
+        self._resolved.clear()
         aparent.entries[aname], bparent.entries[bname] = y, x
         if aparent is not bparent and (x.kind == DIR) != (y.kind == DIR):
             step = 1 if x.kind == DIR else -1  # the directory's ".." moves from a's parent to b's
@@ -935,6 +987,8 @@ class MemoryHostFS(HostFS):
                 kept[ino] = versions[p - 1]
         if self._commit_pending:
             self._commit_metadata()
+        self._resolved.clear()
+        self.changes += 1
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
