@@ -3007,3 +3007,27 @@ def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
     fs.symlink("d", "dl")
     check_errno(errno.ELOOP, fs.getattr_xattr_names, "dl/f")
     check_errno(errno.ENOTDIR, fs.getattr_xattr_names, "d/f/x")
+
+
+def test_read_own_reads_a_write_only_handle_without_moving_its_atime(tmp_path):
+    """``FileHandle.read_own`` (the undo core's preimage read through a client's descriptor):
+    the handle's inode, whatever its access mode and wherever its name went, and — as a read
+    by path — ``O_NOATIME``: an atime a client set stays."""
+    fs = RealHostFS(str(tmp_path))
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"the bytes")
+    old = 1_000_000_000 * 10**9
+    os.utime(tmp_path / "f", ns=(old, 2_000_000_000 * 10**9))  # atime older than mtime: relatime would move it
+    with fs.open("f", os.O_WRONLY) as h:
+        with pytest.raises(OSError):
+            h.pread(4, 0)  # the client's own reads keep the access mode
+        fs.rename("f", "g")
+        fs.create("f", 0o644)  # someone else's file at the old name
+        assert h.read_own(100, 4) == b"bytes"
+        assert h.read_own(4, 0) == b"the "
+    assert os.stat(tmp_path / "g").st_atime_ns == old
+    mem = MemoryHostFS()
+    mem.create("m", 0o644)
+    mem.write_all("m", 0, b"simulated")
+    with mem.open("m", os.O_WRONLY) as h:
+        assert h.read_own(100, 0) == b"simulated"

@@ -372,6 +372,9 @@ class RecordingFileHandle(FileHandle):
     def pread(self, length: int, offset: int) -> bytes:
         return self.inner.pread(length, offset)
 
+    def read_own(self, length: int, offset: int) -> bytes:
+        return self.inner.read_own(length, offset)
+
     def pwrite(self, data: bytes, offset: int) -> int:
         return self._mutating(lambda: self.inner.pwrite(data, offset))
 

@@ -60,11 +60,14 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
-def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
-    """The metadata part of a preimage record."""
+def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | None = None) -> dict:
+    """The metadata part of a preimage record. With ``handle`` (open on the inode ``st``
+    describes) the xattrs are read through it: that inode's, and no path resolution per
+    call."""
     rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns, "uid": st.uid, "gid": st.gid}
     if st.kind in (REG, DIR):
-        rec["xattrs"] = {name: b64(value) for name, value in fs.xattrs(path).items()}
+        xattrs = handle.xattrs() if handle is not None else fs.xattrs(path)
+        rec["xattrs"] = {name: b64(value) for name, value in xattrs.items()}
     elif st.kind == LNK:
         rec["target"] = fs.readlink(path)
     elif st.kind == OTHER:

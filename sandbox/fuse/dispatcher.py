@@ -712,8 +712,19 @@ class Dispatcher:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
         self._hold_open(path)
-        self.provider.unlink(path)
+        self.provider.unlink(path, reader=self._descriptor_at(path))
         self._unlinked(path)
+
+    def _descriptor_at(self, path: str) -> FileHandle | None:
+        """An open descriptor of a regular file's node at ``path``, if one has any: the undo
+        core reads the file's preimage through it when it is still the file there (checked
+        there, by inode) — no path resolution per read."""
+        for link in self.export.fids_at(path):
+            if isinstance(link, Link) and link.node.kind == REG:
+                h = link.node.handle
+                if h is not None and not h.closed:
+                    return h
+        return None
 
     def _rmdir(self, req: m.Rmdir) -> None:
         d = self._dir(req.header.nodeid)

@@ -377,6 +377,12 @@ class FileHandle(ABC):
     def xattrs(self) -> dict[str, bytes]:
         return {name: self.getxattr(name) for name in sorted(self.listxattr())}
 
+    def read_own(self, length: int, offset: int) -> bytes:
+        """A read by the server itself (a preimage), of this handle's inode, whatever its access
+        mode: as :meth:`HostFS.read` of a path, it never moves an atime a client set. The
+        default is :meth:`pread` (for an implementation that keeps no atime)."""
+        return self.pread(length, offset)
+
     def pwrite_all(self, data: bytes, offset: int) -> None:
         """Write every byte of ``data`` at ``offset`` (loops over short writes)."""
         view = memoryview(data)

@@ -227,6 +227,26 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
+    def read_own(self, length: int, offset: int) -> bytes:
+        """:meth:`FileHandle.read_own`: the inode reopened read-only through ``/proc/self/fd``
+        (no path resolution; ``O_NOATIME`` where the process may, as :meth:`RealHostFS.read`),
+        read and closed — three system calls where a read by path takes six."""
+        fd = self._acquire()
+        try:
+            if length < 0 or offset < 0:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), self.path)
+            proc = _XATTR_PROC.format(fd)
+            try:
+                rfd = os.open(proc, os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC)
+            except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
+                rfd = os.open(proc, os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            self._release()
+        try:
+            return os.pread(rfd, length, offset)
+        finally:
+            os.close(rfd)
+
     def pwrite(self, data: bytes, offset: int) -> int:
         fd = self._acquire()
         try:
