@@ -14,7 +14,10 @@ with :meth:`OwnWrites.begin` / :meth:`OwnWrites.end`:
   nlink)`` from ``lstat`` (``(kind, ino, mode)`` for a directory, see :func:`signature`),
   or ``None`` if nothing is there — and the same signature under the inode number, so a
   write through an open handle, or through another hard link, is recognised at whatever
-  name the kernel reports it. Writes through handles are recorded by inode only
+  name the kernel reports it. Two calls prove what they left and are recorded without a
+  look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing was
+  there before it, so ``begin`` does not look either) and an unlink or rmdir that succeeded
+  (nothing). Writes through handles are recorded by inode only
   (``fstat``); a call that drops one name of a multiply-linked file records the file's
   new state (link count, ctime) for its inode too, through a handle held across the call.
 
@@ -36,7 +39,8 @@ Known limits:
   leaving size, mode, ino, nlink and ctime equal, is attributed to us. The rollback's own
   content-hash check (``Workspace._check_unchanged``) still refuses to overwrite it.
 * an external change that races one of our calls on the same path (between the call's
-  ``begin`` and the ``lstat`` in its ``end``) is attributed to us.
+  ``begin`` and the ``lstat`` in its ``end``) is attributed to us — except after a create
+  or an unlink that succeeded, which record what they left without looking.
 * an external change that the sandbox overwrites before the watcher examined its event
   (a window of ``settle_s`` plus processing) is attributed to us when we had never
   touched that path before; when we had, ``begin`` notices the file differs from what we
