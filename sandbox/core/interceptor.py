@@ -343,8 +343,11 @@ class UndoInterceptor:
         if st.kind == OTHER and not is_restorable_special(st):
             raise OSError(errno.EPERM, "device nodes on the host are never changed by the sandbox", path)
         via = handle
-        if via is None and reader is not None and st.kind == REG and same_inode(st, reader.fstat()):
-            via = reader
+        if via is None and reader is not None and st.kind == REG:
+            try:
+                via = reader if same_inode(st, reader.fstat()) else None
+            except OSError:  # closed meanwhile (EBADF): by path, as without it
+                via = None
         rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st, via)}
         if rec["op"] == "pre" and st.kind == REG:
             rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))
