@@ -475,6 +475,9 @@ class RecordingHostFS(HostFS):
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)
 
+    def lstat_head(self, path: str, length: Callable[[Stat], int]) -> tuple[Stat | None, bytes | None]:
+        return self.inner.lstat_head(path, length)
+
     def getattr(self, path: str) -> Attr:
         return self.inner.getattr(path)
 
