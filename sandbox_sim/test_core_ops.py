@@ -75,6 +75,27 @@ def test_fallocate_of_a_renamed_handle_captures_the_inode_not_the_new_name(world
     oracle.assert_same(before, world.snapshot())
 
 
+def test_an_unlink_reads_its_preimage_through_a_descriptor_only_when_it_is_that_file(world):
+    """``unlink(path, reader)``: a descriptor the caller holds (a FUSE node's) is used to read
+    the preimage (xattrs, bytes) only when it is the inode at ``path``; a write-only one is
+    read too; one on another file is ignored — the preimage is always of what is removed."""
+    _seed(world)
+    before = world.snapshot()
+    ws = world.open()
+    with ws.step("unlink through descriptors"):
+        with ws.fs.open("d/b", os.O_WRONLY) as wo, ws.fs.open("big", os.O_RDONLY) as other, \
+                ws.fs.open("a", os.O_RDONLY) as linked:
+            ws.fs.unlink("d/b", wo)  # write-only, that file
+            ws.fs.unlink("d/sub/c", other)  # another file's descriptor: read by path
+            ws.fs.unlink("a", linked)  # one of two hard links
+        closed = ws.fs.open("big", os.O_RDONLY)
+        closed.close()
+        ws.fs.unlink("big", closed)  # closed meanwhile: read by path, the unlink still happens
+    assert not any(world.work.exists(p) for p in ("d/b", "d/sub/c", "a", "big"))
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
 def test_copy_file_range_between_handles_is_undone_exactly(world):
     _seed(world)
     before = world.snapshot()

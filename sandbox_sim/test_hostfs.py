@@ -3095,3 +3095,52 @@ def test_sim_read_all_and_write_all_make_exactly_the_calls_of_their_loops():
     assert fs.read_all("f", chunk_bytes=4) == b"abcdefghij"
     assert [c[1:] for c in rec.calls if c[0] == "read"] == [("f", 0), ("f", 0), ("f", 0), ("f", 0), ("empty", 0), ("f", 0), ("f", 0), ("f", 0),
                                           ("f", 0)]
+
+
+def test_read_own_reads_a_write_only_handle_without_moving_its_atime(tmp_path):
+    """``FileHandle.read_own`` (the undo core's preimage read through a client's descriptor):
+    the handle's inode, whatever its access mode and wherever its name went, and — as a read
+    by path — ``O_NOATIME``: an atime a client set stays."""
+    fs = RealHostFS(str(tmp_path))
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"the bytes")
+    old = 1_000_000_000 * 10**9
+    os.utime(tmp_path / "f", ns=(old, 2_000_000_000 * 10**9))  # atime older than mtime: relatime would move it
+    with fs.open("f", os.O_WRONLY) as h:
+        with pytest.raises(OSError):
+            h.pread(4, 0)  # the client's own reads keep the access mode
+        fs.rename("f", "g")
+        fs.create("f", 0o644)  # someone else's file at the old name
+        assert h.read_own(100, 4) == b"bytes"
+        assert h.read_own(4, 0) == b"the "
+    assert os.stat(tmp_path / "g").st_atime_ns == old
+    mem = MemoryHostFS()
+    mem.create("m", 0o644)
+    mem.write_all("m", 0, b"simulated")
+    with mem.open("m", os.O_WRONLY) as h:
+        assert h.read_own(100, 0) == b"simulated"
+
+
+@pytest.mark.timeout(30)
+def test_lstat_head_is_lstat_then_read_in_one_resolution(tmp_path):
+    """``RealHostFS.lstat_head`` (a fingerprint's look and first read) answers as the base
+    class's two calls do — for a file, a symlink, a fifo (never opened: that would block
+    here), a directory, nothing, and a path below a symlink — and leaves the atime."""
+    from sandbox.hostfs import HostFS
+
+    fs = RealHostFS(str(tmp_path))
+    fs.create("f", 0o640)
+    fs.write_all("f", 0, b"0123456789")
+    old = 1_000_000_000 * 10**9
+    os.utime(tmp_path / "f", ns=(old, 2_000_000_000 * 10**9))
+    fs.symlink("f", "ln")
+    fs.mkdir("d", 0o755)
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(str(tmp_path / "d"), tmp_path / "outside")
+    for path in ("f", "ln", "fifo", "d", "missing", "outside/x", "f/below"):
+        for length in (lambda s: s.size + 1, lambda s: 4):
+            assert fs.lstat_head(path, length) == HostFS.lstat_head(fs, path, length), path
+    st, head = fs.lstat_head("f", lambda s: 4)
+    assert (st.kind, st.size, head) == ("reg", 10, b"0123")
+    assert fs.lstat_head("fifo", lambda s: 4)[1] is None
+    assert os.stat(tmp_path / "f").st_atime_ns == old

@@ -487,6 +487,79 @@ def test_journal_classification(folder, stack):
     assert j.classify("d/missing") == OURS  # we looked: nothing there
 
 
+class RacingHostFS(RealHostFS):
+    """A real folder where a local process acts on a name right after our own call on it
+    returns, before the journal records what the call left (``racer(path)``)."""
+
+    racer = None
+
+    def _race(self, path: str) -> None:
+        if self.racer is not None:
+            self.racer(path)
+
+    def create_handle(self, path, mode, flags=os.O_WRONLY):
+        handle = super().create_handle(path, mode, flags)
+        self._race(path)
+        return handle
+
+    def unlink(self, path):
+        super().unlink(path)
+        self._race(path)
+
+
+def test_a_racer_at_the_name_after_our_create_or_unlink_is_never_recorded_as_ours(folder, stack):
+    """What an exclusive create left is the inode its descriptor names, and what a successful
+    unlink left is nothing: a file someone else puts at the name before the journal records
+    the call is theirs (a second look at the path would have claimed it)."""
+    fs = RecordingHostFS(RacingHostFS(folder))
+    stack.append(fs.close)
+    j = fs.journal
+
+    def replace(path):  # another process renames its own file over the name we just made
+        write(folder, "theirs", "someone else's")
+        os.rename(os.path.join(folder, "theirs"), os.path.join(folder, path))
+
+    fs.inner.racer = replace
+    handle = fs.create_handle("new", 0o644)
+    fs.inner.racer = None
+    try:
+        assert j.classify("new") == EXTERNAL
+        handle.pwrite(b"ours, through our descriptor", 0)  # recorded against our (now nameless) inode
+    finally:
+        handle.close()
+
+    fs.create("gone", 0o644)
+    fs.inner.racer = lambda path: write(folder, path, "recreated by someone else at once")
+    fs.unlink("gone")
+    fs.inner.racer = None
+    assert j.classify("gone") == EXTERNAL
+
+    fs.inner.unlink("new")  # plain paths as before: ours when nobody raced
+    handle = fs.create_handle("new", 0o644)
+    handle.close()
+    assert j.classify("new") == OURS
+    fs.unlink("new")
+    assert j.classify("new") == OURS
+
+
+def test_a_failed_exclusive_create_still_finds_an_external_change_to_what_we_left(folder, stack):
+    """The exclusive create takes no look before it (it succeeds only where nothing is); when
+    it fails, the look after it makes the taint check: the file we left, changed behind our
+    back, is still reported as external, never recorded as ours."""
+    fs = recording(folder, stack)
+    j = fs.journal
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"ours")
+    assert j.classify("f") == OURS
+    with open(os.path.join(folder, "f"), "a") as f:
+        f.write(" and theirs")  # not classified yet
+    with pytest.raises(FileExistsError):
+        fs.create_handle("f", 0o644)
+    assert not j.in_flight("f")
+    assert j.classify("f") == EXTERNAL
+    assert j.classify("f") == OURS  # acknowledged
+
+
 def test_journal_memory_is_bounded():
     assert (MAX_RECORDS, MAX_AGE_S) == (200_000, 60.0)
     now = [0.0]

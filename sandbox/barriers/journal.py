@@ -14,7 +14,10 @@ with :meth:`OwnWrites.begin` / :meth:`OwnWrites.end`:
   nlink)`` from ``lstat`` (``(kind, ino, mode)`` for a directory, see :func:`signature`),
   or ``None`` if nothing is there — and the same signature under the inode number, so a
   write through an open handle, or through another hard link, is recognised at whatever
-  name the kernel reports it. Writes through handles are recorded by inode only
+  name the kernel reports it. Two calls prove what they left and are recorded without a
+  look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing was
+  there before it, so ``begin`` does not look either) and an unlink or rmdir that succeeded
+  (nothing). Writes through handles are recorded by inode only
   (``fstat``); a call that drops one name of a multiply-linked file records the file's
   new state (link count, ctime) for its inode too, through a handle held across the call.
 
@@ -36,7 +39,8 @@ Known limits:
   leaving size, mode, ino, nlink and ctime equal, is attributed to us. The rollback's own
   content-hash check (``Workspace._check_unchanged``) still refuses to overwrite it.
 * an external change that races one of our calls on the same path (between the call's
-  ``begin`` and the ``lstat`` in its ``end``) is attributed to us.
+  ``begin`` and the ``lstat`` in its ``end``) is attributed to us — except after a create
+  or an unlink that succeeded, which record what they left without looking.
 * an external change that the sandbox overwrites before the watcher examined its event
   (a window of ``settle_s`` plus processing) is attributed to us when we had never
   touched that path before; when we had, ``begin`` notices the file differs from what we
@@ -140,16 +144,21 @@ class OwnWrites:
         except OSError as e:
             return e
 
-    def begin(self, paths: Iterable[str], parents: Iterable[str] = ()) -> None:
+    def begin(self, paths: Iterable[str], parents: Iterable[str] = (), *,
+              seen: dict[str, Stat | None | OSError] | None = None) -> None:
         """Our call on ``paths`` (entries it changes; ``parents``: directories whose entry
-        list it changes) is about to run. Must be paired with :meth:`end` (same arguments)."""
+        list it changes) is about to run. Must be paired with :meth:`end` (same paths).
+
+        ``seen``: for some of the paths, what the caller found there itself just before, with
+        none of our calls in between (:class:`RecordingHostFS` looks under its mutex) — taken
+        instead of a second look at the same moment."""
         primary = list(dict.fromkeys(paths))
         every = list(dict.fromkeys([*primary, *parents]))
         with self._lock:  # look and compare in one step: no end() of ours may slip in between
             for p in every:
                 self._inflight[p] = self._inflight.get(p, 0) + 1
             for p in every:
-                st = self._try_lstat(p)
+                st = seen[p] if seen is not None and p in seen else self._try_lstat(p)
                 ino = st.ino if isinstance(st, Stat) else None
                 self._begun_ino.setdefault(p, []).append(ino)
                 if ino is not None:
@@ -173,14 +182,26 @@ class OwnWrites:
             return  # we changed it through another name or a handle
         rec.tainted = True
 
-    def end(self, paths: Iterable[str], parents: Iterable[str] = ()) -> None:
-        """Our call on ``paths`` returned (or failed): record what it left."""
+    def end(self, paths: Iterable[str], parents: Iterable[str] = (), *,
+            left: dict[str, Stat | Attr | None] | None = None, check_taint: Iterable[str] = ()) -> None:
+        """Our call on ``paths`` returned (or failed): record what it left.
+
+        ``left``: for some of the paths, what the call itself proves it left there — the new
+        file's ``fstat`` through the descriptor an exclusive create returned, ``None`` where an
+        unlink succeeded — recorded without looking again: what a racer puts at the name after
+        our call is then never recorded as ours. ``check_taint``: paths whose :meth:`begin`
+        took no look (``seen`` said nothing was there, which a failed exclusive create
+        disproves): the look here gets the taint check that begin's look would have made."""
         every = list(dict.fromkeys([*dict.fromkeys(paths), *parents]))
         with self._lock:
             # look while still in flight, and under the lock: the last of our calls on a
             # path or inode to end records the newest state (a look taken before another
             # call's change can never be recorded after that call's own look)
-            after = {p: self._try_lstat(p) for p in every}
+            after = {p: left[p] if left is not None and p in left else self._try_lstat(p) for p in every}
+            for p in check_taint:
+                st = after.get(p)
+                if isinstance(st, (Stat, Attr)):
+                    self._check_taint(p, signature(st))
             self._seq += 1
             now = self._clock()
             for p in every:
@@ -335,13 +356,14 @@ class RecordingFileHandle(FileHandle):
     and the metadata calls, which a read-only handle may make too) are recorded against
     the handle's inode (the file may have moved since it was opened)."""
 
-    def __init__(self, inner: FileHandle, journal: OwnWrites, mutex: threading.RLock | None = None):
+    def __init__(self, inner: FileHandle, journal: OwnWrites, mutex: threading.RLock | None = None,
+                 ino: int | None = None):
         self.inner = inner
         self.journal = journal
         self.mutex = mutex if mutex is not None else threading.RLock()
         self.path = inner.path
         self.flags = inner.flags
-        self.ino = inner.fstat().ino
+        self.ino = inner.fstat().ino if ino is None else ino  # ``ino``: the caller's fstat of ``inner``
 
     def _mutating(self, call):
         with self.mutex:
@@ -353,6 +375,9 @@ class RecordingFileHandle(FileHandle):
 
     def pread(self, length: int, offset: int) -> bytes:
         return self.inner.pread(length, offset)
+
+    def read_own(self, length: int, offset: int) -> bytes:
+        return self.inner.read_own(length, offset)
 
     def pwrite(self, data: bytes, offset: int) -> int:
         return self._mutating(lambda: self.inner.pwrite(data, offset))
@@ -450,6 +475,9 @@ class RecordingHostFS(HostFS):
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)
 
+    def lstat_head(self, path: str, length: Callable[[Stat], int]) -> tuple[Stat | None, bytes | None]:
+        return self.inner.lstat_head(path, length)
+
     def getattr(self, path: str) -> Attr:
         return self.inner.getattr(path)
 
@@ -493,9 +521,9 @@ class RecordingHostFS(HostFS):
                 handle = self.inner.open(path, flags)
         return self._wrap(handle)
 
-    def _wrap(self, handle: FileHandle) -> RecordingFileHandle:
+    def _wrap(self, handle: FileHandle, ino: int | None = None) -> RecordingFileHandle:
         try:
-            return RecordingFileHandle(handle, self.journal, self.mutex)
+            return RecordingFileHandle(handle, self.journal, self.mutex, ino)
         except BaseException:
             handle.close()
             raise
@@ -505,9 +533,26 @@ class RecordingHostFS(HostFS):
             self.inner.create(path, mode)
 
     def create_handle(self, path: str, mode: int, flags: int = os.O_WRONLY) -> FileHandle:
-        with self._rec([path], [parent_of(path)]):
-            handle = self.inner.create_handle(path, mode, flags)
-        return self._wrap(handle)
+        """The exclusive create recorded without looking at ``path`` (two path resolutions
+        fewer): it succeeds only where nothing was, so nothing was there to mark in flight or
+        to check for taint before it, and what it left is the new inode, ``fstat``-ed through
+        the handle it returns (never whatever a racer has put at the name since). A failed
+        create looks afterwards, with the taint check its begin skipped."""
+        with self.mutex:
+            self.journal.begin([path], seen={path: None})
+            try:
+                handle = self.inner.create_handle(path, mode, flags)
+            except BaseException:
+                self.journal.end([path], check_taint=[path])
+                raise
+            try:
+                a = handle.fstat()
+            except BaseException:
+                self.journal.end([path])
+                handle.close()
+                raise
+            self.journal.end([path], left={path: a})
+        return self._wrap(handle, a.ino)
 
     def write(self, path: str, offset: int, data: bytes) -> int:
         with self._rec([path]):
@@ -522,40 +567,58 @@ class RecordingHostFS(HostFS):
             self.inner.truncate(path, size)
 
     @contextmanager
-    def _unlinking(self, path: str, paths: list[str], parents: list[str]) -> Iterator[None]:
+    def _unlinking(self, path: str, paths: list[str], parents: list[str], gone: str | None = None) -> Iterator[None]:
         """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
         at ``path``: the file's other names see its link count and ctime change, so its
-        new state is recorded for its inode (through a handle held across the call)."""
+        new state is recorded for its inode (through a handle held across the call).
+        The look at ``path`` here is the journal's look before the call too (nothing of
+        ours runs between them); ``gone``: as for :meth:`_recorded`."""
         with self.mutex:
             handle = None
+            seen: dict | None = None  # the journal looks itself where this look failed otherwise
             try:
                 st = self.inner.lstat(path)
+                seen = {path: st}
                 if st.kind == REG and st.nlink > 1:
                     handle = self.inner.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                seen = {path: None}  # absent: the journal's look would find nothing either
             except OSError:
-                handle = None  # absent, or unreadable: its other names may be reported
+                handle = None  # unreadable: its other names may be reported
             try:
                 if handle is None:
-                    with self.journal.writing(paths):
-                        yield
+                    yield from self._recorded(paths, seen=seen, gone=gone)
                     return
                 ino = handle.fstat().ino
                 self.journal.begin_inode(ino)
                 try:
-                    with self.journal.writing(paths):
-                        yield
+                    yield from self._recorded(paths, gone=gone)
                 finally:
                     self.journal.end_inode(ino, handle.fstat)
             finally:
                 if handle is not None:
                     handle.close()
 
+    def _recorded(self, paths: list[str], *, seen=None, gone: str | None = None) -> Iterator[None]:
+        """``journal.begin``, the block, ``journal.end`` — with ``seen`` (begin's look, taken
+        by the caller); ``gone``: a path the block, if it returns, proves it left empty (an
+        unlink or rmdir succeeded), recorded without a look."""
+        self.journal.begin(paths, seen=seen)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self.journal.end(paths, left={gone: None} if ok and gone is not None else None)
+
+    _recording = contextmanager(_recorded)
+
     def unlink(self, path: str) -> None:
-        with self._unlinking(path, [path], [parent_of(path)]):
+        with self._unlinking(path, [path], [parent_of(path)], gone=path):
             self.inner.unlink(path)
 
     def rmdir(self, path: str) -> None:
-        with self._rec([path], [parent_of(path)]):
+        with self.mutex, self._recording([path], gone=path):
             self.inner.rmdir(path)
 
     def mkdir(self, path: str, mode: int) -> None:

@@ -179,9 +179,11 @@ class InterceptedFS(TreeOps):
             raise OSError(errno.EINVAL, "negative size", path)
         self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: self.host.truncate(p, size), sync=(p,))
 
-    def unlink(self, path: str) -> None:
+    def unlink(self, path: str, reader: FileHandle | None = None) -> None:
+        """Remove the name ``path``. ``reader``: a descriptor the caller holds that may be on
+        the file there (a FUSE node's): its preimage is read through it when it is."""
         p = _entry(path, "unlink")
-        self._run(lambda: self.interceptor.pre_unlink(p, False), lambda: self.host.unlink(p), sync=(p,))
+        self._run(lambda: self.interceptor.pre_unlink(p, False, reader), lambda: self.host.unlink(p), sync=(p,))
 
     def rmdir(self, path: str) -> None:
         p = _entry(path, "remove")

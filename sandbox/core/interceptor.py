@@ -328,7 +328,12 @@ class UndoInterceptor:
             return None
         return st
 
-    def _capture(self, path: str, level: int, always: bool = False, handle: FileHandle | None = None) -> None:
+    def _capture(self, path: str, level: int, always: bool = False, handle: FileHandle | None = None,
+                 reader: FileHandle | None = None) -> None:
+        """The preimage of ``path`` (of ``handle``'s file if given, else nothing: see
+        :meth:`_named`). Its xattrs and bytes are read through ``handle``, or through
+        ``reader`` — a descriptor that may be on the file at ``path`` (an unlink's) — when it is
+        that file's inode; otherwise by path."""
         step = self.log.open_step
         if step.unprotected or (not always and self._marks.get(path, 0) >= level):
             return
@@ -337,9 +342,15 @@ class UndoInterceptor:
             return  # nothing there (the host call will fail or create it), or not the handle's file
         if st.kind == OTHER and not is_restorable_special(st):
             raise OSError(errno.EPERM, "device nodes on the host are never changed by the sandbox", path)
-        rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st)}
+        via = handle
+        if via is None and reader is not None and st.kind == REG:
+            try:
+                via = reader if same_inode(st, reader.fstat()) else None
+            except OSError:  # closed meanwhile (EBADF): by path, as without it
+                via = None
+        rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st, via)}
         if rec["op"] == "pre" and st.kind == REG:
-            rec.update(self.log.capture_content(self.work, path, st, len(step.records)))
+            rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))
             if st.nlink > 1 or st.ino in self._linked:  # its names are made one inode again (preimage.LinkGroups)
                 rec["ino"], rec["nlink"] = st.ino, st.nlink
                 rec["links"] = self._other_names(path, st) if st.nlink > 1 else []
@@ -434,7 +445,9 @@ class UndoInterceptor:
 
     # ------------------------------------------------------------------ entry hooks
 
-    def pre_unlink(self, path: str, is_dir: bool) -> None:
+    def pre_unlink(self, path: str, is_dir: bool, reader: FileHandle | None = None) -> None:
+        """``reader``: a descriptor the caller holds that may be on the file at ``path``; its
+        preimage is read through it when it is (:meth:`_capture`)."""
         with self.lock:
             if not self._enter("delete", path):
                 return
@@ -442,7 +455,7 @@ class UndoInterceptor:
             if is_dir:
                 self._capture(path, FULL, always=True)
             else:
-                self._capture(path, FULL)
+                self._capture(path, FULL, reader=reader)
             self._set_mark(path, None)  # a directory being removed is empty: no marks below it
 
     def pre_create(self, path: str) -> None:

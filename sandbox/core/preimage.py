@@ -60,11 +60,14 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
-def meta_of(fs: HostFS, path: str, st: Stat) -> dict:
-    """The metadata part of a preimage record."""
+def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | None = None) -> dict:
+    """The metadata part of a preimage record. With ``handle`` (open on the inode ``st``
+    describes) the xattrs are read through it: that inode's, and no path resolution per
+    call."""
     rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns, "uid": st.uid, "gid": st.gid}
     if st.kind in (REG, DIR):
-        rec["xattrs"] = {name: b64(value) for name, value in fs.xattrs(path).items()}
+        xattrs = handle.xattrs() if handle is not None else fs.xattrs(path)
+        rec["xattrs"] = {name: b64(value) for name, value in xattrs.items()}
     elif st.kind == LNK:
         rec["target"] = fs.readlink(path)
     elif st.kind == OTHER:
@@ -594,15 +597,19 @@ def dir_meta_plan(records: list[dict]) -> list[dict]:
     return plan
 
 
-def content_hash(fs: HostFS, path: str, size: int | None = None) -> str:
+def content_hash(fs: HostFS, path: str, size: int | None = None, head: bytes | None = None) -> str:
     """The blake2b of the file's bytes, read until a read returns none — or, given the
     ``size`` it was just seen with, until a short read at or past that size (the end then:
-    no read more to see nothing, which costs a path resolution)."""
+    no read more to see nothing, which costs a path resolution). ``head``: the first read
+    (at offset 0, of ``read_size(size, 0)`` bytes), already made (:meth:`HostFS.lstat_head`)."""
     h = hashlib.blake2b(digest_size=16)
     offset = 0
     while True:
         want = CHUNK_BYTES if size is None else read_size(size, offset)
-        chunk = fs.read(path, offset, want)
+        if head is not None:
+            chunk, head = head, None
+        else:
+            chunk = fs.read(path, offset, want)
         if not chunk:
             return h.hexdigest()
         h.update(chunk)
@@ -631,11 +638,11 @@ def fingerprint(fs: HostFS, path: str, with_dir_mtime: bool = False) -> list | N
     unless the step created the directory (a rollback removes it, so any entry added
     since, which changes its mtime, must stop the rollback).
     """
-    st = _lstat(fs, path)
+    st, head = fs.lstat_head(path, lambda s: read_size(s.size, 0))  # one resolution for both, where it can
     if st is None:
         return None
     if st.kind == REG:
-        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path, st.size)]
+        return [REG, st.mode, st.size, st.mtime_ns, content_hash(fs, path, st.size, head)]
     if st.kind == LNK:
         return [LNK, fs.readlink(path)]
     if st.kind == DIR:

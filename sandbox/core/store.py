@@ -47,7 +47,7 @@ from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_as
 
 import zstandard
 
-from ..hostfs import ABSENT_ERRNOS, DIR, LNK, MKNOD_FMTS, OTHER, REG, HostFS, PathError, Stat, is_within, join, normalize, parent_of
+from ..hostfs import ABSENT_ERRNOS, DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, PathError, Stat, is_within, join, normalize, parent_of
 from . import preimage
 from .errors import CorruptStep, NothingToUndo, RollbackIncomplete, StepUnprotected, UndoUnavailable
 from .preimage import b64, unb64
@@ -782,10 +782,14 @@ class UndoLog:
         if indices:
             self._append_line(step, {"op": "void", "lines": [step.record_lines[i] for i in indices]}, written)
 
-    def capture_content(self, work: HostFS, path: str, st: Stat, index: int) -> dict:
+    def capture_content(self, work: HostFS, path: str, st: Stat, index: int,
+                        handle: FileHandle | None = None) -> dict:
         """Store the bytes of regular file ``path``; returns the record fields describing them,
         with ``hash``, the blake2b of the bytes stored — for a reflink, of the clone itself
-        (read back: what was cloned, even if the file changed meanwhile)."""
+        (read back: what was cloned, even if the file changed meanwhile). With ``handle``
+        (open on the inode ``st`` describes) the bytes are read through it
+        (:meth:`FileHandle.read_own`: that inode's, no path resolution per read); a reflink
+        still clones by path."""
         step = self.open_step
         assert step is not None
         step.blobs += 1
@@ -812,7 +816,7 @@ class UndoLog:
         offset = 0
         while True:
             want = preimage.read_size(st.size, offset)
-            chunk = work.read(path, offset, want)
+            chunk = handle.read_own(want, offset) if handle is not None else work.read(path, offset, want)
             if not chunk:
                 break
             offset += len(chunk)

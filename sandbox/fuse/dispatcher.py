@@ -712,8 +712,19 @@ class Dispatcher:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
         self._hold_open(path)
-        self.provider.unlink(path)
+        self.provider.unlink(path, reader=self._descriptor_at(path))
         self._unlinked(path)
+
+    def _descriptor_at(self, path: str) -> FileHandle | None:
+        """An open descriptor of a regular file's node at ``path``, if one has any: the undo
+        core reads the file's preimage through it when it is still the file there (checked
+        there, by inode) — no path resolution per read."""
+        for link in self.export.fids_at(path):
+            if isinstance(link, Link) and link.node.kind == REG:
+                h = link.node.handle
+                if h is not None and not h.closed:
+                    return h
+        return None
 
     def _rmdir(self, req: m.Rmdir) -> None:
         d = self._dir(req.header.nodeid)
@@ -993,7 +1004,10 @@ class Dispatcher:
         """How many nodes may keep descriptors now (no-open): :data:`NODE_DESCRIPTORS_MAX`, and
         at most half of this mount's share of the process's descriptor budget (the share
         ``open_files_per_connection_share_max`` an OPEN-handle mount may hold), at least one."""
-        share = int(self.descriptors.capacity * self.limits.open_files_per_connection_share_max)
+        return self._node_bound(self.descriptors.capacity)
+
+    def _node_bound(self, capacity: int) -> int:
+        share = int(capacity * self.limits.open_files_per_connection_share_max)
         return max(1, min(NODE_DESCRIPTORS_MAX, share // 2))
 
     def _make_room(self) -> None:
@@ -1001,9 +1015,10 @@ class Dispatcher:
         recently used one's (it reopens by path when next used). Also while the process's
         budget has no descriptor left for the one about to be opened (other mounts or servers
         of this process hold the rest): this mount's idle ones go first, not the request."""
-        bound = self.node_descriptors_max
         budget = self.descriptors
-        while self._lru and (len(self._lru) >= bound or budget.held >= budget.capacity):
+        capacity = budget.capacity  # the soft RLIMIT_NOFILE, read once here (a getrlimit)
+        bound = self._node_bound(capacity)
+        while self._lru and (len(self._lru) >= bound or budget.held >= capacity):
             _nodeid, n = self._lru.popitem(last=False)
             self._close_node_handles(n)
 

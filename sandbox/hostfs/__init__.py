@@ -46,7 +46,7 @@ import os
 import stat as _stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 __all__ = [
     "HostFS",
@@ -377,6 +377,12 @@ class FileHandle(ABC):
     def xattrs(self) -> dict[str, bytes]:
         return {name: self.getxattr(name) for name in sorted(self.listxattr())}
 
+    def read_own(self, length: int, offset: int) -> bytes:
+        """A read by the server itself (a preimage), of this handle's inode, whatever its access
+        mode: as :meth:`HostFS.read` of a path, it never moves an atime a client set. The
+        default is :meth:`pread` (for an implementation that keeps no atime)."""
+        return self.pread(length, offset)
+
     def pwrite_all(self, data: bytes, offset: int) -> None:
         """Write every byte of ``data`` at ``offset`` (loops over short writes)."""
         view = memoryview(data)
@@ -487,6 +493,17 @@ class HostFS(ABC):
     def lstat_or_none(self, path: str) -> Stat | None:
         """:meth:`lstat`, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`)."""
         return absent_as_none(self.lstat, path)
+
+    def lstat_head(self, path: str, length: "Callable[[Stat], int]") -> tuple[Stat | None, bytes | None]:
+        """:meth:`lstat_or_none` and, for a regular file, its first ``length(st)`` bytes
+        (``(st, None)`` for anything else). This body is those two calls, :meth:`read` at
+        offset 0 after the look; an implementation may make them one resolution of ``path``
+        (:class:`~sandbox.hostfs.real.RealHostFS`: the bytes then come from the inode the
+        stat describes)."""
+        st = self.lstat_or_none(path)
+        if st is None or st.kind != REG:
+            return st, None
+        return st, self.read(path, 0, length(st))
 
     @abstractmethod
     def getattr(self, path: str) -> Attr:

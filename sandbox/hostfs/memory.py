@@ -191,6 +191,13 @@ class MemoryFileHandle(FileHandle):
             raise _err(errno.EBADF, self.path)
         return bytes(self._node.data[offset : offset + length])
 
+    def read_own(self, length: int, offset: int) -> bytes:
+        """The server's own read: whatever the handle's access mode (no atime kept here)."""
+        self._call("read")
+        if offset < 0 or length < 0:
+            raise _err(errno.EINVAL, self.path)
+        return bytes(self._node.data[offset : offset + length])
+
     def pwrite(self, data: bytes, offset: int) -> int:
         limit = self._call("write", len(data))
         if offset < 0:  # checked before O_APPEND moves the offset, as pwrite(2) does

@@ -418,9 +418,14 @@ class Provider:
         self._writable(dst)
         self.fs.rename(src, dst)
 
-    def unlink(self, path: str) -> None:
+    def unlink(self, path: str, *, reader: FileHandle | None = None) -> None:
+        """Remove the name ``path``; ``reader``: a descriptor that may be on the file there
+        (:meth:`InterceptedFS.unlink`)."""
         self._writable(path)
-        self.fs.unlink(path)
+        if reader is not None and isinstance(self.fs, InterceptedFS):
+            self.fs.unlink(path, reader)
+        else:
+            self.fs.unlink(path)
 
     def rmdir(self, path: str) -> None:
         self._writable(path)
