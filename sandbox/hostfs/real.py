@@ -187,6 +187,17 @@ def _reach_new(pfd: int, name: str, flags: int, remove) -> int:
         raise
 
 
+def _reopen_for_reading(fd: int) -> int:
+    """A new read-only descriptor of ``fd``'s inode, through ``/proc/self/fd`` (no path
+    resolved, whatever ``fd``'s access mode, ``O_PATH`` included); ``O_NOATIME`` where the
+    process may (the server's own reads never move an atime a client set)."""
+    proc = _XATTR_PROC.format(fd)
+    try:
+        return os.open(proc, os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC)
+    except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
+        return os.open(proc, os.O_RDONLY | os.O_CLOEXEC)
+
+
 def _ebadf(path: str) -> OSError:
     return OSError(errno.EBADF, os.strerror(errno.EBADF), path)
 
@@ -237,11 +248,7 @@ class RealFileHandle(FileHandle):
         try:
             if length < 0 or offset < 0:
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), self.path)
-            proc = _XATTR_PROC.format(fd)
-            try:
-                rfd = os.open(proc, os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC)
-            except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
-                rfd = os.open(proc, os.O_RDONLY | os.O_CLOEXEC)
+            rfd = _reopen_for_reading(fd)
         finally:
             self._release()
         try:
@@ -456,11 +463,7 @@ class RealHostFS(HostFS):
             st = Stat.from_os(os.fstat(pfd))
             if st.kind != REG:
                 return st, None
-            proc = _XATTR_PROC.format(pfd)
-            try:
-                fd = os.open(proc, os.O_RDONLY | os.O_NOATIME | os.O_CLOEXEC)
-            except PermissionError:  # EPERM: neither owner nor CAP_FOWNER
-                fd = os.open(proc, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _reopen_for_reading(pfd)
         finally:
             os.close(pfd)
         try:
