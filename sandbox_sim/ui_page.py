@@ -138,11 +138,25 @@ def artifacts_dir(*parts: str) -> str:
     return path
 
 
+#: browser launches tried before the failure is the test's: Debian's chromium now and then dies
+#: at start-up on a loaded machine (SIGTRAP before its first page), which says nothing of our page
+CHROMIUM_LAUNCH_ATTEMPTS = 2
+
+
 def launch_chromium(playwright):
-    """Debian's chromium, headless, through Playwright (never a downloaded browser)."""
+    """Debian's chromium, headless, through Playwright (never a downloaded browser); a browser
+    that dies while starting is started again, at most :data:`CHROMIUM_LAUNCH_ATTEMPTS` times
+    in all (the last failure is raised)."""
     import os
     import shutil
 
+    from playwright.sync_api import Error
+
     exe = CHROMIUM if os.access(CHROMIUM, os.X_OK) else shutil.which("chromium")
-    return playwright.chromium.launch(executable_path=exe, headless=True,
-                                      args=["--no-sandbox"] if os.geteuid() == 0 else [])
+    for attempt in range(1, CHROMIUM_LAUNCH_ATTEMPTS + 1):
+        try:
+            return playwright.chromium.launch(executable_path=exe, headless=True,
+                                              args=["--no-sandbox"] if os.geteuid() == 0 else [])
+        except Error:
+            if attempt == CHROMIUM_LAUNCH_ATTEMPTS:
+                raise
