@@ -124,10 +124,15 @@ def main(argv: list[str] | None = None) -> int:
                 drop_baseline(trees["base"])
 
 
-def report(trees: dict[str, str], mixes: list[str], args) -> int:
+def _this_tree() -> str:
+    """How the reports name the tree under test: its folder, HEAD and whether it has changes."""
     head = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return f"this tree = {HERE} (HEAD {head}{', uncommitted changes' if _dirty() else ''})"
+
+
+def report(trees: dict[str, str], mixes: list[str], args) -> int:
     print(f"campaign speed: {args.seeds} seed(s) x {args.steps} actions x {args.repeat} repeat(s) per mix; "
-          f"this tree = {HERE} (HEAD {head}{', uncommitted changes' if _dirty() else ''})"
+          f"{_this_tree()}"
           + (f"; baseline = {args.baseline}, runs interleaved" if "base" in trees else ""), flush=True)
     print("unit: guest programs applied (the runner's 'ops executed') per CPU second of the campaign process = ops/s per core")
     cols = list(trees)
@@ -159,9 +164,8 @@ def report(trees: dict[str, str], mixes: list[str], args) -> int:
 
 
 def report_instructions(trees: dict[str, str], mixes: list[str], args) -> int:
-    head = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"campaign work: {args.seeds} seed(s) x {args.steps} actions per mix, under callgrind; "
-          f"this tree = {HERE} (HEAD {head}{', uncommitted changes' if _dirty() else ''})"
+          f"{_this_tree()}"
           + (f"; baseline = {args.baseline}" if "base" in trees else ""), flush=True)
     print("unit: CPU instructions per guest program applied (thousands), a campaign of 0 actions subtracted")
     cols = list(trees)
