@@ -802,3 +802,93 @@ def test_preimage_readers_each_own_their_decompressor(monkeypatch):
             b"".join(log._preimage_chunks(info.dirname, damaged))
         assert b"".join(log._preimage_chunks(info.dirname, pres["b"])) == old["b"]
     assert 0 < len(log._dctxs) <= store_mod.DECOMPRESSORS_KEPT_MAX
+
+
+# ---------------------------------------------------------------------------- journals this process wrote
+
+
+def test_a_journal_this_process_wrote_parses_exactly_as_its_bytes_do(monkeypatch):
+    """A finished step's journal is checked from the objects its lines sealed (not unsealed
+    again) only when the bytes read back are exactly the ones written; across campaigns with
+    every fault (crashes, torn writes, ENOSPC/EIO, power loss, denied steps) each such
+    parse equals ``parse_journal`` of those bytes, and each one is used."""
+    from sandbox_sim.campaign import execute, plan
+
+    original = store_mod.UndoLog._parse_checked
+    seen = {"written": 0}
+
+    def checked(self, info, data, where):
+        written = data in self._written
+        got = original(self, info, data, where)
+        if written:
+            seen["written"] += 1
+            assert got == parse_journal(data, where), where
+        return got
+
+    monkeypatch.setattr(store_mod.UndoLog, "_parse_checked", checked)
+    for seed in (1, 2, 3):
+        d, fail_at, err = execute(*plan(seed, 120, {"crash", "enospc", "eio", "torn", "power"}))
+        assert err is None, (seed, fail_at, err)
+    assert seen["written"] > 20, seen
+
+
+def _edit_mode_in_journal(world: World, d: str, path: str, mode: int) -> None:
+    """Rewrite step ``d``'s ``pre`` record of ``path`` with another mode: valid seals, the
+    journal the same length, its manifest's hash updated."""
+    def edit(records):
+        rec = _rec(records, path)
+        assert len(str(rec["mode"])) == len(str(mode))
+        rec["mode"] = mode
+
+    rewrite_step(world, d, edit)
+
+
+def test_a_journal_edited_on_disk_is_what_a_rollback_reads_after_a_crash():
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)  # 420
+        world.work.write_all("a", 0, b"before")
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    seq = ws.history()[0]["seq"]
+    world.crash(ws)
+    _edit_mode_in_journal(world, f"steps/{seq:010d}", "a", 0o600)  # 384: same length
+    ws = world.open()
+    ws.rollback(1)
+    assert world.work.lstat("a").mode == 0o600 and world.work.read_all("a") == b"before"
+    ws.close()
+
+
+def test_a_journal_edited_on_disk_after_its_step_finished_is_parsed_from_the_disk():
+    """In the same process: the objects kept for a journal this process wrote are used only
+    for exactly its bytes, never for other bytes of the same step."""
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+        world.work.write_all("a", 0, b"before")
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    log = ws._log
+    info = log.steps()[-1]
+    assert log._written, "the step's journal objects were not kept"
+    _edit_mode_in_journal(world, info.dirname, "a", 0o600)
+    log._steps[-1] = log._read_step(info.seq)  # as if this process had read the edited manifest
+    ws.rollback(1)
+    assert world.work.lstat("a").mode == 0o600 and world.work.read_all("a") == b"before"
+    ws.close()
+
+
+def test_a_journal_changed_on_disk_after_its_step_finished_is_corrupt_in_the_same_process():
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    info = ws._log.steps()[-1]
+    _edit_mode_in_journal(world, info.dirname, "a", 0o600)  # the manifest in memory still has the old hash
+    with pytest.raises(CorruptStep, match="checksum"):
+        ws.rollback(1)
+    ws.close()

@@ -70,7 +70,10 @@ HEADER_READ_BYTES_MAX = 64 << 10
 #: a rollback reads each journal twice (checked before anything is touched, then undone) and
 #: parsing — seals, JSON, schema — is a pure function of the bytes, so the second read of
 #: unchanged bytes reuses the first parse (a copy of it). Oldest forgotten past the count;
-#: a journal over the byte bound is parsed every time.
+#: a journal over the byte bound is parsed every time. The same bound counts the journals this
+#: process wrote itself whose lines it still has as objects (:meth:`UndoLog.finish`): if the
+#: bytes read back are exactly the ones it wrote, the first parse checks those objects (every
+#: schema check) instead of unsealing each line again (see :meth:`UndoLog._parse_checked`).
 PARSED_JOURNALS_KEPT_MAX = 16
 #: zstd decompression contexts kept for reuse (making one costs more than decoding a small
 #: preimage): each preimage being read owns one until it is done, so readers never share one;
@@ -155,6 +158,10 @@ class OpenStep:
     #: store failed too): written before any other line and before the step finishes
     pending_void: list[int] = field(default_factory=list)
     journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
+    #: every line written, as sealed and as the object sealed (the header included), while the
+    #: journal is at most PARSED_JOURNAL_KEPT_BYTES_MAX; None past it or when not known (recovery)
+    lines: list[bytes] | None = field(default_factory=list)
+    line_objs: list[dict] | None = field(default_factory=list)
 
     # set when the step has ended (its command finished) but its promotion failed: the
     # exit code and whether a safeguard denied it; promotion is retried at the next boundary
@@ -434,12 +441,28 @@ def parse_journal(data: bytes, where: str, strict: bool = True) -> tuple[dict | 
     """
     lines = data.split(b"\n")
     lines.pop()  # the part after the last newline: empty, or a torn line
+    return _check_journal(map(_unsealed, lines), where, strict)
+
+
+def _unsealed(line: bytes) -> dict | ValueError:
+    """:func:`unseal` of ``line``, or the ``ValueError`` it raised."""
+    try:
+        return unseal(line)
+    except ValueError as e:
+        return e
+
+
+def _check_journal(objs: Iterable[dict | ValueError], where: str, strict: bool) -> tuple[dict | None, list[dict]]:
+    """:func:`parse_journal` from each line's unsealed object (or the error unsealing it
+    raised): the schema checks, the voids, the header. Reads the objects only; the records
+    returned are those objects."""
     header = None
     records: list[tuple[int, dict]] = []
     voided: set[int] = set()
-    for i, line in enumerate(lines):
+    for i, obj in enumerate(objs):
         try:
-            obj = unseal(line)
+            if type(obj) is not dict:
+                raise obj
             if i == 0:
                 check_header(obj)
             else:
@@ -488,6 +511,7 @@ class UndoLog:
         self.open_step: OpenStep | None = None
         self._steps: list[StepInfo] = []  # oldest first
         self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
+        self._written: dict[bytes, list[dict]] = {}  # journal bytes this process wrote -> its lines' objects (same bound)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
@@ -746,6 +770,12 @@ class UndoLog:
         self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
         step.journal_offset += len(line)
         step.journal_lines += 1
+        if step.lines is not None:
+            if step.journal_offset <= PARSED_JOURNAL_KEPT_BYTES_MAX:
+                step.lines.append(line)
+                step.line_objs.append(obj)
+            else:
+                step.lines = step.line_objs = None
         if step.journal_hash is not None:
             step.journal_hash.update(line)
         if written is not None:
@@ -867,8 +897,9 @@ class UndoLog:
         # power-loss mode: the journal (an append's fsync may have failed since), the step's
         # effects, then its promotion
         self._sync(join(WAL, "journal.jsonl"))
-        self.sync_work(work, *self.final_paths(live))
-        info.paths, info.fingerprints = self._fingerprints(work, live)
+        final = self.final_paths(live)
+        self.sync_work(work, *final)
+        info.paths, info.fingerprints = self._fingerprints(work, live, final)
         info.journal_lines, info.journal_bytes, info.journal_hash = self._journal_summary(step)
         info.records = len(live)
         man = {"id": info.id, "type": info.type, "command": info.command, "started_ns": info.started_ns,
@@ -880,6 +911,8 @@ class UndoLog:
         self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
         self._steps.append(info)
+        if step.lines is not None and step.journal_hash is not None:
+            self._keep_bounded(self._written, b"".join(step.lines), step.line_objs)
         try:
             self._sync("steps", "wal")
         finally:
@@ -931,8 +964,8 @@ class UndoLog:
                 later.insert(0, (op, r["src"], r["dst"]))
         return out
 
-    def _fingerprints(self, work: HostFS, records: list[dict]) -> tuple[list[str], dict]:
-        final = self.final_paths(records)
+    def _fingerprints(self, work: HostFS, records: list[dict], final: dict[str, bool]) -> tuple[list[str], dict]:
+        """``final``: :meth:`final_paths` of ``records``."""
         fps = {p: preimage.fingerprint(work, p, with_dir_mtime=created) for p, created in final.items()}
         return self.touched_paths(records), fps
 
@@ -952,7 +985,8 @@ class UndoLog:
         if not_restored:
             self._emit({"type": "event.warning", "message": f"denied step {step.id}: {len(not_restored)} path(s) keep what "
                         f"the step wrote, their undo data is damaged ({not_restored[0][1]})"})
-        header = seal({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
+        header_obj = {"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns}
+        header = seal(header_obj)
         self._write_file(join(WAL, "journal.jsonl"), header)
         for name in self.fs.listdir(WAL):
             if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
@@ -961,6 +995,7 @@ class UndoLog:
         step.pending_void = []
         step.record_lines, step.journal_lines, step.journal_hash = [], 1, _new_journal_hash()
         step.journal_hash.update(header)
+        step.lines, step.line_objs = [header], [header_obj]
         return len(live)
 
     # ------------------------------------------------------------------ history
@@ -1020,20 +1055,37 @@ class UndoLog:
 
     def _parse_checked(self, info: StepInfo, data: bytes, where: str) -> tuple[dict | None, list[dict]]:
         """``parse_journal(data, where)`` (strict), or a fresh copy of the parse of the same
-        bytes done before: the same result, every record its own object."""
+        bytes done before: the same result, every record its own object.
+
+        If ``data`` is exactly a journal this process wrote (:meth:`finish` kept its lines'
+        objects), its lines are not unsealed again: each line is ``seal(obj)`` of a kept
+        object, so unsealing it gives that object back (JSON of the strings, integers, lists
+        and string-keyed maps every schema check demands) — and every schema and void check
+        runs on those objects as on parsed ones. Bytes that differ by one bit are parsed."""
         kept = self._parsed.get(data)
         if kept is not None:
             return marshal.loads(kept)
+        objs = self._written.pop(data, None)
+        if objs is not None:
+            try:
+                objs = marshal.loads(marshal.dumps(objs))  # copies, of exactly the types JSON gives
+            except ValueError:  # a subclass (of str, dict, ...): never what JSON gives, so parse the bytes
+                objs = None
         try:
-            parsed = parse_journal(data, where)
+            parsed = _check_journal(objs, where, True) if objs is not None else parse_journal(data, where)
         except CorruptStep as e:
             raise self.corrupt(info, e.data.get("reason", e.message)) from None
         if len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
-            if len(self._parsed) >= PARSED_JOURNALS_KEPT_MAX:
-                del self._parsed[next(iter(self._parsed))]
-            self._parsed[data] = marshal.dumps(parsed)
+            self._keep_bounded(self._parsed, data, marshal.dumps(parsed))
             return marshal.loads(self._parsed[data])
         return parsed
+
+    @staticmethod
+    def _keep_bounded(kept: dict, key: bytes, value) -> None:
+        """``kept[key] = value``, the oldest entry forgotten first at PARSED_JOURNALS_KEPT_MAX."""
+        if key not in kept and len(kept) >= PARSED_JOURNALS_KEPT_MAX:
+            del kept[next(iter(kept))]
+        kept[key] = value
 
     # ------------------------------------------------------------------ rollback
 
@@ -1371,7 +1423,7 @@ class UndoLog:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
                                           started_ns=header["started_ns"], records=records, unprotected=True,
-                                          journal_hash=None)  # finish() reads the journal for its manifest
+                                          journal_hash=None, lines=None, line_objs=None)  # finish() reads the journal
                 try:
                     self.finish(work, None, outcome="recovered")
                 except BaseException:
