@@ -83,6 +83,7 @@ PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
+WAL_JOURNAL = join(WAL, "journal.jsonl")
 ROLLBACK = "wal/rollback"
 
 
@@ -278,7 +279,8 @@ def _need_int(obj: dict, key: str, lo: int | None = None, hi: int | None = None,
     v = obj.get(key)
     if v is None and nullable and key in obj:
         return
-    _need(_is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi), f"{key!r} is not a valid integer")
+    if not (type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)):
+        raise ValueError(f"{key!r} is not a valid integer")  # (the message is built only when raised)
 
 
 def _need_path(obj: dict, key: str, root_ok: bool = False) -> None:
@@ -287,11 +289,13 @@ def _need_path(obj: dict, key: str, root_ok: bool = False) -> None:
         ok = isinstance(v, str) and normalize(v) == v and (root_ok or v != "")
     except PathError:
         ok = False
-    _need(ok, f"{key!r} is not a valid path")
+    if not ok:
+        raise ValueError(f"{key!r} is not a valid path")
 
 
 def _need_b64(v, key: str, max_len: int | None = None) -> None:
-    _need(isinstance(v, str) and (max_len is None or len(v) <= max_len), f"{key!r} is not valid base64")
+    if not (isinstance(v, str) and (max_len is None or len(v) <= max_len)):
+        raise ValueError(f"{key!r} is not valid base64")
     try:
         unb64(v)
     except (ValueError, binascii.Error, UnicodeEncodeError):
@@ -299,6 +303,8 @@ def _need_b64(v, key: str, max_len: int | None = None) -> None:
 
 
 def _need_keys(obj: dict, keys: set[str], what: str) -> None:
+    if obj.keys() == keys:
+        return
     missing, extra = keys - obj.keys(), obj.keys() - keys
     _need(not missing, f"{what} lacks {sorted(missing)}")
     _need(not extra, f"{what} has unknown {sorted(extra)}")
@@ -355,7 +361,8 @@ def check_record(r: dict) -> None:
         _need_keys(r, {"op"}, "unprotected record")
     elif op in ("pre", "meta"):
         kind = r.get("kind")
-        _need(kind in (REG, DIR, LNK, OTHER) and (op == "pre" or kind == REG), f"'kind' {kind!r} is not valid for {op}")
+        if not (kind in (REG, DIR, LNK, OTHER) and (op == "pre" or kind == REG)):
+            raise ValueError(f"'kind' {kind!r} is not valid for {op}")
         keys = {"op", "path", "kind", "mode", "mtime_ns"}
         _need_path(r, "path", root_ok=kind == DIR)
         _need_int(r, "mode", 0, 0o7777)
@@ -752,7 +759,7 @@ class UndoLog:
         step = OpenStep(seq=seq, id=step_id, type=step_type, command=command, started_ns=now, touched_ns=now)
         self.fs.mkdir(WAL, 0o700)
         header = {"seq": seq, "id": step_id, "type": step_type, "command": command, "started_ns": now}
-        self.fs.create(join(WAL, "journal.jsonl"), 0o600)
+        self.fs.create(WAL_JOURNAL, 0o600)
         self._append_line(step, header)
         self._sync(WAL, "wal")
         self.open_step = step
@@ -767,7 +774,7 @@ class UndoLog:
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
-        self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
+        self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
         step.journal_offset += len(line)
         step.journal_lines += 1
         if step.lines is not None:
@@ -780,7 +787,7 @@ class UndoLog:
             step.journal_hash.update(line)
         if written is not None:
             written()
-        self._sync(join(WAL, "journal.jsonl"))
+        self._sync(WAL_JOURNAL)
 
     def append(self, rec: dict) -> int:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
@@ -896,7 +903,7 @@ class UndoLog:
                         size_bytes=0 if step.unprotected else step.size_bytes)
         # power-loss mode: the journal (an append's fsync may have failed since), the step's
         # effects, then its promotion
-        self._sync(join(WAL, "journal.jsonl"))
+        self._sync(WAL_JOURNAL)
         final = self.final_paths(live)
         self.sync_work(work, *final)
         info.paths, info.fingerprints = self._fingerprints(work, live, final)
@@ -925,7 +932,7 @@ class UndoLog:
         Known from the appends (bytes a failed append left past them are cut off); for a
         step rebuilt by recovery (hash unknown) read from the file, a torn last line cut
         off first (its mutation never started)."""
-        path = join(WAL, "journal.jsonl")
+        path = WAL_JOURNAL
         if step.journal_hash is not None:
             if self.fs.lstat(path).size != step.journal_offset:
                 # an append that failed part-way (ENOSPC, EIO) left bytes past the last line
@@ -987,7 +994,7 @@ class UndoLog:
                         f"the step wrote, their undo data is damaged ({not_restored[0][1]})"})
         header_obj = {"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns}
         header = seal(header_obj)
-        self._write_file(join(WAL, "journal.jsonl"), header)
+        self._write_file(WAL_JOURNAL, header)
         for name in self.fs.listdir(WAL):
             if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
                 self.fs.unlink(join(WAL, name))
@@ -1234,6 +1241,7 @@ class UndoLog:
         links = preimage.LinkGroups(records)
         links.replay(work, list(reversed(records[len(records) - start:])))  # what an interrupted run undid
         noted = self._exchange_noted(where) if progress is not None else None
+        progress_file = join(where, "progress")
         done = start
         stop = 0
         for i in range(len(records) - start - 1, -1, -1):
@@ -1262,12 +1270,13 @@ class UndoLog:
                     not_restored.append((rec["path"], e.data.get("reason", e.message)))
             except OSError as e:  # name the path being restored, not just the host call's final component
                 raise OSError(e.errno, e.strerror or str(e), rec["src"] if rec["op"] in _TWO_PATHS else rec["path"]) from e
-            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)), *links.touched)
+            if self.durable:
+                self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)), *links.touched)
             links.touched.clear()
             done += 1
             if progress is not None:
-                self.fs.write_all(join(where, "progress"), done - 1, b".")
-                self._sync(join(where, "progress"))
+                self.fs.write_all(progress_file, done - 1, b".")
+                self._sync(progress_file)
         plan = preimage.dir_meta_plan(records[stop:])
         for rec in plan:
             preimage.apply_dir_meta(work, rec)
