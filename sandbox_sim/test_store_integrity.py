@@ -892,3 +892,24 @@ def test_a_journal_changed_on_disk_after_its_step_finished_is_corrupt_in_the_sam
     with pytest.raises(CorruptStep, match="checksum"):
         ws.rollback(1)
     ws.close()
+
+
+def test_records_of_hands_out_records_no_later_call_shares():
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    log, info = ws._log, ws._log.steps()[-1]
+    first = log.records_of(info)  # from the objects this process wrote
+    expected = [dict(r) for r in first]
+    for r in first:
+        r["path"] = "changed"
+    second = log.records_of(info)  # from the kept parse
+    assert second == expected
+    second[0]["path"] = "changed again"
+    assert log.records_of(info) == expected
+    ws.rollback(1)
+    assert world.work.read_all("a") == b""
+    ws.close()

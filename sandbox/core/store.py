@@ -1084,8 +1084,7 @@ class UndoLog:
             raise self.corrupt(info, e.data.get("reason", e.message)) from None
         if len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
             self._keep_bounded(self._parsed, data, marshal.dumps(parsed))
-            return marshal.loads(self._parsed[data])
-        return parsed
+        return parsed  # its own objects: a copy of the kept parse is what the next call gets
 
     @staticmethod
     def _keep_bounded(kept: dict, key: bytes, value) -> None:
