@@ -913,3 +913,34 @@ def test_records_of_hands_out_records_no_later_call_shares():
     ws.rollback(1)
     assert world.work.read_all("a") == b""
     ws.close()
+
+
+def test_inline_preimages_verified_before_a_rollback_restore_each_their_own_bytes(monkeypatch):
+    """The rollback's check keeps the inline preimages it verified for the restore that
+    follows: every step's own bytes come back — the same path, the same size, other bytes
+    in each step — and none is decoded twice."""
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+        world.work.write_all("a", 0, b"zero\n")
+    ws = world.open()
+    trees = [world.snapshot()]
+    for word in (b"one\n", b"two\n", b"six\n"):
+        with ws.step(word.decode().strip()):
+            ws.fs.write_file("a", word)
+            ws.fs.write_file("b", word * 3)
+        trees.append(world.snapshot())
+    decoded = []
+    chunks = store_mod.UndoLog._preimage_chunks
+
+    def counted(self, where, rec):
+        decoded.append(rec["hash"])
+        return chunks(self, where, rec)
+
+    monkeypatch.setattr(store_mod.UndoLog, "_preimage_chunks", counted)
+    ws.rollback(1)
+    oracle.assert_same(trees[2], world.snapshot())
+    ws.rollback(2)
+    oracle.assert_same(trees[0], world.snapshot())
+    assert decoded and len(decoded) == len(set(decoded)), decoded  # each checked once, then restored from that
+    ws.close()

@@ -65,6 +65,12 @@ EXCHANGE_NOTE_MAX_BYTES = 256
 # a preimage up to this size is decoded and checked in memory, then written in one go; a
 # larger one is checked by a first full pass, then decoded again (and re-checked) as written
 VERIFY_IN_MEMORY_BYTES_MAX = 8 << 20
+#: inline preimages (zstd in a journal line) that a rollback's check decoded and verified
+#: (:meth:`UndoLog.check_content`), kept by their record's fields for the restore that follows
+#: instead of being decoded again — their bytes are a function of the line's base64 alone:
+#: at most this many, each at most INLINE_CHECKED_BYTES_MAX decoded, the oldest forgotten first
+INLINE_CHECKED_KEPT_MAX = 64
+INLINE_CHECKED_BYTES_MAX = 64 << 10
 HEADER_READ_BYTES_MAX = 64 << 10
 #: parsed journals of finished steps remembered by their exact bytes (:meth:`UndoLog.records_of`):
 #: a rollback reads each journal twice (checked before anything is touched, then undone) and
@@ -248,6 +254,12 @@ def unseal(line: bytes) -> dict:
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     return obj
+
+
+def _inline_key(rec: dict) -> tuple:
+    """What determines and vouches for an inline preimage's bytes: its base64 zstd, and the
+    size and hash they were verified against (:attr:`UndoLog._inline_checked`)."""
+    return rec["data"], rec["enc"], rec["size"], rec["hash"]
 
 
 def journal_hash(data: bytes) -> str:
@@ -519,6 +531,7 @@ class UndoLog:
         self._steps: list[StepInfo] = []  # oldest first
         self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
         self._written: dict[bytes, list[dict]] = {}  # journal bytes this process wrote -> its lines' objects (same bound)
+        self._inline_checked: dict[tuple, bytes] = {}  # _inline_key -> verified bytes (INLINE_CHECKED_KEPT_MAX)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
@@ -1124,6 +1137,13 @@ class UndoLog:
         for r in records:
             if r["op"] == "pre" and r["kind"] == REG:
                 try:
+                    if "data" in r and r["size"] <= INLINE_CHECKED_BYTES_MAX:
+                        data = b"".join(self._preimage_chunks(info.dirname, r))  # raises unless verified
+                        key = _inline_key(r)
+                        if key not in self._inline_checked and len(self._inline_checked) >= INLINE_CHECKED_KEPT_MAX:
+                            del self._inline_checked[next(iter(self._inline_checked))]
+                        self._inline_checked[key] = data
+                        continue
                     for _ in self._preimage_chunks(info.dirname, r):
                         pass
                 except CorruptStep as e:
@@ -1183,10 +1203,13 @@ class UndoLog:
         called — before restore touches the path — and raises :class:`CorruptStep` if it
         fails, so a damaged preimage never leaves a half-written file. A preimage over
         ``VERIFY_IN_MEMORY_BYTES_MAX`` is decoded twice and checked both times; only if the
-        store changes between the two reads is the file left half-written (and the error raised)."""
+        store changes between the two reads is the file left half-written (and the error raised).
+        An inline preimage :meth:`check_content` just verified is not decoded again."""
         def content(rec: dict) -> Iterable[bytes]:
             if rec["size"] <= VERIFY_IN_MEMORY_BYTES_MAX:
-                data = b"".join(self._preimage_chunks(where, rec))
+                data = self._inline_checked.get(_inline_key(rec)) if "data" in rec else None
+                if data is None:
+                    data = b"".join(self._preimage_chunks(where, rec))
                 return (data,) if data else ()
             for _ in self._preimage_chunks(where, rec):
                 pass
