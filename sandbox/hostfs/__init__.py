@@ -536,6 +536,14 @@ class HostFS(ABC):
         ever reached.
         """
 
+    def open_dir(self, path: str) -> FileHandle:
+        """A read-only handle on the directory ``path`` (never a symlink followed, nothing
+        outside the root), for :meth:`FileHandle.fstat` and xattr reads of its inode — a
+        server's repeated look at a directory without a path resolution each time; never
+        listed, written or changed through. Not every implementation offers it
+        (``EOPNOTSUPP``: the caller looks by path)."""
+        raise OSError(errno.EOPNOTSUPP, "no directory handles here", path)
+
     @abstractmethod
     def read(self, path: str, offset: int, length: int) -> bytes: ...
 

@@ -506,6 +506,12 @@ class RealHostFS(HostFS):
         check_open_flags(flags, path)
         return RealFileHandle(self._open_file(path, flags), path, flags)
 
+    def open_dir(self, path: str) -> RealFileHandle:
+        """:meth:`HostFS.open_dir`: ``openat2`` beneath the root, no symlink followed, only a
+        directory (``ENOTDIR`` otherwise); read-only, so ``fstat``/``flistxattr`` work on it."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        return RealFileHandle(self._open(path, flags), path, flags)
+
     def listdir(self, path: str) -> list[str]:
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
