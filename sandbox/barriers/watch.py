@@ -90,7 +90,7 @@ _GONE_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
 #: identical consecutive events queued meanwhile. Adds at most this to a report's delay (after
 #: ``settle_s``); the kernel's queue (``fs.inotify.max_queued_events``, 16,384 by default) holds
 #: far more than one interval's events (overflow: as without it, see Limits)
-EVENT_READ_INTERVAL_S = 0.002
+EVENT_READ_INTERVAL_S = 0.005
 
 
 class TreeWatcher:
