@@ -670,7 +670,8 @@ class Dispatcher:
         the directory's group, and a new directory the set-gid bit — what a local filesystem
         does (the kernel leaves it to a FUSE server; a 9P guest's v9fs does it itself).
         Elsewhere ``(mode, None)``: the caller's group."""
-        a = self._attr(d, cred)
+        # no-open: through the directory node's own descriptor (:meth:`_dir_descriptor`)
+        a = self._attr(d, cred) if self.no_open else self.provider.getattr(d.path, cred=cred)
         if not a.mode & _stat.S_ISGID:
             return mode, None
         return (mode | _stat.S_ISGID if is_dir else mode), a.gid
