@@ -155,6 +155,9 @@ class OpenStep:
     #: store failed too): written before any other line and before the step finishes
     pending_void: list[int] = field(default_factory=list)
     journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
+    #: the journal's appends go through this handle (HostFS.append_handle: a real disk), else
+    #: by path; dropped before the journal is replaced or renamed (:meth:`UndoLog._keep_journal`)
+    journal_out: FileHandle | None = None
 
     # set when the step has ended (its command finished) but its promotion failed: the
     # exit code and whether a safeguard denied it; promotion is retried at the next boundary
@@ -523,6 +526,8 @@ class UndoLog:
             raise
 
     def close(self) -> None:
+        if self.open_step is not None:
+            self._keep_journal(self.open_step, keep=False)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -581,6 +586,8 @@ class UndoLog:
         go too (the working folder stays as it is)."""
         if self.open_step is not None and self.open_step.closing is None:
             raise UndoUnavailable("cannot discard while a step is open")
+        if self.open_step is not None:
+            self._keep_journal(self.open_step, keep=False)
         self.open_step = None
         for name in self.fs.listdir(""):
             if name != "lock":
@@ -729,8 +736,13 @@ class UndoLog:
         self.fs.mkdir(WAL, 0o700)
         header = {"seq": seq, "id": step_id, "type": step_type, "command": command, "started_ns": now}
         self.fs.create(join(WAL, "journal.jsonl"), 0o600)
-        self._append_line(step, header)
-        self._sync(WAL, "wal")
+        self._keep_journal(step)
+        try:
+            self._append_line(step, header)
+            self._sync(WAL, "wal")
+        except BaseException:
+            self._keep_journal(step, keep=False)
+            raise
         self.open_step = step
         return step
 
@@ -743,7 +755,10 @@ class UndoLog:
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
-        self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
+        if step.journal_out is not None:
+            step.journal_out.pwrite_all(line, step.journal_offset)
+        else:
+            self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
         step.journal_offset += len(line)
         step.journal_lines += 1
         if step.journal_hash is not None:
@@ -751,6 +766,20 @@ class UndoLog:
         if written is not None:
             written()
         self._sync(join(WAL, "journal.jsonl"))
+
+    def _keep_journal(self, step: OpenStep, keep: bool = True) -> None:
+        """Close the open step's journal handle, if any, and (``keep``) open one on the journal
+        now at its path: one resolution for all its appends where a path write takes one per
+        line (the real disk; elsewhere None and no host call). Called wherever the journal is
+        made, replaced or renamed, so a line never goes to a file the path no longer names."""
+        old, step.journal_out = step.journal_out, None
+        if old is not None:
+            old.close()
+        if keep:
+            try:
+                step.journal_out = self.fs.append_handle(join(WAL, "journal.jsonl"))
+            except OSError:
+                step.journal_out = None  # written by path, as without it
 
     def append(self, rec: dict) -> int:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
@@ -877,6 +906,7 @@ class UndoLog:
                "format": FORMAT_VERSION, "journal_lines": info.journal_lines, "journal_bytes": info.journal_bytes,
                "journal_hash": info.journal_hash, "records": info.records}
         self._write_file(join(WAL, "manifest.json"), seal(man))
+        self._keep_journal(step, keep=False)  # a retry after a failed rename appends by path
         self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
         self._steps.append(info)
@@ -953,7 +983,9 @@ class UndoLog:
             self._emit({"type": "event.warning", "message": f"denied step {step.id}: {len(not_restored)} path(s) keep what "
                         f"the step wrote, their undo data is damaged ({not_restored[0][1]})"})
         header = seal({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
-        self._write_file(join(WAL, "journal.jsonl"), header)
+        self._keep_journal(step, keep=False)
+        self._write_file(join(WAL, "journal.jsonl"), header)  # a new file at the path
+        self._keep_journal(step)
         for name in self.fs.listdir(WAL):
             if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
                 self.fs.unlink(join(WAL, name))
