@@ -19,6 +19,8 @@ benchmark's phases (docs/fuse.md "Benchmark"):
   stat    GETATTR
   read    READ (no handle)
   git     LOOKUP + GETATTR + SETATTR (mtime) of each file
+  freshen SETATTR (atime and mtime "now") of one file, once per file: what ``git add -A`` of
+          identical files sends, a ``utime(blob, NULL)`` of the one object they share each time
   rm      GETATTR (its directory) + UNLINK + FORGET
 
 Prints µs per request (wall, perf_counter) per opcode and, per phase, µs per file in process
@@ -44,7 +46,7 @@ import sys
 import tempfile
 import time
 
-PHASES = ("create", "stat", "read", "git", "rm")
+PHASES = ("create", "stat", "read", "git", "freshen", "rm")
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen padding
 DIRS = 20
 DATA = os.urandom(1024)
@@ -86,6 +88,11 @@ class Wire:
     def read(self, nodeid: int, size: int) -> bytes:
         return self.req(15, nodeid, struct.pack("<QQIIQII", 0, 0, size, 0, 0, os.O_RDONLY, 0))
 
+    def setattr_now(self, nodeid: int) -> bytes:
+        valid = 1 << 4 | 1 << 5 | 1 << 7 | 1 << 8  # FATTR_ATIME | FATTR_MTIME | FATTR_ATIME_NOW | FATTR_MTIME_NOW
+        return self.req(4, nodeid, struct.pack("<IIQQQQQQIIIIIIII", valid, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                               0, 0, 0))
+
     def setattr_mtime(self, nodeid: int, sec: int) -> bytes:
         valid = 1 << 4 | 1 << 5  # FATTR_ATIME | FATTR_MTIME
         return self.req(4, nodeid, struct.pack("<IIQQQQQQIIIIIIII", valid, 0, 0, 0, 0, sec, sec, 0, 0, 0, 0, 0, 0,
@@ -98,7 +105,7 @@ class Wire:
         return self.req(2, nodeid, struct.pack("<Q", n))
 
 
-def run_once(files: int, base: str, profile: str | None) -> dict:
+def run_once(files: int, base: str, profile: str | None, marks: bool = False) -> dict:
     """One full run in a fresh folder: per phase, CPU and wall µs per file, and per opcode
     the wall µs per request."""
     from sandbox.fuse import abi
@@ -176,14 +183,20 @@ def run_once(files: int, base: str, profile: str | None) -> dict:
             timed("SETATTR", w.setattr_mtime(nodeid, 1_700_000_000))
             call(w.forget(nodeid, 1))  # the lookup's count back: one per node stays
 
+    def freshen():
+        for _ in nodes:
+            timed("SETATTR", w.setattr_now(nodes[0]))
+
     def rm():
         for (parent, name), nodeid in zip(names, nodes):
             timed("GETATTR", w.getattr(parent))
             timed("UNLINK", w.unlink(parent, name))
             timed("FORGET", w.forget(nodeid, 1))
 
-    for phase, fn in zip(PHASES, (create, stat, read, git, rm)):
-        ws.close_active()  # each phase its own step, as an idle mount's ambient steps close between them
+    for phase, fn in zip(PHASES, (create, stat, read, git, freshen, rm)):
+        ws.close_active()
+        if marks:
+            os.path.lexists(f"/fuse-requests-phase-{phase}")  # a marker line for strace  # each phase its own step, as an idle mount's ambient steps close between them
         ops.clear()
         prof = None
         if profile == phase:
@@ -234,15 +247,17 @@ def main() -> None:
     ap.add_argument("--other", help="another checkout to run side by side (its PYTHONPATH)")
     ap.add_argument("--profile", choices=PHASES, help="cProfile this phase (stderr), in this process")
     ap.add_argument("--dir", help="where to make the temporary folders")
+    ap.add_argument("--marks", action="store_true",
+                    help="in this process, look up /fuse-requests-phase-PHASE before each phase (splits strace output)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if args.json or args.profile:
+    if args.json or args.profile or args.marks:
         runs = []
         for _ in range(args.repeat):
             base = tempfile.mkdtemp(prefix="fuse-req-", dir=args.dir)
             try:
-                runs.append(run_once(args.files, base, args.profile))
+                runs.append(run_once(args.files, base, args.profile, args.marks))
             finally:
                 shutil.rmtree(base, ignore_errors=True)
         if args.json:

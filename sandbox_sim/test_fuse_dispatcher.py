@@ -830,3 +830,67 @@ def test_no_open_without_the_watcher_a_host_edit_seen_in_attributes_drops_the_pa
     nomnt.getattr(e.nodeid)
     assert asked == ["f", "f", "f"]
     assert open(nomnt.host("f"), "rb").read() == b"HBCw"
+
+
+def test_no_open_a_directory_node_answers_getattr_through_its_own_descriptor(tmp_path, monkeypatch):
+    """No-open: a directory's GETATTR (the kernel asks before each create or unlink in it) and
+    a CREATE's set-gid check read its attributes through a read-only descriptor the node keeps
+    (one ``fstat`` and ``flistxattr``, no path resolution), as a regular file's node does: the
+    node's own inode — still answered after the directory is renamed beside the mount, where
+    a path lookup says ESTALE — read afresh each time (a host chmod shows at once). The
+    descriptors count in the same LRU bound and budget; an RMDIR or FORGET closes them."""
+    monkeypatch.setattr(dispatcher_module, "NODE_DESCRIPTORS_MAX", 3)
+    budget = DescriptorBudget(reserved=0, nofile=lambda: 1000)
+    mo = Mount(tmp_path, no_open=True, descriptors=budget)
+    try:
+        d = mo.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"d")).nodeid
+        held = budget.held
+        assert mo.getattr(d).mode & 0o7777 == 0o755
+        assert budget.held == held + 1 and mo.d.nodes[d].ro is not None
+        mo.call(m.Setattr(H(abi.Opcode.SETATTR, d), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0o2775, 0, 0))
+        assert mo.getattr(d).mode & 0o7777 == 0o2775  # the kept mode, read through the descriptor
+        os.chown(mo.host("d"), -1, 4242)  # beside the mount: read afresh, never cached here
+        assert mo.getattr(d).gid == 4242 and budget.held == held + 1
+        f = mo.create("f", 0o640, parent=d)  # the set-gid check: the directory's group
+        assert f.entry.attr.gid == 4242
+        os.rename(mo.host("d"), mo.host("moved"))  # beside the mount: the node is its inode
+        assert mo.getattr(d).gid == 4242
+        os.rename(mo.host("moved"), mo.host("d"))
+        dirs = []
+        for i in range(6):  # bounded with the files' descriptors, least recently used first
+            dirs.append(mo.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, f"s{i}".encode())).nodeid)
+            assert stat.S_ISDIR(mo.getattr(dirs[-1]).mode)
+            holding = [n for n in mo.d.nodes.values() if n.ro is not None or n.rw is not None]
+            assert len(holding) <= 3
+        assert stat.S_ISDIR(mo.getattr(d).mode)  # closed by the LRU meanwhile: reopened by path
+        held = budget.held
+        mo.call(m.Rmdir(H(abi.Opcode.RMDIR), b"s5"))  # removed: closed at once, never pinned
+        assert budget.held == held - 1 and mo.d.nodes[dirs[5]].ro is None
+        assert mo.err(m.Getattr(H(abi.Opcode.GETATTR, dirs[5]), 0, 0)) == errno.ENOENT
+        mo.getattr(dirs[4])
+        held = budget.held
+        mo.forget(dirs[4], 1)
+        assert budget.held == held - 1
+    finally:
+        mo.close()
+    assert budget.held == 0
+
+
+def test_no_open_a_directorys_changes_still_act_by_path_and_are_undone_exactly(tmp_path):
+    """The kept descriptor only reads: a chmod, utime or xattr of a directory through the
+    mount goes by path through the undo core (gate, preimage, WAL) and is undone exactly."""
+    mo = Mount(tmp_path, no_open=True)
+    try:
+        os.mkdir(mo.host("d"))
+        before = snapshot_dir(mo.work)
+        d = mo.lookup("d").nodeid
+        assert stat.S_ISDIR(mo.getattr(d).mode) and mo.d.nodes[d].ro is not None
+        mo.call(m.Setattr(H(abi.Opcode.SETATTR, d), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0o4700, 0, 0))
+        mo.call(m.Setattr(H(abi.Opcode.SETATTR, d), abi.FATTR_MTIME, 0, 0, 0, 0, 1_000_000, 0, 0, 0, 0, 0, 0, 0))
+        mo.call(m.Setxattr(H(abi.Opcode.SETXATTR, d), 1, 0, 0, b"user.k", b"v"))
+        assert mo.getattr(d).mode & 0o7777 == 0o4700 and mo.getattr(d).mtime == 1_000_000
+        assert mo.d.nodes[d].handle is None  # never a handle for changes
+        mo.ws.rollback(1)
+        assert_same(before, snapshot_dir(mo.work))
+    finally:
+        mo.close()

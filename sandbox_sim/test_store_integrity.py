@@ -944,3 +944,53 @@ def test_inline_preimages_verified_before_a_rollback_restore_each_their_own_byte
     oracle.assert_same(trees[0], world.snapshot())
     assert decoded and len(decoded) == len(set(decoded)), decoded  # each checked once, then restored from that
     ws.close()
+
+
+def _descriptors_on(path: str) -> int:
+    """How many of this process's descriptors are open on ``path`` (by name)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == path
+        except OSError:
+            pass
+    return n
+
+
+def test_a_real_disks_journal_is_appended_through_one_kept_descriptor_reopened_when_replaced(tmp_path):
+    """On the real disk the open step's journal is written through one descriptor opened
+    when the step begins (not one path resolution per line); a deny rewrites the journal
+    as a new file, after which lines must still land in the file at the path (a descriptor
+    kept on the old file would lose them); none is left open once the step is promoted.
+    The simulated disks write by path as before (``HostFS.append_handle`` is None there)."""
+    from sandbox import Workspace as W
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "a").write_bytes(b"A")
+    ws = W.open(str(work), state_dir=str(tmp_path / "state"))
+    log = ws._log
+    journal = os.path.join(os.path.realpath(tmp_path / "state"), "wal", "in_progress", "journal.jsonl")
+    try:
+        with ws.step("one"):
+            ws.fs.write_file("a", b"B")
+            assert _descriptors_on(journal) == 1 and log.open_step.journal_out is not None
+            with ws._interceptor.lock:
+                log.deny_open(ws.work)  # the journal is rewritten: a new file at its path
+            assert _descriptors_on(journal) == 1
+            ws.fs.write_file("c", b"new")  # its intent: a line after the rewrite
+            lines = [unseal(x) for x in open(journal, "rb").read().splitlines()]
+            assert [r.get("path") for r in lines[1:]] == ["", "c"]  # the parent, then the new file
+            assert lines[0]["command"] == "one"
+        assert _descriptors_on(journal) == 0
+        step = log.steps()[-1]
+        assert step.outcome == "denied" and step.journal_lines == 3
+        with ws.step("two"):
+            ws.fs.write_file("a", b"C")
+        ws.rollback(1)
+        assert (work / "a").read_bytes() == b"A"
+    finally:
+        ws.close()
+    assert _descriptors_on(journal) == 0
+    from sandbox.hostfs.memory import MemoryHostFS
+    assert MemoryHostFS().append_handle("wal/in_progress/journal.jsonl") is None

@@ -902,3 +902,40 @@ def test_concurrent_own_writes_are_never_reported(folder, stack):
     assert not errors and not any(t.is_alive() for t in threads)
     sentinel = r.sentinel(folder)
     assert r.paths() == {sentinel}
+
+
+def test_after_a_read_the_watcher_lets_a_burst_gather_and_the_kernel_merges_its_repeats(folder, stack, monkeypatch):
+    """After each read of the inotify queue the thread waits ``EVENT_READ_INTERVAL_S`` before
+    reading again (waking only for stop): a burst — git's ``utime`` of one object per
+    file it adds, through the mount — is read in a few wake-ups instead of one per change
+    (each wake-up takes the interpreter lock from the thread serving requests), and
+    identical consecutive events queued meanwhile are merged by the kernel. Nothing is
+    lost: what is queued when the watcher stops is still read and delivered. (Here the
+    interval is long, so the whole burst is still queued at stop.)"""
+    from sandbox.barriers import watch as watch_mod
+
+    monkeypatch.setattr(watch_mod, "EVENT_READ_INTERVAL_S", 60.0)
+    r = Reports()
+    read: list[int] = []
+
+    class Counting(TreeWatcher):
+        def _process(self, events, batch):
+            read.append(len(events))
+            super()._process(events, batch)
+
+    w = Counting(folder, r.on_paths, r.on_warning)
+    w.start()
+    write(folder, "blob")
+    r.wait_paths({"blob"})  # read once: the next read waits for the interval
+    fd = os.open(os.path.join(folder, "blob"), os.O_RDONLY)
+    try:
+        for k in range(200):
+            os.utime(fd, ns=(k, k))
+    finally:
+        os.close(fd)
+    write(folder, "after")
+    t = time.monotonic()
+    w.stop()  # wakes the thread at once, whatever the interval; reads what is queued
+    assert time.monotonic() - t < WAIT_S
+    assert {"blob", "after"} <= r.paths()
+    assert sum(read[1:]) <= 4  # 200 utimes: one IN_ATTRIB; "after": IN_CREATE, IN_MODIFY

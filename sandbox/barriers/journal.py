@@ -521,6 +521,11 @@ class RecordingHostFS(HostFS):
                 handle = self.inner.open(path, flags)
         return self._wrap(handle)
 
+    def open_dir(self, path: str) -> FileHandle:
+        """Read-only, for attributes; wrapped as :meth:`open`'s handles are, so that a change
+        through it would still be recorded."""
+        return self._wrap(self.inner.open_dir(path))
+
     def _wrap(self, handle: FileHandle, ino: int | None = None) -> RecordingFileHandle:
         try:
             return RecordingFileHandle(handle, self.journal, self.mutex, ino)

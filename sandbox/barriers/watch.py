@@ -83,6 +83,14 @@ OVERFLOW_WARNING = "file watcher queue overflowed: external modifications may ha
 WATCH_LIMIT_WARNING = ("file watcher limit reached (sysctl fs.inotify.max_user_watches): external modifications "
                        "in some folders will not be detected")
 _GONE_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV)
+#: seconds the thread waits after reading the inotify queue before it reads it again (it wakes
+#: for stop meanwhile): a burst of changes — git's ``utime`` of one object for every file it
+#: adds, through a FUSE mount — is read in one wake-up per interval, not one per change (each
+#: wake-up takes the interpreter lock from the thread serving requests), and the kernel merges
+#: identical consecutive events queued meanwhile. Adds at most this to a report's delay (after
+#: ``settle_s``); the kernel's queue (``fs.inotify.max_queued_events``, 16,384 by default) holds
+#: far more than one interval's events (overflow: as without it, see Limits)
+EVENT_READ_INTERVAL_S = 0.005
 
 
 class TreeWatcher:
@@ -271,8 +279,10 @@ class TreeWatcher:
         ino_fd = self._inotify.fileno()
         poller.register(ino_fd, select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
+        wake_only = select.poll()  # while a burst gathers (EVENT_READ_INTERVAL_S)
+        wake_only.register(self._wake_r, select.POLLIN)
         batch: set[str] = set()
-        began = last = 0.0
+        began = last = next_read = 0.0
         try:
             while not self._stopping.is_set():
                 with self._recheck_lock:
@@ -281,8 +291,11 @@ class TreeWatcher:
                     deadline = min(last + self.settle_s, began + self.batch_max_s)
                 else:
                     deadline = recheck
-                timeout = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000) + 1)
-                ready = {fd for fd, _ in poller.poll(timeout)}
+                now = time.monotonic()
+                if now < next_read:  # read moments ago: let the burst gather
+                    deadline = next_read if deadline is None else min(deadline, next_read)
+                timeout = None if deadline is None else max(0, int((deadline - now) * 1000) + 1)
+                ready = {fd for fd, _ in (wake_only if now < next_read else poller).poll(timeout)}
                 if self._wake_r in ready:
                     try:
                         while os.read(self._wake_r, 4096):
@@ -293,6 +306,7 @@ class TreeWatcher:
                         break
                 if ino_fd in ready:
                     events = self._inotify.read(timeout=0)
+                    next_read = time.monotonic() + EVENT_READ_INTERVAL_S
                     if events:
                         now = time.monotonic()
                         if not batch and not self._moves:

@@ -169,6 +169,9 @@ class OpenStep:
     #: journal is at most PARSED_JOURNAL_KEPT_BYTES_MAX; None past it or when not known (recovery)
     lines: list[bytes] | None = field(default_factory=list)
     line_objs: list[dict] | None = field(default_factory=list)
+    #: the journal's appends go through this handle (HostFS.append_handle: a real disk), else
+    #: by path; dropped before the journal is replaced or renamed (:meth:`UndoLog._keep_journal`)
+    journal_out: FileHandle | None = None
 
     # set when the step has ended (its command finished) but its promotion failed: the
     # exit code and whether a safeguard denied it; promotion is retried at the next boundary
@@ -567,6 +570,8 @@ class UndoLog:
             raise
 
     def close(self) -> None:
+        if self.open_step is not None:
+            self._keep_journal(self.open_step, keep=False)
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -625,6 +630,8 @@ class UndoLog:
         go too (the working folder stays as it is)."""
         if self.open_step is not None and self.open_step.closing is None:
             raise UndoUnavailable("cannot discard while a step is open")
+        if self.open_step is not None:
+            self._keep_journal(self.open_step, keep=False)
         self.open_step = None
         for name in self.fs.listdir(""):
             if name != "lock":
@@ -773,8 +780,13 @@ class UndoLog:
         self.fs.mkdir(WAL, 0o700)
         header = {"seq": seq, "id": step_id, "type": step_type, "command": command, "started_ns": now}
         self.fs.create(WAL_JOURNAL, 0o600)
-        self._append_line(step, header)
-        self._sync(WAL, "wal")
+        self._keep_journal(step)
+        try:
+            self._append_line(step, header)
+            self._sync(WAL, "wal")
+        except BaseException:
+            self._keep_journal(step, keep=False)
+            raise
         self.open_step = step
         return step
 
@@ -787,7 +799,10 @@ class UndoLog:
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
-        self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
+        if step.journal_out is not None:
+            step.journal_out.pwrite_all(line, step.journal_offset)
+        else:
+            self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
         step.journal_offset += len(line)
         step.journal_lines += 1
         if step.lines is not None:
@@ -801,6 +816,20 @@ class UndoLog:
         if written is not None:
             written()
         self._sync(WAL_JOURNAL)
+
+    def _keep_journal(self, step: OpenStep, keep: bool = True) -> None:
+        """Close the open step's journal handle, if any, and (``keep``) open one on the journal
+        now at its path: one resolution for all its appends where a path write takes one per
+        line (the real disk; elsewhere None and no host call). Called wherever the journal is
+        made, replaced or renamed, so a line never goes to a file the path no longer names."""
+        old, step.journal_out = step.journal_out, None
+        if old is not None:
+            old.close()
+        if keep:
+            try:
+                step.journal_out = self.fs.append_handle(WAL_JOURNAL)
+            except OSError:
+                step.journal_out = None  # written by path, as without it
 
     def append(self, rec: dict) -> int:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
@@ -928,6 +957,7 @@ class UndoLog:
                "format": FORMAT_VERSION, "journal_lines": info.journal_lines, "journal_bytes": info.journal_bytes,
                "journal_hash": info.journal_hash, "records": info.records}
         self._write_file(join(WAL, "manifest.json"), seal(man))
+        self._keep_journal(step, keep=False)  # a retry after a failed rename appends by path
         self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
         self._steps.append(info)
@@ -1007,7 +1037,9 @@ class UndoLog:
                         f"the step wrote, their undo data is damaged ({not_restored[0][1]})"})
         header_obj = {"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns}
         header = seal(header_obj)
-        self._write_file(WAL_JOURNAL, header)
+        self._keep_journal(step, keep=False)
+        self._write_file(WAL_JOURNAL, header)  # a new file at the path
+        self._keep_journal(step)
         for name in self.fs.listdir(WAL):
             if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
                 self.fs.unlink(join(WAL, name))

@@ -195,7 +195,8 @@ class Node:
     lookups: int = 0
     links: list = field(default_factory=list)
     files: list = field(default_factory=list)
-    #: no-open mode: the node's own host descriptors (read-only, and one open for writing)
+    #: no-open mode: the node's own host descriptors (read-only, and one open for writing); a
+    #: directory's ``ro`` only reads its attributes (:meth:`Dispatcher._dir_descriptor`)
     ro: FileHandle | None = None
     rw: FileHandle | None = None
     #: no-open mode: its last name was removed while the kernel knew it (descriptors kept)
@@ -219,6 +220,8 @@ class Node:
             if h.flags & os.O_ACCMODE != os.O_RDONLY:
                 return h
             found = found or h
+        if self.kind == DIR:  # a directory's kept descriptor only reads its attributes
+            return None
         return found or self.rw or self.ro
 
 
@@ -562,7 +565,9 @@ class Dispatcher:
                 continue
             if self._by_inode.get(n.inode) is n:
                 del self._by_inode[n.inode]
-            if n.ro is not None or n.rw is not None:  # no-open: kept until FORGET, never evicted
+            if n.kind == DIR:  # nothing reads a removed directory through it: closed now
+                self._close_node_handles(n)
+            elif n.ro is not None or n.rw is not None:  # no-open: kept until FORGET, never evicted
                 n.pinned = True
                 self._lru.pop(n.nodeid, None)
 
@@ -571,6 +576,8 @@ class Dispatcher:
         path names it."""
         f = self.files.get(fh) if fh is not None else None
         h = f.handle if f is not None and f.node is n else n.handle
+        if h is None and n.kind == DIR and self.no_open:
+            h = self._dir_descriptor(n)
         if h is not None:
             return self.provider.fstat(h, n.path, cred=cred)
         try:
@@ -663,7 +670,8 @@ class Dispatcher:
         the directory's group, and a new directory the set-gid bit — what a local filesystem
         does (the kernel leaves it to a FUSE server; a 9P guest's v9fs does it itself).
         Elsewhere ``(mode, None)``: the caller's group."""
-        a = self.provider.getattr(d.path, cred=cred)
+        # no-open: through the directory node's own descriptor (:meth:`_dir_descriptor`)
+        a = self._attr(d, cred) if self.no_open else self.provider.getattr(d.path, cred=cred)
         if not a.mode & _stat.S_ISGID:
             return mode, None
         return (mode | _stat.S_ISGID if is_dir else mode), a.gid
@@ -975,6 +983,38 @@ class Dispatcher:
             h.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
+        self._keep_handle(n, h)
+        return h
+
+    def _dir_descriptor(self, n: Node) -> FileHandle | None:
+        """No-open: directory ``n``'s own read-only descriptor, for its attributes only (a
+        GETATTR, a CREATE's set-gid check: ``fstat`` + ``flistxattr`` instead of a path
+        resolution each time) — opened by path while the path names ``n``'s inode, in the
+        same LRU and budget as files' (:meth:`_make_room`), closed when the directory is
+        removed through the mount. None where it cannot be had (another inode at the path,
+        no permission, a host without directory handles): the caller looks by path."""
+        h = n.ro
+        if h is not None and not h.closed:
+            if n.nodeid in self._lru:
+                self._lru.move_to_end(n.nodeid)
+            return h
+        if n.pinned or not n.links:
+            return None
+        self._make_room()
+        self.descriptors.acquire()
+        try:
+            h = self.provider.open_dir(n.path)
+        except OSError:
+            self.descriptors.release()
+            return None
+        try:
+            same = _inode(h.fstat()) == n.inode
+        except OSError:
+            same = False
+        if not same:
+            h.close()
+            self.descriptors.release()
+            return None
         self._keep_handle(n, h)
         return h
 

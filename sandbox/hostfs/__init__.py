@@ -539,6 +539,23 @@ class HostFS(ABC):
         ever reached.
         """
 
+    def append_handle(self, path: str) -> FileHandle | None:
+        """A handle for many writes to ``path``, a file that only the caller changes (the
+        undo store's journal), kept open across them — or None: the caller writes by path.
+        The caller drops it before it replaces or renames the file. This base makes no host
+        call and returns None, so a simulated or fault-injected disk sees exactly the calls
+        it saw before; :class:`~sandbox.hostfs.real.RealHostFS` opens the file for writing
+        (one resolution for all the writes)."""
+        return None
+
+    def open_dir(self, path: str) -> FileHandle:
+        """A read-only handle on the directory ``path`` (never a symlink followed, nothing
+        outside the root), for :meth:`FileHandle.fstat` and xattr reads of its inode — a
+        server's repeated look at a directory without a path resolution each time; never
+        listed, written or changed through. Not every implementation offers it
+        (``EOPNOTSUPP``: the caller looks by path)."""
+        raise OSError(errno.EOPNOTSUPP, "no directory handles here", path)
+
     @abstractmethod
     def read(self, path: str, offset: int, length: int) -> bytes: ...
 

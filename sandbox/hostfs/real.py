@@ -506,6 +506,17 @@ class RealHostFS(HostFS):
         check_open_flags(flags, path)
         return RealFileHandle(self._open_file(path, flags), path, flags)
 
+    def append_handle(self, path: str) -> RealFileHandle:
+        """:meth:`HostFS.append_handle`: the regular file ``path`` opened write-only (as
+        :meth:`open` reaches it: beneath the root, never a symlink or special file)."""
+        return RealFileHandle(self._open_file(path, os.O_WRONLY), path, os.O_WRONLY)
+
+    def open_dir(self, path: str) -> RealFileHandle:
+        """:meth:`HostFS.open_dir`: ``openat2`` beneath the root, no symlink followed, only a
+        directory (``ENOTDIR`` otherwise); read-only, so ``fstat``/``flistxattr`` work on it."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        return RealFileHandle(self._open(path, flags), path, flags)
+
     def listdir(self, path: str) -> list[str]:
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:

@@ -185,6 +185,12 @@ class Provider:
         ``path`` is where the server last saw it."""
         return self._guest_attr(path, handle.fstat(), handle, view=_view(cred))
 
+    def open_dir(self, path: str) -> FileHandle:
+        """A read-only handle on the directory ``path`` for :meth:`fstat` (``HostFS.open_dir``:
+        ``EOPNOTSUPP`` where the host offers none) — never listed or changed through."""
+        self._see(path)
+        return self.host.open_dir(path)
+
     def listdir(self, path: str) -> list[str]:
         self._see(path)
         names = self.host.listdir(path)
