@@ -27,13 +27,13 @@ class Checker:
         self.known: set[int] = set()
 
     def expected_seq(self, ws: Workspace) -> int:
-        seqs = [s.seq for s in ws.steps()]
+        seqs = ws.step_seqs()
         return max(seqs) if seqs else self.floor_seq
 
     def sync(self, ws: Workspace, tree: oracle.Snapshot | None = None, rolled_back: tuple[int, ...] = ()) -> None:
         """Catch up with history: new steps get ``tree`` (default: now) as post-state;
         steps gone from history were popped (if in ``rolled_back``) or evicted."""
-        seqs = {s.seq for s in ws.steps()}
+        seqs = set(ws.step_seqs())
         for seq in sorted(seqs):  # new steps: not in post (a set of post's keys would grow with the run)
             if seq not in self.post:
                 self.post[seq] = tree if tree is not None else self.world.snapshot()

@@ -88,10 +88,10 @@ class Driver:
         self.checker.sync(self.ws, tree=tree, rolled_back=rolled_back)
 
     def _top_seqs(self, n: int) -> tuple[int, ...]:
-        return tuple(s.seq for s in self.ws.steps()[-n:])
+        return tuple(self.ws.step_seqs()[-n:])
 
     def history_len(self) -> int:
-        return len(self.ws.steps())
+        return len(self.ws.step_seqs())
 
     # ------------------------------------------------------------------ actions
 
@@ -251,7 +251,7 @@ class Driver:
 
     def check(self, what: str = "after action") -> None:
         self.checker.check(self.ws, what)
-        assert len(self.ws.steps()) <= self.limits.max_step_count or self.ws.eviction_pending
+        assert len(self.ws.step_seqs()) <= self.limits.max_step_count or self.ws.eviction_pending
 
     def run(self, action: tuple) -> None:
         getattr(self, action[0])(*action[1:])

@@ -1098,3 +1098,16 @@ def test_forced_undo_after_the_user_replaced_a_dir_by_a_symlink(world, where):
     without_root = lambda snap: {p: v for p, v in snap.items() if p}  # noqa: E731
     oracle.assert_same(without_root(before), without_root(world.snapshot()))
     assert not world.store.exists("wal/rollback") and ws.history() == []
+
+
+def test_step_seqs_are_the_seqs_of_history_through_steps_rollbacks_and_evictions(world):
+    ws = _open(world, limits=Limits(max_step_count=3))
+    assert ws.step_seqs() == []
+    for i in range(5):
+        with ws.step(f"s{i}"):
+            ws.fs.write_file(f"f{i}", b"x")
+        assert ws.step_seqs() == [s.seq for s in ws.steps()]
+    assert len(ws.step_seqs()) == 3  # two evicted
+    ws.rollback(2)
+    assert ws.step_seqs() == [s.seq for s in ws.steps()] and len(ws.step_seqs()) == 1
+    ws.close()

@@ -3144,3 +3144,20 @@ def test_lstat_head_is_lstat_then_read_in_one_resolution(tmp_path):
     assert (st.kind, st.size, head) == ("reg", 10, b"0123")
     assert fs.lstat_head("fifo", lambda s: 4)[1] is None
     assert os.stat(tmp_path / "f").st_atime_ns == old
+
+
+def test_stat_is_frozen_and_compared_hashed_copied_by_its_fields():
+    import copy
+    import dataclasses
+    import pickle
+
+    from sandbox.hostfs import Stat
+
+    s = Stat("reg", 0o644, 5, 1, 2, 3, 1, uid=7)
+    assert dataclasses.astuple(s) == ("reg", 0o644, 5, 1, 2, 3, 1, 0, 0, 7, 0)
+    assert s == Stat("reg", 0o644, 5, 1, 2, 3, 1, 0, 0, 7, 0) and hash(s) == hash(Stat("reg", 0o644, 5, 1, 2, 3, 1, 0, 0, 7, 0))
+    assert s != Stat("reg", 0o644, 6, 1, 2, 3, 1, 0, 0, 7, 0)
+    assert copy.copy(s) == s and pickle.loads(pickle.dumps(s)) == s
+    assert dataclasses.replace(s, size=9).size == 9 and s.size == 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.size = 6

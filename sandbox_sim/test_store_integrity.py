@@ -804,6 +804,148 @@ def test_preimage_readers_each_own_their_decompressor(monkeypatch):
     assert 0 < len(log._dctxs) <= store_mod.DECOMPRESSORS_KEPT_MAX
 
 
+# ---------------------------------------------------------------------------- journals this process wrote
+
+
+def test_a_journal_this_process_wrote_parses_exactly_as_its_bytes_do(monkeypatch):
+    """A finished step's journal is checked from the objects its lines sealed (not unsealed
+    again) only when the bytes read back are exactly the ones written; across campaigns with
+    every fault (crashes, torn writes, ENOSPC/EIO, power loss, denied steps) each such
+    parse equals ``parse_journal`` of those bytes, and each one is used."""
+    from sandbox_sim.campaign import execute, plan
+
+    original = store_mod.UndoLog._parse_checked
+    seen = {"written": 0}
+
+    def checked(self, info, data, where):
+        written = data in self._written
+        got = original(self, info, data, where)
+        if written:
+            seen["written"] += 1
+            assert got == parse_journal(data, where), where
+        return got
+
+    monkeypatch.setattr(store_mod.UndoLog, "_parse_checked", checked)
+    for seed in (1, 2, 3):
+        d, fail_at, err = execute(*plan(seed, 120, {"crash", "enospc", "eio", "torn", "power"}))
+        assert err is None, (seed, fail_at, err)
+    assert seen["written"] > 20, seen
+
+
+def _edit_mode_in_journal(world: World, d: str, path: str, mode: int) -> None:
+    """Rewrite step ``d``'s ``pre`` record of ``path`` with another mode: valid seals, the
+    journal the same length, its manifest's hash updated."""
+    def edit(records):
+        rec = _rec(records, path)
+        assert len(str(rec["mode"])) == len(str(mode))
+        rec["mode"] = mode
+
+    rewrite_step(world, d, edit)
+
+
+def test_a_journal_edited_on_disk_is_what_a_rollback_reads_after_a_crash():
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)  # 420
+        world.work.write_all("a", 0, b"before")
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    seq = ws.history()[0]["seq"]
+    world.crash(ws)
+    _edit_mode_in_journal(world, f"steps/{seq:010d}", "a", 0o600)  # 384: same length
+    ws = world.open()
+    ws.rollback(1)
+    assert world.work.lstat("a").mode == 0o600 and world.work.read_all("a") == b"before"
+    ws.close()
+
+
+def test_a_journal_edited_on_disk_after_its_step_finished_is_parsed_from_the_disk():
+    """In the same process: the objects kept for a journal this process wrote are used only
+    for exactly its bytes, never for other bytes of the same step."""
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+        world.work.write_all("a", 0, b"before")
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    log = ws._log
+    info = log.steps()[-1]
+    assert log._written, "the step's journal objects were not kept"
+    _edit_mode_in_journal(world, info.dirname, "a", 0o600)
+    log._steps[-1] = log._read_step(info.seq)  # as if this process had read the edited manifest
+    ws.rollback(1)
+    assert world.work.lstat("a").mode == 0o600 and world.work.read_all("a") == b"before"
+    ws.close()
+
+
+def test_a_journal_changed_on_disk_after_its_step_finished_is_corrupt_in_the_same_process():
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    info = ws._log.steps()[-1]
+    _edit_mode_in_journal(world, info.dirname, "a", 0o600)  # the manifest in memory still has the old hash
+    with pytest.raises(CorruptStep, match="checksum"):
+        ws.rollback(1)
+    ws.close()
+
+
+def test_records_of_hands_out_records_no_later_call_shares():
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"after")
+    log, info = ws._log, ws._log.steps()[-1]
+    first = log.records_of(info)  # from the objects this process wrote
+    expected = [dict(r) for r in first]
+    for r in first:
+        r["path"] = "changed"
+    second = log.records_of(info)  # from the kept parse
+    assert second == expected
+    second[0]["path"] = "changed again"
+    assert log.records_of(info) == expected
+    ws.rollback(1)
+    assert world.work.read_all("a") == b""
+    ws.close()
+
+
+def test_inline_preimages_verified_before_a_rollback_restore_each_their_own_bytes(monkeypatch):
+    """The rollback's check keeps the inline preimages it verified for the restore that
+    follows: every step's own bytes come back — the same path, the same size, other bytes
+    in each step — and none is decoded twice."""
+    world = World("sim")
+    with world.paused():
+        world.work.create("a", 0o644)
+        world.work.write_all("a", 0, b"zero\n")
+    ws = world.open()
+    trees = [world.snapshot()]
+    for word in (b"one\n", b"two\n", b"six\n"):
+        with ws.step(word.decode().strip()):
+            ws.fs.write_file("a", word)
+            ws.fs.write_file("b", word * 3)
+        trees.append(world.snapshot())
+    decoded = []
+    chunks = store_mod.UndoLog._preimage_chunks
+
+    def counted(self, where, rec):
+        decoded.append(rec["hash"])
+        return chunks(self, where, rec)
+
+    monkeypatch.setattr(store_mod.UndoLog, "_preimage_chunks", counted)
+    ws.rollback(1)
+    oracle.assert_same(trees[2], world.snapshot())
+    ws.rollback(2)
+    oracle.assert_same(trees[0], world.snapshot())
+    assert decoded and len(decoded) == len(set(decoded)), decoded  # each checked once, then restored from that
+    ws.close()
+
+
 def _descriptors_on(path: str) -> int:
     """How many of this process's descriptors are open on ``path`` (by name)."""
     n = 0

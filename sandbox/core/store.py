@@ -65,12 +65,21 @@ EXCHANGE_NOTE_MAX_BYTES = 256
 # a preimage up to this size is decoded and checked in memory, then written in one go; a
 # larger one is checked by a first full pass, then decoded again (and re-checked) as written
 VERIFY_IN_MEMORY_BYTES_MAX = 8 << 20
+#: inline preimages (zstd in a journal line) that a rollback's check decoded and verified
+#: (:meth:`UndoLog.check_content`), kept by their record's fields for the restore that follows
+#: instead of being decoded again — their bytes are a function of the line's base64 alone:
+#: at most this many, each at most INLINE_CHECKED_BYTES_MAX decoded, the oldest forgotten first
+INLINE_CHECKED_KEPT_MAX = 64
+INLINE_CHECKED_BYTES_MAX = 64 << 10
 HEADER_READ_BYTES_MAX = 64 << 10
 #: parsed journals of finished steps remembered by their exact bytes (:meth:`UndoLog.records_of`):
 #: a rollback reads each journal twice (checked before anything is touched, then undone) and
 #: parsing — seals, JSON, schema — is a pure function of the bytes, so the second read of
 #: unchanged bytes reuses the first parse (a copy of it). Oldest forgotten past the count;
-#: a journal over the byte bound is parsed every time.
+#: a journal over the byte bound is parsed every time. The same bound counts the journals this
+#: process wrote itself whose lines it still has as objects (:meth:`UndoLog.finish`): if the
+#: bytes read back are exactly the ones it wrote, the first parse checks those objects (every
+#: schema check) instead of unsealing each line again (see :meth:`UndoLog._parse_checked`).
 PARSED_JOURNALS_KEPT_MAX = 16
 #: zstd decompression contexts kept for reuse (making one costs more than decoding a small
 #: preimage): each preimage being read owns one until it is done, so readers never share one;
@@ -80,6 +89,7 @@ PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
+WAL_JOURNAL = join(WAL, "journal.jsonl")
 ROLLBACK = "wal/rollback"
 
 
@@ -155,6 +165,10 @@ class OpenStep:
     #: store failed too): written before any other line and before the step finishes
     pending_void: list[int] = field(default_factory=list)
     journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
+    #: every line written, as sealed and as the object sealed (the header included), while the
+    #: journal is at most PARSED_JOURNAL_KEPT_BYTES_MAX; None past it or when not known (recovery)
+    lines: list[bytes] | None = field(default_factory=list)
+    line_objs: list[dict] | None = field(default_factory=list)
     #: the journal's appends go through this handle (HostFS.append_handle: a real disk), else
     #: by path; dropped before the journal is replaced or renamed (:meth:`UndoLog._keep_journal`)
     journal_out: FileHandle | None = None
@@ -245,6 +259,12 @@ def unseal(line: bytes) -> dict:
     return obj
 
 
+def _inline_key(rec: dict) -> tuple:
+    """What determines and vouches for an inline preimage's bytes: its base64 zstd, and the
+    size and hash they were verified against (:attr:`UndoLog._inline_checked`)."""
+    return rec["data"], rec["enc"], rec["size"], rec["hash"]
+
+
 def journal_hash(data: bytes) -> str:
     """The hash of a whole journal file that its manifest records."""
     return hashlib.blake2b(data, digest_size=16).hexdigest()
@@ -274,7 +294,8 @@ def _need_int(obj: dict, key: str, lo: int | None = None, hi: int | None = None,
     v = obj.get(key)
     if v is None and nullable and key in obj:
         return
-    _need(_is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi), f"{key!r} is not a valid integer")
+    if not (type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)):
+        raise ValueError(f"{key!r} is not a valid integer")  # (the message is built only when raised)
 
 
 def _need_path(obj: dict, key: str, root_ok: bool = False) -> None:
@@ -283,11 +304,13 @@ def _need_path(obj: dict, key: str, root_ok: bool = False) -> None:
         ok = isinstance(v, str) and normalize(v) == v and (root_ok or v != "")
     except PathError:
         ok = False
-    _need(ok, f"{key!r} is not a valid path")
+    if not ok:
+        raise ValueError(f"{key!r} is not a valid path")
 
 
 def _need_b64(v, key: str, max_len: int | None = None) -> None:
-    _need(isinstance(v, str) and (max_len is None or len(v) <= max_len), f"{key!r} is not valid base64")
+    if not (isinstance(v, str) and (max_len is None or len(v) <= max_len)):
+        raise ValueError(f"{key!r} is not valid base64")
     try:
         unb64(v)
     except (ValueError, binascii.Error, UnicodeEncodeError):
@@ -295,6 +318,8 @@ def _need_b64(v, key: str, max_len: int | None = None) -> None:
 
 
 def _need_keys(obj: dict, keys: set[str], what: str) -> None:
+    if obj.keys() == keys:
+        return
     missing, extra = keys - obj.keys(), obj.keys() - keys
     _need(not missing, f"{what} lacks {sorted(missing)}")
     _need(not extra, f"{what} has unknown {sorted(extra)}")
@@ -351,7 +376,8 @@ def check_record(r: dict) -> None:
         _need_keys(r, {"op"}, "unprotected record")
     elif op in ("pre", "meta"):
         kind = r.get("kind")
-        _need(kind in (REG, DIR, LNK, OTHER) and (op == "pre" or kind == REG), f"'kind' {kind!r} is not valid for {op}")
+        if not (kind in (REG, DIR, LNK, OTHER) and (op == "pre" or kind == REG)):
+            raise ValueError(f"'kind' {kind!r} is not valid for {op}")
         keys = {"op", "path", "kind", "mode", "mtime_ns"}
         _need_path(r, "path", root_ok=kind == DIR)
         _need_int(r, "mode", 0, 0o7777)
@@ -437,12 +463,28 @@ def parse_journal(data: bytes, where: str, strict: bool = True) -> tuple[dict | 
     """
     lines = data.split(b"\n")
     lines.pop()  # the part after the last newline: empty, or a torn line
+    return _check_journal(map(_unsealed, lines), where, strict)
+
+
+def _unsealed(line: bytes) -> dict | ValueError:
+    """:func:`unseal` of ``line``, or the ``ValueError`` it raised."""
+    try:
+        return unseal(line)
+    except ValueError as e:
+        return e
+
+
+def _check_journal(objs: Iterable[dict | ValueError], where: str, strict: bool) -> tuple[dict | None, list[dict]]:
+    """:func:`parse_journal` from each line's unsealed object (or the error unsealing it
+    raised): the schema checks, the voids, the header. Reads the objects only; the records
+    returned are those objects."""
     header = None
     records: list[tuple[int, dict]] = []
     voided: set[int] = set()
-    for i, line in enumerate(lines):
+    for i, obj in enumerate(objs):
         try:
-            obj = unseal(line)
+            if type(obj) is not dict:
+                raise obj
             if i == 0:
                 check_header(obj)
             else:
@@ -491,6 +533,8 @@ class UndoLog:
         self.open_step: OpenStep | None = None
         self._steps: list[StepInfo] = []  # oldest first
         self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
+        self._written: dict[bytes, list[dict]] = {}  # journal bytes this process wrote -> its lines' objects (same bound)
+        self._inline_checked: dict[tuple, bytes] = {}  # _inline_key -> verified bytes (INLINE_CHECKED_KEPT_MAX)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
@@ -735,7 +779,7 @@ class UndoLog:
         step = OpenStep(seq=seq, id=step_id, type=step_type, command=command, started_ns=now, touched_ns=now)
         self.fs.mkdir(WAL, 0o700)
         header = {"seq": seq, "id": step_id, "type": step_type, "command": command, "started_ns": now}
-        self.fs.create(join(WAL, "journal.jsonl"), 0o600)
+        self.fs.create(WAL_JOURNAL, 0o600)
         self._keep_journal(step)
         try:
             self._append_line(step, header)
@@ -758,14 +802,20 @@ class UndoLog:
         if step.journal_out is not None:
             step.journal_out.pwrite_all(line, step.journal_offset)
         else:
-            self.fs.write_all(join(WAL, "journal.jsonl"), step.journal_offset, line)
+            self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
         step.journal_offset += len(line)
         step.journal_lines += 1
+        if step.lines is not None:
+            if step.journal_offset <= PARSED_JOURNAL_KEPT_BYTES_MAX:
+                step.lines.append(line)
+                step.line_objs.append(obj)
+            else:
+                step.lines = step.line_objs = None
         if step.journal_hash is not None:
             step.journal_hash.update(line)
         if written is not None:
             written()
-        self._sync(join(WAL, "journal.jsonl"))
+        self._sync(WAL_JOURNAL)
 
     def _keep_journal(self, step: OpenStep, keep: bool = True) -> None:
         """Close the open step's journal handle, if any, and (``keep``) open one on the journal
@@ -777,7 +827,7 @@ class UndoLog:
             old.close()
         if keep:
             try:
-                step.journal_out = self.fs.append_handle(join(WAL, "journal.jsonl"))
+                step.journal_out = self.fs.append_handle(WAL_JOURNAL)
             except OSError:
                 step.journal_out = None  # written by path, as without it
 
@@ -895,9 +945,10 @@ class UndoLog:
                         size_bytes=0 if step.unprotected else step.size_bytes)
         # power-loss mode: the journal (an append's fsync may have failed since), the step's
         # effects, then its promotion
-        self._sync(join(WAL, "journal.jsonl"))
-        self.sync_work(work, *self.final_paths(live))
-        info.paths, info.fingerprints = self._fingerprints(work, live)
+        self._sync(WAL_JOURNAL)
+        final = self.final_paths(live)
+        self.sync_work(work, *final)
+        info.paths, info.fingerprints = self._fingerprints(work, live, final)
         info.journal_lines, info.journal_bytes, info.journal_hash = self._journal_summary(step)
         info.records = len(live)
         man = {"id": info.id, "type": info.type, "command": info.command, "started_ns": info.started_ns,
@@ -910,6 +961,8 @@ class UndoLog:
         self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
         self._steps.append(info)
+        if step.lines is not None and step.journal_hash is not None:
+            self._keep_bounded(self._written, b"".join(step.lines), step.line_objs)
         try:
             self._sync("steps", "wal")
         finally:
@@ -922,7 +975,7 @@ class UndoLog:
         Known from the appends (bytes a failed append left past them are cut off); for a
         step rebuilt by recovery (hash unknown) read from the file, a torn last line cut
         off first (its mutation never started)."""
-        path = join(WAL, "journal.jsonl")
+        path = WAL_JOURNAL
         if step.journal_hash is not None:
             if self.fs.lstat(path).size != step.journal_offset:
                 # an append that failed part-way (ENOSPC, EIO) left bytes past the last line
@@ -961,8 +1014,8 @@ class UndoLog:
                 later.insert(0, (op, r["src"], r["dst"]))
         return out
 
-    def _fingerprints(self, work: HostFS, records: list[dict]) -> tuple[list[str], dict]:
-        final = self.final_paths(records)
+    def _fingerprints(self, work: HostFS, records: list[dict], final: dict[str, bool]) -> tuple[list[str], dict]:
+        """``final``: :meth:`final_paths` of ``records``."""
         fps = {p: preimage.fingerprint(work, p, with_dir_mtime=created) for p, created in final.items()}
         return self.touched_paths(records), fps
 
@@ -982,9 +1035,10 @@ class UndoLog:
         if not_restored:
             self._emit({"type": "event.warning", "message": f"denied step {step.id}: {len(not_restored)} path(s) keep what "
                         f"the step wrote, their undo data is damaged ({not_restored[0][1]})"})
-        header = seal({"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns})
+        header_obj = {"seq": step.seq, "id": step.id, "type": step.type, "command": step.command, "started_ns": step.started_ns}
+        header = seal(header_obj)
         self._keep_journal(step, keep=False)
-        self._write_file(join(WAL, "journal.jsonl"), header)  # a new file at the path
+        self._write_file(WAL_JOURNAL, header)  # a new file at the path
         self._keep_journal(step)
         for name in self.fs.listdir(WAL):
             if name.startswith("b") or name in ("progress", EXCHANGE_NOTE):
@@ -993,6 +1047,7 @@ class UndoLog:
         step.pending_void = []
         step.record_lines, step.journal_lines, step.journal_hash = [], 1, _new_journal_hash()
         step.journal_hash.update(header)
+        step.lines, step.line_objs = [header], [header_obj]
         return len(live)
 
     # ------------------------------------------------------------------ history
@@ -1052,20 +1107,36 @@ class UndoLog:
 
     def _parse_checked(self, info: StepInfo, data: bytes, where: str) -> tuple[dict | None, list[dict]]:
         """``parse_journal(data, where)`` (strict), or a fresh copy of the parse of the same
-        bytes done before: the same result, every record its own object."""
+        bytes done before: the same result, every record its own object.
+
+        If ``data`` is exactly a journal this process wrote (:meth:`finish` kept its lines'
+        objects), its lines are not unsealed again: each line is ``seal(obj)`` of a kept
+        object, so unsealing it gives that object back (JSON of the strings, integers, lists
+        and string-keyed maps every schema check demands) — and every schema and void check
+        runs on those objects as on parsed ones. Bytes that differ by one bit are parsed."""
         kept = self._parsed.get(data)
         if kept is not None:
             return marshal.loads(kept)
+        objs = self._written.pop(data, None)
+        if objs is not None:
+            try:
+                objs = marshal.loads(marshal.dumps(objs))  # copies, of exactly the types JSON gives
+            except ValueError:  # a subclass (of str, dict, ...): never what JSON gives, so parse the bytes
+                objs = None
         try:
-            parsed = parse_journal(data, where)
+            parsed = _check_journal(objs, where, True) if objs is not None else parse_journal(data, where)
         except CorruptStep as e:
             raise self.corrupt(info, e.data.get("reason", e.message)) from None
         if len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
-            if len(self._parsed) >= PARSED_JOURNALS_KEPT_MAX:
-                del self._parsed[next(iter(self._parsed))]
-            self._parsed[data] = marshal.dumps(parsed)
-            return marshal.loads(self._parsed[data])
-        return parsed
+            self._keep_bounded(self._parsed, data, marshal.dumps(parsed))
+        return parsed  # its own objects: a copy of the kept parse is what the next call gets
+
+    @staticmethod
+    def _keep_bounded(kept: dict, key: bytes, value) -> None:
+        """``kept[key] = value``, the oldest entry forgotten first at PARSED_JOURNALS_KEPT_MAX."""
+        if key not in kept and len(kept) >= PARSED_JOURNALS_KEPT_MAX:
+            del kept[next(iter(kept))]
+        kept[key] = value
 
     # ------------------------------------------------------------------ rollback
 
@@ -1098,6 +1169,13 @@ class UndoLog:
         for r in records:
             if r["op"] == "pre" and r["kind"] == REG:
                 try:
+                    if "data" in r and r["size"] <= INLINE_CHECKED_BYTES_MAX:
+                        data = b"".join(self._preimage_chunks(info.dirname, r))  # raises unless verified
+                        key = _inline_key(r)
+                        if key not in self._inline_checked and len(self._inline_checked) >= INLINE_CHECKED_KEPT_MAX:
+                            del self._inline_checked[next(iter(self._inline_checked))]
+                        self._inline_checked[key] = data
+                        continue
                     for _ in self._preimage_chunks(info.dirname, r):
                         pass
                 except CorruptStep as e:
@@ -1157,10 +1235,13 @@ class UndoLog:
         called — before restore touches the path — and raises :class:`CorruptStep` if it
         fails, so a damaged preimage never leaves a half-written file. A preimage over
         ``VERIFY_IN_MEMORY_BYTES_MAX`` is decoded twice and checked both times; only if the
-        store changes between the two reads is the file left half-written (and the error raised)."""
+        store changes between the two reads is the file left half-written (and the error raised).
+        An inline preimage :meth:`check_content` just verified is not decoded again."""
         def content(rec: dict) -> Iterable[bytes]:
             if rec["size"] <= VERIFY_IN_MEMORY_BYTES_MAX:
-                data = b"".join(self._preimage_chunks(where, rec))
+                data = self._inline_checked.get(_inline_key(rec)) if "data" in rec else None
+                if data is None:
+                    data = b"".join(self._preimage_chunks(where, rec))
                 return (data,) if data else ()
             for _ in self._preimage_chunks(where, rec):
                 pass
@@ -1214,6 +1295,7 @@ class UndoLog:
         links = preimage.LinkGroups(records)
         links.replay(work, list(reversed(records[len(records) - start:])))  # what an interrupted run undid
         noted = self._exchange_noted(where) if progress is not None else None
+        progress_file = join(where, "progress")
         done = start
         stop = 0
         for i in range(len(records) - start - 1, -1, -1):
@@ -1242,12 +1324,13 @@ class UndoLog:
                     not_restored.append((rec["path"], e.data.get("reason", e.message)))
             except OSError as e:  # name the path being restored, not just the host call's final component
                 raise OSError(e.errno, e.strerror or str(e), rec["src"] if rec["op"] in _TWO_PATHS else rec["path"]) from e
-            self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)), *links.touched)
+            if self.durable:
+                self.sync_work(work, *((rec["src"], rec["dst"]) if rec["op"] in _TWO_PATHS else (rec["path"],)), *links.touched)
             links.touched.clear()
             done += 1
             if progress is not None:
-                self.fs.write_all(join(where, "progress"), done - 1, b".")
-                self._sync(join(where, "progress"))
+                self.fs.write_all(progress_file, done - 1, b".")
+                self._sync(progress_file)
         plan = preimage.dir_meta_plan(records[stop:])
         for rec in plan:
             preimage.apply_dir_meta(work, rec)
@@ -1403,7 +1486,7 @@ class UndoLog:
                 # its preimages are gone; promote it as unprotected so history says what happened
                 self.open_step = OpenStep(seq=header["seq"], id=header["id"], type=header["type"], command=header["command"],
                                           started_ns=header["started_ns"], records=records, unprotected=True,
-                                          journal_hash=None)  # finish() reads the journal for its manifest
+                                          journal_hash=None, lines=None, line_objs=None)  # finish() reads the journal
                 try:
                     self.finish(work, None, outcome="recovered")
                 except BaseException:

@@ -593,6 +593,11 @@ class Workspace:
         with self._interceptor.lock:
             return [s.copy() for s in self._log.steps()]
 
+    def step_seqs(self) -> list[int]:
+        """The ``seq`` of each finished step, oldest first: :meth:`steps` without copying them."""
+        with self._interceptor.lock:
+            return [s.seq for s in self._log.steps()]
+
     @property
     def store_size_bytes(self) -> int:
         """What the finished steps take in the undo store (limits apply to this)."""

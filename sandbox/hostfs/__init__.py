@@ -192,12 +192,15 @@ def is_within(path: str, prefix: str) -> bool:
     return prefix == "" or path == prefix or path.startswith(prefix + "/")
 
 
+_set_fields = object.__setattr__  # a frozen dataclass's own __setattr__ refuses every name
+
+
 @dataclass(frozen=True, init=False)
 class Stat:
     """What the core needs to know about one directory entry (never follows symlinks).
 
     Frozen (assigning a field raises ``FrozenInstanceError``), compared and hashed by its
-    fields. Its ``__init__`` fills the fields in one ``__dict__`` update instead of the
+    fields. Its ``__init__`` sets its ``__dict__`` to one dict of the fields instead of the
     frozen dataclass's one ``object.__setattr__`` per field: every lstat builds one."""
 
     kind: str  # REG | DIR | LNK | OTHER
@@ -214,8 +217,8 @@ class Stat:
 
     def __init__(self, kind: str, mode: int, size: int, mtime_ns: int, ctime_ns: int, ino: int, nlink: int,
                  dev: int = 0, fmt: int = 0, uid: int = 0, gid: int = 0):
-        self.__dict__.update(kind=kind, mode=mode, size=size, mtime_ns=mtime_ns, ctime_ns=ctime_ns, ino=ino, nlink=nlink,
-                             dev=dev, fmt=fmt, uid=uid, gid=gid)
+        _set_fields(self, "__dict__", {"kind": kind, "mode": mode, "size": size, "mtime_ns": mtime_ns, "ctime_ns": ctime_ns,
+                                       "ino": ino, "nlink": nlink, "dev": dev, "fmt": fmt, "uid": uid, "gid": gid})
 
     @classmethod
     def from_os(cls, st) -> "Stat":
