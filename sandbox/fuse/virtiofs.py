@@ -531,7 +531,8 @@ class VirtioFsServer:
         if vq is None or self.device is None:
             return
         self._draining = True
-        vq.suppress_kicks()
+        if not vq.event_idx:  # with it, nothing to write (Virtqueue.suppress_kicks)
+            vq.suppress_kicks()
         try:
             popped = 0
             held_max = self.limits.held_request_bytes_per_connection_max

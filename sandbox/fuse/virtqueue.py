@@ -162,8 +162,8 @@ class Chain:
         self.head = head
         self.readable = readable if readable is not None else []
         self.writable = writable if writable is not None else []
-        self.readable_bytes = sum(map(len, self.readable))
-        self.writable_bytes = sum(map(len, self.writable))
+        self.readable_bytes = sum(map(len, readable)) if readable else 0
+        self.writable_bytes = sum(map(len, writable)) if writable else 0
 
     def gather(self, limit: int) -> bytes | None:
         """The readable bytes joined (one copy), or ``None`` if more than ``limit``."""
