@@ -77,7 +77,8 @@ of --repeat boots per side, alternating sides; the host's load average is printe
 machine may be shared). For vfs, the guest marks each phase with a LOOKUP of
 ".bench-phase-NAME" (every side runs the same script): --counts prints the FUSE requests
 of each phase by opcode and the server thread's CPU seconds per phase; --profile FILE
-profiles the vfs server thread (cProfile; slows it: not for timing). Under TCG the guest CPU is emulated, so absolute numbers are low and
+profiles the vfs server thread (cProfile in the thread's CPU time, not wall time: the idle
+epoll waits and host calls blocked on the disk are left out; slows it: not for timing). Under TCG the guest CPU is emulated, so absolute numbers are low and
 ratios understate the server's share; on KVM hosts run it again.
 """
 
@@ -314,7 +315,7 @@ def main() -> int:
     print(f"accelerator: {accel.accel} ({accel.reason})", file=sys.stderr)
     res: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     phases = [] if args.counts else None
-    profile = cProfile.Profile() if args.profile else None
+    profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU time: not the idle epoll waits
     loads = [os.getloadavg()[0]]
     try:
         for r in range(args.repeat):

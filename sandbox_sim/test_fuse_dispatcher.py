@@ -530,6 +530,25 @@ def test_missing_names_are_cached_negative_entries_only_while_coherent(mnt):
         encode_notify(n)
 
 
+def test_a_transport_that_cannot_invalidate_gets_short_negative_entries(mnt):
+    """``negative_entries_short`` (the virtio-fs device: no notification queue): while not
+    coherent a missing name is a negative entry valid ENTRY_VALID_S — the bound of every
+    positive entry — and nothing is remembered (nothing could invalidate it); a name made
+    on the host is found once it expires. Coherent, the remembered long entries as before."""
+    mnt.d.negative_entries_short = True
+    e = mnt.lookup("nope")
+    assert (e.nodeid, e.entry_valid, e.attr_valid) == (0, ENTRY_VALID_S, 0)
+    assert not mnt.d.negative
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP, ROOT), b"d/x")) == errno.EINVAL  # other errors stay errors
+    with open(mnt.host("nope"), "w"):
+        pass
+    assert mnt.lookup("nope").nodeid != 0  # asked again (the kernel's entry expired): found
+    mnt.d.coherent = True
+    assert mnt.lookup("gone").entry_valid == COHERENT_ENTRY_VALID_S and (ROOT, b"gone") in mnt.d.negative
+    mnt.d.coherent, mnt.d.negative_entries_short = False, False
+    assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP, ROOT), b"other")) == errno.ENOENT
+
+
 def test_negative_entries_are_bounded(mnt):
     """At :data:`NEGATIVE_ENTRIES_MAX` remembered (none expired yet), a missing name is plain
     ENOENT — never a negative entry an invalidation of everything would not reach."""

@@ -31,7 +31,7 @@ from sandbox.core.workspace import Workspace
 from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.fuse import vhost as v
-from sandbox.fuse.dispatcher import Dispatcher
+from sandbox.fuse.dispatcher import ENTRY_VALID_S, Dispatcher
 from sandbox.fuse.virtiofs import FEATURES, VIRTQUEUES_MAX, VirtioFsServer, VirtioFsThread
 from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider
@@ -323,6 +323,35 @@ def test_requests_are_served_through_guest_memory_and_undone_exactly(tmp_path):
     finally:
         ws.close()
     assert_same(srv.before, snapshot_dir(srv.work), "after undoing everything written over virtio-fs")
+
+
+def test_a_missing_name_is_a_short_negative_entry_through_the_device(tmp_path):
+    """The device cannot invalidate the guest's entries (no notification queue), so a
+    missing name is answered as a negative entry (nodeid 0) valid 1 s — the bound of every
+    positive entry — and the guest stops asking for it meanwhile; made on the host, it is
+    found when asked again."""
+    srv = Served(tmp_path)
+    guest = Guest()
+    fe = FrontEnd(srv.path, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        lookup = ref_request(m.Lookup(H(abi.Opcode.LOOKUP), b"later"))
+        head, at = guest.submit(1, lookup, 16 + 128)
+        assert fe.kick_and_wait(1) == [(head, 144)]
+        err, _, body = fuse_reply(guest, at, 144)
+        nodeid, _gen, entry_valid = struct.unpack_from("<QQQ", body)
+        assert (err, nodeid, entry_valid) == (0, 0, ENTRY_VALID_S)
+        with open(os.path.join(srv.work, "later"), "w"):
+            pass
+        head, at = guest.submit(1, ref_request(m.Lookup(H(abi.Opcode.LOOKUP), b"later")), 16 + 128)
+        assert fe.kick_and_wait(1) == [(head, 144)]
+        err, _, body = fuse_reply(guest, at, 144)
+        assert err == 0 and struct.unpack_from("<Q", body)[0] != 0
+    finally:
+        fe.close()
+        srv.close()
+        os.close(guest.fd)
 
 
 def avail_event(guest: Guest, q: int) -> int:

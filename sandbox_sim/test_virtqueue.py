@@ -107,12 +107,15 @@ def test_a_chain_comes_out_as_put_in_and_its_reply_lands_in_guest_memory(drv):
     assert isinstance(c, Chain) and c.head == head
     assert c.gather(100) == b"hello world" and c.gather(5) is None
     assert [len(w) for w in c.writable] == [4, 8]
+    assert (c.readable_bytes, c.writable_bytes) == (11, 12)  # counted by the walk
     assert c.scatter(b"0123456789") == 10
     with pytest.raises(ValueError):
         c.scatter(b"x" * 13)
     addr = int.from_bytes(drv.peek(DESC_AT + 16 * (head + 2), 8), "little") - GPA
     assert drv.peek(addr, 4) == b"0123"
+    assert c.scatter(b"abcd") == 4 and drv.peek(addr, 4) == b"abcd"  # one part, one whole segment
     c.release()
+    assert (c.readable, c.writable, c.readable_bytes, c.writable_bytes) == ([], [], 0, 0)
     drv.q.push(head, 10)
     assert drv.used() == [(head, 10)]
     assert drv.q.pop() is None
@@ -383,6 +386,7 @@ def test_fuzz_random_rings_never_crash_nor_escape_memory(table, heads, avail_idx
             if isinstance(c, Chain):
                 assert len(c.readable) + len(c.writable) <= max(d.size, INDIRECT_DESCS_MAX)
                 assert c.readable_bytes + c.writable_bytes <= max(d.size, INDIRECT_DESCS_MAX) * 0x2000
+                assert c.readable_bytes == sum(map(len, c.readable)) and c.writable_bytes == sum(map(len, c.writable))
                 c.release()
             d.q.push(c.head, 0)
     finally:

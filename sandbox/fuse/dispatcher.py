@@ -283,6 +283,11 @@ class Dispatcher:
         #: (the kernel's pages stay across opens in no-open mode, and AUTO_INVAL_DATA is off).
         #: None (a transport without notifications: the virtio-fs device): nothing is compared
         self.on_host_changed: Callable[[list[str]], None] | None = None
+        #: the transport can never invalidate the kernel's entries (the virtio-fs device, set by
+        #: its server): while not coherent a missing name is a negative entry valid
+        #: ENTRY_VALID_S, the bound every positive entry has — a name made beside the mount
+        #: shows within it. Not remembered (nothing could invalidate it). False: plain ENOENT
+        self.negative_entries_short = False
         #: no-open: nodes holding descriptors, least recently used first (never pinned ones)
         self._lru: OrderedDict[int, Node] = OrderedDict()
         #: the mount is going away: gated requests fail with EIO at once instead of waiting
@@ -643,9 +648,13 @@ class Dispatcher:
         try:
             return self._entry(path, cred=self._cred(req))
         except OSError as e:
-            if e.errno != errno.ENOENT or name in (".", "..") or not self._remember_negative(d, req.name):
+            if e.errno != errno.ENOENT or name in (".", ".."):
                 raise
-            return m.EntryOut(0, 0, COHERENT_ENTRY_VALID_S, 0, 0, 0, _NO_ATTR)
+            if self._remember_negative(d, req.name):
+                return m.EntryOut(0, 0, COHERENT_ENTRY_VALID_S, 0, 0, 0, _NO_ATTR)
+            if self.negative_entries_short and not self.coherent:
+                return m.EntryOut(0, 0, ENTRY_VALID_S, 0, 0, 0, _NO_ATTR)
+            raise
 
     def _remember_negative(self, d: Node, name: bytes) -> bool:
         """Whether the missing ``name`` in ``d`` may be cached by the kernel as a negative

@@ -443,6 +443,8 @@ class VirtioFsServer:
             self.dispatcher.close()
         self.dispatcher = self.make_dispatcher()
         self.dispatcher.on_settled = self._resume
+        # no notification queue: the guest's entries expire, negative ones too (1 s)
+        self.dispatcher.negative_entries_short = True
 
     # -- the vhost-user socket
 
@@ -529,13 +531,15 @@ class VirtioFsServer:
         if vq is None or self.device is None:
             return
         self._draining = True
-        vq.suppress_kicks()
+        if not vq.event_idx:  # with it, nothing to write (Virtqueue.suppress_kicks)
+            vq.suppress_kicks()
         try:
             popped = 0
+            held_max = self.limits.held_request_bytes_per_connection_max
             while True:
                 while popped < CHAINS_PER_WAKEUP_MAX:
                     popped += 1
-                    if self._over_limits():
+                    if self.dispatcher.pipeline.held_bytes > held_max:  # _over_limits, inlined
                         ring.paused = True
                         return
                     try:
@@ -547,7 +551,7 @@ class VirtioFsServer:
                         return
                     if chain is None:
                         break
-                    if isinstance(chain, BadChain):
+                    if type(chain) is BadChain:
                         log.warning("virtiofs: queue %d: bad chain %d: %s", ring.index, chain.head, chain.reason)
                         vq.push(chain.head, 0)
                         continue
@@ -645,11 +649,12 @@ class VirtioFsServer:
     def _answer(self, ring: Ring, vq: Virtqueue, chain, data) -> None:
         """Write the reply ``data`` (bytes, or a tuple of bytes-like parts) into ``chain`` and
         put it in the used ring."""
-        parts = data if isinstance(data, tuple) else (data,)
+        parts = data if type(data) is tuple else (data,)
         room = chain.writable_bytes
-        if sum(map(len, parts)) > room:
+        size = len(parts[0]) if len(parts) == 1 else sum(map(len, parts))
+        if size > room:
             head = bytes(parts[0][:16])
-            log.error("virtiofs: a reply of %d bytes does not fit in %d", sum(map(len, parts)), room)
+            log.error("virtiofs: a reply of %d bytes does not fit in %d", size, room)
             parts = (encode_error(int.from_bytes(head[8:16], "little"), errno.EIO) if len(head) >= 16 else b"",)
             if len(parts[0]) > room:
                 parts = (b"",)

@@ -42,7 +42,7 @@ import mmap
 import os
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DESC = struct.Struct("<QIHH")
 DESC_F_NEXT, DESC_F_WRITE, DESC_F_INDIRECT = 1, 2, 4
@@ -150,19 +150,20 @@ class GuestMemory:
         self.regions, self._mappings = [], []
 
 
-@dataclass
 class Chain:
-    head: int
-    readable: list[memoryview] = field(default_factory=list)
-    writable: list[memoryview] = field(default_factory=list)
+    """One descriptor chain: ``readable`` then ``writable`` segments (memoryviews of guest
+    memory) and their byte totals, counted by the walk (``readable_bytes``,
+    ``writable_bytes``: read per request, so not summed again each time)."""
 
-    @property
-    def readable_bytes(self) -> int:
-        return sum(len(b) for b in self.readable)
+    __slots__ = ("head", "readable", "writable", "readable_bytes", "writable_bytes")
 
-    @property
-    def writable_bytes(self) -> int:
-        return sum(len(b) for b in self.writable)
+    def __init__(self, head: int, readable: list[memoryview] | None = None,
+                 writable: list[memoryview] | None = None):
+        self.head = head
+        self.readable = readable if readable is not None else []
+        self.writable = writable if writable is not None else []
+        self.readable_bytes = sum(map(len, readable)) if readable else 0
+        self.writable_bytes = sum(map(len, writable)) if writable else 0
 
     def gather(self, limit: int) -> bytes | None:
         """The readable bytes joined (one copy), or ``None`` if more than ``limit``."""
@@ -173,15 +174,21 @@ class Chain:
     def scatter(self, *parts) -> int:
         """Write ``parts`` (bytes-like, in order) across the writable segments, each byte
         copied once; the bytes written (all, or ``ValueError`` and nothing written)."""
-        total = sum(map(len, parts))
-        if total > self.writable_bytes:
-            raise ValueError(f"{total} bytes do not fit in {self.writable_bytes}")
-        segs = iter(self.writable)
-        seg, off, room = None, 0, 0
+        total = 0
+        views = []
         for part in parts:
-            mv = memoryview(part)
+            mv = part if type(part) is memoryview else memoryview(part)
             if mv.format != "B" or mv.ndim != 1:
                 mv = mv.cast("B")
+            views.append(mv)
+            total += len(mv)
+        if total > self.writable_bytes:
+            raise ValueError(f"{total} bytes do not fit in {self.writable_bytes}")
+        if not total:
+            return 0
+        segs = iter(self.writable)
+        seg, off, room = None, 0, 0
+        for mv in views:
             pos, n = 0, len(mv)
             while pos < n:
                 if room == 0:
@@ -189,17 +196,20 @@ class Chain:
                     off, room = 0, len(seg)
                     if room == 0:
                         continue
-                k = min(room, n - pos)
-                seg[off:off + k] = mv[pos:pos + k]
+                k = room if room < n - pos else n - pos
+                seg[off:off + k] = mv[pos:pos + k] if pos or k != n else mv
                 pos += k
                 off += k
                 room -= k
         return total
 
     def release(self) -> None:
-        for b in self.readable + self.writable:
+        for b in self.readable:
+            b.release()
+        for b in self.writable:
             b.release()
         self.readable, self.writable = [], []
+        self.readable_bytes = self.writable_bytes = 0
 
 
 @dataclass
@@ -241,8 +251,11 @@ class Virtqueue:
         return n
 
     def pop(self) -> Chain | BadChain | None:
-        if self.pending() == 0:
+        n = (_U16.unpack_from(self.avail, 2)[0] - self.last_avail) & 0xFFFF  # pending(), inlined
+        if n == 0:
             return None
+        if n > self.size:
+            self.pending()  # raises BrokenRing, saying why
         head = _U16.unpack_from(self.avail, 4 + 2 * (self.last_avail % self.size))[0]
         if head >= self.size:
             raise BrokenRing(f"head {head} outside a table of {self.size}")
@@ -255,6 +268,7 @@ class Virtqueue:
     def _walk(self, head: int) -> Chain:
         chain = Chain(head)
         readable, writable = chain.readable, chain.writable
+        nread = nwrite = 0
         regions = self.mem.by_gpa  # the guest-physical translation of GuestMemory.gpa, inlined
         unpack = DESC.unpack_from
         table, limit, i, count, nested = self.desc, self.size, head, 0, False
@@ -284,12 +298,15 @@ class Virtqueue:
                     raise BadAddress(f"guest range {addr:#x}+{length:#x} is not inside one mapped region")
                 if flags & DESC_F_WRITE:
                     writable.append(buf)
+                    nwrite += length
                 elif writable:
                     buf.release()
                     raise _Bad("readable descriptor after a writable one")
                 else:
                     readable.append(buf)
+                    nread += length
                 if not flags & DESC_F_NEXT:
+                    chain.readable_bytes, chain.writable_bytes = nread, nwrite
                     return chain
                 if nxt >= limit:
                     raise _Bad(f"next {nxt} outside a table of {limit}")
