@@ -860,16 +860,23 @@ def test_a_journal_edited_on_disk_is_what_a_rollback_reads_after_a_crash():
     ws.close()
 
 
-def test_a_journal_edited_on_disk_after_its_step_finished_is_parsed_from_the_disk():
-    """In the same process: the objects kept for a journal this process wrote are used only
-    for exactly its bytes, never for other bytes of the same step."""
+def _one_finished_step(before: bytes = b""):
+    """A simulated world whose file ``a`` (holding ``before``) was rewritten in one finished step."""
     world = World("sim")
     with world.paused():
         world.work.create("a", 0o644)
-        world.work.write_all("a", 0, b"before")
+        if before:
+            world.work.write_all("a", 0, before)
     ws = world.open()
     with ws.step("s"):
         ws.fs.write_file("a", b"after")
+    return world, ws
+
+
+def test_a_journal_edited_on_disk_after_its_step_finished_is_parsed_from_the_disk():
+    """In the same process: the objects kept for a journal this process wrote are used only
+    for exactly its bytes, never for other bytes of the same step."""
+    world, ws = _one_finished_step(b"before")
     log = ws._log
     info = log.steps()[-1]
     assert log._written, "the step's journal objects were not kept"
@@ -881,12 +888,7 @@ def test_a_journal_edited_on_disk_after_its_step_finished_is_parsed_from_the_dis
 
 
 def test_a_journal_changed_on_disk_after_its_step_finished_is_corrupt_in_the_same_process():
-    world = World("sim")
-    with world.paused():
-        world.work.create("a", 0o644)
-    ws = world.open()
-    with ws.step("s"):
-        ws.fs.write_file("a", b"after")
+    world, ws = _one_finished_step()
     info = ws._log.steps()[-1]
     _edit_mode_in_journal(world, info.dirname, "a", 0o600)  # the manifest in memory still has the old hash
     with pytest.raises(CorruptStep, match="checksum"):
@@ -895,12 +897,7 @@ def test_a_journal_changed_on_disk_after_its_step_finished_is_corrupt_in_the_sam
 
 
 def test_records_of_hands_out_records_no_later_call_shares():
-    world = World("sim")
-    with world.paused():
-        world.work.create("a", 0o644)
-    ws = world.open()
-    with ws.step("s"):
-        ws.fs.write_file("a", b"after")
+    world, ws = _one_finished_step()
     log, info = ws._log, ws._log.steps()[-1]
     first = log.records_of(info)  # from the objects this process wrote
     expected = [dict(r) for r in first]

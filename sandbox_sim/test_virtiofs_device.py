@@ -15,6 +15,7 @@ disconnect; what was written is undone exactly.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -265,13 +266,25 @@ def init(fe: FrontEnd, guest: Guest) -> None:
     assert err == 0 and struct.unpack_from("<II", body) == (7, 38)
 
 
-def test_requests_are_served_through_guest_memory_and_undone_exactly(tmp_path):
-    srv = Served(tmp_path)
+@contextlib.contextmanager
+def device_session(srv: Served):
+    """A front end over ``srv`` that has made the vhost-user handshake and sent INIT; the
+    front end, the served device and the guest memory are closed after the block."""
     guest = Guest()
     fe = FrontEnd(srv.path, guest)
     try:
         fe.handshake()
         init(fe, guest)
+        yield guest, fe
+    finally:
+        fe.close()
+        srv.close()
+        os.close(guest.fd)
+
+
+def test_requests_are_served_through_guest_memory_and_undone_exactly(tmp_path):
+    srv = Served(tmp_path)
+    with device_session(srv) as (guest, fe):
         # CREATE f, WRITE "hello", READ it back
         create = ref_request(m.Create(H(abi.Opcode.CREATE), os.O_RDWR | os.O_CREAT, 0o644, 0o022, 0, b"f"))
         head, at = guest.submit(1, create, 16 + 128 + 16)
@@ -313,10 +326,6 @@ def test_requests_are_served_through_guest_memory_and_undone_exactly(tmp_path):
         assert srv.server.requests >= 7
         log = [name for name, _ in srv.server.logs[0]]
         assert log[:4] == ["GET_FEATURES", "GET_PROTOCOL_FEATURES", "SET_PROTOCOL_FEATURES", "GET_QUEUE_NUM"]
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
     ws = Workspace.open(srv.work, state_dir=srv.state)
     try:
         ws.rollback(len(ws.history()))
@@ -331,11 +340,7 @@ def test_a_missing_name_is_a_short_negative_entry_through_the_device(tmp_path):
     positive entry — and the guest stops asking for it meanwhile; made on the host, it is
     found when asked again."""
     srv = Served(tmp_path)
-    guest = Guest()
-    fe = FrontEnd(srv.path, guest)
-    try:
-        fe.handshake()
-        init(fe, guest)
+    with device_session(srv) as (guest, fe):
         lookup = ref_request(m.Lookup(H(abi.Opcode.LOOKUP), b"later"))
         head, at = guest.submit(1, lookup, 16 + 128)
         assert fe.kick_and_wait(1) == [(head, 144)]
@@ -348,10 +353,6 @@ def test_a_missing_name_is_a_short_negative_entry_through_the_device(tmp_path):
         assert fe.kick_and_wait(1) == [(head, 144)]
         err, _, body = fuse_reply(guest, at, 144)
         assert err == 0 and struct.unpack_from("<Q", body)[0] != 0
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
 
 
 def avail_event(guest: Guest, q: int) -> int:
@@ -368,11 +369,7 @@ def test_forgets_are_taken_in_batches_without_a_kick_each(tmp_path, monkeypatch,
         monkeypatch.setattr(virtiofs, "RING_SWEEP_S", 3600.0)
     srv = Served(tmp_path)
     open(os.path.join(srv.work, "f"), "w").close()
-    guest = Guest()
-    fe = FrontEnd(srv.path, guest)
-    try:
-        fe.handshake()
-        init(fe, guest)
+    with device_session(srv) as (guest, fe):
         assert avail_event(guest, 0) == QSIZE // 2 - 1  # kick me when the 8th FORGET comes
         lookup = ref_request(m.Lookup(H(abi.Opcode.LOOKUP), b"f"))
         head, at = guest.submit(1, lookup, 16 + 128)
@@ -389,21 +386,13 @@ def test_forgets_are_taken_in_batches_without_a_kick_each(tmp_path, monkeypatch,
         assert os.eventfd_read(fe.call[0]) == 1  # one call
         assert srv.in_loop(lambda: len(srv.server.dispatcher.nodes)) == nodes - 1
         assert avail_event(guest, 0) == 1 + QSIZE // 2 - 1
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
 
 
 def test_a_held_chain_stays_unanswered_while_others_flow(tmp_path):
     srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
     for i in range(2):
         open(os.path.join(srv.work, f"f{i}"), "w").close()
-    guest = Guest()
-    fe = FrontEnd(srv.path, guest)
-    try:
-        fe.handshake()
-        init(fe, guest)
+    with device_session(srv) as (guest, fe):
         h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
         assert fe.kick_and_wait(1) == [(h0, 16)]
         h1, at1 = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # crosses the threshold
@@ -424,10 +413,6 @@ def test_a_held_chain_stays_unanswered_while_others_flow(tmp_path):
         assert fe.wait_used(1) == [(h1, 16)]
         assert fuse_reply(guest, at1, 16)[0] == 0
         assert not os.path.exists(os.path.join(srv.work, "f1"))
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
 
 
 def test_protocol_errors_end_the_connection_not_the_server(tmp_path):
@@ -530,11 +515,7 @@ def test_qemu_leaving_with_a_held_request_cancels_it_and_the_next_qemu_is_served
     srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
     for i in range(2):
         open(os.path.join(srv.work, f"f{i}"), "w").close()
-    guest = Guest()
-    fe = FrontEnd(srv.path, guest)
-    try:
-        fe.handshake()
-        init(fe, guest)
+    with device_session(srv) as (guest, fe):
         h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
         assert fe.kick_and_wait(1) == [(h0, 16)]
         guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # held
@@ -556,10 +537,6 @@ def test_qemu_leaving_with_a_held_request_cancels_it_and_the_next_qemu_is_served
         head, at = guest2.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
         assert fe.kick_and_wait(1) == [(head, 120)]
         os.close(guest2.fd)
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
 
 
 def test_a_new_memory_table_moves_running_rings_and_keeps_held_chains(tmp_path):
@@ -568,11 +545,7 @@ def test_a_new_memory_table_moves_running_rings_and_keeps_held_chains(tmp_path):
     srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
     for i in range(2):
         open(os.path.join(srv.work, f"f{i}"), "w").close()
-    guest = Guest()
-    fe = FrontEnd(srv.path, guest)
-    try:
-        fe.handshake()
-        init(fe, guest)
+    with device_session(srv) as (guest, fe):
         h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
         assert fe.kick_and_wait(1) == [(h0, 16)]
         h1, at1 = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # held
@@ -588,10 +561,6 @@ def test_a_new_memory_table_moves_running_rings_and_keeps_held_chains(tmp_path):
         assert srv.in_loop(lambda: srv.holds.answer(gate.pending.id, "allow"))
         assert fe.wait_used(1) == [(h1, 16)] and fuse_reply(guest, at1, 16)[0] == 0
         assert not os.path.exists(os.path.join(srv.work, "f1"))
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
 
 
 @pytest.mark.parametrize("restart", ["resume", "reset"])
@@ -603,11 +572,7 @@ def test_a_held_request_survives_a_paused_vm_and_is_forgotten_by_a_reset(tmp_pat
     srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
     for i in range(2):
         open(os.path.join(srv.work, f"f{i}"), "w").close()
-    guest = Guest()
-    fe = FrontEnd(srv.path, guest)
-    try:
-        fe.handshake()
-        init(fe, guest)
+    with device_session(srv) as (guest, fe):
         h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
         assert fe.kick_and_wait(1) == [(h0, 16)]
         h1, at1 = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f1")), 16)  # held
@@ -634,10 +599,6 @@ def test_a_held_request_survives_a_paused_vm_and_is_forgotten_by_a_reset(tmp_pat
             fe.start_rings([0, 0])
             head, _ = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
             assert fe.kick_and_wait(1) == [(head, 120)]  # and no stale entry for the forgotten one
-    finally:
-        fe.close()
-        srv.close()
-        os.close(guest.fd)
 
 
 @pytest.mark.parametrize("unique", [0, 7])
