@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark: pjdfstest (a POSIX file-system conformance suite) run by root in a real guest on our share.
+"""Benchmark: pjdfstest (a POSIX file-system conformance suite) run by root in a real guest on our share
+(or, with ``--share fuse-local``, on the host in a `sandbox mount`).
 
 Run ``python bench/posix_conformance.py --help``. Prints totals, the failing tests grouped
 by file and by cause, and optionally writes JSON; asserts nothing (no thresholds).
@@ -17,6 +18,7 @@ import platform
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +54,11 @@ leaves them out. The guest kernel's
 9P client mounts the share with cache=none (as sessions always do). Before the suite it
 probes mmap of a share file (fsx's mmap modes): shared writable, shared read-only, private
 writable — printed as ok or the errno.
+
+`--share fuse-local` needs no VM: run as root on the host, it starts `sandbox mount` (FUSE,
+the local backend: the same Dispatcher and Provider as virtio-fs) of the scratch folder and
+runs each file there with the host's /bin/sh, each in a fresh directory of the mount; the same
+counting and report. The subset without rename/09.t and 10.t takes a few minutes.
 """
 
 #: the representative subset the issue's first-order causes show up in (docs/conformance.md)
@@ -210,6 +217,53 @@ def guest_script(files: list[str], timeout_s: int) -> str:
     return "\n".join(lines)
 
 
+def run_local(suite: str, by_dir: dict[str, list[str]], workdir: str, timeout_s: int,
+              progress, partial=None) -> tuple[list[FileResult], dict]:
+    """No VM: `sandbox mount` a scratch folder on the host (FUSE, the local backend) and run each
+    file there with /bin/sh as this process's user (root), each in a fresh directory of the mount."""
+    from fuse_local import Mounted  # the benchmark's `sandbox mount` subprocess (one mechanism)
+
+    share_dir, point = os.path.join(workdir, "share"), os.path.join(workdir, "mnt")
+    for d in (share_dir, point):
+        os.makedirs(d, exist_ok=True)
+    os.chmod(share_dir, 0o777)
+    results: list[FileResult] = []
+    meta = {"guest": f"local FUSE mount on {platform.release()}"}
+    t0 = time.monotonic()
+    mounted = Mounted(share_dir, point, os.path.join(workdir, "state"), no_undo=False)
+    try:
+        with open("/proc/mounts") as f:
+            meta["mount"] = next((line.strip() for line in f if f" {point} " in line), "")
+        progress(f"mounted: {meta['mount']!r}")
+        for t, files in by_dir.items():
+            s = time.monotonic()
+            got = []
+            for f in files:
+                d = os.path.join(point, "run-" + f.replace("/", "-").replace(".t", ""))
+                os.makedirs(d, exist_ok=True)
+                try:
+                    p = subprocess.run(["/bin/sh", os.path.join(suite, "tests", f)], cwd=d, timeout=timeout_s,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       errors="replace")
+                    r = parse_tap(f, p.stdout)
+                    r.exit = str(p.returncode)
+                except subprocess.TimeoutExpired as e:
+                    out = e.stdout or b""
+                    r = parse_tap(f, out.decode(errors="replace") if isinstance(out, bytes) else out)
+                    r.exit = "timeout"
+                got.append(r)
+            results += got
+            fails = sum(g.failures for g in got)
+            total = sum(max(g.planned, g.seen) for g in got)
+            progress(f"{t}: {total} tests, {fails} failed ({time.monotonic() - s:.0f} s)")
+            if partial is not None:
+                partial(results)
+    finally:
+        mounted.stop()
+    meta["wall_s"] = round(time.monotonic() - t0, 1)
+    return results, meta
+
+
 async def run_suite(suite: str, by_dir: dict[str, list[str]], workdir: str, timeout_s: int,
                     share: str, progress, partial=None) -> tuple[list[FileResult], dict]:
     """Run the directories one step each; ``partial(results)`` after each (a run cut short keeps them)."""
@@ -292,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="OUT", help="write totals, causes and per-file results as JSON")
     ap.add_argument("--file-timeout", type=int, default=FILE_TIMEOUT_S, metavar="S",
                     help=f"seconds one .t file may run in the guest (default {FILE_TIMEOUT_S})")
-    ap.add_argument("--share", default="9p", help="the session's share protocol (default 9p)")
+    ap.add_argument("--share", default="9p",
+                    help="the session's share protocol: 9p (default) or virtio-fs; or fuse-local: no VM, "
+                         "the suite runs on the host (as root) in a `sandbox mount` of the scratch folder")
     ap.add_argument("--from-json", metavar="IN",
                     help="no guest: print the report of an earlier --json file again (e.g. after changing "
                          "how causes are grouped)")
@@ -325,8 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"partial": True, "files": [dataclasses.asdict(r) for r in results]}, f)
 
     try:
-        results, meta = asyncio.run(run_suite(suite, by_dir, os.path.abspath(workdir), args.file_timeout,
-                                              args.share, progress, partial))
+        if args.share == "fuse-local":
+            results, meta = run_local(suite, by_dir, os.path.abspath(workdir), args.file_timeout, progress,
+                                      partial)
+        else:
+            results, meta = asyncio.run(run_suite(suite, by_dir, os.path.abspath(workdir), args.file_timeout,
+                                                  args.share, progress, partial))
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
