@@ -113,6 +113,38 @@ def test_rename_over_and_metadata_of_a_fifo_are_undone(world):
     oracle.assert_same(before, world.snapshot(), "after undoing changes of special nodes")
 
 
+def test_trusted_xattrs_of_symlinks_fifos_and_sockets_are_undone_exactly(world):
+    """What a privileged server keeps on a symlink, fifo or socket (the guest's owner, in
+    ``trusted.sandbox.owner``) is in its preimage: undoing a change of it, an unlink (the
+    node remade) and a rename brings it back; undoing a step that set one removes it."""
+    if world.kind == "real" and os.geteuid() != 0:
+        pytest.skip("trusted.* xattrs need CAP_SYS_ADMIN")
+    ws = world.open()
+    with ws.step("seed"):
+        ws.fs.mknod("p", 0o644, stat.S_IFIFO)
+        ws.fs.mknod("s", 0o600, stat.S_IFSOCK)
+        ws.fs.symlink("target", "l")
+        ws.fs.symlink("target", "l2")
+        for p in ("p", "s", "l"):
+            ws.fs.setxattr(p, "trusted.o", b"1:1")
+    before = world.snapshot()
+    assert before["l"][4] == (("trusted.o", b"1:1"),)
+    with ws.step("change"):
+        ws.fs.setxattr("p", "trusted.o", b"2:2")
+        ws.fs.removexattr("l", "trusted.o")
+        ws.fs.setxattr("l2", "trusted.o", b"3:3")
+        ws.fs.unlink("s")
+        ws.fs.rename("p", "moved")
+        ws.fs.rename("l", "p")
+    ws.rollback()
+    oracle.assert_same(before, world.snapshot(), "after undoing xattr changes, unlink and rename")
+    with ws.step("rm"):
+        for p in ("p", "s", "l"):
+            ws.fs.unlink(p)
+    ws.rollback()
+    oracle.assert_same(before, world.snapshot(), "after undoing their removal")
+
+
 def test_a_fifo_undone_into_the_wrong_type_is_seen_by_the_oracle(world):
     ws = world.open()
     with ws.step("seed"):
