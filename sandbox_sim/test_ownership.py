@@ -233,6 +233,9 @@ def test_without_cap_sys_admin_a_symlink_or_fifo_owner_is_accepted_and_not_kept(
     p.mknod("q2", 0o644, stat.S_IFIFO, cred=cred)
     for path in ("l2", "q2"):
         assert (p.getattr(path).uid, p.getattr(path).gid) == mine
+    p.setattr("q", mode=0o6644)  # a fifo's set-id bits: dropped, as its owner is not kept
+    p.mknod("q3", 0o6644, stat.S_IFIFO, cred=cred)
+    assert p.getattr("q").mode & 0o7777 == 0o644 and p.getattr("q3").mode & 0o7777 == 0o644
     p.setattr("f", uid=1000, gid=1000)  # a regular file still keeps it
     assert (p.getattr("f").uid, p.getattr("f").gid) == (1000, 1000)
     privileged = Provider(MemoryHostFS(), None, read_only=False)
@@ -240,6 +243,8 @@ def test_without_cap_sys_admin_a_symlink_or_fifo_owner_is_accepted_and_not_kept(
     privileged.mknod("q", 0o644, stat.S_IFSOCK, cred=cred)
     assert (privileged.getattr("l").uid, privileged.getattr("l").gid) == (NOBODY, 100)
     assert (privileged.getattr("q").uid, privileged.getattr("q").gid) == (NOBODY, NOBODY)
+    privileged.setattr("q", mode=0o6644)
+    assert privileged.getattr("q").mode & 0o7777 == 0o6644 and privileged.host.getattr("q").mode & 0o7777 == 0o644
 
 
 def test_chown_of_a_file_clears_setid_bits_as_the_kernel_does(c, work):

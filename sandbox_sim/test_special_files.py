@@ -258,10 +258,11 @@ def test_wire_mknod_makes_fifos_sockets_and_emulated_devices(wire):
     fs, _ws, work = wire
     fs.mkdir("d", 0o755)
     fs.mknod("d/p", 0o644, stat.S_IFIFO)
-    fs.mknod("d/s", 0o4755, stat.S_IFSOCK)  # a set-id bit is never applied on the host
+    fs.mknod("d/s", 0o4755, stat.S_IFSOCK)  # a set-id bit is never applied on the host ...
     fs.mknod("d/null", 0o666, stat.S_IFCHR, os.makedev(1, 3))
     fs.mknod("d/sda", 0o660, stat.S_IFBLK, os.makedev(8, 0))
-    want = {"p": (stat.S_IFIFO | 0o644, 0), "s": (stat.S_IFSOCK | 0o755, 0),
+    kept = 0o4755 if os.geteuid() == 0 else 0o755  # ... but kept in trusted.sandbox.mode by a root server
+    want = {"p": (stat.S_IFIFO | 0o644, 0), "s": (stat.S_IFSOCK | kept, 0),
             "null": (stat.S_IFCHR | 0o666, os.makedev(1, 3)), "sda": (stat.S_IFBLK | 0o660, os.makedev(8, 0))}
     for name, (mode, rdev) in want.items():
         r = _getattr(fs, f"d/{name}")
@@ -359,17 +360,34 @@ def test_wire_rm_rf_of_a_tree_with_special_files_then_undo_is_exact(wire):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fmt", [stat.S_IFIFO, stat.S_IFSOCK])
-def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_drops_them(wire, fmt):
-    """A chmod with set-id bits of a fifo or socket succeeds, as on Linux; the bits are dropped
-    (never applied on the host, and a fifo cannot keep the mapping: no user xattrs), the rest
-    of the mode — sticky included — is applied, nothing else changes."""
+def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_keeps_them_in_a_trusted_xattr(wire, fmt):
+    """A chmod with set-id bits of a fifo or socket succeeds, as on Linux; the bits are never
+    applied on the host: a root server keeps them in ``trusted.sandbox.mode`` (no user xattrs
+    on a fifo) and reports them, an unprivileged one drops them. The rest of the mode —
+    sticky included — is applied; undo restores what was there."""
+    fs, ws, work = wire
+    with ws.step("make"):
+        fs.mknod("n", 0o644, fmt)
+    before = oracle.snapshot_dir(str(work))
+    with ws.step("chmod"):
+        fs.chmod("n", 0o6755)
+        assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o755
+        assert stat.S_IMODE(_getattr(fs, "n").mode) == (0o6755 if os.geteuid() == 0 else 0o755)
+        fs.chmod("n", 0o1600)
+        assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o1600
+        assert os.listxattr(work / "n") == []  # nothing left to keep
+        fs.chmod("n", 0o2640)
+    ws.rollback(1)
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "after undoing chmods of a special node")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need CAP_SYS_ADMIN")
+def test_wire_mknod_of_a_fifo_with_setid_bits_keeps_them(wire):
     fs, _ws, work = wire
-    fs.mknod("n", 0o644, fmt)
-    fs.chmod("n", 0o6755)
-    assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o755
-    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o755
-    fs.chmod("n", 0o1600)
-    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o1600
+    fs.mknod("n", 0o6644, stat.S_IFIFO)
+    assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o644
+    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o6644
 
 
 @pytest.mark.timeout(60)

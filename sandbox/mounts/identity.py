@@ -84,6 +84,8 @@ OWNER_VALUE_BYTES_MAX = 21
 #: ``trusted.`` one, kept only by a server with ``CAP_SYS_ADMIN``. Never a guest's name: a
 #: guest's ``trusted.*`` is stored under :data:`MAPPED_PREFIX` and the host's is never shown
 SPECIAL_OWNER_XATTR = "trusted.sandbox.owner"
+#: the guest's whole mode of a fifo or socket with set-id bits (as :data:`MODE_XATTR`), kept the same way
+SPECIAL_MODE_XATTR = "trusted.sandbox.mode"
 #: the largest id a guest can give (2**32-1 is "no change", -1, in chown(2))
 ID_MAX = 0xFFFFFFFE
 #: 9P's ``n_uname`` "none": the attach names its user by ``uname`` only
@@ -268,6 +270,12 @@ def owner_xattr(regular_or_dir: bool) -> str:
     """The host xattr that keeps a guest's owner: :data:`OWNER_XATTR` on a regular file or
     directory, :data:`SPECIAL_OWNER_XATTR` on a symlink, fifo or socket."""
     return OWNER_XATTR if regular_or_dir else SPECIAL_OWNER_XATTR
+
+
+def mode_xattr(regular_or_dir: bool) -> str:
+    """The host xattr that keeps a guest's mode: :data:`MODE_XATTR` on a regular file or
+    directory, :data:`SPECIAL_MODE_XATTR` on a fifo or socket."""
+    return MODE_XATTR if regular_or_dir else SPECIAL_MODE_XATTR
 
 
 def presented_owner(uid: int, gid: int, view: "OwnerMap | None") -> tuple[int, int]:

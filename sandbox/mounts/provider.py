@@ -408,7 +408,8 @@ class Provider:
         client applied its umask), ``rdev`` a device's number.
 
         A fifo or a unix-socket node is made on the host (:meth:`HostFS.mknod`, never opened),
-        without set-id bits (a fifo cannot keep the mapping: no user xattrs on it); a
+        never with set-id bits (the guest's are kept in ``trusted.sandbox.mode`` where the
+        host allows it, else dropped: no user xattrs on a fifo); a
         character or block device is emulated (:mod:`~sandbox.mounts.devices`); any other
         type is ``EINVAL``, as ``mknod(2)`` says — a regular file too (``creat`` makes those).
         """
@@ -418,6 +419,7 @@ class Provider:
         fmt &= 0o170000
         if fmt in MKNOD_FMTS:
             self.fs.mknod(path, identity.host_mode(mode), fmt)
+            self._keep_new_mode(path, mode, name=identity.SPECIAL_MODE_XATTR)
             self._keep_new_owner(path, None, cred, gid)
         elif devices.is_device(fmt):
             self._make_device(path, mode, fmt, rdev, cred=cred, gid=gid)
@@ -551,11 +553,12 @@ class Provider:
         """The mappings (:data:`identity.MODE_XATTR`, :data:`identity.OWNER_XATTR`) of
         ``handle``'s inode, or else of ``path``: one ``listxattr`` (unless its ``names`` are
         given), a ``getxattr`` per one present. Unreadable (no user xattrs, gone meanwhile): none.
-        For a symlink, fifo or socket only the owner, from :data:`identity.SPECIAL_OWNER_XATTR`
-        (returned under :data:`identity.OWNER_XATTR`)."""
+        For a symlink, fifo or socket they are read from :data:`identity.SPECIAL_MODE_XATTR`
+        and :data:`identity.SPECIAL_OWNER_XATTR` (returned under the same keys)."""
         out = {}
         wanted = ((identity.MODE_XATTR, identity.MODE_XATTR), (identity.OWNER_XATTR, identity.OWNER_XATTR)) \
-            if regular_or_dir else ((identity.OWNER_XATTR, identity.SPECIAL_OWNER_XATTR),)
+            if regular_or_dir else ((identity.MODE_XATTR, identity.SPECIAL_MODE_XATTR),
+                                    (identity.OWNER_XATTR, identity.SPECIAL_OWNER_XATTR))
         try:
             if names is None:
                 names = handle.listxattr() if handle is not None else self.host.listxattr(path)
@@ -571,8 +574,8 @@ class Provider:
         """``a`` with the mode and owner the guest set, kept, not applied; owners without a
         kept one as ``view`` (:class:`identity.OwnerMap`) presents them.
 
-        Only regular files and directories can carry the mode (the kernel allows user xattrs
-        on nothing else); a symlink, fifo or socket only its owner (a ``trusted.`` xattr).
+        A symlink, fifo or socket carries them in ``trusted.`` xattrs (the kernel allows user
+        xattrs on regular files and directories only).
         With ``handle``, ``a`` is its inode's and so are the mappings read — wherever ``path``
         points now."""
         kept = self._reserved(path, handle, names, a.kind in (REG, DIR))
@@ -607,9 +610,14 @@ class Provider:
         cur = handle.fstat() if handle is not None else self.host.lstat(path)
         if cur.kind == LNK:
             return mode  # the host refuses (EOPNOTSUPP): there is nothing to keep
-        if cur.kind not in (REG, DIR):  # a fifo or socket cannot keep the mapping: its set-id bits are dropped
-            return identity.host_mode(mode, cur.mode)
         value = identity.mode_mapping(mode, cur.mode)
+        if cur.kind not in (REG, DIR):  # a fifo or socket: in trusted.*, where the host allows it
+            try:
+                self._set_mapping(path, handle, value, identity.SPECIAL_MODE_XATTR)
+            except OSError as e:  # no CAP_SYS_ADMIN: its set-id bits are dropped
+                if value is None or e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                    raise
+            return identity.host_mode(mode, cur.mode)
         try:
             self._set_mapping(path, handle, value)
         except OSError as e:
@@ -641,7 +649,8 @@ class Provider:
             raise
         return handle
 
-    def _keep_new_mode(self, path: str, mode: int, handle: FileHandle | None = None) -> None:
+    def _keep_new_mode(self, path: str, mode: int, handle: FileHandle | None = None,
+                       name: str = identity.MODE_XATTR) -> None:
         """After a create (through its ``handle``) or a mkdir: keep the set-id bits of
         ``mode`` the host was not given.
 
@@ -652,9 +661,9 @@ class Provider:
         if value is not None:
             try:
                 if handle is not None:
-                    self.fs.fsetxattr(handle, path, identity.MODE_XATTR, value)
+                    self.fs.fsetxattr(handle, path, name, value)
                 else:
-                    self.fs.setxattr(path, identity.MODE_XATTR, value)
+                    self.fs.setxattr(path, name, value)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                     raise
