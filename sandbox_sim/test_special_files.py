@@ -383,11 +383,23 @@ def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_keeps_them_in_a_trusted_
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need CAP_SYS_ADMIN")
-def test_wire_mknod_of_a_fifo_with_setid_bits_keeps_them(wire):
+def test_wire_mknod_of_a_fifo_with_setid_bits_keeps_them_and_a_chown_clears_them(wire):
+    """As Linux's chown_common does for every non-directory: set-uid, and set-gid where
+    group-executable, fall at a chown (pjdfstest chown/00.t's fifo and socket cases)."""
     fs, _ws, work = wire
     fs.mknod("n", 0o6644, stat.S_IFIFO)
     assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o644
     assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o6644
+    from sandbox.ninep import messages as m
+
+    fs.chmod("n", 0o6555)
+    fid = fs._walk("n")
+    try:
+        fs.c.setattr(fid, m.SETATTR_UID | m.SETATTR_GID, uid=65534, gid=65533)
+    finally:
+        fs.c.clunk(fid)
+    a = _getattr(fs, "n")
+    assert (stat.S_IMODE(a.mode), a.uid, a.gid) == (0o555, 65534, 65533)
 
 
 @pytest.mark.timeout(60)

@@ -711,7 +711,7 @@ class Provider:
                 return  # nowhere to keep it: accepted and not kept (docs/identity.md)
             raise OSError(errno.EPERM, "owners from the guest are never applied, and this host filesystem "
                           "cannot keep them (no user xattrs)", path) from None
-        kill = identity.privileges_on_chown(seen.mode) if keep_mode and a.kind == REG else 0
+        kill = identity.privileges_on_chown(seen.mode) if keep_mode and a.kind not in (DIR, LNK) else 0
         if kill:
             self._set_guest_mode(path, handle, seen.mode & ~kill)
 
