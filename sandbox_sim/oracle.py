@@ -52,7 +52,8 @@ def snapshot_nodes(fs: MemoryHostFS, path: str = "", skip: frozenset[str] = froz
         elif kind == DIR:
             out[p] = (kind, node.mode, node.mtime_ns, None, tuple(sorted(node.xattrs.items())), node.fmt, node.uid, node.gid, ())
         else:
-            out[p] = (kind, node.mode, node.mtime_ns, node.target if kind == LNK else None, (), node.fmt, node.uid, node.gid, ())
+            out[p] = (kind, node.mode, node.mtime_ns, node.target if kind == LNK else None, tuple(sorted(node.xattrs.items())),
+                      node.fmt, node.uid, node.gid, ())
     _link_groups(out, inodes)
     return out
 
@@ -85,7 +86,7 @@ def _walk(fs: HostFS, path: str, out: Snapshot, skip, inodes: dict) -> None:
         content = fs.readlink(path)
     else:
         content = None
-    xattrs = tuple(sorted(fs.xattrs(path).items())) if st.kind in (REG, DIR) else ()
+    xattrs = tuple(sorted(fs.xattrs(path).items()))
     out[path] = (st.kind, st.mode, st.mtime_ns, content, xattrs, st.file_type, st.uid, st.gid, ())
     if st.kind == DIR:
         for name in sorted(fs.listdir(path)):

@@ -286,6 +286,33 @@ def test_special_files_are_made_never_opened(mnt):
     assert bytes(mnt.call(m.Readlink(H(abi.Opcode.READLINK, s.nodeid))).data) == b"target/x"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need CAP_SYS_ADMIN (the fallback: test_ownership.py)")
+def test_owners_of_fifos_and_symlinks_are_kept_over_fuse_and_undone(mnt):
+    """A fifo or symlink made by uid 65534, or chowned, shows that owner in GETATTR (kept in
+    trusted.sandbox.owner, per inode: a hard link shows it too); the host's stays; undo
+    restores what was there."""
+    nobody = 65534
+    p = mnt.call(m.Mknod(H(abi.Opcode.MKNOD, uid=nobody, gid=nobody), stat.S_IFIFO | 0o644, 0, 0o022, b"pipe"))
+    s = mnt.call(m.Symlink(H(abi.Opcode.SYMLINK, uid=nobody, gid=nobody), b"ln", b"pipe"))
+    for e in (p, s):
+        assert (e.attr.uid, e.attr.gid) == (nobody, nobody)
+        assert (mnt.getattr(e.nodeid).uid, mnt.getattr(e.nodeid).gid) == (nobody, nobody)
+    assert (os.lstat(mnt.host("ln")).st_uid, os.lstat(mnt.host("pipe")).st_uid) == (UID, UID)  # never applied
+    mnt.ws.close_active()
+    for e in (p, s):
+        out = mnt.call(m.Setattr(H(abi.Opcode.SETATTR, e.nodeid, uid=0, gid=0), abi.FATTR_UID | abi.FATTR_GID, 0, 0, 0,
+                                 0, 0, 0, 0, 0, 0, 0, 1000, 1001))
+        assert (out.attr.uid, out.attr.gid) == (1000, 1001)
+    hard = mnt.call(m.Link(H(abi.Opcode.LINK), p.nodeid, b"pipe2"))
+    assert (hard.attr.uid, hard.attr.gid) == (1000, 1001)
+    mnt.ws.close_active()
+    mnt.ws.rollback(1)  # the chowns and the link
+    for name in ("pipe", "ln"):
+        e = mnt.lookup(name)
+        assert (e.attr.uid, e.attr.gid) == (nobody, nobody), name
+    assert not os.path.lexists(mnt.host("pipe2"))
+
+
 def test_open_files_are_bounded(tmp_path):
     mo = Mount(tmp_path, ServerLimits(open_files_per_connection_max=2))
     try:

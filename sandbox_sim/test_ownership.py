@@ -11,6 +11,7 @@ through the xattrs, real host owners through the undo core. Then the pure owner 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -141,9 +142,109 @@ def test_a_damaged_owner_mapping_is_ignored(c, work, value):
     assert owner(c, "f") == ME
 
 
-def test_chown_of_a_symlink_is_accepted_and_not_kept(c, work):
-    chown(c, "l", 1000, 1000)
-    assert owner(c, "l") == ME and host_owner(work / "l") == ME
+@pytest.mark.skipif(not IS_ROOT, reason="trusted.* xattrs need CAP_SYS_ADMIN (the fallback: test_without_cap_sys_admin_...)")
+def test_chown_of_a_symlink_fifo_or_socket_is_kept_in_a_trusted_xattr(c, ws, work):
+    """Linux keeps user xattrs off symlinks, fifos and sockets: their owner is kept in
+    ``trusted.sandbox.owner`` — per inode, so a hard link shows it too — and undone exactly."""
+    os.mkfifo(work / "p")
+    os.mknod(work / "s", stat.S_IFSOCK | 0o600)
+    before = oracle.snapshot(ws.fs.host)
+    for p in ("l", "p", "s"):
+        chown(c, p, 1000, 1001)
+        assert owner(c, p) == (1000, 1001) and host_owner(work / p) == ME, p  # nothing given away
+        assert os.getxattr(work / p, identity.SPECIAL_OWNER_XATTR, follow_symlinks=False) == b"1000:1001"
+    assert owner(c, "f") == ME and os.listxattr(work / "f") == []  # the symlink's target is untouched
+    setattr(c, "p", m.SETATTR_GID, gid=7)
+    assert owner(c, "p") == (1000, 7)
+    dfid, pfid = c.walk_path("d"), c.walk_path("p")
+    c.link(dfid, pfid, "p2")  # one inode: the same owner under every name
+    c.clunk(dfid), c.clunk(pfid)
+    assert owner(c, "d/p2") == (1000, 7)
+    chown(c, "s", *ME)  # back to what the guest sees anyway: no mapping left
+    assert owner(c, "s") == ME and os.listxattr(work / "s") == []
+    undo_all(ws)
+    oracle.assert_same(before, oracle.snapshot(ws.fs.host), "undo of chowns of a symlink, fifo and socket")
+    assert all(os.listxattr(work / p, follow_symlinks=False) == [] for p in ("l", "p", "s"))
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="trusted.* xattrs need CAP_SYS_ADMIN")
+def test_an_unlinked_or_renamed_chowned_fifo_gets_its_owner_back_on_undo(c, ws, work):
+    os.mkfifo(work / "p")
+    os.symlink("f", work / "d" / "l")
+    chown(c, "p", 1000, 1000)
+    chown(c, "d/l", 1001, 1001)
+    ws.close_active()
+    before = oracle.snapshot(ws.fs.host)
+    dfid, rfid = c.walk_path("d"), c.walk_path("")
+    c.unlinkat(rfid, "p", 0)
+    c.renameat(dfid, "l", rfid, "l2")
+    c.clunk(dfid), c.clunk(rfid)
+    assert owner(c, "l2") == (1001, 1001)  # a rename keeps the inode, and so the owner
+    ws.close_active()
+    ws.rollback(1)
+    oracle.assert_same(before, oracle.snapshot(ws.fs.host), "undo of an unlink and a rename")
+    assert owner(c, "p") == (1000, 1000) and owner(c, "d/l") == (1001, 1001)
+
+
+def test_the_trusted_owner_is_never_the_guests_to_read_list_set_or_remove():
+    """The guest's own ``trusted.sandbox.owner`` is a name like any other privileged one:
+    mapped under ``user.sandbox.x.`` (so refused where user xattrs are), never the host's."""
+    host = MemoryHostFS()
+    p = Provider(host, None, read_only=False)
+    host.create("f", 0o644)
+    host.symlink("f", "l")
+    host.make_special("q", 0o644, stat.S_IFIFO)
+    name = identity.SPECIAL_OWNER_XATTR
+    assert identity.guest_xattr_name(name) is None and identity.host_xattr_name(name) != name
+    p.setattr("q", uid=1000, gid=1000)
+    p.setattr("l", uid=1000, gid=1000)
+    assert host.getxattr("q", name) == b"1000:1000" and host.getxattr("l", name) == b"1000:1000"
+    for path, refused in (("q", errno.EOPNOTSUPP), ("l", errno.EPERM)):
+        assert p.listxattr(path) == []
+        with pytest.raises(OSError) as e:
+            p.getxattr(path, name)
+        assert e.value.errno == errno.ENODATA
+        with pytest.raises(OSError) as e:
+            p.setxattr(path, name, b"0:0")
+        assert e.value.errno == refused
+        with pytest.raises(OSError) as e:
+            p.removexattr(path, name)
+        assert e.value.errno in (errno.ENODATA, errno.EPERM)
+        assert (p.getattr(path).uid, p.getattr(path).gid) == (1000, 1000)
+    p.setxattr("f", name, b"0:0")  # a regular file keeps the guest's under the mapped name
+    assert host.getxattr("f", identity.MAPPED_PREFIX + name) == b"0:0" and name not in host.listxattr("f")
+    assert p.listxattr("f") == [name]
+
+
+def test_without_cap_sys_admin_a_symlink_or_fifo_owner_is_accepted_and_not_kept():
+    """The fallback where the host refuses ``trusted.*`` (an unprivileged server): the chown
+    succeeds and the host's owner shows; a creation by another uid works and shows it too."""
+    host = MemoryHostFS(trusted_xattrs=False)
+    p = Provider(host, None, read_only=False)
+    host.create("f", 0o644)
+    host.symlink("f", "l")
+    host.make_special("q", 0o644, stat.S_IFIFO)
+    mine = (host.getattr("q").uid, host.getattr("q").gid)
+    for path in ("l", "q"):
+        p.setattr(path, uid=1000, gid=1000)
+        assert (p.getattr(path).uid, p.getattr(path).gid) == mine and host.listxattr(path) == []
+    cred = Cred(NOBODY, NOBODY)
+    p.symlink("f", "l2", cred=cred)
+    p.mknod("q2", 0o644, stat.S_IFIFO, cred=cred)
+    for path in ("l2", "q2"):
+        assert (p.getattr(path).uid, p.getattr(path).gid) == mine
+    p.setattr("q", mode=0o6644)  # a fifo's set-id bits: dropped, as its owner is not kept
+    p.mknod("q3", 0o6644, stat.S_IFIFO, cred=cred)
+    assert p.getattr("q").mode & 0o7777 == 0o644 and p.getattr("q3").mode & 0o7777 == 0o644
+    p.setattr("f", uid=1000, gid=1000)  # a regular file still keeps it
+    assert (p.getattr("f").uid, p.getattr("f").gid) == (1000, 1000)
+    privileged = Provider(MemoryHostFS(), None, read_only=False)
+    privileged.symlink("x", "l", cred=cred, gid=100)
+    privileged.mknod("q", 0o644, stat.S_IFSOCK, cred=cred)
+    assert (privileged.getattr("l").uid, privileged.getattr("l").gid) == (NOBODY, 100)
+    assert (privileged.getattr("q").uid, privileged.getattr("q").gid) == (NOBODY, NOBODY)
+    privileged.setattr("q", mode=0o6644)
+    assert privileged.getattr("q").mode & 0o7777 == 0o6644 and privileged.host.getattr("q").mode & 0o7777 == 0o644
 
 
 def test_chown_of_a_file_clears_setid_bits_as_the_kernel_does(c, work):
@@ -178,7 +279,8 @@ def test_creations_by_a_non_root_attach_belong_to_it_in_the_guest(c, ws, work):
     c.clunk(dfid)
     assert owner(c, "d/new") == (NOBODY, NOBODY)
     assert owner(c, "d/sub", root) == (NOBODY, 100)  # the request's gid (e.g. a set-gid parent's)
-    assert owner(c, "d/sym") == ME  # a symlink cannot carry the mapping (docs/identity.md)
+    # a symlink keeps it in trusted.sandbox.owner — the host's owner without CAP_SYS_ADMIN
+    assert owner(c, "d/sym") == ((NOBODY, NOBODY) if IS_ROOT else ME)
     for p in ("d/new", "d/sub", "d/sym"):
         assert host_owner(work / p) == ME  # the host files stay the server's
     # root's own creations need no mapping
@@ -438,14 +540,15 @@ def test_attach_credentials():
     assert identity.privileges_on_chown(0o6755) == 0o6000 and identity.privileges_on_chown(0o2745) == 0
 
 
-def test_an_emulated_device_keeps_its_creators_owner_a_fifo_does_not(c, work):
+def test_an_emulated_device_and_a_fifo_keep_their_creators_owner(c, work):
     root = nobody_root(c)
     dfid = c.walk_path("d", root)
     c.mknod(dfid, "null", stat.S_IFCHR | 0o666, 1, 3, gid=NOBODY)
     c.mknod(dfid, "pipe", stat.S_IFIFO | 0o644, gid=NOBODY)
     c.clunk(dfid)
     assert owner(c, "d/null") == (NOBODY, NOBODY)  # a regular placeholder on the host: it can keep one
-    assert owner(c, "d/pipe") == ME  # no user xattrs on a fifo: the host's owner
+    # no user xattrs on a fifo: trusted.sandbox.owner — the host's owner without CAP_SYS_ADMIN
+    assert owner(c, "d/pipe") == ((NOBODY, NOBODY) if IS_ROOT else ME)
     assert host_owner(work / "d" / "null") == ME and host_owner(work / "d" / "pipe") == ME
     chown(c, "d/null", 0, 0)
     assert owner(c, "d/null") == (0, 0)

@@ -113,6 +113,38 @@ def test_rename_over_and_metadata_of_a_fifo_are_undone(world):
     oracle.assert_same(before, world.snapshot(), "after undoing changes of special nodes")
 
 
+def test_trusted_xattrs_of_symlinks_fifos_and_sockets_are_undone_exactly(world):
+    """What a privileged server keeps on a symlink, fifo or socket (the guest's owner, in
+    ``trusted.sandbox.owner``) is in its preimage: undoing a change of it, an unlink (the
+    node remade) and a rename brings it back; undoing a step that set one removes it."""
+    if world.kind == "real" and os.geteuid() != 0:
+        pytest.skip("trusted.* xattrs need CAP_SYS_ADMIN")
+    ws = world.open()
+    with ws.step("seed"):
+        ws.fs.mknod("p", 0o644, stat.S_IFIFO)
+        ws.fs.mknod("s", 0o600, stat.S_IFSOCK)
+        ws.fs.symlink("target", "l")
+        ws.fs.symlink("target", "l2")
+        for p in ("p", "s", "l"):
+            ws.fs.setxattr(p, "trusted.o", b"1:1")
+    before = world.snapshot()
+    assert before["l"][4] == (("trusted.o", b"1:1"),)
+    with ws.step("change"):
+        ws.fs.setxattr("p", "trusted.o", b"2:2")
+        ws.fs.removexattr("l", "trusted.o")
+        ws.fs.setxattr("l2", "trusted.o", b"3:3")
+        ws.fs.unlink("s")
+        ws.fs.rename("p", "moved")
+        ws.fs.rename("l", "p")
+    ws.rollback()
+    oracle.assert_same(before, world.snapshot(), "after undoing xattr changes, unlink and rename")
+    with ws.step("rm"):
+        for p in ("p", "s", "l"):
+            ws.fs.unlink(p)
+    ws.rollback()
+    oracle.assert_same(before, world.snapshot(), "after undoing their removal")
+
+
 def test_a_fifo_undone_into_the_wrong_type_is_seen_by_the_oracle(world):
     ws = world.open()
     with ws.step("seed"):
@@ -226,10 +258,11 @@ def test_wire_mknod_makes_fifos_sockets_and_emulated_devices(wire):
     fs, _ws, work = wire
     fs.mkdir("d", 0o755)
     fs.mknod("d/p", 0o644, stat.S_IFIFO)
-    fs.mknod("d/s", 0o4755, stat.S_IFSOCK)  # a set-id bit is never applied on the host
+    fs.mknod("d/s", 0o4755, stat.S_IFSOCK)  # a set-id bit is never applied on the host ...
     fs.mknod("d/null", 0o666, stat.S_IFCHR, os.makedev(1, 3))
     fs.mknod("d/sda", 0o660, stat.S_IFBLK, os.makedev(8, 0))
-    want = {"p": (stat.S_IFIFO | 0o644, 0), "s": (stat.S_IFSOCK | 0o755, 0),
+    kept = 0o4755 if os.geteuid() == 0 else 0o755  # ... but kept in trusted.sandbox.mode by a root server
+    want = {"p": (stat.S_IFIFO | 0o644, 0), "s": (stat.S_IFSOCK | kept, 0),
             "null": (stat.S_IFCHR | 0o666, os.makedev(1, 3)), "sda": (stat.S_IFBLK | 0o660, os.makedev(8, 0))}
     for name, (mode, rdev) in want.items():
         r = _getattr(fs, f"d/{name}")
@@ -327,17 +360,46 @@ def test_wire_rm_rf_of_a_tree_with_special_files_then_undo_is_exact(wire):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("fmt", [stat.S_IFIFO, stat.S_IFSOCK])
-def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_drops_them(wire, fmt):
-    """A chmod with set-id bits of a fifo or socket succeeds, as on Linux; the bits are dropped
-    (never applied on the host, and a fifo cannot keep the mapping: no user xattrs), the rest
-    of the mode — sticky included — is applied, nothing else changes."""
+def test_wire_chmod_of_a_fifo_or_socket_with_setid_bits_keeps_them_in_a_trusted_xattr(wire, fmt):
+    """A chmod with set-id bits of a fifo or socket succeeds, as on Linux; the bits are never
+    applied on the host: a root server keeps them in ``trusted.sandbox.mode`` (no user xattrs
+    on a fifo) and reports them, an unprivileged one drops them. The rest of the mode —
+    sticky included — is applied; undo restores what was there."""
+    fs, ws, work = wire
+    with ws.step("make"):
+        fs.mknod("n", 0o644, fmt)
+    before = oracle.snapshot_dir(str(work))
+    with ws.step("chmod"):
+        fs.chmod("n", 0o6755)
+        assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o755
+        assert stat.S_IMODE(_getattr(fs, "n").mode) == (0o6755 if os.geteuid() == 0 else 0o755)
+        fs.chmod("n", 0o1600)
+        assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o1600
+        assert os.listxattr(work / "n") == []  # nothing left to keep
+        fs.chmod("n", 0o2640)
+    ws.rollback(1)
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "after undoing chmods of a special node")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need CAP_SYS_ADMIN")
+def test_wire_mknod_of_a_fifo_with_setid_bits_keeps_them_and_a_chown_clears_them(wire):
+    """As Linux's chown_common does for every non-directory: set-uid, and set-gid where
+    group-executable, fall at a chown (pjdfstest chown/00.t's fifo and socket cases)."""
     fs, _ws, work = wire
-    fs.mknod("n", 0o644, fmt)
-    fs.chmod("n", 0o6755)
-    assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o755
-    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o755
-    fs.chmod("n", 0o1600)
-    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o1600
+    fs.mknod("n", 0o6644, stat.S_IFIFO)
+    assert stat.S_IMODE(os.lstat(work / "n").st_mode) == 0o644
+    assert stat.S_IMODE(_getattr(fs, "n").mode) == 0o6644
+    from sandbox.ninep import messages as m
+
+    fs.chmod("n", 0o6555)
+    fid = fs._walk("n")
+    try:
+        fs.c.setattr(fid, m.SETATTR_UID | m.SETATTR_GID, uid=65534, gid=65533)
+    finally:
+        fs.c.clunk(fid)
+    a = _getattr(fs, "n")
+    assert (stat.S_IMODE(a.mode), a.uid, a.gid) == (0o555, 65534, 65533)
 
 
 @pytest.mark.timeout(60)

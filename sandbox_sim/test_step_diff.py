@@ -8,6 +8,8 @@ store is byte-for-byte what it was. Also the rollback result's ``paths``.
 
 from __future__ import annotations
 
+import stat
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -103,6 +105,21 @@ def test_mode_only_symlink_target_and_mtime_are_metadata():
     assert "symlink src/app.py → keep.txt" in p["link"]["summary"]
     assert p["src/sub"]["change"] == "metadata" and p["src/sub"]["summary"] == "mode 0755 → 0700"
     assert "src" not in p  # only its mtime changed (its entries did): not listed
+
+
+def test_a_trusted_xattr_of_a_symlink_or_fifo_is_metadata():
+    """The guest's owner of a symlink or fifo (``trusted.sandbox.owner``) is what a chown of one
+    changes: the step diff names it, as it names a regular file's ``user.sandbox.owner``."""
+    ws = _ws()
+    _seed(ws)
+    with ws.step("fifo"):
+        ws.fs.mknod("p", 0o644, stat.S_IFIFO)
+    with ws.step("chown"):
+        ws.fs.setxattr("link", "trusted.sandbox.owner", b"1000:1000")
+        ws.fs.setxattr("p", "trusted.sandbox.owner", b"1000:1000")
+    p = _by_path(_diff(ws))
+    for path in ("link", "p"):
+        assert p[path]["change"] == "metadata" and p[path]["summary"] == "xattrs trusted.sandbox.owner", path
 
 
 def test_rename_is_delete_plus_create_including_the_subtree():

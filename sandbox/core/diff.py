@@ -163,8 +163,8 @@ class _Mirror:
         """Metadata last, deepest first: making children changed the directories' mtimes."""
         for p in sorted(self.copied, key=lambda q: -(q.count("/") + 1 if q else 0)):
             st = self.copied[p]
-            if st.kind in (REG, DIR):
-                _copy_xattrs(self.work, self.fs, p)
+            _copy_xattrs(self.work, self.fs, p)  # a symlink's, fifo's, socket's too (trusted.*)
+            if st.kind != LNK:
                 self.fs.chmod(p, st.mode)
             self.fs.utime(p, st.mtime_ns)
 
@@ -321,11 +321,11 @@ class _Compare:
                 out.append(f"symlink {bt} → {nt}")
         elif b.mode != n.mode:
             out.append(f"mode {b.mode:04o} → {n.mode:04o}")
-        if n.kind in (REG, DIR):
-            bx, nx = self.before.xattrs(p), _xattrs_or_empty(self.now, p)
-            names = sorted(k for k in set(bx) | set(nx) if bx.get(k) != nx.get(k))
-            if names:
-                out.append("xattrs " + ", ".join(names[:5]) + (", …" if len(names) > 5 else ""))
+        # every kind's xattrs: a symlink, fifo or socket keeps trusted.* ones (the guest's owner)
+        bx, nx = self.before.xattrs(p), _xattrs_or_empty(self.now, p)
+        names = sorted(k for k in set(bx) | set(nx) if bx.get(k) != nx.get(k))
+        if names:
+            out.append("xattrs " + ", ".join(names[:5]) + (", …" if len(names) > 5 else ""))
         if b.mtime_ns != n.mtime_ns and n.kind != DIR:
             out.append("mtime")
         return out

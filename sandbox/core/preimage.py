@@ -7,9 +7,9 @@ A *record* is a JSON-able dict; every record is the undo of one thing that happe
 =========== ==================================== ======================================
 ``pre``     before the first content change of   making the path that object again:
             a file/symlink, before any entry     regular file (bytes + meta), symlink
-            change of a directory, before an     (target + mtime), directory (meta;
-            rmdir; before any change of a fifo   created if missing) or fifo/socket
-            or socket node (``kind`` other)      node (``mknod`` of ``fmt`` + mode, mtime)
+            change of a directory, before an     (target + xattrs, mtime), directory
+            rmdir; before any change of a fifo   (meta; created if missing) or fifo/
+            or socket node (``kind`` other)      socket node (``mknod`` of ``fmt`` + meta)
             A regular file with more than one    with ``LinkGroups``: a name of an
             link (or of an inode the step        inode restored earlier in the same
             captured so) also has ``ino``,       rollback, or a survivor in ``links``,
@@ -65,10 +65,11 @@ def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | None = None) -
     describes) the xattrs are read through it: that inode's, and no path resolution per
     call."""
     rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns, "uid": st.uid, "gid": st.gid}
-    if st.kind in (REG, DIR):
-        xattrs = handle.xattrs() if handle is not None else fs.xattrs(path)
-        rec["xattrs"] = {name: b64(value) for name, value in xattrs.items()}
-    elif st.kind == LNK:
+    # every kind's: a symlink, fifo or socket keeps trusted.* ones (the guest's owner, for a
+    # privileged server), which an undo must bring back with the node
+    xattrs = handle.xattrs() if handle is not None else fs.xattrs(path)
+    rec["xattrs"] = {name: b64(value) for name, value in xattrs.items()}
+    if st.kind == LNK:
         rec["target"] = fs.readlink(path)
     elif st.kind == OTHER:
         rec["fmt"] = st.file_type
@@ -127,11 +128,12 @@ def _restore_owner(at, rec: dict) -> None:
 
 def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = None) -> None:
     """Set xattrs, mode and mtime as ``rec`` says: by name — or, given ``handle``, on
-    the inode it holds, whatever ``path`` names by now."""
+    the inode it holds, whatever ``path`` names by now. A symlink's xattrs only where ``rec``
+    has them (records from before symlinks' were captured have none: left as they are)."""
     at = handle if handle is not None else _AtPath(fs, path)
     kind = rec["kind"]
     _restore_owner(at, rec)
-    if kind != LNK:
+    if kind != LNK or "xattrs" in rec:
         wanted = {name: unb64(v) for name, v in rec.get("xattrs", {}).items()}
         current = at.xattrs()
         for name in current:
@@ -140,6 +142,7 @@ def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = No
         for name, value in wanted.items():
             if current.get(name) != value:
                 at.setxattr(name, value)
+    if kind != LNK:
         at.chmod(rec["mode"])
     at.utime(rec["mtime_ns"])
 

@@ -386,12 +386,14 @@ def check_record(r: dict) -> None:
             keys |= {"uid", "gid"}
             _need_int(r, "uid", 0, 0xFFFFFFFE)
             _need_int(r, "gid", 0, 0xFFFFFFFE)
-        if kind in (REG, DIR):
+        if kind in (REG, DIR) or "xattrs" in r:  # a symlink's, fifo's or socket's: records since trusted owners
             keys.add("xattrs")
             x = r.get("xattrs")
             _need(isinstance(x, dict) and all(isinstance(k, str) and k for k in x), "'xattrs' is not a map of names")
             for v in x.values():
                 _need_b64(v, "xattrs")
+        if kind in (REG, DIR):
+            pass
         elif kind == OTHER:  # a fifo or a socket node: remade by mknod
             keys.add("fmt")
             _need(_is_int(r.get("fmt")) and r["fmt"] in MKNOD_FMTS, "'fmt' is not a fifo or a socket")

@@ -711,7 +711,8 @@ class Dispatcher:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
         cred = self._cred(req)
-        self.provider.symlink(_name(req.target), path, cred=cred)
+        _mode, gid = self._setgid_dir(d, cred, 0, False)
+        self.provider.symlink(_name(req.target), path, cred=cred, gid=gid)
         return self._entry(path, cred=cred)
 
     def _link(self, req: m.Link) -> m.EntryOut:

@@ -22,8 +22,11 @@ against both):
 * only regular files, directories, symlinks and — through :meth:`HostFS.mknod` only —
   fifos and unix-socket nodes are created (never a device); a special file is never
   opened (``read``/``write`` on it fail with ``EPERM``).
-* ``chmod`` of a symlink is ``EOPNOTSUPP`` (Linux has no lchmod); symlinks carry no
-  user xattrs (``setxattr`` is ``EPERM``, ``listxattr`` is empty).
+* ``chmod`` of a symlink is ``EOPNOTSUPP`` (Linux has no lchmod); symlinks, fifos and
+  sockets carry no user xattrs (``setxattr`` of ``user.*`` is ``EPERM``); the xattrs of a
+  symlink are its own, never its target's. ``trusted.*`` xattrs are kept on every kind of
+  entry for a server with ``CAP_SYS_ADMIN`` (root), and refused (``EPERM``, never listed)
+  without it.
 * :meth:`HostFS.open` returns a :class:`FileHandle` bound to the *inode*, not the path:
   after a rename or an unlink the handle still reads, writes, truncates, chmods, sets the
   times and the xattrs of that same file (the open-then-unlink pattern works), never of
@@ -632,13 +635,11 @@ class HostFS(ABC):
     def listxattr(self, path: str) -> list[str]: ...
 
     def getattr_xattr_names(self, path: str) -> tuple[Attr, list[str]]:
-        """:meth:`getattr` of ``path`` and the names of its xattrs (none for a symlink; none
+        """:meth:`getattr` of ``path`` and the names of its xattrs (a symlink's own too; none
         where they cannot be listed), for callers that need both on every call (a server's
         getattr reads the kept mode and owner). Raises as :meth:`getattr`. This fallback
         resolves the path twice; an implementation may do both from one resolution."""
         a = self.getattr(path)
-        if a.kind == LNK:
-            return a, []
         try:
             return a, self.listxattr(path)
         except OSError:

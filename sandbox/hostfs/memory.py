@@ -245,7 +245,7 @@ class MemoryFileHandle(FileHandle):
 
     def listxattr(self) -> list[str]:
         self._call("listxattr")
-        return list(self._node.xattrs)
+        return self._fs._listed(self._node)
 
     def getxattr(self, name: str) -> bytes:
         self._call("getxattr")
@@ -288,8 +288,12 @@ class MemoryFileHandle(FileHandle):
 class MemoryHostFS(HostFS):
     """An in-memory directory tree. ``clock`` supplies timestamps (ns)."""
 
-    def __init__(self, name: str = "work", clock: Callable[[], int] | None = None, fault_hook: FaultHook | None = None, pid: int = 4242):
+    def __init__(self, name: str = "work", clock: Callable[[], int] | None = None, fault_hook: FaultHook | None = None, pid: int = 4242,
+                 trusted_xattrs: bool = True):
         self.name = name
+        #: the server has CAP_SYS_ADMIN (root): ``trusted.*`` xattrs are kept, on every kind
+        #: of entry; without it they are refused (EPERM) and never listed, as Linux does
+        self.trusted_xattrs = trusted_xattrs
         self.clock = clock or SimClock()
         self.fault_hook = fault_hook
         self.pid = pid
@@ -772,17 +776,18 @@ class MemoryHostFS(HostFS):
         only on regular files and directories.
         """
         node = self._walk(path)
-        if node.kind == LNK:
+        if node.kind == LNK and not name.startswith(("user.", "trusted.")):
             raise _err(errno.EPERM if write else errno.ENODATA, path)
         return self._xattr_checks(node, name, write, path)
 
-    @staticmethod
-    def _xattr_checks(node: _Inode, name: str, write: bool, path: str) -> _Inode:
+    def _xattr_checks(self, node: _Inode, name: str, write: bool, path: str) -> _Inode:
         size = len(name.encode("utf-8", "surrogateescape"))
         if size == 0 or size > _XATTR_NAME_MAX:
             raise _err(errno.ERANGE, path)
         prefix = next((p for p in _XATTR_PREFIXES if name.startswith(p)), None)
         if prefix == "user." and node.kind not in (REG, DIR):
+            raise _err(errno.EPERM if write else errno.ENODATA, path)
+        if prefix == "trusted." and not self.trusted_xattrs:  # CAP_SYS_ADMIN only, on any kind
             raise _err(errno.EPERM if write else errno.ENODATA, path)
         if prefix is None:
             raise _err(errno.EOPNOTSUPP, path)
@@ -792,8 +797,11 @@ class MemoryHostFS(HostFS):
 
     def listxattr(self, path: str) -> list[str]:
         self._fault("listxattr", path)
-        node = self._walk(path)
-        return [] if node.kind == LNK else list(node.xattrs)
+        return self._listed(self._walk(path))
+
+    def _listed(self, node: _Inode) -> list[str]:
+        """The names ``listxattr`` shows: ``trusted.*`` only to a privileged server."""
+        return [n for n in node.xattrs if self.trusted_xattrs or not n.startswith("trusted.")]
 
     def getxattr(self, path: str, name: str) -> bytes:
         self._fault("getxattr", path)

@@ -746,9 +746,12 @@ class RealHostFS(HostFS):
         finally:
             os.close(fd)
 
-    def _xattr_target(self, path: str) -> tuple[int, bool]:
-        fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
-        return fd, _stat.S_ISLNK(os.fstat(fd).st_mode)
+    # A symlink's own xattrs are reached the same way: /proc/self/fd/N of its O_PATH fd is
+    # the link's inode, never its target. The kernel keeps user.* off it (EPERM to set or
+    # remove, ENODATA to read); trusted.* is kept for a process with CAP_SYS_ADMIN.
+
+    def _xattr_target(self, path: str) -> int:
+        return self._open(path, os.O_PATH | os.O_NOFOLLOW)
 
     def getattr_xattr_names(self, path: str) -> tuple[Attr, list[str]]:
         """One resolution of ``path`` (an ``O_PATH|O_NOFOLLOW`` descriptor, confined as every
@@ -759,8 +762,6 @@ class RealHostFS(HostFS):
         fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
-            if _stat.S_ISLNK(st.st_mode):
-                return Attr.from_os(st), []
             try:
                 names = os.listxattr(_XATTR_PROC.format(fd))
             except OSError:
@@ -770,35 +771,29 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def listxattr(self, path: str) -> list[str]:
-        fd, is_link = self._xattr_target(path)
+        fd = self._xattr_target(path)
         try:
-            return [] if is_link else os.listxattr(_XATTR_PROC.format(fd))
+            return os.listxattr(_XATTR_PROC.format(fd))
         finally:
             os.close(fd)
 
     def getxattr(self, path: str, name: str) -> bytes:
-        fd, is_link = self._xattr_target(path)
+        fd = self._xattr_target(path)
         try:
-            if is_link:
-                raise OSError(errno.ENODATA, "symlinks carry no xattrs", path)
             return os.getxattr(_XATTR_PROC.format(fd), name)
         finally:
             os.close(fd)
 
     def setxattr(self, path: str, name: str, value: bytes) -> None:
-        fd, is_link = self._xattr_target(path)
+        fd = self._xattr_target(path)
         try:
-            if is_link:
-                raise OSError(errno.EPERM, "symlinks carry no user xattrs", path)
             os.setxattr(_XATTR_PROC.format(fd), name, value)
         finally:
             os.close(fd)
 
     def removexattr(self, path: str, name: str) -> None:
-        fd, is_link = self._xattr_target(path)
+        fd = self._xattr_target(path)
         try:
-            if is_link:  # the kernel's answer for user.* on a symlink
-                raise OSError(errno.EPERM, "symlinks carry no user xattrs", path)
             os.removexattr(_XATTR_PROC.format(fd), name)
         finally:
             os.close(fd)

@@ -34,8 +34,9 @@ applies them to every client request; ``docs/identity.md`` tells the whole model
   keep ``b"<uid>:<gid>"`` in :data:`OWNER_XATTR` of a regular file or directory, which
   getattr reports (:func:`guest_owner`; a damaged value is ignored); a chown back to the
   presented owner removes it. The host file keeps the server's owner: nothing is given to
-  another host user. Symlinks, fifos and sockets cannot carry user xattrs: their owners
-  are the host's (a chown of one is accepted and not kept).
+  another host user. Symlinks, fifos and sockets cannot carry user xattrs: theirs is kept
+  in :data:`SPECIAL_OWNER_XATTR` (``trusted.``) where the server has ``CAP_SYS_ADMIN``;
+  without it their owners are the host's (a chown of one is accepted and not kept).
 * **set-id bits fall as Linux drops them**: a write or truncate by a cred without
   ``CAP_FSETID`` (uid != 0) clears :func:`privileges_on_write` of the guest's mode; a chown
   of a non-directory clears :func:`privileges_on_chown`, whoever asks.
@@ -79,6 +80,12 @@ MODE_VALUE_BYTES_MAX = 8
 OWNER_XATTR = RESERVED_PREFIX + "owner"
 #: longest :data:`OWNER_XATTR` value read back (``b"4294967295:4294967295"`` is 21); longer is not ours
 OWNER_VALUE_BYTES_MAX = 21
+#: the same for a symlink, fifo or socket, which Linux lets carry no ``user.`` xattr: a
+#: ``trusted.`` one, kept only by a server with ``CAP_SYS_ADMIN``. Never a guest's name: a
+#: guest's ``trusted.*`` is stored under :data:`MAPPED_PREFIX` and the host's is never shown
+SPECIAL_OWNER_XATTR = "trusted.sandbox.owner"
+#: the guest's whole mode of a fifo or socket with set-id bits (as :data:`MODE_XATTR`), kept the same way
+SPECIAL_MODE_XATTR = "trusted.sandbox.mode"
 #: the largest id a guest can give (2**32-1 is "no change", -1, in chown(2))
 ID_MAX = 0xFFFFFFFE
 #: 9P's ``n_uname`` "none": the attach names its user by ``uname`` only
@@ -257,6 +264,18 @@ def decode_owner(value: bytes | None) -> tuple[int, int] | None:
         return None
     uid, gid = (int(p) for p in parts)
     return (uid, gid) if uid <= ID_MAX and gid <= ID_MAX else None
+
+
+def owner_xattr(regular_or_dir: bool) -> str:
+    """The host xattr that keeps a guest's owner: :data:`OWNER_XATTR` on a regular file or
+    directory, :data:`SPECIAL_OWNER_XATTR` on a symlink, fifo or socket."""
+    return OWNER_XATTR if regular_or_dir else SPECIAL_OWNER_XATTR
+
+
+def mode_xattr(regular_or_dir: bool) -> str:
+    """The host xattr that keeps a guest's mode: :data:`MODE_XATTR` on a regular file or
+    directory, :data:`SPECIAL_MODE_XATTR` on a fifo or socket."""
+    return MODE_XATTR if regular_or_dir else SPECIAL_MODE_XATTR
 
 
 def presented_owner(uid: int, gid: int, view: "OwnerMap | None") -> tuple[int, int]:

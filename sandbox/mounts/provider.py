@@ -25,7 +25,9 @@ Invariants:
 * ownership is *mapped*, never applied (:mod:`~sandbox.mounts.identity`, "Owners"): a
   client's chown, and a creation by a client :class:`~sandbox.mounts.identity.Cred` other
   than what it would see anyway, keep the owner in the reserved xattr ``user.sandbox.owner``
-  of a regular file or directory, which getattr reports; the host file stays the server's;
+  of a regular file or directory — ``trusted.sandbox.owner`` of a symlink, fifo or socket,
+  where the server has ``CAP_SYS_ADMIN`` —, which getattr reports; the host file stays the
+  server's;
 * a write or truncate by a cred without ``CAP_FSETID`` (uid != 0) clears set-uid, and
   set-gid where group-executable, in the guest's view; a chown of a non-directory too;
 * the guest's root is not the host's root (:mod:`~sandbox.mounts.identity`): a set-id bit
@@ -390,9 +392,11 @@ class Provider:
         self._keep_new_owner(path, None, cred, gid)
 
     def symlink(self, target: str, path: str, *, cred: Cred | None = None, gid: int | None = None) -> None:
-        """A symlink cannot carry user xattrs: its owner is the host's (``cred`` is not kept)."""
+        """A new symlink belongs to ``cred`` in the guest's view, as a new file does — kept in
+        :data:`identity.SPECIAL_OWNER_XATTR` where the host allows it (else the host's owner)."""
         self._writable(path)
         self.fs.symlink(target, path)
+        self._keep_new_owner(path, None, cred, gid)
 
     def link(self, existing: str, new: str) -> None:
         self._see(existing, above_ok=False)
@@ -404,7 +408,8 @@ class Provider:
         client applied its umask), ``rdev`` a device's number.
 
         A fifo or a unix-socket node is made on the host (:meth:`HostFS.mknod`, never opened),
-        without set-id bits (a fifo cannot keep the mapping: no user xattrs on it); a
+        never with set-id bits (the guest's are kept in ``trusted.sandbox.mode`` where the
+        host allows it, else dropped: no user xattrs on a fifo); a
         character or block device is emulated (:mod:`~sandbox.mounts.devices`); any other
         type is ``EINVAL``, as ``mknod(2)`` says — a regular file too (``creat`` makes those).
         """
@@ -414,6 +419,8 @@ class Provider:
         fmt &= 0o170000
         if fmt in MKNOD_FMTS:
             self.fs.mknod(path, identity.host_mode(mode), fmt)
+            self._keep_new_mode(path, mode, name=identity.SPECIAL_MODE_XATTR)
+            self._keep_new_owner(path, None, cred, gid)
         elif devices.is_device(fmt):
             self._make_device(path, mode, fmt, rdev, cred=cred, gid=gid)
         else:
@@ -541,17 +548,23 @@ class Provider:
 
     # ------------------------------------------------------------------ identity (identity.py)
 
-    def _reserved(self, path: str, handle: FileHandle | None, names: list[str] | None = None) -> dict[str, bytes]:
+    def _reserved(self, path: str, handle: FileHandle | None, names: list[str] | None = None,
+                  regular_or_dir: bool = True) -> dict[str, bytes]:
         """The mappings (:data:`identity.MODE_XATTR`, :data:`identity.OWNER_XATTR`) of
         ``handle``'s inode, or else of ``path``: one ``listxattr`` (unless its ``names`` are
-        given), a ``getxattr`` per one present. Unreadable (no user xattrs, gone meanwhile): none."""
+        given), a ``getxattr`` per one present. Unreadable (no user xattrs, gone meanwhile): none.
+        For a symlink, fifo or socket they are read from :data:`identity.SPECIAL_MODE_XATTR`
+        and :data:`identity.SPECIAL_OWNER_XATTR` (returned under the same keys)."""
         out = {}
+        wanted = ((identity.MODE_XATTR, identity.MODE_XATTR), (identity.OWNER_XATTR, identity.OWNER_XATTR)) \
+            if regular_or_dir else ((identity.MODE_XATTR, identity.SPECIAL_MODE_XATTR),
+                                    (identity.OWNER_XATTR, identity.SPECIAL_OWNER_XATTR))
         try:
             if names is None:
                 names = handle.listxattr() if handle is not None else self.host.listxattr(path)
-            for name in (identity.MODE_XATTR, identity.OWNER_XATTR):
+            for key, name in wanted:
                 if name in names:
-                    out[name] = handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
+                    out[key] = handle.getxattr(name) if handle is not None else self.host.getxattr(path, name)
         except OSError:
             pass
         return out
@@ -561,10 +574,11 @@ class Provider:
         """``a`` with the mode and owner the guest set, kept, not applied; owners without a
         kept one as ``view`` (:class:`identity.OwnerMap`) presents them.
 
-        Only regular files and directories can carry the mappings (the kernel allows user
-        xattrs on nothing else). With ``handle``, ``a`` is its inode's and so are the mappings
-        read — wherever ``path`` points now."""
-        kept = self._reserved(path, handle, names) if a.kind in (REG, DIR) else {}
+        A symlink, fifo or socket carries them in ``trusted.`` xattrs (the kernel allows user
+        xattrs on regular files and directories only).
+        With ``handle``, ``a`` is its inode's and so are the mappings read — wherever ``path``
+        points now."""
+        kept = self._reserved(path, handle, names, a.kind in (REG, DIR))
         mode = identity.guest_mode(a.mode, kept.get(identity.MODE_XATTR)) if kept else a.mode
         uid, gid = identity.guest_owner(a.uid, a.gid, kept.get(identity.OWNER_XATTR), view)
         if (mode, uid, gid) == (a.mode, a.uid, a.gid):
@@ -596,9 +610,14 @@ class Provider:
         cur = handle.fstat() if handle is not None else self.host.lstat(path)
         if cur.kind == LNK:
             return mode  # the host refuses (EOPNOTSUPP): there is nothing to keep
-        if cur.kind not in (REG, DIR):  # a fifo or socket cannot keep the mapping: its set-id bits are dropped
-            return identity.host_mode(mode, cur.mode)
         value = identity.mode_mapping(mode, cur.mode)
+        if cur.kind not in (REG, DIR):  # a fifo or socket: in trusted.*, where the host allows it
+            try:
+                self._set_mapping(path, handle, value, identity.SPECIAL_MODE_XATTR)
+            except OSError as e:  # no CAP_SYS_ADMIN: its set-id bits are dropped
+                if value is None or e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
+                    raise
+            return identity.host_mode(mode, cur.mode)
         try:
             self._set_mapping(path, handle, value)
         except OSError as e:
@@ -630,7 +649,8 @@ class Provider:
             raise
         return handle
 
-    def _keep_new_mode(self, path: str, mode: int, handle: FileHandle | None = None) -> None:
+    def _keep_new_mode(self, path: str, mode: int, handle: FileHandle | None = None,
+                       name: str = identity.MODE_XATTR) -> None:
         """After a create (through its ``handle``) or a mkdir: keep the set-id bits of
         ``mode`` the host was not given.
 
@@ -641,9 +661,9 @@ class Provider:
         if value is not None:
             try:
                 if handle is not None:
-                    self.fs.fsetxattr(handle, path, identity.MODE_XATTR, value)
+                    self.fs.fsetxattr(handle, path, name, value)
                 else:
-                    self.fs.setxattr(path, identity.MODE_XATTR, value)
+                    self.fs.setxattr(path, name, value)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                     raise
@@ -653,8 +673,9 @@ class Provider:
     def _keep_new_owner(self, path: str, handle: FileHandle | None, cred: Cred | None, gid: int | None) -> None:
         """After a create (through its ``handle``) or a mkdir by ``cred``: keep the owner the
         guest gave it (``cred``'s uid, ``gid`` or else ``cred``'s) where it differs from what
-        ``cred`` sees anyway. Nowhere to keep it (no user xattrs): the host's owner shows, as
-        the create cannot be undone now."""
+        ``cred`` sees anyway. Nowhere to keep it (no user xattrs; for a symlink, fifo or socket
+        no ``trusted.`` ones, as without ``CAP_SYS_ADMIN``): the host's owner shows, as the
+        create cannot be undone now."""
         if cred is None:
             return
         a = handle.fstat() if handle is not None else self.host.lstat(path)
@@ -663,7 +684,7 @@ class Provider:
         if value is None:  # the owner it shows anyway: a new object has no mapping to drop
             return
         try:
-            self._set_mapping(path, handle, value, identity.OWNER_XATTR)
+            self._set_mapping(path, handle, value, identity.owner_xattr(a.kind in (REG, DIR)))
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                 raise
@@ -673,21 +694,24 @@ class Provider:
         """A client's chown: the new owner is kept in :data:`identity.OWNER_XATTR` (removed when
         it is the presented one again), never applied to the host file. A non-directory loses
         the set-id bits chown clears (unless ``keep_mode`` is False: the request sets the mode
-        itself). Symlinks, fifos and sockets cannot carry it: accepted and not kept. Where the
-        host cannot store user xattrs: ``EPERM`` before anything changes."""
+        itself). Symlinks, fifos and sockets keep it in :data:`identity.SPECIAL_OWNER_XATTR`;
+        where the host refuses that (no ``CAP_SYS_ADMIN``, no ``trusted.`` xattrs) the chown is
+        accepted and not kept. Where the host cannot store user xattrs on a regular file or
+        directory: ``EPERM`` before anything changes."""
         a = handle.fstat() if handle is not None else self.host.getattr(path)
-        if a.kind not in (REG, DIR):
-            return
+        special = a.kind not in (REG, DIR)
         seen = self._guest_attr(path, a, handle, view)
         value = identity.owner_mapping(identity.chowned((seen.uid, seen.gid), uid, gid), a.uid, a.gid, view)
         try:
-            self._set_mapping(path, handle, value, identity.OWNER_XATTR)
+            self._set_mapping(path, handle, value, identity.owner_xattr(not special))
         except OSError as e:
             if value is None or e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM):
                 raise
+            if special:
+                return  # nowhere to keep it: accepted and not kept (docs/identity.md)
             raise OSError(errno.EPERM, "owners from the guest are never applied, and this host filesystem "
                           "cannot keep them (no user xattrs)", path) from None
-        kill = identity.privileges_on_chown(seen.mode) if keep_mode and a.kind != DIR else 0
+        kill = identity.privileges_on_chown(seen.mode) if keep_mode and a.kind not in (DIR, LNK) else 0
         if kill:
             self._set_guest_mode(path, handle, seen.mode & ~kill)
 
