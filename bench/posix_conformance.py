@@ -217,6 +217,18 @@ def guest_script(files: list[str], timeout_s: int) -> str:
     return "\n".join(lines)
 
 
+def _directory_done(t: str, got: list[FileResult], results: list[FileResult], started: float, progress,
+                    partial) -> None:
+    """Add one test directory's file results to ``results``, print its totals, and hand the
+    results so far to ``partial`` (a run cut short keeps them)."""
+    results += got
+    fails = sum(g.failures for g in got)
+    total = sum(max(g.planned, g.seen) for g in got)
+    progress(f"{t}: {total} tests, {fails} failed ({time.monotonic() - started:.0f} s)")
+    if partial is not None:
+        partial(results)
+
+
 def run_local(suite: str, by_dir: dict[str, list[str]], workdir: str, timeout_s: int,
               progress, partial=None) -> tuple[list[FileResult], dict]:
     """No VM: `sandbox mount` a scratch folder on the host (FUSE, the local backend) and run each
@@ -252,12 +264,7 @@ def run_local(suite: str, by_dir: dict[str, list[str]], workdir: str, timeout_s:
                     r = parse_tap(f, out.decode(errors="replace") if isinstance(out, bytes) else out)
                     r.exit = "timeout"
                 got.append(r)
-            results += got
-            fails = sum(g.failures for g in got)
-            total = sum(max(g.planned, g.seen) for g in got)
-            progress(f"{t}: {total} tests, {fails} failed ({time.monotonic() - s:.0f} s)")
-            if partial is not None:
-                partial(results)
+            _directory_done(t, got, results, s, progress, partial)
     finally:
         mounted.stop()
     meta["wall_s"] = round(time.monotonic() - t0, 1)
@@ -292,12 +299,7 @@ async def run_suite(suite: str, by_dir: dict[str, list[str]], workdir: str, time
                 progress(f"{t}: output truncated at the SDK's limit; counts are partial")
             seen = {g.name for g in got}
             got += [FileResult(f, exit="not run") for f in files if f not in seen]
-            results += got
-            fails = sum(g.failures for g in got)
-            total = sum(max(g.planned, g.seen) for g in got)
-            progress(f"{t}: {total} tests, {fails} failed ({time.monotonic() - s:.0f} s)")
-            if partial is not None:
-                partial(results)
+            _directory_done(t, got, results, s, progress, partial)
     meta["wall_s"] = round(time.monotonic() - t0, 1)
     return results, meta
 
