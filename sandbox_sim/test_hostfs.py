@@ -3054,6 +3054,42 @@ def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
     check_errno(errno.ENOTDIR, fs.getattr_xattr_names, "d/f/x")
 
 
+def test_a_directory_handle_reads_its_entries_as_paths_are_read(env, fs):
+    """``open_dir``'s handle answers for its entries (``getattr_xattr_names_at``,
+    ``getxattr_at``: the real fs's ``fstatat`` and ``l*xattr`` beneath the descriptor) as
+    ``getattr_xattr_names`` and ``getxattr`` answer for their paths — a file, a symlink (its
+    own, never followed), a subdirectory, a fifo — and still after the directory is renamed
+    (its inode's entries); a name that is not one component is EINVAL, a missing one ENOENT."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"abc")
+    fs.setxattr("d/f", "user.k", b"v")
+    fs.symlink("f", "d/l")
+    fs.mkdir("d/s", 0o700)
+    env.special("d/p")
+    h = fs.open_dir("d")
+    try:
+        want = {n: fs.getattr_xattr_names(f"d/{n}") for n in ("f", "l", "s", "p")}
+        fs.rename("d", "moved")
+        for n, (a, names) in want.items():
+            got, got_names = h.getattr_xattr_names_at(n)
+            assert got == a and sorted(got_names) == sorted(names), n
+        assert h.getxattr_at("f", "user.k") == b"v" and h.fstat() == fs.getattr("moved")
+        check_errno(errno.ENODATA, h.getxattr_at, "f", "user.none")
+        check_errno(errno.ENODATA, h.getxattr_at, "l", "user.k")  # the link's own: none
+        check_errno(errno.ENOENT, h.getattr_xattr_names_at, "missing")
+        for bad in ("", ".", "..", "s/x"):
+            check_errno(errno.EINVAL, h.getattr_xattr_names_at, bad)
+            check_errno(errno.EINVAL, h.getxattr_at, bad, "user.k")
+    finally:
+        h.close()
+    check_errno(errno.EBADF, h.getattr_xattr_names_at, "f")
+    check_errno(errno.ENOTDIR, fs.open_dir, "moved/f")
+    check_errno(errno.ENOENT, fs.open_dir, "d")
+    fs.symlink("moved", "dl")
+    check_errno(errno.ENOTDIR, fs.open_dir, "dl")  # never followed (O_DIRECTORY checked first)
+    check_errno(errno.ELOOP, fs.open_dir, "dl/s")
+
+
 def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss():
     """MemoryHostFS remembers where a path led (``_walk``); every answer must still be the
     one a fresh walk gives after the tree's names move, go or come back from a power loss."""

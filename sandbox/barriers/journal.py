@@ -403,6 +403,12 @@ class RecordingFileHandle(FileHandle):
     def listxattr(self) -> list[str]:
         return self.inner.listxattr()
 
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        return self.inner.getattr_xattr_names_at(name)
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        return self.inner.getxattr_at(name, xattr)
+
     def getxattr(self, name: str) -> bytes:
         return self.inner.getxattr(name)
 

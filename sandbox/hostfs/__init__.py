@@ -383,6 +383,20 @@ class FileHandle(ABC):
     def xattrs(self) -> dict[str, bytes]:
         return {name: self.getxattr(name) for name in sorted(self.listxattr())}
 
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        """For a directory's handle (:meth:`HostFS.open_dir`): :meth:`HostFS.getattr_xattr_names`
+        of its entry ``name`` — looked up in this directory's inode wherever its path now is,
+        a final symlink never followed (its own attributes and xattr names). ``name`` is one
+        component (empty, ``.``, ``..`` or a ``/`` in it: ``EINVAL``); a missing one ``ENOENT``,
+        a handle on no directory ``ENOTDIR``. Every implementation of ``open_dir`` defines it;
+        here (a handle kind that cannot): ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        """For a directory's handle: :meth:`HostFS.getxattr` of its entry ``name`` (as
+        :meth:`getattr_xattr_names_at` finds it: a symlink's own). Here: ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
     def read_own(self, length: int, offset: int) -> bytes:
         """A read by the server itself (a preimage), of this handle's inode, whatever its access
         mode: as :meth:`HostFS.read` of a path, it never moves an atime a client set. The
@@ -441,6 +455,12 @@ class FileHandle(ABC):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"flags={self.flags:#o}"
         return f"<{type(self).__name__} {self.path!r} {state}>"
+
+
+def check_component(name: str, path: str) -> None:
+    """``EINVAL`` unless ``name`` is one entry name: not empty, ``.`` or ``..``, no ``/`` or NUL."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise OSError(errno.EINVAL, f"not one entry name: {name!r}", path)
 
 
 def same_inode(a: "Stat | Attr", b: "Stat | Attr") -> bool:

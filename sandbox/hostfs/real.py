@@ -52,6 +52,7 @@ from . import (
     PATH_LEN_MAX,
     TREE_PATH_BYTES_MAX,
     StoreBusy,
+    check_component,
     check_open_flags,
     parent_of,
     same_inode,
@@ -285,6 +286,37 @@ class RealFileHandle(FileHandle):
         fd = self._acquire()
         try:
             return Attr.from_os(os.fstat(fd))
+        finally:
+            self._release()
+
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        """:meth:`FileHandle.getattr_xattr_names_at`: ``fstatat(fd, name, AT_SYMLINK_NOFOLLOW)``
+        and ``llistxattr`` of ``/proc/self/fd/FD/name`` — two system calls where a path's
+        :meth:`RealHostFS.getattr_xattr_names` takes four (``openat2`` from the root, ``fstat``,
+        ``listxattr``, ``close``). The magic link is this descriptor's own directory; ``name``
+        is one checked component, not followed. The two calls look the name up twice: a
+        racer that swaps the entry between them pairs one file's attributes with another's
+        xattr names in that directory (the mappings' values are read by path afterwards in
+        any case: the same exposure as before)."""
+        check_component(name, self.path)
+        fd = self._acquire()
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            try:
+                names = os.listxattr(f"{_XATTR_PROC.format(fd)}/{name}", follow_symlinks=False)
+            except OSError:  # no xattrs on this filesystem, gone meanwhile: none
+                names = []
+            return Attr.from_os(st), names
+        finally:
+            self._release()
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        """:meth:`FileHandle.getxattr_at`: ``lgetxattr`` of ``/proc/self/fd/FD/name`` (one
+        call; the entry's own xattr, a symlink's included, never its target's)."""
+        check_component(name, self.path)
+        fd = self._acquire()
+        try:
+            return os.getxattr(f"{_XATTR_PROC.format(fd)}/{name}", xattr, follow_symlinks=False)
         finally:
             self._release()
 
