@@ -68,7 +68,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from ..hostfs import DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
+from ..hostfs import ABSENT_ERRNOS, DIR, REG, Attr, Entry, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
 
 __all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "OURS", "EXTERNAL", "BUSY"]
 
@@ -391,6 +391,9 @@ class RecordingFileHandle(FileHandle):
     def fstat(self) -> Attr:
         return self.inner.fstat()
 
+    def is_inode_of(self, st: Stat | Attr) -> bool:
+        return self.inner.is_inode_of(st)
+
     def chmod(self, mode: int) -> None:
         self._mutating(lambda: self.inner.chmod(mode))
 
@@ -578,17 +581,19 @@ class RecordingHostFS(HostFS):
             self.inner.truncate(path, size)
 
     @contextmanager
-    def _unlinking(self, path: str, paths: list[str], parents: list[str], gone: str | None = None) -> Iterator[None]:
+    def _unlinking(self, path: str, paths: list[str], parents: list[str], gone: str | None = None,
+                   entry: Entry | None = None) -> Iterator[None]:
         """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
         at ``path``: the file's other names see its link count and ctime change, so its
         new state is recorded for its inode (through a handle held across the call).
         The look at ``path`` here is the journal's look before the call too (nothing of
-        ours runs between them); ``gone``: as for :meth:`_recorded`."""
+        ours runs between them) — through ``entry`` (``inner.entry(path)``) when the call
+        removes that entry through it too; ``gone``: as for :meth:`_recorded`."""
         with self.mutex:
             handle = None
             seen: dict | None = None  # the journal looks itself where this look failed otherwise
             try:
-                st = self.inner.lstat(path)
+                st = entry.lstat() if entry is not None else self.inner.lstat(path)
                 seen = {path: st}
                 if st.kind == REG and st.nlink > 1:
                     handle = self.inner.open(path, os.O_RDONLY)
@@ -625,12 +630,23 @@ class RecordingHostFS(HostFS):
     _recording = contextmanager(_recorded)
 
     def unlink(self, path: str) -> None:
-        with self._unlinking(path, [path], [parent_of(path)], gone=path):
-            self.inner.unlink(path)
+        """The journal's look and the unlink through one :meth:`HostFS.entry` of ``inner``:
+        on the real disk one resolution of the parent for both, so the entry looked at is the
+        one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
+        with self.inner.entry(path) as entry, \
+                self._unlinking(path, [path], [parent_of(path)], gone=path, entry=entry):
+            entry.unlink()
 
     def rmdir(self, path: str) -> None:
-        with self.mutex, self._recording([path], gone=path):
-            self.inner.rmdir(path)
+        """As :meth:`unlink`: the journal's look (what its ``begin`` would take) and the rmdir
+        through one entry."""
+        with self.mutex, self.inner.entry(path) as entry:
+            try:
+                seen: Stat | None | OSError = entry.lstat()
+            except OSError as e:  # as the journal's own look (lstat_or_none) records it
+                seen = None if e.errno in ABSENT_ERRNOS else e
+            with self._recording([path], seen={path: seen}, gone=path):
+                entry.rmdir()
 
     def mkdir(self, path: str, mode: int) -> None:
         with self._rec([path], [parent_of(path)]):

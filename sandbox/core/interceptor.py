@@ -324,7 +324,7 @@ class UndoInterceptor:
         """What is at ``path`` — None if nothing, or (with ``handle``) if it is not the
         handle's inode: the change then lands on a file the tree does not reach there."""
         st = self._lstat(path)
-        if st is not None and handle is not None and not same_inode(st, handle.fstat()):
+        if st is not None and handle is not None and not handle.is_inode_of(st):
             return None
         return st
 
@@ -345,7 +345,7 @@ class UndoInterceptor:
         via = handle
         if via is None and reader is not None and st.kind == REG:
             try:
-                via = reader if same_inode(st, reader.fstat()) else None
+                via = reader if reader.is_inode_of(st) else None
             except OSError:  # closed meanwhile (EBADF): by path, as without it
                 via = None
         rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st, via)}
