@@ -70,7 +70,7 @@ from typing import Callable, Iterable, Iterator
 
 from ..hostfs import ABSENT_ERRNOS, DIR, REG, Attr, Entry, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
 
-__all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "OURS", "EXTERNAL", "BUSY"]
+__all__ = ["OwnWrites", "RecordingEntry", "RecordingHostFS", "RecordingFileHandle", "signature", "OURS", "EXTERNAL", "BUSY"]
 
 OURS = "ours"
 EXTERNAL = "external"
@@ -441,6 +441,31 @@ class RecordingFileHandle(FileHandle):
         return self.inner.closed
 
 
+class RecordingEntry(Entry):
+    """:meth:`RecordingHostFS.entry`: the looks are ``inner``'s entry's (reads, not recorded),
+    the removals recorded as :meth:`RecordingHostFS.unlink` and ``rmdir`` record theirs —
+    each removal's last look and the call through that same entry."""
+
+    def __init__(self, fs: "RecordingHostFS", inner: Entry):
+        super().__init__(fs, inner.path)
+        self.inner = inner
+
+    def lstat(self) -> Stat:
+        return self.inner.lstat()
+
+    def lstat_or_none(self) -> Stat | None:
+        return self.inner.lstat_or_none()
+
+    def unlink(self) -> None:
+        self.fs._unlink_entry(self.inner)
+
+    def rmdir(self) -> None:
+        self.fs._rmdir_entry(self.inner)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class RecordingHostFS(HostFS):
     """``inner`` with every mutating call recorded in ``journal`` (default: a new
     :class:`OwnWrites` looking through ``inner``). Reads pass straight through; other
@@ -629,18 +654,31 @@ class RecordingHostFS(HostFS):
 
     _recording = contextmanager(_recorded)
 
+    def entry(self, path: str) -> "RecordingEntry":
+        """:meth:`HostFS.entry` of ``inner``, its removals recorded (:class:`RecordingEntry`)."""
+        return RecordingEntry(self, self.inner.entry(path))
+
     def unlink(self, path: str) -> None:
-        """The journal's look and the unlink through one :meth:`HostFS.entry` of ``inner``:
-        on the real disk one resolution of the parent for both, so the entry looked at is the
-        one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
-        with self.inner.entry(path) as entry, \
-                self._unlinking(path, [path], [parent_of(path)], gone=path, entry=entry):
+        with self.entry(path) as entry:
             entry.unlink()
 
     def rmdir(self, path: str) -> None:
-        """As :meth:`unlink`: the journal's look (what its ``begin`` would take) and the rmdir
-        through one entry."""
-        with self.mutex, self.inner.entry(path) as entry:
+        with self.entry(path) as entry:
+            entry.rmdir()
+
+    def _unlink_entry(self, entry: Entry) -> None:
+        """The journal's look and the unlink through one :meth:`HostFS.entry` of ``inner``:
+        on the real disk one resolution of the parent for both, so the entry looked at is the
+        one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
+        path = entry.path
+        with self._unlinking(path, [path], [parent_of(path)], gone=path, entry=entry):
+            entry.unlink()
+
+    def _rmdir_entry(self, entry: Entry) -> None:
+        """As :meth:`_unlink_entry`: the journal's look (what its ``begin`` would take) and
+        the rmdir through one entry."""
+        path = entry.path
+        with self.mutex:
             try:
                 seen: Stat | None | OSError = entry.lstat()
             except OSError as e:  # as the journal's own look (lstat_or_none) records it

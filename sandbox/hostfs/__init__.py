@@ -474,6 +474,11 @@ class Entry:
     def lstat(self) -> Stat:
         return self.fs.lstat(self.path)
 
+    def lstat_or_none(self) -> Stat | None:
+        """:meth:`lstat`, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`), as
+        :meth:`HostFS.lstat_or_none` of the path."""
+        return self.fs.lstat_or_none(self.path)
+
     def unlink(self) -> None:
         self.fs.unlink(self.path)
 

@@ -53,6 +53,7 @@ from . import (
     PATH_LEN_MAX,
     TREE_PATH_BYTES_MAX,
     StoreBusy,
+    absent_as_none,
     check_component,
     check_open_flags,
     parent_of,
@@ -461,6 +462,9 @@ class _RealEntry(Entry):
             return self.fs.lstat(self.path)
         pfd, name = self._dir()
         return Stat.from_os(os.stat(name, dir_fd=pfd, follow_symlinks=False))
+
+    def lstat_or_none(self) -> Stat | None:
+        return absent_as_none(lambda _path: self.lstat(), self.path)
 
     def unlink(self) -> None:
         pfd, name = self._dir()
