@@ -443,8 +443,9 @@ class RealFileHandle(FileHandle):
 class _RealEntry(Entry):
     """:meth:`RealHostFS.entry`: the parent resolved once (``openat2`` beneath the root, no
     symlink followed), at the first call that needs it, and every call made on the final name
-    beneath that descriptor (``fstatat``, ``unlinkat``): a look and the removal after it take
-    four system calls where two path calls take six, and both are of one directory's entry.
+    beneath that descriptor (``fstatat``, ``unlinkat``): an UNLINK's two looks (the undo
+    core's, the own-write journal's) and the removal take five system calls where three path
+    calls take nine, and all three are of one directory's entry.
     A parent that could not be resolved is tried again by the next call, as a path call would."""
 
     def __init__(self, fs: "RealHostFS", path: str):
