@@ -29,6 +29,11 @@ One workload, timed on three sides, in fresh folders on the same disk:
                dispatcher, /dev/fuse loop, watcher and own-write journal on a plain
                read-write Provider: no undo core)
   plain        DIR itself, no FUSE
+  bindfs       only when asked (--sides ...,bindfs) and installed: DIR through `bindfs`, a C
+               passthrough FUSE server (libfuse's multi-threaded loop, no undo, no watcher),
+               with the entry and attribute timeouts our watched mount uses (60 s): a
+               reference for what the FUSE round trips cost without our server (skipped,
+               with a message, where `bindfs` is missing; never part of the set-up)
 
 Phases (each timed with time.perf_counter, and the server's own CPU time read from
 /proc/PID/task/*/schedstat before and after, which the load of other processes changes least; the sides are interleaved round by round, in a
@@ -49,6 +54,10 @@ and read at least 50 % of its bandwidth.
 """
 
 SIDES = ("intercepted", "no-undo", "plain")
+OPTIONAL_SIDES = ("bindfs",)
+#: bindfs's entry and attribute timeouts: COHERENT_ENTRY_VALID_S / COHERENT_ATTR_VALID_S of
+#: the watched `sandbox mount` (sandbox/fuse/dispatcher.py), so both get the same requests
+BINDFS_TIMEOUT_S = 60
 METADATA = ("create", "stat", "read", "git", "rm -rf")
 SEQUENTIAL = ("write", "read-seq")
 #: seconds to wait for `sandbox mount` to come up, and to exit after SIGTERM
@@ -100,6 +109,35 @@ class Mounted:
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(MOUNT_TIMEOUT_S)
+        self.proc.stderr.close()
+
+
+class BindfsMounted:
+    """`bindfs -f` of ``work`` at ``point`` (stopped by unmounting); CPU as :class:`Mounted`'s.
+    It counts no requests (``op_counts`` is None)."""
+
+    counts = None
+
+    def __init__(self, work: str, point: str):
+        opts = f"attr_timeout={BINDFS_TIMEOUT_S},entry_timeout={BINDFS_TIMEOUT_S}"
+        self.point = point
+        self.proc = subprocess.Popen(["bindfs", "-f", "-o", opts, work, point], stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        while not os.path.ismount(point):  # a condition wait for the mount to appear
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise SystemExit(f"bindfs did not come up: {self.proc.stderr.read()}")
+            time.sleep(0.01)
+
+    cpu_s = Mounted.cpu_s
+
+    def op_counts(self) -> None:
+        return None
+
+    def stop(self) -> None:
+        unmount = ["umount", self.point] if os.geteuid() == 0 else ["fusermount", "-u", self.point]
+        subprocess.run(unmount, check=False, capture_output=True)
         self.proc.wait(MOUNT_TIMEOUT_S)
         self.proc.stderr.close()
 
@@ -186,7 +224,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", help="where the folders go (a real disk, not tmpfs; default: the system temp dir)")
     ap.add_argument("--quick", action="store_true", help="300 files, 32 MiB, 2 rounds")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"a comma-separated subset of {SIDES}")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help=f"a comma-separated subset of {SIDES + OPTIONAL_SIDES} (bindfs only when named)")
     ap.add_argument("--counts", action="store_true",
                     help="also print the FUSE requests each phase made, by opcode (last round; the server's "
                          "hidden --op-counts: SIGUSR1 between phases)")
@@ -194,6 +233,13 @@ def main(argv=None) -> int:
     if args.quick:
         args.files, args.mb, args.repeat = 300, 32, 2
     sides = [s for s in args.sides.split(",") if s]
+    unknown = [s for s in sides if s not in SIDES + OPTIONAL_SIDES]
+    if unknown:
+        ap.error(f"unknown sides {unknown}")
+    if "bindfs" in sides and not shutil.which("bindfs"):
+        print("bindfs is not installed: its side is skipped (apt-get install bindfs; it is no part of the "
+              "set-up)", file=sys.stderr)
+        sides.remove("bindfs")
     if os.geteuid() != 0 and not shutil.which("fusermount3"):
         print("needs root or fusermount3", file=sys.stderr)
         return 1
@@ -215,7 +261,12 @@ def main(argv=None) -> int:
                 for x in (work, point, state):
                     os.makedirs(x)
                 counts = os.path.join(d, "counts.jsonl") if args.counts else None
-                mounted = None if side == "plain" else Mounted(work, point, state, side == "no-undo", counts)
+                if side == "plain":
+                    mounted = None
+                elif side == "bindfs":
+                    mounted = BindfsMounted(work, point)
+                else:
+                    mounted = Mounted(work, point, state, side == "no-undo", counts)
                 counted = None
                 if mounted is not None:
                     marks: dict = {}
@@ -226,7 +277,7 @@ def main(argv=None) -> int:
                                 counts=counts):
                         if not before:
                             server_cpu[phase] = mounted.cpu_s() - marks[phase, "cpu"]
-                        if counts:
+                        if mounted.counts:
                             now = mounted.op_counts()
                             if before:
                                 marks[phase] = now

@@ -21,7 +21,11 @@ benchmark's phases (docs/fuse.md "Benchmark"):
   git     LOOKUP + GETATTR + SETATTR (mtime) of each file
   freshen SETATTR (atime and mtime "now") of one file, once per file: what ``git add -A`` of
           identical files sends, a ``utime(blob, NULL)`` of the one object they share each time
+  readdir each directory's OPENDIR + READDIRPLUS (4 KiB replies, until empty) + RELEASEDIR:
+          what ``rm -rf`` reads before it unlinks (µs per file: the directories' requests
+          over all files)
   rm      GETATTR (its directory) + UNLINK + FORGET
+  rmdir   GETATTR (the root) + RMDIR + FORGET of each directory (µs per file, as readdir)
 
 Prints µs per request (wall, perf_counter) per opcode and, per phase, µs per file in process
 CPU time and wall time. With ``--other TREE`` (a checkout, e.g. a worktree of another commit)
@@ -46,10 +50,12 @@ import sys
 import tempfile
 import time
 
-PHASES = ("create", "stat", "read", "git", "freshen", "rm")
+PHASES = ("create", "stat", "read", "git", "freshen", "readdir", "rm", "rmdir")
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len opcode unique nodeid uid gid pid total_extlen padding
 DIRS = 20
 DATA = os.urandom(1024)
+READDIR_BYTES = 4096  # what Linux asks a READDIRPLUS for (one page)
+ENTRY_OUT_BYTES = 128  # struct fuse_entry_out, before each fuse_dirent of a READDIRPLUS reply
 
 
 class Wire:
@@ -103,6 +109,27 @@ class Wire:
 
     def forget(self, nodeid: int, n: int) -> bytes:
         return self.req(2, nodeid, struct.pack("<Q", n))
+
+    def opendir(self, nodeid: int) -> bytes:
+        return self.req(27, nodeid, struct.pack("<II", os.O_RDONLY | os.O_DIRECTORY, 0))
+
+    def readdirplus(self, nodeid: int, fh: int, offset: int) -> bytes:
+        return self.req(44, nodeid, struct.pack("<QQIIQII", fh, offset, READDIR_BYTES, 0, 0, os.O_RDONLY, 0))
+
+    def releasedir(self, nodeid: int, fh: int) -> bytes:
+        return self.req(29, nodeid, struct.pack("<QIIQ", fh, os.O_RDONLY, 0, 0))
+
+    def rmdir(self, parent: int, name: bytes) -> bytes:
+        return self.req(11, parent, name + b"\0")
+
+
+def last_offset(reply: bytes) -> int | None:
+    """The offset of a READDIRPLUS reply's last entry (its header skipped), None if empty."""
+    pos, off = 16, None
+    while pos < len(reply):
+        _ino, off, namelen, _type = struct.unpack_from("<QQII", reply, pos + ENTRY_OUT_BYTES)
+        pos += ENTRY_OUT_BYTES + (24 + namelen + 7) // 8 * 8
+    return off
 
 
 def run_once(files: int, base: str, profile: str | None, marks: bool = False) -> dict:
@@ -187,13 +214,27 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
         for _ in nodes:
             timed("SETATTR", w.setattr_now(nodes[0]))
 
+    def readdir():
+        for nodeid in dirs:
+            fh = struct.unpack_from("<Q", timed("OPENDIR", w.opendir(nodeid)), 16)[0]
+            offset = 0
+            while (offset := last_offset(timed("READDIRPLUS", w.readdirplus(nodeid, fh, offset)))) is not None:
+                pass
+            timed("RELEASEDIR", w.releasedir(nodeid, fh))
+
     def rm():
         for (parent, name), nodeid in zip(names, nodes):
             timed("GETATTR", w.getattr(parent))
             timed("UNLINK", w.unlink(parent, name))
+            timed("FORGET", w.forget(nodeid, 2))  # the git phase's lookup and readdir's
+
+    def rmdir():
+        for i, nodeid in enumerate(dirs):
+            timed("GETATTR", w.getattr(abi.FUSE_ROOT_ID))
+            timed("RMDIR", w.rmdir(abi.FUSE_ROOT_ID, f"d{i:02d}".encode()))
             timed("FORGET", w.forget(nodeid, 1))
 
-    for phase, fn in zip(PHASES, (create, stat, read, git, freshen, rm)):
+    for phase, fn in zip(PHASES, (create, stat, read, git, freshen, readdir, rm, rmdir)):
         ws.close_active()
         if marks:
             os.path.lexists(f"/fuse-requests-phase-{phase}")  # a marker line for strace  # each phase its own step, as an idle mount's ambient steps close between them

@@ -190,10 +190,13 @@ class DescriptorBudget:
             self._sockets -= n
             assert self._sockets >= 0
 
-    def acquire(self) -> None:
+    def acquire(self, capacity: int | None = None) -> None:
+        """Count one descriptor more; ``ENFILE`` at :attr:`capacity` — or at ``capacity``, a
+        value of it the caller read just before (one ``getrlimit`` fewer)."""
         with self._lock:
-            if self.held >= self.capacity:
-                raise OSError(errno.ENFILE, f"the server's {self.capacity} descriptors for open files are in use")
+            cap = self.capacity if capacity is None else capacity
+            if self.held >= cap:
+                raise OSError(errno.ENFILE, f"the server's {cap} descriptors for open files are in use")
             self.held += 1
 
     def release(self) -> None:

@@ -29,6 +29,7 @@ from sandbox.limits import DescriptorBudget, ServerLimits
 from sandbox.mounts import Provider
 from sandbox.serving import Export, HoldBroker
 from sandbox_sim.oracle import assert_same, snapshot_dir
+from sandbox_sim.test_fuse_codec import ref_parse_dirents
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = abi.FUSE_ROOT_ID
@@ -920,6 +921,38 @@ def test_no_open_a_directory_node_answers_getattr_through_its_own_descriptor(tmp
     finally:
         mo.close()
     assert budget.held == 0
+
+
+def test_no_open_readdirplus_reads_each_entry_through_the_listed_directorys_descriptor(nomnt):
+    """No-open: READDIRPLUS reads each entry's attributes through the listed directory's own
+    descriptor (``fstatat`` and ``llistxattr`` beneath it: 2 system calls where a path takes
+    4), with the same mapping as a GETATTR — a file's kept set-uid bit, an emulated device, a
+    symlink as itself — and so answers for the inode it listed, also after the directory was
+    renamed beside the mount (by path, every entry would be gone and skipped)."""
+    mo = nomnt
+    d = mo.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"d")).nodeid
+    open(mo.host("d", "f"), "w").close()
+    os.symlink("f", mo.host("d", "l"))
+    f = mo.lookup("f", parent=d).nodeid
+    mo.call(m.Setattr(H(abi.Opcode.SETATTR, f), abi.FATTR_MODE, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0o4755, 0, 0))
+    assert not os.stat(mo.host("d", "f")).st_mode & stat.S_ISUID  # kept, not applied
+    dev = os.makedev(1, 3)
+    mo.call(m.Mknod(H(abi.Opcode.MKNOD, d), stat.S_IFCHR | 0o600, dev, 0o022, b"null"))
+    want = {name: mo.getattr(mo.lookup(name, parent=d).nodeid) for name in ("f", "l", "null")}
+    o = mo.call(m.Opendir(H(abi.Opcode.OPENDIR, d), os.O_RDONLY, 0))
+    os.rename(mo.host("d"), mo.host("moved"))
+    data = bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS, d), o.fh, 0, 4096, 0, 0, 0)).data)
+    got = {name.decode(): (typ, entry[6:]) for _ino, _off, typ, name, entry in ref_parse_dirents(data, True)}
+    assert sorted(got) == [".", "..", "f", "l", "null"]
+    for name, a in want.items():
+        typ, (ino, size, _blocks, _at, mtime, _ct, _atn, mtimensec, _ctn, mode, nlink, uid, gid, rdev, _bs,
+              _fl) = got[name]
+        assert (ino, size, mtime, mtimensec, mode, nlink, uid, gid, rdev) == \
+            (a.ino, a.size, a.mtime, a.mtimensec, a.mode, a.nlink, a.uid, a.gid, a.rdev), name
+        assert typ == stat.S_IFMT(a.mode) >> 12, name
+    assert got["f"][1][9] & 0o7777 == 0o4755 and stat.S_ISLNK(got["l"][1][9])
+    assert stat.S_ISCHR(got["null"][1][9]) and got["null"][1][13] == dev
+    mo.call(m.Releasedir(H(abi.Opcode.RELEASEDIR, d), o.fh, 0, 0, 0))
 
 
 def test_no_open_a_directorys_changes_still_act_by_path_and_are_undone_exactly(tmp_path):

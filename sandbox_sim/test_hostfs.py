@@ -3054,6 +3054,104 @@ def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
     check_errno(errno.ENOTDIR, fs.getattr_xattr_names, "d/f/x")
 
 
+def test_a_directory_handle_reads_its_entries_as_paths_are_read(env, fs):
+    """``open_dir``'s handle answers for its entries (``getattr_xattr_names_at``,
+    ``getxattr_at``: the real fs's ``fstatat`` and ``l*xattr`` beneath the descriptor) as
+    ``getattr_xattr_names`` and ``getxattr`` answer for their paths — a file, a symlink (its
+    own, never followed), a subdirectory, a fifo — and still after the directory is renamed
+    (its inode's entries); a name that is not one component is EINVAL, a missing one ENOENT."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"abc")
+    fs.setxattr("d/f", "user.k", b"v")
+    fs.symlink("f", "d/l")
+    fs.mkdir("d/s", 0o700)
+    env.special("d/p")
+    h = fs.open_dir("d")
+    try:
+        want = {n: fs.getattr_xattr_names(f"d/{n}") for n in ("f", "l", "s", "p")}
+        fs.rename("d", "moved")
+        for n, (a, names) in want.items():
+            got, got_names = h.getattr_xattr_names_at(n)
+            assert got == a and sorted(got_names) == sorted(names), n
+        assert h.getxattr_at("f", "user.k") == b"v" and h.fstat() == fs.getattr("moved")
+        check_errno(errno.ENODATA, h.getxattr_at, "f", "user.none")
+        check_errno(errno.ENODATA, h.getxattr_at, "l", "user.k")  # the link's own: none
+        check_errno(errno.ENOENT, h.getattr_xattr_names_at, "missing")
+        for bad in ("", ".", "..", "s/x"):
+            check_errno(errno.EINVAL, h.getattr_xattr_names_at, bad)
+            check_errno(errno.EINVAL, h.getxattr_at, bad, "user.k")
+    finally:
+        h.close()
+    check_errno(errno.EBADF, h.getattr_xattr_names_at, "f")
+    check_errno(errno.ENOTDIR, fs.open_dir, "moved/f")
+    check_errno(errno.ENOENT, fs.open_dir, "d")
+    fs.symlink("moved", "dl")
+    check_errno(errno.ENOTDIR, fs.open_dir, "dl")  # never followed (O_DIRECTORY checked first)
+    check_errno(errno.ELOOP, fs.open_dir, "dl/s")
+
+
+def test_a_handle_knows_its_own_inode_after_its_name_is_replaced(fs):
+    """``FileHandle.is_inode_of``: true for the stat of the handle's own file (also after its
+    name was unlinked and made again: the new file is another inode), false for another
+    file's; ``EBADF`` once closed (the real handle answers from its first ``fstat``)."""
+    mkfile(fs, "f", b"a")
+    mkfile(fs, "g", b"b")
+    h = fs.open("f", os.O_RDONLY)
+    try:
+        first = fs.lstat("f")
+        assert h.is_inode_of(first) and not h.is_inode_of(fs.lstat("g"))
+        fs.unlink("f")
+        mkfile(fs, "f", b"c")
+        assert not h.is_inode_of(fs.lstat("f")) and h.is_inode_of(first)
+    finally:
+        h.close()
+    check_errno(errno.EBADF, h.is_inode_of, first)
+
+
+def test_an_entry_looks_then_removes_as_the_path_calls_do(env, fs):
+    """``HostFS.entry``: a look and then the removal of one path answer as ``lstat``,
+    ``unlink`` and ``rmdir`` of the path do (errors included: a missing parent is tried
+    again). On the real disk the parent is resolved once: a directory moved between the look
+    and the unlink still loses the entry that was looked at, never one put at the old path."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"abc")
+    fs.mkdir("d/e", 0o755)
+    mkfile(fs, "d/e/x", b"x")
+    with fs.entry("d/f") as e:
+        assert e.lstat() == fs.lstat("d/f")
+        e.unlink()
+    assert fs.lstat_or_none("d/f") is None
+    with fs.entry("d/e") as e:
+        check_errno(errno.ENOTEMPTY, e.rmdir)
+        check_errno(errno.EISDIR, e.unlink)
+        fs.unlink("d/e/x")
+        e.rmdir()
+    assert fs.listdir("d") == []
+    with fs.entry("d/missing") as e:
+        check_errno(errno.ENOENT, e.lstat)
+        check_errno(errno.ENOENT, e.unlink)
+    with fs.entry("n/f") as e:
+        check_errno(errno.ENOENT, e.lstat)
+        fs.mkdir("n", 0o755)  # the parent that was missing is looked for again
+        mkfile(fs, "n/f", b"n")
+        e.unlink()
+    assert fs.listdir("n") == []
+    for p in ("", "d/f/x"):
+        with fs.entry(p) as e:
+            check_errno(errno.EBUSY if not p else errno.ENOENT, e.unlink)
+    if not env.real:
+        return
+    mkfile(fs, "d/g", b"looked at")
+    with fs.entry("d/g") as e:
+        seen = e.lstat()
+        fs.rename("d", "moved")
+        fs.mkdir("d", 0o755)
+        mkfile(fs, "d/g", b"someone else's")
+        e.unlink()
+    assert fs.lstat_or_none("moved/g") is None and fs.read_all("d/g") == b"someone else's"
+    assert seen.ino != fs.lstat("d/g").ino
+
+
 def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss():
     """MemoryHostFS remembers where a path led (``_walk``); every answer must still be the
     one a fresh walk gives after the tree's names move, go or come back from a power loss."""

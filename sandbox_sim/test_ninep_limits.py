@@ -670,6 +670,13 @@ def test_descriptor_budget_arithmetic():
     b.release_sockets(16)
     assert b.capacity == 20 and b.held == 4
     assert DescriptorBudget(reserved=100, nofile=lambda: 50).capacity == 0
+    reads = []
+    b = DescriptorBudget(reserved=0, nofile=lambda: reads.append(1) or 2)
+    cap = b.capacity
+    b.acquire(cap)  # a capacity read just before: no second getrlimit
+    b.acquire(cap)
+    assert len(reads) == 1 and b.held == 2
+    assert errno_of(b.acquire, cap) == errno.ENFILE and b.held == 2
 
 
 # --------------------------------------------------------------------------- one place, documented

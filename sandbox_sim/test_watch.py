@@ -506,6 +506,17 @@ class RacingHostFS(RealHostFS):
         super().unlink(path)
         self._race(path)
 
+    def entry(self, path):  # the journal's look and unlink through one parent (RecordingHostFS.unlink)
+        e = super().entry(path)
+        unlink = e.unlink
+
+        def racing_unlink():
+            unlink()
+            self._race(path)
+
+        e.unlink = racing_unlink
+        return e
+
 
 def test_a_racer_at_the_name_after_our_create_or_unlink_is_never_recorded_as_ours(folder, stack):
     """What an exclusive create left is the inode its descriptor names, and what a successful

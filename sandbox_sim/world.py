@@ -31,6 +31,7 @@ class FaultyHandle:
     the op names MemoryFileHandle uses (``pwrite`` is a ``write``, torn like a path write)."""
 
     _OPS = {"pread": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync", "fstat": "fstat",
+            "is_inode_of": "fstat",
             "chmod": "chmod", "utime": "utime", "chown": "chown", "listxattr": "listxattr", "getxattr": "getxattr",
             "setxattr": "setxattr", "removexattr": "removexattr", "fallocate": "fallocate",
             "copy_range_to": "copy_file_range", "lseek": "lseek"}

@@ -68,9 +68,9 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
-from ..hostfs import DIR, REG, Attr, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
+from ..hostfs import ABSENT_ERRNOS, DIR, REG, Attr, Entry, FileHandle, HostFS, Lock, Stat, StatFS, parent_of
 
-__all__ = ["OwnWrites", "RecordingHostFS", "RecordingFileHandle", "signature", "OURS", "EXTERNAL", "BUSY"]
+__all__ = ["OwnWrites", "RecordingEntry", "RecordingHostFS", "RecordingFileHandle", "signature", "OURS", "EXTERNAL", "BUSY"]
 
 OURS = "ours"
 EXTERNAL = "external"
@@ -391,6 +391,9 @@ class RecordingFileHandle(FileHandle):
     def fstat(self) -> Attr:
         return self.inner.fstat()
 
+    def is_inode_of(self, st: Stat | Attr) -> bool:
+        return self.inner.is_inode_of(st)
+
     def chmod(self, mode: int) -> None:
         self._mutating(lambda: self.inner.chmod(mode))
 
@@ -402,6 +405,12 @@ class RecordingFileHandle(FileHandle):
 
     def listxattr(self) -> list[str]:
         return self.inner.listxattr()
+
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        return self.inner.getattr_xattr_names_at(name)
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        return self.inner.getxattr_at(name, xattr)
 
     def getxattr(self, name: str) -> bytes:
         return self.inner.getxattr(name)
@@ -430,6 +439,31 @@ class RecordingFileHandle(FileHandle):
     @property
     def closed(self) -> bool:
         return self.inner.closed
+
+
+class RecordingEntry(Entry):
+    """:meth:`RecordingHostFS.entry`: the looks are ``inner``'s entry's (reads, not recorded),
+    the removals recorded as :meth:`RecordingHostFS.unlink` and ``rmdir`` record theirs —
+    each removal's last look and the call through that same entry."""
+
+    def __init__(self, fs: "RecordingHostFS", inner: Entry):
+        super().__init__(fs, inner.path)
+        self.inner = inner
+
+    def lstat(self) -> Stat:
+        return self.inner.lstat()
+
+    def lstat_or_none(self) -> Stat | None:
+        return self.inner.lstat_or_none()
+
+    def unlink(self) -> None:
+        self.fs._unlink_entry(self.inner)
+
+    def rmdir(self) -> None:
+        self.fs._rmdir_entry(self.inner)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class RecordingHostFS(HostFS):
@@ -572,17 +606,19 @@ class RecordingHostFS(HostFS):
             self.inner.truncate(path, size)
 
     @contextmanager
-    def _unlinking(self, path: str, paths: list[str], parents: list[str], gone: str | None = None) -> Iterator[None]:
+    def _unlinking(self, path: str, paths: list[str], parents: list[str], gone: str | None = None,
+                   entry: Entry | None = None) -> Iterator[None]:
         """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
         at ``path``: the file's other names see its link count and ctime change, so its
         new state is recorded for its inode (through a handle held across the call).
         The look at ``path`` here is the journal's look before the call too (nothing of
-        ours runs between them); ``gone``: as for :meth:`_recorded`."""
+        ours runs between them) — through ``entry`` (``inner.entry(path)``) when the call
+        removes that entry through it too; ``gone``: as for :meth:`_recorded`."""
         with self.mutex:
             handle = None
             seen: dict | None = None  # the journal looks itself where this look failed otherwise
             try:
-                st = self.inner.lstat(path)
+                st = entry.lstat() if entry is not None else self.inner.lstat(path)
                 seen = {path: st}
                 if st.kind == REG and st.nlink > 1:
                     handle = self.inner.open(path, os.O_RDONLY)
@@ -618,13 +654,37 @@ class RecordingHostFS(HostFS):
 
     _recording = contextmanager(_recorded)
 
+    def entry(self, path: str) -> "RecordingEntry":
+        """:meth:`HostFS.entry` of ``inner``, its removals recorded (:class:`RecordingEntry`)."""
+        return RecordingEntry(self, self.inner.entry(path))
+
     def unlink(self, path: str) -> None:
-        with self._unlinking(path, [path], [parent_of(path)], gone=path):
-            self.inner.unlink(path)
+        with self.entry(path) as entry:
+            entry.unlink()
 
     def rmdir(self, path: str) -> None:
-        with self.mutex, self._recording([path], gone=path):
-            self.inner.rmdir(path)
+        with self.entry(path) as entry:
+            entry.rmdir()
+
+    def _unlink_entry(self, entry: Entry) -> None:
+        """The journal's look and the unlink through one :meth:`HostFS.entry` of ``inner``:
+        on the real disk one resolution of the parent for both, so the entry looked at is the
+        one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
+        path = entry.path
+        with self._unlinking(path, [path], [parent_of(path)], gone=path, entry=entry):
+            entry.unlink()
+
+    def _rmdir_entry(self, entry: Entry) -> None:
+        """As :meth:`_unlink_entry`: the journal's look (what its ``begin`` would take) and
+        the rmdir through one entry."""
+        path = entry.path
+        with self.mutex:
+            try:
+                seen: Stat | None | OSError = entry.lstat()
+            except OSError as e:  # as the journal's own look (lstat_or_none) records it
+                seen = None if e.errno in ABSENT_ERRNOS else e
+            with self._recording([path], seen={path: seen}, gone=path):
+                entry.rmdir()
 
     def mkdir(self, path: str, mode: int) -> None:
         with self._rec([path], [parent_of(path)]):

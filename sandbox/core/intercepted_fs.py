@@ -183,11 +183,13 @@ class InterceptedFS(TreeOps):
         """Remove the name ``path``. ``reader``: a descriptor the caller holds that may be on
         the file there (a FUSE node's): its preimage is read through it when it is."""
         p = _entry(path, "unlink")
-        self._run(lambda: self.interceptor.pre_unlink(p, False, reader), lambda: self.host.unlink(p), sync=(p,))
+        with self.host.entry(p) as e:  # the preimage's look and the removal through one entry (HostFS.entry)
+            self._run(lambda: self.interceptor.pre_unlink(p, False, reader, look=e), e.unlink, sync=(p,))
 
     def rmdir(self, path: str) -> None:
         p = _entry(path, "remove")
-        self._run(lambda: self.interceptor.pre_unlink(p, True), lambda: self.host.rmdir(p), sync=(p,))
+        with self.host.entry(p) as e:
+            self._run(lambda: self.interceptor.pre_unlink(p, True, look=e), e.rmdir, sync=(p,))
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         p = _entry(path, "create")

@@ -47,7 +47,7 @@ import errno
 import threading
 from typing import Callable
 
-from ..hostfs import DIR, OTHER, REG, FileHandle, HostFS, Stat, is_within, parent_of, same_inode
+from ..hostfs import DIR, OTHER, REG, Entry, FileHandle, HostFS, Stat, is_within, parent_of, same_inode
 from .errors import HoldRequired, RollbackIncomplete, SafeguardDenied
 from .preimage import INTENT_OPS, LINKS_PER_RECORD_MAX, is_restorable_special, link_index, meta_of
 from .safeguard import Hold, Safeguard
@@ -320,16 +320,17 @@ class UndoInterceptor:
             self.log.enforce_limits()
         return True
 
-    def _named(self, path: str, handle: FileHandle | None) -> Stat | None:
+    def _named(self, path: str, handle: FileHandle | None, look: Entry | None = None) -> Stat | None:
         """What is at ``path`` — None if nothing, or (with ``handle``) if it is not the
-        handle's inode: the change then lands on a file the tree does not reach there."""
-        st = self._lstat(path)
-        if st is not None and handle is not None and not same_inode(st, handle.fstat()):
+        handle's inode: the change then lands on a file the tree does not reach there.
+        ``look``: the caller's :meth:`HostFS.entry` of ``path`` (the same look, through it)."""
+        st = look.lstat_or_none() if look is not None else self._lstat(path)
+        if st is not None and handle is not None and not handle.is_inode_of(st):
             return None
         return st
 
     def _capture(self, path: str, level: int, always: bool = False, handle: FileHandle | None = None,
-                 reader: FileHandle | None = None) -> None:
+                 reader: FileHandle | None = None, look: Entry | None = None) -> None:
         """The preimage of ``path`` (of ``handle``'s file if given, else nothing: see
         :meth:`_named`). Its xattrs and bytes are read through ``handle``, or through
         ``reader`` — a descriptor that may be on the file at ``path`` (an unlink's) — when it is
@@ -337,7 +338,7 @@ class UndoInterceptor:
         step = self.log.open_step
         if step.unprotected or (not always and self._marks.get(path, 0) >= level):
             return
-        st = self._named(path, handle)
+        st = self._named(path, handle, look)
         if st is None:
             return  # nothing there (the host call will fail or create it), or not the handle's file
         if st.kind == OTHER and not is_restorable_special(st):
@@ -345,7 +346,7 @@ class UndoInterceptor:
         via = handle
         if via is None and reader is not None and st.kind == REG:
             try:
-                via = reader if same_inode(st, reader.fstat()) else None
+                via = reader if reader.is_inode_of(st) else None
             except OSError:  # closed meanwhile (EBADF): by path, as without it
                 via = None
         rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st, via)}
@@ -445,17 +446,20 @@ class UndoInterceptor:
 
     # ------------------------------------------------------------------ entry hooks
 
-    def pre_unlink(self, path: str, is_dir: bool, reader: FileHandle | None = None) -> None:
+    def pre_unlink(self, path: str, is_dir: bool, reader: FileHandle | None = None,
+                   look: Entry | None = None) -> None:
         """``reader``: a descriptor the caller holds that may be on the file at ``path``; its
-        preimage is read through it when it is (:meth:`_capture`)."""
+        preimage is read through it when it is (:meth:`_capture`). ``look``: the
+        :meth:`HostFS.entry` the caller removes ``path`` through; the preimage's look at the
+        path is taken through it (the same ``lstat_or_none``)."""
         with self.lock:
             if not self._enter("delete", path):
                 return
             self._capture_parent(path)
             if is_dir:
-                self._capture(path, FULL, always=True)
+                self._capture(path, FULL, always=True, look=look)
             else:
-                self._capture(path, FULL, reader=reader)
+                self._capture(path, FULL, reader=reader, look=look)
             self._set_mark(path, None)  # a directory being removed is empty: no marks below it
 
     def pre_create(self, path: str) -> None:

@@ -935,8 +935,7 @@ class Dispatcher:
         flags = req.flags & ~os.O_APPEND
         if flags & os.O_ACCMODE == os.O_WRONLY:
             flags = flags & ~os.O_ACCMODE | os.O_RDWR
-        self._make_room()
-        self.descriptors.acquire()
+        self._take_descriptor()
         try:
             handle, _made = self.provider.create(path, req.mode & 0o7777, flags, cred=cred, gid=gid)
         except BaseException:
@@ -980,8 +979,7 @@ class Dispatcher:
         # inode; a read-only open changes nothing, so the inode check after it suffices
         if write and not self._still_names(n):
             raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
-        self._make_room()
-        self.descriptors.acquire()
+        self._take_descriptor()
         try:
             h = self._open_by_path(n.path, write)
         except BaseException as e:
@@ -1000,7 +998,7 @@ class Dispatcher:
         """No-open: directory ``n``'s own read-only descriptor, for its attributes only (a
         GETATTR, a CREATE's set-gid check: ``fstat`` + ``flistxattr`` instead of a path
         resolution each time) — opened by path while the path names ``n``'s inode, in the
-        same LRU and budget as files' (:meth:`_make_room`), closed when the directory is
+        same LRU and budget as files' (:meth:`_take_descriptor`), closed when the directory is
         removed through the mount. None where it cannot be had (another inode at the path,
         no permission, a host without directory handles): the caller looks by path."""
         h = n.ro
@@ -1010,8 +1008,7 @@ class Dispatcher:
             return h
         if n.pinned or not n.links:
             return None
-        self._make_room()
-        self.descriptors.acquire()
+        self._take_descriptor()
         try:
             h = self.provider.open_dir(n.path)
         except OSError:
@@ -1060,17 +1057,20 @@ class Dispatcher:
         share = int(capacity * self.limits.open_files_per_connection_share_max)
         return max(1, min(NODE_DESCRIPTORS_MAX, share // 2))
 
-    def _make_room(self) -> None:
-        """At most :attr:`node_descriptors_max` nodes keep descriptors: close the least
-        recently used one's (it reopens by path when next used). Also while the process's
-        budget has no descriptor left for the one about to be opened (other mounts or servers
-        of this process hold the rest): this mount's idle ones go first, not the request."""
+    def _take_descriptor(self) -> None:
+        """Count the descriptor a node is about to open in the budget (``ENFILE`` if none is
+        left; the caller releases it if the open fails). At most :attr:`node_descriptors_max`
+        nodes keep descriptors: first close the least recently used one's (it reopens by path
+        when next used). Also while the process's budget has no descriptor left for the one
+        about to be opened (other mounts or servers of this process hold the rest): this
+        mount's idle ones go first, not the request."""
         budget = self.descriptors
-        capacity = budget.capacity  # the soft RLIMIT_NOFILE, read once here (a getrlimit)
+        capacity = budget.capacity  # the soft RLIMIT_NOFILE, read once here (a getrlimit) ...
         bound = self._node_bound(capacity)
         while self._lru and (len(self._lru) >= bound or budget.held >= capacity):
             _nodeid, n = self._lru.popitem(last=False)
             self._close_node_handles(n)
+        budget.acquire(capacity)  # ... and used for the count too
 
     def _close_node_handles(self, n: Node) -> None:
         self._lru.pop(n.nodeid, None)
@@ -1195,19 +1195,30 @@ class Dispatcher:
         plus = isinstance(req, m.Readdirplus)
         packer = DirentPacker(min(req.size, abi.MAX_WRITE_BYTES), plus)
         base = d.node.path
+        # no-open: each entry's attributes through the directory's own descriptor (2 system
+        # calls where a path takes 4); else, or where it has none, by path
+        try:
+            held = self._dir_descriptor(d.node) if plus and self.no_open else None
+        except OSError:  # no descriptor left in the budget (ENFILE): by path
+            held = None
+        cred = self._cred(req)
         for i in range(req.offset, len(d.names)):
             name = d.names[i]
+            dots = name in (".", "..")
             path = base if name == "." else parent_of(base) if name == ".." else child(base, name)
             try:
-                a = self.provider.getattr(path, cred=self._cred(req)) if plus else self.provider.lookup(path)
+                if name == "." and held is not None:  # the listed inode itself
+                    a = held.fstat()
+                elif not plus or dots:  # only the inode and the type are sent for these
+                    a = self.provider.lookup(path)
+                elif held is not None:
+                    a = self.provider.getattr_at(held, path, cred=cred)
+                else:
+                    a = self.provider.getattr(path, cred=cred)
             except OSError:
                 continue  # vanished since OPENDIR: skipped, the offsets stay stable
             raw = name.encode("utf-8", "surrogateescape")
-            if not plus:
-                if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
-                    break
-                continue
-            if name in (".", ".."):  # nodeid 0: the kernel takes no lookup for these
+            if not plus or dots:  # "." and "..": nodeid 0, the kernel takes no lookup for these
                 if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break
                 continue

@@ -383,6 +383,27 @@ class FileHandle(ABC):
     def xattrs(self) -> dict[str, bytes]:
         return {name: self.getxattr(name) for name in sorted(self.listxattr())}
 
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        """For a directory's handle (:meth:`HostFS.open_dir`): :meth:`HostFS.getattr_xattr_names`
+        of its entry ``name`` — looked up in this directory's inode wherever its path now is,
+        a final symlink never followed (its own attributes and xattr names). ``name`` is one
+        component (empty, ``.``, ``..`` or a ``/`` in it: ``EINVAL``); a missing one ``ENOENT``,
+        a handle on no directory ``ENOTDIR``. Every implementation of ``open_dir`` defines it;
+        here (a handle kind that cannot): ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        """For a directory's handle: :meth:`HostFS.getxattr` of its entry ``name`` (as
+        :meth:`getattr_xattr_names_at` finds it: a symlink's own). Here: ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
+    def is_inode_of(self, st: "Stat | Attr") -> bool:
+        """Is this handle's file the inode ``st`` describes (:func:`same_inode`: inode number
+        and device)? An open descriptor's inode never changes, so an implementation may answer
+        from its first ``fstat`` (:class:`~sandbox.hostfs.real.RealFileHandle`); this body
+        asks :meth:`fstat` each time."""
+        return same_inode(st, self.fstat())
+
     def read_own(self, length: int, offset: int) -> bytes:
         """A read by the server itself (a preimage), of this handle's inode, whatever its access
         mode: as :meth:`HostFS.read` of a path, it never moves an atime a client set. The
@@ -441,6 +462,43 @@ class FileHandle(ABC):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"flags={self.flags:#o}"
         return f"<{type(self).__name__} {self.path!r} {state}>"
+
+
+class Entry:
+    """:meth:`HostFS.entry`: a look at one path, then its removal, by one caller (not shared
+    between threads). This generic one calls ``fs.lstat``, ``fs.unlink``, ``fs.rmdir``."""
+
+    def __init__(self, fs: "HostFS", path: str):
+        self.fs, self.path = fs, path
+
+    def lstat(self) -> Stat:
+        return self.fs.lstat(self.path)
+
+    def lstat_or_none(self) -> Stat | None:
+        """:meth:`lstat`, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`), as
+        :meth:`HostFS.lstat_or_none` of the path."""
+        return self.fs.lstat_or_none(self.path)
+
+    def unlink(self) -> None:
+        self.fs.unlink(self.path)
+
+    def rmdir(self) -> None:
+        self.fs.rmdir(self.path)
+
+    def close(self) -> None:
+        """Release what the entry holds (nothing here); idempotent."""
+
+    def __enter__(self) -> "Entry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def check_component(name: str, path: str) -> None:
+    """``EINVAL`` unless ``name`` is one entry name: not empty, ``.`` or ``..``, no ``/`` or NUL."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        raise OSError(errno.EINVAL, f"not one entry name: {name!r}", path)
 
 
 def same_inode(a: "Stat | Attr", b: "Stat | Attr") -> bool:
@@ -510,6 +568,16 @@ class HostFS(ABC):
         if st is None or st.kind != REG:
             return st, None
         return st, self.read(path, 0, length(st))
+
+    def entry(self, path: str) -> "Entry":
+        """The entry ``path`` for one caller that looks at it (:meth:`Entry.lstat`) and then
+        removes it (:meth:`Entry.unlink` / :meth:`Entry.rmdir`), e.g. the own-write journal's
+        last look before the removal; a context manager (closed at its end). This body's
+        :class:`Entry` is those separate calls, the same host calls in the same order; an
+        implementation may resolve the parent once for all of them
+        (:class:`~sandbox.hostfs.real.RealHostFS`: the look is then of the very directory
+        entry that is removed, wherever that directory is moved meanwhile)."""
+        return Entry(self, path)
 
     @abstractmethod
     def getattr(self, path: str) -> Attr:

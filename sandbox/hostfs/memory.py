@@ -48,6 +48,7 @@ from . import (
     Stat,
     StatFS,
     StoreBusy,
+    check_component,
     check_open_flags,
     is_within,
     parent_of,
@@ -228,6 +229,28 @@ class MemoryFileHandle(FileHandle):
     def fstat(self) -> Attr:
         self._call("fstat")
         return self._node.attr()
+
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        """The entry ``name`` of the directory inode held (:meth:`MemoryHostFS.open_dir`), as
+        :meth:`MemoryHostFS.getattr_xattr_names` reports a path's."""
+        self._call("getattr")
+        node = self._entry_at(name)
+        return node.attr(), self._fs._listed(node)
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        """:meth:`MemoryHostFS.getxattr` of the entry ``name`` of the directory inode held."""
+        self._call("getxattr")
+        return self._fs._getxattr_node(self._fs._xattr_node_of(self._entry_at(name), xattr, False, self.path),
+                                       xattr, self.path)
+
+    def _entry_at(self, name: str):
+        check_component(name, self.path)
+        if self._node.kind != DIR:
+            raise _err(errno.ENOTDIR, self.path)
+        node = self._fs._child(self._node, name, self.path)
+        if node is None:
+            raise _err(errno.ENOENT, self.path)
+        return node
 
     # metadata: the path-based calls' own code, applied to the held inode
 
@@ -514,6 +537,16 @@ class MemoryHostFS(HostFS):
         check_open_flags(flags, path)
         return MemoryFileHandle(self, self._file(path), path, flags)
 
+    def open_dir(self, path: str) -> MemoryFileHandle:
+        """:meth:`HostFS.open_dir`: a read-only handle on the directory inode at ``path``; not
+        a directory, a final symlink included, ``ENOTDIR`` (as RealHostFS's ``openat2`` with
+        ``O_DIRECTORY``, checked before the symlink would be refused), as :meth:`listdir`."""
+        self._fault("open", path)
+        node = self._walk(path)
+        if node.kind != DIR:
+            raise _err(errno.ENOTDIR, path)
+        return MemoryFileHandle(self, node, path, os.O_RDONLY)
+
     def readlink(self, path: str) -> str:
         self._fault("readlink", path)
         node = self._entry(path)
@@ -775,7 +808,9 @@ class MemoryHostFS(HostFS):
         all), then the kernel's name checks, then its rule that ``user.`` names live
         only on regular files and directories.
         """
-        node = self._walk(path)
+        return self._xattr_node_of(self._walk(path), name, write, path)
+
+    def _xattr_node_of(self, node: _Inode, name: str, write: bool, path: str) -> _Inode:
         if node.kind == LNK and not name.startswith(("user.", "trusted.")):
             raise _err(errno.EPERM if write else errno.ENODATA, path)
         return self._xattr_checks(node, name, write, path)

@@ -41,6 +41,7 @@ from . import (
     ABSENT_ERRNOS,
     DIR,
     FALLOCATE_MODES,
+    Entry,
     LNK,
     MKNOD_FMTS,
     REG,
@@ -52,6 +53,8 @@ from . import (
     PATH_LEN_MAX,
     TREE_PATH_BYTES_MAX,
     StoreBusy,
+    absent_as_none,
+    check_component,
     check_open_flags,
     parent_of,
     same_inode,
@@ -211,6 +214,7 @@ class RealFileHandle(FileHandle):
         self._fd = fd
         self._users = 0  # calls currently using the fd
         self._closing = False
+        self._inode: tuple[int, int] | None = None  # (ino, dev), from the first fstat
         self._mutex = threading.Lock()
 
     @property
@@ -284,7 +288,50 @@ class RealFileHandle(FileHandle):
     def fstat(self) -> Attr:
         fd = self._acquire()
         try:
-            return Attr.from_os(os.fstat(fd))
+            a = Attr.from_os(os.fstat(fd))
+        finally:
+            self._release()
+        self._inode = (a.ino, a.dev)
+        return a
+
+    def is_inode_of(self, st: Stat | Attr) -> bool:
+        """:meth:`FileHandle.is_inode_of` from the inode this descriptor was first seen to
+        have (one ``fstat``, then none: a descriptor's inode never changes). ``EBADF`` once
+        closed, as any call."""
+        inode = self._inode
+        if inode is None or self._closing:
+            a = self.fstat()
+            return (st.ino, st.dev) == (a.ino, a.dev)
+        return (st.ino, st.dev) == inode
+
+    def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
+        """:meth:`FileHandle.getattr_xattr_names_at`: ``fstatat(fd, name, AT_SYMLINK_NOFOLLOW)``
+        and ``llistxattr`` of ``/proc/self/fd/FD/name`` — two system calls where a path's
+        :meth:`RealHostFS.getattr_xattr_names` takes four (``openat2`` from the root, ``fstat``,
+        ``listxattr``, ``close``). The magic link is this descriptor's own directory; ``name``
+        is one checked component, not followed. The two calls look the name up twice: a
+        racer that swaps the entry between them pairs one file's attributes with another's
+        xattr names in that directory (the mappings' values are read by path afterwards in
+        any case: the same exposure as before)."""
+        check_component(name, self.path)
+        fd = self._acquire()
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            try:
+                names = os.listxattr(f"{_XATTR_PROC.format(fd)}/{name}", follow_symlinks=False)
+            except OSError:  # no xattrs on this filesystem, gone meanwhile: none
+                names = []
+            return Attr.from_os(st), names
+        finally:
+            self._release()
+
+    def getxattr_at(self, name: str, xattr: str) -> bytes:
+        """:meth:`FileHandle.getxattr_at`: ``lgetxattr`` of ``/proc/self/fd/FD/name`` (one
+        call; the entry's own xattr, a symlink's included, never its target's)."""
+        check_component(name, self.path)
+        fd = self._acquire()
+        try:
+            return os.getxattr(f"{_XATTR_PROC.format(fd)}/{name}", xattr, follow_symlinks=False)
         finally:
             self._release()
 
@@ -391,6 +438,47 @@ class RealFileHandle(FileHandle):
             self.close()
         except Exception:
             pass
+
+
+class _RealEntry(Entry):
+    """:meth:`RealHostFS.entry`: the parent resolved once (``openat2`` beneath the root, no
+    symlink followed), at the first call that needs it, and every call made on the final name
+    beneath that descriptor (``fstatat``, ``unlinkat``): an UNLINK's two looks (the undo
+    core's, the own-write journal's) and the removal take five system calls where three path
+    calls take nine, and all three are of one directory's entry.
+    A parent that could not be resolved is tried again by the next call, as a path call would."""
+
+    def __init__(self, fs: "RealHostFS", path: str):
+        super().__init__(fs, path)
+        self._pfd = -1
+        self._name = ""
+
+    def _dir(self) -> tuple[int, str]:
+        if self._pfd < 0:
+            self._pfd, self._name = self.fs._parent(self.path)
+        return self._pfd, self._name
+
+    def lstat(self) -> Stat:
+        if not self.path:
+            return self.fs.lstat(self.path)
+        pfd, name = self._dir()
+        return Stat.from_os(os.stat(name, dir_fd=pfd, follow_symlinks=False))
+
+    def lstat_or_none(self) -> Stat | None:
+        return absent_as_none(lambda _path: self.lstat(), self.path)
+
+    def unlink(self) -> None:
+        pfd, name = self._dir()
+        os.unlink(name, dir_fd=pfd)
+
+    def rmdir(self) -> None:
+        pfd, name = self._dir()
+        os.rmdir(name, dir_fd=pfd)
+
+    def close(self) -> None:
+        if self._pfd >= 0:
+            fd, self._pfd = self._pfd, -1
+            os.close(fd)
 
 
 class RealHostFS(HostFS):
@@ -587,6 +675,10 @@ class RealHostFS(HostFS):
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
+
+    def entry(self, path: str) -> _RealEntry:
+        """:meth:`HostFS.entry` with the parent resolved once (:class:`_RealEntry`)."""
+        return _RealEntry(self, path)
 
     def unlink(self, path: str) -> None:
         pfd, name = self._parent(path)

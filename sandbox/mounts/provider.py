@@ -175,6 +175,17 @@ class Provider:
         a, names = self.host.getattr_xattr_names(path)  # one resolution for both (the kept mode, owner)
         return self._as_device(path, self._guest_attr(path, a, view=_view(cred), names=names), names)
 
+    def getattr_at(self, directory: FileHandle, path: str, *, cred: Cred | None = None) -> Attr:
+        """:meth:`getattr` of ``path``, an entry of the directory open on ``directory`` (from
+        :meth:`open_dir`) — a listing's entries: looked up in that directory's inode, wherever
+        its path is now, with no path resolved (``FileHandle.getattr_xattr_names_at``; the
+        kept mode and owner, and a device's xattr, where the names show them, through
+        ``getxattr_at``). The same mapping code as :meth:`getattr`."""
+        self._see(path)
+        entry = _EntryOf(directory, path.rsplit("/", 1)[-1])
+        a, names = directory.getattr_xattr_names_at(entry.name)
+        return self._as_device(path, self._guest_attr(path, a, entry, view=_view(cred), names=names), names, entry)
+
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
         entry (a 9P qid: type, inode, mtime; a readdir d_type). Anything that reports a
@@ -527,19 +538,20 @@ class Provider:
         finally:
             handle.close()
 
-    def _device_value(self, path: str) -> bytes | None:
+    def _device_value(self, path: str, handle=None) -> bytes | None:
         try:
-            return self.host.getxattr(path, devices.DEV_XATTR)
+            return handle.getxattr(devices.DEV_XATTR) if handle is not None else self.host.getxattr(path, devices.DEV_XATTR)
         except OSError:  # ENODATA (the usual case), ENOTSUP, gone meanwhile: not a device
             return None
 
-    def _as_device(self, path: str, a: Attr, names: list[str] | None = None) -> Attr:
+    def _as_device(self, path: str, a: Attr, names: list[str] | None = None, handle=None) -> Attr:
         """``a`` as the guest sees it: an emulated device if it is a placeholder. Only an
         empty regular file can be one (others cost no xattr read); with its xattr ``names``
-        read along with ``a`` (the same resolution), only one that has the device's xattr."""
+        read along with ``a`` (the same resolution), only one that has the device's xattr
+        (read through ``handle``, the file ``a`` describes, if given)."""
         if a.kind != REG or a.size != 0 or (names is not None and devices.DEV_XATTR not in names):
             return a
-        return devices.emulated_attr(a, self._device_value(path))
+        return devices.emulated_attr(a, self._device_value(path, handle))
 
     def _refuse_device(self, path: str) -> None:
         """``EPERM`` for an emulated device: never opened, like every special file."""
@@ -746,6 +758,22 @@ class Provider:
 
 #: the xattr holding a file's capabilities (kept mapped into ``user.``, never honoured)
 CAPABILITY_XATTR = "security.capability"
+
+
+class _EntryOf:
+    """The xattr reads of the entry ``name`` of a held directory (``FileHandle.getxattr_at``),
+    in the shape :meth:`Provider._reserved` and :meth:`Provider._as_device` read a handle's."""
+
+    __slots__ = ("directory", "name")
+
+    def __init__(self, directory: FileHandle, name: str):
+        self.directory, self.name = directory, name
+
+    def listxattr(self) -> list[str]:
+        return self.directory.getattr_xattr_names_at(self.name)[1]
+
+    def getxattr(self, xattr: str) -> bytes:
+        return self.directory.getxattr_at(self.name, xattr)
 
 
 def _view(cred: Cred | None):
