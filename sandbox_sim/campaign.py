@@ -105,6 +105,48 @@ def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver |
     return d, -1, None
 
 
+#: where a fault action keeps its fault's position: the index in its tuple of ``k`` (the host
+#: call, counted from the action's start, that crashes, loses power or tears) or ``j`` (the
+#: store mutation that fails)
+FAULT_POSITION = {"crash_in_step": 3, "power_loss_in_step": 3, "torn_write_in_step": 3, "store_error_in_step": 3,
+                  "crash_in_rollback": 2, "power_loss_in_rollback": 2, "store_error_in_rollback": 2}
+#: a position past the end of any action: the fault never hits
+UNREACHED = 10**9
+
+
+def at_position(action: tuple, position: int) -> tuple:
+    """``action`` with its fault at ``position`` (a fault action) — ``KeyError`` otherwise."""
+    i = FAULT_POSITION[action[0]]
+    return (*action[:i], position, *action[i + 1:])
+
+
+def fault_positions(config: dict, trace: list[tuple], i: int) -> int:
+    """How many positions fault action ``trace[i]`` can take after ``trace[:i]``: the host
+    calls (crash, power loss, torn write) or store mutations (store errors) it makes with its
+    fault placed past its end. 0 when it never arms (a rollback with no history)."""
+    d, fail_at, err = execute(config, [*trace[:i], at_position(trace[i], UNREACHED)])
+    if err is not None:
+        raise AssertionError(f"the trace fails before its fault at {i}: action {fail_at}: {err!r}")
+    if d is None or d.last_armed is None:
+        return 0
+    calls, store_mutations = d.last_armed
+    return store_mutations if trace[i][0].startswith("store_error") else calls
+
+
+def sweep(config: dict, trace: list[tuple], i: int) -> list[tuple[int, int, BaseException]]:
+    """Run ``trace`` with fault action ``trace[i]``'s fault at every position it can take
+    (:func:`fault_positions`), the rest as written; returns ``(position, failing action,
+    error)`` of every run that fails. A regression trace checked this way keeps covering
+    the scenario it was found in when the core makes more or fewer host calls in that
+    action, which moves the position the trace was shrunk with."""
+    failures = []
+    for k in range(fault_positions(config, trace, i)):
+        _, fail_at, err = execute(config, [*trace[:i], at_position(trace[i], k), *trace[i + 1:]])
+        if err is not None:
+            failures.append((k, fail_at, err))
+    return failures
+
+
 def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = SHRINK_BUDGET_S) -> list[tuple]:
     """Delta debugging: from the failing prefix, drop chunks of actions (halves, quarters,
     … single actions) while the trace still fails. Stops after ``budget_s`` seconds with
