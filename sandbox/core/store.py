@@ -550,6 +550,9 @@ class UndoLog:
         #: was made and not yet retired, or a call that might retire it failed
         self._no_rollback_dir = False
         self._no_wal_dir = False
+        #: known that ``trash/`` is empty (open emptied it and every retirement since was
+        #: deleted): a retirement's name is then free without a look
+        self._trash_empty = False
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._dctxs: list[zstandard.ZstdDecompressor] = []  # free for the next reader (DECOMPRESSORS_KEPT_MAX)
 
@@ -662,7 +665,7 @@ class UndoLog:
         if self.open_step is not None:
             self._keep_journal(self.open_step, keep=False)
         self.open_step = None
-        self._no_rollback_dir = self._no_wal_dir = False
+        self._no_rollback_dir = self._no_wal_dir = self._trash_empty = False
         for name in self.fs.listdir(""):
             if name != "lock":
                 preimage.remove_tree(self.fs, name)
@@ -1432,13 +1435,16 @@ class UndoLog:
         """Atomically retire ``path`` (one rename), then delete it. If the deletion fails
         the directory is already out of the way; ``open`` empties trash/ again."""
         dst = join("trash", name)
-        if self.fs.exists(dst):
+        if not self._trash_empty and self.fs.exists(dst):
             preimage.remove_tree(self.fs, dst)
         self.fs.rename(path, dst)  # the retirement: after this the caller's change has happened
         try:
             self._sync(parent_of(path), "trash")
             self._remove_dir(dst)
-        except OSError as e:
+        except BaseException as e:
+            self._trash_empty = False
+            if not isinstance(e, OSError):
+                raise
             self._emit({"type": "event.warning", "message": f"could not delete {dst} from the undo store ({e}); retried on next open"})
 
     def _remove_dir(self, path: str) -> None:
@@ -1506,6 +1512,7 @@ class UndoLog:
         try:
             for name in self.fs.listdir("trash"):
                 preimage.remove_tree(self.fs, join("trash", name))
+            self._trash_empty = True
         except OSError as e:  # only space is lost; retried at the next open
             self._emit({"type": "event.warning", "message": f"could not empty the undo store's trash ({e}); retried on next open"})
         try:
