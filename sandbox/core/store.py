@@ -1314,11 +1314,13 @@ class UndoLog:
         ``fresh``: ``where`` was a finished step's directory an instant ago (a finished step
         keeps no progress and no exchange note), so neither is looked for.
         """
-        try:
-            if fresh:
-                raise FileNotFoundError(where)
-            done = self.fs.lstat(join(where, "progress")).size
-        except FileNotFoundError:
+        done = None
+        if not fresh:
+            try:
+                done = self.fs.lstat(join(where, "progress")).size
+            except FileNotFoundError:
+                pass
+        if done is None:
             self.fs.create(join(where, "progress"), 0o600)
             self._sync(where)
             done = 0
