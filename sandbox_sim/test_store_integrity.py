@@ -1011,3 +1011,25 @@ def test_a_real_disks_journal_is_appended_through_one_kept_descriptor_reopened_w
     assert _descriptors_on(journal) == 0
     from sandbox.hostfs.memory import MemoryHostFS
     assert MemoryHostFS().append_handle("wal/in_progress/journal.jsonl") is None
+
+
+def test_a_retired_step_is_deleted_whole_entries_unlinked_without_a_look_each(world):
+    """``UndoLog._remove_dir``: each entry of a retired step directory is unlinked without a
+    look; one that refuses (a directory: ``EISDIR``) is looked at and emptied. A stray
+    directory in a step (nested, with a file) goes too, and ``trash/`` ends empty."""
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"1" * 9000)
+    step_dir = ws._log.steps()[-1].dirname
+    with world.paused():
+        world.store.mkdir(join(step_dir, "stray"), 0o700)
+        world.store.mkdir(join(step_dir, "stray/deeper"), 0o700)
+        world.store.create(join(step_dir, "stray/deeper/f"), 0o600)
+        world.store.write_all(join(step_dir, "stray/deeper/f"), 0, b"x")
+    world.injector = FaultInjector()
+    world.injector.trace = trace = []
+    ws.rollback(1)
+    assert world.store.listdir("trash") == [] and world.work.listdir("") == []
+    looks = [path for fs, op, path in trace if fs == "store" and op == "lstat" and path.startswith("trash/")]
+    assert sorted(looks) == sorted(["trash/rb-1/stray", "trash/rb-1/stray/deeper"]), looks
+    ws.close()
