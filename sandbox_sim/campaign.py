@@ -48,13 +48,13 @@ def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
         fault = rng.choice(sorted(faults)) if faults and rng.random() < 0.35 else None
         if r < 0.45:
             if fault == "crash":
-                actions.append(("crash_in_step", s, c, rng.randint(0, 250)))
+                actions.append(("crash_in_step", s, c, rng.randint(0, 210)))
             elif fault == "power":
-                actions.append(("power_loss_in_step", s, c, rng.randint(0, 400), rng.random() < 0.5))
+                actions.append(("power_loss_in_step", s, c, rng.randint(0, 340), rng.random() < 0.5))
             elif fault == "torn":
-                actions.append(("torn_write_in_step", s, c, rng.randint(0, 200)))
+                actions.append(("torn_write_in_step", s, c, rng.randint(0, 170)))
             elif fault in ("enospc", "eio"):
-                actions.append(("store_error_in_step", s, c, rng.randint(0, 60), errno.ENOSPC if fault == "enospc" else errno.EIO))
+                actions.append(("store_error_in_step", s, c, rng.randint(0, 58), errno.ENOSPC if fault == "enospc" else errno.EIO))
             else:
                 actions.append(("step", s, c))
         elif r < 0.55:
@@ -62,9 +62,9 @@ def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
         elif r < 0.8:
             n = rng.randint(1, 3)
             if fault == "crash":
-                actions.append(("crash_in_rollback", n, rng.randint(0, 200)))
+                actions.append(("crash_in_rollback", n, rng.randint(0, 170)))
             elif fault == "power":
-                actions.append(("power_loss_in_rollback", n, rng.randint(0, 300)))
+                actions.append(("power_loss_in_rollback", n, rng.randint(0, 255)))
             elif fault in ("enospc", "eio"):
                 actions.append(("store_error_in_rollback", n, rng.randint(0, 40), errno.ENOSPC if fault == "enospc" else errno.EIO))
             else:
