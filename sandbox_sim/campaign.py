@@ -48,13 +48,13 @@ def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
         fault = rng.choice(sorted(faults)) if faults and rng.random() < 0.35 else None
         if r < 0.45:
             if fault == "crash":
-                actions.append(("crash_in_step", s, c, rng.randint(0, 250)))
+                actions.append(("crash_in_step", s, c, rng.randint(0, 210)))
             elif fault == "power":
-                actions.append(("power_loss_in_step", s, c, rng.randint(0, 400), rng.random() < 0.5))
+                actions.append(("power_loss_in_step", s, c, rng.randint(0, 340), rng.random() < 0.5))
             elif fault == "torn":
-                actions.append(("torn_write_in_step", s, c, rng.randint(0, 200)))
+                actions.append(("torn_write_in_step", s, c, rng.randint(0, 170)))
             elif fault in ("enospc", "eio"):
-                actions.append(("store_error_in_step", s, c, rng.randint(0, 60), errno.ENOSPC if fault == "enospc" else errno.EIO))
+                actions.append(("store_error_in_step", s, c, rng.randint(0, 58), errno.ENOSPC if fault == "enospc" else errno.EIO))
             else:
                 actions.append(("step", s, c))
         elif r < 0.55:
@@ -62,9 +62,9 @@ def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
         elif r < 0.8:
             n = rng.randint(1, 3)
             if fault == "crash":
-                actions.append(("crash_in_rollback", n, rng.randint(0, 200)))
+                actions.append(("crash_in_rollback", n, rng.randint(0, 170)))
             elif fault == "power":
-                actions.append(("power_loss_in_rollback", n, rng.randint(0, 300)))
+                actions.append(("power_loss_in_rollback", n, rng.randint(0, 255)))
             elif fault in ("enospc", "eio"):
                 actions.append(("store_error_in_rollback", n, rng.randint(0, 40), errno.ENOSPC if fault == "enospc" else errno.EIO))
             else:
@@ -103,6 +103,48 @@ def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver |
             progress(i, d)
     d.close()
     return d, -1, None
+
+
+#: where a fault action keeps its fault's position: the index in its tuple of ``k`` (the host
+#: call, counted from the action's start, that crashes, loses power or tears) or ``j`` (the
+#: store mutation that fails)
+FAULT_POSITION = {"crash_in_step": 3, "power_loss_in_step": 3, "torn_write_in_step": 3, "store_error_in_step": 3,
+                  "crash_in_rollback": 2, "power_loss_in_rollback": 2, "store_error_in_rollback": 2}
+#: a position past the end of any action: the fault never hits
+UNREACHED = 10**9
+
+
+def at_position(action: tuple, position: int) -> tuple:
+    """``action`` with its fault at ``position`` (a fault action) — ``KeyError`` otherwise."""
+    i = FAULT_POSITION[action[0]]
+    return (*action[:i], position, *action[i + 1:])
+
+
+def fault_positions(config: dict, trace: list[tuple], i: int) -> int:
+    """How many positions fault action ``trace[i]`` can take after ``trace[:i]``: the host
+    calls (crash, power loss, torn write) or store mutations (store errors) it makes with its
+    fault placed past its end. 0 when it never arms (a rollback with no history)."""
+    d, fail_at, err = execute(config, [*trace[:i], at_position(trace[i], UNREACHED)])
+    if err is not None:
+        raise AssertionError(f"the trace fails before its fault at {i}: action {fail_at}: {err!r}")
+    if d is None or d.last_armed is None:
+        return 0
+    calls, store_mutations = d.last_armed
+    return store_mutations if trace[i][0].startswith("store_error") else calls
+
+
+def sweep(config: dict, trace: list[tuple], i: int) -> list[tuple[int, int, BaseException]]:
+    """Run ``trace`` with fault action ``trace[i]``'s fault at every position it can take
+    (:func:`fault_positions`), the rest as written; returns ``(position, failing action,
+    error)`` of every run that fails. A regression trace checked this way keeps covering
+    the scenario it was found in when the core makes more or fewer host calls in that
+    action, which moves the position the trace was shrunk with."""
+    failures = []
+    for k in range(fault_positions(config, trace, i)):
+        _, fail_at, err = execute(config, [*trace[:i], at_position(trace[i], k), *trace[i + 1:]])
+        if err is not None:
+            failures.append((k, fail_at, err))
+    return failures
 
 
 def shrink(config: dict, actions: list[tuple], fail_at: int, budget_s: float = SHRINK_BUDGET_S) -> list[tuple]:

@@ -23,17 +23,17 @@ VICTIM_NAME = "a"
 def _forget(field: str):
     original = preimage._apply_meta
 
-    def planted(fs, path, rec, handle=None):
+    def planted(fs, path, rec, handle=None, st=None):
         if rec["kind"] == REG and path.rsplit("/", 1)[-1] == VICTIM_NAME:
-            st = handle.fstat() if handle is not None else fs.lstat(path)
+            now_st = handle.fstat() if handle is not None else fs.lstat(path)
             if field == "mode":
-                rec = dict(rec, mode=st.mode)
+                rec = dict(rec, mode=now_st.mode)
             elif field == "mtime_ns":
-                rec = dict(rec, mtime_ns=st.mtime_ns)
+                rec = dict(rec, mtime_ns=now_st.mtime_ns)
             elif field == "xattrs":
                 now = handle.xattrs() if handle is not None else fs.xattrs(path)
                 rec = dict(rec, xattrs={k: preimage.b64(v) for k, v in now.items()})
-        return original(fs, path, rec, handle)
+        return original(fs, path, rec, handle, st)
 
     return original, planted
 

@@ -43,6 +43,9 @@ class Driver:
         self.ops_done = 0
         self.faults_injected = 0
         self.recoveries = 0
+        #: (host calls, store mutations) the last armed injector counted, read when it is
+        #: disarmed: how many positions a fault of that action could take
+        self.last_armed: tuple[int, int] | None = None
         self.ws = None
         self._open()
 
@@ -69,6 +72,7 @@ class Driver:
         self.world.injector = injector
 
     def _disarm(self) -> None:
+        self.last_armed = (self.world.injector.calls, self.world.injector.store_mutations)
         if self.world.injector.injected:
             self.faults_injected += len(self.world.injector.injected)
         self.world.injector = FaultInjector()

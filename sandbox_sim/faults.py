@@ -8,6 +8,9 @@ Faults:
 
 * ``crash_at=k`` — the k-th call (0-based) raises :class:`SimulatedCrash` *before* it
   runs; so does every later call (the process is dead).
+* ``crash_if=predicate`` — the same at the first call for which ``predicate(fs_name, op,
+  path)`` holds: a crash at a named host call (e.g. the step's promotion), which stays put
+  when the core makes more or fewer calls before it.
 * ``torn_at=k`` — the k-th call, if it is a write of more than one byte, writes only a
   prefix of its data and then the process crashes.
 * ``error_at=(j, errno)`` — the j-th *mutating call on the undo store* fails with that
@@ -46,7 +49,7 @@ def _plan_field(name: str) -> property:
 
     def set(self, value) -> None:
         setattr(self, private, value)
-        self._quiet = (self._crash_at is None and self._torn_at is None and self._error_at is None
+        self._quiet = (self._crash_at is None and self._crash_if is None and self._torn_at is None and self._error_at is None
                        and self._error_if is None and self._trace is None and not self._crashed)
 
     return property(get, set)
@@ -59,6 +62,7 @@ class FaultInjector:
     positions mean the same whether or not anything is armed."""
 
     crash_at = _plan_field("crash_at")
+    crash_if = _plan_field("crash_if")
     torn_at = _plan_field("torn_at")
     error_at = _plan_field("error_at")
     error_if = _plan_field("error_if")
@@ -67,8 +71,10 @@ class FaultInjector:
 
     def __init__(self, crash_at: int | None = None, torn_at: int | None = None,
                  error_at: tuple[int, int] | None = None, seed: int = 0,
-                 error_if: tuple[Callable[[str, str, str], bool], int] | None = None):
+                 error_if: tuple[Callable[[str, str, str], bool], int] | None = None,
+                 crash_if: Callable[[str, str, str], bool] | None = None):
         self._crash_at, self._torn_at, self._error_at, self._error_if = crash_at, torn_at, error_at, error_if
+        self._crash_if = crash_if
         self._trace: list[tuple[str, str, str]] | None = None
         self._crashed = False
         self.rng = random.Random(seed)
@@ -79,7 +85,7 @@ class FaultInjector:
 
     def disarm(self) -> None:
         """After a crash: the next process starts with no faults planned."""
-        self.crash_at = self.torn_at = self.error_at = self.error_if = None
+        self.crash_at = self.crash_if = self.torn_at = self.error_at = self.error_if = None
         self.crashed = False
 
     def __call__(self, fs, op: str, path: str, nbytes: int):
@@ -94,7 +100,7 @@ class FaultInjector:
         self.calls += 1
         if self.trace is not None:
             self.trace.append((fs.name, op, path))
-        if self.crash_at == k:
+        if self.crash_at == k or (self.crash_if is not None and self.crash_if(fs.name, op, path)):
             self.crashed = True
             self.injected.append(f"crash before call {k} ({fs.name}.{op} {path!r})")
             raise SimulatedCrash(f"crash at call {k}: {fs.name}.{op} {path!r}")

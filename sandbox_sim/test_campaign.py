@@ -26,7 +26,7 @@ from sandbox.core import preimage
 from . import defects, oracle
 from .__main__ import main
 from .budget import scale
-from .campaign import FAULTS, execute, plan, shrink
+from .campaign import FAULT_POSITION, FAULTS, UNREACHED, at_position, execute, fault_positions, plan, shrink, sweep
 from .world import World
 
 MIXES = ["", *FAULTS, ",".join(FAULTS)]
@@ -221,6 +221,44 @@ def test_fixed_violations_found_by_the_fan_out_stay_fixed(name):
     config, trace, _what = FIXED_VIOLATIONS[name]
     _, fail_at, err = execute(config, trace)
     assert err is None, f"action {fail_at}: {err}"
+
+
+# A fault's position in these traces is a host call (or store mutation) counted from its
+# action's start, so a core that makes fewer or more calls in that action moves the call a
+# pinned position hits: the trace would still run clean, no longer reaching the scenario it
+# guards. So each fault action is also run with its fault at *every* position of its action
+# (the others as written): wherever the scenario falls now, it is among them. Checked against
+# the fixes these traces guard: with the owed void's line (UndoLog.append), the exchange note
+# (preimage.ExchangeNote) or the owed void itself (OpenStep.pending_void) reverted, each entry
+# fails in at least two of its sweeps (the owed void's store error at 1 of its 44 positions;
+# the exchange's trace as written no longer fails since issue 19's fifth speed pass moved its
+# crashes — its two crash-in-rollback sweeps do).
+_FAULT_ACTIONS = [(name, i) for name, (_, trace, _w) in FIXED_VIOLATIONS.items()
+                  for i, a in enumerate(trace) if a[0] in FAULT_POSITION]
+
+
+@pytest.mark.parametrize(("name", "i"), _FAULT_ACTIONS, ids=[f"{n}-{i}" for n, i in _FAULT_ACTIONS])
+def test_fixed_violations_stay_fixed_with_the_fault_at_every_position_of_its_action(name, i):
+    config, trace, _what = FIXED_VIOLATIONS[name]
+    assert fault_positions(config, trace, i) > 0, "the fault action no longer arms (an empty history?)"
+    failures = sweep(config, trace, i)
+    assert not failures, "\n".join(f"{trace[i][0]} at {k}: action {at}: {err}" for k, at, err in failures[:3])
+
+
+def test_a_sweep_finds_a_violation_the_pinned_position_misses(planted):
+    """A fault placed past its action's end hits nothing: an undo that forgets a file's mtime
+    goes unseen. Swept over every host call of the step, the crashes and recoveries find it;
+    without the defect no position fails."""
+    config = {"seed": 1, "max_step_count": 4, "tight": False, "durable": False}
+    trace = [("crash_in_step", 1, 6, UNREACHED)]
+    n = fault_positions(config, trace, 0)
+    assert 0 < n < UNREACHED and at_position(trace[0], 7) == ("crash_in_step", 1, 6, 7)
+    assert sweep(config, trace, 0) == []
+    planted("forget_mtime")
+    assert execute(config, trace)[2] is None
+    failures = sweep(config, trace, 0)
+    assert failures and all(k < n for k, _, _ in failures) and len(failures) < n
+    assert all("mtime_ns" in str(err) for _, _, err in failures)
 
 
 

@@ -406,3 +406,25 @@ def test_crash_at_every_call_of_undoing_an_exchange_whose_both_names_were_remade
             ws.fs.unlink("d/sub/c")
 
     _rollback_survives_a_crash_at_every_call(kind, tmp_path, steps)
+
+
+def test_an_undo_sets_a_mode_only_where_a_current_look_shows_it_differs():
+    """The undo's chmod is skipped where the stat it already took shows the recorded mode
+    (no chown and no xattr change since: either may change a mode); everything else is
+    restored exactly as before."""
+    world = World("sim")
+    with world.paused():
+        for d in ("same", "chmodded", "xattred"):
+            world.work.mkdir(d, 0o755)
+    ws = world.open()
+    before = world.snapshot()
+    with ws.step("s"):
+        ws.fs.write_file("same/f", b"1")  # the directory's mtime changes, not its mode
+        ws.fs.chmod("chmodded", 0o700)
+        ws.fs.setxattr("xattred", "user.k", b"v")
+    world.injector = FaultInjector()
+    world.injector.trace = trace = []
+    ws.rollback(1)
+    assert sorted(path for fs, op, path in trace if op == "chmod") == ["chmodded", "xattred"]
+    oracle.assert_same(before, world.snapshot(), "undo")
+    ws.close()

@@ -473,6 +473,21 @@ def test_an_injector_with_nothing_planned_counts_calls_as_an_armed_one_does():
         _step(ws)
 
 
+def test_a_crash_planned_at_a_named_call_hits_the_first_call_it_names():
+    """``crash_if``: the position is a call's name, not its count — the first traced call
+    the predicate holds for is the one that dies, and no call before it."""
+    w, ws, _ = _prepare("sim", None)
+    w.injector = FaultInjector()
+    w.injector.trace = traced = []
+    _step(ws)
+    first = next(i for i, (fs, op, path) in enumerate(traced) if fs == "store" and op == "rename")
+    w, ws, _ = _prepare("sim", None)
+    w.injector = FaultInjector(crash_if=lambda fs, op, path: fs == "store" and op == "rename")
+    with pytest.raises(SimulatedCrash, match=rf"crash at call {first}: store\.rename {traced[first][2]!r}"):
+        _step(ws)
+    assert w.injector.calls == first + 1
+
+
 def test_planning_a_fault_on_a_live_injector_takes_effect_at_once():
     w, ws, _ = _prepare("sim", None)
     w.injector = FaultInjector()

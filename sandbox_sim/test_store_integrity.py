@@ -19,6 +19,7 @@ with valid seals, so each check is pinned on its own.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
@@ -714,15 +715,34 @@ def test_restore_checks_each_preimage_before_it_touches_the_path(kind, in_memory
     ws.close()
 
 
+class _JournalWriteFailsPartWay(FaultInjector):
+    """The next journal write stores all but its last byte, then fails with ENOSPC (the
+    process lives on): what a disk that fills up part-way through a write leaves."""
+
+    def __call__(self, fs, op, path, nbytes):
+        super().__call__(fs, op, path, nbytes)
+        if fs.name == "store" and op == "write" and path.endswith("journal.jsonl") and not self.injected:
+            self.injected.append(f"short write of {path}")
+            return nbytes - 1
+        return None
+
+    def after_torn_write(self, fs, path, written):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
 def test_bytes_a_failed_append_left_past_the_journal_do_not_make_the_step_corrupt():
     world = World("sim")
     ws = world.open()
     with ws.step("s"):
-        ws.fs.write_file("a", b"1")
-        with world.paused():  # what an append that failed part-way (ENOSPC) leaves behind
-            off = ws._log.open_step.journal_offset
-            world.store.write_all("wal/in_progress/journal.jsonl", off, b'{"op":"pre","path":"b","kind":"reg","mo' + b"x" * 300)
-        ws.fs.write_file("c", b"3")  # overwrites part of it; the rest stays past the last line
+        ws.fs.write_file("a", b"1" * 500)
+        world.injector = _JournalWriteFailsPartWay()
+        with pytest.raises(OSError) as e:
+            ws.fs.write_file("b" * 40, b"2")  # its intent's line is cut short: the create never runs
+        assert e.value.errno == errno.ENOSPC and world.injector.injected
+        world.injector = FaultInjector()
+        assert world.store.lstat("wal/in_progress/journal.jsonl").size > ws._log.open_step.journal_offset
+        ws.fs.write_file("c", b"3")  # a shorter line over part of what it left; the rest stays past it
+        assert world.store.lstat("wal/in_progress/journal.jsonl").size > ws._log.open_step.journal_offset
     ws.close()
     ws = world.open()
     assert "corrupt" not in ws.history()[0]
@@ -991,3 +1011,25 @@ def test_a_real_disks_journal_is_appended_through_one_kept_descriptor_reopened_w
     assert _descriptors_on(journal) == 0
     from sandbox.hostfs.memory import MemoryHostFS
     assert MemoryHostFS().append_handle("wal/in_progress/journal.jsonl") is None
+
+
+def test_a_retired_step_is_deleted_whole_entries_unlinked_without_a_look_each(world):
+    """``UndoLog._remove_dir``: each entry of a retired step directory is unlinked without a
+    look; one that refuses (a directory: ``EISDIR``) is looked at and emptied. A stray
+    directory in a step (nested, with a file) goes too, and ``trash/`` ends empty."""
+    ws = world.open()
+    with ws.step("s"):
+        ws.fs.write_file("a", b"1" * 9000)
+    step_dir = ws._log.steps()[-1].dirname
+    with world.paused():
+        world.store.mkdir(join(step_dir, "stray"), 0o700)
+        world.store.mkdir(join(step_dir, "stray/deeper"), 0o700)
+        world.store.create(join(step_dir, "stray/deeper/f"), 0o600)
+        world.store.write_all(join(step_dir, "stray/deeper/f"), 0, b"x")
+    world.injector = FaultInjector()
+    world.injector.trace = trace = []
+    ws.rollback(1)
+    assert world.store.listdir("trash") == [] and world.work.listdir("") == []
+    looks = [path for fs, op, path in trace if fs == "store" and op == "lstat" and path.startswith("trash/")]
+    assert sorted(looks) == sorted(["trash/rb-1/stray", "trash/rb-1/stray/deeper"]), looks
+    ws.close()

@@ -111,38 +111,46 @@ class _AtPath:
         return self.fs.lstat(self.path)
 
 
-def _restore_owner(at, rec: dict) -> None:
+def _restore_owner(at, rec: dict, cur: Stat | None = None) -> Stat | None:
     """The host owner ``rec`` recorded, where it differs and this process may set it (root;
     anyone else gets ``EPERM`` and the file stays its own). Before the mode: a chown clears
-    set-id bits. Records from before owners were kept have none: nothing to do."""
+    set-id bits. Records from before owners were kept have none: nothing to do. ``cur``:
+    the node's stat if the caller has a current one. Returns a stat still current (nothing
+    changed since it was taken), or None (none taken, or a chown ran)."""
     if "uid" not in rec:
-        return
-    cur = at.fstat()
+        return cur
+    cur = cur if cur is not None else at.fstat()
     if (cur.uid, cur.gid) == (rec["uid"], rec["gid"]):
-        return
+        return cur
     try:
         at.chown(rec["uid"], rec["gid"])
     except PermissionError:
-        pass
+        return cur
+    return None
 
 
-def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = None) -> None:
+def _apply_meta(fs: HostFS, path: str, rec: dict, handle: FileHandle | None = None, st: Stat | None = None) -> None:
     """Set xattrs, mode and mtime as ``rec`` says: by name — or, given ``handle``, on
     the inode it holds, whatever ``path`` names by now. A symlink's xattrs only where ``rec``
-    has them (records from before symlinks' were captured have none: left as they are)."""
+    has them (records from before symlinks' were captured have none: left as they are).
+    ``st``: the node's current stat, if the caller has one (no look again). The mode is set
+    unless a stat still current shows it is already the recorded one (no chown and no xattr
+    change since: either may change the mode — set-id bits, an access ACL)."""
     at = handle if handle is not None else _AtPath(fs, path)
     kind = rec["kind"]
-    _restore_owner(at, rec)
+    cur = _restore_owner(at, rec, st)
     if kind != LNK or "xattrs" in rec:
         wanted = {name: unb64(v) for name, v in rec.get("xattrs", {}).items()}
         current = at.xattrs()
         for name in current:
             if name not in wanted:
                 at.removexattr(name)
+                cur = None
         for name, value in wanted.items():
             if current.get(name) != value:
                 at.setxattr(name, value)
-    if kind != LNK:
+                cur = None
+    if kind != LNK and (cur is None or cur.mode != rec["mode"]):
         at.chmod(rec["mode"])
     at.utime(rec["mtime_ns"])
 
@@ -265,7 +273,7 @@ def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, u
     st = _lstat(fs, path)
     if op == "meta":
         if st is not None and st.kind == kind:
-            _apply_meta(fs, path, rec)
+            _apply_meta(fs, path, rec, st=st)
         return
     assert op == "pre", op
     if st is not None and (st.kind != kind or (kind == OTHER and st.file_type != rec["fmt"])):
@@ -307,7 +315,7 @@ def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, u
             fs.mknod(path, rec["mode"], rec["fmt"])  # never opened; mode and mtime follow by name, no follow
     else:  # pragma: no cover - capture refuses other kinds
         raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
-    _apply_meta(fs, path, rec)
+    _apply_meta(fs, path, rec, st=st)  # st: None if just made, else unchanged since the look
 
 
 #: capture looks through at most this many entries of the working folder, once per step
@@ -522,7 +530,7 @@ def apply_dir_meta(fs: HostFS, rec: dict) -> None:
     """Second pass: set a directory's mode, xattrs and mtime (if it is still a directory)."""
     st = _lstat(fs, rec["path"])
     if st is not None and st.kind == DIR:
-        _apply_meta(fs, rec["path"], rec)
+        _apply_meta(fs, rec["path"], rec, st=st)
 
 
 class _Origins:

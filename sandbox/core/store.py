@@ -172,6 +172,9 @@ class OpenStep:
     #: the journal's appends go through this handle (HostFS.append_handle: a real disk), else
     #: by path; dropped before the journal is replaced or renamed (:meth:`UndoLog._keep_journal`)
     journal_out: FileHandle | None = None
+    #: an append raised, so bytes may lie past ``journal_offset`` (a write that failed
+    #: part-way): the step's finish looks at the file's size and cuts them off
+    tail_unknown: bool = False
 
     # set when the step has ended (its command finished) but its promotion failed: the
     # exit code and whether a safeguard denied it; promotion is retried at the next boundary
@@ -541,6 +544,15 @@ class UndoLog:
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._reflink_ok: bool | None = None
         self.eviction_pending = False
+        #: known, while the store is locked by this process, that ``wal/rollback`` (resp.
+        #: ``wal/in_progress`` while no step is open) is absent: this process makes and
+        #: retires both, so the look before each step and undo is needed only after one
+        #: was made and not yet retired, or a call that might retire it failed
+        self._no_rollback_dir = False
+        self._no_wal_dir = False
+        #: known that ``trash/`` is empty (open emptied it and every retirement since was
+        #: deleted): a retirement's name is then free without a look
+        self._trash_empty = False
         self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
         self._dctxs: list[zstandard.ZstdDecompressor] = []  # free for the next reader (DECOMPRESSORS_KEPT_MAX)
 
@@ -616,15 +628,33 @@ class UndoLog:
                         raise
 
     def _write_file(self, path: str, data: bytes) -> None:
-        """Replace ``path`` atomically: write a temp file, then rename over."""
+        """Replace ``path`` atomically: write a temp file, then rename over. A temp file an
+        interrupted run left is found by the create (``EEXIST``) and removed first."""
         tmp = path + ".tmp"
-        if self.fs.exists(tmp):
+        try:
+            self.fs.create(tmp, 0o600)
+        except FileExistsError:
             self.fs.unlink(tmp)
-        self.fs.create(tmp, 0o600)
+            self.fs.create(tmp, 0o600)
         self.fs.write_all(tmp, 0, data)
         self._sync(tmp)
         self.fs.rename(tmp, path)
         self._sync(parent_of(path))
+
+    def _write_unpromoted(self, path: str, data: bytes) -> None:
+        """Write ``path`` inside the WAL, in place: nothing reads a file there before the
+        promotion renames the directory, and every fault before that leaves the WAL to
+        recovery (which reads only its journal), so no temp file and rename are needed — a
+        file an earlier attempt left is found by the create (``EEXIST``) and replaced. In
+        power-loss mode the file and its entry are durable before it returns (before the
+        promotion)."""
+        try:
+            self.fs.create(path, 0o600)
+        except FileExistsError:
+            self.fs.unlink(path)
+            self.fs.create(path, 0o600)
+        self.fs.write_all(path, 0, data)
+        self._sync(path, parent_of(path))
 
     def discard(self, workdir_label: str = "") -> None:
         """Delete all undo history (after a version mismatch, on the user's word), whatever
@@ -635,6 +665,7 @@ class UndoLog:
         if self.open_step is not None:
             self._keep_journal(self.open_step, keep=False)
         self.open_step = None
+        self._no_rollback_dir = self._no_wal_dir = self._trash_empty = False
         for name in self.fs.listdir(""):
             if name != "lock":
                 preimage.remove_tree(self.fs, name)
@@ -779,6 +810,7 @@ class UndoLog:
         self._save_counters()
         now = self.clock_ns()
         step = OpenStep(seq=seq, id=step_id, type=step_type, command=command, started_ns=now, touched_ns=now)
+        self._no_wal_dir = False
         self.fs.mkdir(WAL, 0o700)
         header = {"seq": seq, "id": step_id, "type": step_type, "command": command, "started_ns": now}
         self.fs.create(WAL_JOURNAL, 0o600)
@@ -801,10 +833,14 @@ class UndoLog:
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
-        if step.journal_out is not None:
-            step.journal_out.pwrite_all(line, step.journal_offset)
-        else:
-            self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
+        try:
+            if step.journal_out is not None:
+                step.journal_out.pwrite_all(line, step.journal_offset)
+            else:
+                self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
+        except BaseException:
+            step.tail_unknown = True
+            raise
         step.journal_offset += len(line)
         step.journal_lines += 1
         if step.lines is not None:
@@ -958,10 +994,11 @@ class UndoLog:
                "size_bytes": info.size_bytes, "paths": info.paths, "fingerprints": info.fingerprints,
                "format": FORMAT_VERSION, "journal_lines": info.journal_lines, "journal_bytes": info.journal_bytes,
                "journal_hash": info.journal_hash, "records": info.records}
-        self._write_file(join(WAL, "manifest.json"), seal(man))
+        self._write_unpromoted(join(WAL, "manifest.json"), seal(man))
         self._keep_journal(step, keep=False)  # a retry after a failed rename appends by path
         self.fs.rename(WAL, info.dirname)  # the promotion: from here on the step is finished
         self.open_step = None
+        self._no_wal_dir = True
         self._steps.append(info)
         if step.lines is not None and step.journal_hash is not None:
             self._keep_bounded(self._written, b"".join(step.lines), step.line_objs)
@@ -979,7 +1016,7 @@ class UndoLog:
         off first (its mutation never started)."""
         path = WAL_JOURNAL
         if step.journal_hash is not None:
-            if self.fs.lstat(path).size != step.journal_offset:
+            if step.tail_unknown and self.fs.lstat(path).size != step.journal_offset:
                 # an append that failed part-way (ENOSPC, EIO) left bytes past the last line
                 self.fs.truncate(path, step.journal_offset)
             return step.journal_lines, step.journal_offset, step.journal_hash.hexdigest()
@@ -1142,8 +1179,10 @@ class UndoLog:
 
     # ------------------------------------------------------------------ rollback
 
-    def rollback_top(self, work: HostFS, force: bool = False) -> int:
-        """Undo the newest finished step (rollback is pop). Returns records undone."""
+    def rollback_top(self, work: HostFS, force: bool = False, checked: dict[int, list[dict]] | None = None) -> int:
+        """Undo the newest finished step (rollback is pop). Returns records undone.
+        ``checked``: records the caller read with :meth:`records_of` since the store last
+        changed, by step seq — used (and not read again) if they are the newest step's."""
         self.require_available()
         self.finish_pending_rollback()
         if not self._steps:
@@ -1153,14 +1192,18 @@ class UndoLog:
             raise self.corrupt(info)
         if info.unprotected:
             raise StepUnprotected(f"step {info.id} is unprotected (it exceeded max_single_step_size_bytes) and cannot be rolled back", step_id=info.id)
-        records = self.records_of(info)  # the caller has verified content and fingerprints
+        records = (checked or {}).get(info.seq)
+        if records is None:
+            records = self.records_of(info)  # the caller has verified content and fingerprints
+        self._no_rollback_dir = False
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
         if force:  # before any record is undone: a resumption is forced too
             self.fs.create(join(ROLLBACK, "forced"), 0o600)
         self._sync(ROLLBACK, "steps", "wal")
-        n = self._undo_resumable(work, ROLLBACK, records, user_forced=force)
+        n = self._undo_resumable(work, ROLLBACK, records, user_forced=force, fresh=True)
         self._to_trash(ROLLBACK, f"rb-{info.seq}")
+        self._no_rollback_dir = True
         self._drop_barriers_from(info.seq)
         return n
 
@@ -1251,7 +1294,8 @@ class UndoLog:
         return content
 
     def _undo_resumable(self, work: HostFS, where: str, records: list[dict], user_forced: bool = False,
-                        not_restored: list[tuple[str, str]] | None = None, last_may_be_stale: bool = False) -> int:
+                        not_restored: list[tuple[str, str]] | None = None, last_may_be_stale: bool = False,
+                        fresh: bool = False) -> int:
         """Undo a journal directory's records, resuming after the ones already undone.
 
         ``<where>/progress`` grows by one byte per record undone, after the undo; so a crash,
@@ -1266,21 +1310,28 @@ class UndoLog:
         one. Every other intent ran: a finished step's, a denied step's (a failed call voids
         its intent), and so their undo never guesses from inode numbers, which a real disk
         reuses (see :func:`preimage.restore`, ``trust_intent``).
+
+        ``fresh``: ``where`` was a finished step's directory an instant ago (a finished step
+        keeps no progress and no exchange note), so neither is looked for.
         """
-        try:
-            done = self.fs.lstat(join(where, "progress")).size
-        except FileNotFoundError:
+        done = None
+        if not fresh:
+            try:
+                done = self.fs.lstat(join(where, "progress")).size
+            except FileNotFoundError:
+                pass
+        if done is None:
             self.fs.create(join(where, "progress"), 0o600)
             self._sync(where)
             done = 0
         done = min(done, len(records))
         return self._undo_records(work, where, records, start=done, progress=done, user_forced=user_forced,
-                                  not_restored=not_restored, last_may_be_stale=last_may_be_stale)
+                                  not_restored=not_restored, last_may_be_stale=last_may_be_stale, fresh=fresh)
 
     def _undo_records(self, work: HostFS, where: str, records: list[dict], start: int, progress: int | None,
                       user_forced: bool = False, not_restored: list[tuple[str, str]] | None = None,
                       open_content: Callable[[dict], Iterable[bytes]] | None = None, trust_intents: bool = False,
-                      last_may_be_stale: bool = False) -> int:
+                      last_may_be_stale: bool = False, fresh: bool = False) -> int:
         """Pass 1: undo records newest first, skipping the ``start`` already done (rule 3).
         Pass 2: directory metadata, deepest first (idempotent, so always redone whole).
 
@@ -1296,7 +1347,7 @@ class UndoLog:
         open_content = open_content or self._open_content(where)
         links = preimage.LinkGroups(records)
         links.replay(work, list(reversed(records[len(records) - start:])))  # what an interrupted run undid
-        noted = self._exchange_noted(where) if progress is not None else None
+        noted = self._exchange_noted(where) if progress is not None and not fresh else None
         progress_file = join(where, "progress")
         done = start
         stop = 0
@@ -1386,14 +1437,33 @@ class UndoLog:
         """Atomically retire ``path`` (one rename), then delete it. If the deletion fails
         the directory is already out of the way; ``open`` empties trash/ again."""
         dst = join("trash", name)
-        if self.fs.exists(dst):
+        if not self._trash_empty and self.fs.exists(dst):
             preimage.remove_tree(self.fs, dst)
         self.fs.rename(path, dst)  # the retirement: after this the caller's change has happened
         try:
             self._sync(parent_of(path), "trash")
-            preimage.remove_tree(self.fs, dst)
-        except OSError as e:
+            self._remove_dir(dst)
+        except BaseException as e:
+            self._trash_empty = False
+            if not isinstance(e, OSError):
+                raise
             self._emit({"type": "event.warning", "message": f"could not delete {dst} from the undo store ({e}); retried on next open"})
+
+    def _remove_dir(self, path: str) -> None:
+        """Remove directory ``path`` of the store and everything in it: what
+        :func:`preimage.remove_tree` does, one look fewer per entry — each entry is unlinked
+        first, and only one that refuses (``EISDIR``, or ``EPERM`` as some systems answer)
+        is looked at and, if a directory, emptied the same way."""
+        for name in self.fs.listdir(path):
+            child = join(path, name)
+            try:
+                self.fs.unlink(child)
+            except (IsADirectoryError, PermissionError):
+                st = self.fs.lstat_or_none(child)
+                if st is None or st.kind != DIR:
+                    raise
+                self._remove_dir(child)
+        self.fs.rmdir(path)
 
     # ------------------------------------------------------------------ limits
 
@@ -1444,6 +1514,7 @@ class UndoLog:
         try:
             for name in self.fs.listdir("trash"):
                 preimage.remove_tree(self.fs, join("trash", name))
+            self._trash_empty = True
         except OSError as e:  # only space is lost; retried at the next open
             self._emit({"type": "event.warning", "message": f"could not empty the undo store's trash ({e}); retried on next open"})
         try:
@@ -1468,8 +1539,11 @@ class UndoLog:
         finished = self.finish_pending_rollback()
         if finished is not None:
             report = {"kind": "rollback_finished", **finished}
-        if self.open_step is None and self.fs.exists(WAL):
-            report = self._recover_wal() or report
+        if self.open_step is None and not self._no_wal_dir:
+            if self.fs.exists(WAL):
+                report = self._recover_wal() or report
+            else:
+                self._no_wal_dir = True
         return report
 
     def _recover_wal(self) -> dict | None:
@@ -1483,6 +1557,7 @@ class UndoLog:
             header, records, unprotected = self._read_wal(WAL)
             if not records and (header is None or not unprotected):
                 self._to_trash(WAL, "wal-empty")  # died before its first record: nothing happened
+                self._no_wal_dir = True
                 return None
             if unprotected and header is not None:
                 # its preimages are gone; promote it as unprotected so history says what happened
@@ -1498,6 +1573,7 @@ class UndoLog:
             not_restored: list[tuple[str, str]] = []
             self._undo_resumable(work, WAL, records, not_restored=not_restored, last_may_be_stale=True)
             self._to_trash(WAL, f"wal-{header['seq'] if header else 'corrupt'}")
+            self._no_wal_dir = True
         except (OSError, CorruptStep, KeyError, TypeError) as e:
             raise self._incomplete("recovery of an interrupted step", header, e) from e
         paths = [p for p in self.touched_paths(records) if p not in dict(not_restored)]
@@ -1547,7 +1623,8 @@ class UndoLog:
     @property
     def rollback_pending(self) -> bool:
         """A rollback or a recovery stopped part-way and is not finished yet."""
-        return self.fs.exists(ROLLBACK) or (self.open_step is None and self.fs.exists(WAL))
+        return ((not self._no_rollback_dir and self.fs.exists(ROLLBACK))
+                or (self.open_step is None and not self._no_wal_dir and self.fs.exists(WAL)))
 
     def finish_pending_rollback(self) -> dict | None:
         """Finish a rollback that was interrupted (crash, ENOSPC, EIO) from its progress count,
@@ -1555,7 +1632,10 @@ class UndoLog:
 
         Until this succeeds no new step may begin: the tree is between two steps.
         """
+        if self._no_rollback_dir:
+            return None
         if not self.fs.exists(ROLLBACK):
+            self._no_rollback_dir = True
             return None
         header = None
         try:
@@ -1565,6 +1645,7 @@ class UndoLog:
             forced = self.fs.exists(join(ROLLBACK, "forced"))
             self._undo_resumable(self._work, ROLLBACK, records, user_forced=forced)
             self._to_trash(ROLLBACK, f"rb-{seq}")
+            self._no_rollback_dir = True
         except (OSError, CorruptStep, KeyError, TypeError) as e:
             raise self._incomplete("an undo", header, e) from e
         self._drop_barriers_from(seq)

@@ -400,14 +400,15 @@ class Workspace:
                     self._log.check_content(s, records[s.seq])
             except CorruptStep as e:
                 raise CorruptStep(f"cannot undo: {e.message}; nothing was undone", **e.data) from None
+            looked: dict[str, bool] = {}
             if not force:
                 self._check_barriers(targets)
-                self._check_unchanged(targets, records)
+                looked = self._check_unchanged(targets, records)
             touched = sorted({p for s in targets for p in s.paths})
-            present = {p for p in touched if self.work.lstat_or_none(p) is not None}
+            present = {p for p in touched if (looked[p] if p in looked else self.work.lstat_or_none(p) is not None)}
             undone = []
             for s in reversed(targets):
-                self._log.rollback_top(self.work, force=force)
+                self._log.rollback_top(self.work, force=force, checked=records)
                 undone.append(s.id)
             listed, truncated = _rollback_paths(self.work, touched, present)
             self._emit({"type": "event.rollback", "step_ids": undone, "paths_restored": len(touched)})
@@ -438,8 +439,10 @@ class Workspace:
                 "rolling back would overwrite them — use force to do it anyway",
                 barrier_ids=[b.id for b in blocking], paths=names)
 
-    def _check_unchanged(self, targets, records) -> None:
-        """Every path the rollback touches is exactly as its newest step left it.
+    def _check_unchanged(self, targets, records) -> dict[str, bool]:
+        """Every path the rollback touches is exactly as its newest step left it. Returns
+        whether something is at each path it looked at (nothing changes until the undo, all
+        under the interceptor's lock), so the rollback need not look again.
 
         Paths moved by a newer step's rename are followed to where they are now. A file
         that changed only because a newer step wrote it through another hard link (the
@@ -463,11 +466,15 @@ class Workspace:
             mine = [(r["op"], r["src"], r["dst"]) for r in records[s.seq] if r.get("op") in ("renamed", "exchanged")]
             later_renames = mine + later_renames
 
+        looked: dict[str, bool] = {}
+
         def current(path: str, fp) -> list | str | None:
             try:
-                return preimage.fingerprint(self.work, path, with_dir_mtime=fp is not None and len(fp) == 2 and fp[0] == "dir")
+                now = preimage.fingerprint(self.work, path, with_dir_mtime=fp is not None and len(fp) == 2 and fp[0] == "dir")
             except OSError:
                 return "unreadable"
+            looked[path] = now is not None
+            return now
 
         # per age, (name, inode) of the other names of files a step changed (``links`` of its preimages)
         linked = [{(q, r["ino"]) for r in records[s.seq] if r.get("op") == "pre" and r.get("kind") == "reg"
@@ -480,6 +487,7 @@ class Workspace:
                 f"{len(changed)} path(s) changed outside the sandbox since the sandbox last wrote them "
                 f"({', '.join(changed[:5])}{', …' if len(changed) > 5 else ''}); rolling back would overwrite "
                 "those changes — use force to do it anyway", paths=changed)
+        return looked
 
     def _changed_through_link(self, path: str, expected: dict, current, linked: list[set]) -> bool:
         """``path`` changed because a newer step of the rollback changed its inode through
