@@ -920,7 +920,8 @@ class Dispatcher:
         writer must not cache pages its writes leave stale: Linux 6.1's direct write drops
         none), or if the open is write-only and ``n`` has no other handle (write-only: it can
         never be mapped, so refusing shared mmap costs nothing; no other handle: no cached
-        reader to leave stale). Invariant: ``n``'s handles are all direct or all cached."""
+        reader or map that would cache pages between its writes — the pages cached before
+        are dropped by this very open). Invariant: ``n``'s handles are all direct or all cached."""
         if not self.direct_io_write_only or self.coherent:
             return False
         if n.files:
