@@ -57,13 +57,16 @@ project, mounted two ways (cache=none, msize 512 KiB both):
         as ours, no interception — the transport held equal (skipped if not installed)
   vfs   ours over virtio-fs (sandbox.fuse.virtiofs, intercepted; QEMU vhost-user-fs-pci,
         guest RAM a shared memfd) — how sessions will mount working folders (issue 17)
+  vfs-cached  vfs with every open cached (Dispatcher.direct_io_write_only pinned off): how vfs
+        opened files before write-only opens got direct I/O — vfs/vfs-cached is that change
+        (not run unless named in BENCH_SIDES)
   virtiofsd  QEMU's C virtiofsd (/usr/lib/qemu/virtiofsd, cache=none, sandbox=chroot),
         no interception — the virtio-fs reference (skipped if not installed); cache=none
         opens every file FOPEN_DIRECT_IO (no guest page cache) with 0 s timeouts
   virtiofsd-auto  the same with its default cache=auto: 1 s timeouts and the guest's page
-        cache dropped at each open — the caching vfs uses
+        cache dropped at each open — the caching vfs uses for every open that may read
   Every virtio-fs side's device has queues of 1024 entries (sandbox.vm.qemu.VIRTIOFS_QUEUE_SIZE,
-  as sessions: 1 MiB requests); only vfs's mount reads ahead 1 MiB (VIRTIOFS_READ_AHEAD_KB, set
+  as sessions: 1 MiB requests); only the vfs sides' mounts read ahead 1 MiB (VIRTIOFS_READ_AHEAD_KB, set
   as sandbox/guest/init.sh sets it for sessions), the virtiofsd sides keep Linux's 128 KiB
 
 Phases (timed inside the guest with `date +%s%N`): create N small files; read them
@@ -135,12 +138,13 @@ echo BENCH-DONE
 
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
-VIRTIOFS_SIDES = ("vfs", "virtiofsd", "virtiofsd-auto")
+VIRTIOFS_SIDES = ("vfs", "vfs-cached", "virtiofsd", "virtiofsd-auto")
 MEMORY_MB = 1024
 PHASES = ("create", "read", "git", "write32M", "read32M", "rm")
 #: the ratio columns printed when both sides ran
 RATIOS = [("ours", "plain"), ("plain", "qemu"), ("ours", "qemu"), ("watched", "ours"), ("plain", "diod"),
-          ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "virtiofsd-auto"), ("vfs", "qemu"), ("vfs", "ours")]
+          ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "virtiofsd-auto"), ("vfs", "qemu"), ("vfs", "ours"),
+          ("vfs", "vfs-cached"), ("vfs-cached", "virtiofsd")]
 
 
 class PhaseCounts:
@@ -172,6 +176,13 @@ def _counting(export, limits, phases: PhaseCounts):
     return lambda: CountingDispatcher(export, limits)
 
 
+class CachedDispatcher(Dispatcher):
+    """The ``vfs-cached`` side: :attr:`Dispatcher.direct_io_write_only` stays off whatever the
+    device server sets, so every open keeps the guest's page cache."""
+
+    direct_io_write_only = property(lambda self: False, lambda self, value: None)
+
+
 def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | None = None,
         profile: cProfile.Profile | None = None) -> dict[str, float]:
     work = tempfile.mkdtemp(prefix=f"{side}-", dir=base)
@@ -184,7 +195,7 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=MEMORY_MB, host_root=True,
                    accel=accel.accel, cpu=accel.cpu,
                    append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else "")
-                   + (f" sandbox.vfs_ra_kb={VIRTIOFS_READ_AHEAD_KB}" if side == "vfs" else ""),
+                   + (f" sandbox.vfs_ra_kb={VIRTIOFS_READ_AHEAD_KB}" if side in ("vfs", "vfs-cached") else ""),
                    guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra,
                    virtiofs=[("work", sock)] if virtio_fs else [])
     cmd = build_command(cfg)
@@ -195,12 +206,13 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
             cache = "cache=none" if side == "virtiofsd" else "cache=auto"
             p, cpu = _beside_daemon([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", cache,
                                      "-o", "sandbox=chroot", "-o", "log_level=err"], sock, cmd)
-        elif side == "vfs":
+        elif side in ("vfs", "vfs-cached"):
             ws, _own = open_workspace(work, watched=False, state_dir=work + ".state")
             provider = Provider.intercepted(ws)
             limits = ServerLimits()
             export = Export(provider, HoldBroker(), limits)
-            make = _counting(export, limits, phases) if phases is not None else lambda: Dispatcher(export, limits)
+            dispatcher_class = Dispatcher if side == "vfs" else CachedDispatcher
+            make = _counting(export, limits, phases) if phases is not None else lambda: dispatcher_class(export, limits)
             t0 = _self_cpu_s()
             with VirtioFsThread(VirtioFsServer(make, limits), sock) as th:
                 if profile is not None:

@@ -157,6 +157,48 @@ ls
     oracle.assert_same(before, oracle.snapshot_dir(str(work)), "undo of a real guest's work over virtio-fs")
 
 
+def test_a_reader_beside_a_write_only_writer_sees_its_bytes_and_undo_is_exact(image, tmp_path):
+    """Write-only opens of a file open nowhere else are direct I/O (the guest's page cache is
+    skipped; Linux 6.1's direct write drops no cached page), so: a reader opened while such a
+    writer runs is direct too and reads what the writer writes after its first read; a
+    writer opened beside a reader (``tail -f log`` beside ``cmd >> log``) is not direct: the
+    reader caches the file's last page between the writer's appends and must read them, not
+    the zeros of that page. Every step is undone exactly."""
+    work = tmp_path / "work"
+    work.mkdir()
+    ws = Workspace.open(str(work), state_dir=str(tmp_path / "state"))
+    before = oracle.snapshot_dir(str(work))
+    script = r"""
+set -e
+exec 3>w.log
+printf abc >&3
+exec 4<w.log
+cat <&4 | tr '\000' Z; echo "|"
+printf def >&3
+cat <&4 | tr '\000' Z; echo "|"
+exec 3>&- 4<&-
+printf 123 > r.log
+exec 4<r.log
+cat <&4 | tr '\000' Z; echo "|"
+exec 3>>r.log
+printf 456 >&3
+cat <&4 | tr '\000' Z; echo "|"
+printf 789 >&3
+cat <&4 | tr '\000' Z; echo "|"
+exec 3>&- 4<&-
+cat w.log r.log; echo "|"
+"""
+    status, out, _srv = run_guest(image, tmp_path, ws, script)
+    assert status == 0, out
+    lines = [line for line in out.split("\n") if line.endswith("|")]  # kernel messages may interleave
+    assert lines == ["abc|", "def|", "123|", "456|", "789|", "abcdef123456789|"], out
+    assert (work / "w.log").read_bytes() == b"abcdef" and (work / "r.log").read_bytes() == b"123456789"
+    ws.close_active()
+    ws.rollback(len(ws.history()))
+    ws.close()
+    oracle.assert_same(before, oracle.snapshot_dir(str(work)), "undo of a direct writer and its readers")
+
+
 @pytest.mark.parametrize("answer", ["allow", "deny"])
 def test_a_safeguard_hold_blocks_the_guest_until_decided(image, tmp_path, answer):
     """The 4th deletion's chain stays unanswered (the guest's rm blocks in the kernel) until

@@ -86,3 +86,40 @@ def test_a_safeguard_hold_over_virtiofs(sample_project, answer):
         oracle.assert_same(before, oracle.snapshot_dir(str(sample_project)), "denied rm -rf over virtio-fs")
     else:
         assert r.exit_code == 0 and not victims.exists()
+
+
+MMAP_SHARED = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:
+    mm = mmap.mmap(fd, 0)  # MAP_SHARED, read-write
+except OSError as e:
+    print("mmap", os.strerror(e.errno))
+    raise SystemExit(0)
+os.close(fd)  # the map keeps the file open (its RELEASE comes at munmap)
+print("mapped", mm[:].decode())
+mm[:1] = mm[:1].upper()
+mm.flush()
+mm.close()
+"""
+
+
+def test_shared_mmap_beside_write_only_opens_over_virtiofs(sample_project):
+    """A write-only open of a file open nowhere else is direct I/O over virtio-fs: ``dd`` writes
+    it, and a program that maps a file shared afterwards (Python's ``mmap.mmap(fd, 0)``) still
+    can — its open is not direct once the writer closed (the shell's RELEASE reached the server
+    before the next OPEN). While a write-only writer is open the map is refused (``ENODEV``,
+    Linux 6.1's rule for direct-I/O opens; docs/virtiofs.md "Caching"). Undone exactly."""
+    (sample_project / ".mm.py").write_text(MMAP_SHARED)
+    before = oracle.snapshot_dir(str(sample_project))
+    with Session([Folder(str(sample_project))], share="virtiofs") as s:
+        code, out = run(s, "dd if=/dev/zero of=zeros bs=1M count=8 2>/dev/null && printf hello > m.bin && "
+                           "python3 .mm.py m.bin && cat m.bin && echo && wc -c < zeros")
+        assert code == 0, out
+        assert out.split() == ["mapped", "hello", "Hello", str(8 << 20)], out
+        code, out = run(s, "exec 3>w.bin; printf abc >&3; python3 .mm.py w.bin; exec 3>&-; python3 .mm.py w.bin")
+        assert code == 0, out
+        assert out.split("\n")[:2] == ["mmap No such device", "mapped abc"], out
+        assert (sample_project / "m.bin").read_bytes() == b"Hello" and (sample_project / "w.bin").read_bytes() == b"Abc"
+        s.undo(2)
+    oracle.assert_same(before, oracle.snapshot_dir(str(sample_project)), "undo of dd and mmap over virtio-fs")

@@ -586,6 +586,66 @@ def test_negative_entries_are_bounded(mnt):
     assert mnt.err(m.Lookup(H(abi.Opcode.LOOKUP, ROOT), b"one-more")) == errno.ENOENT
     assert mnt.lookup("n0").nodeid == 0  # one already remembered may be answered again
     assert len(mnt.d.negative) == NEGATIVE_ENTRIES_MAX
+
+
+def _direct(o: m.OpenOut) -> bool:
+    return bool(o.open_flags & abi.FOPEN_DIRECT_IO)
+
+
+def test_write_only_opens_of_a_file_open_nowhere_else_are_direct_and_so_is_every_open_beside_them(mnt):
+    """``direct_io_write_only`` (the virtio-fs device: the guest's page cache is dropped at
+    each open, never invalidated meanwhile): a write-only OPEN or CREATE of a node with no
+    other open handle is answered ``FOPEN_DIRECT_IO`` (it can never be mapped, and its
+    writes skip the guest's page cache); while a node has a direct handle every other open
+    of it is direct too (its reader never caches pages the direct writer leaves stale); a
+    write-only open beside a cached handle is not (the cached reader would read stale
+    pages); the rule resets when the handles are released. Off, or coherent: never."""
+    for name in ("w", "r", "rw"):
+        with open(mnt.host(name), "w") as f:
+            f.write("x")
+    w, r, rw = (mnt.lookup(n).nodeid for n in ("w", "r", "rw"))
+
+    def open_(node: int, flags: int) -> m.OpenOut:
+        return mnt.call(m.Open(H(abi.Opcode.OPEN, node), flags, 0))
+
+    # off (a /dev/fuse mount): nothing is direct
+    o = open_(w, os.O_WRONLY)
+    assert not _direct(o) and o.open_flags & abi.FOPEN_NOFLUSH
+    mnt.release(w, o.fh)
+    mnt.d.direct_io_write_only = True
+    # reading opens stay cached (they may be mapped shared)
+    for node, flags in ((r, os.O_RDONLY), (rw, os.O_RDWR)):
+        o = open_(node, flags)
+        assert not _direct(o) and o.open_flags & abi.FOPEN_NOFLUSH
+        mnt.release(node, o.fh)
+    # the sole write-only open is direct; every open beside it too, whatever its mode
+    wo = open_(w, os.O_WRONLY | os.O_APPEND)
+    assert _direct(wo) and wo.open_flags & abi.FOPEN_NOFLUSH
+    beside = [open_(w, flags) for flags in (os.O_RDONLY, os.O_RDWR, os.O_WRONLY)]
+    assert all(_direct(o) for o in beside)
+    mnt.release(w, wo.fh)
+    beside.append(open_(w, os.O_RDONLY))  # direct handles are still open: still direct
+    assert _direct(beside[-1])
+    for o in beside:
+        mnt.release(w, o.fh)
+    # every handle gone: the rule starts again (pages were dropped at this open)
+    rd = open_(w, os.O_RDONLY)
+    assert not _direct(rd)
+    # a write-only open beside a cached reader (tail -f before cmd >> log) stays cached
+    assert not _direct(open_(w, os.O_WRONLY))
+    # write-only CREATE: a new file open nowhere else is direct; O_RDWR is not
+    c = mnt.create("new", flags=os.O_WRONLY)
+    assert _direct(c.open) and c.open.open_flags & abi.FOPEN_NOFLUSH
+    assert _direct(open_(c.entry.nodeid, os.O_RDWR))
+    assert not _direct(mnt.create("new-rw", flags=os.O_RDWR).open)
+    # a CREATE that opens an existing file with a cached handle on it is not direct
+    assert not _direct(mnt.create("w", flags=os.O_WRONLY).open)
+    # coherent (pages kept across opens): never direct
+    mnt.d.coherent = True
+    o = open_(r, os.O_WRONLY)
+    assert not _direct(o) and o.open_flags & abi.FOPEN_KEEP_CACHE
+
+
 def test_entries_made_in_a_setgid_directory_take_its_group_and_directories_its_setgid_bit(mnt):
     """What a local filesystem does (the kernel leaves it to a FUSE server): in a set-gid
     directory a new file, directory or node gets the directory's group, and a new directory

@@ -355,6 +355,30 @@ def test_a_missing_name_is_a_short_negative_entry_through_the_device(tmp_path):
         assert err == 0 and struct.unpack_from("<Q", body)[0] != 0
 
 
+def test_a_write_only_create_is_direct_io_through_the_device_and_a_reading_open_is_not(tmp_path):
+    """The device's dispatcher answers a write-only open of a file open nowhere else with
+    ``FOPEN_DIRECT_IO`` (the guest's writes skip its page cache, as virtiofsd cache=none);
+    an open that may read (and map shared) keeps the page cache."""
+    srv = Served(tmp_path)
+    with open(os.path.join(srv.work, "old"), "w") as f:
+        f.write("x")
+    with device_session(srv) as (guest, fe):
+        create = m.Create(H(abi.Opcode.CREATE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644, 0o022, 0, b"out")
+        head, at = guest.submit(1, ref_request(create), 16 + 128 + 16)
+        assert fe.kick_and_wait(1) == [(head, 160)]
+        err, _, body = fuse_reply(guest, at, 160)
+        assert err == 0 and struct.unpack_from("<I", body, 128 + 8)[0] & abi.FOPEN_DIRECT_IO
+        head, at = guest.submit(1, ref_request(m.Lookup(H(abi.Opcode.LOOKUP), b"old")), 16 + 128)
+        assert fe.kick_and_wait(1) == [(head, 144)]
+        err, _, body = fuse_reply(guest, at, 144)
+        old = struct.unpack_from("<Q", body)[0]
+        head, at = guest.submit(1, ref_request(m.Open(H(abi.Opcode.OPEN, old), os.O_RDONLY, 0)), 16 + 16)
+        assert fe.kick_and_wait(1) == [(head, 32)]
+        err, _, body = fuse_reply(guest, at, 32)
+        flags = struct.unpack_from("<I", body, 8)[0]
+        assert err == 0 and flags & abi.FOPEN_NOFLUSH and not flags & abi.FOPEN_DIRECT_IO
+
+
 def avail_event(guest: Guest, q: int) -> int:
     return int.from_bytes(guest.peek(Guest.ring(q)[2] + 4 + 8 * QSIZE, 2), "little")
 

@@ -51,6 +51,9 @@ Invariants:
   a regular file's (mtime, ctime, size) in a reply that differs from the last one reported
   (``Node.told``; the mount's own writes and SETATTRs update it) is a host change:
   :attr:`Dispatcher.on_host_changed` is asked to invalidate it (no-open keeps pages across opens);
+  with :attr:`Dispatcher.direct_io_write_only` (the virtio-fs device) and not coherent, a node's
+  open handles are all direct I/O or all cached: a write-only open of a node open nowhere else
+  is ``FOPEN_DIRECT_IO``, and so is every open beside a direct one (:meth:`Dispatcher._direct`);
 * **INTERRUPT** cancels a request waiting behind a hold and answers it ``EINTR``; the hold
   stays pending (as after a 9P ``Tflush``).
 * nothing from the kernel is trusted except as data: unknown node ids and handles are
@@ -229,6 +232,8 @@ class Node:
 class OpenFile:
     node: Node
     handle: FileHandle
+    #: answered ``FOPEN_DIRECT_IO`` (:meth:`Dispatcher._direct`)
+    direct: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -288,6 +293,12 @@ class Dispatcher:
         #: ENTRY_VALID_S, the bound every positive entry has — a name made beside the mount
         #: shows within it. Not remembered (nothing could invalidate it). False: plain ENOENT
         self.negative_entries_short = False
+        #: the transport drops the kernel's pages at each open and can invalidate nothing
+        #: meanwhile (the virtio-fs device, set by its server): while not coherent, a
+        #: write-only open of a node open nowhere else gets FOPEN_DIRECT_IO (its writes skip
+        #: the guest's page cache), and so does every open beside a direct one
+        #: (:meth:`_direct`). False: no open is direct
+        self.direct_io_write_only = False
         #: no-open: nodes holding descriptors, least recently used first (never pinned ones)
         self._lru: OrderedDict[int, Node] = OrderedDict()
         #: the mount is going away: gated requests fail with EIO at once instead of waiting
@@ -862,9 +873,9 @@ class Dispatcher:
             self.descriptors.release()
             raise
 
-    def _add_file(self, n: Node, handle: FileHandle) -> int:
+    def _add_file(self, n: Node, handle: FileHandle, direct: bool = False) -> int:
         fh = self._new_fh()
-        f = OpenFile(n, handle)
+        f = OpenFile(n, handle, direct)
         n.files.append(f)
         self.files[fh] = f
         return fh
@@ -895,14 +906,35 @@ class Dispatcher:
             handle.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
-        return m.OpenOut(self._add_file(n, handle), self._open_flags())
+        return self._opened_out(n, handle, req.flags)
 
-    def _open_flags(self) -> int:
+    def _opened_out(self, n: Node, handle: FileHandle, flags: int) -> m.OpenOut:
+        """The reply to an OPEN or CREATE of ``n`` that opened ``handle`` (not yet on ``n``)."""
+        direct = self._direct(n, flags)
+        return m.OpenOut(self._add_file(n, handle, direct), self._open_flags(direct))
+
+    def _direct(self, n: Node, flags: int) -> bool:
+        """Whether a new open of ``n`` with ``flags`` gets ``FOPEN_DIRECT_IO``: only with
+        :attr:`direct_io_write_only` and not coherent (the kernel drops ``n``'s pages at each
+        open); then if another handle of ``n`` is direct (a reader opened beside a direct
+        writer must not cache pages its writes leave stale: Linux 6.1's direct write drops
+        none), or if the open is write-only and ``n`` has no other handle (write-only: it can
+        never be mapped, so refusing shared mmap costs nothing; no other handle: no cached
+        reader or map that would cache pages between its writes — the pages cached before
+        are dropped by this very open). Invariant: ``n``'s handles are all direct or all cached."""
+        if not self.direct_io_write_only or self.coherent:
+            return False
+        if n.files:
+            return any(f.direct for f in n.files)
+        return flags & os.O_ACCMODE == os.O_WRONLY
+
+    def _open_flags(self, direct: bool = False) -> int:
         """``FOPEN_NOFLUSH`` always: nothing is buffered here, so a close sends no FLUSH (dirty
         pages of a shared mmap are written back at msync/munmap, as before). Coherent: keep
         the page cache across opens (the watcher's notifications drop what the host changes);
-        otherwise the kernel drops it at each open."""
-        return abi.FOPEN_NOFLUSH | (abi.FOPEN_KEEP_CACHE if self.coherent else 0)
+        otherwise the kernel drops it at each open. ``direct``: ``FOPEN_DIRECT_IO``."""
+        return (abi.FOPEN_NOFLUSH | (abi.FOPEN_KEEP_CACHE if self.coherent else 0)
+                | (abi.FOPEN_DIRECT_IO if direct else 0))
 
     def _create(self, req: m.Create) -> m.CreateOut:
         d = self._dir(req.header.nodeid)
@@ -914,7 +946,7 @@ class Dispatcher:
         handle, _made = self._opened(lambda: self.provider.create(path, req.mode & 0o7777, req.flags, cred=cred,
                                                                   gid=gid))
         n, a = self._remember_created(handle, path, cred)
-        return m.CreateOut(self._entry_out(n, a), m.OpenOut(self._add_file(n, handle), self._open_flags()))
+        return m.CreateOut(self._entry_out(n, a), self._opened_out(n, handle, req.flags))
 
     def _remember_created(self, handle, path: str, cred: Cred):
         """The node and attributes of a file CREATE just made, read through its new

@@ -445,6 +445,9 @@ class VirtioFsServer:
         self.dispatcher.on_settled = self._resume
         # no notification queue: the guest's entries expire, negative ones too (1 s)
         self.dispatcher.negative_entries_short = True
+        # its pages are dropped at each open and never meanwhile: write-only opens of a file
+        # open nowhere else skip them (direct I/O), and so does every open beside one
+        self.dispatcher.direct_io_write_only = True
 
     # -- the vhost-user socket
 
