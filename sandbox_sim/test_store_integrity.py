@@ -1033,3 +1033,39 @@ def test_a_retired_step_is_deleted_whole_entries_unlinked_without_a_look_each(wo
     looks = [path for fs, op, path in trace if fs == "store" and op == "lstat" and path.startswith("trash/")]
     assert sorted(looks) == sorted(["trash/rb-1/stray", "trash/rb-1/stray/deeper"]), looks
     ws.close()
+
+
+def test_a_small_file_read_whole_is_one_sized_frame_and_every_frame_form_restores():
+    """A preimage read whole by its first read and at most ``ONE_SHOT_COMPRESS_BYTES_MAX``
+    long is compressed as one frame that states its size; a longer one is streamed (no size
+    in the frame) as before, and so is an empty file — and every one of them, inline or a blob,
+    restores exactly: the store reads frames of both kinds."""
+    cap = store_mod.ONE_SHOT_COMPRESS_BYTES_MAX
+    sizes = {"empty": 0, "one": 1, "kib": 1024, "cap": cap, "over": cap + 1, "blob": 20_000}
+    world = World("sim")
+    with world.paused():
+        for i, (name, n) in enumerate(sizes.items()):
+            world.work.create(name, 0o644)
+            world.work.write_all(name, 0, _bytes(10 + i, n))
+    before = world.snapshot()
+    ws = world.open()
+    with ws.step("s"):
+        for name in sizes:
+            ws.fs.unlink(name)
+    info = ws._log.steps()[-1]
+    recs = {r["path"]: r for r in (unseal(line) for line in world.store.read_all(f"{info.dirname}/journal.jsonl").splitlines()[1:])
+            if r.get("op") == "pre" and r.get("path") in sizes}
+    assert set(recs) == set(sizes)
+    for name, n in sizes.items():
+        rec = recs[name]
+        assert rec["enc"] == "zstd" and rec["size"] == n
+        frame = base64.b64decode(rec["data"]) if "data" in rec else world.store.read_all(join(info.dirname, rec["blob"]))
+        stated = zstandard.frame_content_size(frame)
+        if 0 < n <= cap:
+            assert "data" in rec and stated == n, (name, stated)
+        elif n > cap:
+            assert stated == -1, (name, stated)  # frame_content_size: not stated
+        assert ("data" in rec) == (name != "blob")
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+    ws.close()

@@ -58,6 +58,12 @@ FORMAT_VERSION = 2
 ZSTD_LEVEL = 3
 INLINE_MAX_BYTES = 4096  # compressed preimages up to this size live in the journal line
 REFLINK_MIN_BYTES = 64 * 1024
+#: a preimage read whole by its first read and at most this long is compressed as one frame
+#: (``ZstdCompressor.compress``: zstd knows the size and sizes its tables to it) instead of
+#: streamed; another frame of the same ``zstd`` form. Bounded so that either frame is inline:
+#: zstd grows n bytes by at most n/256 + (128 KiB - n)/2048 + its 18-byte header, which for
+#: 3 KiB stays under ``INLINE_MAX_BYTES`` — so the store's host calls are the same either way
+ONE_SHOT_COMPRESS_BYTES_MAX = 3 * 1024
 #: beside ``progress`` in a journal directory being undone: the inode numbers at an
 #: ``exchanged`` record's names just before its undo moved them (preimage.ExchangeNote)
 EXCHANGE_NOTE = "progress.exchange"
@@ -924,7 +930,7 @@ class UndoLog:
             else:
                 size = self.fs.lstat(blob).size
                 return {"enc": "raw", "blob": name, "size": size, "stored": size, "hash": preimage.content_hash(self.fs, blob)}
-        comp = self._cctx.compressobj()
+        comp = None  # a streaming frame, made only for a file not read whole by its first read
         digest = hashlib.blake2b(digest_size=16)  # the same hash as preimage.content_hash
         pending = bytearray()
         stored = 0
@@ -939,6 +945,15 @@ class UndoLog:
             offset += len(chunk)
             size += len(chunk)
             digest.update(chunk)
+            if comp is None and offset == len(chunk) <= ONE_SHOT_COMPRESS_BYTES_MAX and len(chunk) < want and offset >= st.size:
+                # the whole small file in one short read: one frame at once, its size known to
+                # zstd (which sizes its tables to it instead of resetting a level's full ones);
+                # the same record form, inline as the streamed frame would have been
+                data = self._cctx.compress(chunk)
+                assert len(data) <= INLINE_MAX_BYTES, (len(chunk), len(data))
+                return {"enc": "zstd", "data": b64(data), "size": size, "stored": len(data), "hash": digest.hexdigest()}
+            if comp is None:
+                comp = self._cctx.compressobj()
             pending += comp.compress(chunk)
             if len(pending) > INLINE_MAX_BYTES:
                 if not in_blob:
@@ -949,6 +964,8 @@ class UndoLog:
                 pending.clear()
             if len(chunk) < want and offset >= st.size:
                 break  # a short read at the size just seen: the end (no read more to find nothing)
+        if comp is None:  # an empty file: an empty frame, as before
+            comp = self._cctx.compressobj()
         pending += comp.flush()
         if not in_blob and len(pending) <= INLINE_MAX_BYTES:
             return {"enc": "zstd", "data": b64(bytes(pending)), "size": size, "stored": len(pending), "hash": digest.hexdigest()}
