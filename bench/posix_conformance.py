@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file-timeout", type=int, default=FILE_TIMEOUT_S, metavar="S",
                     help=f"seconds one .t file may run in the guest (default {FILE_TIMEOUT_S})")
     ap.add_argument("--share", default="9p",
-                    help="the session's share protocol: 9p (default) or virtio-fs; or fuse-local: no VM, "
+                    help="the session's share protocol: 9p (default) or virtiofs; or fuse-local: no VM, "
                          "the suite runs on the host (as root) in a `sandbox mount` of the scratch folder")
     ap.add_argument("--from-json", metavar="IN",
                     help="no guest: print the report of an earlier --json file again (e.g. after changing "
