@@ -637,12 +637,7 @@ class UndoLog:
         """Replace ``path`` atomically: write a temp file, then rename over. A temp file an
         interrupted run left is found by the create (``EEXIST``) and removed first."""
         tmp = path + ".tmp"
-        try:
-            self.fs.create(tmp, 0o600)
-        except FileExistsError:
-            self.fs.unlink(tmp)
-            self.fs.create(tmp, 0o600)
-        self.fs.write_all(tmp, 0, data)
+        self._create_written(tmp, data)
         self._sync(tmp)
         self.fs.rename(tmp, path)
         self._sync(parent_of(path))
@@ -654,13 +649,18 @@ class UndoLog:
         file an earlier attempt left is found by the create (``EEXIST``) and replaced. In
         power-loss mode the file and its entry are durable before it returns (before the
         promotion)."""
+        self._create_written(path, data)
+        self._sync(path, parent_of(path))
+
+    def _create_written(self, path: str, data: bytes) -> None:
+        """Create ``path`` (0600) holding ``data``, not yet synced; a file an interrupted run
+        left there is found by the create (``EEXIST``), removed, and created again."""
         try:
             self.fs.create(path, 0o600)
         except FileExistsError:
             self.fs.unlink(path)
             self.fs.create(path, 0o600)
         self.fs.write_all(path, 0, data)
-        self._sync(path, parent_of(path))
 
     def discard(self, workdir_label: str = "") -> None:
         """Delete all undo history (after a version mismatch, on the user's word), whatever
