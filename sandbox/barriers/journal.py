@@ -606,7 +606,7 @@ class RecordingHostFS(HostFS):
             self.inner.truncate(path, size)
 
     @contextmanager
-    def _unlinking(self, path: str, paths: list[str], parents: list[str], gone: str | None = None,
+    def _unlinking(self, path: str, paths: list[str], gone: str | None = None,
                    entry: Entry | None = None) -> Iterator[None]:
         """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
         at ``path``: the file's other names see its link count and ctime change, so its
@@ -671,7 +671,7 @@ class RecordingHostFS(HostFS):
         on the real disk one resolution of the parent for both, so the entry looked at is the
         one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
         path = entry.path
-        with self._unlinking(path, [path], [parent_of(path)], gone=path, entry=entry):
+        with self._unlinking(path, [path], gone=path, entry=entry):
             entry.unlink()
 
     def _rmdir_entry(self, entry: Entry) -> None:
@@ -691,7 +691,7 @@ class RecordingHostFS(HostFS):
             self.inner.mkdir(path, mode)
 
     def rename(self, src: str, dst: str) -> None:
-        with self._unlinking(dst, [src, dst], [parent_of(src), parent_of(dst)]):  # dst may be replaced
+        with self._unlinking(dst, [src, dst]):  # dst may be replaced
             self.inner.rename(src, dst)
 
     def exchange(self, a: str, b: str) -> None:
