@@ -657,7 +657,7 @@ def cmd_ui(args) -> int:
         print(f"sandbox: the page is at {page.url}", flush=True)
         print("sandbox: (the link carries this session's token; Ctrl-C stops the session)", file=sys.stderr, flush=True)
         page.serve(open_browser=not args.no_browser)
-    except _Stopped:
+    except* _Stopped:  # also from inside one of the page loop's tasks, before its own handlers: a group
         pass
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown is not cut short by a second signal

@@ -311,3 +311,39 @@ def test_the_browser_is_opened_only_where_one_can_be_shown():
     assert display_available({"DISPLAY": ":0"})
     assert display_available({"WAYLAND_DISPLAY": "wayland-0"})
     assert display_available({"BROWSER": "firefox"})
+
+
+def test_sandbox_ui_stops_cleanly_on_a_signal_that_lands_inside_the_page_loop(work, monkeypatch):
+    """A SIGTERM after the URL is printed but before the page's loop handles signals itself runs
+    `sandbox ui`'s own handler inside one of that loop's tasks: its stop comes out of the loop
+    wrapped in an exception group, and is still a clean stop (exit 0, the session shut down)."""
+    import os
+    import signal
+
+    import anyio
+
+    from sandbox import cli
+    from sandbox.api.ui import run as ui_run
+
+    def serve(self, *, open_browser=False):
+        async def main():
+            async def signalled():
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at this task's next step
+                await anyio.sleep_forever()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(signalled)
+
+        try:
+            anyio.run(main)
+        finally:
+            self.sock.close()
+
+    monkeypatch.setattr(ui_run.PageServer, "serve", serve)
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        rc = cli.main(["ui", "--workdir", str(work), "--guest", "scripted", "--no-browser", "--log-level", "warn"])
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    assert rc == 0
