@@ -51,6 +51,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from ..frozen import fast_init
+
 __all__ = [
     "HostFS",
     "FileHandle",
@@ -240,6 +242,7 @@ def _kind_of(fmt: int) -> str:
     return {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
 
 
+@fast_init  # one or more per request of every protocol server
 @dataclass(frozen=True, slots=True)
 class Attr:
     """Everything ``getattr`` reports about one entry (never follows a final symlink).
