@@ -123,6 +123,10 @@ NEGATIVE_ENTRIES_MAX = 4096
 #: unlinked file a program still has open) and are not counted here
 NODE_DESCRIPTORS_MAX = 4096
 
+#: the requests' credentials kept for reuse (:meth:`Dispatcher._cred`): a guest has a few
+#: users; past this many distinct (uid, gid) pairs all are dropped and made again as needed
+CREDS_KEPT_MAX = 64
+
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
 #: opcodes not served: ENOSYS, which the kernel remembers (locks are the kernel's: one host)
@@ -259,6 +263,8 @@ class Dispatcher:
         self.limits = limits
         self.descriptors = descriptors
         self.owners = owners
+        #: (uid, gid) -> its Cred, at most CREDS_KEPT_MAX (:meth:`_cred`)
+        self._creds: dict[tuple, Cred] = {}
         self.initialized = False
         self.minor = 0
         self.nodes: dict[int, Node] = {}
@@ -427,7 +433,17 @@ class Dispatcher:
         return n
 
     def _cred(self, req: m.Request) -> Cred:
-        return Cred(req.header.uid, req.header.gid, self.owners)
+        """The request's :class:`Cred` — one per (uid, gid) while at most
+        :data:`CREDS_KEPT_MAX` are kept and :attr:`owners` is the one it was made with (a
+        Cred is immutable; when full, the kept ones are dropped and made again as needed)."""
+        h = req.header
+        key = (h.uid, h.gid)
+        c = self._creds.get(key)
+        if c is None or c.view is not self.owners:
+            if len(self._creds) >= CREDS_KEPT_MAX:
+                self._creds.clear()
+            c = self._creds[key] = Cred(h.uid, h.gid, self.owners)
+        return c
 
     def _names(self, path: str, inode: tuple[int, int], kind: str | None = None) -> bool:
         """``path`` names ``inode`` (of ``kind``: a reused inode number of another type is
@@ -1236,6 +1252,9 @@ class Dispatcher:
         cred = self._cred(req)
         for i in range(req.offset, len(d.names)):
             name = d.names[i]
+            raw = name.encode("utf-8", "surrogateescape")
+            if not packer.fits(len(raw)):  # full: not looked up now (the next READDIR starts here)
+                break
             dots = name in (".", "..")
             path = base if name == "." else parent_of(base) if name == ".." else child(base, name)
             try:
@@ -1249,7 +1268,6 @@ class Dispatcher:
                     a = self.provider.getattr(path, cred=cred)
             except OSError:
                 continue  # vanished since OPENDIR: skipped, the offsets stay stable
-            raw = name.encode("utf-8", "surrogateescape")
             if not plus or dots:  # "." and "..": nodeid 0, the kernel takes no lookup for these
                 if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break

@@ -227,10 +227,10 @@ class Stat:
 
     @classmethod
     def from_os(cls, st) -> "Stat":
-        fmt = _stat.S_IFMT(st.st_mode)
-        kind = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
-        return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink,
-                   st.st_dev, fmt, st.st_uid, st.st_gid)
+        mode = st.st_mode
+        fmt = mode & _S_IFMT  # _stat.S_IFMT / S_IMODE, without their calls: one or more per request
+        return cls(_KIND_OF_FMT.get(fmt, OTHER), mode & 0o7777, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                   st.st_nlink, st.st_dev, fmt, st.st_uid, st.st_gid)
 
     @property
     def file_type(self) -> int:
@@ -238,8 +238,12 @@ class Stat:
         return self.fmt or _FMT_OF_KIND[self.kind]
 
 
+_KIND_OF_FMT = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}  # any other format: OTHER
+_S_IFMT = 0o170000
+
+
 def _kind_of(fmt: int) -> str:
-    return {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
+    return _KIND_OF_FMT.get(fmt, OTHER)
 
 
 @fast_init  # one or more per request of every protocol server
@@ -274,8 +278,9 @@ class Attr:
 
     @classmethod
     def from_os(cls, st) -> "Attr":
-        fmt = _stat.S_IFMT(st.st_mode)
-        return cls(_kind_of(fmt), fmt, _stat.S_IMODE(st.st_mode), st.st_size, st.st_nlink, st.st_uid, st.st_gid,
+        mode = st.st_mode
+        fmt = mode & _S_IFMT
+        return cls(_KIND_OF_FMT.get(fmt, OTHER), fmt, mode & 0o7777, st.st_size, st.st_nlink, st.st_uid, st.st_gid,
                    st.st_rdev, st.st_blksize, st.st_blocks, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                    st.st_dev)
 

@@ -510,7 +510,8 @@ class RealHostFS(HostFS):
         """(O_PATH fd of the parent directory, final name). Caller closes the fd."""
         if not path:
             raise OSError(errno.EBUSY, "operation not permitted on the root itself", path)
-        if len(os.fsencode(path)) > TREE_PATH_BYTES_MAX:  # the whole path, though only the parent is opened
+        # the whole path, though only the parent is opened (at most 4 bytes a character: no encoding needed below)
+        if len(path) > TREE_PATH_BYTES_MAX // 4 and len(os.fsencode(path)) > TREE_PATH_BYTES_MAX:
             raise OSError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)", path)
         i = path.rfind("/")
         name = path[i + 1 :]
