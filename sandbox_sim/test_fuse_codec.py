@@ -630,7 +630,9 @@ def test_dirent_packer_against_the_reference(entries, size, plus, data):
     for ino, off, typ, name in entries:
         entry = data.draw(ENTRIES | st.none()) if plus else None
         before = len(p)
+        said = p.fits(len(name.encode("utf-8", "surrogateescape") if isinstance(name, str) else name))
         fits = p.add(ino, off, typ, name, entry)
+        assert said == fits  # what READDIR asks before it looks an entry up
         assert fits == (before + dirent_size(len(name), plus) <= size)
         if not fits:
             assert len(p) == before

@@ -391,6 +391,16 @@ class FileHandle(ABC):
     def xattrs(self) -> dict[str, bytes]:
         return {name: self.getxattr(name) for name in sorted(self.listxattr())}
 
+    def fstat_xattr_names(self) -> tuple[Attr, list[str]]:
+        """:meth:`fstat` and :meth:`listxattr` of this handle's inode in one call (a GETATTR
+        through a kept descriptor); names it cannot list (no xattrs here, ``EOPNOTSUPP``) are
+        none. A failing ``fstat`` raises, as :meth:`fstat` does."""
+        a = self.fstat()
+        try:
+            return a, self.listxattr()
+        except OSError:
+            return a, []
+
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """For a directory's handle (:meth:`HostFS.open_dir`): :meth:`HostFS.getattr_xattr_names`
         of its entry ``name`` — looked up in this directory's inode wherever its path now is,

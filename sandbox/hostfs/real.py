@@ -294,6 +294,21 @@ class RealFileHandle(FileHandle):
         self._inode = (a.ino, a.dev)
         return a
 
+    def fstat_xattr_names(self) -> tuple[Attr, list[str]]:
+        """:meth:`FileHandle.fstat_xattr_names`: ``fstat`` and ``flistxattr`` of the descriptor,
+        taken once for both."""
+        fd = self._acquire()
+        try:
+            a = Attr.from_os(os.fstat(fd))
+            try:
+                names = os.listxattr(fd)
+            except OSError:
+                names = []
+        finally:
+            self._release()
+        self._inode = (a.ino, a.dev)
+        return a, names
+
     def is_inode_of(self, st: Stat | Attr) -> bool:
         """:meth:`FileHandle.is_inode_of` from the inode this descriptor was first seen to
         have (one ``fstat``, then none: a descriptor's inode never changes). ``EBADF`` once
