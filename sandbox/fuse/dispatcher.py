@@ -245,6 +245,9 @@ class OpenDir:
     node: Node
     names: list[str]
     cost: int
+    #: not no-open: the directory's own read-only descriptor from OPENDIR to RELEASEDIR (its
+    #: entries' attributes at READDIRPLUS, :meth:`Dispatcher._listing_descriptor`), or None
+    handle: FileHandle | None = None
 
 
 class Dispatcher:
@@ -1213,21 +1216,58 @@ class Dispatcher:
 
     def _opendir(self, req: m.Opendir) -> m.OpenOut:
         n = self._dir(req.header.nodeid)
-        self._attr(n)  # still there (ESTALE/ENOENT otherwise)
-        names = [".", ".."] + sorted(self.provider.listdir(n.path))
-        cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
-        budget = self.limits.dir_listing_bytes_per_connection_max
-        if self.listing_bytes + cost > budget:
-            raise OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+        held = None if self.no_open else self._listing_descriptor(n)
+        try:
+            if held is None:
+                self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
+            names = [".", ".."] + sorted(self.provider.listdir(n.path))
+            cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
+            budget = self.limits.dir_listing_bytes_per_connection_max
+            if self.listing_bytes + cost > budget:
+                raise OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+        except BaseException:
+            if held is not None:
+                held.close()
+                self.descriptors.release()
+            raise
         fh = self._new_fh()
-        self.dirs[fh] = OpenDir(n, names, cost)
+        self.dirs[fh] = OpenDir(n, names, cost, held)
         self.listing_bytes += cost
         return m.OpenOut(fh, 0)
+
+    def _listing_descriptor(self, n: Node) -> FileHandle | None:
+        """Not no-open: a read-only descriptor of directory ``n`` for one OPENDIR..RELEASEDIR
+        (READDIRPLUS then reads its entries' attributes beneath it: ``fstatat`` and
+        ``llistxattr``, where a path takes four calls), counted in the process's descriptor
+        budget — opened by path, kept only while it is ``n``'s inode. None (the listing looks
+        by path, as before) where it cannot be had: no descriptor left, gone, replaced, a host
+        without directory handles; the caller's path look then says why, if anything is wrong."""
+        try:
+            self.descriptors.acquire()
+        except OSError:
+            return None
+        try:
+            h = self.provider.open_dir(n.path)
+        except OSError:
+            self.descriptors.release()
+            return None
+        try:
+            same = _inode(h.fstat()) == n.inode
+        except OSError:
+            same = False
+        if not same:
+            h.close()
+            self.descriptors.release()
+            return None
+        return h
 
     def _close_dir(self, fh: int) -> None:
         d = self.dirs.pop(fh, None)
         if d is not None:
             self.listing_bytes -= d.cost
+            if d.handle is not None:
+                d.handle.close()
+                self.descriptors.release()
 
     def _releasedir(self, req: m.Releasedir) -> None:
         self._close_dir(req.fh)
@@ -1243,10 +1283,10 @@ class Dispatcher:
         plus = isinstance(req, m.Readdirplus)
         packer = DirentPacker(min(req.size, abi.MAX_WRITE_BYTES), plus)
         base = d.node.path
-        # no-open: each entry's attributes through the directory's own descriptor (2 system
-        # calls where a path takes 4); else, or where it has none, by path
+        # each entry's attributes through a descriptor of the directory (2 system calls where a
+        # path takes 4): no-open, the node's own; else the one OPENDIR took; where none, by path
         try:
-            held = self._dir_descriptor(d.node) if plus and self.no_open else None
+            held = self._dir_descriptor(d.node) if plus and self.no_open else d.handle if plus else None
         except OSError:  # no descriptor left in the budget (ENFILE): by path
             held = None
         cred = self._cred(req)
