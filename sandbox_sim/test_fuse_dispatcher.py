@@ -1048,3 +1048,22 @@ def test_no_open_a_directorys_changes_still_act_by_path_and_are_undone_exactly(t
         assert_same(before, snapshot_dir(mo.work))
     finally:
         mo.close()
+
+
+def test_open_directories_hold_at_most_their_bound_of_descriptors_and_list_by_path_beyond(mnt):
+    """Not no-open: at most ``LISTING_DESCRIPTORS_MAX`` open directories hold a descriptor (a
+    guest that never releases its OPENDIRs cannot take the descriptors OPEN needs); one
+    beyond lists by path, with the same entries; RELEASEDIR gives every one back."""
+    from sandbox.fuse.dispatcher import LISTING_DESCRIPTORS_MAX
+
+    open(mnt.host("a"), "w").close()
+    held = mnt.d.descriptors.held
+    fhs = [mnt.call(m.Opendir(H(abi.Opcode.OPENDIR), os.O_RDONLY, 0)).fh for _ in range(LISTING_DESCRIPTORS_MAX + 2)]
+    assert mnt.d.descriptors.held == held + LISTING_DESCRIPTORS_MAX
+    assert [mnt.d.dirs[fh].handle is not None for fh in fhs[-3:]] == [True, False, False]
+    for fh in (fhs[0], fhs[-1]):
+        data = bytes(mnt.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, 0, 4096, 0, 0, 0)).data)
+        assert sorted(e[3] for e in ref_parse_dirents(data, True)) == [b".", b"..", b"a"]
+    for fh in fhs:
+        mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR), fh, 0, 0, 0))
+    assert mnt.d.descriptors.held == held and mnt.d._listing_descriptors == 0

@@ -123,6 +123,11 @@ NEGATIVE_ENTRIES_MAX = 4096
 #: unlinked file a program still has open) and are not counted here
 NODE_DESCRIPTORS_MAX = 4096
 
+#: not no-open: open directories (OPENDIR..RELEASEDIR) that hold a descriptor of the directory
+#: for their READDIRPLUS (:meth:`Dispatcher._listing_descriptor`); beyond it a listing looks
+#: its entries up by path, as without one — so a guest that opens many directories and never
+#: releases them cannot take the descriptors its file OPENs need
+LISTING_DESCRIPTORS_MAX = 64
 #: the requests' credentials kept for reuse (:meth:`Dispatcher._cred`): a guest has a few
 #: users; past this many distinct (uid, gid) pairs all are dropped and made again as needed
 CREDS_KEPT_MAX = 64
@@ -277,6 +282,8 @@ class Dispatcher:
         self.dirs: dict[int, OpenDir] = {}
         self._next_fh = 1
         self.listing_bytes = 0
+        #: open directories holding a descriptor (at most LISTING_DESCRIPTORS_MAX)
+        self._listing_descriptors = 0
         #: (parent nodeid, name) answered as a cached negative entry -> when the kernel stops
         #: trusting it (time.monotonic); bounded by NEGATIVE_ENTRIES_MAX
         self.negative: OrderedDict[tuple[int, bytes], float] = OrderedDict()
@@ -1229,6 +1236,7 @@ class Dispatcher:
             if held is not None:
                 held.close()
                 self.descriptors.release()
+                self._listing_descriptors -= 1
             raise
         fh = self._new_fh()
         self.dirs[fh] = OpenDir(n, names, cost, held)
@@ -1240,8 +1248,11 @@ class Dispatcher:
         (READDIRPLUS then reads its entries' attributes beneath it: ``fstatat`` and
         ``llistxattr``, where a path takes four calls), counted in the process's descriptor
         budget — opened by path, kept only while it is ``n``'s inode. None (the listing looks
-        by path, as before) where it cannot be had: no descriptor left, gone, replaced, a host
-        without directory handles; the caller's path look then says why, if anything is wrong."""
+        by path, as before) where it cannot be had: :data:`LISTING_DESCRIPTORS_MAX` held
+        already, no descriptor left, gone, replaced, a host without directory handles; the
+        caller's path look then says why, if anything is wrong."""
+        if self._listing_descriptors >= LISTING_DESCRIPTORS_MAX:
+            return None
         try:
             self.descriptors.acquire()
         except OSError:
@@ -1259,6 +1270,7 @@ class Dispatcher:
             h.close()
             self.descriptors.release()
             return None
+        self._listing_descriptors += 1
         return h
 
     def _close_dir(self, fh: int) -> None:
@@ -1268,6 +1280,7 @@ class Dispatcher:
             if d.handle is not None:
                 d.handle.close()
                 self.descriptors.release()
+                self._listing_descriptors -= 1
 
     def _releasedir(self, req: m.Releasedir) -> None:
         self._close_dir(req.fh)
