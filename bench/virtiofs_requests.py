@@ -13,7 +13,11 @@ same requests are also run straight through ``Dispatcher.submit`` + ``reply_byte
 asyncio loop's turn (``epoll_wait``, the callback) is not included.
 
 The mount is what a session's virtio-fs share runs: intercepted, not coherent, OPEN/RELEASE
-(no no-open). One request per wake-up, as a guest's single program issues them.
+(no no-open). One request per wake-up, as a guest's single program issues them. After the
+LOOKUP/GETATTR/GETXATTR/OPEN/READ/RELEASE of each file, the ``rm -rf`` mix: a directory of
+``--files`` files and a tenth as many empty directories listed (OPENDIR, READDIRPLUS pages,
+RELEASEDIR), then per file a GETATTR of the directory (``rm GETATTR``), UNLINK and FORGET,
+per empty directory RMDIR and FORGET — in a step of its own (each UNLINK takes a preimage).
 
     .venv/bin/python bench/virtiofs_requests.py [--files 500] [--repeat 3]
 
@@ -35,7 +39,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuse_requests import Wire  # noqa: E402  (the kernel's request bytes)
+from fuse_requests import Wire, last_offset  # noqa: E402  (the kernel's request bytes)
 
 MEM = 4 << 20
 GPA, UVA = 0x1_0000_0000, 0x7F12_0000_0000
@@ -134,7 +138,7 @@ def run_once(files: int, base: str) -> dict[str, dict[str, float]]:
                       lambda u, r, e: got.append(reply_bytes(u, r, e)))
         dt = time.thread_time_ns() - t
         samples[current].append(dt)
-        return got.pop()
+        return got.pop() if got else b""  # FORGET: no reply
 
     def workload(call, side: str) -> None:
         nonlocal current
@@ -157,6 +161,49 @@ def run_once(files: int, base: str) -> dict[str, dict[str, float]]:
             call(w.req(15, nodeid, struct.pack("<QQIIQII", fh, 0, 4096, 0, 0, os.O_RDONLY, 0)))
             current = f"{side}:RELEASE"
             call(w.req(18, nodeid, struct.pack("<QIIQ", fh, os.O_RDONLY, 0, 0)))
+        rm_mix(call, side)
+
+    def rm_mix(call, side: str) -> None:
+        """What ``rm -rf`` sends (docs/virtiofs.md "What the guest asks"), in its own step on
+        files made beside the mount (so each UNLINK takes a preimage): a directory of
+        ``files`` files and ``files // 10`` empty directories is listed (OPENDIR,
+        READDIRPLUS until empty, RELEASEDIR), then each file gets a GETATTR of the directory,
+        its UNLINK and FORGET, and each empty directory its RMDIR and FORGET."""
+        nonlocal current
+        top = f"rm-{side}"
+        os.mkdir(os.path.join(work, top))
+        for name in names:
+            with open(os.path.join(work, top, name.decode()), "wb") as f:
+                f.write(b"y" * 1024)
+        empties = [f"e{j:04d}".encode() for j in range(max(1, len(names) // 10))]
+        for e in empties:
+            os.mkdir(os.path.join(work, top, e.decode()))
+        current = f"{side}:-"
+        d = struct.unpack_from("<Q", call(w.lookup(abi.FUSE_ROOT_ID, top.encode())), 16)[0]
+        kids = {n: struct.unpack_from("<Q", call(w.lookup(d, n)), 16)[0] for n in [*names, *empties]}
+        ws.close_active()  # the listing and removals in a step of their own, as after an idle mount
+        current = f"{side}:OPENDIR"
+        fh = struct.unpack_from("<Q", call(w.opendir(d)), 16)[0]
+        offset = 0
+        while True:
+            current = f"{side}:READDIRPLUS"
+            offset = last_offset(call(w.readdirplus(d, fh, offset)))
+            if offset is None:
+                break
+        current = f"{side}:RELEASEDIR"
+        call(w.releasedir(d, fh))
+        for name in names:
+            current = f"{side}:rm GETATTR"
+            call(w.getattr(d))
+            current = f"{side}:UNLINK"
+            assert struct.unpack_from("<i", call(w.unlink(d, name)), 4)[0] == 0
+            current = f"{side}:FORGET"
+            call(w.forget(kids[name], 2))  # the lookup's and the listing's
+        for e in empties:
+            current = f"{side}:RMDIR"
+            assert struct.unpack_from("<i", call(w.rmdir(d, e)), 4)[0] == 0
+            current = f"{side}:FORGET"
+            call(w.forget(kids[e], 2))
 
     samples: dict[str, list[int]] = collections.defaultdict(list)
     current = ""
@@ -170,7 +217,7 @@ def run_once(files: int, base: str) -> dict[str, dict[str, float]]:
     loop.close()
     provider.close()
     ws.close()
-    return {k: statistics.median(ns) / 1000 for k, ns in samples.items() if not k.endswith(":INIT")}
+    return {k: statistics.median(ns) / 1000 for k, ns in samples.items() if not k.endswith((":INIT", ":-"))}
 
 
 def main() -> int:

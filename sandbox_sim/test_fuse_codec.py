@@ -346,12 +346,19 @@ def test_reference_layouts_have_fuse_h_sizes():
 
 
 def test_codec_modules_import_nothing_of_ours_but_each_other():
+    """… and the leaf ``sandbox.frozen`` (the messages' cheaper ``__init__``), which itself
+    imports nothing but the standard library."""
     pkg = Path(__file__).resolve().parent.parent / "sandbox" / "fuse"
+    leaf = ast.parse((pkg.parent / "frozen.py").read_text())
+    assert all(not isinstance(n, ast.ImportFrom) or (n.level == 0 and not (n.module or "").startswith("sandbox"))
+               for n in ast.walk(leaf))
     for mod in ("abi", "messages", "codec"):
         tree = ast.parse((pkg / f"{mod}.py").read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                if node.level:
+                if node.level == 2:
+                    assert node.module == "frozen", (mod, node.module)
+                elif node.level:
                     assert node.module in (None, "abi", "messages", "codec"), (mod, node.module)
                 else:
                     assert not (node.module or "").startswith("sandbox"), (mod, node.module)
@@ -623,7 +630,9 @@ def test_dirent_packer_against_the_reference(entries, size, plus, data):
     for ino, off, typ, name in entries:
         entry = data.draw(ENTRIES | st.none()) if plus else None
         before = len(p)
+        said = p.fits(len(name.encode("utf-8", "surrogateescape") if isinstance(name, str) else name))
         fits = p.add(ino, off, typ, name, entry)
+        assert said == fits  # what READDIR asks before it looks an entry up
         assert fits == (before + dirent_size(len(name), plus) <= size)
         if not fits:
             assert len(p) == before

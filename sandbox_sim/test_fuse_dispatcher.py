@@ -989,7 +989,20 @@ def test_no_open_readdirplus_reads_each_entry_through_the_listed_directorys_desc
     4), with the same mapping as a GETATTR — a file's kept set-uid bit, an emulated device, a
     symlink as itself — and so answers for the inode it listed, also after the directory was
     renamed beside the mount (by path, every entry would be gone and skipped)."""
-    mo = nomnt
+    _readdirplus_through_the_directorys_descriptor(nomnt)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need CAP_SYS_ADMIN (the fallback: test_ownership.py)")
+def test_readdirplus_reads_each_entry_through_the_descriptor_its_opendir_took(mnt):
+    """With OPEN handles (the virtio-fs device): OPENDIR takes one descriptor of the directory
+    (counted in the process's budget) that READDIRPLUS reads the entries through — the same
+    answers as the no-open node's own descriptor gives — and RELEASEDIR gives it back."""
+    held = mnt.d.descriptors.held
+    _readdirplus_through_the_directorys_descriptor(mnt, held)
+    assert mnt.d.descriptors.held == held
+
+
+def _readdirplus_through_the_directorys_descriptor(mo, held_before: int | None = None):
     d = mo.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"d")).nodeid
     open(mo.host("d", "f"), "w").close()
     os.symlink("f", mo.host("d", "l"))
@@ -1000,6 +1013,8 @@ def test_no_open_readdirplus_reads_each_entry_through_the_listed_directorys_desc
     mo.call(m.Mknod(H(abi.Opcode.MKNOD, d), stat.S_IFCHR | 0o600, dev, 0o022, b"null"))
     want = {name: mo.getattr(mo.lookup(name, parent=d).nodeid) for name in ("f", "l", "null")}
     o = mo.call(m.Opendir(H(abi.Opcode.OPENDIR, d), os.O_RDONLY, 0))
+    if held_before is not None:
+        assert mo.d.descriptors.held == held_before + 1 and mo.d.dirs[o.fh].handle is not None
     os.rename(mo.host("d"), mo.host("moved"))
     data = bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS, d), o.fh, 0, 4096, 0, 0, 0)).data)
     got = {name.decode(): (typ, entry[6:]) for _ino, _off, typ, name, entry in ref_parse_dirents(data, True)}
@@ -1033,3 +1048,22 @@ def test_no_open_a_directorys_changes_still_act_by_path_and_are_undone_exactly(t
         assert_same(before, snapshot_dir(mo.work))
     finally:
         mo.close()
+
+
+def test_open_directories_hold_at_most_their_bound_of_descriptors_and_list_by_path_beyond(mnt):
+    """Not no-open: at most ``LISTING_DESCRIPTORS_MAX`` open directories hold a descriptor (a
+    guest that never releases its OPENDIRs cannot take the descriptors OPEN needs); one
+    beyond lists by path, with the same entries; RELEASEDIR gives every one back."""
+    from sandbox.fuse.dispatcher import LISTING_DESCRIPTORS_MAX
+
+    open(mnt.host("a"), "w").close()
+    held = mnt.d.descriptors.held
+    fhs = [mnt.call(m.Opendir(H(abi.Opcode.OPENDIR), os.O_RDONLY, 0)).fh for _ in range(LISTING_DESCRIPTORS_MAX + 2)]
+    assert mnt.d.descriptors.held == held + LISTING_DESCRIPTORS_MAX
+    assert [mnt.d.dirs[fh].handle is not None for fh in fhs[-3:]] == [True, False, False]
+    for fh in (fhs[0], fhs[-1]):
+        data = bytes(mnt.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, 0, 4096, 0, 0, 0)).data)
+        assert sorted(e[3] for e in ref_parse_dirents(data, True)) == [b".", b"..", b"a"]
+    for fh in fhs:
+        mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR), fh, 0, 0, 0))
+    assert mnt.d.descriptors.held == held and mnt.d._listing_descriptors == 0

@@ -3090,6 +3090,29 @@ def test_a_directory_handle_reads_its_entries_as_paths_are_read(env, fs):
     check_errno(errno.ELOOP, fs.open_dir, "dl/s")
 
 
+def test_a_handle_answers_its_attributes_and_xattr_names_in_one_call(fs):
+    """``FileHandle.fstat_xattr_names`` (a GETATTR through a kept descriptor): what ``fstat``
+    and ``listxattr`` answer, of the handle's inode wherever its name went — a file and a
+    directory (``open_dir``) — and EBADF once closed, as every call."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"abc")
+    fs.setxattr("d/f", "user.k", b"v")
+    fs.setxattr("d", "user.dk", b"w")
+    f, d = fs.open("d/f", os.O_RDONLY), fs.open_dir("d")
+    try:
+        fs.rename("d", "moved")
+        for h, path in ((f, "moved/f"), (d, "moved")):
+            a, names = h.fstat_xattr_names()
+            assert a == h.fstat() == fs.getattr(path)
+            assert sorted(names) == sorted(h.listxattr()) == sorted(fs.getattr_xattr_names(path)[1])
+        assert "user.k" in f.fstat_xattr_names()[1] and "user.dk" in d.fstat_xattr_names()[1]
+    finally:
+        f.close()
+        d.close()
+    check_errno(errno.EBADF, f.fstat_xattr_names)
+    check_errno(errno.EBADF, d.fstat_xattr_names)
+
+
 def test_a_handle_knows_its_own_inode_after_its_name_is_replaced(fs):
     """``FileHandle.is_inode_of``: true for the stat of the handle's own file (also after its
     name was unlinked and made again: the new file is another inode), false for another

@@ -6,8 +6,9 @@ never a higher one:
 
 ====  ===================================  ==================================================
  0    ``limits``, ``guest``,               leaves: nothing of the package (``guest/`` is what
-      ``lifeline``, ``confine``            runs in the VM: the standard library only; process
-                                           lifetime and confinement syscalls)
+      ``lifeline``, ``confine``,           runs in the VM: the standard library only; process
+      ``frozen``                           lifetime and confinement syscalls; a cheaper
+                                           ``__init__`` for frozen dataclasses)
  1    ``hostfs``                           the narrow host-filesystem interface (SPEC §2)
  2    ``core``                             the undo core: no asyncio, no sockets
  3    ``barriers``, ``mounts``             external modifications; providers and mount table
@@ -44,7 +45,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, ...]] = [
-    ("limits", "guest", "lifeline", "confine"),
+    ("limits", "guest", "lifeline", "confine", "frozen"),
     ("hostfs",),
     ("core",),
     ("barriers", "mounts"),

@@ -520,7 +520,7 @@ def test_the_virtiofs_doc_says_the_code_s_limits():
     import re
     from pathlib import Path
 
-    from sandbox.fuse import virtiofs, virtqueue
+    from sandbox.fuse import dispatcher, virtiofs, virtqueue
     from sandbox.guest import control
     from sandbox.session import runtime
     from sandbox.vm import guest, qemu
@@ -529,7 +529,8 @@ def test_the_virtiofs_doc_says_the_code_s_limits():
     quoted = re.findall(r"`(\w+)` = (\d[\d,]*(?:\.\d+)?)(?! MiB)( B)?", doc)
     assert len({name for name, _, _ in quoted}) >= 12
     for name, value, _ in quoted:
-        owner = next(mod for mod in (v, virtiofs, virtqueue, abi, qemu, control, guest, runtime) if hasattr(mod, name))
+        owner = next(mod for mod in (v, virtiofs, virtqueue, abi, qemu, control, guest, runtime, dispatcher)
+                     if hasattr(mod, name))
         assert getattr(owner, name) == float(value.replace(",", "")), name
     assert f"`READ_BUFFER_BYTES` = 1 MiB + {abi.READ_BUFFER_BYTES - (1 << 20)} B" in doc
     assert f"`held_request_bytes_per_connection_max` = {ServerLimits().held_request_bytes_per_connection_max >> 20} MiB" in doc

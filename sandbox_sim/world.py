@@ -18,7 +18,7 @@ import errno
 import os
 
 from sandbox.core.workspace import Workspace
-from sandbox.hostfs import HostFS
+from sandbox.hostfs import FileHandle, HostFS
 from sandbox.hostfs.real import RealHostFS
 from sandbox.hostfs.memory import SimClock, MemoryHostFS
 
@@ -62,6 +62,9 @@ class FaultyHandle:
 
     def xattrs(self) -> dict:
         return type(self.inner).xattrs(self)
+
+    def fstat_xattr_names(self):
+        return FileHandle.fstat_xattr_names(self)  # its fstat and listxattr, each through the injector
 
     def __enter__(self):
         return self

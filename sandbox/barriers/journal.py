@@ -391,6 +391,9 @@ class RecordingFileHandle(FileHandle):
     def fstat(self) -> Attr:
         return self.inner.fstat()
 
+    def fstat_xattr_names(self) -> tuple[Attr, list[str]]:
+        return self.inner.fstat_xattr_names()
+
     def is_inode_of(self, st: Stat | Attr) -> bool:
         return self.inner.is_inode_of(st)
 

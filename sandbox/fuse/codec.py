@@ -499,6 +499,8 @@ def dirent_size(namelen: int, plus: bool) -> int:
     return (head + namelen + 7) & ~7
 
 
+_ENTRY_DIRENT = struct.Struct(_ENTRY.format + _DIRENT.format[1:])  # fuse_direntplus without its name (152)
+_ZEROS = bytes(8)
 _NO_ENTRY = m.EntryOut(0, 0, 0, 0, 0, 0, m.FuseAttr(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
 
 
@@ -526,21 +528,28 @@ class DirentPacker:
     def add(self, ino: int, off: int, type: int, name: bytes | str, entry: m.EntryOut | None = None) -> bool:
         """Append one entry if it fits; ``type`` is the DT_* value (``mode >> 12 & 15``)."""
         name = _name_bytes(name)
-        if entry is not None and not self.plus:
+        plus = self.plus
+        if entry is not None and not plus:
             raise ValueError("an entry_out only goes into READDIRPLUS")
-        size = dirent_size(len(name), self.plus)
-        if len(self._buf) + size > self._limit:
+        size = dirent_size(len(name), plus)
+        buf = self._buf
+        if len(buf) + size > self._limit:
             return False
-        parts = []
-        if self.plus:
-            parts.append(_pack(_ENTRY, *_entry_values(entry if entry is not None else _NO_ENTRY)))
-        parts.append(_pack(_DIRENT, ino, off, len(name), type))
-        parts.append(name)
-        record = b"".join(parts)
-        self._buf += record
-        self._buf += bytes(size - len(record))
+        if plus:  # fuse_entry_out and fuse_dirent in one pack
+            head = _pack(_ENTRY_DIRENT, *_entry_values(entry if entry is not None else _NO_ENTRY), ino, off, len(name),
+                         type)
+        else:
+            head = _pack(_DIRENT, ino, off, len(name), type)
+        buf += head
+        buf += name
+        buf += _ZEROS[: size - len(head) - len(name)]  # to the 8-byte boundary
         self.count += 1
         return True
+
+    def fits(self, namelen: int) -> bool:
+        """Whether an entry with a name of ``namelen`` bytes still fits (what :meth:`add`
+        would find): the caller can stop before looking the entry up."""
+        return len(self._buf) + dirent_size(namelen, self.plus) <= self._limit
 
     def __len__(self) -> int:
         return len(self._buf)

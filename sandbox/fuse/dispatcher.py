@@ -123,6 +123,15 @@ NEGATIVE_ENTRIES_MAX = 4096
 #: unlinked file a program still has open) and are not counted here
 NODE_DESCRIPTORS_MAX = 4096
 
+#: not no-open: open directories (OPENDIR..RELEASEDIR) that hold a descriptor of the directory
+#: for their READDIRPLUS (:meth:`Dispatcher._listing_descriptor`); beyond it a listing looks
+#: its entries up by path, as without one — so a guest that opens many directories and never
+#: releases them cannot take the descriptors its file OPENs need
+LISTING_DESCRIPTORS_MAX = 64
+#: the requests' credentials kept for reuse (:meth:`Dispatcher._cred`): a guest has a few
+#: users; past this many distinct (uid, gid) pairs all are dropped and made again as needed
+CREDS_KEPT_MAX = 64
+
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 _DT = {REG: _stat.S_IFREG >> 12, DIR: _stat.S_IFDIR >> 12, LNK: _stat.S_IFLNK >> 12}
 #: opcodes not served: ENOSYS, which the kernel remembers (locks are the kernel's: one host)
@@ -241,6 +250,9 @@ class OpenDir:
     node: Node
     names: list[str]
     cost: int
+    #: not no-open: the directory's own read-only descriptor from OPENDIR to RELEASEDIR (its
+    #: entries' attributes at READDIRPLUS, :meth:`Dispatcher._listing_descriptor`), or None
+    handle: FileHandle | None = None
 
 
 class Dispatcher:
@@ -259,6 +271,8 @@ class Dispatcher:
         self.limits = limits
         self.descriptors = descriptors
         self.owners = owners
+        #: (uid, gid) -> its Cred, at most CREDS_KEPT_MAX (:meth:`_cred`)
+        self._creds: dict[tuple, Cred] = {}
         self.initialized = False
         self.minor = 0
         self.nodes: dict[int, Node] = {}
@@ -268,6 +282,8 @@ class Dispatcher:
         self.dirs: dict[int, OpenDir] = {}
         self._next_fh = 1
         self.listing_bytes = 0
+        #: open directories holding a descriptor (at most LISTING_DESCRIPTORS_MAX)
+        self._listing_descriptors = 0
         #: (parent nodeid, name) answered as a cached negative entry -> when the kernel stops
         #: trusting it (time.monotonic); bounded by NEGATIVE_ENTRIES_MAX
         self.negative: OrderedDict[tuple[int, bytes], float] = OrderedDict()
@@ -427,7 +443,17 @@ class Dispatcher:
         return n
 
     def _cred(self, req: m.Request) -> Cred:
-        return Cred(req.header.uid, req.header.gid, self.owners)
+        """The request's :class:`Cred` — one per (uid, gid) while at most
+        :data:`CREDS_KEPT_MAX` are kept and :attr:`owners` is the one it was made with (a
+        Cred is immutable; when full, the kept ones are dropped and made again as needed)."""
+        h = req.header
+        key = (h.uid, h.gid)
+        c = self._creds.get(key)
+        if c is None or c.view is not self.owners:
+            if len(self._creds) >= CREDS_KEPT_MAX:
+                self._creds.clear()
+            c = self._creds[key] = Cred(h.uid, h.gid, self.owners)
+        return c
 
     def _names(self, path: str, inode: tuple[int, int], kind: str | None = None) -> bool:
         """``path`` names ``inode`` (of ``kind``: a reused inode number of another type is
@@ -1197,21 +1223,64 @@ class Dispatcher:
 
     def _opendir(self, req: m.Opendir) -> m.OpenOut:
         n = self._dir(req.header.nodeid)
-        self._attr(n)  # still there (ESTALE/ENOENT otherwise)
-        names = [".", ".."] + sorted(self.provider.listdir(n.path))
-        cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
-        budget = self.limits.dir_listing_bytes_per_connection_max
-        if self.listing_bytes + cost > budget:
-            raise OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+        held = None if self.no_open else self._listing_descriptor(n)
+        try:
+            if held is None:
+                self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
+            names = [".", ".."] + sorted(self.provider.listdir(n.path))
+            cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
+            budget = self.limits.dir_listing_bytes_per_connection_max
+            if self.listing_bytes + cost > budget:
+                raise OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+        except BaseException:
+            if held is not None:
+                held.close()
+                self.descriptors.release()
+                self._listing_descriptors -= 1
+            raise
         fh = self._new_fh()
-        self.dirs[fh] = OpenDir(n, names, cost)
+        self.dirs[fh] = OpenDir(n, names, cost, held)
         self.listing_bytes += cost
         return m.OpenOut(fh, 0)
+
+    def _listing_descriptor(self, n: Node) -> FileHandle | None:
+        """Not no-open: a read-only descriptor of directory ``n`` for one OPENDIR..RELEASEDIR
+        (READDIRPLUS then reads its entries' attributes beneath it: ``fstatat`` and
+        ``llistxattr``, where a path takes four calls), counted in the process's descriptor
+        budget — opened by path, kept only while it is ``n``'s inode. None (the listing looks
+        by path, as before) where it cannot be had: :data:`LISTING_DESCRIPTORS_MAX` held
+        already, no descriptor left, gone, replaced, a host without directory handles; the
+        caller's path look then says why, if anything is wrong."""
+        if self._listing_descriptors >= LISTING_DESCRIPTORS_MAX:
+            return None
+        try:
+            self.descriptors.acquire()
+        except OSError:
+            return None
+        try:
+            h = self.provider.open_dir(n.path)
+        except OSError:
+            self.descriptors.release()
+            return None
+        try:
+            same = _inode(h.fstat()) == n.inode
+        except OSError:
+            same = False
+        if not same:
+            h.close()
+            self.descriptors.release()
+            return None
+        self._listing_descriptors += 1
+        return h
 
     def _close_dir(self, fh: int) -> None:
         d = self.dirs.pop(fh, None)
         if d is not None:
             self.listing_bytes -= d.cost
+            if d.handle is not None:
+                d.handle.close()
+                self.descriptors.release()
+                self._listing_descriptors -= 1
 
     def _releasedir(self, req: m.Releasedir) -> None:
         self._close_dir(req.fh)
@@ -1227,15 +1296,18 @@ class Dispatcher:
         plus = isinstance(req, m.Readdirplus)
         packer = DirentPacker(min(req.size, abi.MAX_WRITE_BYTES), plus)
         base = d.node.path
-        # no-open: each entry's attributes through the directory's own descriptor (2 system
-        # calls where a path takes 4); else, or where it has none, by path
+        # each entry's attributes through a descriptor of the directory (2 system calls where a
+        # path takes 4): no-open, the node's own; else the one OPENDIR took; where none, by path
         try:
-            held = self._dir_descriptor(d.node) if plus and self.no_open else None
+            held = self._dir_descriptor(d.node) if plus and self.no_open else d.handle if plus else None
         except OSError:  # no descriptor left in the budget (ENFILE): by path
             held = None
         cred = self._cred(req)
         for i in range(req.offset, len(d.names)):
             name = d.names[i]
+            raw = name.encode("utf-8", "surrogateescape")
+            if not packer.fits(len(raw)):  # full: not looked up now (the next READDIR starts here)
+                break
             dots = name in (".", "..")
             path = base if name == "." else parent_of(base) if name == ".." else child(base, name)
             try:
@@ -1249,7 +1321,6 @@ class Dispatcher:
                     a = self.provider.getattr(path, cred=cred)
             except OSError:
                 continue  # vanished since OPENDIR: skipped, the offsets stay stable
-            raw = name.encode("utf-8", "surrogateescape")
             if not plus or dots:  # "." and "..": nodeid 0, the kernel takes no lookup for these
                 if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break

@@ -51,6 +51,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from ..frozen import fast_init
+
 __all__ = [
     "HostFS",
     "FileHandle",
@@ -225,10 +227,10 @@ class Stat:
 
     @classmethod
     def from_os(cls, st) -> "Stat":
-        fmt = _stat.S_IFMT(st.st_mode)
-        kind = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
-        return cls(kind, _stat.S_IMODE(st.st_mode), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_nlink,
-                   st.st_dev, fmt, st.st_uid, st.st_gid)
+        mode = st.st_mode
+        fmt = mode & _S_IFMT  # _stat.S_IFMT / S_IMODE, without their calls: one or more per request
+        return cls(_KIND_OF_FMT.get(fmt, OTHER), mode & 0o7777, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+                   st.st_nlink, st.st_dev, fmt, st.st_uid, st.st_gid)
 
     @property
     def file_type(self) -> int:
@@ -236,10 +238,15 @@ class Stat:
         return self.fmt or _FMT_OF_KIND[self.kind]
 
 
+_KIND_OF_FMT = {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}  # any other format: OTHER
+_S_IFMT = 0o170000
+
+
 def _kind_of(fmt: int) -> str:
-    return {_stat.S_IFREG: REG, _stat.S_IFDIR: DIR, _stat.S_IFLNK: LNK}.get(fmt, OTHER)
+    return _KIND_OF_FMT.get(fmt, OTHER)
 
 
+@fast_init  # one or more per request of every protocol server
 @dataclass(frozen=True, slots=True)
 class Attr:
     """Everything ``getattr`` reports about one entry (never follows a final symlink).
@@ -271,8 +278,9 @@ class Attr:
 
     @classmethod
     def from_os(cls, st) -> "Attr":
-        fmt = _stat.S_IFMT(st.st_mode)
-        return cls(_kind_of(fmt), fmt, _stat.S_IMODE(st.st_mode), st.st_size, st.st_nlink, st.st_uid, st.st_gid,
+        mode = st.st_mode
+        fmt = mode & _S_IFMT
+        return cls(_KIND_OF_FMT.get(fmt, OTHER), fmt, mode & 0o7777, st.st_size, st.st_nlink, st.st_uid, st.st_gid,
                    st.st_rdev, st.st_blksize, st.st_blocks, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
                    st.st_dev)
 
@@ -382,6 +390,16 @@ class FileHandle(ABC):
 
     def xattrs(self) -> dict[str, bytes]:
         return {name: self.getxattr(name) for name in sorted(self.listxattr())}
+
+    def fstat_xattr_names(self) -> tuple[Attr, list[str]]:
+        """:meth:`fstat` and :meth:`listxattr` of this handle's inode in one call (a GETATTR
+        through a kept descriptor); names it cannot list (no xattrs here, ``EOPNOTSUPP``) are
+        none. A failing ``fstat`` raises, as :meth:`fstat` does."""
+        a = self.fstat()
+        try:
+            return a, self.listxattr()
+        except OSError:
+            return a, []
 
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """For a directory's handle (:meth:`HostFS.open_dir`): :meth:`HostFS.getattr_xattr_names`

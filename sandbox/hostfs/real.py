@@ -294,6 +294,21 @@ class RealFileHandle(FileHandle):
         self._inode = (a.ino, a.dev)
         return a
 
+    def fstat_xattr_names(self) -> tuple[Attr, list[str]]:
+        """:meth:`FileHandle.fstat_xattr_names`: ``fstat`` and ``flistxattr`` of the descriptor,
+        taken once for both."""
+        fd = self._acquire()
+        try:
+            a = Attr.from_os(os.fstat(fd))
+            try:
+                names = os.listxattr(fd)
+            except OSError:
+                names = []
+        finally:
+            self._release()
+        self._inode = (a.ino, a.dev)
+        return a, names
+
     def is_inode_of(self, st: Stat | Attr) -> bool:
         """:meth:`FileHandle.is_inode_of` from the inode this descriptor was first seen to
         have (one ``fstat``, then none: a descriptor's inode never changes). ``EBADF`` once
@@ -510,7 +525,8 @@ class RealHostFS(HostFS):
         """(O_PATH fd of the parent directory, final name). Caller closes the fd."""
         if not path:
             raise OSError(errno.EBUSY, "operation not permitted on the root itself", path)
-        if len(os.fsencode(path)) > TREE_PATH_BYTES_MAX:  # the whole path, though only the parent is opened
+        # the whole path, though only the parent is opened (at most 4 bytes a character: no encoding needed below)
+        if len(path) > TREE_PATH_BYTES_MAX // 4 and len(os.fsencode(path)) > TREE_PATH_BYTES_MAX:
             raise OSError(errno.ENAMETOOLONG, f"path longer than {TREE_PATH_BYTES_MAX} bytes (TREE_PATH_BYTES_MAX)", path)
         i = path.rfind("/")
         name = path[i + 1 :]

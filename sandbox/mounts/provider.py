@@ -196,7 +196,8 @@ class Provider:
     def fstat(self, handle: FileHandle, path: str, *, cred: Cred | None = None) -> Attr:
         """:meth:`getattr` of the file open on ``handle`` (even if renamed away or unlinked);
         ``path`` is where the server last saw it."""
-        return self._guest_attr(path, handle.fstat(), handle, view=_view(cred))
+        a, names = handle.fstat_xattr_names()  # one call for both (names it cannot list: none)
+        return self._guest_attr(path, a, handle, view=_view(cred), names=names)
 
     def open_dir(self, path: str) -> FileHandle:
         """A read-only handle on the directory ``path`` for :meth:`fstat` (``HostFS.open_dir``:
