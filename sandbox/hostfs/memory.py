@@ -7,7 +7,8 @@ mtimes and ctimes from a deterministic clock, xattrs, symlink targets, and hardl
 ext4). Where filesystems differ (timestamps touched by ``fallocate``, xattr rules), the
 reference is Linux on ext4; ``sandbox_sim/test_hostfs.py`` checks both implementations agree.
 
-Every public operation first calls ``fault_hook(fs, op, path, nbytes)``. The hook may
+Every public operation first calls ``fault_hook(fs, op, path, nbytes)`` (without one, it
+only counts itself into ``tally``, if set). The hook may
 raise (a simulated crash, ``ENOSPC``, ``EIO``) or, for ``write``, return a byte count
 smaller than requested: the write is then *torn* — that prefix lands and the hook's
 ``after_torn_write`` is called (which normally raises the crash). See ``sandbox_sim/faults.py``.
@@ -319,6 +320,12 @@ class MemoryHostFS(HostFS):
         self.trusted_xattrs = trusted_xattrs
         self.clock = clock or SimClock()
         self.fault_hook = fault_hook
+        #: an object counting this disk's host calls while no ``fault_hook`` is set: each call
+        #: adds 1 to its ``calls`` and, if its op is in ``tally_mutations``, 1 to its
+        #: ``store_mutations`` — a quiet fault injector counting without a Python call per
+        #: host call (``sandbox_sim/faults.py``, ``FaultInjector.attach``)
+        self.tally: object | None = None
+        self.tally_mutations: frozenset[str] = frozenset()
         self.pid = pid
         self._inos = itertools.count(2)
         now = self.clock()
@@ -388,8 +395,14 @@ class MemoryHostFS(HostFS):
             self.changes += 1
             if self._commit_pending:
                 self._commit_metadata()  # an fsync's journal commit, taken before anything changes
-        if self.fault_hook is not None:
-            return self.fault_hook(self, op, path, nbytes)
+        hook = self.fault_hook
+        if hook is not None:
+            return hook(self, op, path, nbytes)
+        tally = self.tally
+        if tally is not None:
+            tally.calls += 1
+            if op in self.tally_mutations:
+                tally.store_mutations += 1
         return None
 
     @staticmethod
