@@ -338,10 +338,13 @@ class MemoryHostFS(HostFS):
         self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
         self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
         self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
-        # path -> the inode a successful _walk of it found. Valid while no name is removed or
-        # replaced (unlink, rmdir, rename, exchange, power_loss clear it): adding a name cannot
-        # change where an existing path leads, and an inode's kind never changes. Failures are
-        # not kept, so every error is found by a real walk.
+        # path -> the inode a successful _walk of it found; every kept path leads to its inode
+        # now. Adding a name cannot change where an existing path leads, and an inode's kind
+        # never changes; a name removed or replaced drops its own path (unlink, rmdir of an
+        # empty directory, rename or exchange of non-directories: no kept path leads through
+        # them, since a path is one string per entry and no walk passes a non-directory), and a
+        # directory moved, and power_loss, drop them all. Failures are not kept, so every
+        # error is found by a real walk.
         self._resolved: dict[str, _Inode] = {}
         #: bumped before every call that may change the tree (and by power_loss): equal
         #: values mean an unchanged tree, for callers that keep what they read of it
@@ -631,13 +634,13 @@ class MemoryHostFS(HostFS):
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
         parent, name = self._parent(path)
-        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
         if node.kind == DIR:
             raise _err(errno.EISDIR, path)
         del parent.entries[name]
+        self._resolved.pop(path, None)  # not a directory: no path led through it
         now = self.clock()
         node.nlink -= 1
         node.ctime_ns = now
@@ -646,7 +649,6 @@ class MemoryHostFS(HostFS):
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
         parent, name = self._parent(path)
-        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
@@ -655,6 +657,7 @@ class MemoryHostFS(HostFS):
         if node.entries:
             raise _err(errno.ENOTEMPTY, path)
         del parent.entries[name]
+        self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
         self._touch_dir(parent, self.clock())
@@ -694,7 +697,11 @@ class MemoryHostFS(HostFS):
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
         now = self.clock()
-        self._resolved.clear()
+        if node.kind == DIR:
+            self._resolved.clear()  # every kept path through src now leads elsewhere or nowhere
+        else:
+            self._resolved.pop(src, None)
+            self._resolved.pop(dst, None)  # a replaced target is a file or an empty directory
         del sparent.entries[sname]
         if existing is not None:
             if existing.kind == DIR:
@@ -724,7 +731,11 @@ class MemoryHostFS(HostFS):
         if is_within(b, a) or is_within(a, b):
             raise _err(errno.EINVAL, b)  # one inside the other
         now = self.clock()
-        self._resolved.clear()
+        if x.kind == DIR or y.kind == DIR:
+            self._resolved.clear()
+        else:
+            self._resolved.pop(a, None)
+            self._resolved.pop(b, None)
         aparent.entries[aname], bparent.entries[bname] = y, x
         if aparent is not bparent and (x.kind == DIR) != (y.kind == DIR):
             step = 1 if x.kind == DIR else -1  # the directory's ".." moves from a's parent to b's
