@@ -408,6 +408,17 @@ class MemoryHostFS(HostFS):
                 tally.store_mutations += 1
         return None
 
+    def _look(self, op: str, path: str) -> None:
+        """:meth:`_fault` of a call that changes nothing (an op of ``_READ_ONLY_OPS`` other
+        than ``fsync``, which is no store mutation either): the same hook call or count."""
+        hook = self.fault_hook
+        if hook is not None:
+            hook(self, op, path, 0)
+        else:
+            tally = self.tally
+            if tally is not None:
+                tally.calls += 1
+
     @staticmethod
     def _child(d: _Inode, name: str, path: str) -> Optional[_Inode]:
         """Look ``name`` up in directory ``d``; a name no directory can hold is ENAMETOOLONG."""
@@ -461,13 +472,17 @@ class MemoryHostFS(HostFS):
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
             raise _err(errno.ENAMETOOLONG, path)
         i = path.rfind("/")
-        parent = self._walk(path[:i]) if i >= 0 else self._root
+        if i >= 0:
+            head = path[:i]
+            parent = self._resolved.get(head) or self._walk(head)
+        else:
+            parent = self._root
         if parent.kind != DIR:
             raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
         return parent, path[i + 1:]
 
     def _file(self, path: str) -> _Inode:
-        node = self._walk(path)
+        node = self._resolved.get(path) or self._walk(path)
         if node.kind == LNK:
             raise _err(errno.ELOOP, path)
         if node.kind == DIR:
@@ -484,14 +499,14 @@ class MemoryHostFS(HostFS):
     # -- queries --
 
     def lstat(self, path: str) -> Stat:
-        self._fault("lstat", path)
+        self._look("lstat", path)
         return self._entry(path).stat()
 
     def lstat_or_none(self, path: str) -> Stat | None:
         """:meth:`lstat`, or None where nothing is (``ENOENT``, ``ENOTDIR``, ``ELOOP``: the
         ``ABSENT_ERRNOS`` rule of every "is it there?"), found without raising and catching
         an error: the same fault hook call, the same answers, the same errors otherwise."""
-        self._fault("lstat", path)
+        self._look("lstat", path)
         if not path:
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
@@ -525,15 +540,15 @@ class MemoryHostFS(HostFS):
         return node.stat()
 
     def getattr(self, path: str) -> Attr:
-        self._fault("getattr", path)
+        self._look("getattr", path)
         return self._entry(path).attr()
 
     def statfs(self) -> StatFS:
-        self._fault("statfs", "")
+        self._look("statfs", "")
         return super().statfs()
 
     def listdir(self, path: str) -> list[str]:
-        self._fault("listdir", path)
+        self._look("listdir", path)
         node = self._walk(path)
         # a final symlink is not followed, and is not a directory: the kernel checks
         # O_DIRECTORY before it would refuse to open a symlink (ELOOP)
@@ -542,14 +557,14 @@ class MemoryHostFS(HostFS):
         return list(node.entries)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        self._fault("read", path)
+        self._look("read", path)
         node = self._file(path)
         if offset < 0 or length < 0:
             raise _err(errno.EINVAL, path)
         return bytes(node.data[offset : offset + length])
 
     def open(self, path: str, flags: int) -> MemoryFileHandle:
-        self._fault("open", path)
+        self._look("open", path)
         check_open_flags(flags, path)
         return MemoryFileHandle(self, self._file(path), path, flags)
 
@@ -557,14 +572,14 @@ class MemoryHostFS(HostFS):
         """:meth:`HostFS.open_dir`: a read-only handle on the directory inode at ``path``; not
         a directory, a final symlink included, ``ENOTDIR`` (as RealHostFS's ``openat2`` with
         ``O_DIRECTORY``, checked before the symlink would be refused), as :meth:`listdir`."""
-        self._fault("open", path)
+        self._look("open", path)
         node = self._walk(path)
         if node.kind != DIR:
             raise _err(errno.ENOTDIR, path)
         return MemoryFileHandle(self, node, path, os.O_RDONLY)
 
     def readlink(self, path: str) -> str:
-        self._fault("readlink", path)
+        self._look("readlink", path)
         node = self._entry(path)
         if node.kind != LNK:
             raise _err(errno.EINVAL, path)
@@ -855,7 +870,7 @@ class MemoryHostFS(HostFS):
         return node
 
     def listxattr(self, path: str) -> list[str]:
-        self._fault("listxattr", path)
+        self._look("listxattr", path)
         return self._listed(self._walk(path))
 
     def _listed(self, node: _Inode) -> list[str]:
@@ -863,7 +878,7 @@ class MemoryHostFS(HostFS):
         return [n for n in node.xattrs if self.trusted_xattrs or not n.startswith("trusted.")]
 
     def getxattr(self, path: str, name: str) -> bytes:
-        self._fault("getxattr", path)
+        self._look("getxattr", path)
         return self._getxattr_node(self._xattr_node(path, name, write=False), name, path)
 
     def _getxattr_node(self, node: _Inode, name: str, path: str) -> bytes:
