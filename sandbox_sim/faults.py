@@ -69,7 +69,8 @@ class FaultInjector:
     :meth:`attach`-ed: while the injector is quiet the disk has no hook and counts each call
     into the injector itself (``MemoryHostFS.tally``: the same two counts, by the same rules,
     without a Python call per host call); the moment anything is planned, traced or the
-    process dies, every attached disk calls the injector again, from its next call on."""
+    process dies, every attached disk calls the injector again, from its next call on. A
+    subclass that defines its own ``__call__`` is always called."""
 
     crash_at = _plan_field("crash_at")
     crash_if = _plan_field("crash_if")
@@ -110,7 +111,7 @@ class FaultInjector:
             fs.fault_hook = fs.tally = None
 
     def _point(self, fs) -> None:
-        if self._quiet:
+        if self._quiet and type(self).__call__ is FaultInjector.__call__:  # a subclass's own __call__ always runs
             fs.fault_hook, fs.tally = None, self
             fs.tally_mutations = STORE_MUTATIONS if fs.name == "store" else frozenset()
         else:
