@@ -49,8 +49,12 @@ def _plan_field(name: str) -> property:
 
     def set(self, value) -> None:
         setattr(self, private, value)
-        self._quiet = (self._crash_at is None and self._crash_if is None and self._torn_at is None and self._error_at is None
-                       and self._error_if is None and self._trace is None and not self._crashed)
+        quiet = (self._crash_at is None and self._crash_if is None and self._torn_at is None and self._error_at is None
+                 and self._error_if is None and self._trace is None and not self._crashed)
+        if quiet != self._quiet:
+            self._quiet = quiet
+            for fs in self._disks:
+                self._point(fs)
 
     return property(get, set)
 
@@ -59,7 +63,14 @@ class FaultInjector:
     """Counts host calls (``calls``, and ``store_mutations``: mutating calls on the store)
     and injects the faults planned. With nothing planned, no trace and the process alive
     (``_quiet``) a call is only counted, by the same rules as when a fault is planned, so
-    positions mean the same whether or not anything is armed."""
+    positions mean the same whether or not anything is armed.
+
+    Any disk may call the injector as its fault hook. A simulated disk can instead be
+    :meth:`attach`-ed: while the injector is quiet the disk has no hook and counts each call
+    into the injector itself (``MemoryHostFS.tally``: the same two counts, by the same rules,
+    without a Python call per host call); the moment anything is planned, traced or the
+    process dies, every attached disk calls the injector again, from its next call on. A
+    subclass that defines its own ``__call__`` is always called."""
 
     crash_at = _plan_field("crash_at")
     crash_if = _plan_field("crash_if")
@@ -77,11 +88,34 @@ class FaultInjector:
         self._crash_if = crash_if
         self._trace: list[tuple[str, str, str]] | None = None
         self._crashed = False
+        self._quiet = False
+        self._disks: list = []  # the attached simulated disks (attach)
         self.rng = random.Random(seed)
         self.calls = 0
         self.store_mutations = 0
         self.crashed = False  # derives _quiet
         self.injected: list[str] = []
+
+    def attach(self, fs) -> None:
+        """Count (and fault) the calls of the simulated disk ``fs`` (a ``MemoryHostFS``): it
+        calls this injector as its fault hook while anything is armed, and only counts into
+        it (``fs.tally``) while it is quiet. The same counts either way."""
+        if fs not in self._disks:
+            self._disks.append(fs)
+        self._point(fs)
+
+    def detach(self, fs) -> None:
+        """Stop counting ``fs``'s calls: it has no hook and no tally any more."""
+        if fs in self._disks:
+            self._disks.remove(fs)
+            fs.fault_hook = fs.tally = None
+
+    def _point(self, fs) -> None:
+        if self._quiet and type(self).__call__ is FaultInjector.__call__:  # a subclass's own __call__ always runs
+            fs.fault_hook, fs.tally = None, self
+            fs.tally_mutations = STORE_MUTATIONS if fs.name == "store" else frozenset()
+        else:
+            fs.fault_hook, fs.tally = self, None
 
     def disarm(self) -> None:
         """After a crash: the next process starts with no faults planned."""

@@ -44,16 +44,17 @@ def snapshot_nodes(fs: MemoryHostFS, path: str = "", skip: frozenset[str] = froz
             skipping = p
             continue
         kind = node.kind
+        xattrs = node.xattrs
+        xattrs = tuple(sorted(xattrs.items())) if xattrs else ()
         if kind == REG:
             if node.nlink > 1:
                 inodes.setdefault(node.ino, []).append(p)
-            out[p] = (kind, node.mode, node.mtime_ns, bytes(node.data), tuple(sorted(node.xattrs.items())), node.fmt,
-                      node.uid, node.gid, ())
+            out[p] = (kind, node.mode, node.mtime_ns, bytes(node.data), xattrs, node.fmt, node.uid, node.gid, ())
         elif kind == DIR:
-            out[p] = (kind, node.mode, node.mtime_ns, None, tuple(sorted(node.xattrs.items())), node.fmt, node.uid, node.gid, ())
+            out[p] = (kind, node.mode, node.mtime_ns, None, xattrs, node.fmt, node.uid, node.gid, ())
         else:
-            out[p] = (kind, node.mode, node.mtime_ns, node.target if kind == LNK else None, tuple(sorted(node.xattrs.items())),
-                      node.fmt, node.uid, node.gid, ())
+            out[p] = (kind, node.mode, node.mtime_ns, node.target if kind == LNK else None, xattrs, node.fmt, node.uid,
+                      node.gid, ())
     _link_groups(out, inodes)
     return out
 

@@ -115,6 +115,13 @@ class BarrierModel(RuleBasedStateMachine):
         with self.world.paused():
             before = self._state(path)
             exists = self.world.work.exists(path)
+            links = []  # an edit in place changes every name of the file: the user edited each
+            if exists and not delete:
+                st = self.world.work.lstat(path)
+                if st.nlink > 1:
+                    same = [q for q in self._candidates(False) if q != path]  # (some may not exist)
+                    links = [(q, self._state(q)) for q in same
+                             if getattr(self.world.work.lstat_or_none(q), "ino", None) == st.ino]
             if delete and exists:
                 self.world.work.unlink(path)
             else:
@@ -123,6 +130,8 @@ class BarrierModel(RuleBasedStateMachine):
                 self.world.work.truncate(path, 0)
                 self.world.work.write_all(path, 0, data)
             self._user_changed(path, before)
+            for q, was in links:
+                self._user_changed(q, was)
         if report:
             b = self.ws.record_external_modification([path])
             self.barrier_seqs.append(b["after_seq"])

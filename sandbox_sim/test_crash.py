@@ -473,6 +473,44 @@ def test_an_injector_with_nothing_planned_counts_calls_as_an_armed_one_does():
         _step(ws)
 
 
+def test_an_attached_quiet_injector_counts_as_the_same_injector_called_as_a_hook():
+    """A world's simulated disks are attached to its injector: while it is quiet they call
+    no hook and count into it themselves (``MemoryHostFS.tally``). Those counts must be the
+    ones the injector makes when every disk calls it as its fault hook, or a planned
+    position would name another call; a swapped-out injector and a paused one count
+    nothing; planning a fault makes the disks call the injector again."""
+    counts = []
+    for attached in (True, False):
+        w, ws, _ = _prepare("sim", None)
+        injector = FaultInjector()
+        w.injector = injector
+        if attached:
+            assert (w.work.fault_hook, w.work.tally, w.store.tally) == (None, injector, injector)
+        else:  # the disks call the injector itself on every host call
+            w.injector_paused = True
+            w.work.fault_hook = w.store.fault_hook = injector
+        _step(ws)
+        counts.append((injector.calls, injector.store_mutations))
+    assert counts[0] == counts[1] and counts[0][0] > 100 and counts[0][1] > 10, counts
+
+    w, ws, _ = _prepare("sim", None)
+    old, new = w.injector, FaultInjector()
+    before = old.calls
+    w.injector = new
+    with ws.step("after the swap"):
+        ws.fs.write_file("swapped", b"x")
+    assert old.calls == before and new.calls > 0
+    with w.paused():
+        n = new.calls
+        ws.fs.lstat("swapped")
+        assert new.calls == n
+    new.crash_at = new.calls + 1  # the second call from here dies
+    assert w.work.fault_hook is new and w.store.fault_hook is new
+    ws.fs.lstat("swapped")
+    with pytest.raises(SimulatedCrash, match=rf"crash at call {new.calls}:"):
+        ws.fs.lstat("swapped")
+
+
 def test_a_crash_planned_at_a_named_call_hits_the_first_call_it_names():
     """``crash_if``: the position is a call's name, not its count — the first traced call
     the predicate holds for is the one that dies, and no call before it."""

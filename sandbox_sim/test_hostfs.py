@@ -3206,6 +3206,50 @@ def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss()
         check_errno(errno.ENOENT, fs.read, gone, 0, 1)
 
 
+def test_sim_remembered_paths_answer_as_a_fresh_walk_after_random_names_go_and_come():
+    """A removed or replaced file or empty directory drops only its own remembered path
+    (a directory moved drops them all): after every call of a random sequence of creates,
+    links, removals, renames and exchanges over a small name space, every path answers
+    ``lstat_or_none`` and ``read`` as a walk with nothing remembered does."""
+    import random
+
+    names = ["a", "b", "d", "d/a", "d/b", "d/e", "d/e/a", "e", "e/a"]
+    for seed in range(30):
+        rng = random.Random(seed)
+        fs = MemoryHostFS()
+        for _ in range(120):
+            p, q = rng.choice(names), rng.choice(names)
+            op = rng.choice(["file", "file", "mkdir", "unlink", "rmdir", "rename", "rename", "exchange", "link"])
+            try:
+                if op == "file":
+                    mkfile(fs, p, rng.choice([b"1", b"22", b"333"]))
+                elif op == "mkdir":
+                    fs.mkdir(p, 0o755)
+                elif op == "unlink":
+                    fs.unlink(p)
+                elif op == "rmdir":
+                    fs.rmdir(p)
+                elif op == "rename":
+                    fs.rename(p, q)
+                elif op == "exchange":
+                    fs.exchange(p, q)
+                else:
+                    fs.link(p, q)
+            except OSError:
+                pass
+            for path in names:
+                remembered = fs.lstat_or_none(path)
+                kept, fs._resolved = fs._resolved, {}
+                fresh = fs.lstat_or_none(path)
+                fs._resolved = kept
+                assert remembered == fresh, (seed, op, p, q, path)
+                if fresh is not None and fresh.kind == "reg":
+                    kept, fs._resolved = fs._resolved, {}
+                    data = fs.read(path, 0, 8)
+                    fs._resolved = kept
+                    assert fs.read(path, 0, 8) == data, (seed, path)
+
+
 def test_sim_remembered_paths_are_bounded():
     from sandbox.hostfs.memory import RESOLVED_PATHS_KEPT_MAX
 

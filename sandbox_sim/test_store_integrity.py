@@ -776,6 +776,13 @@ def test_seal_refuses_what_json_dumps_refuses():
         seal(cyclic)
     with pytest.raises(TypeError):
         seal({"a": object()})
+    deep: list = []
+    for _ in range(100_000):  # not circular, only too deep: json.dumps's RecursionError
+        deep = [deep]
+    with pytest.raises(RecursionError):
+        json.dumps({"a": deep})
+    with pytest.raises(RecursionError):
+        seal({"a": deep})
     assert seal({"a": [1, 2]}).startswith(b'{"a":[1,2],"h":"')  # no markers left behind by the failures
 
 

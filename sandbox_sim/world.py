@@ -127,9 +127,10 @@ class World:
             disk = ReflinkMemoryHostFS if kind == "sim-reflink" else MemoryHostFS
             clock = SimClock()
             self.clock_ns = clock
-            self.work = disk("work", clock=clock, fault_hook=self._injector)
-            self.store = disk("store", clock=clock, fault_hook=self._injector)
+            self.work = disk("work", clock=clock)
+            self.store = disk("store", clock=clock)
             self._work_view, self._store_view = self.work, self.store
+            self._rehook()
         elif kind == "real":
             assert tmp is not None
             os.makedirs(os.path.join(tmp, "work"), exist_ok=True)
@@ -146,9 +147,10 @@ class World:
         # while the count is the same no call that may change the tree has run since
         self._kept_snapshot: tuple[int, oracle.Snapshot] | None = None
 
-    # The injector can be swapped per run and paused. A simulated disk calls the injector
-    # itself (its ``fault_hook`` is the injector, or None while paused: no hop per host call);
-    # both setters re-point the disks, so the disks always call the current injector.
+    # The injector can be swapped per run and paused. A simulated disk is attached to the
+    # current injector (``FaultInjector.attach``: it calls the injector itself, or only counts
+    # into it while nothing is armed — no hop per host call) and to none while paused; both
+    # setters re-attach the disks, so the disks always count into the current injector.
     @property
     def injector(self) -> FaultInjector:
         return self._injector
@@ -168,11 +170,19 @@ class World:
         self._rehook()
 
     def _rehook(self) -> None:
-        hook = None if self.__dict__.get("_paused") else self.__dict__.get("_injector")
-        for name in ("work", "store"):  # the simulated disks (a real one is wrapped, see _hook_obj)
-            fs = self.__dict__.get(name)
-            if isinstance(fs, MemoryHostFS):
-                fs.fault_hook = hook
+        want = None if self.__dict__.get("_paused") else self.__dict__.get("_injector")
+        attached = self.__dict__.get("_attached")
+        # the simulated disks (a real one is wrapped, see _hook_obj)
+        disks = [fs for fs in (self.__dict__.get("work"), self.__dict__.get("store")) if isinstance(fs, MemoryHostFS)]
+        if not disks:
+            return
+        if attached is not None and attached is not want:
+            for fs in disks:
+                attached.detach(fs)
+        if want is not None:
+            for fs in disks:
+                want.attach(fs)
+        self._attached = want
 
     def _hook_obj(self):
         """The real disks' fault hook (through :class:`FaultyHostFS`): the current injector

@@ -230,15 +230,26 @@ def _seal_hash(body: bytes) -> bytes:
 _LINE_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True)
 
 
+# The C encoder ``JSONEncoder.encode`` builds for a one-shot encode, built once and without
+# circular-reference markers (``None``): it keeps no state between calls (so any thread may use
+# it at once), and a circular object, which it would recurse into until RecursionError, is
+# encoded again by the checking encoder, which refuses it with json's own ValueError.
+_LINE_C_ENCODER = None if _c_make_encoder is None else _c_make_encoder(
+    None, _LINE_ENCODER.default, _encode_ascii, None, _LINE_ENCODER.key_separator, _LINE_ENCODER.item_separator,
+    _LINE_ENCODER.sort_keys, _LINE_ENCODER.skipkeys, _LINE_ENCODER.allow_nan)
+
+
 def _encode_line(obj: dict) -> str:
-    """``_LINE_ENCODER.encode(obj)``, the same characters: the C encoder ``JSONEncoder.encode``
-    itself builds for a one-shot encode (fresh circular-reference markers each call), called
-    without the two Python layers around it. Without the C accelerator: the encoder itself."""
-    if _c_make_encoder is None:
+    """``_LINE_ENCODER.encode(obj)``, the same characters: the C encoder called without the
+    two Python layers around it (``_LINE_C_ENCODER``). What it cannot encode — a circular or
+    too deeply nested object — goes to ``_LINE_ENCODER`` itself, which refuses it as
+    ``json.dumps`` does. Without the C accelerator: the encoder itself."""
+    if _LINE_C_ENCODER is None:
         return _LINE_ENCODER.encode(obj)
-    e = _LINE_ENCODER
-    return "".join(_c_make_encoder({}, e.default, _encode_ascii, None, e.key_separator, e.item_separator, e.sort_keys,
-                                   e.skipkeys, e.allow_nan)(obj, 0))
+    try:
+        return "".join(_LINE_C_ENCODER(obj, 0))
+    except RecursionError:
+        return _LINE_ENCODER.encode(obj)
 
 
 def seal(obj: dict) -> bytes:

@@ -7,7 +7,8 @@ mtimes and ctimes from a deterministic clock, xattrs, symlink targets, and hardl
 ext4). Where filesystems differ (timestamps touched by ``fallocate``, xattr rules), the
 reference is Linux on ext4; ``sandbox_sim/test_hostfs.py`` checks both implementations agree.
 
-Every public operation first calls ``fault_hook(fs, op, path, nbytes)``. The hook may
+Every public operation first calls ``fault_hook(fs, op, path, nbytes)`` (without one, it
+only counts itself into ``tally``, if set). The hook may
 raise (a simulated crash, ``ENOSPC``, ``EIO``) or, for ``write``, return a byte count
 smaller than requested: the write is then *torn* — that prefix lands and the hook's
 ``after_torn_write`` is called (which normally raises the crash). See ``sandbox_sim/faults.py``.
@@ -319,6 +320,12 @@ class MemoryHostFS(HostFS):
         self.trusted_xattrs = trusted_xattrs
         self.clock = clock or SimClock()
         self.fault_hook = fault_hook
+        #: an object counting this disk's host calls while no ``fault_hook`` is set: each call
+        #: adds 1 to its ``calls`` and, if its op is in ``tally_mutations``, 1 to its
+        #: ``store_mutations`` — a quiet fault injector counting without a Python call per
+        #: host call (``sandbox_sim/faults.py``, ``FaultInjector.attach``)
+        self.tally: object | None = None
+        self.tally_mutations: frozenset[str] = frozenset()
         self.pid = pid
         self._inos = itertools.count(2)
         now = self.clock()
@@ -331,10 +338,13 @@ class MemoryHostFS(HostFS):
         self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
         self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
         self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
-        # path -> the inode a successful _walk of it found. Valid while no name is removed or
-        # replaced (unlink, rmdir, rename, exchange, power_loss clear it): adding a name cannot
-        # change where an existing path leads, and an inode's kind never changes. Failures are
-        # not kept, so every error is found by a real walk.
+        # path -> the inode a successful _walk of it found; every kept path leads to its inode
+        # now. Adding a name cannot change where an existing path leads, and an inode's kind
+        # never changes; a name removed or replaced drops its own path (unlink, rmdir of an
+        # empty directory, rename or exchange of non-directories: no kept path leads through
+        # them, since a path is one string per entry and no walk passes a non-directory), and a
+        # directory moved, and power_loss, drop them all. Failures are not kept, so every
+        # error is found by a real walk.
         self._resolved: dict[str, _Inode] = {}
         #: bumped before every call that may change the tree (and by power_loss): equal
         #: values mean an unchanged tree, for callers that keep what they read of it
@@ -388,9 +398,26 @@ class MemoryHostFS(HostFS):
             self.changes += 1
             if self._commit_pending:
                 self._commit_metadata()  # an fsync's journal commit, taken before anything changes
-        if self.fault_hook is not None:
-            return self.fault_hook(self, op, path, nbytes)
+        hook = self.fault_hook
+        if hook is not None:
+            return hook(self, op, path, nbytes)
+        tally = self.tally
+        if tally is not None:
+            tally.calls += 1
+            if op in self.tally_mutations:
+                tally.store_mutations += 1
         return None
+
+    def _look(self, op: str, path: str) -> None:
+        """:meth:`_fault` of a call that changes nothing (an op of ``_READ_ONLY_OPS`` other
+        than ``fsync``, which is no store mutation either): the same hook call or count."""
+        hook = self.fault_hook
+        if hook is not None:
+            hook(self, op, path, 0)
+        else:
+            tally = self.tally
+            if tally is not None:
+                tally.calls += 1
 
     @staticmethod
     def _child(d: _Inode, name: str, path: str) -> Optional[_Inode]:
@@ -445,13 +472,17 @@ class MemoryHostFS(HostFS):
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
             raise _err(errno.ENAMETOOLONG, path)
         i = path.rfind("/")
-        parent = self._walk(path[:i]) if i >= 0 else self._root
+        if i >= 0:
+            head = path[:i]
+            parent = self._resolved.get(head) or self._walk(head)
+        else:
+            parent = self._root
         if parent.kind != DIR:
             raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
         return parent, path[i + 1:]
 
     def _file(self, path: str) -> _Inode:
-        node = self._walk(path)
+        node = self._resolved.get(path) or self._walk(path)
         if node.kind == LNK:
             raise _err(errno.ELOOP, path)
         if node.kind == DIR:
@@ -468,14 +499,14 @@ class MemoryHostFS(HostFS):
     # -- queries --
 
     def lstat(self, path: str) -> Stat:
-        self._fault("lstat", path)
+        self._look("lstat", path)
         return self._entry(path).stat()
 
     def lstat_or_none(self, path: str) -> Stat | None:
         """:meth:`lstat`, or None where nothing is (``ENOENT``, ``ENOTDIR``, ``ELOOP``: the
         ``ABSENT_ERRNOS`` rule of every "is it there?"), found without raising and catching
         an error: the same fault hook call, the same answers, the same errors otherwise."""
-        self._fault("lstat", path)
+        self._look("lstat", path)
         if not path:
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
@@ -509,15 +540,15 @@ class MemoryHostFS(HostFS):
         return node.stat()
 
     def getattr(self, path: str) -> Attr:
-        self._fault("getattr", path)
+        self._look("getattr", path)
         return self._entry(path).attr()
 
     def statfs(self) -> StatFS:
-        self._fault("statfs", "")
+        self._look("statfs", "")
         return super().statfs()
 
     def listdir(self, path: str) -> list[str]:
-        self._fault("listdir", path)
+        self._look("listdir", path)
         node = self._walk(path)
         # a final symlink is not followed, and is not a directory: the kernel checks
         # O_DIRECTORY before it would refuse to open a symlink (ELOOP)
@@ -526,14 +557,14 @@ class MemoryHostFS(HostFS):
         return list(node.entries)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
-        self._fault("read", path)
+        self._look("read", path)
         node = self._file(path)
         if offset < 0 or length < 0:
             raise _err(errno.EINVAL, path)
         return bytes(node.data[offset : offset + length])
 
     def open(self, path: str, flags: int) -> MemoryFileHandle:
-        self._fault("open", path)
+        self._look("open", path)
         check_open_flags(flags, path)
         return MemoryFileHandle(self, self._file(path), path, flags)
 
@@ -541,14 +572,14 @@ class MemoryHostFS(HostFS):
         """:meth:`HostFS.open_dir`: a read-only handle on the directory inode at ``path``; not
         a directory, a final symlink included, ``ENOTDIR`` (as RealHostFS's ``openat2`` with
         ``O_DIRECTORY``, checked before the symlink would be refused), as :meth:`listdir`."""
-        self._fault("open", path)
+        self._look("open", path)
         node = self._walk(path)
         if node.kind != DIR:
             raise _err(errno.ENOTDIR, path)
         return MemoryFileHandle(self, node, path, os.O_RDONLY)
 
     def readlink(self, path: str) -> str:
-        self._fault("readlink", path)
+        self._look("readlink", path)
         node = self._entry(path)
         if node.kind != LNK:
             raise _err(errno.EINVAL, path)
@@ -618,13 +649,13 @@ class MemoryHostFS(HostFS):
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
         parent, name = self._parent(path)
-        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
         if node.kind == DIR:
             raise _err(errno.EISDIR, path)
         del parent.entries[name]
+        self._resolved.pop(path, None)  # not a directory: no path led through it
         now = self.clock()
         node.nlink -= 1
         node.ctime_ns = now
@@ -633,7 +664,6 @@ class MemoryHostFS(HostFS):
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
         parent, name = self._parent(path)
-        self._resolved.clear()
         node = self._child(parent, name, path)
         if node is None:
             raise _err(errno.ENOENT, path)
@@ -642,6 +672,7 @@ class MemoryHostFS(HostFS):
         if node.entries:
             raise _err(errno.ENOTEMPTY, path)
         del parent.entries[name]
+        self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
         self._touch_dir(parent, self.clock())
@@ -681,7 +712,11 @@ class MemoryHostFS(HostFS):
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
         now = self.clock()
-        self._resolved.clear()
+        if node.kind == DIR:
+            self._resolved.clear()  # every kept path through src now leads elsewhere or nowhere
+        else:
+            self._resolved.pop(src, None)
+            self._resolved.pop(dst, None)  # a replaced target is a file or an empty directory
         del sparent.entries[sname]
         if existing is not None:
             if existing.kind == DIR:
@@ -711,7 +746,11 @@ class MemoryHostFS(HostFS):
         if is_within(b, a) or is_within(a, b):
             raise _err(errno.EINVAL, b)  # one inside the other
         now = self.clock()
-        self._resolved.clear()
+        if x.kind == DIR or y.kind == DIR:
+            self._resolved.clear()
+        else:
+            self._resolved.pop(a, None)
+            self._resolved.pop(b, None)
         aparent.entries[aname], bparent.entries[bname] = y, x
         if aparent is not bparent and (x.kind == DIR) != (y.kind == DIR):
             step = 1 if x.kind == DIR else -1  # the directory's ".." moves from a's parent to b's
@@ -831,7 +870,7 @@ class MemoryHostFS(HostFS):
         return node
 
     def listxattr(self, path: str) -> list[str]:
-        self._fault("listxattr", path)
+        self._look("listxattr", path)
         return self._listed(self._walk(path))
 
     def _listed(self, node: _Inode) -> list[str]:
@@ -839,7 +878,7 @@ class MemoryHostFS(HostFS):
         return [n for n in node.xattrs if self.trusted_xattrs or not n.startswith("trusted.")]
 
     def getxattr(self, path: str, name: str) -> bytes:
-        self._fault("getxattr", path)
+        self._look("getxattr", path)
         return self._getxattr_node(self._xattr_node(path, name, write=False), name, path)
 
     def _getxattr_node(self, node: _Inode, name: str, path: str) -> bytes:
