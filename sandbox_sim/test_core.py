@@ -375,6 +375,41 @@ def test_a_newer_step_writing_through_a_link_it_then_removed_is_not_an_external_
         ws.rollback(1)
 
 
+def test_a_user_edit_of_a_name_the_step_left_alone_refuses_the_undo_through_its_link(world):
+    """A step removes one name of a hard-linked file and leaves the others; the user then edits
+    the file through one of those. Undoing the step would link the removed name to that inode
+    again and write the step's saved bytes into it — over the user's edit, under every name. So
+    the names a step left alone are fingerprinted with what it changed, and such an undo is
+    refused (``ExternalChange``, the tree untouched); forced, it restores exactly."""
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    with ws.step("rm one name"):
+        ws.fs.unlink("d/e/c")
+    with world.paused():
+        world.work.write_all("a", 0, b"the user's edit")
+    edited = world.snapshot()
+    with pytest.raises(ExternalChange) as e:
+        ws.rollback(1)
+    assert e.value.data["paths"] == ["a", "d/b"]
+    oracle.assert_same(edited, world.snapshot())
+    ws.rollback(1, force=True)
+    oracle.assert_same(before, world.snapshot())
+
+
+def test_an_untouched_name_of_a_file_the_step_changed_is_not_an_external_change(world):
+    """The step wrote through one name and removed another; the third, left alone, still
+    shows what the step left: the undo is exact, not refused."""
+    ws = _open(world)
+    _linked_tree(world)
+    before = world.snapshot()
+    with ws.step("write, then rm a name"):
+        ws.fs.write("d/b", 0, b"through d/b")
+        ws.fs.unlink("d/e/c")
+    ws.rollback(1)
+    oracle.assert_same(before, world.snapshot())
+
+
 def test_hard_links_come_back_across_steps(world):
     """The survivor of one step is removed by a later one: undoing both remakes it (a new
     inode), and the older step's undo still links to it — by the name it recorded."""

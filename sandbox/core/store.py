@@ -1069,12 +1069,19 @@ class UndoLog:
     @staticmethod
     def final_paths(records: list[dict]) -> dict[str, bool]:
         """Where each touched thing is at the end of the step: every recorded path moved
-        forward through the step's later renames. Value: True if it was created in the step."""
+        forward through the step's later renames. Value: True if it was created in the step.
+
+        A regular file's preimage also names the file's other names then (``links``): they
+        are here too, though the step left them alone, because undoing the record writes the
+        saved bytes into that inode again — through them. Fingerprinted with the rest, a
+        user's edit made through one of them since refuses the undo (``ExternalChange``)
+        instead of being overwritten under every name."""
         out: dict[str, bool] = {}
         later: list[tuple[str, str, str]] = []  # moves after the record in hand, chronological
         for r in reversed(records):
             op = r.get("op")
-            for p in ((r["src"], r["dst"]) if op in _TWO_PATHS else (r["path"],) if "path" in r else ()):
+            for p in ((r["src"], r["dst"]) if op in _TWO_PATHS else
+                      (r["path"], *r.get("links", ())) if "path" in r else ()):
                 p = moved_forward(p, later)
                 out[p] = out.get(p, False) or op == "created"
             if op in _TWO_PATHS:
