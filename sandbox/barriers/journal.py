@@ -459,6 +459,12 @@ class RecordingEntry(Entry):
     def lstat_or_none(self) -> Stat | None:
         return self.inner.lstat_or_none()
 
+    def xattrs(self) -> dict[str, bytes]:
+        return self.inner.xattrs()
+
+    def reader(self, st: Stat):
+        return self.inner.reader(st)
+
     def unlink(self) -> None:
         self.fs._unlink_entry(self.inner)
 

@@ -497,6 +497,18 @@ class Entry:
         :meth:`HostFS.lstat_or_none` of the path."""
         return self.fs.lstat_or_none(self.path)
 
+    def xattrs(self) -> dict[str, bytes]:
+        """The entry's own xattrs (a symlink's, never its target's), as :meth:`HostFS.xattrs`
+        of the path — the removal's preimage reads them through the entry it looked at."""
+        return self.fs.xattrs(self.path)
+
+    def reader(self, st: Stat) -> "FileHandle | None":
+        """A read-only handle on the regular file at the entry when it is the inode ``st``
+        describes, for the preimage's reads (:meth:`FileHandle.xattrs`,
+        :meth:`FileHandle.read_own`; the caller closes it), or ``None``: read by path. Here
+        always ``None`` (the same host calls as before the entry existed)."""
+        return None
+
     def unlink(self) -> None:
         self.fs.unlink(self.path)
 
