@@ -3214,6 +3214,30 @@ def test_an_entry_reads_the_file_it_looked_at_for_a_preimage(env, fs):
         assert e.reader(st) is None  # gone
 
 
+def test_a_directory_handle_lists_its_inode_wherever_it_moved(fs):
+    """``FileHandle.listdir`` of an ``open_dir`` handle: ``listdir`` of the path while it
+    names the directory, and still that directory's names after it is renamed and another
+    is made at its old path; a file's handle cannot list (``ENOTDIR``)."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/a", b"a")
+    fs.mkdir("d/s", 0o755)
+    h = fs.open_dir("d")
+    try:
+        assert sorted(h.listdir()) == sorted(fs.listdir("d")) == ["a", "s"]
+        assert sorted(h.listdir()) == ["a", "s"]  # again: the descriptor was rewound
+        fs.rename("d", "moved")
+        fs.mkdir("d", 0o755)
+        mkfile(fs, "d/other", b"o")
+        assert sorted(h.listdir()) == ["a", "s"]
+    finally:
+        h.close()
+    f = fs.open("d/other", os.O_RDONLY)
+    try:
+        check_errno(errno.ENOTDIR, f.listdir)
+    finally:
+        f.close()
+
+
 def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss():
     """MemoryHostFS remembers where a path led (``_walk``); every answer must still be the
     one a fresh walk gives after the tree's names move, go or come back from a power loss."""

@@ -412,6 +412,9 @@ class RecordingFileHandle(FileHandle):
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         return self.inner.getattr_xattr_names_at(name)
 
+    def listdir(self) -> list[str]:
+        return self.inner.listdir()
+
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         return self.inner.getxattr_at(name, xattr)
 

@@ -1227,7 +1227,7 @@ class Dispatcher:
         try:
             if held is None:
                 self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
-            names = [".", ".."] + sorted(self.provider.listdir(n.path))
+            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=held))
             cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
             budget = self.limits.dir_listing_bytes_per_connection_max
             if self.listing_bytes + cost > budget:

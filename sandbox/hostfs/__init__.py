@@ -410,6 +410,11 @@ class FileHandle(ABC):
         here (a handle kind that cannot): ``EOPNOTSUPP``."""
         raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
 
+    def listdir(self) -> list[str]:
+        """For a directory's handle: :meth:`HostFS.listdir` of its inode, wherever its path now
+        is (one caller at a time: the listing rewinds the descriptor). Here: ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         """For a directory's handle: :meth:`HostFS.getxattr` of its entry ``name`` (as
         :meth:`getattr_xattr_names_at` finds it: a symlink's own). Here: ``EOPNOTSUPP``."""

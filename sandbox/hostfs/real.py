@@ -340,6 +340,16 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
+    def listdir(self) -> list[str]:
+        """:meth:`FileHandle.listdir`: ``os.listdir`` of the descriptor (a duplicate read to the
+        end, then rewound) — no path resolved, where :meth:`RealHostFS.listdir` opens the
+        directory by path again (``openat2`` and ``close`` more)."""
+        fd = self._acquire()
+        try:
+            return os.listdir(fd)
+        finally:
+            self._release()
+
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         """:meth:`FileHandle.getxattr_at`: ``lgetxattr`` of ``/proc/self/fd/FD/name`` (one
         call; the entry's own xattr, a symlink's included, never its target's)."""
