@@ -1002,6 +1002,32 @@ def test_readdirplus_reads_each_entry_through_the_descriptor_its_opendir_took(mn
     assert mnt.d.descriptors.held == held
 
 
+def test_a_listings_dotdot_is_the_inode_the_kernel_knows_as_its_parent(mnt):
+    """``..`` in READDIR and READDIRPLUS is the parent directory's inode as the dispatcher knows
+    its node (no host call): after the host renames the parent away under an open listing and
+    makes another at its old name, ``..`` is still the directory that holds the listed one, never the newcomer a
+    lookup of the old path would find. Where no node is known, the path is looked up."""
+    os.makedirs(mnt.host("a", "b"))
+    a = mnt.lookup("a").nodeid
+    b = mnt.lookup("b", parent=a).nodeid
+    parent_ino = os.stat(mnt.host("a")).st_ino
+    o = mnt.call(m.Opendir(H(abi.Opcode.OPENDIR, b), os.O_RDONLY, 0))
+    os.rename(mnt.host("a"), mnt.host("a2"))
+    os.mkdir(mnt.host("a"))
+    assert os.stat(mnt.host("a")).st_ino != parent_ino
+    for plus in (True, False):
+        req = (m.Readdirplus if plus else m.Readdir)(H(abi.Opcode.READDIRPLUS if plus else abi.Opcode.READDIR, b),
+                                                     o.fh, 0, 4096, 0, 0, 0)
+        got = {name: (ino, typ) for ino, _off, typ, name, _e in ref_parse_dirents(bytes(mnt.call(req).data), plus)}
+        assert got[b".."] == (parent_ino, stat.S_IFDIR >> 12), plus
+    mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR, b), o.fh, 0, 0, 0))
+    o = mnt.call(m.Opendir(H(abi.Opcode.OPENDIR, ROOT), os.O_RDONLY, 0))  # the root's ".." by path
+    req = m.Readdirplus(H(abi.Opcode.READDIRPLUS, ROOT), o.fh, 0, 4096, 0, 0, 0)
+    got = {name: ino for ino, _off, _typ, name, _e in ref_parse_dirents(bytes(mnt.call(req).data), True)}
+    assert got[b".."] == os.stat(mnt.work).st_ino
+    mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR, ROOT), o.fh, 0, 0, 0))
+
+
 def _readdirplus_through_the_directorys_descriptor(mo, held_before: int | None = None):
     d = mo.call(m.Mkdir(H(abi.Opcode.MKDIR), 0o755, 0o022, b"d")).nodeid
     open(mo.host("d", "f"), "w").close()

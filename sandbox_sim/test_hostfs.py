@@ -3175,6 +3175,69 @@ def test_an_entry_looks_then_removes_as_the_path_calls_do(env, fs):
     assert seen.ino != fs.lstat("d/g").ino
 
 
+def test_an_entry_reads_the_file_it_looked_at_for_a_preimage(env, fs):
+    """``Entry.xattrs`` is ``HostFS.xattrs`` of the entry (a directory's, a symlink's own);
+    ``Entry.reader(st)`` on the real disk is a read-only handle on the very inode ``st``
+    describes — its bytes and xattrs —, and ``None`` for anything else: a directory, a
+    symlink, a file or fifo put at the name after the look (never opened). The simulated
+    disk gives none (reads by path, the same calls as before)."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/f", b"abc")
+    fs.setxattr("d/f", "user.k", b"v")
+    fs.setxattr("d", "user.dir", b"w")
+    fs.symlink("f", "d/l")
+    with fs.entry("d") as e:
+        assert e.xattrs() == fs.xattrs("d") == {"user.dir": b"w"}
+        assert e.reader(e.lstat()) is None
+    with fs.entry("d/l") as e:
+        assert e.xattrs() == fs.xattrs("d/l")
+        assert e.reader(e.lstat()) is None
+    with fs.entry("d/f") as e:
+        st = e.lstat()
+        assert e.xattrs() == {"user.k": b"v"}
+        r = e.reader(st)
+        if env.real:
+            assert r is not None
+            try:
+                assert r.is_inode_of(st) and r.read_own(10, 0) == b"abc" and r.xattrs() == {"user.k": b"v"}
+            finally:
+                r.close()
+        else:
+            assert r is None
+        fs.rename("d/f", "d/kept")  # kept: its inode number is not reused
+        mkfile(fs, "d/f", b"someone else's")
+        assert e.reader(st) is None  # not the inode looked at
+        fs.unlink("d/f")
+        fs.mknod("d/f", 0o644, stat.S_IFIFO)
+        assert e.reader(st) is None  # a fifo is never opened (this would block)
+        fs.unlink("d/f")
+        assert e.reader(st) is None  # gone
+
+
+def test_a_directory_handle_lists_its_inode_wherever_it_moved(fs):
+    """``FileHandle.listdir`` of an ``open_dir`` handle: ``listdir`` of the path while it
+    names the directory, and still that directory's names after it is renamed and another
+    is made at its old path; a file's handle cannot list (``ENOTDIR``)."""
+    fs.mkdir("d", 0o755)
+    mkfile(fs, "d/a", b"a")
+    fs.mkdir("d/s", 0o755)
+    h = fs.open_dir("d")
+    try:
+        assert sorted(h.listdir()) == sorted(fs.listdir("d")) == ["a", "s"]
+        assert sorted(h.listdir()) == ["a", "s"]  # again: the descriptor was rewound
+        fs.rename("d", "moved")
+        fs.mkdir("d", 0o755)
+        mkfile(fs, "d/other", b"o")
+        assert sorted(h.listdir()) == ["a", "s"]
+    finally:
+        h.close()
+    f = fs.open("d/other", os.O_RDONLY)
+    try:
+        check_errno(errno.ENOTDIR, f.listdir)
+    finally:
+        f.close()
+
+
 def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss():
     """MemoryHostFS remembers where a path led (``_walk``); every answer must still be the
     one a fresh walk gives after the tree's names move, go or come back from a power loss."""

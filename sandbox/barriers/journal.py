@@ -412,6 +412,9 @@ class RecordingFileHandle(FileHandle):
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         return self.inner.getattr_xattr_names_at(name)
 
+    def listdir(self) -> list[str]:
+        return self.inner.listdir()
+
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         return self.inner.getxattr_at(name, xattr)
 
@@ -458,6 +461,12 @@ class RecordingEntry(Entry):
 
     def lstat_or_none(self) -> Stat | None:
         return self.inner.lstat_or_none()
+
+    def xattrs(self) -> dict[str, bytes]:
+        return self.inner.xattrs()
+
+    def reader(self, st: Stat):
+        return self.inner.reader(st)
 
     def unlink(self) -> None:
         self.fs._unlink_entry(self.inner)

@@ -349,13 +349,22 @@ class UndoInterceptor:
                 via = reader if reader.is_inode_of(st) else None
             except OSError:  # closed meanwhile (EBADF): by path, as without it
                 via = None
-        rec = {"op": "meta" if (level == META and st.kind == REG) else "pre", "path": path, **meta_of(self.work, path, st, via)}
-        if rec["op"] == "pre" and st.kind == REG:
-            rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))
-            if st.nlink > 1 or st.ino in self._linked:  # its names are made one inode again (preimage.LinkGroups)
-                rec["ino"], rec["nlink"] = st.ino, st.nlink
-                rec["links"] = self._other_names(path, st) if st.nlink > 1 else []
-                self._linked.add(st.ino)
+        own = None  # a removal's: the bytes and xattrs through the entry it looked at (Entry.reader)
+        if via is None and look is not None and st.kind == REG:
+            via = own = look.reader(st)
+        try:
+            op = "meta" if (level == META and st.kind == REG) else "pre"
+            # without a handle, a removal's other kinds' xattrs through its entry (Entry.xattrs)
+            rec = {"op": op, "path": path, **meta_of(self.work, path, st, via if via is not None else look)}
+            if op == "pre" and st.kind == REG:
+                rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))
+                if st.nlink > 1 or st.ino in self._linked:  # its names are made one inode again (preimage.LinkGroups)
+                    rec["ino"], rec["nlink"] = st.ino, st.nlink
+                    rec["links"] = self._other_names(path, st) if st.nlink > 1 else []
+                    self._linked.add(st.ino)
+        finally:
+            if own is not None:
+                own.close()
         if not self._account(rec):
             return
         self.log.append(rec)

@@ -62,8 +62,9 @@ def unb64(text: str) -> bytes:
 
 def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | None = None) -> dict:
     """The metadata part of a preimage record. With ``handle`` (open on the inode ``st``
-    describes) the xattrs are read through it: that inode's, and no path resolution per
-    call."""
+    describes, or a removal's :class:`~sandbox.hostfs.Entry` that just looked at it: anything
+    with ``xattrs()``) the xattrs are read through it: that inode's, and no path resolution
+    per call."""
     rec = {"kind": st.kind, "mode": st.mode, "mtime_ns": st.mtime_ns, "uid": st.uid, "gid": st.gid}
     # every kind's: a symlink, fifo or socket keeps trusted.* ones (the guest's owner, for a
     # privileged server), which an undo must bring back with the node

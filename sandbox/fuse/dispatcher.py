@@ -1227,7 +1227,7 @@ class Dispatcher:
         try:
             if held is None:
                 self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
-            names = [".", ".."] + sorted(self.provider.listdir(n.path))
+            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=held))
             cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
             budget = self.limits.dir_listing_bytes_per_connection_max
             if self.listing_bytes + cost > budget:
@@ -1310,6 +1310,12 @@ class Dispatcher:
                 break
             dots = name in (".", "..")
             path = base if name == "." else parent_of(base) if name == ".." else child(base, name)
+            if name == ".." and base:
+                ino = self._known_directory_ino(path)
+                if ino is not None:  # only the inode and the type are sent: no host call
+                    if not packer.add(ino & (2**64 - 1), i + 1, _DT[DIR], raw):
+                        break
+                    continue
             try:
                 if name == "." and held is not None:  # the listed inode itself
                     a = held.fstat()
@@ -1332,6 +1338,16 @@ class Dispatcher:
                 break
             n.lookups += 1
         return m.Data(packer.bytes())
+
+    def _known_directory_ino(self, path: str) -> int | None:
+        """The inode number of the directory node this mount knows at ``path`` (a listing's
+        ``..``: the kernel reached the listed directory through it, so it is known while the
+        listing is), or None. The inode the node was looked up as — the directory that holds
+        the listed one even if the host has since moved it and put another at ``path``."""
+        for f in self.export.fids_at(path):
+            if type(f) is Link and f.node.kind == DIR:
+                return f.node.inode[0]
+        return None
 
     # ------------------------------------------------------------------ xattrs
 

@@ -410,6 +410,11 @@ class FileHandle(ABC):
         here (a handle kind that cannot): ``EOPNOTSUPP``."""
         raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
 
+    def listdir(self) -> list[str]:
+        """For a directory's handle: :meth:`HostFS.listdir` of its inode, wherever its path now
+        is (one caller at a time: the listing rewinds the descriptor). Here: ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         """For a directory's handle: :meth:`HostFS.getxattr` of its entry ``name`` (as
         :meth:`getattr_xattr_names_at` finds it: a symlink's own). Here: ``EOPNOTSUPP``."""
@@ -496,6 +501,18 @@ class Entry:
         """:meth:`lstat`, or ``None`` where nothing is (:data:`ABSENT_ERRNOS`), as
         :meth:`HostFS.lstat_or_none` of the path."""
         return self.fs.lstat_or_none(self.path)
+
+    def xattrs(self) -> dict[str, bytes]:
+        """The entry's own xattrs (a symlink's, never its target's), as :meth:`HostFS.xattrs`
+        of the path — the removal's preimage reads them through the entry it looked at."""
+        return self.fs.xattrs(self.path)
+
+    def reader(self, st: Stat) -> "FileHandle | None":
+        """A read-only handle on the regular file at the entry when it is the inode ``st``
+        describes, for the preimage's reads (:meth:`FileHandle.xattrs`,
+        :meth:`FileHandle.read_own`; the caller closes it), or ``None``: read by path. Here
+        always ``None`` (the same host calls as before the entry existed)."""
+        return None
 
     def unlink(self) -> None:
         self.fs.unlink(self.path)

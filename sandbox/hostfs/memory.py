@@ -231,6 +231,14 @@ class MemoryFileHandle(FileHandle):
         self._call("fstat")
         return self._node.attr()
 
+    def listdir(self) -> list[str]:
+        """The entries of the directory inode held (:meth:`MemoryHostFS.open_dir`), as
+        :meth:`MemoryHostFS.listdir` of a path (the same fault hook)."""
+        self._call("listdir")
+        if self._node.kind != DIR:
+            raise _err(errno.ENOTDIR, self.path)
+        return list(self._node.entries)
+
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """The entry ``name`` of the directory inode held (:meth:`MemoryHostFS.open_dir`), as
         :meth:`MemoryHostFS.getattr_xattr_names` reports a path's."""

@@ -340,6 +340,16 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
+    def listdir(self) -> list[str]:
+        """:meth:`FileHandle.listdir`: ``os.listdir`` of the descriptor (a duplicate read to the
+        end, then rewound) — no path resolved, where :meth:`RealHostFS.listdir` opens the
+        directory by path again (``openat2`` and ``close`` more)."""
+        fd = self._acquire()
+        try:
+            return os.listdir(fd)
+        finally:
+            self._release()
+
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         """:meth:`FileHandle.getxattr_at`: ``lgetxattr`` of ``/proc/self/fd/FD/name`` (one
         call; the entry's own xattr, a symlink's included, never its target's)."""
@@ -455,6 +465,14 @@ class RealFileHandle(FileHandle):
             pass
 
 
+class _OwnReader(RealFileHandle):
+    """A read-only descriptor the server opened for its own reads (:meth:`_RealEntry.reader`,
+    ``O_NOATIME`` where it may): :meth:`read_own` is a plain ``pread``, no reopen."""
+
+    def read_own(self, length: int, offset: int) -> bytes:
+        return self.pread(length, offset)
+
+
 class _RealEntry(Entry):
     """:meth:`RealHostFS.entry`: the parent resolved once (``openat2`` beneath the root, no
     symlink followed), at the first call that needs it, and every call made on the final name
@@ -481,6 +499,44 @@ class _RealEntry(Entry):
 
     def lstat_or_none(self) -> Stat | None:
         return absent_as_none(lambda _path: self.lstat(), self.path)
+
+    def xattrs(self) -> dict[str, bytes]:
+        """:meth:`Entry.xattrs`: ``llistxattr`` and ``lgetxattr`` of ``/proc/self/fd/PFD/name``
+        — the parent's descriptor, one checked component, not followed — where the path call
+        takes three system calls more for the list alone (``openat2`` from the root, ``close``)."""
+        if not self.path:
+            return self.fs.xattrs(self.path)
+        pfd, name = self._dir()
+        check_component(name, self.path)
+        at = f"{_XATTR_PROC.format(pfd)}/{name}"
+        return {x: os.getxattr(at, x, follow_symlinks=False) for x in sorted(os.listxattr(at, follow_symlinks=False))}
+
+    def reader(self, st: Stat) -> FileHandle | None:
+        """:meth:`Entry.reader`: ``openat(PFD, name, O_PATH|O_NOFOLLOW)`` — one checked component
+        beneath the parent's descriptor, no symlink followed —, ``fstat`` (a regular file, the
+        inode ``st`` describes, or ``None``), a read-only reopen through ``/proc/self/fd``
+        (``O_NOATIME`` where the process may) and ``close``: a special file is never opened.
+        Any failure is ``None`` (the caller reads by path, as without it)."""
+        if not self.path or st.kind != REG:
+            return None
+        try:
+            pfd, name = self._dir()
+            check_component(name, self.path)
+            opath = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        except OSError:
+            return None
+        try:
+            a = os.fstat(opath)
+            if not _stat.S_ISREG(a.st_mode) or (a.st_ino, a.st_dev) != (st.ino, st.dev):
+                return None
+            fd = _reopen_for_reading(opath)
+        except OSError:
+            return None
+        finally:
+            os.close(opath)
+        h = _OwnReader(fd, self.path, os.O_RDONLY)
+        h._inode = (st.ino, st.dev)
+        return h
 
     def unlink(self) -> None:
         pfd, name = self._dir()

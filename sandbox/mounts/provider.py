@@ -205,9 +205,11 @@ class Provider:
         self._see(path)
         return self.host.open_dir(path)
 
-    def listdir(self, path: str) -> list[str]:
+    def listdir(self, path: str, *, handle: FileHandle | None = None) -> list[str]:
+        """The names in directory ``path`` — read through ``handle`` (from :meth:`open_dir`,
+        on that directory's inode: no path resolved) if given."""
         self._see(path)
-        names = self.host.listdir(path)
+        names = handle.listdir() if handle is not None else self.host.listdir(path)
         v = self.view
         if v and not is_within(path, v):  # above the view: only the way down
             names = [n for n in names if is_within(v, join(path, n))]
