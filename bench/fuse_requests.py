@@ -132,10 +132,10 @@ def last_offset(reply: bytes) -> int | None:
     return off
 
 
-def run_once(files: int, base: str, profile: str | None, marks: bool = False) -> dict:
-    """One full run in a fresh folder: per phase, CPU and wall µs per file, and per opcode
-    the wall µs per request."""
-    from sandbox.fuse import abi
+def dispatcher_on(work: str, state: str, no_open: bool = True):
+    """``(workspace, dispatcher, call)`` over ``work``, intercepted and watched as ``sandbox
+    mount`` runs it (``no_open``: coherent, no OPEN/RELEASE); ``call(raw)`` decodes the
+    kernel's request bytes, submits them and returns ``(errno or None, reply bytes)``."""
     from sandbox.fuse.codec import decode_request
     from sandbox.fuse.dispatcher import Dispatcher
     from sandbox.fuse.transport import reply_bytes
@@ -144,14 +144,10 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
     from sandbox.serving import Export, HoldBroker
     from sandbox.serving.workspaces import open_workspace
 
-    work, state = os.path.join(base, "work"), os.path.join(base, "state")
-    os.makedirs(work)
     ws, _own = open_workspace(work, watched=True, state_dir=state)
-    provider = Provider.intercepted(ws)
     limits = ServerLimits()
-    d = Dispatcher(Export(provider, HoldBroker(), limits), limits)
-    d.no_open_allowed = d.coherent = True  # what a /dev/fuse mount with its watcher runs
-    w = Wire()
+    d = Dispatcher(Export(Provider.intercepted(ws), HoldBroker(), limits), limits)
+    d.no_open_allowed = d.coherent = no_open
     replies: list = []
 
     def send(unique, reply, error):
@@ -161,6 +157,19 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
         del replies[:]
         d.submit(decode_request(memoryview(raw).toreadonly()), len(raw), send)
         return replies[0] if replies else (None, b"")
+
+    return ws, d, call
+
+
+def run_once(files: int, base: str, profile: str | None, marks: bool = False) -> dict:
+    """One full run in a fresh folder: per phase, CPU and wall µs per file, and per opcode
+    the wall µs per request."""
+    from sandbox.fuse import abi
+
+    work, state = os.path.join(base, "work"), os.path.join(base, "state")
+    os.makedirs(work)
+    ws, d, call = dispatcher_on(work, state)  # what a /dev/fuse mount with its watcher runs
+    w = Wire()
 
     err, _ = call(w.init(0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
     assert err is None and d.no_open, (err, d.no_open)
@@ -258,7 +267,7 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
         for op, ns in ops.items():
             result["ops"][f"{phase}:{op}"] = statistics.median(ns) / 1000
     d.close()
-    provider.close()
+    d.provider.close()
     ws.close()
     return result
 

@@ -45,33 +45,13 @@ ROUNDS = 3
 
 def run_once(no_open: bool) -> dict[str, float]:
     from sandbox.fuse import abi
-    from sandbox.fuse.codec import decode_request
-    from sandbox.fuse.dispatcher import Dispatcher
-    from sandbox.fuse.transport import reply_bytes
-    from sandbox.limits import ServerLimits
-    from sandbox.mounts import Provider
-    from sandbox.serving import Export, HoldBroker
-    from sandbox.serving.workspaces import open_workspace
 
     base = tempfile.mkdtemp(prefix="fuse-req-repeat-")
     try:
         work, state = os.path.join(base, "work"), os.path.join(base, "state")
         os.makedirs(work)
-        ws, _own = open_workspace(work, watched=True, state_dir=state)
-        provider = Provider.intercepted(ws)
-        limits = ServerLimits()
-        d = Dispatcher(Export(provider, HoldBroker(), limits), limits)
-        d.no_open_allowed = d.coherent = no_open
+        ws, d, call = fr.dispatcher_on(work, state, no_open)
         w = fr.Wire()
-        replies: list = []
-
-        def send(unique, reply, error):
-            replies.append((error, reply_bytes(unique, reply, error)))
-
-        def call(raw: bytes):
-            del replies[:]
-            d.submit(decode_request(memoryview(raw).toreadonly()), len(raw), send)
-            return replies[0] if replies else (None, b"")
 
         def nodeid(out: bytes) -> int:
             return struct.unpack_from("<Q", out, 16)[0]
@@ -148,7 +128,7 @@ def run_once(no_open: bool) -> dict[str, float]:
                 res.setdefault(k, []).append(v / (len(empties) if "RMDIR" in k or "rmdir" in k else len(names)) / 1000)
             ws.close_active()
         d.close()
-        provider.close()
+        d.provider.close()
         ws.close()
         return {k: min(v) for k, v in res.items()}
     finally:

@@ -1067,6 +1067,14 @@ class Dispatcher:
         if n.pinned or not n.links:
             return None
         self._take_descriptor()
+        h = self._open_dir_if_same(n)
+        if h is not None:
+            self._keep_handle(n, h)
+        return h
+
+    def _open_dir_if_same(self, n: Node) -> FileHandle | None:
+        """``n``'s directory opened by path, if that is still ``n``'s inode; else None, and
+        the descriptor the caller took for it is given back."""
         try:
             h = self.provider.open_dir(n.path)
         except OSError:
@@ -1080,7 +1088,6 @@ class Dispatcher:
             h.close()
             self.descriptors.release()
             return None
-        self._keep_handle(n, h)
         return h
 
     def _open_by_path(self, path: str, write: bool) -> FileHandle:
@@ -1257,20 +1264,9 @@ class Dispatcher:
             self.descriptors.acquire()
         except OSError:
             return None
-        try:
-            h = self.provider.open_dir(n.path)
-        except OSError:
-            self.descriptors.release()
-            return None
-        try:
-            same = _inode(h.fstat()) == n.inode
-        except OSError:
-            same = False
-        if not same:
-            h.close()
-            self.descriptors.release()
-            return None
-        self._listing_descriptors += 1
+        h = self._open_dir_if_same(n)
+        if h is not None:
+            self._listing_descriptors += 1
         return h
 
     def _close_dir(self, fh: int) -> None:
