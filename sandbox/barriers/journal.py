@@ -126,7 +126,7 @@ class OwnWrites:
         self._lock = threading.Lock()
         self._seq = 0
         self._inflight: dict[str, int] = {}
-        self._inflight_ino: collections.Counter[int] = collections.Counter()
+        self._inflight_ino: dict[int, int] = {}
         self._begun_ino: dict[str, list[int | None]] = {}  # path -> inodes marked by its open begins
         self._paths: collections.OrderedDict[str, _Rec] = collections.OrderedDict()
         self._inodes: collections.OrderedDict[int, _Rec] = collections.OrderedDict()
@@ -152,30 +152,40 @@ class OwnWrites:
         ``seen``: for some of the paths, what the caller found there itself just before, with
         none of our calls in between (:class:`RecordingHostFS` looks under its mutex) — taken
         instead of a second look at the same moment."""
-        primary = list(dict.fromkeys(paths))
-        every = list(dict.fromkeys([*primary, *parents]))
+        every, primary = _every(paths, parents)
+        inflight, inflight_ino, begun = self._inflight, self._inflight_ino, self._begun_ino
         with self._lock:  # look and compare in one step: no end() of ours may slip in between
             for p in every:
-                self._inflight[p] = self._inflight.get(p, 0) + 1
+                inflight[p] = inflight.get(p, 0) + 1
             for p in every:
                 st = seen[p] if seen is not None and p in seen else self._try_lstat(p)
-                ino = st.ino if isinstance(st, Stat) else None
-                self._begun_ino.setdefault(p, []).append(ino)
-                if ino is not None:
-                    self._inflight_ino[ino] += 1
-                if p in primary and isinstance(st, Stat):
-                    self._check_taint(p, signature(st))
+                if isinstance(st, Stat):
+                    ino = st.ino
+                    inflight_ino[ino] = inflight_ino.get(ino, 0) + 1
+                else:
+                    ino = None
+                stack = begun.get(p)
+                if stack is None:
+                    begun[p] = [ino]
+                else:
+                    stack.append(ino)
+                if ino is not None and (primary is None or p in primary):
+                    self._check_taint(p, st)
 
-    def _check_taint(self, path: str, cur: Signature) -> None:
-        """Under the lock: the object we left at ``path`` changed behind our back."""
+    def _check_taint(self, path: str, st: Stat | Attr) -> None:
+        """Under the lock: the object we left at ``path`` changed behind our back (``st``: a
+        look at it now, with our call on it counted in flight)."""
         rec = self._paths.get(path)
-        if rec is None or rec.tainted or rec.sig is None or rec.sig == cur:
+        if rec is None or rec.tainted or rec.sig is None:
+            return  # never recorded, already tainted, or we left nothing there: nothing to compare
+        cur = signature(st)
+        if rec.sig == cur:
             return
         if cur[0] == DIR:  # its mtime moves with every entry anyone adds: those entries have events
             return
         if rec.sig[1] != cur[1]:  # another object now: its own events tell its story
             return
-        if self._inflight_ino[cur[1]] > 1 or self._inflight.get(path, 0) > 1:
+        if self._inflight_ino.get(cur[1], 0) > 1 or self._inflight.get(path, 0) > 1:
             return  # another of our calls is on it right now: the change may be ours
         irec = self._inodes.get(cur[1])
         if irec is not None and irec.sig == cur:
@@ -192,62 +202,69 @@ class OwnWrites:
         our call is then never recorded as ours. ``check_taint``: paths whose :meth:`begin`
         took no look (``seen`` said nothing was there, which a failed exclusive create
         disproves): the look here gets the taint check that begin's look would have made."""
-        every = list(dict.fromkeys([*dict.fromkeys(paths), *parents]))
+        every, _primary = _every(paths, parents)
+        inflight, begun, table, inodes = self._inflight, self._begun_ino, self._paths, self._inodes
         with self._lock:
             # look while still in flight, and under the lock: the last of our calls on a
             # path or inode to end records the newest state (a look taken before another
             # call's change can never be recorded after that call's own look)
-            after = {p: left[p] if left is not None and p in left else self._try_lstat(p) for p in every}
-            for p in check_taint:
-                st = after.get(p)
-                if isinstance(st, (Stat, Attr)):
-                    self._check_taint(p, signature(st))
+            after = [left[p] if left is not None and p in left else self._try_lstat(p) for p in every]
+            if check_taint:
+                for p, st in zip(every, after):
+                    if p in check_taint and isinstance(st, (Stat, Attr)):
+                        self._check_taint(p, st)
             self._seq += 1
+            seq = self._seq
             now = self._clock()
-            for p in every:
-                n = self._inflight.get(p, 0) - 1
+            for p, st in zip(every, after):
+                n = inflight.get(p, 0) - 1
                 if n > 0:
-                    self._inflight[p] = n
+                    inflight[p] = n
                 else:
-                    self._inflight.pop(p, None)
-                stack = self._begun_ino.get(p)
+                    inflight.pop(p, None)
+                stack = begun.get(p)
                 if stack:
                     ino = stack.pop()
                     if not stack:
-                        del self._begun_ino[p]
+                        del begun[p]
                     if ino is not None:
                         self._dec_ino(ino)
-                st = after[p]
                 if isinstance(st, OSError):  # unknown state: never claim it
-                    self._paths.pop(p, None)
+                    table.pop(p, None)
                     continue
                 sig = signature(st)
-                self._put(self._paths, p, _Rec(sig, now, self._seq, self._paths.get(p)))
+                table[p] = _Rec(sig, now, seq, table.get(p))
+                table.move_to_end(p)
                 if sig is not None:
-                    self._put(self._inodes, sig[1], _Rec(sig, now, self._seq))
-            self._trim(now)
+                    inodes[sig[1]] = _Rec(sig, now, seq)
+                    inodes.move_to_end(sig[1])
+            if len(table) > self.max_records or len(inodes) > self.max_records:
+                self._trim(now)
 
     def begin_inode(self, ino: int) -> None:
         """Our call on an open handle of inode ``ino`` is about to run."""
         with self._lock:
-            self._inflight_ino[ino] += 1
+            self._inflight_ino[ino] = self._inflight_ino.get(ino, 0) + 1
 
     def end_inode(self, ino: int, fstat: Callable[[], Stat | Attr]) -> None:
         """Our call on a handle of inode ``ino`` returned; ``fstat()`` says how it is now
         (called under the journal's lock, like ``end``'s lstat; an OSError: unknown)."""
+        inodes = self._inodes
         with self._lock:
             try:
                 st = fstat()
             except OSError:
                 st = None
             self._seq += 1
-            now = self._clock()
             self._dec_ino(ino)
             if st is None:
-                self._inodes.pop(ino, None)
-            else:
-                self._put(self._inodes, ino, _Rec(signature(st), now, self._seq))
-            self._trim(now)
+                inodes.pop(ino, None)
+                return
+            now = self._clock()
+            inodes[ino] = _Rec(signature(st), now, self._seq)
+            inodes.move_to_end(ino)
+            if len(inodes) > self.max_records:
+                self._trim(now)
 
     @contextmanager
     def writing(self, paths: Iterable[str], parents: Iterable[str] = ()) -> Iterator[None]:
@@ -260,18 +277,15 @@ class OwnWrites:
             self.end(paths, parents)
 
     def _dec_ino(self, ino: int) -> None:
-        n = self._inflight_ino[ino] - 1
+        n = self._inflight_ino.get(ino, 0) - 1
         if n > 0:
             self._inflight_ino[ino] = n
         else:
             self._inflight_ino.pop(ino, None)
 
-    @staticmethod
-    def _put(table: collections.OrderedDict, key, rec: _Rec) -> None:
-        table[key] = rec
-        table.move_to_end(key)
-
     def _trim(self, now: float) -> None:
+        """Under the lock, once a table holds more than ``max_records``: drop its records
+        older than ``max_age_s``, oldest first, down to ``max_records``."""
         horizon = now - self.max_age_s
         for table in (self._paths, self._inodes):
             while len(table) > self.max_records:
@@ -338,8 +352,21 @@ class OwnWrites:
 
     def _acknowledge(self, path: str, cur: Signature | None) -> str:
         """Under the lock: remember the external state (seq 0: older than any look in progress)."""
-        self._put(self._paths, path, _Rec(cur, self._clock(), 0, self._paths.get(path)))
+        self._paths[path] = _Rec(cur, self._clock(), 0, self._paths.get(path))
+        self._paths.move_to_end(path)
         return EXTERNAL
+
+
+def _every(paths: Iterable[str], parents: Iterable[str]) -> tuple[list[str], list[str] | None]:
+    """The paths a :meth:`OwnWrites.begin` / ``end`` names, each once (``paths`` first), and
+    the primary ones among them (``None``: all are). One path and no parents — every call of
+    :class:`RecordingHostFS` but a rename, link or exchange — is taken as it is."""
+    if not parents:
+        if type(paths) is list and len(paths) == 1:
+            return paths, None
+        return list(dict.fromkeys(paths)), None
+    primary = list(dict.fromkeys(paths))
+    return list(dict.fromkeys([*primary, *parents])), primary
 
 
 def _ancestors(path: str) -> list[str]:
@@ -505,13 +532,11 @@ class RecordingHostFS(HostFS):
     def __repr__(self) -> str:
         return f"<RecordingHostFS {self.inner!r}>"
 
-    @contextmanager
-    def _rec(self, paths: list[str], parents: list[str] = ()) -> Iterator[None]:
+    def _rec(self, paths: list[str], parents: list[str] = ()) -> "_Recorded":
         # parents are not journalled: an entry change shows up in inotify as an event on
         # the entry, never on its directory, and a directory's own signature ignores its
         # times (see signature) — recording them cost two lstats per call for nothing
-        with self.mutex, self.journal.writing(paths):
-            yield
+        return _Recorded(self, paths)
 
     # ------------------------------------------------------------------ reads
 
@@ -617,13 +642,12 @@ class RecordingHostFS(HostFS):
         with self._rec([path]):
             self.inner.truncate(path, size)
 
-    @contextmanager
-    def _unlinking(self, path: str, paths: list[str], gone: str | None = None,
-                   entry: Entry | None = None) -> Iterator[None]:
-        """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
-        at ``path``: the file's other names see its link count and ctime change, so its
-        new state is recorded for its inode (through a handle held across the call).
-        The look at ``path`` here is the journal's look before the call too (nothing of
+    def _dropping(self, path: str, paths: list[str], call: Callable[[], object], gone: str | None = None,
+                  entry: Entry | None = None):
+        """``call()`` recorded as :meth:`_rec` records, for a call that may drop one name of a
+        multiply-linked file at ``path``: the file's other names see its link count and ctime
+        change, so its new state is recorded for its inode (through a handle held across the
+        call). The look at ``path`` here is the journal's look before the call too (nothing of
         ours runs between them) — through ``entry`` (``inner.entry(path)``) when the call
         removes that entry through it too; ``gone``: as for :meth:`_recorded`."""
         with self.mutex:
@@ -638,33 +662,31 @@ class RecordingHostFS(HostFS):
                 seen = {path: None}  # absent: the journal's look would find nothing either
             except OSError:
                 handle = None  # unreadable: its other names may be reported
+            if handle is None:
+                return self._recorded(paths, call, seen=seen, gone=gone)
             try:
-                if handle is None:
-                    yield from self._recorded(paths, seen=seen, gone=gone)
-                    return
                 ino = handle.fstat().ino
                 self.journal.begin_inode(ino)
                 try:
-                    yield from self._recorded(paths, gone=gone)
+                    return self._recorded(paths, call, gone=gone)
                 finally:
                     self.journal.end_inode(ino, handle.fstat)
             finally:
-                if handle is not None:
-                    handle.close()
+                handle.close()
 
-    def _recorded(self, paths: list[str], *, seen=None, gone: str | None = None) -> Iterator[None]:
-        """``journal.begin``, the block, ``journal.end`` — with ``seen`` (begin's look, taken
-        by the caller); ``gone``: a path the block, if it returns, proves it left empty (an
+    def _recorded(self, paths: list[str], call: Callable[[], object], *, seen=None, gone: str | None = None):
+        """``journal.begin``, ``call()``, ``journal.end`` — with ``seen`` (begin's look, taken
+        by the caller); ``gone``: a path that ``call``, if it returns, proves it left empty (an
         unlink or rmdir succeeded), recorded without a look."""
-        self.journal.begin(paths, seen=seen)
-        ok = False
+        journal = self.journal
+        journal.begin(paths, seen=seen)
         try:
-            yield
-            ok = True
-        finally:
-            self.journal.end(paths, left={gone: None} if ok and gone is not None else None)
-
-    _recording = contextmanager(_recorded)
+            result = call()
+        except BaseException:
+            journal.end(paths)
+            raise
+        journal.end(paths, left={gone: None} if gone is not None else None)
+        return result
 
     def entry(self, path: str) -> "RecordingEntry":
         """:meth:`HostFS.entry` of ``inner``, its removals recorded (:class:`RecordingEntry`)."""
@@ -683,8 +705,7 @@ class RecordingHostFS(HostFS):
         on the real disk one resolution of the parent for both, so the entry looked at is the
         one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
         path = entry.path
-        with self._unlinking(path, [path], gone=path, entry=entry):
-            entry.unlink()
+        self._dropping(path, [path], entry.unlink, gone=path, entry=entry)
 
     def _rmdir_entry(self, entry: Entry) -> None:
         """As :meth:`_unlink_entry`: the journal's look (what its ``begin`` would take) and
@@ -695,16 +716,14 @@ class RecordingHostFS(HostFS):
                 seen: Stat | None | OSError = entry.lstat()
             except OSError as e:  # as the journal's own look (lstat_or_none) records it
                 seen = None if e.errno in ABSENT_ERRNOS else e
-            with self._recording([path], seen={path: seen}, gone=path):
-                entry.rmdir()
+            self._recorded([path], entry.rmdir, seen={path: seen}, gone=path)
 
     def mkdir(self, path: str, mode: int) -> None:
         with self._rec([path], [parent_of(path)]):
             self.inner.mkdir(path, mode)
 
     def rename(self, src: str, dst: str) -> None:
-        with self._unlinking(dst, [src, dst]):  # dst may be replaced
-            self.inner.rename(src, dst)
+        self._dropping(dst, [src, dst], lambda: self.inner.rename(src, dst))  # dst may be replaced
 
     def exchange(self, a: str, b: str) -> None:
         with self._rec([a, b], [parent_of(a), parent_of(b)]):  # nothing is replaced: both move
@@ -762,3 +781,27 @@ class RecordingHostFS(HostFS):
     def lock(self, path: str) -> Lock:
         with self._rec([path], [parent_of(path)]):  # creates and writes the lock file
             return self.inner.lock(path)
+
+
+class _Recorded:
+    """:meth:`RecordingHostFS._rec`: the context ``with fs.mutex, fs.journal.writing(paths)``
+    (``begin``; the block; ``end``, also when the block raised), without a generator."""
+
+    __slots__ = ("fs", "paths")
+
+    def __init__(self, fs: RecordingHostFS, paths: list[str]):
+        self.fs, self.paths = fs, paths
+
+    def __enter__(self) -> None:
+        self.fs.mutex.acquire()
+        try:
+            self.fs.journal.begin(self.paths)
+        except BaseException:
+            self.fs.mutex.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.fs.journal.end(self.paths)
+        finally:
+            self.fs.mutex.release()
