@@ -487,6 +487,35 @@ def test_journal_classification(folder, stack):
     assert j.classify("d/missing") == OURS  # we looked: nothing there
 
 
+def test_an_open_for_writing_still_finds_an_external_change_to_what_we_left(folder, stack):
+    """An open for writing takes no look at the path before and after it (it changes nothing
+    there): the taint check is made through the new descriptor's ``fstat``. A file we left,
+    changed behind our back and then written by us through that open before the watcher
+    looked, is still reported as external — once — and our own write through it after is ours."""
+    fs = recording(folder, stack)
+    j = fs.journal
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"ours")
+    assert j.classify("f") == OURS
+    with open(os.path.join(folder, "f"), "a") as f:
+        f.write(" and theirs")  # not classified yet
+    for flags in (os.O_WRONLY, os.O_RDWR | os.O_APPEND):
+        handle = fs.open("f", flags)
+        try:
+            assert not j.in_flight("f")
+            handle.pwrite(b"OURS", 0)  # overwrites the evidence before the watcher looks
+        finally:
+            handle.close()
+        if flags == os.O_WRONLY:
+            assert j.classify("f") == EXTERNAL, "the external change must taint the path"
+        assert j.classify("f") == OURS  # acknowledged; then our own write through the second open
+
+    os.chmod(os.path.join(folder, "f"), 0o600)  # external, and our open is read-only: no check
+    handle = fs.open("f", os.O_RDONLY)
+    handle.close()
+    assert j.classify("f") == EXTERNAL
+
+
 class RacingHostFS(RealHostFS):
     """A real folder where a local process acts on a name right after our own call on it
     returns, before the journal records what the call left (``racer(path)``)."""

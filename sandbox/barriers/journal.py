@@ -17,8 +17,10 @@ with :meth:`OwnWrites.begin` / :meth:`OwnWrites.end`:
   name the kernel reports it. Two calls prove what they left and are recorded without a
   look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing was
   there before it, so ``begin`` does not look either) and an unlink or rmdir that succeeded
-  (nothing). Writes through handles are recorded by inode only
-  (``fstat``); a call that drops one name of a multiply-linked file records the file's
+  (nothing). An open for writing (which neither creates nor truncates) changes nothing
+  at its path and is not bracketed: the taint check ``begin`` would make (see the limits)
+  is made through the new descriptor's ``fstat``. Writes through handles are recorded by
+  inode only (``fstat``); a call that drops one name of a multiply-linked file records the file's
   new state (link count, ctime) for its inode too, through a handle held across the call.
 
 Both looks happen under the journal's lock, and :class:`RecordingHostFS` runs its
@@ -172,9 +174,9 @@ class OwnWrites:
                 if ino is not None and (primary is None or p in primary):
                     self._check_taint(p, st)
 
-    def _check_taint(self, path: str, st: Stat | Attr) -> None:
+    def _check_taint(self, path: str, st: Stat | Attr, own: int = 1) -> None:
         """Under the lock: the object we left at ``path`` changed behind our back (``st``: a
-        look at it now, with our call on it counted in flight)."""
+        look at it now; ``own``: how many in-flight counts on it are the asking call's)."""
         rec = self._paths.get(path)
         if rec is None or rec.tainted or rec.sig is None:
             return  # never recorded, already tainted, or we left nothing there: nothing to compare
@@ -185,7 +187,7 @@ class OwnWrites:
             return
         if rec.sig[1] != cur[1]:  # another object now: its own events tell its story
             return
-        if self._inflight_ino.get(cur[1], 0) > 1 or self._inflight.get(path, 0) > 1:
+        if self._inflight_ino.get(cur[1], 0) > own or self._inflight.get(path, 0) > own:
             return  # another of our calls is on it right now: the change may be ours
         irec = self._inodes.get(cur[1])
         if irec is not None and irec.sig == cur:
@@ -240,6 +242,18 @@ class OwnWrites:
                     inodes.move_to_end(sig[1])
             if len(table) > self.max_records or len(inodes) > self.max_records:
                 self._trim(now)
+
+    def check(self, path: str, fstat: Callable[[], Stat | Attr]) -> Stat | Attr:
+        """One of our calls just reached ``path`` without changing it (an open for writing,
+        which neither creates nor truncates); ``fstat()`` (called under the lock, like
+        ``begin``'s look) says how the file it reached is now, and is returned. Nothing is
+        recorded; the taint check :meth:`begin` would make is: the file we left there,
+        changed behind our back, is reported even if our writes through that open come
+        before the watcher looks."""
+        with self._lock:
+            st = fstat()
+            self._check_taint(path, st, own=0)
+        return st
 
     def begin_inode(self, ino: int) -> None:
         """Our call on an open handle of inode ``ino`` is about to run."""
@@ -585,12 +599,23 @@ class RecordingHostFS(HostFS):
     # ------------------------------------------------------------------ mutations
 
     def open(self, path: str, flags: int) -> FileHandle:
-        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & (os.O_CREAT | os.O_TRUNC):
-            handle = self.inner.open(path, flags)  # a read-only handle may still chmod, utime, set xattrs
-        else:
+        if flags & (os.O_CREAT | os.O_TRUNC):
             with self._rec([path]):  # open never creates or truncates (EINVAL), but be exact
-                handle = self.inner.open(path, flags)
-        return self._wrap(handle)
+                return self._wrap(self.inner.open(path, flags))
+        # a read-only handle may still chmod, utime, set xattrs: every handle is recorded
+        handle = self.inner.open(path, flags)
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            return self._wrap(handle)
+        # an open for writing changes nothing at the path (no look before and after it); the
+        # file it reached, as its descriptor shows it, gets the taint check of a look before
+        # our first write through it (RecordingFileHandle records those against the inode)
+        try:
+            with self.mutex:  # the look after every call of ours before it, as begin's
+                a = self.journal.check(path, handle.fstat)
+        except BaseException:
+            handle.close()
+            raise
+        return self._wrap(handle, a.ino)
 
     def open_dir(self, path: str) -> FileHandle:
         """Read-only, for attributes; wrapped as :meth:`open`'s handles are, so that a change
