@@ -535,6 +535,10 @@ class RacingHostFS(RealHostFS):
         super().unlink(path)
         self._race(path)
 
+    def rename(self, src, dst):
+        super().rename(src, dst)
+        self._race(src)
+
     def entry(self, path):  # the journal's look and unlink through one parent (RecordingHostFS.unlink)
         e = super().entry(path)
         unlink = e.unlink
@@ -580,6 +584,37 @@ def test_a_racer_at_the_name_after_our_create_or_unlink_is_never_recorded_as_our
     assert j.classify("new") == OURS
     fs.unlink("new")
     assert j.classify("new") == OURS
+
+
+def test_the_source_of_a_rename_is_left_empty_unless_both_names_were_one_file(folder, stack):
+    """A rename that succeeded left nothing at its source: recorded without a look after it,
+    so a file someone else puts there at once is theirs. Unless the looks before it found one
+    file at both names (hard links: the rename does nothing), which is then looked at again:
+    the source is still there, and someone else's removal of it is reported."""
+    fs = RecordingHostFS(RacingHostFS(folder))
+    stack.append(fs.close)
+    j = fs.journal
+    fs.create("a", 0o644)
+    fs.inner.racer = lambda path: write(folder, path, "someone else's, at once")
+    fs.rename("a", "b")
+    fs.inner.racer = None
+    assert j.classify("a") == EXTERNAL
+    assert j.classify("b") == OURS
+
+    fs.create("x", 0o644)
+    fs.rename("x", "y")  # nobody raced: the source is ours, empty
+    assert j.classify("x") == OURS
+    assert j.classify("y") == OURS
+    fs.mkdir("d", 0o755)
+    fs.rename("d", "e")
+    assert j.classify("d") == OURS
+
+    fs.link("b", "c")  # one file, two names
+    fs.rename("b", "c")  # does nothing
+    assert os.path.exists(os.path.join(folder, "b"))
+    assert j.classify("b") == OURS
+    os.unlink(os.path.join(folder, "b"))  # someone else's
+    assert j.classify("b") == EXTERNAL
 
 
 def test_a_failed_exclusive_create_still_finds_an_external_change_to_what_we_left(folder, stack):

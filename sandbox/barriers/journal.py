@@ -14,14 +14,17 @@ with :meth:`OwnWrites.begin` / :meth:`OwnWrites.end`:
   nlink)`` from ``lstat`` (``(kind, ino, mode)`` for a directory, see :func:`signature`),
   or ``None`` if nothing is there — and the same signature under the inode number, so a
   write through an open handle, or through another hard link, is recognised at whatever
-  name the kernel reports it. Two calls prove what they left and are recorded without a
-  look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing was
-  there before it, so ``begin`` does not look either) and an unlink or rmdir that succeeded
-  (nothing). An open for writing (which neither creates nor truncates) changes nothing
-  at its path and is not bracketed: the taint check ``begin`` would make (see the limits)
-  is made through the new descriptor's ``fstat``. Writes through handles are recorded by
-  inode only (``fstat``); a call that drops one name of a multiply-linked file records the file's
-  new state (link count, ctime) for its inode too, through a handle held across the call.
+  name the kernel reports it. Three calls prove what they left and are recorded without
+  a look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing
+  was there before it, so ``begin`` does not look either), an unlink or rmdir that
+  succeeded (nothing), and the source of a rename that succeeded (nothing — unless the
+  looks before it found one file at both names, where the rename does nothing: then it is
+  looked at). An open for writing (which neither creates nor truncates) changes nothing at
+  its path and is not bracketed: the taint check ``begin`` would make (see the limits) is
+  made through the new descriptor's ``fstat``. Writes through handles are recorded by
+  inode only (``fstat``); a call that drops one name of a multiply-linked file records the
+  file's new state (link count, ctime) for its inode too, through a handle held across the
+  call.
 
 Both looks happen under the journal's lock, and :class:`RecordingHostFS` runs its
 mutations one at a time (the undo core already runs them under its interceptor lock, so
@@ -41,8 +44,10 @@ Known limits:
   leaving size, mode, ino, nlink and ctime equal, is attributed to us. The rollback's own
   content-hash check (``Workspace._check_unchanged``) still refuses to overwrite it.
 * an external change that races one of our calls on the same path (between the call's
-  ``begin`` and the ``lstat`` in its ``end``) is attributed to us — except after a create
-  or an unlink that succeeded, which record what they left without looking.
+  ``begin`` and the ``lstat`` in its ``end``) is attributed to us — except after a create,
+  an unlink or at a rename's source, which record what they left without looking. (An
+  external hard link of a rename's source put at its destination in that window makes the
+  rename do nothing; the source is then recorded as gone although it is still there.)
 * an external change that the sandbox overwrites before the watcher examined its event
   (a window of ``settle_s`` plus processing) is attributed to us when we had never
   touched that path before; when we had, ``begin`` notices the file differs from what we
@@ -668,32 +673,49 @@ class RecordingHostFS(HostFS):
             self.inner.truncate(path, size)
 
     def _dropping(self, path: str, paths: list[str], call: Callable[[], object], gone: str | None = None,
-                  entry: Entry | None = None):
+                  entry: Entry | None = None, moved: str | None = None):
         """``call()`` recorded as :meth:`_rec` records, for a call that may drop one name of a
         multiply-linked file at ``path``: the file's other names see its link count and ctime
         change, so its new state is recorded for its inode (through a handle held across the
         call). The look at ``path`` here is the journal's look before the call too (nothing of
         ours runs between them) — through ``entry`` (``inner.entry(path)``) when the call
-        removes that entry through it too; ``gone``: as for :meth:`_recorded`."""
+        removes that entry through it too; ``gone``: as for :meth:`_recorded`.
+
+        ``moved``: the source of a rename to ``path``. Its look before the call is taken here
+        too; if it found an object that is not the one at ``path`` (a rename onto another name
+        of the same file does nothing), a rename that succeeded left nothing at ``moved``:
+        recorded without a look after (as an unlink's ``gone``)."""
         with self.mutex:
             handle = None
+            there: Stat | None | bool = False  # the look at path: False where it failed
             seen: dict | None = None  # the journal looks itself where this look failed otherwise
             try:
-                st = entry.lstat() if entry is not None else self.inner.lstat(path)
+                st = there = entry.lstat() if entry is not None else self.inner.lstat(path)
                 seen = {path: st}
                 if st.kind == REG and st.nlink > 1:
                     handle = self.inner.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                seen = {path: None}  # absent: the journal's look would find nothing either
+                seen, there = {path: None}, None  # absent: the journal's look would find nothing either
             except OSError:
                 handle = None  # unreadable: its other names may be reported
+            if moved is not None:
+                try:
+                    was: Stat | None | OSError = self.inner.lstat_or_none(moved)
+                except OSError as e:  # as the journal's own look records it
+                    was = e
+                if seen is None or handle is not None:
+                    seen = {}  # only the source: the journal looks at path itself, as before
+                seen[moved] = was
+                if isinstance(was, Stat) and there is not False and (there is None or there.ino != was.ino):
+                    gone = moved
             if handle is None:
                 return self._recorded(paths, call, seen=seen, gone=gone)
             try:
                 ino = handle.fstat().ino
                 self.journal.begin_inode(ino)
                 try:
-                    return self._recorded(paths, call, gone=gone)
+                    # the journal looks at path itself here (the source's look: taken above)
+                    return self._recorded(paths, call, seen=seen if moved is not None else None, gone=gone)
                 finally:
                     self.journal.end_inode(ino, handle.fstat)
             finally:
@@ -748,7 +770,8 @@ class RecordingHostFS(HostFS):
             self.inner.mkdir(path, mode)
 
     def rename(self, src: str, dst: str) -> None:
-        self._dropping(dst, [src, dst], lambda: self.inner.rename(src, dst))  # dst may be replaced
+        # dst may be replaced; src, if the rename succeeds, is left empty
+        self._dropping(dst, [src, dst], lambda: self.inner.rename(src, dst), moved=src)
 
     def exchange(self, a: str, b: str) -> None:
         with self._rec([a, b], [parent_of(a), parent_of(b)]):  # nothing is replaced: both move
