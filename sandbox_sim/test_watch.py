@@ -516,6 +516,26 @@ def test_an_open_for_writing_still_finds_an_external_change_to_what_we_left(fold
     assert j.classify("f") == EXTERNAL
 
 
+def test_a_read_only_handle_learns_its_inode_at_its_first_change(folder, stack):
+    """A handle opened for reading (or a directory's) takes no look when it is opened; a
+    change through it later — after its file was renamed and another file took the name it
+    was opened at — is recorded for its own inode, found then."""
+    fs = recording(folder, stack)
+    j = fs.journal
+    fs.create("h", 0o644)
+    handle = fs.open("h", os.O_RDONLY)
+    try:
+        fs.rename("h", "i")
+        fs.create("h", 0o644)
+        handle.chmod(0o600)  # a read-only descriptor may still change metadata
+        assert j.classify("i") == OURS
+        assert j.classify("h") == OURS
+    finally:
+        handle.close()
+    os.chmod(os.path.join(folder, "i"), 0o640)
+    assert j.classify("i") == EXTERNAL
+
+
 class RacingHostFS(RealHostFS):
     """A real folder where a local process acts on a name right after our own call on it
     returns, before the journal records what the call left (``racer(path)``)."""

@@ -400,7 +400,10 @@ def _ancestors(path: str) -> list[str]:
 class RecordingFileHandle(FileHandle):
     """A handle from :meth:`RecordingHostFS.open`: its mutations (``pwrite``, ``truncate``
     and the metadata calls, which a read-only handle may make too) are recorded against
-    the handle's inode (the file may have moved since it was opened)."""
+    the handle's inode (the file may have moved since it was opened). That inode is
+    ``ino`` (the caller's ``fstat`` of ``inner``) or, if not given, learnt by one ``fstat``
+    at the first mutation (a descriptor's inode never changes): a handle only read through
+    (an OPENDIR's, a reader's) costs no look of the journal's."""
 
     def __init__(self, inner: FileHandle, journal: OwnWrites, mutex: threading.RLock | None = None,
                  ino: int | None = None):
@@ -409,15 +412,22 @@ class RecordingFileHandle(FileHandle):
         self.mutex = mutex if mutex is not None else threading.RLock()
         self.path = inner.path
         self.flags = inner.flags
-        self.ino = inner.fstat().ino if ino is None else ino  # ``ino``: the caller's fstat of ``inner``
+        self._ino = ino
+
+    @property
+    def ino(self) -> int:
+        if self._ino is None:
+            self._ino = self.inner.fstat().ino
+        return self._ino
 
     def _mutating(self, call):
         with self.mutex:
-            self.journal.begin_inode(self.ino)
+            ino = self.ino
+            self.journal.begin_inode(ino)
             try:
                 return call()
             finally:
-                self.journal.end_inode(self.ino, self.inner.fstat)
+                self.journal.end_inode(ino, self.inner.fstat)
 
     def pread(self, length: int, offset: int) -> bytes:
         return self.inner.pread(length, offset)
