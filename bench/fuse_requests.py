@@ -85,11 +85,14 @@ class Wire:
     def getxattr(self, nodeid: int, name: bytes) -> bytes:
         return self.req(22, nodeid, struct.pack("<II", 0, 0) + name + b"\0")
 
-    def write(self, nodeid: int, data: bytes) -> bytes:
-        return self.req(16, nodeid, struct.pack("<QQIIQII", 0, 0, len(data), 0, 0, os.O_WRONLY, 0) + data)
+    def write(self, nodeid: int, data: bytes, fh: int = 0) -> bytes:
+        return self.req(16, nodeid, struct.pack("<QQIIQII", fh, 0, len(data), 0, 0, os.O_WRONLY, 0) + data)
 
-    def release(self, nodeid: int) -> bytes:
-        return self.req(18, nodeid, struct.pack("<QIIQ", 0, os.O_WRONLY, 0, 0))
+    def release(self, nodeid: int, fh: int = 0) -> bytes:
+        return self.req(18, nodeid, struct.pack("<QIIQ", fh, os.O_WRONLY, 0, 0))
+
+    def rename(self, parent: int, name: bytes, newparent: int, newname: bytes) -> bytes:
+        return self.req(12, parent, struct.pack("<Q", newparent) + name + b"\0" + newname + b"\0")
 
     def read(self, nodeid: int, size: int) -> bytes:
         return self.req(15, nodeid, struct.pack("<QQIIQII", 0, 0, size, 0, 0, os.O_RDONLY, 0))

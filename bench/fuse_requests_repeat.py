@@ -13,7 +13,11 @@ directory of 25 files:
   rm: per file made beside the mount (written once through the mount in no-open mode, so its
   node keeps descriptors, as after a create), in a step of its own: GETATTR of the directory,
   UNLINK, FORGET; then RMDIR and FORGET of empty directories — 300 files and 100 directories
-  per round.
+  per round;
+  write mix: per file, in a step: CREATE, WRITE (1 KiB, through the CREATE's handle); then in
+  the next step: SETATTR (mtime), RENAME (in its directory), WRITE, RELEASE — 300 files per
+  round (the own-write journal's requests; the second step's first change of each file takes
+  its preimage).
 
 Three rounds; a request's figure is its least CPU µs per request over them (process CPU:
 the kernel's part of its system calls included). With ``--other TREE`` each run is a child
@@ -126,6 +130,37 @@ def run_once(no_open: bool) -> dict[str, float]:
                 t["rmdir: FORGET"] += c3 - c2
             for k, v in t.items():
                 res.setdefault(k, []).append(v / (len(empties) if "RMDIR" in k or "rmdir" in k else len(names)) / 1000)
+            ws.close_active()
+        for r in range(ROUNDS):
+            names = [f"w{r}_{i:05d}".encode() for i in range(300)]
+            t = dict.fromkeys(("write mix: CREATE", "write mix: WRITE, new", "write mix: SETATTR", "write mix: RENAME",
+                               "write mix: WRITE", "write mix: RELEASE"), 0)
+            made = []
+            for name in names:
+                raw = w.create(dn, name)
+                c0 = time.process_time_ns()
+                err, out = call(raw)
+                c1 = time.process_time_ns()
+                assert err is None, err
+                n, fh = nodeid(out), struct.unpack_from("<Q", out, 16 + fr.ENTRY_OUT_BYTES)[0]
+                raw = w.write(n, b"w" * 1024, fh)
+                c2 = time.process_time_ns()
+                assert call(raw)[0] is None
+                c3 = time.process_time_ns()
+                t["write mix: CREATE"] += c1 - c0
+                t["write mix: WRITE, new"] += c3 - c2
+                made.append((name, n, fh))
+            ws.close_active()
+            for name, n, fh in made:
+                raws = (w.setattr_mtime(n, 1_700_000_000), w.rename(dn, name, dn, name + b".r"),
+                        w.write(n, b"v" * 1024, fh), w.release(n, fh))
+                for key, raw in zip(("write mix: SETATTR", "write mix: RENAME", "write mix: WRITE",
+                                     "write mix: RELEASE"), raws):
+                    c0 = time.process_time_ns()
+                    assert call(raw)[0] is None, key
+                    t[key] += time.process_time_ns() - c0
+            for k, v in t.items():
+                res.setdefault(k, []).append(v / len(names) / 1000)
             ws.close_active()
         d.close()
         d.provider.close()

@@ -487,6 +487,55 @@ def test_journal_classification(folder, stack):
     assert j.classify("d/missing") == OURS  # we looked: nothing there
 
 
+def test_an_open_for_writing_still_finds_an_external_change_to_what_we_left(folder, stack):
+    """An open for writing takes no look at the path before and after it (it changes nothing
+    there): the taint check is made through the new descriptor's ``fstat``. A file we left,
+    changed behind our back and then written by us through that open before the watcher
+    looked, is still reported as external — once — and our own write through it after is ours."""
+    fs = recording(folder, stack)
+    j = fs.journal
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"ours")
+    assert j.classify("f") == OURS
+    with open(os.path.join(folder, "f"), "a") as f:
+        f.write(" and theirs")  # not classified yet
+    for flags in (os.O_WRONLY, os.O_RDWR | os.O_APPEND):
+        handle = fs.open("f", flags)
+        try:
+            assert not j.in_flight("f")
+            handle.pwrite(b"OURS", 0)  # overwrites the evidence before the watcher looks
+        finally:
+            handle.close()
+        if flags == os.O_WRONLY:
+            assert j.classify("f") == EXTERNAL, "the external change must taint the path"
+        assert j.classify("f") == OURS  # acknowledged; then our own write through the second open
+
+    os.chmod(os.path.join(folder, "f"), 0o600)  # external, and our open is read-only: no check
+    handle = fs.open("f", os.O_RDONLY)
+    handle.close()
+    assert j.classify("f") == EXTERNAL
+
+
+def test_a_read_only_handle_learns_its_inode_at_its_first_change(folder, stack):
+    """A handle opened for reading (or a directory's) takes no look when it is opened; a
+    change through it later — after its file was renamed and another file took the name it
+    was opened at — is recorded for its own inode, found then."""
+    fs = recording(folder, stack)
+    j = fs.journal
+    fs.create("h", 0o644)
+    handle = fs.open("h", os.O_RDONLY)
+    try:
+        fs.rename("h", "i")
+        fs.create("h", 0o644)
+        handle.chmod(0o600)  # a read-only descriptor may still change metadata
+        assert j.classify("i") == OURS
+        assert j.classify("h") == OURS
+    finally:
+        handle.close()
+    os.chmod(os.path.join(folder, "i"), 0o640)
+    assert j.classify("i") == EXTERNAL
+
+
 class RacingHostFS(RealHostFS):
     """A real folder where a local process acts on a name right after our own call on it
     returns, before the journal records what the call left (``racer(path)``)."""
@@ -505,6 +554,10 @@ class RacingHostFS(RealHostFS):
     def unlink(self, path):
         super().unlink(path)
         self._race(path)
+
+    def rename(self, src, dst):
+        super().rename(src, dst)
+        self._race(src)
 
     def entry(self, path):  # the journal's look and unlink through one parent (RecordingHostFS.unlink)
         e = super().entry(path)
@@ -551,6 +604,37 @@ def test_a_racer_at_the_name_after_our_create_or_unlink_is_never_recorded_as_our
     assert j.classify("new") == OURS
     fs.unlink("new")
     assert j.classify("new") == OURS
+
+
+def test_the_source_of_a_rename_is_left_empty_unless_both_names_were_one_file(folder, stack):
+    """A rename that succeeded left nothing at its source: recorded without a look after it,
+    so a file someone else puts there at once is theirs. Unless the looks before it found one
+    file at both names (hard links: the rename does nothing), which is then looked at again:
+    the source is still there, and someone else's removal of it is reported."""
+    fs = RecordingHostFS(RacingHostFS(folder))
+    stack.append(fs.close)
+    j = fs.journal
+    fs.create("a", 0o644)
+    fs.inner.racer = lambda path: write(folder, path, "someone else's, at once")
+    fs.rename("a", "b")
+    fs.inner.racer = None
+    assert j.classify("a") == EXTERNAL
+    assert j.classify("b") == OURS
+
+    fs.create("x", 0o644)
+    fs.rename("x", "y")  # nobody raced: the source is ours, empty
+    assert j.classify("x") == OURS
+    assert j.classify("y") == OURS
+    fs.mkdir("d", 0o755)
+    fs.rename("d", "e")
+    assert j.classify("d") == OURS
+
+    fs.link("b", "c")  # one file, two names
+    fs.rename("b", "c")  # does nothing
+    assert os.path.exists(os.path.join(folder, "b"))
+    assert j.classify("b") == OURS
+    os.unlink(os.path.join(folder, "b"))  # someone else's
+    assert j.classify("b") == EXTERNAL
 
 
 def test_a_failed_exclusive_create_still_finds_an_external_change_to_what_we_left(folder, stack):

@@ -14,12 +14,17 @@ with :meth:`OwnWrites.begin` / :meth:`OwnWrites.end`:
   nlink)`` from ``lstat`` (``(kind, ino, mode)`` for a directory, see :func:`signature`),
   or ``None`` if nothing is there — and the same signature under the inode number, so a
   write through an open handle, or through another hard link, is recognised at whatever
-  name the kernel reports it. Two calls prove what they left and are recorded without a
-  look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing was
-  there before it, so ``begin`` does not look either) and an unlink or rmdir that succeeded
-  (nothing). Writes through handles are recorded by inode only
-  (``fstat``); a call that drops one name of a multiply-linked file records the file's
-  new state (link count, ctime) for its inode too, through a handle held across the call.
+  name the kernel reports it. Three calls prove what they left and are recorded without
+  a look: an exclusive create (the new inode, ``fstat``-ed through its descriptor; nothing
+  was there before it, so ``begin`` does not look either), an unlink or rmdir that
+  succeeded (nothing), and the source of a rename that succeeded (nothing — unless the
+  looks before it found one file at both names, where the rename does nothing: then it is
+  looked at). An open for writing (which neither creates nor truncates) changes nothing at
+  its path and is not bracketed: the taint check ``begin`` would make (see the limits) is
+  made through the new descriptor's ``fstat``. Writes through handles are recorded by
+  inode only (``fstat``); a call that drops one name of a multiply-linked file records the
+  file's new state (link count, ctime) for its inode too, through a handle held across the
+  call.
 
 Both looks happen under the journal's lock, and :class:`RecordingHostFS` runs its
 mutations one at a time (the undo core already runs them under its interceptor lock, so
@@ -39,8 +44,10 @@ Known limits:
   leaving size, mode, ino, nlink and ctime equal, is attributed to us. The rollback's own
   content-hash check (``Workspace._check_unchanged``) still refuses to overwrite it.
 * an external change that races one of our calls on the same path (between the call's
-  ``begin`` and the ``lstat`` in its ``end``) is attributed to us — except after a create
-  or an unlink that succeeded, which record what they left without looking.
+  ``begin`` and the ``lstat`` in its ``end``) is attributed to us — except after a create,
+  an unlink or at a rename's source, which record what they left without looking. (An
+  external hard link of a rename's source put at its destination in that window makes the
+  rename do nothing; the source is then recorded as gone although it is still there.)
 * an external change that the sandbox overwrites before the watcher examined its event
   (a window of ``settle_s`` plus processing) is attributed to us when we had never
   touched that path before; when we had, ``begin`` notices the file differs from what we
@@ -126,7 +133,7 @@ class OwnWrites:
         self._lock = threading.Lock()
         self._seq = 0
         self._inflight: dict[str, int] = {}
-        self._inflight_ino: collections.Counter[int] = collections.Counter()
+        self._inflight_ino: dict[int, int] = {}
         self._begun_ino: dict[str, list[int | None]] = {}  # path -> inodes marked by its open begins
         self._paths: collections.OrderedDict[str, _Rec] = collections.OrderedDict()
         self._inodes: collections.OrderedDict[int, _Rec] = collections.OrderedDict()
@@ -152,30 +159,40 @@ class OwnWrites:
         ``seen``: for some of the paths, what the caller found there itself just before, with
         none of our calls in between (:class:`RecordingHostFS` looks under its mutex) — taken
         instead of a second look at the same moment."""
-        primary = list(dict.fromkeys(paths))
-        every = list(dict.fromkeys([*primary, *parents]))
+        every, primary = _every(paths, parents)
+        inflight, inflight_ino, begun = self._inflight, self._inflight_ino, self._begun_ino
         with self._lock:  # look and compare in one step: no end() of ours may slip in between
             for p in every:
-                self._inflight[p] = self._inflight.get(p, 0) + 1
+                inflight[p] = inflight.get(p, 0) + 1
             for p in every:
                 st = seen[p] if seen is not None and p in seen else self._try_lstat(p)
-                ino = st.ino if isinstance(st, Stat) else None
-                self._begun_ino.setdefault(p, []).append(ino)
-                if ino is not None:
-                    self._inflight_ino[ino] += 1
-                if p in primary and isinstance(st, Stat):
-                    self._check_taint(p, signature(st))
+                if isinstance(st, Stat):
+                    ino = st.ino
+                    inflight_ino[ino] = inflight_ino.get(ino, 0) + 1
+                else:
+                    ino = None
+                stack = begun.get(p)
+                if stack is None:
+                    begun[p] = [ino]
+                else:
+                    stack.append(ino)
+                if ino is not None and (primary is None or p in primary):
+                    self._check_taint(p, st)
 
-    def _check_taint(self, path: str, cur: Signature) -> None:
-        """Under the lock: the object we left at ``path`` changed behind our back."""
+    def _check_taint(self, path: str, st: Stat | Attr, own: int = 1) -> None:
+        """Under the lock: the object we left at ``path`` changed behind our back (``st``: a
+        look at it now; ``own``: how many in-flight counts on it are the asking call's)."""
         rec = self._paths.get(path)
-        if rec is None or rec.tainted or rec.sig is None or rec.sig == cur:
+        if rec is None or rec.tainted or rec.sig is None:
+            return  # never recorded, already tainted, or we left nothing there: nothing to compare
+        cur = signature(st)
+        if rec.sig == cur:
             return
         if cur[0] == DIR:  # its mtime moves with every entry anyone adds: those entries have events
             return
         if rec.sig[1] != cur[1]:  # another object now: its own events tell its story
             return
-        if self._inflight_ino[cur[1]] > 1 or self._inflight.get(path, 0) > 1:
+        if self._inflight_ino.get(cur[1], 0) > own or self._inflight.get(path, 0) > own:
             return  # another of our calls is on it right now: the change may be ours
         irec = self._inodes.get(cur[1])
         if irec is not None and irec.sig == cur:
@@ -192,62 +209,81 @@ class OwnWrites:
         our call is then never recorded as ours. ``check_taint``: paths whose :meth:`begin`
         took no look (``seen`` said nothing was there, which a failed exclusive create
         disproves): the look here gets the taint check that begin's look would have made."""
-        every = list(dict.fromkeys([*dict.fromkeys(paths), *parents]))
+        every, _primary = _every(paths, parents)
+        inflight, begun, table, inodes = self._inflight, self._begun_ino, self._paths, self._inodes
         with self._lock:
             # look while still in flight, and under the lock: the last of our calls on a
             # path or inode to end records the newest state (a look taken before another
             # call's change can never be recorded after that call's own look)
-            after = {p: left[p] if left is not None and p in left else self._try_lstat(p) for p in every}
-            for p in check_taint:
-                st = after.get(p)
-                if isinstance(st, (Stat, Attr)):
-                    self._check_taint(p, signature(st))
+            after = [left[p] if left is not None and p in left else self._try_lstat(p) for p in every]
+            if check_taint:
+                for p, st in zip(every, after):
+                    if p in check_taint and isinstance(st, (Stat, Attr)):
+                        self._check_taint(p, st)
             self._seq += 1
+            seq = self._seq
             now = self._clock()
-            for p in every:
-                n = self._inflight.get(p, 0) - 1
+            for p, st in zip(every, after):
+                n = inflight.get(p, 0) - 1
                 if n > 0:
-                    self._inflight[p] = n
+                    inflight[p] = n
                 else:
-                    self._inflight.pop(p, None)
-                stack = self._begun_ino.get(p)
+                    inflight.pop(p, None)
+                stack = begun.get(p)
                 if stack:
                     ino = stack.pop()
                     if not stack:
-                        del self._begun_ino[p]
+                        del begun[p]
                     if ino is not None:
                         self._dec_ino(ino)
-                st = after[p]
                 if isinstance(st, OSError):  # unknown state: never claim it
-                    self._paths.pop(p, None)
+                    table.pop(p, None)
                     continue
                 sig = signature(st)
-                self._put(self._paths, p, _Rec(sig, now, self._seq, self._paths.get(p)))
+                table[p] = _Rec(sig, now, seq, table.get(p))
+                table.move_to_end(p)
                 if sig is not None:
-                    self._put(self._inodes, sig[1], _Rec(sig, now, self._seq))
-            self._trim(now)
+                    inodes[sig[1]] = _Rec(sig, now, seq)
+                    inodes.move_to_end(sig[1])
+            if len(table) > self.max_records or len(inodes) > self.max_records:
+                self._trim(now)
+
+    def check(self, path: str, fstat: Callable[[], Stat | Attr]) -> Stat | Attr:
+        """One of our calls just reached ``path`` without changing it (an open for writing,
+        which neither creates nor truncates); ``fstat()`` (called under the lock, like
+        ``begin``'s look) says how the file it reached is now, and is returned. Nothing is
+        recorded; the taint check :meth:`begin` would make is: the file we left there,
+        changed behind our back, is reported even if our writes through that open come
+        before the watcher looks."""
+        with self._lock:
+            st = fstat()
+            self._check_taint(path, st, own=0)
+        return st
 
     def begin_inode(self, ino: int) -> None:
         """Our call on an open handle of inode ``ino`` is about to run."""
         with self._lock:
-            self._inflight_ino[ino] += 1
+            self._inflight_ino[ino] = self._inflight_ino.get(ino, 0) + 1
 
     def end_inode(self, ino: int, fstat: Callable[[], Stat | Attr]) -> None:
         """Our call on a handle of inode ``ino`` returned; ``fstat()`` says how it is now
         (called under the journal's lock, like ``end``'s lstat; an OSError: unknown)."""
+        inodes = self._inodes
         with self._lock:
             try:
                 st = fstat()
             except OSError:
                 st = None
             self._seq += 1
-            now = self._clock()
             self._dec_ino(ino)
             if st is None:
-                self._inodes.pop(ino, None)
-            else:
-                self._put(self._inodes, ino, _Rec(signature(st), now, self._seq))
-            self._trim(now)
+                inodes.pop(ino, None)
+                return
+            now = self._clock()
+            inodes[ino] = _Rec(signature(st), now, self._seq)
+            inodes.move_to_end(ino)
+            if len(inodes) > self.max_records:
+                self._trim(now)
 
     @contextmanager
     def writing(self, paths: Iterable[str], parents: Iterable[str] = ()) -> Iterator[None]:
@@ -260,18 +296,15 @@ class OwnWrites:
             self.end(paths, parents)
 
     def _dec_ino(self, ino: int) -> None:
-        n = self._inflight_ino[ino] - 1
+        n = self._inflight_ino.get(ino, 0) - 1
         if n > 0:
             self._inflight_ino[ino] = n
         else:
             self._inflight_ino.pop(ino, None)
 
-    @staticmethod
-    def _put(table: collections.OrderedDict, key, rec: _Rec) -> None:
-        table[key] = rec
-        table.move_to_end(key)
-
     def _trim(self, now: float) -> None:
+        """Under the lock, once a table holds more than ``max_records``: drop its records
+        older than ``max_age_s``, oldest first, down to ``max_records``."""
         horizon = now - self.max_age_s
         for table in (self._paths, self._inodes):
             while len(table) > self.max_records:
@@ -338,8 +371,21 @@ class OwnWrites:
 
     def _acknowledge(self, path: str, cur: Signature | None) -> str:
         """Under the lock: remember the external state (seq 0: older than any look in progress)."""
-        self._put(self._paths, path, _Rec(cur, self._clock(), 0, self._paths.get(path)))
+        self._paths[path] = _Rec(cur, self._clock(), 0, self._paths.get(path))
+        self._paths.move_to_end(path)
         return EXTERNAL
+
+
+def _every(paths: Iterable[str], parents: Iterable[str]) -> tuple[list[str], list[str] | None]:
+    """The paths a :meth:`OwnWrites.begin` / ``end`` names, each once (``paths`` first), and
+    the primary ones among them (``None``: all are). One path and no parents — every call of
+    :class:`RecordingHostFS` but a rename, link or exchange — is taken as it is."""
+    if not parents:
+        if type(paths) is list and len(paths) == 1:
+            return paths, None
+        return list(dict.fromkeys(paths)), None
+    primary = list(dict.fromkeys(paths))
+    return list(dict.fromkeys([*primary, *parents])), primary
 
 
 def _ancestors(path: str) -> list[str]:
@@ -354,7 +400,10 @@ def _ancestors(path: str) -> list[str]:
 class RecordingFileHandle(FileHandle):
     """A handle from :meth:`RecordingHostFS.open`: its mutations (``pwrite``, ``truncate``
     and the metadata calls, which a read-only handle may make too) are recorded against
-    the handle's inode (the file may have moved since it was opened)."""
+    the handle's inode (the file may have moved since it was opened). That inode is
+    ``ino`` (the caller's ``fstat`` of ``inner``) or, if not given, learnt by one ``fstat``
+    at the first mutation (a descriptor's inode never changes): a handle only read through
+    (an OPENDIR's, a reader's) costs no look of the journal's."""
 
     def __init__(self, inner: FileHandle, journal: OwnWrites, mutex: threading.RLock | None = None,
                  ino: int | None = None):
@@ -363,15 +412,22 @@ class RecordingFileHandle(FileHandle):
         self.mutex = mutex if mutex is not None else threading.RLock()
         self.path = inner.path
         self.flags = inner.flags
-        self.ino = inner.fstat().ino if ino is None else ino  # ``ino``: the caller's fstat of ``inner``
+        self._ino = ino
+
+    @property
+    def ino(self) -> int:
+        if self._ino is None:
+            self._ino = self.inner.fstat().ino
+        return self._ino
 
     def _mutating(self, call):
         with self.mutex:
-            self.journal.begin_inode(self.ino)
+            ino = self.ino
+            self.journal.begin_inode(ino)
             try:
                 return call()
             finally:
-                self.journal.end_inode(self.ino, self.inner.fstat)
+                self.journal.end_inode(ino, self.inner.fstat)
 
     def pread(self, length: int, offset: int) -> bytes:
         return self.inner.pread(length, offset)
@@ -505,13 +561,11 @@ class RecordingHostFS(HostFS):
     def __repr__(self) -> str:
         return f"<RecordingHostFS {self.inner!r}>"
 
-    @contextmanager
-    def _rec(self, paths: list[str], parents: list[str] = ()) -> Iterator[None]:
+    def _rec(self, paths: list[str], parents: list[str] = ()) -> "_Recorded":
         # parents are not journalled: an entry change shows up in inotify as an event on
         # the entry, never on its directory, and a directory's own signature ignores its
         # times (see signature) — recording them cost two lstats per call for nothing
-        with self.mutex, self.journal.writing(paths):
-            yield
+        return _Recorded(self, paths)
 
     # ------------------------------------------------------------------ reads
 
@@ -560,12 +614,23 @@ class RecordingHostFS(HostFS):
     # ------------------------------------------------------------------ mutations
 
     def open(self, path: str, flags: int) -> FileHandle:
-        if flags & os.O_ACCMODE == os.O_RDONLY and not flags & (os.O_CREAT | os.O_TRUNC):
-            handle = self.inner.open(path, flags)  # a read-only handle may still chmod, utime, set xattrs
-        else:
+        if flags & (os.O_CREAT | os.O_TRUNC):
             with self._rec([path]):  # open never creates or truncates (EINVAL), but be exact
-                handle = self.inner.open(path, flags)
-        return self._wrap(handle)
+                return self._wrap(self.inner.open(path, flags))
+        # a read-only handle may still chmod, utime, set xattrs: every handle is recorded
+        handle = self.inner.open(path, flags)
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            return self._wrap(handle)
+        # an open for writing changes nothing at the path (no look before and after it); the
+        # file it reached, as its descriptor shows it, gets the taint check of a look before
+        # our first write through it (RecordingFileHandle records those against the inode)
+        try:
+            with self.mutex:  # the look after every call of ours before it, as begin's
+                a = self.journal.check(path, handle.fstat)
+        except BaseException:
+            handle.close()
+            raise
+        return self._wrap(handle, a.ino)
 
     def open_dir(self, path: str) -> FileHandle:
         """Read-only, for attributes; wrapped as :meth:`open`'s handles are, so that a change
@@ -617,54 +682,68 @@ class RecordingHostFS(HostFS):
         with self._rec([path]):
             self.inner.truncate(path, size)
 
-    @contextmanager
-    def _unlinking(self, path: str, paths: list[str], gone: str | None = None,
-                   entry: Entry | None = None) -> Iterator[None]:
-        """Like :meth:`_rec`, for a call that may drop one name of a multiply-linked file
-        at ``path``: the file's other names see its link count and ctime change, so its
-        new state is recorded for its inode (through a handle held across the call).
-        The look at ``path`` here is the journal's look before the call too (nothing of
+    def _dropping(self, path: str, paths: list[str], call: Callable[[], object], gone: str | None = None,
+                  entry: Entry | None = None, moved: str | None = None):
+        """``call()`` recorded as :meth:`_rec` records, for a call that may drop one name of a
+        multiply-linked file at ``path``: the file's other names see its link count and ctime
+        change, so its new state is recorded for its inode (through a handle held across the
+        call). The look at ``path`` here is the journal's look before the call too (nothing of
         ours runs between them) — through ``entry`` (``inner.entry(path)``) when the call
-        removes that entry through it too; ``gone``: as for :meth:`_recorded`."""
+        removes that entry through it too; ``gone``: as for :meth:`_recorded`.
+
+        ``moved``: the source of a rename to ``path``. Its look before the call is taken here
+        too; if it found an object that is not the one at ``path`` (a rename onto another name
+        of the same file does nothing), a rename that succeeded left nothing at ``moved``:
+        recorded without a look after (as an unlink's ``gone``)."""
         with self.mutex:
             handle = None
+            there: Stat | None | bool = False  # the look at path: False where it failed
             seen: dict | None = None  # the journal looks itself where this look failed otherwise
             try:
-                st = entry.lstat() if entry is not None else self.inner.lstat(path)
+                st = there = entry.lstat() if entry is not None else self.inner.lstat(path)
                 seen = {path: st}
                 if st.kind == REG and st.nlink > 1:
                     handle = self.inner.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                seen = {path: None}  # absent: the journal's look would find nothing either
+                seen, there = {path: None}, None  # absent: the journal's look would find nothing either
             except OSError:
                 handle = None  # unreadable: its other names may be reported
+            if moved is not None:
+                try:
+                    was: Stat | None | OSError = self.inner.lstat_or_none(moved)
+                except OSError as e:  # as the journal's own look records it
+                    was = e
+                if seen is None or handle is not None:
+                    seen = {}  # only the source: the journal looks at path itself, as before
+                seen[moved] = was
+                if isinstance(was, Stat) and there is not False and (there is None or there.ino != was.ino):
+                    gone = moved
+            if handle is None:
+                return self._recorded(paths, call, seen=seen, gone=gone)
             try:
-                if handle is None:
-                    yield from self._recorded(paths, seen=seen, gone=gone)
-                    return
                 ino = handle.fstat().ino
                 self.journal.begin_inode(ino)
                 try:
-                    yield from self._recorded(paths, gone=gone)
+                    # the journal looks at path itself here (the source's look: taken above)
+                    return self._recorded(paths, call, seen=seen if moved is not None else None, gone=gone)
                 finally:
                     self.journal.end_inode(ino, handle.fstat)
             finally:
-                if handle is not None:
-                    handle.close()
+                handle.close()
 
-    def _recorded(self, paths: list[str], *, seen=None, gone: str | None = None) -> Iterator[None]:
-        """``journal.begin``, the block, ``journal.end`` — with ``seen`` (begin's look, taken
-        by the caller); ``gone``: a path the block, if it returns, proves it left empty (an
+    def _recorded(self, paths: list[str], call: Callable[[], object], *, seen=None, gone: str | None = None):
+        """``journal.begin``, ``call()``, ``journal.end`` — with ``seen`` (begin's look, taken
+        by the caller); ``gone``: a path that ``call``, if it returns, proves it left empty (an
         unlink or rmdir succeeded), recorded without a look."""
-        self.journal.begin(paths, seen=seen)
-        ok = False
+        journal = self.journal
+        journal.begin(paths, seen=seen)
         try:
-            yield
-            ok = True
-        finally:
-            self.journal.end(paths, left={gone: None} if ok and gone is not None else None)
-
-    _recording = contextmanager(_recorded)
+            result = call()
+        except BaseException:
+            journal.end(paths)
+            raise
+        journal.end(paths, left={gone: None} if gone is not None else None)
+        return result
 
     def entry(self, path: str) -> "RecordingEntry":
         """:meth:`HostFS.entry` of ``inner``, its removals recorded (:class:`RecordingEntry`)."""
@@ -683,8 +762,7 @@ class RecordingHostFS(HostFS):
         on the real disk one resolution of the parent for both, so the entry looked at is the
         one removed (the simulated disk: the same ``lstat`` then ``unlink`` as before)."""
         path = entry.path
-        with self._unlinking(path, [path], gone=path, entry=entry):
-            entry.unlink()
+        self._dropping(path, [path], entry.unlink, gone=path, entry=entry)
 
     def _rmdir_entry(self, entry: Entry) -> None:
         """As :meth:`_unlink_entry`: the journal's look (what its ``begin`` would take) and
@@ -695,16 +773,15 @@ class RecordingHostFS(HostFS):
                 seen: Stat | None | OSError = entry.lstat()
             except OSError as e:  # as the journal's own look (lstat_or_none) records it
                 seen = None if e.errno in ABSENT_ERRNOS else e
-            with self._recording([path], seen={path: seen}, gone=path):
-                entry.rmdir()
+            self._recorded([path], entry.rmdir, seen={path: seen}, gone=path)
 
     def mkdir(self, path: str, mode: int) -> None:
         with self._rec([path], [parent_of(path)]):
             self.inner.mkdir(path, mode)
 
     def rename(self, src: str, dst: str) -> None:
-        with self._unlinking(dst, [src, dst]):  # dst may be replaced
-            self.inner.rename(src, dst)
+        # dst may be replaced; src, if the rename succeeds, is left empty
+        self._dropping(dst, [src, dst], lambda: self.inner.rename(src, dst), moved=src)
 
     def exchange(self, a: str, b: str) -> None:
         with self._rec([a, b], [parent_of(a), parent_of(b)]):  # nothing is replaced: both move
@@ -762,3 +839,27 @@ class RecordingHostFS(HostFS):
     def lock(self, path: str) -> Lock:
         with self._rec([path], [parent_of(path)]):  # creates and writes the lock file
             return self.inner.lock(path)
+
+
+class _Recorded:
+    """:meth:`RecordingHostFS._rec`: the context ``with fs.mutex, fs.journal.writing(paths)``
+    (``begin``; the block; ``end``, also when the block raised), without a generator."""
+
+    __slots__ = ("fs", "paths")
+
+    def __init__(self, fs: RecordingHostFS, paths: list[str]):
+        self.fs, self.paths = fs, paths
+
+    def __enter__(self) -> None:
+        self.fs.mutex.acquire()
+        try:
+            self.fs.journal.begin(self.paths)
+        except BaseException:
+            self.fs.mutex.release()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.fs.journal.end(self.paths)
+        finally:
+            self.fs.mutex.release()
