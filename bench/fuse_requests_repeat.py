@@ -47,6 +47,16 @@ import fuse_requests as fr  # noqa: E402  (the kernel's request bytes)
 ROUNDS = 3
 
 
+def _timed(call, t: dict, steps) -> None:
+    """Each ``(label, request bytes, must succeed)`` in turn: its CPU ns added to ``t[label]``
+    (the check after the clock stops)."""
+    for label, raw, ok in steps:
+        c = time.process_time_ns()
+        err = call(raw)[0]
+        t[label] += time.process_time_ns() - c
+        assert not ok or err is None, (label, err)
+
+
 def run_once(no_open: bool) -> dict[str, float]:
     from sandbox.fuse import abi
 
@@ -108,26 +118,10 @@ def run_once(no_open: bool) -> dict[str, float]:
             ws.close_active()  # the removals in a step of their own: each UNLINK takes a preimage
             t = dict.fromkeys(("rm: GETATTR", "rm: UNLINK", "rm: FORGET", "RMDIR", "rmdir: FORGET"), 0)
             for name, n in zip(names, nodes):
-                g, u, f = w.getattr(dn), w.unlink(dn, name.encode()), w.forget(n, 9)
-                c0 = time.process_time_ns()
-                call(g)
-                c1 = time.process_time_ns()
-                assert call(u)[0] is None
-                c2 = time.process_time_ns()
-                call(f)
-                c3 = time.process_time_ns()
-                t["rm: GETATTR"] += c1 - c0
-                t["rm: UNLINK"] += c2 - c1
-                t["rm: FORGET"] += c3 - c2
+                _timed(call, t, (("rm: GETATTR", w.getattr(dn), False), ("rm: UNLINK", w.unlink(dn, name.encode()), True),
+                                 ("rm: FORGET", w.forget(n, 9), False)))
             for name, n in zip(empties, dnodes):
-                u, f = w.rmdir(dn, name.encode()), w.forget(n, 9)
-                c1 = time.process_time_ns()
-                assert call(u)[0] is None
-                c2 = time.process_time_ns()
-                call(f)
-                c3 = time.process_time_ns()
-                t["RMDIR"] += c2 - c1
-                t["rmdir: FORGET"] += c3 - c2
+                _timed(call, t, (("RMDIR", w.rmdir(dn, name.encode()), True), ("rmdir: FORGET", w.forget(n, 9), False)))
             for k, v in t.items():
                 res.setdefault(k, []).append(v / (len(empties) if "RMDIR" in k or "rmdir" in k else len(names)) / 1000)
             ws.close_active()
@@ -154,11 +148,8 @@ def run_once(no_open: bool) -> dict[str, float]:
             for name, n, fh in made:
                 raws = (w.setattr_mtime(n, 1_700_000_000), w.rename(dn, name, dn, name + b".r"),
                         w.write(n, b"v" * 1024, fh), w.release(n, fh))
-                for key, raw in zip(("write mix: SETATTR", "write mix: RENAME", "write mix: WRITE",
-                                     "write mix: RELEASE"), raws):
-                    c0 = time.process_time_ns()
-                    assert call(raw)[0] is None, key
-                    t[key] += time.process_time_ns() - c0
+                _timed(call, t, zip(("write mix: SETATTR", "write mix: RENAME", "write mix: WRITE", "write mix: RELEASE"),
+                                    raws, (True,) * 4))
             for k, v in t.items():
                 res.setdefault(k, []).append(v / len(names) / 1000)
             ws.close_active()

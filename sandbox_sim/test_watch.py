@@ -487,18 +487,25 @@ def test_journal_classification(folder, stack):
     assert j.classify("d/missing") == OURS  # we looked: nothing there
 
 
+def _ours_then_theirs(folder, stack):
+    """A recording folder whose ``f`` we wrote (classified ours), then someone else appended
+    to — not classified yet."""
+    fs = recording(folder, stack)
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"ours")
+    assert fs.journal.classify("f") == OURS
+    with open(os.path.join(folder, "f"), "a") as f:
+        f.write(" and theirs")
+    return fs
+
+
 def test_an_open_for_writing_still_finds_an_external_change_to_what_we_left(folder, stack):
     """An open for writing takes no look at the path before and after it (it changes nothing
     there): the taint check is made through the new descriptor's ``fstat``. A file we left,
     changed behind our back and then written by us through that open before the watcher
     looked, is still reported as external — once — and our own write through it after is ours."""
-    fs = recording(folder, stack)
+    fs = _ours_then_theirs(folder, stack)
     j = fs.journal
-    fs.create("f", 0o644)
-    fs.write_all("f", 0, b"ours")
-    assert j.classify("f") == OURS
-    with open(os.path.join(folder, "f"), "a") as f:
-        f.write(" and theirs")  # not classified yet
     for flags in (os.O_WRONLY, os.O_RDWR | os.O_APPEND):
         handle = fs.open("f", flags)
         try:
@@ -641,13 +648,8 @@ def test_a_failed_exclusive_create_still_finds_an_external_change_to_what_we_lef
     """The exclusive create takes no look before it (it succeeds only where nothing is); when
     it fails, the look after it makes the taint check: the file we left, changed behind our
     back, is still reported as external, never recorded as ours."""
-    fs = recording(folder, stack)
+    fs = _ours_then_theirs(folder, stack)
     j = fs.journal
-    fs.create("f", 0o644)
-    fs.write_all("f", 0, b"ours")
-    assert j.classify("f") == OURS
-    with open(os.path.join(folder, "f"), "a") as f:
-        f.write(" and theirs")  # not classified yet
     with pytest.raises(FileExistsError):
         fs.create_handle("f", 0o644)
     assert not j.in_flight("f")
