@@ -20,6 +20,8 @@ import re
 import shlex
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from sandbox.core import preimage
 
@@ -27,6 +29,8 @@ from . import defects, oracle
 from .__main__ import main
 from .budget import scale
 from .campaign import FAULT_POSITION, FAULTS, UNREACHED, at_position, execute, fault_positions, plan, shrink, sweep
+from .client import SimClient
+from .client import _tree as client_tree
 from .world import World
 
 MIXES = ["", *FAULTS, ",".join(FAULTS)]
@@ -49,7 +53,8 @@ def test_campaigns_run_clean_and_replay_identically(faults):
 
 def test_the_inode_walk_and_the_hostfs_calls_give_the_same_snapshot_after_every_action():
     """Both disks, every action of an all-faults campaign (power losses, recoveries, hard
-    links, special files, xattrs, symlinks): the fast oracle is the slow oracle."""
+    links, special files, xattrs, symlinks): the fast oracle is the slow oracle, and the
+    world's kept snapshot is the fast oracle's fresh read."""
     config, actions = plan(11, scale(200, 1500), set(FAULTS))
     seen = {"entries": 0, "links": 0, "xattrs": 0, "other": 0}
 
@@ -60,6 +65,7 @@ def test_the_inode_walk_and_the_hostfs_calls_give_the_same_snapshot_after_every_
                 slow, fast = oracle.snapshot_via_calls(fs), oracle.snapshot_nodes(fs)
                 assert slow == fast, oracle.diff(slow, fast)
             tree = oracle.snapshot_nodes(w.work)
+        assert w.snapshot() == tree, oracle.diff(tree, w.snapshot())  # the kept snapshot too
         seen["entries"] += len(tree)
         seen["links"] += sum(1 for e in tree.values() if e[8])
         seen["xattrs"] += sum(1 for e in tree.values() if e[4])
@@ -284,3 +290,109 @@ def test_the_world_reads_the_tree_again_after_any_change_and_cross_checks_what_i
             node.mode = 0o600
     with pytest.raises(AssertionError, match="kept snapshot vs a fresh one"):
         w.cross_check()
+
+
+# --------------------------------------------------------------------------- the kept snapshot
+
+_NAMES = ("", "a", "b", "d", "d/a", "d/b", "d/e", "d/e/a", "e", "e/a")
+
+
+def _disk_op(fs, handles: list, op: str, p: str, q: str, n: int) -> None:
+    """One call of a random sequence on a simulated disk (errors are outcomes too)."""
+    if op == "file":
+        fs.create(p, 0o644)
+    elif op == "write":
+        fs.write(p, n % 7, b"w" * (n % 5 + 1))
+    elif op == "handle":  # held across later renames, unlinks and power losses
+        handles.append(fs.open(p, os.O_RDWR))
+    elif op == "pwrite" and handles:
+        handles[n % len(handles)].pwrite(b"h" * (n % 3 + 1), n % 4)
+    elif op == "truncate":
+        fs.truncate(p, n % 6)
+    elif op == "fallocate":
+        fs.fallocate(p, n % 3, n % 4 + 1, 3 if n % 2 else 0)
+    elif op == "copy":
+        fs.copy_file_range(p, q, 0, n % 3, 4)
+    elif op == "chmod":
+        fs.chmod(p, 0o600 + n % 0o100)
+    elif op == "utime":
+        fs.utime(p, 1_600_000_000_000_000_000 + n)
+    elif op == "chown":
+        fs.lchown(p, 1000 + n % 2, 1000)
+    elif op == "setxattr":
+        fs.setxattr(p, "user.k", bytes([n % 256]))
+    elif op == "removexattr":
+        fs.removexattr(p, "user.k")
+    elif op == "mkdir":
+        fs.mkdir(p, 0o755)
+    elif op == "rmdir":
+        fs.rmdir(p)
+    elif op == "unlink":
+        fs.unlink(p)
+    elif op == "rename":
+        fs.rename(p, q)
+    elif op == "exchange":
+        fs.exchange(p, q)
+    elif op == "link":
+        fs.link(p, q)
+    elif op == "symlink":
+        fs.symlink("t" * (n % 3 + 1), p)
+    elif op == "fifo":
+        fs.make_special(p)
+    elif op == "fsync":
+        fs.fsync(p)
+    elif op == "sync_all":
+        fs.sync_all()
+    elif op == "power_loss":
+        fs.power_loss()
+    elif op == "crash":
+        fs.crash()
+
+
+_DISK_OPS = ("file", "file", "write", "write", "handle", "pwrite", "pwrite", "truncate", "fallocate", "copy", "chmod",
+             "utime", "chown", "setxattr", "removexattr", "mkdir", "mkdir", "rmdir", "unlink", "rename", "rename",
+             "exchange", "link", "link", "symlink", "fifo", "fsync", "sync_all", "power_loss", "crash")
+
+
+@given(st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES), st.sampled_from(_NAMES),
+                          st.integers(0, 255), st.booleans()), max_size=60))
+@settings(max_examples=scale(200, 2000), deadline=None)
+# a power loss sets a file's ctime back to the one read before and its bytes to none
+@example([("file", "a", "a", 0, False), ("write", "a", "a", 0, False), ("fsync", "", "", 0, True),
+          ("power_loss", "a", "a", 0, True)])
+def test_the_kept_snapshot_is_a_fresh_one_after_any_calls(calls):
+    """``oracle.KeptSnapshot`` reads again only what may have changed (``changes``, ``names``,
+    ctimes): read at random moments of a random sequence of calls — writes through paths and
+    through handles held across renames, metadata changes, renames, exchanges, hard links,
+    removals, fsyncs, power losses and process crashes — it is always the whole tree read
+    afresh, and so are the disk's kept walk and the client's kept view of the tree."""
+    w = World("sim")
+    kept = oracle.KeptSnapshot(w.work)
+    client = SimClient(w.open().fs)
+    handles: list = []
+    for op, p, q, n, look in calls:
+        try:
+            _disk_op(w.work, handles, op, p, q, n)
+        except OSError:
+            pass
+        if look:
+            assert kept.read() == oracle.snapshot_nodes(w.work), oracle.diff(oracle.snapshot_nodes(w.work), kept.read())
+            assert w.work.tree_nodes_kept() == tuple(w.work.tree_nodes())
+            assert client.tree() == client_tree(client.fs)
+    assert kept.read() == oracle.snapshot_nodes(w.work)
+
+
+@given(st.integers(0, 2**32 - 1))
+@settings(max_examples=scale(10, 100), deadline=None)
+def test_the_kept_snapshot_is_a_fresh_one_after_every_action_of_a_campaign_with_every_fault(seed):
+    """Crash recovery, rollbacks, power losses (the store's WAL replayed, steps undone and
+    trashed): after every action the world's kept snapshot is the tree read afresh."""
+    config, actions = plan(seed, 40, set(FAULTS))
+
+    def progress(i, d):
+        fresh = oracle.snapshot_nodes(d.world.work)
+        assert d.world.snapshot() == fresh, oracle.diff(fresh, d.world.snapshot())
+        assert d.client.tree() == client_tree(d.client.fs)
+
+    _, fail_at, err = execute(config, actions, progress)
+    assert err is None, f"action {fail_at}: {err!r}"

@@ -24,7 +24,11 @@ kernel drops ``flock`` locks of a killed process, and closes its open handles (a
 call on one is ``EBADF``): a handle from before a crash never writes into the next run.
 
 Timestamps: atime is set at creation and by ``utime`` only (as with ``noatime``); the
-parity suite compares it only after an explicit ``utime``.
+parity suite compares it only after an explicit ``utime``. Every change of an inode's mode,
+mtime, bytes, xattrs or owner (and of a directory's entries) sets its ctime from the clock,
+as Linux does; only a power loss sets older ctimes back (it counts in ``power_losses``). With a
+:class:`SimClock`, which never returns a value twice, an unchanged ctime is an unchanged
+inode — what the simulation's kept snapshot relies on (``sandbox_sim/oracle.py``).
 """
 
 from __future__ import annotations
@@ -357,6 +361,13 @@ class MemoryHostFS(HostFS):
         #: bumped before every call that may change the tree (and by power_loss): equal
         #: values mean an unchanged tree, for callers that keep what they read of it
         self.changes = 0
+        #: bumped whenever a directory's entries change — a name added, removed or replaced:
+        #: each such change also sets the directory's times (``_entries_changed``) — and by
+        #: power_loss: equal values mean every path leads to the inode it led to before
+        self.names = 0
+        #: power losses so far (each sets older ctimes, bytes and entries back)
+        self.power_losses = 0
+        self._kept_walk: tuple[int, tuple[tuple[str, _Inode], ...]] | None = None  # (names, tree_nodes())
 
     # -- simulation controls (not part of HostFS) --
 
@@ -381,7 +392,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
                                       gid=self.gid)
-        self._touch_dir(parent, now)
+        self._entries_changed(parent, now)
 
     def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
         """Every entry at and under ``path`` with its inode, depth first in sorted name order
@@ -398,6 +409,19 @@ class MemoryHostFS(HostFS):
                 entries = node.entries
                 stack += [(prefix + name, entries[name]) for name in sorted(entries, reverse=True)]
         return out
+
+    def tree_nodes_kept(self) -> tuple[tuple[str, _Inode], ...]:
+        """:meth:`tree_nodes` of the whole tree, walked again only after a directory's entries
+        changed (``names``): until then every path leads to the same inode, so the same
+        walk would find the same pairs (the inodes' contents are live, as there). Shared by
+        every caller: only read it. A change made behind the disk's back (to an inode's
+        ``entries``) is not seen — the campaign's cross-check compares with a fresh walk."""
+        kept = self._kept_walk
+        if kept is not None and kept[0] == self.names:
+            return kept[1]
+        walk = tuple(self.tree_nodes())
+        self._kept_walk = (self.names, walk)
+        return walk
 
     # -- internals --
 
@@ -499,10 +523,13 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EPERM, path)
         return node
 
-    @staticmethod
-    def _touch_dir(d: _Inode, now: int) -> None:
+    def _entries_changed(self, d: _Inode, now: int) -> None:
+        """Directory ``d`` gained, lost or replaced a name: its times are set and ``names``
+        counts the change. Every change of a directory's ``entries`` calls it (but
+        power_loss's, which counts itself)."""
         d.mtime_ns = now
         d.ctime_ns = now
+        self.names += 1
 
     # -- queries --
 
@@ -610,7 +637,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EEXIST, path)
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid)
-        self._touch_dir(parent, now)
+        self._entries_changed(parent, now)
         return node
 
     def write(self, path: str, offset: int, data: bytes) -> int:
@@ -667,7 +694,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node.nlink -= 1
         node.ctime_ns = now
-        self._touch_dir(parent, now)
+        self._entries_changed(parent, now)
 
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
@@ -683,7 +710,7 @@ class MemoryHostFS(HostFS):
         self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
-        self._touch_dir(parent, self.clock())
+        self._entries_changed(parent, self.clock())
 
     def mkdir(self, path: str, mode: int) -> None:
         self._fault("mkdir", path)
@@ -694,7 +721,7 @@ class MemoryHostFS(HostFS):
         parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
                                       gid=self.gid)
         parent.nlink += 1
-        self._touch_dir(parent, now)
+        self._entries_changed(parent, now)
 
     def rename(self, src: str, dst: str) -> None:
         self._fault("rename", src)
@@ -738,8 +765,8 @@ class MemoryHostFS(HostFS):
             dparent.nlink += 1
         dparent.entries[dname] = node
         node.ctime_ns = now
-        self._touch_dir(sparent, now)
-        self._touch_dir(dparent, now)
+        self._entries_changed(sparent, now)
+        self._entries_changed(dparent, now)
 
     def exchange(self, a: str, b: str) -> None:
         self._fault("exchange", a)
@@ -765,8 +792,8 @@ class MemoryHostFS(HostFS):
             aparent.nlink -= step
             bparent.nlink += step
         x.ctime_ns = y.ctime_ns = now
-        self._touch_dir(aparent, now)
-        self._touch_dir(bparent, now)
+        self._entries_changed(aparent, now)
+        self._entries_changed(bparent, now)
 
     def symlink(self, target: str, path: str) -> None:
         self._fault("symlink", path)
@@ -783,7 +810,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
                                       gid=self.gid)
-        self._touch_dir(parent, now)
+        self._entries_changed(parent, now)
 
     def mknod(self, path: str, mode: int, fmt: int) -> None:
         """A fifo or a unix-socket node (:data:`~sandbox.hostfs.MKNOD_FMTS`), mode exact."""
@@ -807,7 +834,7 @@ class MemoryHostFS(HostFS):
         dparent.entries[dname] = node
         node.nlink += 1
         node.ctime_ns = now
-        self._touch_dir(dparent, now)
+        self._entries_changed(dparent, now)
 
     def chmod(self, path: str, mode: int) -> None:
         self._fault("chmod", path)
@@ -1086,6 +1113,8 @@ class MemoryHostFS(HostFS):
             self._commit_metadata()
         self._resolved.clear()
         self.changes += 1
+        self.names += 1  # entries go back to the last commit
+        self.power_losses += 1
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
