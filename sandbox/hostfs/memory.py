@@ -120,6 +120,9 @@ class _Inode:
     fmt: int = 0  # S_IFMT bits; 0: the usual one for ``kind`` (an OTHER is a fifo)
     uid: int = 0  # the owner (a new inode gets its filesystem's ``uid``/``gid``)
     gid: int = 0
+    # (the fields a Stat is made of that can change, that Stat): the last one built, handed
+    # out again while those fields are equal (a Stat is frozen, so sharing it is safe)
+    kept_stat: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.atime_ns is None:
@@ -134,7 +137,13 @@ class _Inode:
     def stat(self) -> Stat:
         kind = self.kind
         size = len(self.data) if kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if kind == LNK else 4096 if kind == DIR else 0
-        return Stat(kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid, self.gid)
+        fields = (self.mode, size, self.mtime_ns, self.ctime_ns, self.nlink, self.uid, self.gid)  # kind, ino, fmt never change
+        kept = self.kept_stat
+        if kept is not None and kept[0] == fields:
+            return kept[1]
+        st = Stat(kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid, self.gid)
+        self.kept_stat = (fields, st)
+        return st
 
     def attr(self) -> Attr:
         """As ext4 reports it: whole 4 KiB blocks, symlinks under 60 bytes inline."""
