@@ -191,10 +191,10 @@ def test_step_diff_of_an_exchange(world):
     assert not d["approximate"]
 
 
-@pytest.mark.parametrize("kind", ["sim", "real"])
-def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
-    """Recovery after a crash anywhere in an exchange (before or after the host call, or in
-    the undo itself) leaves the tree as before the step."""
+def _crash_at_every_call(kind, tmp_path, act, what: str) -> list:
+    """Run ``act(ws)`` on a seeded world of ``kind`` once to count its host calls (returns the
+    trace), then once per call with a crash planned there: recovery must leave the tree as it
+    was before ``act``."""
     def make(where):
         w = World(kind, str(where) if kind == "real" else None)
         _seed(w)
@@ -203,8 +203,8 @@ def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
     w = make(tmp_path / "count")
     ws = w.open()
     w.injector = FaultInjector()
-    with ws.step("swap"):
-        ws.fs.exchange("d", "a")
+    w.injector.trace = traced = []
+    act(ws)
     total = w.injector.calls
     assert total > 3
     for k in range(total):
@@ -213,15 +213,26 @@ def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
         ws = w.open()
         w.injector = FaultInjector(crash_at=k)
         try:
-            with ws.step("swap"):
-                ws.fs.exchange("d", "a")
+            act(ws)
         except SimulatedCrash:
             pass
         else:
             continue  # the crash point was past the step
         w.crash(ws)
         w.open().close()
-        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of an exchange")
+        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of {what}")
+    return traced
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
+    """Recovery after a crash anywhere in an exchange (before or after the host call, or in
+    the undo itself) leaves the tree as before the step."""
+    def swap(ws):
+        with ws.step("swap"):
+            ws.fs.exchange("d", "a")
+
+    _crash_at_every_call(kind, tmp_path, swap, "an exchange")
 
 
 @pytest.mark.parametrize("kind", ["sim", "real"])
@@ -230,39 +241,15 @@ def test_crash_at_every_call_of_a_removal(kind, tmp_path):
     and rmdir through the entry the preimage looked at (``HostFS.entry``), and the
     preimage's reads through the entry's reader — so a crash can fall between the preimage
     line and the removal; recovery after a crash at any call leaves the tree as before."""
-    def make(where):
-        w = World(kind, str(where) if kind == "real" else None)
-        _seed(w)
-        return w
-
     def remove(ws):
         with ws.step("rm"):
             ws.fs.unlink("d/b")
             ws.fs.unlink("d/sub/c")
             ws.fs.rmdir("d/sub")
 
-    w = make(tmp_path / "count")
-    ws = w.open()
-    w.injector = FaultInjector()
-    w.injector.trace = traced = []
-    remove(ws)
+    traced = _crash_at_every_call(kind, tmp_path, remove, "a removal")
     assert ("work", "unlink", "d/b") in traced and ("work", "rmdir", "d/sub") in traced, traced
     assert ("work", "entry", "d/b") not in traced  # taking an entry is no host call of its own
-    total = w.injector.calls
-    for k in range(total):
-        w = make(tmp_path / str(k))
-        pre = w.snapshot()
-        ws = w.open()
-        w.injector = FaultInjector(crash_at=k)
-        try:
-            remove(ws)
-        except SimulatedCrash:
-            pass
-        else:
-            continue  # the crash point was past the step
-        w.crash(ws)
-        w.open().close()
-        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of a removal")
 
 
 def test_a_real_world_runs_the_real_disks_entries_and_handles_under_faults(tmp_path):
