@@ -20,6 +20,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import page_cache_folios  # noqa: E402  (bench/page_cache_folios.py, beside this script)
 
 DESCRIPTION = """\
 One workload, timed on three sides, in fresh folders on the same disk:
@@ -156,9 +158,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def workload(root: str, files: int, mb: int, env: dict, counted=None) -> dict[str, float]:
+def workload(root: str, files: int, mb: int, env: dict, counted=None, after_read_seq=None) -> dict[str, float]:
     """Each phase's seconds; ``counted(phase, before)``: called before (True) and after
-    (False) each phase (``--counts``)."""
+    (False) each phase (``--counts``); ``after_read_seq(path)``: called with the big file's
+    path once the ``read-seq`` phase is timed (``--folios``)."""
     names = [os.path.join(root, f"d{i % 20}", f"f{i}.txt") for i in range(files)]
     data = b"x" * 1024
     out = {}
@@ -214,6 +217,8 @@ def workload(root: str, files: int, mb: int, env: dict, counted=None) -> dict[st
         out[name] = _timed(fn)
         if counted:
             counted(name, False)
+        if name == "read-seq" and after_read_seq:
+            after_read_seq(big)
     return out
 
 
@@ -229,6 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--counts", action="store_true",
                     help="also print the FUSE requests each phase made, by opcode (last round; the server's "
                          "hidden --op-counts: SIGUSR1 between phases)")
+    ap.add_argument("--folios", action="store_true",
+                    help="after read-seq, print how the kernel holds the big file in its page cache: the share "
+                         "of its pages in large folios (bench/page_cache_folios.py; root only)")
     args = ap.parse_args(argv)
     if args.quick:
         args.files, args.mb, args.repeat = 300, 32, 2
@@ -240,6 +248,9 @@ def main(argv=None) -> int:
         print("bindfs is not installed: its side is skipped (apt-get install bindfs; it is no part of the "
               "set-up)", file=sys.stderr)
         sides.remove("bindfs")
+    if args.folios and page_cache_folios.available():
+        print(f"--folios: {page_cache_folios.available()}; not printed", file=sys.stderr)
+        args.folios = False
     if os.geteuid() != 0 and not shutil.which("fusermount3"):
         print("needs root or fusermount3", file=sys.stderr)
         return 1
@@ -251,6 +262,7 @@ def main(argv=None) -> int:
     results: dict[str, list[dict[str, float]]] = {s: [] for s in sides}
     ops: dict[str, dict[str, collections.Counter]] = {s: {} for s in sides}
     cpu: dict[str, list[dict[str, float]]] = {s: [] for s in sides if s != "plain"}
+    held: dict[str, list[str]] = {s: [] for s in sides}  # --folios: each round's page cache of the big file
     print(f"{args.files} files, {args.mb} MiB, {args.repeat} rounds, in {base}", flush=True)
     try:
         for r in range(args.repeat):
@@ -285,8 +297,12 @@ def main(argv=None) -> int:
                                 ops[side][phase] = collections.Counter(now) - collections.Counter(marks[phase])
                         if before:
                             marks[phase, "cpu"] = mounted.cpu_s()
+                def folios(path, side=side):
+                    held[side].append(page_cache_folios.describe(page_cache_folios.folios(path)))
+
                 try:
-                    times = workload(work if side == "plain" else point, args.files, args.mb, env, counted)
+                    times = workload(work if side == "plain" else point, args.files, args.mb, env, counted,
+                                     folios if args.folios else None)
                 finally:
                     if mounted is not None:
                         mounted.stop()
@@ -300,6 +316,11 @@ def main(argv=None) -> int:
     report_cpu(cpu, ops if args.counts else None)
     if args.counts:
         report_counts(ops)
+    if args.folios:
+        print("\nthe big file in the page cache after read-seq (each round)")
+        for side, lines in held.items():
+            for line in lines:
+                print(f"  {side:12s} {line}")
     return 0
 
 

@@ -22,7 +22,7 @@ from sandbox.mounts.provider import COPY_FILE_RANGE_BYTES_MAX
 
 from . import oracle
 from .faults import FaultInjector, SimulatedCrash
-from .world import World
+from .world import FaultyHandle, World
 
 DATA = bytes(range(1, 256)) * 64  # 16320 bytes, no zeros
 
@@ -191,10 +191,10 @@ def test_step_diff_of_an_exchange(world):
     assert not d["approximate"]
 
 
-@pytest.mark.parametrize("kind", ["sim", "real"])
-def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
-    """Recovery after a crash anywhere in an exchange (before or after the host call, or in
-    the undo itself) leaves the tree as before the step."""
+def _crash_at_every_call(kind, tmp_path, act, what: str) -> list:
+    """Run ``act(ws)`` on a seeded world of ``kind`` once to count its host calls (returns the
+    trace), then once per call with a crash planned there: recovery must leave the tree as it
+    was before ``act``."""
     def make(where):
         w = World(kind, str(where) if kind == "real" else None)
         _seed(w)
@@ -203,8 +203,8 @@ def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
     w = make(tmp_path / "count")
     ws = w.open()
     w.injector = FaultInjector()
-    with ws.step("swap"):
-        ws.fs.exchange("d", "a")
+    w.injector.trace = traced = []
+    act(ws)
     total = w.injector.calls
     assert total > 3
     for k in range(total):
@@ -213,15 +213,90 @@ def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
         ws = w.open()
         w.injector = FaultInjector(crash_at=k)
         try:
-            with ws.step("swap"):
-                ws.fs.exchange("d", "a")
+            act(ws)
         except SimulatedCrash:
             pass
         else:
             continue  # the crash point was past the step
         w.crash(ws)
         w.open().close()
-        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of an exchange")
+        oracle.assert_same(pre, w.snapshot(), f"crash at call {k} of {what}")
+    return traced
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_an_exchange(kind, tmp_path):
+    """Recovery after a crash anywhere in an exchange (before or after the host call, or in
+    the undo itself) leaves the tree as before the step."""
+    def swap(ws):
+        with ws.step("swap"):
+            ws.fs.exchange("d", "a")
+
+    _crash_at_every_call(kind, tmp_path, swap, "an exchange")
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_crash_at_every_call_of_a_removal(kind, tmp_path):
+    """Removals pass every host call through the fault injector on both disks — the unlink
+    and rmdir through the entry the preimage looked at (``HostFS.entry``), and the
+    preimage's reads through the entry's reader — so a crash can fall between the preimage
+    line and the removal; recovery after a crash at any call leaves the tree as before."""
+    def remove(ws):
+        with ws.step("rm"):
+            ws.fs.unlink("d/b")
+            ws.fs.unlink("d/sub/c")
+            ws.fs.rmdir("d/sub")
+
+    traced = _crash_at_every_call(kind, tmp_path, remove, "a removal")
+    assert ("work", "unlink", "d/b") in traced and ("work", "rmdir", "d/sub") in traced, traced
+    assert ("work", "entry", "d/b") not in traced  # taking an entry is no host call of its own
+
+
+def test_a_real_world_runs_the_real_disks_entries_and_handles_under_faults(tmp_path):
+    """On a real disk the core gets RealHostFS's own entry (parent resolved once), directory
+    handle and journal append handle — not the base class's fallbacks — each wrapped so its
+    calls still meet the injector: a planned EIO reaches them."""
+    from sandbox.hostfs.real import _RealEntry
+    w = World("real", str(tmp_path))
+    _seed(w)
+    ws = w.open()
+    work = ws.fs.host
+    with ws.step("touch"):
+        ws.fs.write_file("new", b"n")
+        out = ws._log.open_step.journal_out
+        assert isinstance(out, FaultyHandle) and type(out.inner).__name__ == "RealFileHandle", out
+    with work.entry("d/b") as e:
+        assert isinstance(e.inner, _RealEntry)
+        st = e.lstat()
+        with e.reader(st) as r:
+            assert r.read_own(5, 0) == b"bravo"
+    with work.open_dir("d") as h:
+        assert sorted(h.listdir()) == ["b", "ln", "sub"]
+    w.injector = FaultInjector(error_if=(lambda fs, op, path: fs == "work" and op in ("read", "listdir"), errno.EIO))
+    with work.entry("d/b") as e:
+        with e.reader(e.lstat()) as r, pytest.raises(OSError):
+            r.read_own(5, 0)
+    with work.open_dir("d") as h, pytest.raises(OSError):
+        h.listdir()
+
+
+@pytest.mark.parametrize("kind", ["sim", "real"])
+def test_an_error_on_a_removal_reaches_the_caller_and_changes_nothing(kind, tmp_path):
+    """EIO planned on the working folder's unlink (through the entry on a real disk too)
+    fails the call; the file stays, and the step's undo leaves the tree as before."""
+    w = World(kind, str(tmp_path) if kind == "real" else None)
+    _seed(w)
+    pre = w.snapshot()
+    ws = w.open()
+    w.injector = FaultInjector(error_if=(lambda fs, op, path: fs == "work" and op == "unlink", errno.EIO))
+    with ws.step("rm"):
+        with pytest.raises(OSError) as e:
+            ws.fs.unlink("d/b")
+    assert e.value.errno == errno.EIO
+    w.injector = FaultInjector()
+    assert w.work.lstat("d/b").size == 50
+    ws.rollback()
+    oracle.assert_same(pre, w.snapshot(), "after the failed removal's undo")
 
 
 def test_exchange_copies_nothing(world):

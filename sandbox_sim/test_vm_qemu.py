@@ -85,7 +85,7 @@ def test_tcg_defaults(boot_files):
     assert values(cmd, "-display") == ["none"]
     assert values(cmd, "-serial") == ["stdio"]
     assert values(cmd, "-kernel") == [boot_files[0]] and values(cmd, "-initrd") == [boot_files[1]]
-    assert values(cmd, "-append") == ["console=ttyS0 panic=-1"]
+    assert values(cmd, "-append") == ["console=ttyS0 panic=-1 no_timer_check"]
     assert netdev(cmd) == ["user", "id=n0", "restrict=on"]
     assert "virtio-net-pci,netdev=n0" in values(cmd, "-device")
     assert "-virtfs" not in cmd  # nothing of the host's files unless asked
@@ -94,7 +94,7 @@ def test_tcg_defaults(boot_files):
 
 def test_append_keeps_console_and_panic(boot_files):
     cmd = qemu.build_command(cfg(boot_files, append="quiet sandbox.folders=2"))
-    assert values(cmd, "-append") == ["console=ttyS0 panic=-1 quiet sandbox.folders=2"]
+    assert values(cmd, "-append") == ["console=ttyS0 panic=-1 no_timer_check quiet sandbox.folders=2"]
 
 
 def test_kvm_uses_host_cpu_unless_told(boot_files):

@@ -30,11 +30,15 @@ class FaultyHandle:
     """A handle of a :class:`FaultyHostFS`: the injector is called before each call, with
     the op names MemoryFileHandle uses (``pwrite`` is a ``write``, torn like a path write)."""
 
-    _OPS = {"pread": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync", "fstat": "fstat",
-            "is_inode_of": "fstat",
+    _OPS = {"pread": "read", "read_own": "read", "pwrite": "write", "truncate": "truncate", "fsync": "fsync",
+            "fstat": "fstat", "is_inode_of": "fstat",
             "chmod": "chmod", "utime": "utime", "chown": "chown", "listxattr": "listxattr", "getxattr": "getxattr",
             "setxattr": "setxattr", "removexattr": "removexattr", "fallocate": "fallocate",
-            "copy_range_to": "copy_file_range", "lseek": "lseek"}
+            "copy_range_to": "copy_file_range", "lseek": "lseek",
+            # a directory's handle (HostFS.open_dir)
+            "listdir": "listdir", "getattr_xattr_names_at": "getattr", "getxattr_at": "getxattr"}
+    #: what passes without the injector: no host call (or only the descriptor's close)
+    _UNFAULTED = frozenset({"close", "closed", "path", "flags"})
 
     def __init__(self, fs: "FaultyHostFS", inner):
         self._fs = fs
@@ -44,7 +48,10 @@ class FaultyHandle:
         fn = getattr(self.inner, attr)
         op = self._OPS.get(attr)
         if op is None:
-            return fn
+            if attr in self._UNFAULTED or attr.startswith("_"):
+                return fn
+            # a handle method nobody mapped would reach the disk without a fault
+            raise AttributeError(f"FaultyHandle: {attr!r} has no fault op (add it to FaultyHandle._OPS)")
 
         def call(*args, **kwargs):
             nbytes = len(args[0]) if op == "write" else len(args[-1]) if op == "setxattr" else 0
@@ -73,9 +80,65 @@ class FaultyHandle:
         self.inner.close()
 
 
+class FaultyEntry:
+    """An entry of a :class:`FaultyHostFS` (:meth:`HostFS.entry`): the inner disk's own entry —
+    a real disk resolves the parent once and removes through it (``_RealEntry``) — with the
+    injector called before each call under the op names a simulated disk's entry uses
+    (``lstat``, ``listxattr``/``getxattr``, ``unlink``, ``rmdir``); its reader is opened as an
+    ``open`` and wrapped in a :class:`FaultyHandle`. Taking the entry is no call of its own."""
+
+    def __init__(self, fs: "FaultyHostFS", inner):
+        self._fs, self.inner, self.path = fs, inner, inner.path
+
+    def _call(self, op: str) -> None:
+        self._fs.injector(self._fs, op, self.path, 0)
+
+    def lstat(self):
+        self._call("lstat")
+        return self.inner.lstat()
+
+    def lstat_or_none(self):
+        self._call("lstat")
+        return self.inner.lstat_or_none()
+
+    def xattrs(self) -> dict:
+        self._call("listxattr")
+        out = self.inner.xattrs()
+        for _ in out:  # reads change nothing: faulting them after the read is the same state
+            self._call("getxattr")
+        return out
+
+    def reader(self, st):
+        try:
+            self._call("open")
+        except OSError:
+            return None  # Entry.reader: any failure is None (the caller reads by path)
+        handle = self.inner.reader(st)
+        return None if handle is None else FaultyHandle(self._fs, handle)
+
+    def unlink(self) -> None:
+        self._call("unlink")
+        self.inner.unlink()
+
+    def rmdir(self) -> None:
+        self._call("rmdir")
+        self.inner.rmdir()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> "FaultyEntry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class FaultyHostFS(HostFS):
     """Any HostFS with the injector called before each operation (used for real dirs);
-    the handles it opens are wrapped in a :class:`FaultyHandle`."""
+    the handles it opens are wrapped in a :class:`FaultyHandle` and its entries in a
+    :class:`FaultyEntry`, so the inner disk's own handle and entry code runs under faults too
+    (``entry``, ``open_dir``, ``append_handle`` are forwarded, not the base's fallbacks)."""
 
     def __init__(self, inner: HostFS, injector: FaultInjector):
         self.inner = inner
@@ -97,6 +160,19 @@ class FaultyHostFS(HostFS):
             return FaultyHandle(self, result) if op in ("open", "create_handle") else result
 
         return call
+
+
+    def entry(self, path: str) -> FaultyEntry:
+        return FaultyEntry(self, self.inner.entry(path))
+
+    def open_dir(self, path: str) -> FaultyHandle:
+        self.injector(self, "open", path, 0)  # as MemoryHostFS.open_dir
+        return FaultyHandle(self, self.inner.open_dir(path))
+
+    def append_handle(self, path: str) -> FaultyHandle | None:
+        self.injector(self, "open", path, 0)
+        handle = self.inner.append_handle(path)
+        return None if handle is None else FaultyHandle(self, handle)
 
 
 # HostFS declares these abstract; route them all through __getattr__'s wrapper.
