@@ -24,6 +24,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sandbox.core import preimage
+from sandbox.hostfs.memory import MemoryHostFS, SimClock
 
 from . import defects, oracle
 from .__main__ import main
@@ -396,3 +397,41 @@ def test_the_kept_snapshot_is_a_fresh_one_after_every_action_of_a_campaign_with_
 
     _, fail_at, err = execute(config, actions, progress)
     assert err is None, f"action {fail_at}: {err!r}"
+
+
+def _state(fs) -> list:
+    """Everything a path shows on a simulated disk: its snapshot entry and its whole stat
+    (ctime, link count and inode number included)."""
+    snap = oracle.snapshot_nodes(fs)
+    return [(p, snap[p], node.stat()) for p, node in fs.tree_nodes()]
+
+
+@given(st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES), st.sampled_from(_NAMES),
+                          st.integers(0, 255), st.booleans()), max_size=60))
+@settings(max_examples=scale(200, 2000), deadline=None)
+@example([("file", "a", "a", 0, False), ("fsync", "a", "a", 0, False), ("chmod", "a", "a", 1, False),
+          ("fsync", "", "", 0, False), ("utime", "a", "a", 0, False), ("power_loss", "a", "a", 0, True)])
+def test_a_commit_that_keeps_unchanged_inodes_leaves_what_a_whole_commit_leaves(calls):
+    """Power-loss mode's journal commit (``MemoryHostFS._commit_metadata``) copies only the
+    inodes whose ctime moved since their last commit (with a :class:`SimClock`); a disk with
+    another clock copies every inode. The same calls on both — fsyncs, power losses,
+    renames, exchanges, hard links, every metadata change — leave the same tree, before and
+    after each power loss."""
+    fast_clock, whole_clock = SimClock(), SimClock()
+    fast = MemoryHostFS("work", clock=fast_clock)
+    whole = MemoryHostFS("work", clock=lambda: whole_clock())  # not a SimClock: every commit copies all
+    handles: tuple[list, list] = ([], [])
+    for op, p, q, n, look in calls:
+        outcomes = []
+        for fs, held in ((fast, handles[0]), (whole, handles[1])):
+            try:
+                _disk_op(fs, held, op, p, q, n)
+                outcomes.append(None)
+            except OSError as e:
+                outcomes.append(e.errno)
+        assert outcomes[0] == outcomes[1], (op, p, q)
+        if look:
+            assert _state(fast) == _state(whole), (op, p, q)
+    for fs in (fast, whole):
+        fs.power_loss()
+    assert _state(fast) == _state(whole)
