@@ -351,6 +351,12 @@ class MemoryHostFS(HostFS):
         self._inos = itertools.count(2)
         now = self.clock()
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
+        #: inodes whose metadata may have changed since the last journal commit, by number
+        #: (every change of an inode's metadata — entries, mode, times, xattrs, owner, link
+        #: count, target — and every new inode is noted here): what a commit copies
+        self._meta_changed: dict[int, _Inode] = {1: self._root}
+        #: every commit copies the metadata of every reachable inode instead (a reference for tests)
+        self.commit_whole = False
         self._locks: dict[str, tuple[int, object]] = {}
         self._epoch = 0  # bumped by a process death: handles opened before it are closed
         self._commit_pending = False  # an fsync's metadata commit not taken yet (see _fsync_node)
@@ -399,8 +405,9 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
-                                      gid=self.gid)
+        node = parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
+                                             gid=self.gid)
+        self._meta_changed[node.ino] = node
         self._entries_changed(parent, now)
 
     def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
@@ -539,6 +546,7 @@ class MemoryHostFS(HostFS):
         d.mtime_ns = now
         d.ctime_ns = now
         self.names += 1
+        self._meta_changed[d.ino] = d
 
     # -- queries --
 
@@ -652,6 +660,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EEXIST, path)
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid)
+        self._meta_changed[node.ino] = node
         self._entries_changed(parent, now)
         return node
 
@@ -671,6 +680,7 @@ class MemoryHostFS(HostFS):
             node.data[offset : offset + n] = data[:n]
             now = self.clock()
             node.mtime_ns = node.ctime_ns = now
+            self._meta_changed[node.ino] = node
             if self.record_losses:
                 self._record_version(node)
         if limit is not None and n < len(data) and self.fault_hook is not None:
@@ -693,6 +703,7 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (size - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
+        self._meta_changed[node.ino] = node
         if self.record_losses:
             self._record_version(node)
 
@@ -709,6 +720,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node.nlink -= 1
         node.ctime_ns = now
+        self._meta_changed[node.ino] = node
         self._entries_changed(parent, now)
 
     def rmdir(self, path: str) -> None:
@@ -733,8 +745,9 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
-                                      gid=self.gid)
+        node = parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
+                                             gid=self.gid)
+        self._meta_changed[node.ino] = node
         parent.nlink += 1
         self._entries_changed(parent, now)
 
@@ -775,11 +788,13 @@ class MemoryHostFS(HostFS):
             else:
                 existing.nlink -= 1
             existing.ctime_ns = now
+            self._meta_changed[existing.ino] = existing
         if node.kind == DIR:
             sparent.nlink -= 1
             dparent.nlink += 1
         dparent.entries[dname] = node
         node.ctime_ns = now
+        self._meta_changed[node.ino] = node
         self._entries_changed(sparent, now)
         self._entries_changed(dparent, now)
 
@@ -807,6 +822,8 @@ class MemoryHostFS(HostFS):
             aparent.nlink -= step
             bparent.nlink += step
         x.ctime_ns = y.ctime_ns = now
+        self._meta_changed[x.ino] = x
+        self._meta_changed[y.ino] = y
         self._entries_changed(aparent, now)
         self._entries_changed(bparent, now)
 
@@ -823,8 +840,9 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
-                                      gid=self.gid)
+        node = parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
+                                             gid=self.gid)
+        self._meta_changed[node.ino] = node
         self._entries_changed(parent, now)
 
     def mknod(self, path: str, mode: int, fmt: int) -> None:
@@ -849,6 +867,7 @@ class MemoryHostFS(HostFS):
         dparent.entries[dname] = node
         node.nlink += 1
         node.ctime_ns = now
+        self._meta_changed[node.ino] = node
         self._entries_changed(dparent, now)
 
     def chmod(self, path: str, mode: int) -> None:
@@ -861,6 +880,7 @@ class MemoryHostFS(HostFS):
     def _chmod_node(self, node: _Inode, mode: int) -> None:
         node.mode = mode & 0o7777
         node.ctime_ns = self.clock()
+        self._meta_changed[node.ino] = node
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         self._fault("utime", path)
@@ -871,6 +891,7 @@ class MemoryHostFS(HostFS):
         if atime_ns is not None:
             node.atime_ns = atime_ns
         node.ctime_ns = self.clock()
+        self._meta_changed[node.ino] = node
 
     def lchown(self, path: str, uid: int, gid: int) -> None:
         self._fault("chown", path)
@@ -889,6 +910,7 @@ class MemoryHostFS(HostFS):
             if node.mode & _stat.S_IXGRP:
                 node.mode &= ~_stat.S_ISGID
         node.ctime_ns = self.clock()
+        self._meta_changed[node.ino] = node
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
         """The inode whose xattr ``name`` is read (``write`` False) or changed.
@@ -947,6 +969,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.E2BIG, path)
         node.xattrs[name] = bytes(value)
         node.ctime_ns = self.clock()
+        self._meta_changed[node.ino] = node
 
     def removexattr(self, path: str, name: str) -> None:
         self._fault("removexattr", path)
@@ -958,6 +981,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.ENODATA, path)
         del node.xattrs[name]
         node.ctime_ns = self.clock()
+        self._meta_changed[node.ino] = node
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
         """Modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE[|KEEP_SIZE].
@@ -985,6 +1009,7 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (end - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
+        self._meta_changed[node.ino] = node
         if self.record_losses:
             self._record_version(node)
 
@@ -1007,6 +1032,7 @@ class MemoryHostFS(HostFS):
         d.data[dst_offset : dst_offset + len(chunk)] = chunk
         now = self.clock()
         d.mtime_ns = d.ctime_ns = now
+        self._meta_changed[d.ino] = d
         if self.record_losses:
             self._record_version(d)
         return len(chunk)
@@ -1095,26 +1121,22 @@ class MemoryHostFS(HostFS):
         return {ino: len(versions) for ino, (_, versions) in sorted(self._unsynced.items()) if ino in reachable}
 
     def _commit_metadata(self) -> None:
-        """The journal commit: every reachable inode's metadata as it is now becomes what a
-        power loss goes back to. An inode whose ctime is the one its last commit recorded
-        has not changed since — every change of its metadata (entries, mode, times, xattrs,
-        owner, link count) sets its ctime from the clock, a :class:`SimClock` never returns
-        a value twice, and a power loss restores the committed metadata whole — so its
-        commit stands as it is. With another clock every inode is copied."""
+        """The journal commit: the metadata of every reachable inode as it is now becomes what a
+        power loss goes back to. Only the inodes noted in ``_meta_changed`` since the last
+        commit are copied: every other reachable inode was reachable and unchanged at that
+        commit (an inode becomes reachable only as a new inode, or moved — both noted — or by a
+        power loss, which notes only what was never committed), so its commit stands. A noted inode that
+        is no longer reachable is copied too: it is in no committed directory now (the
+        directory it left is noted and copied), so no power loss can bring it back.
+        ``commit_whole``: every reachable inode is copied instead."""
         self._commit_pending = False
-        exact = isinstance(self.clock, SimClock)
-        seen: set[int] = set()
-        stack = [self._root]
-        while stack:
-            node = stack.pop()
-            if node.ino in seen:
-                continue
-            seen.add(node.ino)
-            committed = node.durable_meta
-            if committed is None or committed[2] != node.ctime_ns or not exact:
+        if self.commit_whole:
+            for node in self._reachable():
                 node.durable_meta = node.meta()
-            if node.entries:
-                stack.extend(node.entries.values())
+        else:
+            for node in self._meta_changed.values():
+                node.durable_meta = node.meta()
+        self._meta_changed = {}
 
     def sync_all(self) -> None:
         """Everything now on the disk is durable (a tree that has been there for a while)."""
@@ -1122,6 +1144,7 @@ class MemoryHostFS(HostFS):
         for node in self._reachable():
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
+        self._meta_changed = {}
         self._unsynced.clear()
 
     def power_loss(self, keep: dict[int, int] | None = None) -> None:
@@ -1150,6 +1173,7 @@ class MemoryHostFS(HostFS):
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
+        never_committed: dict[int, _Inode] = {}  # the root, if nothing was ever committed
         while revert_stack:
             node = revert_stack.pop()
             if node.ino in seen:
@@ -1159,10 +1183,13 @@ class MemoryHostFS(HostFS):
                 (node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns,
                  node.uid, node.gid) = node.durable_meta
                 node.entries, node.xattrs = dict(entries), dict(xattrs)
+            else:
+                never_committed[node.ino] = node
             if node.ino in kept:
                 node.durable_data = kept[node.ino]
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())
+        self._meta_changed = never_committed  # every other reachable inode is as committed now
         self._unsynced.clear()
         self._locks.clear()
         self._epoch += 1  # the process died with the machine: its handles are gone
@@ -1186,6 +1213,7 @@ class MemoryHostFS(HostFS):
         self._locks[path] = (self.pid, lock)
         node.data[:] = f"{self.pid}\n".encode()
         node.mtime_ns = node.ctime_ns = self.clock()
+        self._meta_changed[node.ino] = node
         if self.record_losses:
             self._record_version(node)
         return lock
