@@ -83,6 +83,10 @@ _SHORT_PATH = _PATH_MAX // 4
 #: ``unsynced_versions_dropped``): the states in between are no longer offered
 UNSYNCED_VERSIONS_MAX = 64
 
+#: inodes one disk notes as changed since its last journal commit (``_meta_changed``); past it
+#: the notes are dropped and the next commit copies every reachable inode, as before the notes
+META_CHANGED_KEPT_MAX = 4096
+
 #: paths whose resolution one disk remembers (``MemoryHostFS._walk``); past it the memory is
 #: cleared and refilled by the next lookups (answers never change, only their cost)
 RESOLVED_PATHS_KEPT_MAX = 4096
@@ -355,6 +359,7 @@ class MemoryHostFS(HostFS):
         #: (every change of an inode's metadata — entries, mode, times, xattrs, owner, link
         #: count, target — and every new inode is noted here): what a commit copies
         self._meta_changed: dict[int, _Inode] = {1: self._root}
+        self._commit_all = False  # the notes overflowed (META_CHANGED_KEPT_MAX): copy every reachable inode
         #: every commit copies the metadata of every reachable inode instead (a reference for tests)
         self.commit_whole = False
         self._locks: dict[str, tuple[int, object]] = {}
@@ -446,6 +451,9 @@ class MemoryHostFS(HostFS):
             self.changes += 1
             if self._commit_pending:
                 self._commit_metadata()  # an fsync's journal commit, taken before anything changes
+            if len(self._meta_changed) >= META_CHANGED_KEPT_MAX:  # one call notes a few inodes at most
+                self._meta_changed = {}
+                self._commit_all = True
         hook = self.fault_hook
         if hook is not None:
             return hook(self, op, path, nbytes)
@@ -1128,9 +1136,11 @@ class MemoryHostFS(HostFS):
         power loss, which notes only what was never committed), so its commit stands. A noted inode that
         is no longer reachable is copied too: it is in no committed directory now (the
         directory it left is noted and copied), so no power loss can bring it back.
-        ``commit_whole``: every reachable inode is copied instead."""
+        ``commit_whole`` (or notes dropped at ``META_CHANGED_KEPT_MAX``): every reachable inode
+        is copied instead."""
         self._commit_pending = False
-        if self.commit_whole:
+        if self.commit_whole or self._commit_all:
+            self._commit_all = False
             for node in self._reachable():
                 node.durable_meta = node.meta()
         else:
@@ -1145,6 +1155,7 @@ class MemoryHostFS(HostFS):
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
         self._meta_changed = {}
+        self._commit_all = False
         self._unsynced.clear()
 
     def power_loss(self, keep: dict[int, int] | None = None) -> None:
@@ -1190,6 +1201,7 @@ class MemoryHostFS(HostFS):
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())
         self._meta_changed = never_committed  # every other reachable inode is as committed now
+        self._commit_all = False
         self._unsynced.clear()
         self._locks.clear()
         self._epoch += 1  # the process died with the machine: its handles are gone
