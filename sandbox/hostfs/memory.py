@@ -84,7 +84,8 @@ _SHORT_PATH = _PATH_MAX // 4
 UNSYNCED_VERSIONS_MAX = 64
 
 #: inodes one disk notes as changed since its last journal commit (``_meta_changed``); past it
-#: the notes are dropped and the next commit copies every reachable inode, as before the notes
+#: the notes are dropped, noting stops and the next commit copies every reachable inode, as
+#: before the notes (noting starts again after it)
 META_CHANGED_KEPT_MAX = 4096
 
 #: paths whose resolution one disk remembers (``MemoryHostFS._walk``); past it the memory is
@@ -357,9 +358,11 @@ class MemoryHostFS(HostFS):
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         #: inodes whose metadata may have changed since the last journal commit, by number
         #: (every change of an inode's metadata — entries, mode, times, xattrs, owner, link
-        #: count, target — and every new inode is noted here): what a commit copies
-        self._meta_changed: dict[int, _Inode] = {1: self._root}
-        self._commit_all = False  # the notes overflowed (META_CHANGED_KEPT_MAX): copy every reachable inode
+        #: count, target — and every new inode is noted: ``_note``): what a commit copies.
+        #: None: nothing is noted and the next commit copies every reachable inode — until
+        #: the first commit (a disk that never commits notes nothing) and past
+        #: ``META_CHANGED_KEPT_MAX`` notes
+        self._meta_changed: dict[int, _Inode] | None = None
         #: every commit copies the metadata of every reachable inode instead (a reference for tests)
         self.commit_whole = False
         self._locks: dict[str, tuple[int, object]] = {}
@@ -412,7 +415,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
                                              gid=self.gid)
-        self._meta_changed[node.ino] = node
+        self._note(node)
         self._entries_changed(parent, now)
 
     def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
@@ -451,9 +454,9 @@ class MemoryHostFS(HostFS):
             self.changes += 1
             if self._commit_pending:
                 self._commit_metadata()  # an fsync's journal commit, taken before anything changes
-            if len(self._meta_changed) >= META_CHANGED_KEPT_MAX:  # one call notes a few inodes at most
-                self._meta_changed = {}
-                self._commit_all = True
+            noted = self._meta_changed
+            if noted is not None and len(noted) >= META_CHANGED_KEPT_MAX:  # one call notes a few inodes at most
+                self._meta_changed = None
         hook = self.fault_hook
         if hook is not None:
             return hook(self, op, path, nbytes)
@@ -547,6 +550,12 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EPERM, path)
         return node
 
+    def _note(self, node: _Inode) -> None:
+        """``node``'s metadata changed, or it is new: the next commit copies it."""
+        noted = self._meta_changed
+        if noted is not None:
+            noted[node.ino] = node
+
     def _entries_changed(self, d: _Inode, now: int) -> None:
         """Directory ``d`` gained, lost or replaced a name: its times are set and ``names``
         counts the change. Every change of a directory's ``entries`` calls it (but
@@ -554,7 +563,9 @@ class MemoryHostFS(HostFS):
         d.mtime_ns = now
         d.ctime_ns = now
         self.names += 1
-        self._meta_changed[d.ino] = d
+        noted = self._meta_changed  # _note(d), inline
+        if noted is not None:
+            noted[d.ino] = d
 
     # -- queries --
 
@@ -668,7 +679,9 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EEXIST, path)
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid)
-        self._meta_changed[node.ino] = node
+        noted = self._meta_changed  # _note(node), inline
+        if noted is not None:
+            noted[node.ino] = node
         self._entries_changed(parent, now)
         return node
 
@@ -688,7 +701,9 @@ class MemoryHostFS(HostFS):
             node.data[offset : offset + n] = data[:n]
             now = self.clock()
             node.mtime_ns = node.ctime_ns = now
-            self._meta_changed[node.ino] = node
+            noted = self._meta_changed  # _note(node), inline: the most frequent change
+            if noted is not None:
+                noted[node.ino] = node
             if self.record_losses:
                 self._record_version(node)
         if limit is not None and n < len(data) and self.fault_hook is not None:
@@ -711,7 +726,7 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (size - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
-        self._meta_changed[node.ino] = node
+        self._note(node)
         if self.record_losses:
             self._record_version(node)
 
@@ -728,7 +743,9 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node.nlink -= 1
         node.ctime_ns = now
-        self._meta_changed[node.ino] = node
+        noted = self._meta_changed  # _note(node), inline
+        if noted is not None:
+            noted[node.ino] = node
         self._entries_changed(parent, now)
 
     def rmdir(self, path: str) -> None:
@@ -755,7 +772,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
                                              gid=self.gid)
-        self._meta_changed[node.ino] = node
+        self._note(node)
         parent.nlink += 1
         self._entries_changed(parent, now)
 
@@ -796,13 +813,17 @@ class MemoryHostFS(HostFS):
             else:
                 existing.nlink -= 1
             existing.ctime_ns = now
-            self._meta_changed[existing.ino] = existing
+            noted = self._meta_changed  # _note(existing), inline
+            if noted is not None:
+                noted[existing.ino] = existing
         if node.kind == DIR:
             sparent.nlink -= 1
             dparent.nlink += 1
         dparent.entries[dname] = node
         node.ctime_ns = now
-        self._meta_changed[node.ino] = node
+        noted = self._meta_changed  # _note(node), inline
+        if noted is not None:
+            noted[node.ino] = node
         self._entries_changed(sparent, now)
         self._entries_changed(dparent, now)
 
@@ -830,8 +851,8 @@ class MemoryHostFS(HostFS):
             aparent.nlink -= step
             bparent.nlink += step
         x.ctime_ns = y.ctime_ns = now
-        self._meta_changed[x.ino] = x
-        self._meta_changed[y.ino] = y
+        self._note(x)
+        self._note(y)
         self._entries_changed(aparent, now)
         self._entries_changed(bparent, now)
 
@@ -850,7 +871,7 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
                                              gid=self.gid)
-        self._meta_changed[node.ino] = node
+        self._note(node)
         self._entries_changed(parent, now)
 
     def mknod(self, path: str, mode: int, fmt: int) -> None:
@@ -875,7 +896,7 @@ class MemoryHostFS(HostFS):
         dparent.entries[dname] = node
         node.nlink += 1
         node.ctime_ns = now
-        self._meta_changed[node.ino] = node
+        self._note(node)
         self._entries_changed(dparent, now)
 
     def chmod(self, path: str, mode: int) -> None:
@@ -888,7 +909,7 @@ class MemoryHostFS(HostFS):
     def _chmod_node(self, node: _Inode, mode: int) -> None:
         node.mode = mode & 0o7777
         node.ctime_ns = self.clock()
-        self._meta_changed[node.ino] = node
+        self._note(node)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         self._fault("utime", path)
@@ -899,7 +920,7 @@ class MemoryHostFS(HostFS):
         if atime_ns is not None:
             node.atime_ns = atime_ns
         node.ctime_ns = self.clock()
-        self._meta_changed[node.ino] = node
+        self._note(node)
 
     def lchown(self, path: str, uid: int, gid: int) -> None:
         self._fault("chown", path)
@@ -918,7 +939,7 @@ class MemoryHostFS(HostFS):
             if node.mode & _stat.S_IXGRP:
                 node.mode &= ~_stat.S_ISGID
         node.ctime_ns = self.clock()
-        self._meta_changed[node.ino] = node
+        self._note(node)
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
         """The inode whose xattr ``name`` is read (``write`` False) or changed.
@@ -977,7 +998,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.E2BIG, path)
         node.xattrs[name] = bytes(value)
         node.ctime_ns = self.clock()
-        self._meta_changed[node.ino] = node
+        self._note(node)
 
     def removexattr(self, path: str, name: str) -> None:
         self._fault("removexattr", path)
@@ -989,7 +1010,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.ENODATA, path)
         del node.xattrs[name]
         node.ctime_ns = self.clock()
-        self._meta_changed[node.ino] = node
+        self._note(node)
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
         """Modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE[|KEEP_SIZE].
@@ -1017,7 +1038,7 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (end - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
-        self._meta_changed[node.ino] = node
+        self._note(node)
         if self.record_losses:
             self._record_version(node)
 
@@ -1040,7 +1061,7 @@ class MemoryHostFS(HostFS):
         d.data[dst_offset : dst_offset + len(chunk)] = chunk
         now = self.clock()
         d.mtime_ns = d.ctime_ns = now
-        self._meta_changed[d.ino] = d
+        self._note(d)
         if self.record_losses:
             self._record_version(d)
         return len(chunk)
@@ -1136,15 +1157,15 @@ class MemoryHostFS(HostFS):
         power loss, which notes only what was never committed), so its commit stands. A noted inode that
         is no longer reachable is copied too: it is in no committed directory now (the
         directory it left is noted and copied), so no power loss can bring it back.
-        ``commit_whole`` (or notes dropped at ``META_CHANGED_KEPT_MAX``): every reachable inode
-        is copied instead."""
+        With nothing noted (``_meta_changed`` None: the first commit, notes dropped at
+        ``META_CHANGED_KEPT_MAX``) or ``commit_whole``, every reachable inode is copied."""
         self._commit_pending = False
-        if self.commit_whole or self._commit_all:
-            self._commit_all = False
+        noted = self._meta_changed
+        if noted is None or self.commit_whole:
             for node in self._reachable():
                 node.durable_meta = node.meta()
         else:
-            for node in self._meta_changed.values():
+            for node in noted.values():
                 node.durable_meta = node.meta()
         self._meta_changed = {}
 
@@ -1155,7 +1176,6 @@ class MemoryHostFS(HostFS):
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
         self._meta_changed = {}
-        self._commit_all = False
         self._unsynced.clear()
 
     def power_loss(self, keep: dict[int, int] | None = None) -> None:
@@ -1201,7 +1221,6 @@ class MemoryHostFS(HostFS):
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())
         self._meta_changed = never_committed  # every other reachable inode is as committed now
-        self._commit_all = False
         self._unsynced.clear()
         self._locks.clear()
         self._epoch += 1  # the process died with the machine: its handles are gone
@@ -1225,7 +1244,7 @@ class MemoryHostFS(HostFS):
         self._locks[path] = (self.pid, lock)
         node.data[:] = f"{self.pid}\n".encode()
         node.mtime_ns = node.ctime_ns = self.clock()
-        self._meta_changed[node.ino] = node
+        self._note(node)
         if self.record_losses:
             self._record_version(node)
         return lock
