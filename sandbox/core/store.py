@@ -554,6 +554,10 @@ class UndoLog:
         self.version_problem: str | None = None
         self.open_step: OpenStep | None = None
         self._steps: list[StepInfo] = []  # oldest first
+        #: ``sum(s.size_bytes for s in self._steps)``, kept with every change of ``_steps``
+        #: (appended, popped at either end, or replaced whole: :meth:`_set_steps`) — read by
+        #: every record's accounting, where the sum took ~4 µs at the default 100 steps
+        self._steps_bytes = 0
         self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
         self._written: dict[bytes, list[dict]] = {}  # journal bytes this process wrote -> its lines' objects (same bound)
         self._inline_checked: dict[tuple, bytes] = {}  # _inline_key -> verified bytes (INLINE_CHECKED_KEPT_MAX)
@@ -686,7 +690,8 @@ class UndoLog:
         for name in self.fs.listdir(""):
             if name != "lock":
                 preimage.remove_tree(self.fs, name)
-        self._steps, self._barriers = [], []
+        self._set_steps([])
+        self._barriers = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._init_fresh(workdir_label)
         self.available, self.version_problem = True, None
@@ -718,10 +723,11 @@ class UndoLog:
             # id may come back, nothing else depends on them
             self._emit({"type": "event.warning", "message": f"undo store file counters.json is corrupt ({e}); "
                         "step ids continue after the newest step in history"})
-        self._steps = []
+        steps = []
         for name in sorted(self.fs.listdir("steps")):
             if name.isdigit():
-                self._steps.append(self._read_step(int(name)))
+                steps.append(self._read_step(int(name)))
+        self._set_steps(steps)
         self._barriers = []
         for name in sorted(self.fs.listdir("barriers")):
             if name.endswith(".json"):
@@ -1028,6 +1034,7 @@ class UndoLog:
         self.open_step = None
         self._no_wal_dir = True
         self._steps.append(info)
+        self._steps_bytes += info.size_bytes
         if step.lines is not None and step.journal_hash is not None:
             self._keep_bounded(self._written, b"".join(step.lines), step.line_objs)
         try:
@@ -1233,6 +1240,7 @@ class UndoLog:
         self._no_rollback_dir = False
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
+        self._steps_bytes -= info.size_bytes
         if force:  # before any record is undone: a resumption is forced too
             self.fs.create(join(ROLLBACK, "forced"), 0o600)
         self._sync(ROLLBACK, "steps", "wal")
@@ -1503,7 +1511,12 @@ class UndoLog:
     # ------------------------------------------------------------------ limits
 
     def total_size_bytes(self) -> int:
-        return sum(s.size_bytes for s in self._steps) + (self.open_step.size_bytes if self.open_step else 0)
+        return self._steps_bytes + (self.open_step.size_bytes if self.open_step else 0)
+
+    def _set_steps(self, steps: list[StepInfo]) -> None:
+        """Replace the finished steps' list whole (its byte count with it)."""
+        self._steps = steps
+        self._steps_bytes = sum(s.size_bytes for s in steps)
 
     def enforce_limits(self, best_effort: bool = False) -> None:
         """Evict oldest steps until within limits. With ``best_effort`` an I/O error only
@@ -1531,6 +1544,7 @@ class UndoLog:
         info = self._steps[0]
         self._to_trash(info.dirname, f"ev-{info.seq}")  # the rename into trash/ is the eviction
         self._steps.pop(0)
+        self._steps_bytes -= info.size_bytes
         return info.id
 
     # ------------------------------------------------------------------ recovery
@@ -1676,7 +1690,7 @@ class UndoLog:
         try:
             header, records, _ = self._read_wal(ROLLBACK)
             seq = header["seq"] if header else 0
-            self._steps = [s for s in self._steps if s.seq != seq]
+            self._set_steps([s for s in self._steps if s.seq != seq])
             forced = self.fs.exists(join(ROLLBACK, "forced"))
             self._undo_resumable(self._work, ROLLBACK, records, user_forced=forced)
             self._to_trash(ROLLBACK, f"rb-{seq}")

@@ -595,11 +595,17 @@ class Dispatcher:
         for link in n.links:
             self.export.discard(link)
 
-    def _unlinked(self, path: str) -> None:
+    def _links_at(self, path: str) -> list[Link]:
+        """The node names the kernel knows at ``path`` now (a list: the callers change the set)."""
+        return [x for x in self.export.fids_at(path) if isinstance(x, Link)]
+
+    def _unlinked(self, path: str, links: list[Link] | None = None) -> None:
         """The name ``path`` was removed. A node with other names keeps those; a node that
         had only this one keeps it (calls then go through its open handles, or fail with
-        ``ESTALE``), and no longer stands for its inode number, which the host may reuse."""
-        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+        ``ESTALE``), and no longer stands for its inode number, which the host may reuse.
+        ``links``: :meth:`_links_at` of ``path``, taken by the caller before the removal (no
+        request ran in between: nothing added or dropped a name there)."""
+        for link in self._links_at(path) if links is None else links:
             n = link.node
             if len(n.links) > 1:
                 n.links.remove(link)
@@ -766,16 +772,20 @@ class Dispatcher:
     def _unlink(self, req: m.Unlink) -> None:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
-        self._hold_open(path)
-        self.provider.unlink(path, reader=self._descriptor_at(path))
-        self._unlinked(path)
+        links = self._links_at(path)  # one look at the names known there, for all three steps
+        if not links:  # a name the kernel never looked up (or forgot): nothing to keep or drop
+            self.provider.unlink(path)
+            return
+        self._hold_open(path, links)
+        self.provider.unlink(path, reader=self._descriptor_at(path, links))
+        self._unlinked(path, links)
 
-    def _descriptor_at(self, path: str) -> FileHandle | None:
+    def _descriptor_at(self, path: str, links: list[Link] | None = None) -> FileHandle | None:
         """An open descriptor of a regular file's node at ``path``, if one has any: the undo
         core reads the file's preimage through it when it is still the file there (checked
-        there, by inode) — no path resolution per read."""
-        for link in self.export.fids_at(path):
-            if isinstance(link, Link) and link.node.kind == REG:
+        there, by inode) — no path resolution per read. ``links``: :meth:`_links_at`."""
+        for link in self._links_at(path) if links is None else links:
+            if link.node.kind == REG:
                 h = link.node.handle
                 if h is not None and not h.closed:
                     return h
@@ -784,8 +794,10 @@ class Dispatcher:
     def _rmdir(self, req: m.Rmdir) -> None:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
+        links = self._links_at(path)
         self.provider.rmdir(path)
-        self._unlinked(path)
+        if links:
+            self._unlinked(path, links)
 
     def _rename(self, req: m.Rename | m.Rename2) -> None:
         flags = getattr(req, "flags", 0)
@@ -1147,13 +1159,14 @@ class Dispatcher:
                     h.close()
                     self.descriptors.release()
 
-    def _hold_open(self, path: str) -> None:
+    def _hold_open(self, path: str, links: list[Link] | None = None) -> None:
         """No-open, before the name ``path`` is removed (unlink, rename over it): a regular
         file known to the kernel under no other name gets its own descriptors now — a
-        program may hold it open, and only the kernel knows — which live until FORGET."""
+        program may hold it open, and only the kernel knows — which live until FORGET.
+        ``links``: :meth:`_links_at` of ``path`` (opening descriptors adds or drops no name)."""
         if not self.no_open:
             return
-        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+        for link in self._links_at(path) if links is None else links:
             n = link.node
             if n.kind != REG or len(n.links) > 1 or self.nodes.get(n.nodeid) is not n:
                 continue
