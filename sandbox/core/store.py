@@ -847,12 +847,14 @@ class UndoLog:
         self.open_step = step
         return step
 
-    def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None) -> None:
+    def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None, *,
+                     record: bool = False) -> None:
         """Append one sealed journal line. Once the write has succeeded the line exists, so
-        memory is updated (``written``) *before* the fsync: if the fsync fails the caller's
-        operation fails, but memory and file still agree (record indices, line numbers,
-        offsets and the running journal hash never drift). A void still owed
-        (``pending_void``) is written first: no line may follow an intent that never ran."""
+        memory is updated (``written``; ``record``: ``obj`` becomes the step's last record, at
+        this line) *before* the fsync: if the fsync fails the caller's operation fails, but
+        memory and file still agree (record indices, line numbers, offsets and the running
+        journal hash never drift). A void still owed (``pending_void``) is written first: no
+        line may follow an intent that never ran."""
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
@@ -874,6 +876,9 @@ class UndoLog:
                 step.lines = step.line_objs = None
         if step.journal_hash is not None:
             step.journal_hash.update(line)
+        if record:  # after the line (and any owed void before it): the step's last line
+            step.records.append(obj)
+            step.record_lines.append(step.journal_lines - 1)
         if written is not None:
             written()
         self._sync(WAL_JOURNAL)
@@ -896,12 +901,7 @@ class UndoLog:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
         step = self.open_step
         assert step is not None
-
-        def written() -> None:  # after the line (and any owed void before it): the step's last line
-            step.records.append(rec)
-            step.record_lines.append(step.journal_lines - 1)
-
-        self._append_line(step, rec, written)
+        self._append_line(step, rec, record=True)
         return len(step.records) - 1
 
     def void(self, indices: list[int]) -> None:
