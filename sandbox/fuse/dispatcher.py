@@ -69,7 +69,7 @@ import stat as _stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..core.errors import HoldRequired
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
@@ -158,6 +158,21 @@ def errno_of(exc: BaseException) -> int:
 
 def _inode(a: Attr) -> tuple[int, int]:
     return (a.ino, a.dev)
+
+
+class _Inode(NamedTuple):
+    """A node's ``(ino, dev)`` under the names :meth:`FileHandle.is_inode_of` reads."""
+
+    ino: int
+    dev: int
+
+
+def _is_node_inode(h: FileHandle, n: "Node") -> bool:
+    """Is ``h`` open on ``n``'s inode? Answered from the inode ``h`` already knows where it
+    knows one (a :class:`~sandbox.hostfs.real.RealFileHandle` after its first ``fstat``: the
+    journal's look at a new write descriptor, or ``Provider``'s set-id check), else one ``fstat``
+    — a descriptor's inode never changes."""
+    return h.is_inode_of(_Inode(*n.inode))
 
 
 def _name(raw: bytes) -> str:
@@ -940,7 +955,7 @@ class Dispatcher:
         if not self._still_names(n):  # never open (let alone truncate) another file now at its name
             raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
         handle = self._opened(lambda: self.provider.open(n.path, flags, cred=self._cred(req)))
-        if _inode(handle.fstat()) != n.inode:
+        if not _is_node_inode(handle, n):
             handle.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
@@ -1057,7 +1072,7 @@ class Dispatcher:
             if isinstance(e, OSError) and e.errno in _GONE:
                 raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path) from None
             raise
-        if _inode(h.fstat()) != n.inode:
+        if not _is_node_inode(h, n):
             h.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
