@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import stat
 import threading
 
 from sandbox.core.intercepted_fs import TreeOps
@@ -138,12 +139,17 @@ class MountFS(RealHostFS, TreeOps):
 
     def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """``echo data > path``: one ``open(O_WRONLY|O_CREAT|O_TRUNC)`` (a CREATE, or an
-        OPEN with ``O_TRUNC``), then the write."""
+        OPEN with ``O_TRUNC``), then the write. A FIFO there is ``ENXIO`` without opening it
+        (what a non-blocking open gives with no reader): ``echo`` would wait for a reader
+        forever, and no test has one."""
         try:
-            if self.lstat(path).kind == DIR:
-                raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+            st = self.lstat(path)
         except FileNotFoundError:
-            pass
+            st = None
+        if st is not None and st.kind == DIR:
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        if st is not None and st.fmt == stat.S_IFIFO:
+            raise OSError(errno.ENXIO, "a FIFO with no reader", path)
         pfd, name = self._parent(path)
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode,

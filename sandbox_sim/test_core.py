@@ -718,6 +718,35 @@ def test_log_size_limit_evicts_oldest(world):
     assert [h["command"] for h in ws.history()][-1] != "s0"
 
 
+def test_the_store_size_is_the_sum_of_its_steps_after_every_change(world):
+    """The store keeps its finished steps' byte count as steps are recorded, evicted, undone
+    and read back on open (every record's accounting reads it): always the sum of the steps'
+    own sizes."""
+
+    def check(ws):
+        assert ws.store_size_bytes == sum(s.size_bytes for s in ws.steps()) > 0
+
+    ws = _open(world, limits=Limits(max_step_count=3))
+    for i in range(5):
+        with world.paused():
+            world.work.create(f"f{i}", 0o644)
+            world.work.write_all(f"f{i}", 0, os.urandom(1_000 * (i + 1)))  # steps of different sizes
+        with ws.step(f"s{i}"):
+            ws.fs.write_file(f"f{i}", b"small")
+        check(ws)  # recorded; from the fourth on, the oldest evicted
+    ws.rollback(1)
+    check(ws)  # undone: popped
+    ws.close()
+    ws = _open(world, limits=Limits(max_step_count=3))
+    check(ws)  # read back
+    with ws.step("s5"):
+        ws.fs.write_file("f0", b"again")
+    check(ws)
+    ws.rollback(2)
+    check(ws)
+    ws.close()
+
+
 def test_unprotected_step_cannot_be_undone_but_newer_steps_can(world):
     events = []
     ws = _open(world, limits=Limits(max_single_step_size_bytes=10_000), on_event=events.append)

@@ -18,6 +18,7 @@ with the in-process models. Skipped, saying why, without ``/dev/fuse`` or root.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -154,3 +155,13 @@ class FuseNoOpenUndoModel(FuseUndoModel):
 
 
 TestFuseNoOpenModel = model_case(FuseNoOpenUndoModel, 10, 15, 25)
+
+
+@pytest.mark.timeout(60)
+def test_the_clients_write_to_a_fifo_fails_instead_of_waiting_for_a_reader(tmp_path):
+    """The models' programs make FIFOs and write to random names: ``MountFS.write_file`` of a
+    FIFO is ``ENXIO`` at once (an open for writing would wait for a reader that never comes)."""
+    os.mkfifo(tmp_path / "p")
+    with pytest.raises(OSError) as e:
+        MountFS(str(tmp_path)).write_file("p", b"x")
+    assert e.value.errno == errno.ENXIO

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 import sandbox
 from sandbox.hostfs import (
@@ -2768,6 +2770,43 @@ def test_normalize_path_length_boundary():
     assert normalize(ok + "/") == ok  # TREE_PATH_BYTES_MAX raw bytes: still allowed
     with pytest.raises(PathError):
         normalize(ok + "/y")  # one more
+
+
+def _normalize_reference(path: str) -> str:
+    """What normalize returned before its fast path for canonical ASCII paths: every
+    component looked at, the byte lengths measured in UTF-8."""
+    if "\0" in path or path.startswith("/"):
+        raise PathError(errno.EINVAL, "bad path")
+    if len(path.encode("utf-8", "surrogateescape")) > TREE_PATH_BYTES_MAX:
+        raise PathError(errno.ENAMETOOLONG, "path too long")
+    parts = []
+    for part in path.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            raise PathError(errno.EINVAL, "..")
+        if len(part.encode("utf-8", "surrogateescape")) > NAME_LEN_MAX:
+            raise PathError(errno.ENAMETOOLONG, "component too long")
+        parts.append(part)
+    return "/".join(parts)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(hs.lists(hs.sampled_from(["a", "b", ".", "..", "", "/", "//", "\0", "é", "x" * 120]), max_size=8).map("".join))
+def test_normalize_of_any_path_is_what_the_component_loop_gives(raw):
+    """The fast path (a canonical ASCII path of at most NAME_LEN_MAX characters is returned
+    as it is) agrees with the full loop on every input: the same result or the same errno."""
+    from sandbox.hostfs import _normalize
+
+    try:
+        want: str | int = _normalize_reference(raw)
+    except PathError as e:
+        want = e.errno
+    try:
+        got: str | int = _normalize(raw)
+    except PathError as e:
+        got = e.errno
+    assert got == want
 
 
 def test_path_helpers():

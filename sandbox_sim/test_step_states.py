@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
+import time
 
 import pytest
 from hypothesis import settings
@@ -154,6 +155,28 @@ def test_close_step_waits_for_the_request_in_flight_and_keeps_its_write(world):
     closer.join()
     assert result == [True]
     assert ws.step_state(sid) is S.CLOSED and "late" in ws.history()[0]["paths"]
+
+
+@pytest.mark.timeout(60)
+def test_a_request_that_finishes_wakes_the_close_step_waiting_for_it(world):
+    """The drain's wait ends when the request in flight is answered, not at its quiescence
+    window: with the world's clock standing still and an hour's window, only op_finished's
+    signal can wake it (without it this test waits out its timeout)."""
+    ws = world.open(quiescence_s=3600.0)
+    sid = ws.begin_step("make")
+    ws.op_started()
+    result = []
+    closer = threading.Thread(target=lambda: result.append(ws.close_step(sid, 0, drain_s=3600)))
+    closer.start()
+    # the closer holds the interceptor's lock from complete_step until its wait releases it:
+    # a look under that lock that finds the step completing finds the closer waiting
+    deadline = time.monotonic() + 30
+    while ws.step_state(sid) is not S.COMPLETING:
+        assert time.monotonic() < deadline, "close_step never began to drain"
+        closer.join(0.001)
+    ws.op_finished()
+    closer.join()
+    assert result == [True] and ws.step_state(sid) is S.CLOSED
 
 
 def test_close_step_cut_off_at_drain_s_closes_and_the_late_write_opens_the_next_step(world):

@@ -464,7 +464,9 @@ class UndoInterceptor:
         with self.lock:
             if not self._enter("delete", path):
                 return
-            self._capture_parent(path)
+            parent = parent_of(path)
+            if self._marks.get(parent, 0) < FULL:  # else _capture_parent returns at once
+                self._capture(parent, FULL)
             if is_dir:
                 self._capture(path, FULL, always=True, look=look)
             else:

@@ -554,6 +554,10 @@ class UndoLog:
         self.version_problem: str | None = None
         self.open_step: OpenStep | None = None
         self._steps: list[StepInfo] = []  # oldest first
+        #: ``sum(s.size_bytes for s in self._steps)``, kept with every change of ``_steps``
+        #: (appended, popped at either end, or replaced whole: :meth:`_set_steps`) — read by
+        #: every record's accounting, where the sum took ~4 µs at the default 100 steps
+        self._steps_bytes = 0
         self._parsed: dict[bytes, bytes] = {}  # journal bytes -> marshal of their parse (PARSED_JOURNALS_KEPT_MAX)
         self._written: dict[bytes, list[dict]] = {}  # journal bytes this process wrote -> its lines' objects (same bound)
         self._inline_checked: dict[tuple, bytes] = {}  # _inline_key -> verified bytes (INLINE_CHECKED_KEPT_MAX)
@@ -686,7 +690,8 @@ class UndoLog:
         for name in self.fs.listdir(""):
             if name != "lock":
                 preimage.remove_tree(self.fs, name)
-        self._steps, self._barriers = [], []
+        self._set_steps([])
+        self._barriers = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
         self._init_fresh(workdir_label)
         self.available, self.version_problem = True, None
@@ -718,10 +723,11 @@ class UndoLog:
             # id may come back, nothing else depends on them
             self._emit({"type": "event.warning", "message": f"undo store file counters.json is corrupt ({e}); "
                         "step ids continue after the newest step in history"})
-        self._steps = []
+        steps = []
         for name in sorted(self.fs.listdir("steps")):
             if name.isdigit():
-                self._steps.append(self._read_step(int(name)))
+                steps.append(self._read_step(int(name)))
+        self._set_steps(steps)
         self._barriers = []
         for name in sorted(self.fs.listdir("barriers")):
             if name.endswith(".json"):
@@ -841,12 +847,14 @@ class UndoLog:
         self.open_step = step
         return step
 
-    def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None) -> None:
+    def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None, *,
+                     record: bool = False) -> None:
         """Append one sealed journal line. Once the write has succeeded the line exists, so
-        memory is updated (``written``) *before* the fsync: if the fsync fails the caller's
-        operation fails, but memory and file still agree (record indices, line numbers,
-        offsets and the running journal hash never drift). A void still owed
-        (``pending_void``) is written first: no line may follow an intent that never ran."""
+        memory is updated (``written``; ``record``: ``obj`` becomes the step's last record, at
+        this line) *before* the fsync: if the fsync fails the caller's operation fails, but
+        memory and file still agree (record indices, line numbers, offsets and the running
+        journal hash never drift). A void still owed (``pending_void``) is written first: no
+        line may follow an intent that never ran."""
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
@@ -868,6 +876,9 @@ class UndoLog:
                 step.lines = step.line_objs = None
         if step.journal_hash is not None:
             step.journal_hash.update(line)
+        if record:  # after the line (and any owed void before it): the step's last line
+            step.records.append(obj)
+            step.record_lines.append(step.journal_lines - 1)
         if written is not None:
             written()
         self._sync(WAL_JOURNAL)
@@ -890,12 +901,7 @@ class UndoLog:
         """Make ``rec`` durable in the WAL (rule 1); returns its index."""
         step = self.open_step
         assert step is not None
-
-        def written() -> None:  # after the line (and any owed void before it): the step's last line
-            step.records.append(rec)
-            step.record_lines.append(step.journal_lines - 1)
-
-        self._append_line(step, rec, written)
+        self._append_line(step, rec, record=True)
         return len(step.records) - 1
 
     def void(self, indices: list[int]) -> None:
@@ -1028,6 +1034,7 @@ class UndoLog:
         self.open_step = None
         self._no_wal_dir = True
         self._steps.append(info)
+        self._steps_bytes += info.size_bytes
         if step.lines is not None and step.journal_hash is not None:
             self._keep_bounded(self._written, b"".join(step.lines), step.line_objs)
         try:
@@ -1233,6 +1240,7 @@ class UndoLog:
         self._no_rollback_dir = False
         self.fs.rename(info.dirname, ROLLBACK)
         self._steps.pop()
+        self._steps_bytes -= info.size_bytes
         if force:  # before any record is undone: a resumption is forced too
             self.fs.create(join(ROLLBACK, "forced"), 0o600)
         self._sync(ROLLBACK, "steps", "wal")
@@ -1503,7 +1511,12 @@ class UndoLog:
     # ------------------------------------------------------------------ limits
 
     def total_size_bytes(self) -> int:
-        return sum(s.size_bytes for s in self._steps) + (self.open_step.size_bytes if self.open_step else 0)
+        return self._steps_bytes + (self.open_step.size_bytes if self.open_step else 0)
+
+    def _set_steps(self, steps: list[StepInfo]) -> None:
+        """Replace the finished steps' list whole (its byte count with it)."""
+        self._steps = steps
+        self._steps_bytes = sum(s.size_bytes for s in steps)
 
     def enforce_limits(self, best_effort: bool = False) -> None:
         """Evict oldest steps until within limits. With ``best_effort`` an I/O error only
@@ -1531,6 +1544,7 @@ class UndoLog:
         info = self._steps[0]
         self._to_trash(info.dirname, f"ev-{info.seq}")  # the rename into trash/ is the eviction
         self._steps.pop(0)
+        self._steps_bytes -= info.size_bytes
         return info.id
 
     # ------------------------------------------------------------------ recovery
@@ -1676,7 +1690,7 @@ class UndoLog:
         try:
             header, records, _ = self._read_wal(ROLLBACK)
             seq = header["seq"] if header else 0
-            self._steps = [s for s in self._steps if s.seq != seq]
+            self._set_steps([s for s in self._steps if s.seq != seq])
             forced = self.fs.exists(join(ROLLBACK, "forced"))
             self._undo_resumable(self._work, ROLLBACK, records, user_forced=forced)
             self._to_trash(ROLLBACK, f"rb-{seq}")

@@ -82,6 +82,7 @@ class Workspace:
         self._interceptor = UndoInterceptor(work, self._log, self._tracker, Safeguard(safeguard, clock_s), emit=self._emit)
         # signalled when a request finishes or a step ends: close_step's drain waits on it
         self._settled = threading.Condition(self._interceptor.lock)
+        self._drain_waiters = 0  # close_step calls waiting on it now (under the lock): whom op_finished wakes
         self.fs = InterceptedFS(work, self._interceptor, decide)
         self._closed = False
         self.unrecorded_step_id: int | None = None  # see close()
@@ -228,7 +229,11 @@ class Workspace:
                 # still here: a request is in flight and the quiescence window is open; wake
                 # when a request finishes (op_finished) or when the window is due to close
                 quiet_in_s = a.drain_deadline_s - t.clock_s()
-                self._settled.wait(min(left, max(quiet_in_s, DRAIN_WAKE_S_MIN)))
+                self._drain_waiters += 1
+                try:
+                    self._settled.wait(min(left, max(quiet_in_s, DRAIN_WAKE_S_MIN)))
+                finally:
+                    self._drain_waiters -= 1
             self._interceptor.close_now()
             return False
 
@@ -250,10 +255,11 @@ class Workspace:
             self._tracker.op_started()
 
     def op_finished(self) -> None:
-        """That request is answered (or abandoned)."""
-        with self._settled:
+        """That request is answered (or abandoned); a draining :meth:`close_step` wakes."""
+        with self._interceptor.lock:
             self._tracker.op_finished()
-            self._settled.notify_all()
+            if self._drain_waiters:  # none waits: no Condition to signal (every gated request comes here)
+                self._settled.notify_all()
 
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:

@@ -217,6 +217,19 @@ def _make_decoder(cls: type[m.Request], codes: str, kind: str) -> _Decoder:
                 raise ctx.error(E.EINVAL, f"body of {end - pos} bytes, expected {size}")
             return cls(header, *fixed.unpack_from(buf, pos))
 
+    elif kind == "n":  # one name after the struct (LOOKUP, UNLINK, RMDIR, MKDIR, CREATE, ...):
+        # what _tail("n", ...) does, without its loop and the list it builds
+
+        def decode(buf, pos, end, header, ctx, ext):
+            if end - pos < size:
+                raise ctx.error(E.EINVAL, f"body of {end - pos} bytes, shorter than its {size}-byte struct")
+            name, after = _name(buf, pos + size, end, ctx)
+            if after != end:
+                raise ctx.error(E.EINVAL, f"{end - after} trailing bytes")
+            if size:
+                return cls(header, *fixed.unpack_from(buf, pos), name)
+            return cls(header, name)
+
     else:
 
         def decode(buf, pos, end, header, ctx, ext):
@@ -270,6 +283,7 @@ assert set(_DISPATCH) == set(m.REQUEST_TYPES), "every request class has a decode
 
 
 _NO_REPLY_OPCODES = frozenset(op.value for op in m.NO_REPLY)
+_WRITE_OPCODE = Opcode.WRITE.value
 
 
 def decode_request(buf: bytes | bytearray | memoryview, *, setxattr_ext: bool = False) -> m.Request:
@@ -303,7 +317,7 @@ def decode_request(buf: bytes | bytearray | memoryview, *, setxattr_ext: bool = 
         except ValueError:
             name = "unknown"
         raise UnknownOpcode(f"opcode {opcode} ({name}) not supported", unique, opcode)
-    if isinstance(buf, memoryview) and opcode != Opcode.WRITE:
+    if opcode != _WRITE_OPCODE and isinstance(buf, memoryview):
         buf = buf.tobytes()  # names need .find(); such requests are small
     header = m.InHeader(length, opcode, unique, nodeid, uid, gid, pid)
     return decode(buf, IN_HEADER_SIZE, end, header, _Ctx(unique, opcode), setxattr_ext)

@@ -69,7 +69,7 @@ import stat as _stat
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ..core.errors import HoldRequired
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
@@ -158,6 +158,21 @@ def errno_of(exc: BaseException) -> int:
 
 def _inode(a: Attr) -> tuple[int, int]:
     return (a.ino, a.dev)
+
+
+class _Inode(NamedTuple):
+    """A node's ``(ino, dev)`` under the names :meth:`FileHandle.is_inode_of` reads."""
+
+    ino: int
+    dev: int
+
+
+def _is_node_inode(h: FileHandle, n: "Node") -> bool:
+    """Is ``h`` open on ``n``'s inode? Answered from the inode ``h`` already knows where it
+    knows one (a :class:`~sandbox.hostfs.real.RealFileHandle` after its first ``fstat``: the
+    journal's look at a new write descriptor, or ``Provider``'s set-id check), else one ``fstat``
+    — a descriptor's inode never changes."""
+    return h.is_inode_of(_Inode(*n.inode))
 
 
 def _name(raw: bytes) -> str:
@@ -595,11 +610,17 @@ class Dispatcher:
         for link in n.links:
             self.export.discard(link)
 
-    def _unlinked(self, path: str) -> None:
+    def _links_at(self, path: str) -> list[Link]:
+        """The node names the kernel knows at ``path`` now (a list: the callers change the set)."""
+        return [x for x in self.export.fids_at(path) if isinstance(x, Link)]
+
+    def _unlinked(self, path: str, links: list[Link] | None = None) -> None:
         """The name ``path`` was removed. A node with other names keeps those; a node that
         had only this one keeps it (calls then go through its open handles, or fail with
-        ``ESTALE``), and no longer stands for its inode number, which the host may reuse."""
-        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+        ``ESTALE``), and no longer stands for its inode number, which the host may reuse.
+        ``links``: :meth:`_links_at` of ``path``, taken by the caller before the removal (no
+        request ran in between: nothing added or dropped a name there)."""
+        for link in self._links_at(path) if links is None else links:
             n = link.node
             if len(n.links) > 1:
                 n.links.remove(link)
@@ -766,16 +787,20 @@ class Dispatcher:
     def _unlink(self, req: m.Unlink) -> None:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
-        self._hold_open(path)
-        self.provider.unlink(path, reader=self._descriptor_at(path))
-        self._unlinked(path)
+        links = self._links_at(path)  # one look at the names known there, for all three steps
+        if not links:  # a name the kernel never looked up (or forgot): nothing to keep or drop
+            self.provider.unlink(path)
+            return
+        self._hold_open(path, links)
+        self.provider.unlink(path, reader=self._descriptor_at(path, links))
+        self._unlinked(path, links)
 
-    def _descriptor_at(self, path: str) -> FileHandle | None:
+    def _descriptor_at(self, path: str, links: list[Link] | None = None) -> FileHandle | None:
         """An open descriptor of a regular file's node at ``path``, if one has any: the undo
         core reads the file's preimage through it when it is still the file there (checked
-        there, by inode) — no path resolution per read."""
-        for link in self.export.fids_at(path):
-            if isinstance(link, Link) and link.node.kind == REG:
+        there, by inode) — no path resolution per read. ``links``: :meth:`_links_at`."""
+        for link in self._links_at(path) if links is None else links:
+            if link.node.kind == REG:
                 h = link.node.handle
                 if h is not None and not h.closed:
                     return h
@@ -784,8 +809,10 @@ class Dispatcher:
     def _rmdir(self, req: m.Rmdir) -> None:
         d = self._dir(req.header.nodeid)
         path = child(d.path, _name(req.name))
+        links = self._links_at(path)
         self.provider.rmdir(path)
-        self._unlinked(path)
+        if links:
+            self._unlinked(path, links)
 
     def _rename(self, req: m.Rename | m.Rename2) -> None:
         flags = getattr(req, "flags", 0)
@@ -928,7 +955,7 @@ class Dispatcher:
         if not self._still_names(n):  # never open (let alone truncate) another file now at its name
             raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path)
         handle = self._opened(lambda: self.provider.open(n.path, flags, cred=self._cred(req)))
-        if _inode(handle.fstat()) != n.inode:
+        if not _is_node_inode(handle, n):
             handle.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
@@ -1045,7 +1072,7 @@ class Dispatcher:
             if isinstance(e, OSError) and e.errno in _GONE:
                 raise OSError(errno.ESTALE, "the file this node named was removed or replaced", n.path) from None
             raise
-        if _inode(h.fstat()) != n.inode:
+        if not _is_node_inode(h, n):
             h.close()
             self.descriptors.release()
             raise OSError(errno.ESTALE, "the file this node named was replaced", n.path)
@@ -1147,13 +1174,14 @@ class Dispatcher:
                     h.close()
                     self.descriptors.release()
 
-    def _hold_open(self, path: str) -> None:
+    def _hold_open(self, path: str, links: list[Link] | None = None) -> None:
         """No-open, before the name ``path`` is removed (unlink, rename over it): a regular
         file known to the kernel under no other name gets its own descriptors now — a
-        program may hold it open, and only the kernel knows — which live until FORGET."""
+        program may hold it open, and only the kernel knows — which live until FORGET.
+        ``links``: :meth:`_links_at` of ``path`` (opening descriptors adds or drops no name)."""
         if not self.no_open:
             return
-        for link in [x for x in self.export.fids_at(path) if isinstance(x, Link)]:
+        for link in self._links_at(path) if links is None else links:
             n = link.node
             if n.kind != REG or len(n.links) > 1 or self.nodes.get(n.nodeid) is not n:
                 continue

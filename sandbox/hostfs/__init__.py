@@ -164,6 +164,13 @@ def normalize(path: str) -> str:
 def _normalize(path: str) -> str:
     if not isinstance(path, str):
         raise PathError(errno.EINVAL, f"path must be str, not {type(path).__name__}")
+    if path.isascii() and len(path) <= NAME_LEN_MAX and "\0" not in path:
+        # already canonical (a server's ``parent/name``): no empty, ``.`` or ``..`` component,
+        # hence no leading or trailing ``/``; ASCII, so characters are bytes and no component
+        # can be longer than NAME_LEN_MAX bytes — exactly what the loop below returns unchanged
+        parts = path.split("/")
+        if "" not in parts and "." not in parts and ".." not in parts:
+            return path
     if "\0" in path:
         raise PathError(errno.EINVAL, f"path contains a NUL byte: {path!r}")
     if path.startswith("/"):

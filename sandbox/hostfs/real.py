@@ -53,7 +53,6 @@ from . import (
     PATH_LEN_MAX,
     TREE_PATH_BYTES_MAX,
     StoreBusy,
-    absent_as_none,
     check_component,
     check_open_flags,
     parent_of,
@@ -498,7 +497,12 @@ class _RealEntry(Entry):
         return Stat.from_os(os.stat(name, dir_fd=pfd, follow_symlinks=False))
 
     def lstat_or_none(self) -> Stat | None:
-        return absent_as_none(lambda _path: self.lstat(), self.path)
+        try:  # absent_as_none's rule, without its two calls
+            return self.lstat()
+        except OSError as e:
+            if e.errno in ABSENT_ERRNOS:
+                return None
+            raise
 
     def xattrs(self) -> dict[str, bytes]:
         """:meth:`Entry.xattrs`: ``llistxattr`` and ``lgetxattr`` of ``/proc/self/fd/PFD/name``
