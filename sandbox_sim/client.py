@@ -31,6 +31,20 @@ XATTR_NAMES = ("user.one", "user.two", "trusted.three")
 class SimClient:
     def __init__(self, fs: InterceptedFS):
         self.fs = fs
+        self._kept_tree: tuple[int, tuple] | None = None  # (the simulated disk's ``names``, :meth:`tree`)
+
+    def tree(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """:func:`_tree`; on the simulated disk kept until a directory's entries change
+        (``MemoryHostFS.names``: until then every path is the same kind of entry)."""
+        host = self.fs.host
+        if not isinstance(host, MemoryHostFS):
+            return _tree(self.fs)
+        kept = self._kept_tree
+        if kept is not None and kept[0] == host.names:
+            return kept[1]
+        tree = _tree(self.fs)
+        self._kept_tree = (host.names, tree)
+        return tree
 
     # -- programs --
 
@@ -78,17 +92,19 @@ class SimClient:
         self.fs.utime(path, mtime_ns)
 
 
-def _tree(fs: InterceptedFS) -> tuple[list[str], list[str], list[str]]:
+def _tree(fs: InterceptedFS) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """The client's view of the tree (what ``ls -R`` would show it), sorted: files,
     directories, other entries. On the simulated disk it is read from the inodes (no host
     calls: the client looking around is not part of the run under test, and fault
     positions count only the calls that are); elsewhere through lstat/listdir."""
-    files, dirs, links = [], [], []
+    files: list[str] = []
+    dirs: list[str] = []
+    links: list[str] = []
     if isinstance(fs.host, MemoryHostFS):
-        for p, node in fs.host.tree_nodes():
+        for p, node in fs.host.tree_nodes_kept():
             if p:
                 (dirs if node.kind == DIR else files if node.kind == REG else links).append(p)
-        return files, dirs, links
+        return tuple(files), tuple(dirs), tuple(links)
 
     def walk(p: str) -> None:
         for name in sorted(fs.host.listdir(p)):
@@ -103,7 +119,7 @@ def _tree(fs: InterceptedFS) -> tuple[list[str], list[str], list[str]]:
                 links.append(c)
 
     walk("")
-    return files, dirs, links
+    return tuple(files), tuple(dirs), tuple(links)
 
 
 def _data(rng: random.Random) -> bytes:
@@ -149,7 +165,7 @@ OPS_UNDO_MODEL = OPS_WITH_SPECIALS + ("exchange", "hardlink", "hardlink")
 def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[str, ...] = OPS) -> tuple[str, bool]:
     """Apply one random program; returns (description, succeeded)."""
     fs = client.fs
-    files, dirs, links = _tree(fs)
+    files, dirs, links = client.tree()
     anything = files + dirs + links
     op = rng.choice(ops)
     pick = lambda xs, fallback: rng.choice(xs) if xs else fallback  # noqa: E731

@@ -14,7 +14,7 @@ only ever appended (unpack with ``*_`` at the end). atime is deliberately absent
 from __future__ import annotations
 
 from sandbox.hostfs import DIR, LNK, REG, HostFS, join
-from sandbox.hostfs.memory import MemoryHostFS
+from sandbox.hostfs.memory import MemoryHostFS, SimClock
 
 Snapshot = dict[str, tuple]
 
@@ -32,8 +32,9 @@ def snapshot(fs: HostFS, path: str = "", skip: frozenset[str] = frozenset()) -> 
 
 
 def snapshot_nodes(fs: MemoryHostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:
-    """The snapshot of a simulated disk from its inodes (``MemoryHostFS.tree_nodes``): no
-    path lookups, no host calls — what makes a campaign's check after every action cheap."""
+    """The snapshot of a simulated disk from its inodes (``MemoryHostFS.tree_nodes``, a
+    fresh walk): no path lookups, no host calls. A campaign's check after every action
+    reads the whole tree through a :class:`KeptSnapshot` instead, which this cross-checks."""
     out: Snapshot = {}
     inodes: dict[int, list[str]] = {}
     skipping = None
@@ -43,20 +44,105 @@ def snapshot_nodes(fs: MemoryHostFS, path: str = "", skip: frozenset[str] = froz
         if p in skip and p != path:
             skipping = p
             continue
-        kind = node.kind
-        xattrs = node.xattrs
-        xattrs = tuple(sorted(xattrs.items())) if xattrs else ()
-        if kind == REG:
-            if node.nlink > 1:
-                inodes.setdefault(node.ino, []).append(p)
-            out[p] = (kind, node.mode, node.mtime_ns, bytes(node.data), xattrs, node.fmt, node.uid, node.gid, ())
-        elif kind == DIR:
-            out[p] = (kind, node.mode, node.mtime_ns, None, xattrs, node.fmt, node.uid, node.gid, ())
-        else:
-            out[p] = (kind, node.mode, node.mtime_ns, node.target if kind == LNK else None, xattrs, node.fmt, node.uid,
-                      node.gid, ())
+        if node.kind == REG and node.nlink > 1:
+            inodes.setdefault(node.ino, []).append(p)
+        out[p] = _entry(node)
     _link_groups(out, inodes)
     return out
+
+
+def _entry(node, links: tuple = ()) -> tuple:
+    """One inode's snapshot entry (``links`` given: the link group is the walk's business)."""
+    kind = node.kind
+    xattrs = node.xattrs
+    xattrs = tuple(sorted(xattrs.items())) if xattrs else ()
+    content = bytes(node.data) if kind == REG else node.target if kind == LNK else None
+    return (kind, node.mode, node.mtime_ns, content, xattrs, node.fmt, node.uid, node.gid, links)
+
+
+class KeptSnapshot:
+    """The whole-tree snapshot of one simulated disk, kept from one read to the next and
+    brought up to date by reading again only what may have changed — what
+    :func:`snapshot_nodes` of the whole tree gives, for less.
+
+    What it relies on (``sandbox/hostfs/memory.py``):
+
+    * ``changes`` unchanged: no call that may change the tree ran — the kept dict is it;
+    * ``names`` unchanged: every path leads to the inode it led to
+      (``MemoryHostFS.tree_nodes_kept``), so the paths, their kinds and the link groups
+      are the same, and only entries whose inode changed are read again; after a change of
+      names the tree is walked again, and the entry of an inode that did not change reused;
+    * an inode's mode, mtime, bytes, target, xattrs and owner change only with its ctime
+      set from the disk's clock, and a :class:`SimClock` never returns a value twice: an
+      unchanged ctime (of the same inode number: never reused) is an unchanged entry. A power loss sets older ctimes back:
+      after one (``power_losses``) nothing kept is reused; on a disk with another clock
+      every read is a whole one.
+
+    A change made behind the disk's back (an inode's field set directly) is not seen:
+    ``World.cross_check`` compares the kept snapshot with a fresh :func:`snapshot_nodes`.
+    """
+
+    def __init__(self, fs: MemoryHostFS):
+        self.fs = fs
+        self._changes = -1
+        self._names = -1
+        self._power_losses = -1
+        self._snap: Snapshot = {}
+        self._read: list[list] = []  # [path, inode, its ctime when read] per entry, the walk's order
+        self._entries: dict[int, tuple[int, tuple]] = {}  # ino -> (ctime, its entry without links), as last read
+
+    def read(self) -> Snapshot:
+        """The snapshot now: the kept dict itself, which the next read may change — callers
+        that keep it or change it take a copy."""
+        fs = self.fs
+        if fs.changes == self._changes:
+            return self._snap
+        self._changes = fs.changes
+        if fs.power_losses != self._power_losses or not isinstance(fs.clock, SimClock):
+            self._power_losses = fs.power_losses
+            self._entries.clear()
+            self._names = -1
+        if fs.names != self._names:
+            self._names = fs.names
+            self._read_all(isinstance(fs.clock, SimClock))
+            return self._snap
+        snap = self._snap
+        for seen in self._read:
+            node = seen[1]
+            if node.ctime_ns != seen[2]:
+                seen[2] = node.ctime_ns
+                path = seen[0]
+                snap[path] = self._entry_of(node)[:-1] + snap[path][-1:]
+        return snap
+
+    def _entry_of(self, node) -> tuple:
+        kept = self._entries.get(node.ino)
+        if kept is not None and kept[0] == node.ctime_ns:
+            return kept[1]
+        entry = _entry(node)
+        self._entries[node.ino] = (node.ctime_ns, entry)
+        return entry
+
+    def _read_all(self, reuse: bool) -> None:
+        walk = self.fs.tree_nodes_kept()
+        self._read = [[p, node, node.ctime_ns] for p, node in walk]
+        out: Snapshot = {}
+        inodes: dict[int, list[str]] = {}
+        entries = self._entries if reuse else {}
+        kept = {}
+        for p, node in walk:
+            if node.kind == REG and node.nlink > 1:
+                inodes.setdefault(node.ino, []).append(p)
+            was = entries.get(node.ino)
+            if was is not None and was[0] == node.ctime_ns:
+                entry = was[1]
+            else:
+                entry = _entry(node)
+            kept[node.ino] = (node.ctime_ns, entry)
+            out[p] = entry
+        _link_groups(out, inodes)
+        self._entries = kept if reuse else {}  # the inodes in the tree now
+        self._snap = out
 
 
 def snapshot_via_calls(fs: HostFS, path: str = "", skip: frozenset[str] = frozenset()) -> Snapshot:

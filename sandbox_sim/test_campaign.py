@@ -15,18 +15,26 @@ oracle (issue 19).
 from __future__ import annotations
 
 import ast
+import copy
 import os
 import re
 import shlex
+from unittest import mock
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from sandbox.core import preimage
+from sandbox.hostfs import memory
+from sandbox.hostfs.memory import MemoryHostFS, SimClock
 
 from . import defects, oracle
 from .__main__ import main
 from .budget import scale
 from .campaign import FAULT_POSITION, FAULTS, UNREACHED, at_position, execute, fault_positions, plan, shrink, sweep
+from .client import SimClient
+from .client import _tree as client_tree
 from .world import World
 
 MIXES = ["", *FAULTS, ",".join(FAULTS)]
@@ -49,7 +57,8 @@ def test_campaigns_run_clean_and_replay_identically(faults):
 
 def test_the_inode_walk_and_the_hostfs_calls_give_the_same_snapshot_after_every_action():
     """Both disks, every action of an all-faults campaign (power losses, recoveries, hard
-    links, special files, xattrs, symlinks): the fast oracle is the slow oracle."""
+    links, special files, xattrs, symlinks): the fast oracle is the slow oracle, and the
+    world's kept snapshot is the fast oracle's fresh read."""
     config, actions = plan(11, scale(200, 1500), set(FAULTS))
     seen = {"entries": 0, "links": 0, "xattrs": 0, "other": 0}
 
@@ -60,6 +69,7 @@ def test_the_inode_walk_and_the_hostfs_calls_give_the_same_snapshot_after_every_
                 slow, fast = oracle.snapshot_via_calls(fs), oracle.snapshot_nodes(fs)
                 assert slow == fast, oracle.diff(slow, fast)
             tree = oracle.snapshot_nodes(w.work)
+        assert w.snapshot() == tree, oracle.diff(tree, w.snapshot())  # the kept snapshot too
         seen["entries"] += len(tree)
         seen["links"] += sum(1 for e in tree.values() if e[8])
         seen["xattrs"] += sum(1 for e in tree.values() if e[4])
@@ -284,3 +294,196 @@ def test_the_world_reads_the_tree_again_after_any_change_and_cross_checks_what_i
             node.mode = 0o600
     with pytest.raises(AssertionError, match="kept snapshot vs a fresh one"):
         w.cross_check()
+
+
+# --------------------------------------------------------------------------- the kept snapshot
+
+_NAMES = ("", "a", "b", "d", "d/a", "d/b", "d/e", "d/e/a", "e", "e/a")
+
+
+def _disk_op(fs, handles: list, op: str, p: str, q: str, n: int) -> None:
+    """One call of a random sequence on a simulated disk (errors are outcomes too)."""
+    if op == "file":
+        fs.create(p, 0o644)
+    elif op == "write":
+        fs.write(p, n % 7, b"w" * (n % 5 + 1))
+    elif op == "handle":  # held across later renames, unlinks and power losses
+        handles.append(fs.open(p, os.O_RDWR))
+    elif op == "pwrite" and handles:
+        handles[n % len(handles)].pwrite(b"h" * (n % 3 + 1), n % 4)
+    elif op == "hmeta" and handles:  # metadata through a handle, wherever its file now is
+        h = handles[n % len(handles)]
+        (h.chmod, lambda m: h.utime(m << 20), lambda m: h.setxattr("user.h", bytes([m])), h.truncate)[n % 4](n % 0o100)
+    elif op == "lock":
+        fs.lock(p).release()
+    elif op == "truncate":
+        fs.truncate(p, n % 6)
+    elif op == "fallocate":
+        fs.fallocate(p, n % 3, n % 4 + 1, 3 if n % 2 else 0)
+    elif op == "copy":
+        fs.copy_file_range(p, q, 0, n % 3, 4)
+    elif op == "chmod":
+        fs.chmod(p, 0o600 + n % 0o100)
+    elif op == "utime":
+        fs.utime(p, 1_600_000_000_000_000_000 + n)
+    elif op == "chown":
+        fs.lchown(p, 1000 + n % 2, 1000)
+    elif op == "setxattr":
+        fs.setxattr(p, "user.k", bytes([n % 256]))
+    elif op == "removexattr":
+        fs.removexattr(p, "user.k")
+    elif op == "mkdir":
+        fs.mkdir(p, 0o755)
+    elif op == "rmdir":
+        fs.rmdir(p)
+    elif op == "unlink":
+        fs.unlink(p)
+    elif op == "rename":
+        fs.rename(p, q)
+    elif op == "exchange":
+        fs.exchange(p, q)
+    elif op == "link":
+        fs.link(p, q)
+    elif op == "symlink":
+        fs.symlink("t" * (n % 3 + 1), p)
+    elif op == "fifo":
+        fs.make_special(p)
+    elif op == "fsync":
+        fs.fsync(p)
+    elif op == "sync_all":
+        fs.sync_all()
+    elif op == "power_loss":
+        fs.power_loss()
+    elif op == "crash":
+        fs.crash()
+
+
+_DISK_OPS = ("file", "file", "write", "write", "handle", "pwrite", "pwrite", "hmeta", "lock", "truncate", "fallocate", "copy", "chmod",
+             "utime", "chown", "setxattr", "removexattr", "mkdir", "mkdir", "rmdir", "unlink", "rename", "rename",
+             "exchange", "link", "link", "symlink", "fifo", "fsync", "sync_all", "power_loss", "crash")
+
+
+@given(st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES), st.sampled_from(_NAMES),
+                          st.integers(0, 255), st.booleans()), min_size=20, max_size=80))
+@settings(max_examples=scale(200, 2000), deadline=None)
+# a power loss sets a file's ctime back to the one read before and its bytes to none
+@example([("file", "a", "a", 0, False), ("write", "a", "a", 0, False), ("fsync", "", "", 0, True),
+          ("power_loss", "a", "a", 0, True)])
+def test_the_kept_snapshot_is_a_fresh_one_after_any_calls(calls):
+    """``oracle.KeptSnapshot`` reads again only what may have changed (``changes``, ``names``,
+    ctimes): read at random moments of a random sequence of calls — writes through paths and
+    through handles held across renames, metadata changes, renames, exchanges, hard links,
+    removals, fsyncs, power losses and process crashes — it is always the whole tree read
+    afresh, and so are the disk's kept walk and the client's kept view of the tree."""
+    w = World("sim")
+    kept = oracle.KeptSnapshot(w.work)
+    client = SimClient(w.open().fs)
+    handles: list = []
+    for op, p, q, n, look in calls:
+        try:
+            _disk_op(w.work, handles, op, p, q, n)
+        except OSError:
+            pass
+        if look:
+            assert kept.read() == oracle.snapshot_nodes(w.work), oracle.diff(oracle.snapshot_nodes(w.work), kept.read())
+            assert w.work.tree_nodes_kept() == tuple(w.work.tree_nodes())
+            assert client.tree() == client_tree(client.fs)
+    assert kept.read() == oracle.snapshot_nodes(w.work)
+
+
+@given(st.integers(0, 2**32 - 1))
+@settings(max_examples=scale(10, 100), deadline=None)
+def test_the_kept_snapshot_is_a_fresh_one_after_every_action_of_a_campaign_with_every_fault(seed):
+    """Crash recovery, rollbacks, power losses (the store's WAL replayed, steps undone and
+    trashed): after every action the world's kept snapshot is the tree read afresh."""
+    config, actions = plan(seed, 40, set(FAULTS))
+
+    def progress(i, d):
+        fresh = oracle.snapshot_nodes(d.world.work)
+        assert d.world.snapshot() == fresh, oracle.diff(fresh, d.world.snapshot())
+        assert d.client.tree() == client_tree(d.client.fs)
+
+    _, fail_at, err = execute(config, actions, progress)
+    assert err is None, f"action {fail_at}: {err!r}"
+
+
+def _state(fs) -> list:
+    """Everything a path shows on a simulated disk: its snapshot entry and its whole stat
+    (ctime, link count and inode number included)."""
+    snap = oracle.snapshot_nodes(fs)
+    return [(p, snap[p], node.stat()) for p, node in fs.tree_nodes()]
+
+
+@given(st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES), st.sampled_from(_NAMES),
+                          st.integers(0, 255), st.booleans()), min_size=20, max_size=80))
+@settings(max_examples=scale(200, 2000), deadline=None)
+@example([("file", "a", "a", 0, False), ("fsync", "a", "a", 0, False), ("chmod", "a", "a", 1, False),
+          ("fsync", "", "", 0, False), ("utime", "a", "a", 0, False), ("power_loss", "a", "a", 0, True)])
+@example([("file", "a", "", 0, False), ("file", "b", "", 0, False), ("exchange", "a", "b", 0, False)])
+@example([("power_loss", "", "", 0, False), ("file", "a", "", 0, False), ("chmod", "", "", 0, False)])  # never committed
+@example([("file", "a", "", 0, False), ("link", "a", "b", 0, False), ("unlink", "a", "", 0, False)])
+# a rename over one name of a hard-linked file: the file loses a link and stays reachable
+@example([("file", "a", "", 0, False), ("file", "b", "", 0, False), ("link", "b", "e", 0, False),
+          ("rename", "a", "b", 0, False)])
+def test_a_commit_of_the_changed_inodes_leaves_what_a_whole_commit_leaves(calls):
+    """Power-loss mode's journal commit (``MemoryHostFS._commit_metadata``) copies only the
+    inodes noted as changed since the last commit; with ``commit_whole`` a disk copies every
+    reachable inode. The same calls on both — fsyncs, power losses, renames, exchanges, hard
+    links, removals, every metadata change through paths and handles — leave the same tree,
+    before and after each power loss."""
+    _lockstep(calls)
+
+
+_CALLS = st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES), st.sampled_from(_NAMES),
+                            st.integers(0, 255), st.booleans()), min_size=20, max_size=80)
+
+
+@given(_CALLS)
+@settings(max_examples=scale(50, 500), deadline=None)
+def test_a_commit_after_the_notes_of_changed_inodes_overflowed_copies_them_all(calls):
+    """Past ``META_CHANGED_KEPT_MAX`` notes (here 2) a disk drops them and its next commit
+    copies every reachable inode: the same tree as ever. (No commit after each call here, so
+    notes pile up between the calls' own fsyncs.)"""
+    with mock.patch.object(memory, "META_CHANGED_KEPT_MAX", 2):
+        _lockstep(calls, commit_each=False)
+
+
+def _lockstep(calls, commit_each: bool = True) -> None:
+    """The calls on a disk that commits what it noted and on one that commits everything
+    (``commit_whole``): after each, the same tree and the same tree a power loss leaves — and
+    (``commit_each``) the same after a commit then."""
+    fast = MemoryHostFS("work", clock=SimClock())
+    whole = MemoryHostFS("work", clock=SimClock())
+    whole.commit_whole = True
+    handles: tuple[list, list] = ([], [])
+    if not commit_each:  # one commit first: a disk notes changed inodes from its first commit on
+        for fs in (fast, whole):
+            fs.fsync("")
+    for op, p, q, n, _look in calls:
+        outcomes = []
+        for fs, held in ((fast, handles[0]), (whole, handles[1])):
+            try:
+                _disk_op(fs, held, op, p, q, n)
+                outcomes.append(None)
+            except OSError as e:
+                outcomes.append(e.errno)
+        assert outcomes[0] == outcomes[1], (op, p, q)
+        # the tree now, and what a power loss would leave at the last commit and after one now
+        # (so the next call's commit holds exactly this call's changes, noted or not)
+        assert _state(fast) == _state(whole), (op, p, q)
+        assert _after_power_loss(fast, False) == _after_power_loss(whole, False), (op, p, q)
+        if commit_each:
+            assert _after_power_loss(fast) == _after_power_loss(whole), (op, p, q)
+    for fs in (fast, whole):
+        fs.power_loss()
+    assert _state(fast) == _state(whole)
+
+
+def _after_power_loss(fs, commit: bool = True) -> list:
+    """:func:`_state` of a copy of ``fs`` that loses power — after committing everything so
+    far (``commit``), or at the last commit."""
+    if commit:
+        fs.fsync("")  # the commit is taken by the next call that may change something
+    probe = copy.deepcopy(fs)
+    probe.power_loss()
+    return _state(probe)

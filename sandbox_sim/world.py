@@ -219,9 +219,8 @@ class World:
         else:
             raise ValueError(kind)
         self.now_s = 1000.0  # the workspace's step clock (ambient idle, quiescence, holds)
-        # the last snapshot of a simulated working disk and its ``changes`` count when taken:
-        # while the count is the same no call that may change the tree has run since
-        self._kept_snapshot: tuple[int, oracle.Snapshot] | None = None
+        # a simulated working disk's snapshot, read again only where it may have changed
+        self._kept = oracle.KeptSnapshot(self.work) if isinstance(self.work, MemoryHostFS) else None
 
     # The injector can be swapped per run and paused. A simulated disk is attached to the
     # current injector (``FaultInjector.attach``: it calls the injector itself, or only counts
@@ -312,31 +311,25 @@ class World:
 
     def snapshot(self) -> oracle.Snapshot:
         """The working tree's snapshot (a new dict each time: callers may keep or change it).
-        On a simulated disk the tree is read again only after a call that may have changed it
-        (``MemoryHostFS.changes``); :meth:`cross_check` compares the kept one with a fresh read."""
-        work = self.work
-        if isinstance(work, MemoryHostFS):
-            kept = self._kept_snapshot
-            if kept is not None and kept[0] == work.changes:
-                return dict(kept[1])
-            snap = oracle.snapshot_nodes(work)
-            self._kept_snapshot = (work.changes, snap)
-            return dict(snap)
+        On a simulated disk it is kept between reads and read again only where it may have
+        changed (``oracle.KeptSnapshot``); :meth:`cross_check` compares it with a fresh read."""
+        if self._kept is not None:
+            return dict(self._kept.read())
         with self.paused():
-            return oracle.snapshot(work)
+            return oracle.snapshot(self.work)
 
     def cross_check(self) -> None:
-        """The oracle's two ways of reading a simulated disk agree on both of this world's
-        disks (``oracle.snapshot_nodes`` vs ``oracle.snapshot_via_calls``); nothing on a real one."""
+        """The oracle's ways of reading a simulated disk agree: on both of this world's disks
+        the inode walk (``oracle.snapshot_nodes``) and the HostFS calls
+        (``oracle.snapshot_via_calls``), and on the working disk the kept snapshot and a fresh
+        walk; nothing on a real one."""
         if self.kind == "real":
             return
-        kept = self._kept_snapshot
-        if kept is not None and kept[0] == self.work.changes:
-            oracle.assert_same(oracle.snapshot_nodes(self.work), kept[1], "work: the kept snapshot vs a fresh one")
         with self.paused():
             for fs in (self.work, self.store):
                 oracle.assert_same(oracle.snapshot_via_calls(fs), oracle.snapshot_nodes(fs),
                                    f"{fs.name}: the oracle's inode walk vs the HostFS calls")
+        oracle.assert_same(oracle.snapshot_nodes(self.work), self._kept.read(), "work: the kept snapshot vs a fresh one")
 
     def __getattr__(self, name):
         raise AttributeError(name)

@@ -24,7 +24,11 @@ kernel drops ``flock`` locks of a killed process, and closes its open handles (a
 call on one is ``EBADF``): a handle from before a crash never writes into the next run.
 
 Timestamps: atime is set at creation and by ``utime`` only (as with ``noatime``); the
-parity suite compares it only after an explicit ``utime``.
+parity suite compares it only after an explicit ``utime``. Every change of an inode's mode,
+mtime, bytes, xattrs or owner (and of a directory's entries) sets its ctime from the clock,
+as Linux does; only a power loss sets older ctimes back (it counts in ``power_losses``). With a
+:class:`SimClock`, which never returns a value twice, an unchanged ctime is an unchanged
+inode — what the simulation's kept snapshot relies on (``sandbox_sim/oracle.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ _SHORT_PATH = _PATH_MAX // 4
 #: ``unsynced_versions_dropped``): the states in between are no longer offered
 UNSYNCED_VERSIONS_MAX = 64
 
+#: inodes one disk notes as changed since its last journal commit (``_meta_changed``); past it
+#: the notes are dropped, noting stops and the next commit copies every reachable inode, as
+#: before the notes (noting starts again after it)
+META_CHANGED_KEPT_MAX = 4096
+
 #: paths whose resolution one disk remembers (``MemoryHostFS._walk``); past it the memory is
 #: cleared and refilled by the next lookups (answers never change, only their cost)
 RESOLVED_PATHS_KEPT_MAX = 4096
@@ -116,6 +125,9 @@ class _Inode:
     fmt: int = 0  # S_IFMT bits; 0: the usual one for ``kind`` (an OTHER is a fifo)
     uid: int = 0  # the owner (a new inode gets its filesystem's ``uid``/``gid``)
     gid: int = 0
+    # (the fields a Stat is made of that can change, that Stat): the last one built, handed
+    # out again while those fields are equal (a Stat is frozen, so sharing it is safe)
+    kept_stat: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.atime_ns is None:
@@ -130,7 +142,13 @@ class _Inode:
     def stat(self) -> Stat:
         kind = self.kind
         size = len(self.data) if kind == REG else len(self.target.encode("utf-8", "surrogateescape")) if kind == LNK else 4096 if kind == DIR else 0
-        return Stat(kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid, self.gid)
+        fields = (self.mode, size, self.mtime_ns, self.ctime_ns, self.nlink, self.uid, self.gid)  # kind, ino, fmt never change
+        kept = self.kept_stat
+        if kept is not None and kept[0] == fields:
+            return kept[1]
+        st = Stat(kind, self.mode, size, self.mtime_ns, self.ctime_ns, self.ino, self.nlink, 0, self.fmt, self.uid, self.gid)
+        self.kept_stat = (fields, st)
+        return st
 
     def attr(self) -> Attr:
         """As ext4 reports it: whole 4 KiB blocks, symlinks under 60 bytes inline."""
@@ -338,6 +356,15 @@ class MemoryHostFS(HostFS):
         self._inos = itertools.count(2)
         now = self.clock()
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
+        #: inodes whose metadata may have changed since the last journal commit, by number
+        #: (every change of an inode's metadata — entries, mode, times, xattrs, owner, link
+        #: count, target — and every new inode is noted: ``_note``): what a commit copies.
+        #: None: nothing is noted and the next commit copies every reachable inode — until
+        #: the first commit (a disk that never commits notes nothing) and past
+        #: ``META_CHANGED_KEPT_MAX`` notes
+        self._meta_changed: dict[int, _Inode] | None = None
+        #: every commit copies the metadata of every reachable inode instead (a reference for tests)
+        self.commit_whole = False
         self._locks: dict[str, tuple[int, object]] = {}
         self._epoch = 0  # bumped by a process death: handles opened before it are closed
         self._commit_pending = False  # an fsync's metadata commit not taken yet (see _fsync_node)
@@ -357,6 +384,13 @@ class MemoryHostFS(HostFS):
         #: bumped before every call that may change the tree (and by power_loss): equal
         #: values mean an unchanged tree, for callers that keep what they read of it
         self.changes = 0
+        #: bumped whenever a directory's entries change — a name added, removed or replaced:
+        #: each such change also sets the directory's times (``_entries_changed``) — and by
+        #: power_loss: equal values mean every path leads to the inode it led to before
+        self.names = 0
+        #: power losses so far (each sets older ctimes, bytes and entries back)
+        self.power_losses = 0
+        self._kept_walk: tuple[int, tuple[tuple[str, _Inode], ...]] | None = None  # (names, tree_nodes())
 
     # -- simulation controls (not part of HostFS) --
 
@@ -379,9 +413,10 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
-                                      gid=self.gid)
-        self._touch_dir(parent, now)
+        node = parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
+                                             gid=self.gid)
+        self._note(node)
+        self._entries_changed(parent, now)
 
     def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
         """Every entry at and under ``path`` with its inode, depth first in sorted name order
@@ -399,6 +434,19 @@ class MemoryHostFS(HostFS):
                 stack += [(prefix + name, entries[name]) for name in sorted(entries, reverse=True)]
         return out
 
+    def tree_nodes_kept(self) -> tuple[tuple[str, _Inode], ...]:
+        """:meth:`tree_nodes` of the whole tree, walked again only after a directory's entries
+        changed (``names``): until then every path leads to the same inode, so the same
+        walk would find the same pairs (the inodes' contents are live, as there). Shared by
+        every caller: only read it. A change made behind the disk's back (to an inode's
+        ``entries``) is not seen — the campaign's cross-check compares with a fresh walk."""
+        kept = self._kept_walk
+        if kept is not None and kept[0] == self.names:
+            return kept[1]
+        walk = tuple(self.tree_nodes())
+        self._kept_walk = (self.names, walk)
+        return walk
+
     # -- internals --
 
     def _fault(self, op: str, path: str, nbytes: int = 0) -> Optional[int]:
@@ -406,6 +454,9 @@ class MemoryHostFS(HostFS):
             self.changes += 1
             if self._commit_pending:
                 self._commit_metadata()  # an fsync's journal commit, taken before anything changes
+            noted = self._meta_changed
+            if noted is not None and len(noted) >= META_CHANGED_KEPT_MAX:  # one call notes a few inodes at most
+                self._meta_changed = None
         hook = self.fault_hook
         if hook is not None:
             return hook(self, op, path, nbytes)
@@ -499,10 +550,22 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EPERM, path)
         return node
 
-    @staticmethod
-    def _touch_dir(d: _Inode, now: int) -> None:
+    def _note(self, node: _Inode) -> None:
+        """``node``'s metadata changed, or it is new: the next commit copies it."""
+        noted = self._meta_changed
+        if noted is not None:
+            noted[node.ino] = node
+
+    def _entries_changed(self, d: _Inode, now: int) -> None:
+        """Directory ``d`` gained, lost or replaced a name: its times are set and ``names``
+        counts the change. Every change of a directory's ``entries`` calls it (but
+        power_loss's, which counts itself)."""
         d.mtime_ns = now
         d.ctime_ns = now
+        self.names += 1
+        noted = self._meta_changed  # _note(d), inline
+        if noted is not None:
+            noted[d.ino] = d
 
     # -- queries --
 
@@ -514,7 +577,13 @@ class MemoryHostFS(HostFS):
         """:meth:`lstat`, or None where nothing is (``ENOENT``, ``ENOTDIR``, ``ELOOP``: the
         ``ABSENT_ERRNOS`` rule of every "is it there?"), found without raising and catching
         an error: the same fault hook call, the same answers, the same errors otherwise."""
-        self._look("lstat", path)
+        hook = self.fault_hook  # _look("lstat", path), inline: the disk's most frequent call
+        if hook is not None:
+            hook(self, "lstat", path, 0)
+        else:
+            tally = self.tally
+            if tally is not None:
+                tally.calls += 1
         if not path:
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
@@ -610,7 +679,10 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EEXIST, path)
         now = self.clock()
         node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid)
-        self._touch_dir(parent, now)
+        noted = self._meta_changed  # _note(node), inline
+        if noted is not None:
+            noted[node.ino] = node
+        self._entries_changed(parent, now)
         return node
 
     def write(self, path: str, offset: int, data: bytes) -> int:
@@ -629,6 +701,9 @@ class MemoryHostFS(HostFS):
             node.data[offset : offset + n] = data[:n]
             now = self.clock()
             node.mtime_ns = node.ctime_ns = now
+            noted = self._meta_changed  # _note(node), inline: the most frequent change
+            if noted is not None:
+                noted[node.ino] = node
             if self.record_losses:
                 self._record_version(node)
         if limit is not None and n < len(data) and self.fault_hook is not None:
@@ -651,6 +726,7 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (size - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
+        self._note(node)
         if self.record_losses:
             self._record_version(node)
 
@@ -667,7 +743,10 @@ class MemoryHostFS(HostFS):
         now = self.clock()
         node.nlink -= 1
         node.ctime_ns = now
-        self._touch_dir(parent, now)
+        noted = self._meta_changed  # _note(node), inline
+        if noted is not None:
+            noted[node.ino] = node
+        self._entries_changed(parent, now)
 
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
@@ -683,7 +762,7 @@ class MemoryHostFS(HostFS):
         self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
-        self._touch_dir(parent, self.clock())
+        self._entries_changed(parent, self.clock())
 
     def mkdir(self, path: str, mode: int) -> None:
         self._fault("mkdir", path)
@@ -691,10 +770,11 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
-                                      gid=self.gid)
+        node = parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
+                                             gid=self.gid)
+        self._note(node)
         parent.nlink += 1
-        self._touch_dir(parent, now)
+        self._entries_changed(parent, now)
 
     def rename(self, src: str, dst: str) -> None:
         self._fault("rename", src)
@@ -733,13 +813,19 @@ class MemoryHostFS(HostFS):
             else:
                 existing.nlink -= 1
             existing.ctime_ns = now
+            noted = self._meta_changed  # _note(existing), inline
+            if noted is not None:
+                noted[existing.ino] = existing
         if node.kind == DIR:
             sparent.nlink -= 1
             dparent.nlink += 1
         dparent.entries[dname] = node
         node.ctime_ns = now
-        self._touch_dir(sparent, now)
-        self._touch_dir(dparent, now)
+        noted = self._meta_changed  # _note(node), inline
+        if noted is not None:
+            noted[node.ino] = node
+        self._entries_changed(sparent, now)
+        self._entries_changed(dparent, now)
 
     def exchange(self, a: str, b: str) -> None:
         self._fault("exchange", a)
@@ -765,8 +851,10 @@ class MemoryHostFS(HostFS):
             aparent.nlink -= step
             bparent.nlink += step
         x.ctime_ns = y.ctime_ns = now
-        self._touch_dir(aparent, now)
-        self._touch_dir(bparent, now)
+        self._note(x)
+        self._note(y)
+        self._entries_changed(aparent, now)
+        self._entries_changed(bparent, now)
 
     def symlink(self, target: str, path: str) -> None:
         self._fault("symlink", path)
@@ -781,9 +869,10 @@ class MemoryHostFS(HostFS):
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
         now = self.clock()
-        parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
-                                      gid=self.gid)
-        self._touch_dir(parent, now)
+        node = parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
+                                             gid=self.gid)
+        self._note(node)
+        self._entries_changed(parent, now)
 
     def mknod(self, path: str, mode: int, fmt: int) -> None:
         """A fifo or a unix-socket node (:data:`~sandbox.hostfs.MKNOD_FMTS`), mode exact."""
@@ -807,7 +896,8 @@ class MemoryHostFS(HostFS):
         dparent.entries[dname] = node
         node.nlink += 1
         node.ctime_ns = now
-        self._touch_dir(dparent, now)
+        self._note(node)
+        self._entries_changed(dparent, now)
 
     def chmod(self, path: str, mode: int) -> None:
         self._fault("chmod", path)
@@ -819,6 +909,7 @@ class MemoryHostFS(HostFS):
     def _chmod_node(self, node: _Inode, mode: int) -> None:
         node.mode = mode & 0o7777
         node.ctime_ns = self.clock()
+        self._note(node)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         self._fault("utime", path)
@@ -829,6 +920,7 @@ class MemoryHostFS(HostFS):
         if atime_ns is not None:
             node.atime_ns = atime_ns
         node.ctime_ns = self.clock()
+        self._note(node)
 
     def lchown(self, path: str, uid: int, gid: int) -> None:
         self._fault("chown", path)
@@ -847,6 +939,7 @@ class MemoryHostFS(HostFS):
             if node.mode & _stat.S_IXGRP:
                 node.mode &= ~_stat.S_ISGID
         node.ctime_ns = self.clock()
+        self._note(node)
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
         """The inode whose xattr ``name`` is read (``write`` False) or changed.
@@ -905,6 +998,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.E2BIG, path)
         node.xattrs[name] = bytes(value)
         node.ctime_ns = self.clock()
+        self._note(node)
 
     def removexattr(self, path: str, name: str) -> None:
         self._fault("removexattr", path)
@@ -916,6 +1010,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.ENODATA, path)
         del node.xattrs[name]
         node.ctime_ns = self.clock()
+        self._note(node)
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
         """Modes 0, KEEP_SIZE, PUNCH_HOLE|KEEP_SIZE and ZERO_RANGE[|KEEP_SIZE].
@@ -943,6 +1038,7 @@ class MemoryHostFS(HostFS):
             node.data.extend(b"\0" * (end - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
+        self._note(node)
         if self.record_losses:
             self._record_version(node)
 
@@ -965,6 +1061,7 @@ class MemoryHostFS(HostFS):
         d.data[dst_offset : dst_offset + len(chunk)] = chunk
         now = self.clock()
         d.mtime_ns = d.ctime_ns = now
+        self._note(d)
         if self.record_losses:
             self._record_version(d)
         return len(chunk)
@@ -1053,9 +1150,24 @@ class MemoryHostFS(HostFS):
         return {ino: len(versions) for ino, (_, versions) in sorted(self._unsynced.items()) if ino in reachable}
 
     def _commit_metadata(self) -> None:
+        """The journal commit: the metadata of every reachable inode as it is now becomes what a
+        power loss goes back to. Only the inodes noted in ``_meta_changed`` since the last
+        commit are copied: every other reachable inode was reachable and unchanged at that
+        commit (an inode becomes reachable only as a new inode, or moved — both noted — or by a
+        power loss, which notes only what was never committed), so its commit stands. A noted inode that
+        is no longer reachable is copied too: it is in no committed directory now (the
+        directory it left is noted and copied), so no power loss can bring it back.
+        With nothing noted (``_meta_changed`` None: the first commit, notes dropped at
+        ``META_CHANGED_KEPT_MAX``) or ``commit_whole``, every reachable inode is copied."""
         self._commit_pending = False
-        for node in self._reachable():
-            node.durable_meta = node.meta()
+        noted = self._meta_changed
+        if noted is None or self.commit_whole:
+            for node in self._reachable():
+                node.durable_meta = node.meta()
+        else:
+            for node in noted.values():
+                node.durable_meta = node.meta()
+        self._meta_changed = {}
 
     def sync_all(self) -> None:
         """Everything now on the disk is durable (a tree that has been there for a while)."""
@@ -1063,6 +1175,7 @@ class MemoryHostFS(HostFS):
         for node in self._reachable():
             node.durable_meta = node.meta()
             node.durable_data = bytes(node.data)
+        self._meta_changed = {}
         self._unsynced.clear()
 
     def power_loss(self, keep: dict[int, int] | None = None) -> None:
@@ -1086,9 +1199,12 @@ class MemoryHostFS(HostFS):
             self._commit_metadata()
         self._resolved.clear()
         self.changes += 1
+        self.names += 1  # entries go back to the last commit
+        self.power_losses += 1
         if self._root.durable_meta is None:
             self._root.entries, self._root.xattrs = {}, {}
         revert_stack, seen = [self._root], set()
+        never_committed: dict[int, _Inode] = {}  # the root, if nothing was ever committed
         while revert_stack:
             node = revert_stack.pop()
             if node.ino in seen:
@@ -1098,10 +1214,13 @@ class MemoryHostFS(HostFS):
                 (node.mode, node.mtime_ns, node.ctime_ns, node.target, entries, xattrs, node.nlink, node.atime_ns,
                  node.uid, node.gid) = node.durable_meta
                 node.entries, node.xattrs = dict(entries), dict(xattrs)
+            else:
+                never_committed[node.ino] = node
             if node.ino in kept:
                 node.durable_data = kept[node.ino]
             node.data = bytearray(node.durable_data or b"")
             revert_stack.extend(node.entries.values())
+        self._meta_changed = never_committed  # every other reachable inode is as committed now
         self._unsynced.clear()
         self._locks.clear()
         self._epoch += 1  # the process died with the machine: its handles are gone
@@ -1125,6 +1244,7 @@ class MemoryHostFS(HostFS):
         self._locks[path] = (self.pid, lock)
         node.data[:] = f"{self.pid}\n".encode()
         node.mtime_ns = node.ctime_ns = self.clock()
+        self._note(node)
         if self.record_losses:
             self._record_version(node)
         return lock
