@@ -205,6 +205,10 @@ class BarrierModel(RuleBasedStateMachine):
         oldest = steps[-n].seq
         must_refuse = any(seq >= oldest for seq in self.barrier_seqs)
         before = self.world.snapshot()
+        # the moves being undone, newest first: an edit inside a tree a step moved is where
+        # undoing the move puts it (the user edited the file, not the sandbox's name for it)
+        moves = [r for step in reversed(steps[-n:]) for r in reversed(self.ws.records(step.id))
+                 if r["op"] in ("renamed", "exchanged")]
         try:
             self.ws.rollback(n)
         except (BarrierInTheWay, ExternalChange) as e:
@@ -215,6 +219,8 @@ class BarrierModel(RuleBasedStateMachine):
             return
         assert not must_refuse, "rollback crossed a barrier without force"
         self.barrier_seqs = [s for s in self.barrier_seqs if s < oldest]
+        self.external = {_moved_back(p, moves): data for p, data in self.external.items()}
+        self.origin = {_moved_back(p, moves): data for p, data in self.origin.items()}
         with self.world.paused():
             for path, data in self.external.items():
                 now = self._state(path)
@@ -241,9 +247,45 @@ class BarrierModel(RuleBasedStateMachine):
             assert shown == live
 
 
+def _moved_back(path: str, moves: list[dict]) -> str:
+    """Where ``path`` is after undoing ``moves`` (``renamed``/``exchanged`` records, newest
+    first): under a rename's destination it goes back under its source; under one side of an
+    exchange, under the other."""
+    for r in moves:
+        src, dst = r["src"], r["dst"]
+        if is_within(path, dst):
+            path = src + path[len(dst):]
+        elif r["op"] == "exchanged" and is_within(path, src):
+            path = dst + path[len(src):]
+    return path
+
+
 class RealBarrierModel(BarrierModel):
     backend = "real"
 
 
 TestBarrierModelSim = model_case(BarrierModel, 50, 25)
 TestBarrierModelReal = model_case(RealBarrierModel, 10, 15, 30)
+
+
+def test_an_edit_inside_a_tree_the_step_moved_moves_back_with_it():
+    """Hypothesis's example (seed 0): a step moves ``d2`` to ``d1/e/moved``; the user then
+    empties a file hard-linked as ``c.ln``, ``d1/c.ln`` and ``d1/e/moved/b``. Undoing the step
+    moves the directory back: the user's bytes are at ``d2/b`` and under the other names,
+    never overwritten — what the model expects wherever undoing a move puts an edit."""
+    m = BarrierModel()
+    try:
+        m.setup(seed=0)
+        m.step(count=1, seed=0)
+        m.external_replace(kind="file_by_dir", link_to="d2", pick=0, report=False)
+        m.forced_rollback()
+        m.external_replace(kind="dir_by_symlink", link_to="d2", pick=0, report=False)
+        m.step(count=1, seed=119394)
+        assert any(r["op"] == "renamed" and r["dst"] == "d1/e/moved" for r in m.ws.records(m.ws.steps()[-1].id))
+        m.external_edit(data=b"", delete=False, pick=2, report=False, touched_only=False)
+        assert m.external.get("d1/e/moved/b") == b""
+        m.rollback(n=1)
+        assert m.external.get("d2/b") == b"" and m.world.work.read_all("d2/b") == b""
+        assert m.world.work.read_all("c.ln") == b"" and m.world.work.lstat("c.ln").ino == m.world.work.lstat("d2/b").ino
+    finally:
+        m.teardown()
