@@ -401,12 +401,23 @@ def test_mcp_local_runs_on_the_mount_and_undoes_exactly(project, tmp_path):
 # ---------------------------------------------------------------------------- lifetime and errors
 
 
-def _alive(pid: int) -> bool:
+def _started(pid: int) -> int | None:
+    """When the live process ``pid`` started (``/proc/PID/stat`` field 22, clock ticks after
+    boot), or None: gone or a zombie. With the pid it names one process: the kernel hands a
+    freed pid out again (``pid_max`` is 32,768 on these machines, and the test suite starts
+    thousands), and a process that starts under a remembered pid is another one."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def _alive(proc: tuple[int, int | None]) -> bool:
+    """Is ``(pid, start)`` (:func:`_started`) still that running process?"""
+    pid, start = proc
+    return start is not None and _started(pid) == start
 
 
 def _descendants(root: int) -> set[int]:
@@ -444,12 +455,13 @@ def test_everything_dies_with_a_sigkilled_agent(project, tmp_path):
         assert len(spaces) == 1  # init's
         members = _pids_in(spaces.pop())
         assert len(members) >= 3, members  # init, the command, the daemon
+        procs = {(pid, _started(pid)) for pid in tree | members}  # a helper already gone is None: not alive
         p.kill()
         p.wait()
         deadline = time.monotonic() + WAIT_S  # a condition wait: the kernel delivers the death signals
-        while any(_alive(pid) for pid in tree | members) and time.monotonic() < deadline:
+        while any(_alive(proc) for proc in procs) and time.monotonic() < deadline:
             os.sched_yield()
-        assert not [pid for pid in tree | members if _alive(pid)]
+        assert not [proc for proc in procs if _alive(proc)]
     finally:
         if p.poll() is None:
             p.kill()
