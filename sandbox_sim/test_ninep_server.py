@@ -253,6 +253,18 @@ def test_open_then_unlink_keeps_the_file_usable(client, work):
     assert client.getattr(fid).size == 12
 
 
+def test_an_open_unlinked_file_keeps_the_mode_the_guest_gave_it(client, work):
+    """Tgetattr of an open fid reads the kept mode through the fid's own handle: after the
+    unlink (no path names the file) it still shows the set-uid bit the host never got."""
+    root, _ = client.attach()
+    fid, _ = client.walk(root, [])
+    client.lcreate(fid, "suid", m.DOTL_RDWR | m.DOTL_CREATE, 0o4750)
+    assert not os.stat(work / "suid").st_mode & stat.S_ISUID  # kept in the mapping, not on the host
+    assert stat.S_IMODE(client.getattr(fid).mode) == 0o4750
+    client.unlinkat(root, "suid", 0)
+    assert stat.S_IMODE(client.getattr(fid).mode) == 0o4750
+
+
 def test_rename_moves_every_fid_below_it(client, work):
     root, _ = client.attach()
     deep, _ = client.walk(root, ["sub", "deep.txt"])
