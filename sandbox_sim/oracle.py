@@ -128,20 +128,17 @@ class KeptSnapshot:
         self._read = [[p, node, node.ctime_ns] for p, node in walk]
         out: Snapshot = {}
         inodes: dict[int, list[str]] = {}
-        entries = self._entries if reuse else {}
-        kept = {}
+        if not reuse:
+            self._entries.clear()
         for p, node in walk:
             if node.kind == REG and node.nlink > 1:
                 inodes.setdefault(node.ino, []).append(p)
-            was = entries.get(node.ino)
-            if was is not None and was[0] == node.ctime_ns:
-                entry = was[1]
-            else:
-                entry = _entry(node)
-            kept[node.ino] = (node.ctime_ns, entry)
-            out[p] = entry
+            out[p] = self._entry_of(node)
         _link_groups(out, inodes)
-        self._entries = kept if reuse else {}  # the inodes in the tree now
+        if reuse:  # keep the entries of the inodes in the tree now only
+            self._entries = {node.ino: self._entries[node.ino] for _p, node in walk}
+        else:
+            self._entries.clear()
         self._snap = out
 
 

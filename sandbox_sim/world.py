@@ -161,7 +161,6 @@ class FaultyHostFS(HostFS):
 
         return call
 
-
     def entry(self, path: str) -> FaultyEntry:
         return FaultyEntry(self, self.inner.entry(path))
 
