@@ -3094,7 +3094,7 @@ def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
 
 
 def test_a_directory_handle_reads_its_entries_as_paths_are_read(env, fs):
-    """``open_dir``'s handle answers for its entries (``getattr_xattr_names_at``,
+    """``open_dir``'s handle answers for its entries (``getattr_at``, ``getattr_xattr_names_at``,
     ``getxattr_at``: the real fs's ``fstatat`` and ``l*xattr`` beneath the descriptor) as
     ``getattr_xattr_names`` and ``getxattr`` answer for their paths — a file, a symlink (its
     own, never followed), a subdirectory, a fifo — and still after the directory is renamed
@@ -3112,16 +3112,20 @@ def test_a_directory_handle_reads_its_entries_as_paths_are_read(env, fs):
         for n, (a, names) in want.items():
             got, got_names = h.getattr_xattr_names_at(n)
             assert got == a and sorted(got_names) == sorted(names), n
+            assert h.getattr_at(n) == a, n
         assert h.getxattr_at("f", "user.k") == b"v" and h.fstat() == fs.getattr("moved")
         check_errno(errno.ENODATA, h.getxattr_at, "f", "user.none")
         check_errno(errno.ENODATA, h.getxattr_at, "l", "user.k")  # the link's own: none
         check_errno(errno.ENOENT, h.getattr_xattr_names_at, "missing")
+        check_errno(errno.ENOENT, h.getattr_at, "missing")
         for bad in ("", ".", "..", "s/x"):
             check_errno(errno.EINVAL, h.getattr_xattr_names_at, bad)
+            check_errno(errno.EINVAL, h.getattr_at, bad)
             check_errno(errno.EINVAL, h.getxattr_at, bad, "user.k")
     finally:
         h.close()
     check_errno(errno.EBADF, h.getattr_xattr_names_at, "f")
+    check_errno(errno.EBADF, h.getattr_at, "f")
     check_errno(errno.ENOTDIR, fs.open_dir, "moved/f")
     check_errno(errno.ENOENT, fs.open_dir, "d")
     fs.symlink("moved", "dl")

@@ -189,6 +189,41 @@ def test_readdir_many_entries_packs_to_count_and_misses_nothing(client, work):
     assert all(e.type == m.DT_REG for e in seen[2:]) and seen[0].type == m.DT_DIR
 
 
+def test_an_open_directory_lists_the_directory_it_opened_wherever_it_moved(client, work):
+    """A fid open on a directory lists that directory — through the descriptor its Tlopen
+    took, as a local ``opendir`` does — even after the host moved it and put another
+    directory at its path: its own entries, with their own inodes and types."""
+    d = work / "d"
+    d.mkdir()
+    (d / "mine").write_bytes(b"1")
+    (d / "sub").mkdir()
+    root, _ = client.attach()
+    fid, _ = client.walk(root, ["d"])
+    client.lopen(fid, m.DOTL_RDONLY)
+    os.rename(d, work / "moved")
+    (work / "d").mkdir()
+    (work / "d" / "theirs").write_bytes(b"2")
+    entries = {e.name: e for e in client.readdir_all(fid)}
+    assert set(entries) == {".", "..", "mine", "sub"}
+    assert entries["."].qid.path == os.stat(work / "moved").st_ino
+    assert entries["mine"].qid.path == os.stat(work / "moved" / "mine").st_ino
+    assert (entries["mine"].type, entries["sub"].type) == (m.DT_REG, m.DT_DIR)
+
+
+def test_readdir_reports_emulated_devices_through_the_open_directory(ws, work):
+    """An emulated device (a guest's mknod: a placeholder file with the device xattr) is
+    listed with its device type, also when the listing's entries are looked up through the
+    directory's descriptor."""
+    with serve(Provider.intercepted(ws)) as (_st, path), Client.connect_unix(path) as c:
+        root, _ = c.attach()
+        c.rpc(m.Tmknod(root, "tty", stat.S_IFCHR | 0o600, 5, 0, 0))
+        c.rpc(m.Tmknod(root, "blk", stat.S_IFBLK | 0o600, 8, 1, 0))
+        fid, _ = c.walk(root, [])
+        c.lopen(fid, m.DOTL_RDONLY)
+        types = {e.name: e.type for e in c.readdir_all(fid)}
+    assert (types["tty"], types["blk"], types["hello.txt"]) == (m.DT_CHR, m.DT_BLK, m.DT_REG)
+
+
 def test_readdir_reports_types_and_special_files(client, work):
     os.mkfifo(work / "fifo")
     os.symlink("hello.txt", work / "ln")

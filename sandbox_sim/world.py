@@ -36,7 +36,7 @@ class FaultyHandle:
             "setxattr": "setxattr", "removexattr": "removexattr", "fallocate": "fallocate",
             "copy_range_to": "copy_file_range", "lseek": "lseek",
             # a directory's handle (HostFS.open_dir)
-            "listdir": "listdir", "getattr_xattr_names_at": "getattr", "getxattr_at": "getxattr"}
+            "listdir": "listdir", "getattr_at": "getattr", "getattr_xattr_names_at": "getattr", "getxattr_at": "getxattr"}
     #: what passes without the injector: no host call (or only the descriptor's close)
     _UNFAULTED = frozenset({"close", "closed", "path", "flags"})
 

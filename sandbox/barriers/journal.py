@@ -465,6 +465,9 @@ class RecordingFileHandle(FileHandle):
     def listxattr(self) -> list[str]:
         return self.inner.listxattr()
 
+    def getattr_at(self, name: str) -> Attr:
+        return self.inner.getattr_at(name)
+
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         return self.inner.getattr_xattr_names_at(name)
 

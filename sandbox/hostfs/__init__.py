@@ -408,6 +408,12 @@ class FileHandle(ABC):
         except OSError:
             return a, []
 
+    def getattr_at(self, name: str) -> Attr:
+        """For a directory's handle: :meth:`HostFS.getattr` of its entry ``name``, found as
+        :meth:`getattr_xattr_names_at` finds it (a final symlink's own attributes), without
+        the xattr names. Here: ``EOPNOTSUPP``."""
+        raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
+
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """For a directory's handle (:meth:`HostFS.open_dir`): :meth:`HostFS.getattr_xattr_names`
         of its entry ``name`` — looked up in this directory's inode wherever its path now is,

@@ -257,6 +257,12 @@ class MemoryFileHandle(FileHandle):
             raise _err(errno.ENOTDIR, self.path)
         return list(self._node.entries)
 
+    def getattr_at(self, name: str) -> Attr:
+        """The entry ``name`` of the directory inode held, as :meth:`MemoryHostFS.getattr`
+        reports a path's (the same fault hook)."""
+        self._call("getattr")
+        return self._entry_at(name).attr()
+
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """The entry ``name`` of the directory inode held (:meth:`MemoryHostFS.open_dir`), as
         :meth:`MemoryHostFS.getattr_xattr_names` reports a path's."""

@@ -186,6 +186,15 @@ class Provider:
         a, names = directory.getattr_xattr_names_at(entry.name)
         return self._as_device(path, self._guest_attr(path, a, entry, view=_view(cred), names=names), names, entry)
 
+    def lookup_at(self, directory: FileHandle, path: str) -> Attr:
+        """:meth:`lookup` of ``path``, an entry of the directory open on ``directory`` (from
+        :meth:`open_dir`): found in that directory's inode wherever its path is now, no path
+        resolved (``FileHandle.getattr_at``; only an empty regular file costs an xattr read
+        more, as for :meth:`lookup`) — a listing's qids and d_types."""
+        self._see(path)
+        entry = _EntryOf(directory, path.rsplit("/", 1)[-1])
+        return self._as_device(path, directory.getattr_at(entry.name), handle=entry)
+
     def lookup(self, path: str) -> Attr:
         """The host's attributes of ``path`` without the guest's mode — for what only names an
         entry (a 9P qid: type, inode, mtime; a readdir d_type). Anything that reports a

@@ -21,7 +21,8 @@ Invariants:
   a new file there); with no handle on that inode left it is ``ESTALE``;
 * bounded (:class:`~sandbox.limits.ServerLimits`): fids per connection (``ENFILE``
   beyond); open host handles per connection (``EMFILE``; also never more than a share of
-  the process's budget) and in the whole process (the shared
+  the process's budget; an opened directory takes one while one is free — its listing and
+  its entries are read through it — and is read by path when none is) and in the whole process (the shared
   :class:`~sandbox.limits.DescriptorBudget`, ``ENFILE``); xattr values ≤ 64 KiB
   each and the bytes of values held for one connection's xattr fids (``ENOMEM``);
   directory listings kept between Treaddirs (least recently used dropped first, see
@@ -106,6 +107,7 @@ class Fid:
     kind: str
     opened: bool = False
     handle: FileHandle | None = None
+    dir_handle: FileHandle | None = None  # an open directory's descriptor (listed through it), if one was free
     dir_names: list[str] | None = None  # the kept listing (a tail of it after a resume), or None
     dir_base: int = 0  # the readdir offset of dir_names[0]
     dir_last: tuple[int, str] | None = None  # (offset after, name) of the last entry returned
@@ -240,11 +242,12 @@ class Connection:
             self.xattr_bytes -= len(f.xattr_value)
         if f.xattr_new is not None:
             self.xattr_bytes -= f.xattr_new.size
-        if f.handle is not None:
-            self.open_files -= 1
-            self.descriptors.release()
-            h, f.handle = f.handle, None
-            h.close()
+        for h in (f.handle, f.dir_handle):
+            if h is not None:
+                self.open_files -= 1
+                self.descriptors.release()
+                h.close()
+        f.handle = f.dir_handle = None
 
     def _attr(self, f: Fid) -> Attr:
         if f.handle is not None:
@@ -403,6 +406,9 @@ class Connection:
         if a.kind == DIR:
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise OSError(errno.EISDIR, "is a directory", f.path)
+            f.dir_handle = self._dir_descriptor(provider, f.path)
+            if f.dir_handle is not None:
+                a = f.dir_handle.fstat()  # the directory opened (the path may have changed since the getattr)
         elif a.kind == REG:
             f.handle = self._opened(lambda: provider.open(f.path, flags, cred=f.cred))
             a = f.handle.fstat()  # the inode opened (the path may have changed since the getattr)
@@ -412,6 +418,18 @@ class Connection:
             raise OSError(errno.EPERM, "special files are never opened on the host", f.path)
         f.opened, f.kind, f.inode = True, a.kind, _inode(a)
         return m.Rlopen(qid_of(a), self.iounit)
+
+    def _dir_descriptor(self, provider, path: str) -> FileHandle | None:
+        """A descriptor of the directory ``path`` for its fid's listing — the directory this
+        open found, listed and its entries looked up through it wherever it moves — within
+        the descriptor limits; None where none is left or the host has none (the listing then
+        goes by path, as it did before directories kept one)."""
+        try:
+            return self._opened(provider.open_dir, path)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.EOPNOTSUPP, errno.ENOTSUP):
+                return None
+            raise
 
     def _lcreate(self, msg: m.Tlcreate) -> m.Rlcreate:
         d = self._dir(msg.fid)
@@ -511,7 +529,7 @@ class Connection:
         f = self._fid(msg.fid)
         if f.kind != DIR or not f.opened:
             raise OSError(errno.ENOTDIR if f.kind != DIR else errno.EBADF, "not an open directory", f.path)
-        provider = f.export.provider
+        provider, held = f.export.provider, f.dir_handle
         names, base = self._listing(f, msg.offset)
         start = msg.offset - base
         count = min(msg.count, self.msize - READDIR_HEADER)
@@ -522,8 +540,9 @@ class Connection:
             if used + size > count:
                 break
             target = f.path if name == "." else parent_of(f.path) if name == ".." else f.path + "/" + name if f.path else name
-            try:
-                a = provider.lookup(target)  # a qid and a d_type: no mode needed
+            try:  # a qid and a d_type: no mode needed; through the open directory where it has a descriptor
+                a = provider.lookup(target) if held is None or name == ".." else held.fstat() if name == "." \
+                    else provider.lookup_at(held, target)
             except OSError:
                 continue  # vanished since the listing: skip it, keep the cookies stable
             entries.append(m.Dirent(qid_of(a), base + i + 1, _dtype(a), name))
@@ -554,7 +573,7 @@ class Connection:
             self._listings.move_to_end(f)
             return f.dir_names, f.dir_base
         self._forget_listing(f)
-        names = [".", ".."] + sorted(f.export.provider.listdir(f.path))
+        names = [".", ".."] + sorted(f.export.provider.listdir(f.path, handle=f.dir_handle))
         base, last = 0, f.dir_last
         if offset != 0 and last is not None and last[0] == offset:
             after = {".": 1, "..": 2}.get(last[1])
