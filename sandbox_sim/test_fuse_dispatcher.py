@@ -988,7 +988,8 @@ def test_no_open_readdirplus_reads_each_entry_through_the_listed_directorys_desc
     descriptor (``fstatat`` and ``llistxattr`` beneath it: 2 system calls where a path takes
     4), with the same mapping as a GETATTR — a file's kept set-uid bit, an emulated device, a
     symlink as itself — and so answers for the inode it listed, also after the directory was
-    renamed beside the mount (by path, every entry would be gone and skipped)."""
+    renamed beside the mount (by path, every entry would be gone and skipped); a plain READDIR
+    too (the inode and type of each)."""
     _readdirplus_through_the_directorys_descriptor(nomnt)
 
 
@@ -1053,6 +1054,12 @@ def _readdirplus_through_the_directorys_descriptor(mo, held_before: int | None =
         assert typ == stat.S_IFMT(a.mode) >> 12, name
     assert got["f"][1][9] & 0o7777 == 0o4755 and stat.S_ISLNK(got["l"][1][9])
     assert stat.S_ISCHR(got["null"][1][9]) and got["null"][1][13] == dev
+    # a plain READDIR (inode and type only) looks its entries up through the same descriptor
+    data = bytes(mo.call(m.Readdir(H(abi.Opcode.READDIR, d), o.fh, 0, 4096, 0, 0, 0)).data)
+    plain = {name.decode(): (ino, typ) for ino, _off, typ, name, _e in ref_parse_dirents(data, False)}
+    assert sorted(plain) == [".", "..", "f", "l", "null"]
+    assert {n: plain[n] for n in want} == {n: (a.ino, stat.S_IFMT(a.mode) >> 12) for n, a in want.items()}
+    assert plain["."][0] == os.stat(mo.host("moved")).st_ino
     mo.call(m.Releasedir(H(abi.Opcode.RELEASEDIR, d), o.fh, 0, 0, 0))
 
 

@@ -1320,10 +1320,11 @@ class Dispatcher:
         plus = isinstance(req, m.Readdirplus)
         packer = DirentPacker(min(req.size, abi.MAX_WRITE_BYTES), plus)
         base = d.node.path
-        # each entry's attributes through a descriptor of the directory (2 system calls where a
-        # path takes 4): no-open, the node's own; else the one OPENDIR took; where none, by path
+        # each entry looked up through a descriptor of the directory (READDIRPLUS's attributes: 2
+        # system calls where a path takes 4; READDIR's inode and type: 1 where a path takes 3):
+        # no-open, the node's own; else the one OPENDIR took; where none, by path
         try:
-            held = self._dir_descriptor(d.node) if plus and self.no_open else d.handle if plus else None
+            held = self._dir_descriptor(d.node) if self.no_open else d.handle
         except OSError:  # no descriptor left in the budget (ENFILE): by path
             held = None
         cred = self._cred(req)
@@ -1344,7 +1345,7 @@ class Dispatcher:
                 if name == "." and held is not None:  # the listed inode itself
                     a = held.fstat()
                 elif not plus or dots:  # only the inode and the type are sent for these
-                    a = self.provider.lookup(path)
+                    a = self.provider.lookup(path) if held is None or name == ".." else self.provider.lookup_at(held, path)
                 elif held is not None:
                     a = self.provider.getattr_at(held, path, cred=cred)
                 else:
