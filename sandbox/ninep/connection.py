@@ -401,7 +401,7 @@ class Connection:
         if f.opened:
             raise OSError(errno.EBADF, "fid is already open")
         provider = f.export.provider
-        a = provider.getattr(f.path)
+        a = provider.lookup(f.path)  # its kind (the reply's qid is the opened descriptor's)
         flags = os_flags(msg.flags)
         if a.kind == DIR:
             if flags & os.O_ACCMODE != os.O_RDONLY:
