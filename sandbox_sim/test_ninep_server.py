@@ -20,6 +20,7 @@ from sandbox.limits import ServerLimits
 from sandbox.mounts import Provider, memory_tree
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client
+from sandbox.ninep import server as server_module
 from sandbox.ninep.server import ServerConfig
 from sandbox_sim import oracle
 from sandbox.ninep.wirefs import WireFS, serve
@@ -85,6 +86,25 @@ def test_reads_are_clamped_to_iounit(ws, work):
             assert iounit == 65536 - 24
             assert len(c.read(fid, 0, 1 << 20)) == iounit
             assert c.read_all(fid) == (work / "big").read_bytes()
+
+
+def test_frames_larger_than_one_read_and_many_in_one_read_arrive_whole(ws, work):
+    """The server reads each connection into one kept buffer (``READ_BUFFER_BYTES``): a
+    1 MiB Twrite spans four reads of it and lands whole; a hundred pipelined requests sent in
+    one write are all answered; the buffer's reuse never mixes one read's bytes into another's."""
+    data = os.urandom(server_module.READ_BUFFER_BYTES * 4 - 1000)
+    with serve(Provider.intercepted(ws)) as (_st, path), Client.connect_unix(path, msize=1 << 20) as c:
+        root, _ = c.attach()
+        fid, _ = c.walk(root, [])
+        c.lcreate(fid, "big", m.DOTL_WRONLY | m.DOTL_CREATE, 0o644)
+        assert c.write(fid, 0, data) == len(data)
+        c.clunk(fid)
+        tags = c.send_many(m.Tgetattr(root, m.GETATTR_ALL) for _ in range(100))
+        assert all(type(c.wait(t)) is m.Rgetattr for t in tags)
+        again = c.walk_path("big")
+        c.lopen(again, m.DOTL_WRONLY)
+        assert c.write(again, 0, b"second") == 6
+    assert (work / "big").read_bytes() == b"second" + data[6:]
 
 
 def test_write_read_rename_unlink_land_on_host_and_undo_exactly(ws, work, served):
