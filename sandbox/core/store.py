@@ -181,6 +181,10 @@ class OpenStep:
     #: an append raised, so bytes may lie past ``journal_offset`` (a write that failed
     #: part-way): the step's finish looks at the file's size and cuts them off
     tail_unknown: bool = False
+    #: records held for the next journal write (:meth:`UndoLog.hold`), each with its sealed
+    #: line: written, in order, with the next line appended or by :meth:`UndoLog.flush` —
+    #: before the host call they describe runs; not in ``records`` until written
+    held: list[tuple[dict, bytes]] = field(default_factory=list)
 
     # set when the step has ended (its command finished) but its promotion failed: the
     # exit code and whether a safeguard denied it; promotion is retried at the next boundary
@@ -849,23 +853,42 @@ class UndoLog:
 
     def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None, *,
                      record: bool = False) -> None:
-        """Append one sealed journal line. Once the write has succeeded the line exists, so
-        memory is updated (``written``; ``record``: ``obj`` becomes the step's last record, at
-        this line) *before* the fsync: if the fsync fails the caller's operation fails, but
-        memory and file still agree (record indices, line numbers, offsets and the running
-        journal hash never drift). A void still owed (``pending_void``) is written first: no
-        line may follow an intent that never ran."""
+        """Append one sealed journal line — after the records held for it (:meth:`hold`), in
+        the same write. Once the write has succeeded the lines exist, so memory is updated
+        (``written``; ``record``: ``obj`` becomes the step's last record, at this line; each
+        held record before it) *before* the fsync: if the fsync fails the caller's operation
+        fails, but memory and file still agree (record indices, line numbers, offsets and the
+        running journal hash never drift). If the write fails, the held records are dropped
+        with it (their host call will not run). A void still owed (``pending_void``) is
+        written first: no line may follow an intent that never ran. A void line itself goes
+        before held records (none are held when a void is written: see :meth:`hold`)."""
         if step.pending_void and obj.get("op") != "void":
             self.void([])
         line = seal(obj)
+        held = step.held if obj.get("op") != "void" else ()
+        data = b"".join([h[1] for h in held] + [line]) if held else line
         try:
             if step.journal_out is not None:
-                step.journal_out.pwrite_all(line, step.journal_offset)
+                step.journal_out.pwrite_all(data, step.journal_offset)
             else:
-                self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
+                self.fs.write_all(WAL_JOURNAL, step.journal_offset, data)
         except BaseException:
             step.tail_unknown = True
+            if held:
+                step.held = []
             raise
+        if held:
+            step.held = []
+            for h in held:
+                self._wrote(step, h[0], h[1], True)
+        self._wrote(step, obj, line, record)
+        if written is not None:
+            written()
+        self._sync(WAL_JOURNAL)
+
+    @staticmethod
+    def _wrote(step: OpenStep, obj: dict, line: bytes, record: bool) -> None:
+        """Memory after ``line`` (``seal(obj)``) was written at the journal's end."""
         step.journal_offset += len(line)
         step.journal_lines += 1
         if step.lines is not None:
@@ -879,9 +902,25 @@ class UndoLog:
         if record:  # after the line (and any owed void before it): the step's last line
             step.records.append(obj)
             step.record_lines.append(step.journal_lines - 1)
-        if written is not None:
-            written()
-        self._sync(WAL_JOURNAL)
+
+    def hold(self, rec: dict) -> None:
+        """Journal ``rec`` with the next line appended — one write for an operation's
+        preimages and its intent — or at :meth:`flush`, whichever comes first. The caller
+        flushes before the host call the record is for (rule 1: the interceptor's hooks do,
+        as they return or raise); if the process dies first, that call never ran. A void
+        still owed is written now, before anything is held."""
+        step = self.open_step
+        assert step is not None
+        if step.pending_void:
+            self.void([])
+        step.held.append((rec, seal(rec)))
+
+    def flush(self) -> None:
+        """Write the records :meth:`hold` holds, in one write (nothing if none)."""
+        step = self.open_step
+        if step is not None and step.held:
+            rec, _ = step.held.pop()
+            self._append_line(step, rec, record=True)
 
     def _keep_journal(self, step: OpenStep, keep: bool = True) -> None:
         """Close the open step's journal handle, if any, and (``keep``) open one on the journal
@@ -1009,6 +1048,7 @@ class UndoLog:
         """Fingerprint what the step left, write its manifest, promote it (rule 4), apply limits."""
         step = self.open_step
         assert step is not None
+        self.flush()  # none held: the hooks flush (else written now, as before the promotion)
         if step.pending_void and not step.unprotected:
             self.void([])
         live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
@@ -1109,6 +1149,7 @@ class UndoLog:
         """
         step = self.open_step
         assert step is not None
+        step.held = []  # none: the hooks flush (a held record's host call never ran)
         owed = set(step.pending_void)  # intents that never ran, their void not yet written
         live = [r for n, r in enumerate(step.records) if r.get("op") not in ("void", "unprotected") and n not in owed]
         not_restored: list[tuple[str, str]] = []
