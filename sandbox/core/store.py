@@ -5,7 +5,7 @@ Layout (all reached through the store's HostFS, rooted at the state directory)::
     VERSION               format version, "1"
     lock                  flock'd by the opener; holds its pid
     WORKDIR               the working folder's real path (for humans)
-    counters.json         next step seq / id / ambient id (ids are never reused)
+    counters.json         bounds on the next step seq / id / ambient id (ids are never reused: COUNTERS_LEASE_STEPS)
     wal/in_progress/      the open step: journal.jsonl (+ b/<n> preimage blobs)
     wal/rollback/         a step being rolled back: its files + progress (1 byte/record)
                           (+ ``forced``: the user forced it, and so is its resumption)
@@ -92,6 +92,12 @@ PARSED_JOURNALS_KEPT_MAX = 16
 #: past the bound a finished reader's context is dropped
 DECOMPRESSORS_KEPT_MAX = 4
 PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
+#: ``counters.json`` holds bounds, not exact counters: when a step begins past the bounds it
+#: last wrote, it writes new ones this many steps ahead (seq, id and ambient id alike), so
+#: most steps begin without a write; a clean close writes the exact counters. Every seq and id
+#: handed out lies below the bounds on the disk before its step's WAL exists, so none is ever
+#: reused; after a crash the next ones continue from the bounds (a gap of at most this many).
+COUNTERS_LEASE_STEPS = 64
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
@@ -567,6 +573,9 @@ class UndoLog:
         self._inline_checked: dict[tuple, bytes] = {}  # _inline_key -> verified bytes (INLINE_CHECKED_KEPT_MAX)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
+        #: what ``counters.json`` holds, as far as this process knows (None: unknown, missing
+        #: or corrupt): every counter handed out lies below its bound there (COUNTERS_LEASE_STEPS)
+        self._leased: dict | None = None
         self._reflink_ok: bool | None = None
         self.eviction_pending = False
         #: known, while the store is locked by this process, that ``wal/rollback`` (resp.
@@ -611,6 +620,11 @@ class UndoLog:
     def close(self) -> None:
         if self.open_step is not None:
             self._keep_journal(self.open_step, keep=False)
+        if self._lock is not None and self._leased is not None and self._leased != self._counters:
+            try:  # the exact counters, so a clean reopen continues without a gap (the bounds stand if this fails)
+                self._save_counters()
+            except OSError:
+                pass
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -697,6 +711,7 @@ class UndoLog:
         self._set_steps([])
         self._barriers = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
+        self._leased = None
         self._init_fresh(workdir_label)
         self.available, self.version_problem = True, None
 
@@ -720,6 +735,7 @@ class UndoLog:
             for key in self._counters:
                 _need_int(counters, key)
             self._counters.update(counters)
+            self._leased = {key: counters[key] for key in self._counters}
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
@@ -820,8 +836,23 @@ class UndoLog:
         self._counters[key] = value - 1 if ambient else value + 1
         return value
 
-    def _save_counters(self) -> None:
-        self._write_file("counters.json", seal(self._counters))
+    def _save_counters(self, lease: bool = False) -> None:
+        """Write ``counters.json``: the exact counters, or (``lease``) bounds
+        COUNTERS_LEASE_STEPS ahead of them."""
+        c = dict(self._counters)
+        if lease:
+            c["next_seq"] += COUNTERS_LEASE_STEPS
+            c["next_id"] += COUNTERS_LEASE_STEPS
+            c["next_ambient"] -= COUNTERS_LEASE_STEPS
+        self._leased = None  # unknown while it is being replaced
+        self._write_file("counters.json", seal(c))
+        self._leased = c
+
+    def _counters_leased(self) -> bool:
+        """Every counter handed out so far lies below the bounds ``counters.json`` holds."""
+        c, lease = self._counters, self._leased
+        return (lease is not None and c["next_seq"] <= lease["next_seq"] and c["next_id"] <= lease["next_id"]
+                and c["next_ambient"] >= lease["next_ambient"] and c["next_barrier"] <= lease["next_barrier"])
 
     # ------------------------------------------------------------------ the open step
 
@@ -834,7 +865,8 @@ class UndoLog:
             self.enforce_limits(best_effort=True)
         seq = self._counters["next_seq"]
         self._counters["next_seq"] = seq + 1
-        self._save_counters()
+        if not self._counters_leased():  # (the step's id was handed out already: allocate_id)
+            self._save_counters(lease=True)
         now = self.clock_ns()
         step = OpenStep(seq=seq, id=step_id, type=step_type, command=command, started_ns=now, touched_ns=now)
         self._no_wal_dir = False
@@ -1186,7 +1218,7 @@ class UndoLog:
         after = self.open_step.seq if self.open_step is not None else max([s.seq for s in self._steps], default=0)
         b = Barrier(id=self._counters["next_barrier"], after_seq=after, paths=sorted(paths)[:1000], created_ns=self.clock_ns(), reason=reason)
         self._counters["next_barrier"] += 1
-        self._save_counters()
+        self._save_counters(lease=True)  # (bounds ahead, as a step's begin writes them: not lowered)
         self._write_file(f"barriers/{b.id:010d}.json", seal(b.__dict__))
         self._barriers.append(b)
         return b
