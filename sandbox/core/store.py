@@ -884,7 +884,7 @@ class UndoLog:
         return step
 
     def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None, *,
-                     record: bool = False) -> None:
+                     record: bool = False, line: bytes | None = None) -> None:
         """Append one sealed journal line — after the records held for it (:meth:`hold`), in
         the same write. Once the write has succeeded the lines exist, so memory is updated
         (``written``; ``record``: ``obj`` becomes the step's last record, at this line; each
@@ -893,10 +893,12 @@ class UndoLog:
         running journal hash never drift). If the write fails, the held records are dropped
         with it (their host call will not run). A void still owed (``pending_void``) is
         written first: no line may follow an intent that never ran. A void line itself goes
-        before held records (none are held when a void is written: see :meth:`hold`)."""
+        before held records (none are held when a void is written: see :meth:`hold`).
+        ``line``: ``seal(obj)``, if the caller has it."""
         if step.pending_void and obj.get("op") != "void":
             self.void([])
-        line = seal(obj)
+        if line is None:
+            line = seal(obj)
         held = step.held if obj.get("op") != "void" else ()
         data = b"".join([h[1] for h in held] + [line]) if held else line
         try:
@@ -951,8 +953,8 @@ class UndoLog:
         """Write the records :meth:`hold` holds, in one write (nothing if none)."""
         step = self.open_step
         if step is not None and step.held:
-            rec, _ = step.held.pop()
-            self._append_line(step, rec, record=True)
+            rec, line = step.held.pop()
+            self._append_line(step, rec, record=True, line=line)
 
     def _keep_journal(self, step: OpenStep, keep: bool = True) -> None:
         """Close the open step's journal handle, if any, and (``keep``) open one on the journal
