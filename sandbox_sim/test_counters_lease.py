@@ -9,6 +9,8 @@ host call of steps that cross lease bounds, with rollbacks, ambient steps and ev
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from sandbox.core import store as store_mod
@@ -159,3 +161,17 @@ def test_a_store_whose_counters_json_holds_exact_counters_continues_after_them()
     with ws.step("next") as t:
         ws.fs.write_file("g", b"y")
     assert t.id == exact["next_id"]
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+def test_a_close_whose_counters_write_fails_releases_the_store_and_the_bounds_stand(code):
+    w, ws = _world()
+    with ws.step("s") as s:
+        ws.fs.write_file("f", b"x")
+    w.injector = FaultInjector(error_if=(lambda disk, op, path: disk == "store" and path.startswith("counters.json"), code))
+    ws.close()  # no error: the exact counters are a nicety
+    w.injector = FaultInjector()
+    ws = w.open()  # the lock was released
+    with ws.step("next") as t:
+        ws.fs.write_file("g", b"y")
+    assert t.id == s.id + 1 + store_mod.COUNTERS_LEASE_STEPS

@@ -620,12 +620,18 @@ class UndoLog:
     def close(self) -> None:
         if self.open_step is not None:
             self._keep_journal(self.open_step, keep=False)
-        if self._lock is not None and self._leased is not None and self._leased != self._counters:
-            try:  # the exact counters, so a clean reopen continues without a gap (the bounds stand if this fails)
-                self._save_counters()
-            except OSError:
-                pass
-        if self._lock is not None:
+        if self._lock is None:
+            return
+        try:
+            if self._leased is not None and self._leased != self._counters:
+                # the exact counters — below the bounds, above every seq and id handed out (they
+                # are the next ones) — so a clean reopen continues without a gap; if this fails,
+                # the bounds stand and the lock is released all the same
+                try:
+                    self._save_counters()
+                except OSError:
+                    pass
+        finally:
             self._lock.release()
             self._lock = None
 
