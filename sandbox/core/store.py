@@ -924,7 +924,8 @@ class UndoLog:
         self._wrote(step, obj, line, record)
         if written is not None:
             written()
-        self._sync(WAL_JOURNAL)
+        if self.durable:  # (no call of _sync otherwise: once per journal write)
+            self._sync(WAL_JOURNAL)
 
     @staticmethod
     def _wrote(step: OpenStep, obj: dict, line: bytes, record: bool) -> None:
@@ -1507,7 +1508,8 @@ class UndoLog:
             done += 1
             if progress is not None:
                 self.fs.write_all(progress_file, done - 1, b".")
-                self._sync(progress_file)
+                if self.durable:  # (no call of _sync otherwise: once per record undone)
+                    self._sync(progress_file)
         plan = preimage.dir_meta_plan(records[stop:])
         for rec in plan:
             preimage.apply_dir_meta(work, rec)
