@@ -116,7 +116,7 @@ class InterceptedFS(TreeOps):
             except Exception:
                 i.op_failed()
                 raise
-            if sync:
+            if sync and i.log.durable:
                 i.log.sync_work(self.host, *sync)  # power-loss mode: each mutation durable before the next
             return result
 

@@ -44,6 +44,7 @@ rename the server did not see (the host's) — the change to it is not captured.
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 from typing import Callable
 
@@ -55,6 +56,27 @@ from .steps import AMBIENT, StepTracker
 from .store import UndoLog
 
 META, FULL = 1, 2
+
+
+def _journalled(hook):
+    """A pre-hook whose preimage records are held (:meth:`UndoLog.hold`) and written with its
+    intent — one journal write per operation — or, if it has none, when it returns; also when
+    it raises (as they were before, each written as captured), so the journal never lacks a
+    record whose capture succeeded. A write that fails then does not hide the hook's error."""
+    @functools.wraps(hook)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            try:
+                result = hook(self, *args, **kwargs)
+            except BaseException:
+                try:
+                    self.log.flush()
+                except BaseException:  # noqa: BLE001 - the hook's own error is the one to report
+                    pass
+                raise
+            self.log.flush()
+            return result
+    return run
 
 
 #: at most this many paths are listed in a step_completed event (paths_count has the total)
@@ -367,7 +389,7 @@ class UndoInterceptor:
                 own.close()
         if not self._account(rec):
             return
-        self.log.append(rec)
+        self.log.hold(rec)  # written with the operation's intent, or as the hook returns (_journalled)
         self._set_mark(path, FULL if rec["op"] == "pre" else META)
 
     def _other_names(self, path: str, st: Stat) -> list[str]:
@@ -413,6 +435,7 @@ class UndoInterceptor:
 
     # ------------------------------------------------------------------ content hooks
 
+    @_journalled
     def _content_hook(self, path: str, gate_overwrite: bool, handle: FileHandle | None = None) -> None:
         with self.lock:
             st = self._lstat(path) if gate_overwrite else None
@@ -436,6 +459,7 @@ class UndoInterceptor:
         """Bytes copied into the file at ``dst_path``, or into ``handle``'s."""
         self._content_hook(dst_path, gate_overwrite=False, handle=handle)
 
+    @_journalled
     def pre_setattr(self, path: str, size: int | None = None, handle: FileHandle | None = None) -> None:
         """chmod/chown/utimes (metadata) or, with ``size``, a truncate (contents) — of the
         file at ``path``, or of ``handle``'s (module docstring)."""
@@ -448,6 +472,7 @@ class UndoInterceptor:
             elif self._enter():
                 self._capture(path, META, handle=handle)
 
+    @_journalled
     def pre_xattr(self, path: str, handle: FileHandle | None = None) -> None:
         with self.lock:
             if self._enter():
@@ -455,6 +480,7 @@ class UndoInterceptor:
 
     # ------------------------------------------------------------------ entry hooks
 
+    @_journalled
     def pre_unlink(self, path: str, is_dir: bool, reader: FileHandle | None = None,
                    look: Entry | None = None) -> None:
         """``reader``: a descriptor the caller holds that may be on the file at ``path``; its
@@ -473,6 +499,7 @@ class UndoInterceptor:
                 self._capture(path, FULL, reader=reader, look=look)
             self._set_mark(path, None)  # a directory being removed is empty: no marks below it
 
+    @_journalled
     def pre_create(self, path: str) -> None:
         """Something new (file, directory, symlink) is about to appear at ``path``."""
         with self.lock:
@@ -491,6 +518,7 @@ class UndoInterceptor:
     def post_symlink(self, target: str, link_path: str) -> None:
         """A symlink was created (its intent was journalled by pre_create)."""
 
+    @_journalled
     def pre_link(self, target: str, link_path: str) -> None:
         with self.lock:
             if not self._enter() or self._lstat(link_path) is not None:
@@ -502,6 +530,7 @@ class UndoInterceptor:
                 if t is not None and t.kind == REG:
                     self._names.setdefault(t.ino, set()).update((target, link_path))
 
+    @_journalled
     def pre_rename(self, src: str, dst: str) -> None:
         with self.lock:
             s = self._lstat(src)
@@ -529,6 +558,7 @@ class UndoInterceptor:
                 self._set_mark(src, None)
                 self._set_mark(dst, m)
 
+    @_journalled
     def pre_exchange(self, a: str, b: str) -> None:
         """``a`` and ``b`` are about to swap names (RENAME_EXCHANGE). Journalled as the two
         parents' preimages and one ``exchanged`` intent carrying both inode numbers (its undo

@@ -5,7 +5,7 @@ Layout (all reached through the store's HostFS, rooted at the state directory)::
     VERSION               format version, "1"
     lock                  flock'd by the opener; holds its pid
     WORKDIR               the working folder's real path (for humans)
-    counters.json         next step seq / id / ambient id (ids are never reused)
+    counters.json         bounds on the next step seq / id / ambient id (ids are never reused: COUNTERS_LEASE_STEPS)
     wal/in_progress/      the open step: journal.jsonl (+ b/<n> preimage blobs)
     wal/rollback/         a step being rolled back: its files + progress (1 byte/record)
                           (+ ``forced``: the user forced it, and so is its resumption)
@@ -92,6 +92,12 @@ PARSED_JOURNALS_KEPT_MAX = 16
 #: past the bound a finished reader's context is dropped
 DECOMPRESSORS_KEPT_MAX = 4
 PARSED_JOURNAL_KEPT_BYTES_MAX = 1 << 20
+#: ``counters.json`` holds bounds, not exact counters: when a step begins past the bounds it
+#: last wrote, it writes new ones this many steps ahead (seq, id and ambient id alike), so
+#: most steps begin without a write; a clean close writes the exact counters. Every seq and id
+#: handed out lies below the bounds on the disk before its step's WAL exists, so none is ever
+#: reused; after a crash the next ones continue from the bounds (a gap of at most this many).
+COUNTERS_LEASE_STEPS = 64
 REPORT_PATHS_MAX = 100  # paths named in a recovery report (the message gives the count)  # a step's journal header is read for history when its manifest is corrupt
 
 WAL = "wal/in_progress"
@@ -181,6 +187,10 @@ class OpenStep:
     #: an append raised, so bytes may lie past ``journal_offset`` (a write that failed
     #: part-way): the step's finish looks at the file's size and cuts them off
     tail_unknown: bool = False
+    #: records held for the next journal write (:meth:`UndoLog.hold`), each with its sealed
+    #: line: written, in order, with the next line appended or by :meth:`UndoLog.flush` —
+    #: before the host call they describe runs; not in ``records`` until written
+    held: list[tuple[dict, bytes]] = field(default_factory=list)
 
     # set when the step has ended (its command finished) but its promotion failed: the
     # exit code and whether a safeguard denied it; promotion is retried at the next boundary
@@ -563,6 +573,9 @@ class UndoLog:
         self._inline_checked: dict[tuple, bytes] = {}  # _inline_key -> verified bytes (INLINE_CHECKED_KEPT_MAX)
         self._barriers: list[Barrier] = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
+        #: what ``counters.json`` holds, as far as this process knows (None: unknown, missing
+        #: or corrupt): every counter handed out lies below its bound there (COUNTERS_LEASE_STEPS)
+        self._leased: dict | None = None
         self._reflink_ok: bool | None = None
         self.eviction_pending = False
         #: known, while the store is locked by this process, that ``wal/rollback`` (resp.
@@ -607,7 +620,18 @@ class UndoLog:
     def close(self) -> None:
         if self.open_step is not None:
             self._keep_journal(self.open_step, keep=False)
-        if self._lock is not None:
+        if self._lock is None:
+            return
+        try:
+            if self._leased is not None and self._leased != self._counters:
+                # the exact counters — below the bounds, above every seq and id handed out (they
+                # are the next ones) — so a clean reopen continues without a gap; if this fails,
+                # the bounds stand and the lock is released all the same
+                try:
+                    self._save_counters()
+                except OSError:
+                    pass
+        finally:
             self._lock.release()
             self._lock = None
 
@@ -693,6 +717,7 @@ class UndoLog:
         self._set_steps([])
         self._barriers = []
         self._counters = {"next_seq": 1, "next_id": 1, "next_ambient": -1, "next_barrier": 1}
+        self._leased = None
         self._init_fresh(workdir_label)
         self.available, self.version_problem = True, None
 
@@ -716,6 +741,7 @@ class UndoLog:
             for key in self._counters:
                 _need_int(counters, key)
             self._counters.update(counters)
+            self._leased = {key: counters[key] for key in self._counters}
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
@@ -816,8 +842,23 @@ class UndoLog:
         self._counters[key] = value - 1 if ambient else value + 1
         return value
 
-    def _save_counters(self) -> None:
-        self._write_file("counters.json", seal(self._counters))
+    def _save_counters(self, lease: bool = False) -> None:
+        """Write ``counters.json``: the exact counters, or (``lease``) bounds
+        COUNTERS_LEASE_STEPS ahead of them."""
+        c = dict(self._counters)
+        if lease:
+            c["next_seq"] += COUNTERS_LEASE_STEPS
+            c["next_id"] += COUNTERS_LEASE_STEPS
+            c["next_ambient"] -= COUNTERS_LEASE_STEPS
+        self._leased = None  # unknown while it is being replaced
+        self._write_file("counters.json", seal(c))
+        self._leased = c
+
+    def _counters_leased(self) -> bool:
+        """Every counter handed out so far lies below the bounds ``counters.json`` holds."""
+        c, lease = self._counters, self._leased
+        return (lease is not None and c["next_seq"] <= lease["next_seq"] and c["next_id"] <= lease["next_id"]
+                and c["next_ambient"] >= lease["next_ambient"] and c["next_barrier"] <= lease["next_barrier"])
 
     # ------------------------------------------------------------------ the open step
 
@@ -830,7 +871,8 @@ class UndoLog:
             self.enforce_limits(best_effort=True)
         seq = self._counters["next_seq"]
         self._counters["next_seq"] = seq + 1
-        self._save_counters()
+        if not self._counters_leased():  # (the step's id was handed out already: allocate_id)
+            self._save_counters(lease=True)
         now = self.clock_ns()
         step = OpenStep(seq=seq, id=step_id, type=step_type, command=command, started_ns=now, touched_ns=now)
         self._no_wal_dir = False
@@ -848,24 +890,46 @@ class UndoLog:
         return step
 
     def _append_line(self, step: OpenStep, obj: dict, written: Callable[[], None] | None = None, *,
-                     record: bool = False) -> None:
-        """Append one sealed journal line. Once the write has succeeded the line exists, so
-        memory is updated (``written``; ``record``: ``obj`` becomes the step's last record, at
-        this line) *before* the fsync: if the fsync fails the caller's operation fails, but
-        memory and file still agree (record indices, line numbers, offsets and the running
-        journal hash never drift). A void still owed (``pending_void``) is written first: no
-        line may follow an intent that never ran."""
+                     record: bool = False, line: bytes | None = None) -> None:
+        """Append one sealed journal line — after the records held for it (:meth:`hold`), in
+        the same write. Once the write has succeeded the lines exist, so memory is updated
+        (``written``; ``record``: ``obj`` becomes the step's last record, at this line; each
+        held record before it) *before* the fsync: if the fsync fails the caller's operation
+        fails, but memory and file still agree (record indices, line numbers, offsets and the
+        running journal hash never drift). If the write fails, the held records are dropped
+        with it (their host call will not run). A void still owed (``pending_void``) is
+        written first: no line may follow an intent that never ran. A void line itself goes
+        before held records (none are held when a void is written: see :meth:`hold`).
+        ``line``: ``seal(obj)``, if the caller has it."""
         if step.pending_void and obj.get("op") != "void":
             self.void([])
-        line = seal(obj)
+        if line is None:
+            line = seal(obj)
+        held = step.held if obj.get("op") != "void" else ()
+        data = b"".join([h[1] for h in held] + [line]) if held else line
         try:
             if step.journal_out is not None:
-                step.journal_out.pwrite_all(line, step.journal_offset)
+                step.journal_out.pwrite_all(data, step.journal_offset)
             else:
-                self.fs.write_all(WAL_JOURNAL, step.journal_offset, line)
+                self.fs.write_all(WAL_JOURNAL, step.journal_offset, data)
         except BaseException:
             step.tail_unknown = True
+            if held:
+                step.held = []
             raise
+        if held:
+            step.held = []
+            for h in held:
+                self._wrote(step, h[0], h[1], True)
+        self._wrote(step, obj, line, record)
+        if written is not None:
+            written()
+        if self.durable:  # (no call of _sync otherwise: once per journal write)
+            self._sync(WAL_JOURNAL)
+
+    @staticmethod
+    def _wrote(step: OpenStep, obj: dict, line: bytes, record: bool) -> None:
+        """Memory after ``line`` (``seal(obj)``) was written at the journal's end."""
         step.journal_offset += len(line)
         step.journal_lines += 1
         if step.lines is not None:
@@ -879,9 +943,25 @@ class UndoLog:
         if record:  # after the line (and any owed void before it): the step's last line
             step.records.append(obj)
             step.record_lines.append(step.journal_lines - 1)
-        if written is not None:
-            written()
-        self._sync(WAL_JOURNAL)
+
+    def hold(self, rec: dict) -> None:
+        """Journal ``rec`` with the next line appended — one write for an operation's
+        preimages and its intent — or at :meth:`flush`, whichever comes first. The caller
+        flushes before the host call the record is for (rule 1: the interceptor's hooks do,
+        as they return or raise); if the process dies first, that call never ran. A void
+        still owed is written now, before anything is held."""
+        step = self.open_step
+        assert step is not None
+        if step.pending_void:
+            self.void([])
+        step.held.append((rec, seal(rec)))
+
+    def flush(self) -> None:
+        """Write the records :meth:`hold` holds, in one write (nothing if none)."""
+        step = self.open_step
+        if step is not None and step.held:
+            rec, line = step.held.pop()
+            self._append_line(step, rec, record=True, line=line)
 
     def _keep_journal(self, step: OpenStep, keep: bool = True) -> None:
         """Close the open step's journal handle, if any, and (``keep``) open one on the journal
@@ -1009,6 +1089,7 @@ class UndoLog:
         """Fingerprint what the step left, write its manifest, promote it (rule 4), apply limits."""
         step = self.open_step
         assert step is not None
+        self.flush()  # none held: the hooks flush (else written now, as before the promotion)
         if step.pending_void and not step.unprotected:
             self.void([])
         live = [r for r in step.records if r.get("op") not in ("void", "unprotected")]
@@ -1109,6 +1190,7 @@ class UndoLog:
         """
         step = self.open_step
         assert step is not None
+        step.held = []  # none: the hooks flush (a held record's host call never ran)
         owed = set(step.pending_void)  # intents that never ran, their void not yet written
         live = [r for n, r in enumerate(step.records) if r.get("op") not in ("void", "unprotected") and n not in owed]
         not_restored: list[tuple[str, str]] = []
@@ -1145,7 +1227,7 @@ class UndoLog:
         after = self.open_step.seq if self.open_step is not None else max([s.seq for s in self._steps], default=0)
         b = Barrier(id=self._counters["next_barrier"], after_seq=after, paths=sorted(paths)[:1000], created_ns=self.clock_ns(), reason=reason)
         self._counters["next_barrier"] += 1
-        self._save_counters()
+        self._save_counters(lease=True)  # (bounds ahead, as a step's begin writes them: not lowered)
         self._write_file(f"barriers/{b.id:010d}.json", seal(b.__dict__))
         self._barriers.append(b)
         return b
@@ -1426,7 +1508,8 @@ class UndoLog:
             done += 1
             if progress is not None:
                 self.fs.write_all(progress_file, done - 1, b".")
-                self._sync(progress_file)
+                if self.durable:  # (no call of _sync otherwise: once per record undone)
+                    self._sync(progress_file)
         plan = preimage.dir_meta_plan(records[stop:])
         for rec in plan:
             preimage.apply_dir_meta(work, rec)
