@@ -1093,3 +1093,26 @@ def test_open_directories_hold_at_most_their_bound_of_descriptors_and_list_by_pa
     for fh in fhs:
         mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR), fh, 0, 0, 0))
     assert mnt.d.descriptors.held == held and mnt.d._listing_descriptors == 0
+
+
+def test_times_before_1970_travel_as_the_kernels_signed_seconds_and_are_undone_exactly(mnt):
+    """``fuse_attr``'s and ``fuse_setattr_in``'s seconds are u64 on the wire but the kernel's
+    ``time64_t``: a time before 1970 is their two's complement. A host file from 1960 is
+    reported (its entry and attributes encode: ``ls -l`` and READDIRPLUS work), and a
+    ``touch -d 1960-01-01`` through the mount sets it — undone exactly."""
+    os.mknod(mnt.host("old"))
+    os.utime(mnt.host("old"), ns=(-315_619_200 * 10**9 + 5, -315_619_200 * 10**9 + 7))
+    before = snapshot_dir(mnt.work)
+    node = mnt.lookup("old").nodeid
+    a = mnt.getattr(node)
+    assert (a.mtime - 2**64, a.mtimensec, a.atime - 2**64, a.atimensec) == (-315_619_200, 7, -315_619_200, 5)
+    fh = mnt.call(m.Opendir(H(abi.Opcode.OPENDIR), 0, 0)).fh
+    mnt.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, 0, 4096, 0, 0, 0))
+    sec = (-1_000_000_000) & (2**64 - 1)  # 1938
+    out = mnt.call(m.Setattr(H(abi.Opcode.SETATTR, node), abi.FATTR_ATIME | abi.FATTR_MTIME, 0, 0, 0, sec, sec, 0,
+                             3, 4, 0, 0, 0, 0))
+    assert (out.attr.mtime, out.attr.mtimensec) == (sec, 4)
+    st = os.stat(mnt.host("old"))
+    assert (st.st_atime_ns, st.st_mtime_ns) == (-10**18 + 3, -10**18 + 4)
+    mnt.ws.rollback(1)
+    assert_same(before, snapshot_dir(mnt.work), "after undo")

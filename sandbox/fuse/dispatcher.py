@@ -145,6 +145,7 @@ _MUTATING_TYPES = frozenset(_MUTATING)
 _NO_REPLY_TYPES = frozenset({m.Forget, m.BatchForget})
 #: the largest file offset (loff_t)
 _OFF_MAX = (1 << 63) - 1
+_U64 = (1 << 64) - 1
 #: the attributes of a negative entry (nodeid 0): never read by the kernel
 _NO_ATTR = m.FuseAttr(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
@@ -195,10 +196,21 @@ def _dtype(a: Attr) -> int:
     return _DT[a.kind] if a.kind != OTHER else (a.fmt >> 12) & 0xF
 
 
+def wire_seconds(sec: int) -> int:
+    """Seconds as the wire carries them: ``fuse_attr``'s and ``fuse_setattr_in``'s u64 fields
+    are the kernel's signed ``time64_t`` (a time before 1970 is the two's complement)."""
+    return sec & _U64
+
+
+def host_seconds(sec: int) -> int:
+    """The inverse of :func:`wire_seconds`: the signed seconds of a wire u64."""
+    return sec - (1 << 64) if sec >> 63 else sec
+
+
 def fuse_attr(a: Attr) -> m.FuseAttr:
-    """A Provider :class:`Attr` as ``struct fuse_attr``."""
-    return m.FuseAttr(a.ino & (2**64 - 1), a.size, a.blocks, a.atime_ns // 10**9, a.mtime_ns // 10**9,
-                      a.ctime_ns // 10**9, a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
+    """A Provider :class:`Attr` as ``struct fuse_attr`` (times as :func:`wire_seconds`)."""
+    return m.FuseAttr(a.ino & _U64, a.size, a.blocks, wire_seconds(a.atime_ns // 10**9),
+                      wire_seconds(a.mtime_ns // 10**9), wire_seconds(a.ctime_ns // 10**9), a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
                       a.fmt | a.mode, a.nlink & 0xFFFFFFFF, a.uid, a.gid, a.rdev & 0xFFFFFFFF,
                       min(a.blksize, 0xFFFFFFFF))
 
@@ -874,7 +886,7 @@ class Dispatcher:
                 return -1
             if nsec >= 10**9:
                 raise OSError(errno.EINVAL, "nanoseconds out of range")
-            return sec * 10**9 + nsec
+            return host_seconds(sec) * 10**9 + nsec
 
         if v & abi.FATTR_SIZE and req.size > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "size beyond the largest file offset")
