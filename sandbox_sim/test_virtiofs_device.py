@@ -646,3 +646,25 @@ def test_a_request_too_big_to_gather_is_refused_by_its_unique_or_dropped(live, u
         assert n == 0
     head, at = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
     assert fe.kick_and_wait(1) == [(head, 120)]
+
+
+@pytest.mark.parametrize("region", [
+    v.MemRegion(GPA, 2**64 - 4096, UVA, 0),  # no mmap can take it (more than ssize_t)
+    v.MemRegion(GPA, MEM, UVA, 2**63),  # an offset as absurd
+    v.MemRegion(GPA, 2 * MEM, UVA, 0),  # past the memfd's end: a mapping that would fault
+], ids=["huge-size", "huge-offset", "past-the-file"])
+def test_a_memory_region_not_inside_its_file_is_refused_and_the_front_end_goes_on(tmp_path, region):
+    """A SET_MEM_TABLE region the memfd beside it cannot back is a failed REPLY_ACK (never
+    an exception that leaves QEMU waiting for its ack); a good table after it is served."""
+    srv = Served(tmp_path)
+    guest = Guest()
+    try:
+        fe = FrontEnd(srv.path, guest)
+        fe.handshake()
+        assert fe.acked(v.Req.SET_MEM_TABLE, v.MemTable((region,)), [guest.fd]) == 1
+        assert fe.acked(v.Req.SET_MEM_TABLE, v.MemTable((v.MemRegion(GPA, MEM, UVA, 0),)), [guest.fd]) == 0
+        init(fe, guest)
+        fe.close()
+    finally:
+        srv.close()
+        os.close(guest.fd)
