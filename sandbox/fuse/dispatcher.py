@@ -410,6 +410,9 @@ class Dispatcher:
             except Exception:  # pragma: no cover - forgets never fail
                 pass
             return False
+        if unique in self.pipeline:  # a virtio-fs guest picks uniques: one in flight names one request
+            send(unique, None, OSError(errno.EINVAL, f"unique {unique} is in flight already"))
+            return False
         if req.OPCODE in UNSUPPORTED:
             send(unique, None, OSError(errno.ENOSYS, f"{req.OPCODE.name} is not served"))
             return False
@@ -443,7 +446,11 @@ class Dispatcher:
             send(req.header.unique, None, BlockingIOError(errno.EAGAIN, "INTERRUPT before its request"))
 
     def close(self) -> None:
-        """The mount is gone: close every open file, drop every node."""
+        """The mount is gone: requests waiting behind a hold are cancelled (answered ``EIO``
+        once their tasks end: nothing runs on a closed mount, and their holds are withdrawn),
+        every open file closed, every node dropped."""
+        self.closing = True
+        self.pipeline.cancel_all(OSError(errno.EIO, "the mount is going away"))
         for fh in list(self.files):
             self._close_file(fh)
         for fh in list(self.dirs):
