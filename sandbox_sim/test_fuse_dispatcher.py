@@ -1116,3 +1116,47 @@ def test_times_before_1970_travel_as_the_kernels_signed_seconds_and_are_undone_e
     assert (st.st_atime_ns, st.st_mtime_ns) == (-10**18 + 3, -10**18 + 4)
     mnt.ws.rollback(1)
     assert_same(before, snapshot_dir(mnt.work), "after undo")
+
+
+def test_a_deferred_write_keeps_no_view_of_the_transports_buffer(tmp_path):
+    """The /dev/fuse transport decodes each request from one reused read buffer (a WRITE's
+    data is a view of it). A WRITE deferred behind a hold must not keep that view — the
+    transport reads the next request into the same buffer at once (it used to give each
+    deferred request a fresh 1 MiB buffer: ~1 MiB resident per request waiting, for up to
+    ``held_requests_per_export_max`` of them, whatever their own size). Overwriting the
+    buffer after ``submit`` changes nothing: the allowed write lands with its own bytes."""
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(2):
+        open(mo.host(f"f{i}"), "w").close()
+    c = mo.create("w")
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        settled = asyncio.Event()
+
+        def send(unique, reply, error):
+            sent[unique] = (reply, error)
+            settled.set()
+
+        assert [mo.d.submit(m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()), 64, send) for i in range(2)] == [
+            False, True]  # the second delete is held: the gate is busy
+        buf = bytearray(b"payload!")
+        write = m.Write(H(abi.Opcode.WRITE, c.entry.nodeid), c.open.fh, 0, len(buf), 0, 0, os.O_RDWR,
+                        memoryview(buf).toreadonly())
+        assert mo.d.submit(write, 80 + len(buf), send) is True  # queued behind the hold
+        buf[:] = b"XXXXXXXX"  # the transport's next read
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)  # the held task registers its hold on its first turn
+        assert mo.holds.answer(gate.pending.id, "allow")
+        while write.header.unique not in sent:
+            settled.clear()
+            await settled.wait()
+        assert sent[write.header.unique] == (m.WriteOut(8), None)
+
+    try:
+        asyncio.run(go())
+        with open(mo.host("w"), "rb") as f:
+            assert f.read() == b"payload!"
+    finally:
+        mo.close()

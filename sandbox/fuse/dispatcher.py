@@ -63,6 +63,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat as _stat
@@ -396,7 +397,9 @@ class Dispatcher:
         """Run ``req`` through the pipeline; ``send(unique, reply, error)`` is called once with
         the result (never for a request that expects no reply; for one cancelled by INTERRUPT,
         ``EINTR``).
-        True if it was deferred behind a hold (its reply comes later)."""
+        True if it was deferred behind a hold (its reply comes later). A deferred request keeps
+        no view of the caller's buffer (a WRITE's data is copied then): the caller may reuse
+        it as soon as this returns."""
         unique = req.header.unique
         kind = type(req)
         if kind is m.Interrupt:
@@ -428,8 +431,13 @@ class Dispatcher:
         if self.closing:
             send(unique, None, OSError(errno.EIO, "the mount is going away"))
             return False
-        return self.pipeline.run(unique, gate, lambda: self.handle(req), size,
-                                 lambda result, error: send(unique, result, error))
+        box = [req]
+        deferred = self.pipeline.run(unique, gate, lambda: self.handle(box[0]), size,
+                                     lambda result, error: send(unique, result, error))
+        if deferred and kind is m.Write and type(req.data) is memoryview:
+            # it runs later: its data becomes its own (the caller's read buffer is reused at once)
+            box[0] = dataclasses.replace(req, data=bytes(req.data))
+        return deferred
 
     def _interrupted(self, req: m.Interrupt, send) -> None:
         """INTERRUPT of request ``req.unique`` (docs/fuse.md "Interrupts"): a request waiting
