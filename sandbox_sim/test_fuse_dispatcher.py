@@ -1160,3 +1160,28 @@ def test_a_deferred_write_keeps_no_view_of_the_transports_buffer(tmp_path):
             assert f.read() == b"payload!"
     finally:
         mo.close()
+
+
+def test_readdirplus_at_the_node_limit_answers_the_entries_it_could_and_counts_only_those(tmp_path):
+    """With the node table full, READDIRPLUS answers the entries it has nodes for (a short
+    listing: the kernel asks again from the next offset) — not ENFILE after counting a
+    lookup for entries the kernel never received (those nodes could never be forgotten, and
+    the table stayed full for good). Once the kernel forgets them, the rest are listed."""
+    mo = Mount(tmp_path, limits=ServerLimits(fids_per_connection_max=4))
+    try:
+        for name in "abcdef":
+            open(mo.host(name), "w").close()
+        fh = mo.call(m.Opendir(H(abi.Opcode.OPENDIR), os.O_RDONLY, 0)).fh
+        got = ref_parse_dirents(bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, 0, 65536, 0, 0, 0)).data),
+                                True)
+        entries = [(name, entry[0]) for _ino, _off, _typ, name, entry in got if name not in (b".", b"..")]
+        assert [name for name, _ in entries] == [b"a", b"b", b"c"]  # the root and three nodes: the limit
+        assert sorted(n.lookups for n in mo.d.nodes.values() if n.nodeid != ROOT) == [1, 1, 1]
+        for _name, nodeid in entries:
+            mo.forget(nodeid, 1)
+        assert list(mo.d.nodes) == [ROOT]
+        got = ref_parse_dirents(bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, got[-1][1], 65536, 0, 0,
+                                                            0)).data), True)
+        assert [name for _ino, _off, _typ, name, _e in got] == [b"d", b"e", b"f"]
+    finally:
+        mo.close()

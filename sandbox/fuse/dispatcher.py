@@ -40,7 +40,8 @@ Invariants:
   Provider uses for owners and set-id clearing; permission checks are the kernel's
   (the mount's ``default_permissions``).
 * bounded (:class:`~sandbox.limits.ServerLimits`): nodes ≤ ``fids_per_connection_max``
-  (``ENFILE``), open files ≤ ``open_files_per_connection_max`` and the process's
+  (``ENFILE``; a READDIRPLUS stops short at the first entry it has no node for, and counts
+  lookups only for the entries it answers), open files ≤ ``open_files_per_connection_max`` and the process's
   :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
   snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
   reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
@@ -1382,7 +1383,12 @@ class Dispatcher:
                 if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break
                 continue
-            n = self._remember(path, a, count=0)
+            try:
+                n = self._remember(path, a, count=0)
+            except OSError:  # the node table is full (ENFILE): a short listing, if anything fits
+                if not len(packer):
+                    raise
+                break
             if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw, self._entry_out(n, a)):
                 if n.lookups == 0 and not n.files:
                     self._drop_node(n)
