@@ -692,7 +692,11 @@ def test_no_held_request_outlives_its_mount_or_hides_behind_a_reused_unique(tmp_
             select.select([], [], [], 0.01)
         if then == "destroy":  # the old mount's held request is answered EIO, never run
             head, _ = guest.submit(1, ref_request(m.Destroy(H(abi.Opcode.DESTROY))), 16)
-            assert sorted(h for h, _n in fe.kick_and_wait(1, 2)) == sorted([held, head])
+            got = fe.kick_and_wait(1)
+            if len(got) < 2:  # the cancelled request's reply comes a turn later: a call at the next entry
+                guest.poke(Guest.ring(1)[1] + 4 + 2 * QSIZE, le(guest.seen_used[1], 2))
+                got += fe.wait_used(1)
+            assert sorted(h for h, _n in got) == sorted([held, head])
             assert fuse_reply(guest, held_at, 16)[:2] == (-errno.EIO, header.unique)
         else:
             head, at = guest.submit(1, ref_request(m.Unlink(header, b"f2")), 16)
