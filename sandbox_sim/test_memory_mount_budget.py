@@ -1,8 +1,10 @@
-"""A writable in-memory mount (``memory_tree(..., writable=True)``) served to an untrusted
-guest has a byte budget: what the guest adds — file bytes, names, inodes, xattrs, symlink
-targets — stays within ``WRITABLE_TREE_SPARE_BYTES`` beyond the injected files
-(``ENOSPC`` past it), and what it removes is given back (a file's bytes when its inode is
-gone: no name and no open handle). Driven through the FUSE dispatcher, as the guest would.
+"""In-memory mounts served to an untrusted guest hold bounded host memory. A writable
+memory tree (``memory_tree(..., writable=True)``) has a byte budget: what the guest adds —
+file bytes, names, inodes, xattrs, symlink targets — stays within
+``WRITABLE_TREE_SPARE_BYTES`` beyond the injected files (``ENOSPC`` past it), and what it
+removes is given back (a file's bytes when its inode is gone: no name and no open handle).
+A live VFS mount's open handles share the bytes they read and hold at most
+``VFS_HANDLE_BYTES_MAX``. Driven through the FUSE dispatcher, as the guest would.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import errno
 import gc
 import os
 import stat
+import tracemalloc
 
 import pytest
 
@@ -19,6 +22,7 @@ from sandbox.fuse import messages as m
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.limits import ServerLimits
 from sandbox.mounts.memory import WRITABLE_TREE_SPARE_BYTES, memory_tree
+from sandbox.mounts.vfs import VFS_HANDLE_BYTES_MAX, vfs_tree
 from sandbox.serving import Export, HoldBroker
 from sandbox_sim.test_fuse_dispatcher import H
 
@@ -110,3 +114,88 @@ def test_a_read_only_memory_mount_and_the_simulated_disk_have_no_budget():
         assert provider.host.bytes_max is None
     finally:
         provider.close()
+
+
+class _OneBigFile:
+    """A VFS of one file, ``size`` bytes; ``fresh``: each read makes new bytes (generated
+    content), else the same object every time (a dict-backed tree)."""
+
+    def __init__(self, size: int, fresh: bool = False):
+        self.size, self.fresh = size, fresh
+        self.data = b"x" * size
+        self.written: dict[str, bytes] = {}
+
+    def list(self, path):
+        return ["big"]
+
+    def stat(self, path):
+        if path == "":
+            return {"type": "dir"}
+        if path != "big":
+            raise FileNotFoundError(path)
+        return {"type": "file", "size": self.size}
+
+    def read(self, path):
+        return bytes(bytearray(self.data)) if self.fresh else self.data
+
+    def write(self, path, data):
+        self.written[path] = data
+
+
+def _vfs_dispatcher(vfs, writable: bool) -> Dispatcher:
+    provider = vfs_tree(vfs, writable=writable)
+    disp = Dispatcher(Export(provider, HoldBroker(), ServerLimits()), ServerLimits())
+    disp.handle(m.Init(H(abi.Opcode.INIT), 7, 38, 1 << 17, 0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
+    return disp
+
+
+def test_open_handles_of_a_vfs_file_share_its_bytes_and_are_bounded():
+    """One open of a VFS file holds its whole content (a reader sees one version). Handles
+    that read the same bytes object share it — 48 readers of an 8 MiB file hold 8 MiB, not
+    48 copies (each open used to copy it into a bytearray) — and what all handles of a mount
+    hold, each distinct content once, is at most ``VFS_HANDLE_BYTES_MAX``: an open past it is
+    ``ENOMEM``; a handle's private copy is made at its first write, and counted."""
+    size = 8 * MiB
+    d = _vfs_dispatcher(_OneBigFile(size), writable=True)
+    try:
+        node = d.handle(m.Lookup(H(abi.Opcode.LOOKUP), b"big")).nodeid
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(48):
+                d.handle(m.Open(H(abi.Opcode.OPEN, node), os.O_RDONLY, 0))
+            assert tracemalloc.get_traced_memory()[0] - before < size
+        finally:
+            tracemalloc.stop()
+        writers = []
+        for _ in range(VFS_HANDLE_BYTES_MAX // size):
+            fh = d.handle(m.Open(H(abi.Opcode.OPEN, node), os.O_RDWR, 0)).fh
+            try:
+                d.handle(m.Write(H(abi.Opcode.WRITE, node), fh, 0, 1, 0, 0, os.O_RDWR, b"y"))
+            except OSError as e:
+                assert e.errno == errno.ENOMEM
+                break
+            writers.append(fh)
+        else:
+            pytest.fail(f"{VFS_HANDLE_BYTES_MAX // size} private copies of {size} bytes fit")
+        for fh in writers:
+            d.handle(m.Release(H(abi.Opcode.RELEASE, node), fh, 0, 0, 0))
+        fh = d.handle(m.Open(H(abi.Opcode.OPEN, node), os.O_RDWR, 0)).fh  # room again
+        d.handle(m.Write(H(abi.Opcode.WRITE, node), fh, 0, 1, 0, 0, os.O_RDWR, b"y"))
+    finally:
+        d.close()
+
+
+def test_opens_of_generated_vfs_content_are_bounded():
+    size = 8 * MiB
+    d = _vfs_dispatcher(_OneBigFile(size, fresh=True), writable=False)
+    try:
+        node = d.handle(m.Lookup(H(abi.Opcode.LOOKUP), b"big")).nodeid
+        opened = 0
+        with pytest.raises(OSError) as e:
+            while opened <= VFS_HANDLE_BYTES_MAX // size:
+                d.handle(m.Open(H(abi.Opcode.OPEN, node), os.O_RDONLY, 0))
+                opened += 1
+        assert e.value.errno == errno.ENOMEM and opened == VFS_HANDLE_BYTES_MAX // size
+    finally:
+        d.close()
