@@ -41,7 +41,9 @@ Invariants:
   (the mount's ``default_permissions``).
 * bounded (:class:`~sandbox.limits.ServerLimits`): nodes ≤ ``fids_per_connection_max``
   (``ENFILE``; a READDIRPLUS stops short at the first entry it has no node for, and counts
-  lookups only for the entries it answers), open files ≤ ``open_files_per_connection_max`` and the process's
+  lookups only for the entries it answers) — on a transport that can invalidate
+  (:attr:`Dispatcher.on_node_pressure`) the kernel is asked to forget the oldest names from
+  :data:`NODE_RELIEF_AT` of it, so only names in use can fill it, open files ≤ ``open_files_per_connection_max`` and the process's
   :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
   snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
   reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
@@ -130,6 +132,14 @@ NODE_DESCRIPTORS_MAX = 4096
 #: its entries up by path, as without one — so a guest that opens many directories and never
 #: releases them cannot take the descriptors its file OPENs need
 LISTING_DESCRIPTORS_MAX = 64
+#: a transport that can make the kernel forget names (/dev/fuse: :attr:`Dispatcher.on_node_pressure`)
+#: asks it to, once the node table holds this share of ``fids_per_connection_max``: the names
+#: of the oldest nodes not open, NODE_RELIEF_SHARE of the table at a time (the kernel drops
+#: its cached entries and FORGETs the inodes nothing uses; the next use looks them up again).
+#: The kernel keeps what it caches until memory runs short: without this a program walking
+#: more files than the table holds (``git status`` in a very large tree) met ENFILE
+NODE_RELIEF_AT = 0.75
+NODE_RELIEF_SHARE = 0.125
 #: the requests' credentials kept for reuse (:meth:`Dispatcher._cred`): a guest has a few
 #: users; past this many distinct (uid, gid) pairs all are dropped and made again as needed
 CREDS_KEPT_MAX = 64
@@ -338,6 +348,14 @@ class Dispatcher:
         #: ENTRY_VALID_S, the bound every positive entry has — a name made beside the mount
         #: shows within it. Not remembered (nothing could invalidate it). False: plain ENOENT
         self.negative_entries_short = False
+        #: the transport can make the kernel forget names (/dev/fuse): called with the paths of
+        #: the oldest nodes when the table fills (:meth:`_relieve`). None: the table's bound
+        #: is a hard ENFILE (virtio-fs has no notification queue)
+        self.on_node_pressure: Callable[[list[str]], None] | None = None
+        #: the node count at which :meth:`_relieve` runs next, and the last node id it named
+        self._relief_base = max(1, int(limits.fids_per_connection_max * NODE_RELIEF_AT))
+        self._relief_at = self._relief_base
+        self._relieved_up_to = abi.FUSE_ROOT_ID
         #: the transport drops the kernel's pages at each open and can invalidate nothing
         #: meanwhile (the virtio-fs device, set by its server): while not coherent, a
         #: write-only open of a node open nowhere else gets FOPEN_DIRECT_IO (its writes skip
@@ -537,7 +555,32 @@ class Dispatcher:
         self._add_name(n, path)
         self.nodes[n.nodeid] = n
         self._by_inode[key] = n
+        if len(self.nodes) >= self._relief_at and self.on_node_pressure is not None:
+            self._relieve()
         return n
+
+    def _relieve(self) -> None:
+        """The node table is filling (:data:`NODE_RELIEF_AT`): ask the kernel to forget the
+        names of the oldest nodes not open (ids grow with age; each call goes on after the
+        last node it named, round the table) — :data:`NODE_RELIEF_SHARE` of the table; then
+        again once as many more nodes came, or once the table shrank below the mark and
+        reached it again."""
+        batch = max(1, int(self.limits.fids_per_connection_max * NODE_RELIEF_SHARE))
+        paths: list[str] = []
+        last = self._relieved_up_to
+        for nodeid, n in self.nodes.items():  # oldest first: ids are handed out in order
+            if nodeid <= last or n.files or nodeid == abi.FUSE_ROOT_ID:
+                continue
+            paths.append(n.path)
+            last = nodeid
+            if len(paths) >= batch:
+                break
+        else:
+            last = abi.FUSE_ROOT_ID  # the end of the table: from the oldest again next time
+        self._relieved_up_to = last
+        self._relief_at = len(self.nodes) + batch
+        if paths:
+            self.on_node_pressure(paths)
 
     def _entry(self, path: str, a: Attr | None = None, cred: Cred | None = None) -> m.EntryOut:
         if a is None:
@@ -633,6 +676,8 @@ class Dispatcher:
     def _drop_node(self, n: Node) -> None:
         self._close_node_handles(n)
         self.nodes.pop(n.nodeid, None)
+        if len(self.nodes) < self._relief_base:  # the kernel forgot enough: from the mark again
+            self._relief_at = self._relief_base
         if self._by_inode.get(n.inode) is n:
             del self._by_inode[n.inode]
         for link in n.links:

@@ -202,6 +202,8 @@ class FuseServer:
         dispatcher.no_open_allowed = True
         # without the watcher, host changes the dispatcher notices in attributes it reports
         dispatcher.on_host_changed = self.invalidate
+        # a filling node table: the kernel is asked to forget the oldest names (Dispatcher._relieve)
+        dispatcher.on_node_pressure = self.invalidate
 
     async def serve(self) -> None:
         """Until ``ENODEV`` (unmounted) or :meth:`stop`; then every handle is closed."""
