@@ -541,7 +541,9 @@ class Dispatcher:
         key = _inode(a)
         n = self._by_inode.get(key)
         if n is not None and n.kind == a.kind:
-            if any(link.path == path for link in n.links):
+            # one of its names already? asked of the registry by path: a node may have as many
+            # names as the host allows links (ext4: 65,000), so never a walk of n.links here
+            if any(type(x) is Link and x.node is n for x in self.export.fids_at(path)):
                 n.lookups += count
                 return n
             if any(self._names(link.path, key, n.kind) for link in n.links):
