@@ -1100,3 +1100,95 @@ def test_open_directories_hold_at_most_their_bound_of_descriptors_and_list_by_pa
     for fh in fhs:
         mnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR), fh, 0, 0, 0))
     assert mnt.d.descriptors.held == held and mnt.d._listing_descriptors == 0
+
+
+def test_times_before_1970_travel_as_the_kernels_signed_seconds_and_are_undone_exactly(mnt):
+    """``fuse_attr``'s and ``fuse_setattr_in``'s seconds are u64 on the wire but the kernel's
+    ``time64_t``: a time before 1970 is their two's complement. A host file from 1960 is
+    reported (its entry and attributes encode: ``ls -l`` and READDIRPLUS work), and a
+    ``touch -d 1960-01-01`` through the mount sets it — undone exactly."""
+    os.mknod(mnt.host("old"))
+    os.utime(mnt.host("old"), ns=(-315_619_200 * 10**9 + 5, -315_619_200 * 10**9 + 7))
+    before = snapshot_dir(mnt.work)
+    node = mnt.lookup("old").nodeid
+    a = mnt.getattr(node)
+    assert (a.mtime - 2**64, a.mtimensec, a.atime - 2**64, a.atimensec) == (-315_619_200, 7, -315_619_200, 5)
+    fh = mnt.call(m.Opendir(H(abi.Opcode.OPENDIR), 0, 0)).fh
+    mnt.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, 0, 4096, 0, 0, 0))
+    sec = (-1_000_000_000) & (2**64 - 1)  # 1938
+    out = mnt.call(m.Setattr(H(abi.Opcode.SETATTR, node), abi.FATTR_ATIME | abi.FATTR_MTIME, 0, 0, 0, sec, sec, 0,
+                             3, 4, 0, 0, 0, 0))
+    assert (out.attr.mtime, out.attr.mtimensec) == (sec, 4)
+    st = os.stat(mnt.host("old"))
+    assert (st.st_atime_ns, st.st_mtime_ns) == (-10**18 + 3, -10**18 + 4)
+    mnt.ws.rollback(1)
+    assert_same(before, snapshot_dir(mnt.work), "after undo")
+
+
+def test_a_deferred_write_keeps_no_view_of_the_transports_buffer(tmp_path):
+    """The /dev/fuse transport decodes each request from one reused read buffer (a WRITE's
+    data is a view of it). A WRITE deferred behind a hold must not keep that view — the
+    transport reads the next request into the same buffer at once (it used to give each
+    deferred request a fresh 1 MiB buffer: ~1 MiB resident per request waiting, for up to
+    ``held_requests_per_export_max`` of them, whatever their own size). Overwriting the
+    buffer after ``submit`` changes nothing: the allowed write lands with its own bytes."""
+    mo = Mount(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(2):
+        open(mo.host(f"f{i}"), "w").close()
+    c = mo.create("w")
+
+    async def go():
+        sent: dict[int, tuple] = {}
+        settled = asyncio.Event()
+
+        def send(unique, reply, error):
+            sent[unique] = (reply, error)
+            settled.set()
+
+        assert [mo.d.submit(m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()), 64, send) for i in range(2)] == [
+            False, True]  # the second delete is held: the gate is busy
+        buf = bytearray(b"payload!")
+        write = m.Write(H(abi.Opcode.WRITE, c.entry.nodeid), c.open.fh, 0, len(buf), 0, 0, os.O_RDWR,
+                        memoryview(buf).toreadonly())
+        assert mo.d.submit(write, 80 + len(buf), send) is True  # queued behind the hold
+        buf[:] = b"XXXXXXXX"  # the transport's next read
+        gate = mo.export.gate
+        while gate.pending is None:
+            await asyncio.sleep(0)  # the held task registers its hold on its first turn
+        assert mo.holds.answer(gate.pending.id, "allow")
+        while write.header.unique not in sent:
+            settled.clear()
+            await settled.wait()
+        assert sent[write.header.unique] == (m.WriteOut(8), None)
+
+    try:
+        asyncio.run(go())
+        with open(mo.host("w"), "rb") as f:
+            assert f.read() == b"payload!"
+    finally:
+        mo.close()
+
+
+def test_readdirplus_at_the_node_limit_answers_the_entries_it_could_and_counts_only_those(tmp_path):
+    """With the node table full, READDIRPLUS answers the entries it has nodes for (a short
+    listing: the kernel asks again from the next offset) — not ENFILE after counting a
+    lookup for entries the kernel never received (those nodes could never be forgotten, and
+    the table stayed full for good). Once the kernel forgets them, the rest are listed."""
+    mo = Mount(tmp_path, limits=ServerLimits(fids_per_connection_max=4))
+    try:
+        for name in "abcdef":
+            open(mo.host(name), "w").close()
+        fh = mo.call(m.Opendir(H(abi.Opcode.OPENDIR), os.O_RDONLY, 0)).fh
+        got = ref_parse_dirents(bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, 0, 65536, 0, 0, 0)).data),
+                                True)
+        entries = [(name, entry[0]) for _ino, _off, _typ, name, entry in got if name not in (b".", b"..")]
+        assert [name for name, _ in entries] == [b"a", b"b", b"c"]  # the root and three nodes: the limit
+        assert sorted(n.lookups for n in mo.d.nodes.values() if n.nodeid != ROOT) == [1, 1, 1]
+        for _name, nodeid in entries:
+            mo.forget(nodeid, 1)
+        assert list(mo.d.nodes) == [ROOT]
+        got = ref_parse_dirents(bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, got[-1][1], 65536, 0, 0,
+                                                            0)).data), True)
+        assert [name for _ino, _off, _typ, name, _e in got] == [b"d", b"e", b"f"]
+    finally:
+        mo.close()

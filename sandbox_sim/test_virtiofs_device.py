@@ -137,6 +137,7 @@ class FrontEnd:
         self.sock.close()
         for fd in self.kick + self.call:
             os.close(fd)
+        self.kick = self.call = []  # closed once (a test may close it before device_session does)
 
     def send(self, request, payload=v.Empty(), fds=(), flags=0):
         socket.send_fds(self.sock, [v.encode(request, payload, flags)], list(fds))
@@ -646,3 +647,63 @@ def test_a_request_too_big_to_gather_is_refused_by_its_unique_or_dropped(live, u
         assert n == 0
     head, at = guest.submit(1, ref_request(m.Getattr(H(abi.Opcode.GETATTR), 0, 0)), 16 + 104)
     assert fe.kick_and_wait(1) == [(head, 120)]
+
+
+@pytest.mark.parametrize("region", [
+    v.MemRegion(GPA, 2**64 - 4096, UVA, 0),  # no mmap can take it (more than ssize_t)
+    v.MemRegion(GPA, MEM, UVA, 2**63),  # an offset as absurd
+    v.MemRegion(GPA, 2 * MEM, UVA, 0),  # past the memfd's end: a mapping that would fault
+], ids=["huge-size", "huge-offset", "past-the-file"])
+def test_a_memory_region_not_inside_its_file_is_refused_and_the_front_end_goes_on(tmp_path, region):
+    """A SET_MEM_TABLE region the memfd beside it cannot back is a failed REPLY_ACK (never
+    an exception that leaves QEMU waiting for its ack); a good table after it is served."""
+    srv = Served(tmp_path)
+    guest = Guest()
+    try:
+        fe = FrontEnd(srv.path, guest)
+        fe.handshake()
+        assert fe.acked(v.Req.SET_MEM_TABLE, v.MemTable((region,)), [guest.fd]) == 1
+        assert fe.acked(v.Req.SET_MEM_TABLE, v.MemTable((v.MemRegion(GPA, MEM, UVA, 0),)), [guest.fd]) == 0
+        init(fe, guest)
+        fe.close()
+    finally:
+        srv.close()
+        os.close(guest.fd)
+
+
+@pytest.mark.parametrize("then", ["destroy", "same-unique"])
+def test_no_held_request_outlives_its_mount_or_hides_behind_a_reused_unique(tmp_path, then):
+    """A held deletion, then either a DESTROY (the guest unmounts: a fresh dispatcher) or a
+    second request reusing its unique (the guest picks uniques). DESTROY cancels what the
+    old mount has waiting (answered EIO); a reused unique is refused (EINVAL) rather than
+    replacing the first request in the pipeline, where nothing could cancel it any more.
+    When QEMU leaves, nothing is left in flight: the hold is withdrawn, nothing deleted."""
+    srv = Served(tmp_path, safeguard=SafeguardConfig(delete_threshold=2, timeout_s=30))
+    for i in range(3):
+        open(os.path.join(srv.work, f"f{i}"), "w").close()
+    with device_session(srv) as (guest, fe):
+        h0, _ = guest.submit(1, ref_request(m.Unlink(H(abi.Opcode.UNLINK), b"f0")), 16)
+        assert fe.kick_and_wait(1) == [(h0, 16)]
+        header = H(abi.Opcode.UNLINK)
+        held, held_at = guest.submit(1, ref_request(m.Unlink(header, b"f1")), 16)
+        os.eventfd_write(fe.kick[1], 1)
+        gate = srv.export.gate
+        while srv.in_loop(lambda: gate.pending) is None:  # a condition wait
+            select.select([], [], [], 0.01)
+        if then == "destroy":  # the old mount's held request is answered EIO, never run
+            head, _ = guest.submit(1, ref_request(m.Destroy(H(abi.Opcode.DESTROY))), 16)
+            got = fe.kick_and_wait(1)
+            if len(got) < 2:  # the cancelled request's reply comes a turn later: a call at the next entry
+                guest.poke(Guest.ring(1)[1] + 4 + 2 * QSIZE, le(guest.seen_used[1], 2))
+                got += fe.wait_used(1)
+            assert sorted(h for h, _n in got) == sorted([held, head])
+            assert fuse_reply(guest, held_at, 16)[:2] == (-errno.EIO, header.unique)
+        else:
+            head, at = guest.submit(1, ref_request(m.Unlink(header, b"f2")), 16)
+            assert fe.kick_and_wait(1) == [(head, 16)]
+            assert fuse_reply(guest, at, 16)[:2] == (-errno.EINVAL, header.unique)
+        fe.close()  # QEMU goes away
+        while srv.in_loop(lambda: srv.server.conn is not None):
+            select.select([], [], [], 0.01)
+        assert srv.in_loop(lambda: gate.pending) is None  # the hold was withdrawn
+        assert all(os.path.exists(os.path.join(srv.work, f"f{i}")) for i in (1, 2))

@@ -40,7 +40,10 @@ Invariants:
   Provider uses for owners and set-id clearing; permission checks are the kernel's
   (the mount's ``default_permissions``).
 * bounded (:class:`~sandbox.limits.ServerLimits`): nodes ≤ ``fids_per_connection_max``
-  (``ENFILE``), open files ≤ ``open_files_per_connection_max`` and the process's
+  (``ENFILE``; a READDIRPLUS stops short at the first entry it has no node for, and counts
+  lookups only for the entries it answers) — on a transport that can invalidate
+  (:attr:`Dispatcher.on_node_pressure`) the kernel is asked to forget the oldest names from
+  :data:`NODE_RELIEF_AT` of it, so only names in use can fill it, open files ≤ ``open_files_per_connection_max`` and the process's
   :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
   snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
   reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
@@ -63,6 +66,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat as _stat
@@ -128,6 +132,14 @@ NODE_DESCRIPTORS_MAX = 4096
 #: its entries up by path, as without one — so a guest that opens many directories and never
 #: releases them cannot take the descriptors its file OPENs need
 LISTING_DESCRIPTORS_MAX = 64
+#: a transport that can make the kernel forget names (/dev/fuse: :attr:`Dispatcher.on_node_pressure`)
+#: asks it to, once the node table holds this share of ``fids_per_connection_max``: the names
+#: of the oldest nodes not open, NODE_RELIEF_SHARE of the table at a time (the kernel drops
+#: its cached entries and FORGETs the inodes nothing uses; the next use looks them up again).
+#: The kernel keeps what it caches until memory runs short: without this a program walking
+#: more files than the table holds (``git status`` in a very large tree) met ENFILE
+NODE_RELIEF_AT = 0.75
+NODE_RELIEF_SHARE = 0.125
 #: the requests' credentials kept for reuse (:meth:`Dispatcher._cred`): a guest has a few
 #: users; past this many distinct (uid, gid) pairs all are dropped and made again as needed
 CREDS_KEPT_MAX = 64
@@ -145,6 +157,7 @@ _MUTATING_TYPES = frozenset(_MUTATING)
 _NO_REPLY_TYPES = frozenset({m.Forget, m.BatchForget})
 #: the largest file offset (loff_t)
 _OFF_MAX = (1 << 63) - 1
+_U64 = (1 << 64) - 1
 #: the attributes of a negative entry (nodeid 0): never read by the kernel
 _NO_ATTR = m.FuseAttr(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
@@ -195,10 +208,21 @@ def _dtype(a: Attr) -> int:
     return _DT[a.kind] if a.kind != OTHER else (a.fmt >> 12) & 0xF
 
 
+def wire_seconds(sec: int) -> int:
+    """Seconds as the wire carries them: ``fuse_attr``'s and ``fuse_setattr_in``'s u64 fields
+    are the kernel's signed ``time64_t`` (a time before 1970 is the two's complement)."""
+    return sec & _U64
+
+
+def host_seconds(sec: int) -> int:
+    """The inverse of :func:`wire_seconds`: the signed seconds of a wire u64."""
+    return sec - (1 << 64) if sec >> 63 else sec
+
+
 def fuse_attr(a: Attr) -> m.FuseAttr:
-    """A Provider :class:`Attr` as ``struct fuse_attr``."""
-    return m.FuseAttr(a.ino & (2**64 - 1), a.size, a.blocks, a.atime_ns // 10**9, a.mtime_ns // 10**9,
-                      a.ctime_ns // 10**9, a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
+    """A Provider :class:`Attr` as ``struct fuse_attr`` (times as :func:`wire_seconds`)."""
+    return m.FuseAttr(a.ino & _U64, a.size, a.blocks, wire_seconds(a.atime_ns // 10**9),
+                      wire_seconds(a.mtime_ns // 10**9), wire_seconds(a.ctime_ns // 10**9), a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
                       a.fmt | a.mode, a.nlink & 0xFFFFFFFF, a.uid, a.gid, a.rdev & 0xFFFFFFFF,
                       min(a.blksize, 0xFFFFFFFF))
 
@@ -324,6 +348,14 @@ class Dispatcher:
         #: ENTRY_VALID_S, the bound every positive entry has — a name made beside the mount
         #: shows within it. Not remembered (nothing could invalidate it). False: plain ENOENT
         self.negative_entries_short = False
+        #: the transport can make the kernel forget names (/dev/fuse): called with the paths of
+        #: the oldest nodes when the table fills (:meth:`_relieve`). None: the table's bound
+        #: is a hard ENFILE (virtio-fs has no notification queue)
+        self.on_node_pressure: Callable[[list[str]], None] | None = None
+        #: the node count at which :meth:`_relieve` runs next, and the last node id it named
+        self._relief_base = max(1, int(limits.fids_per_connection_max * NODE_RELIEF_AT))
+        self._relief_at = self._relief_base
+        self._relieved_up_to = abi.FUSE_ROOT_ID
         #: the transport drops the kernel's pages at each open and can invalidate nothing
         #: meanwhile (the virtio-fs device, set by its server): while not coherent, a
         #: write-only open of a node open nowhere else gets FOPEN_DIRECT_IO (its writes skip
@@ -384,7 +416,9 @@ class Dispatcher:
         """Run ``req`` through the pipeline; ``send(unique, reply, error)`` is called once with
         the result (never for a request that expects no reply; for one cancelled by INTERRUPT,
         ``EINTR``).
-        True if it was deferred behind a hold (its reply comes later)."""
+        True if it was deferred behind a hold (its reply comes later). A deferred request keeps
+        no view of the caller's buffer (a WRITE's data is copied then): the caller may reuse
+        it as soon as this returns."""
         unique = req.header.unique
         kind = type(req)
         if kind is m.Interrupt:
@@ -397,6 +431,9 @@ class Dispatcher:
                 self.handle(req)
             except Exception:  # pragma: no cover - forgets never fail
                 pass
+            return False
+        if unique in self.pipeline:  # a virtio-fs guest picks uniques: one in flight names one request
+            send(unique, None, OSError(errno.EINVAL, f"unique {unique} is in flight already"))
             return False
         if req.OPCODE in UNSUPPORTED:
             send(unique, None, OSError(errno.ENOSYS, f"{req.OPCODE.name} is not served"))
@@ -413,8 +450,13 @@ class Dispatcher:
         if self.closing:
             send(unique, None, OSError(errno.EIO, "the mount is going away"))
             return False
-        return self.pipeline.run(unique, gate, lambda: self.handle(req), size,
-                                 lambda result, error: send(unique, result, error))
+        box = [req]
+        deferred = self.pipeline.run(unique, gate, lambda: self.handle(box[0]), size,
+                                     lambda result, error: send(unique, result, error))
+        if deferred and kind is m.Write and type(req.data) is memoryview:
+            # it runs later: its data becomes its own (the caller's read buffer is reused at once)
+            box[0] = dataclasses.replace(req, data=bytes(req.data))
+        return deferred
 
     def _interrupted(self, req: m.Interrupt, send) -> None:
         """INTERRUPT of request ``req.unique`` (docs/fuse.md "Interrupts"): a request waiting
@@ -431,7 +473,11 @@ class Dispatcher:
             send(req.header.unique, None, BlockingIOError(errno.EAGAIN, "INTERRUPT before its request"))
 
     def close(self) -> None:
-        """The mount is gone: close every open file, drop every node."""
+        """The mount is gone: requests waiting behind a hold are cancelled (answered ``EIO``
+        once their tasks end: nothing runs on a closed mount, and their holds are withdrawn),
+        every open file closed, every node dropped."""
+        self.closing = True
+        self.pipeline.cancel_all(OSError(errno.EIO, "the mount is going away"))
         for fh in list(self.files):
             self._close_file(fh)
         for fh in list(self.dirs):
@@ -495,7 +541,9 @@ class Dispatcher:
         key = _inode(a)
         n = self._by_inode.get(key)
         if n is not None and n.kind == a.kind:
-            if any(link.path == path for link in n.links):
+            # one of its names already? asked of the registry by path: a node may have as many
+            # names as the host allows links (ext4: 65,000), so never a walk of n.links here
+            if any(type(x) is Link and x.node is n for x in self.export.fids_at(path)):
                 n.lookups += count
                 return n
             if any(self._names(link.path, key, n.kind) for link in n.links):
@@ -509,7 +557,32 @@ class Dispatcher:
         self._add_name(n, path)
         self.nodes[n.nodeid] = n
         self._by_inode[key] = n
+        if len(self.nodes) >= self._relief_at and self.on_node_pressure is not None:
+            self._relieve()
         return n
+
+    def _relieve(self) -> None:
+        """The node table is filling (:data:`NODE_RELIEF_AT`): ask the kernel to forget the
+        names of the oldest nodes not open (ids grow with age; each call goes on after the
+        last node it named, round the table) — :data:`NODE_RELIEF_SHARE` of the table; then
+        again once as many more nodes came, or once the table shrank below the mark and
+        reached it again."""
+        batch = max(1, int(self.limits.fids_per_connection_max * NODE_RELIEF_SHARE))
+        paths: list[str] = []
+        last = self._relieved_up_to
+        for nodeid, n in self.nodes.items():  # oldest first: ids are handed out in order
+            if nodeid <= last or n.files or nodeid == abi.FUSE_ROOT_ID:
+                continue
+            paths.append(n.path)
+            last = nodeid
+            if len(paths) >= batch:
+                break
+        else:
+            last = abi.FUSE_ROOT_ID  # the end of the table: from the oldest again next time
+        self._relieved_up_to = last
+        self._relief_at = len(self.nodes) + batch
+        if paths:
+            self.on_node_pressure(paths)
 
     def _entry(self, path: str, a: Attr | None = None, cred: Cred | None = None) -> m.EntryOut:
         if a is None:
@@ -605,6 +678,8 @@ class Dispatcher:
     def _drop_node(self, n: Node) -> None:
         self._close_node_handles(n)
         self.nodes.pop(n.nodeid, None)
+        if len(self.nodes) < self._relief_base:  # the kernel forgot enough: from the mark again
+            self._relief_at = self._relief_base
         if self._by_inode.get(n.inode) is n:
             del self._by_inode[n.inode]
         for link in n.links:
@@ -874,7 +949,7 @@ class Dispatcher:
                 return -1
             if nsec >= 10**9:
                 raise OSError(errno.EINVAL, "nanoseconds out of range")
-            return sec * 10**9 + nsec
+            return host_seconds(sec) * 10**9 + nsec
 
         if v & abi.FATTR_SIZE and req.size > (1 << 63) - 1:
             raise OSError(errno.EFBIG, "size beyond the largest file offset")
@@ -1356,7 +1431,12 @@ class Dispatcher:
                 if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw):
                     break
                 continue
-            n = self._remember(path, a, count=0)
+            try:
+                n = self._remember(path, a, count=0)
+            except OSError:  # the node table is full (ENFILE): a short listing, if anything fits
+                if not len(packer):
+                    raise
+                break
             if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw, self._entry_out(n, a)):
                 if n.lookups == 0 and not n.files:
                     self._drop_node(n)

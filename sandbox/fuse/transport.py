@@ -9,7 +9,8 @@ headers; a fresh 1 MiB ``os.read`` per request cost ~50 µs of allocation, most 
 request's round trip), decodes it from a read-only view of that buffer (a WRITE's data
 stays a view of it down to the host's ``pwrite``: no copy) and hands it to the dispatcher,
 whose pipeline answers it at once or — a mutation met by a safeguard hold — later, while
-other requests flow; a deferred request keeps its buffer and the next is read into a new one. Replies are
+other requests flow; a deferred request keeps no view of the buffer (its WRITE data is
+copied then: a request waiting costs its own size, not the buffer's). Replies are
 written whole with one ``write(2)`` each.
 
 Mounting (:func:`mount`): as root with ``mount(2)`` (ctypes) — options
@@ -201,6 +202,8 @@ class FuseServer:
         dispatcher.no_open_allowed = True
         # without the watcher, host changes the dispatcher notices in attributes it reports
         dispatcher.on_host_changed = self.invalidate
+        # a filling node table: the kernel is asked to forget the oldest names (Dispatcher._relieve)
+        dispatcher.on_node_pressure = self.invalidate
 
     async def serve(self) -> None:
         """Until ``ENODEV`` (unmounted) or :meth:`stop`; then every handle is closed."""
@@ -323,15 +326,13 @@ class FuseServer:
                 self._stop_reading()
                 self.stop()
                 return
-            if self._request(self._buf[:n].toreadonly()):
-                # deferred behind a hold: the request keeps the buffer (a WRITE's data is a
-                # view of it), so later requests are read into a new one
-                self._buf = memoryview(bytearray(abi.READ_BUFFER_BYTES))
+            # the buffer is read into again at once, even after a request deferred behind a
+            # hold: that keeps no view of it (Dispatcher.submit copies a deferred WRITE's data)
+            self._request(self._buf[:n].toreadonly())
 
     def _request(self, buf: memoryview) -> bool:
         """Decode and submit one request read into ``buf`` (a read-only view of the read
-        buffer, valid until the next read unless this returns True: the request was
-        deferred behind a hold and still refers to it)."""
+        buffer, valid until the next read); True if it was deferred behind a hold."""
         self.requests += 1
         try:
             req = decode_request(buf)

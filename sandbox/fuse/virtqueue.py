@@ -100,7 +100,8 @@ class GuestMemory:
     def map(cls, table, fds: list[int]) -> GuestMemory:
         """mmap each region of ``table`` (a :class:`~.vhost.MemTable`) from its descriptor
         (shared, read-write) and close the descriptors. ``OSError``/``ValueError`` if one
-        cannot be mapped (then nothing stays mapped)."""
+        cannot be mapped — empty, or not inside its file (whatever its size or offset: a
+        mapping past the file's end would fault when touched) — then nothing stays mapped."""
         regions, maps = [], []
         try:
             if len(fds) != len(table.regions):
@@ -108,6 +109,9 @@ class GuestMemory:
             for r, fd in zip(table.regions, fds):
                 if r.size == 0:
                     raise ValueError("an empty region")
+                file_bytes = os.fstat(fd).st_size
+                if r.mmap_offset + r.size > file_bytes:  # also any size no mmap could take
+                    raise ValueError(f"region {r.mmap_offset:#x}+{r.size:#x} beyond its file of {file_bytes:#x} bytes")
                 mm = mmap.mmap(fd, r.mmap_offset + r.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                 maps.append(mm)
                 regions.append(Region(r.guest_addr, r.size, r.user_addr,

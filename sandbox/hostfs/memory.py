@@ -37,6 +37,7 @@ import errno
 import itertools
 import os
 import stat as _stat
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -107,7 +108,43 @@ class SimClock:
 _USUAL_FMT = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}  # a new inode's S_IFMT by kind (else a fifo)
 
 
-@dataclass(slots=True)
+#: what a byte budget (:meth:`MemoryHostFS.limit_bytes`) counts for one inode and for one
+#: name beside their contents (an object, a dict slot; a name's own bytes are added)
+INODE_BYTES = 256
+NAME_BYTES = 64
+
+
+class _Budget:
+    """The bytes a budgeted :class:`MemoryHostFS` holds (:meth:`MemoryHostFS.limit_bytes`):
+    held by the finalizers of its inodes, never by the filesystem, so that dropping the
+    filesystem frees its inodes and they give their bytes back."""
+
+    __slots__ = ("bytes_max", "used", "inodes")
+
+    def __init__(self, bytes_max: int):
+        self.bytes_max = bytes_max
+        self.used = 0
+        self.inodes: dict[int, int] = {}  # ino -> bytes it holds (itself, data, xattrs, target)
+
+    def charge(self, n: int, path: str) -> None:
+        if n > 0 and self.used + n > self.bytes_max:
+            raise _err(errno.ENOSPC, path)
+        self.used += n
+
+    def gone(self, ino: int) -> None:
+        self.used -= self.inodes.pop(ino, 0)
+
+
+def _inode_bytes(node: "_Inode") -> int:
+    return (INODE_BYTES + len(node.data) + len(node.target.encode("utf-8", "surrogateescape"))
+            + sum(len(k) + len(v) for k, v in node.xattrs.items()))
+
+
+def _name_bytes(name: str) -> int:
+    return NAME_BYTES + len(name.encode("utf-8", "surrogateescape"))
+
+
+@dataclass(slots=True, weakref_slot=True)
 class _Inode:
     ino: int
     kind: str
@@ -232,7 +269,7 @@ class MemoryFileHandle(FileHandle):
         self._call("truncate")
         if size < 0 or not self._can(write=True):  # ftruncate(2) of a read-only fd: EINVAL
             raise _err(errno.EINVAL, self.path)
-        self._fs._truncate_node(self._node, size)
+        self._fs._truncate_node(self._node, size, self.path)
 
     def fsync(self, datasync: bool = False) -> None:
         """``fsync`` commits like :meth:`MemoryHostFS.fsync`; ``fdatasync`` makes only this
@@ -397,8 +434,65 @@ class MemoryHostFS(HostFS):
         #: power losses so far (each sets older ctimes, bytes and entries back)
         self.power_losses = 0
         self._kept_walk: tuple[int, tuple[tuple[str, _Inode], ...]] | None = None  # (names, tree_nodes())
+        #: None (the simulated disk): unbounded; else :meth:`limit_bytes`
+        self._budget: _Budget | None = None
 
     # -- simulation controls (not part of HostFS) --
+
+    @property
+    def bytes_max(self) -> int | None:
+        """The byte budget (:meth:`limit_bytes`), or None: unbounded."""
+        return None if self._budget is None else self._budget.bytes_max
+
+    @property
+    def bytes_used(self) -> int:
+        return 0 if self._budget is None else self._budget.used
+
+    def limit_bytes(self, spare: int) -> None:
+        """From now on, hold at most what the tree holds now plus ``spare`` bytes — file
+        bytes, xattr names and values, symlink targets, :data:`INODE_BYTES` an inode and
+        :data:`NAME_BYTES` (plus its own) a name: a change that would hold more is ``ENOSPC``
+        and changes nothing. An inode's bytes are given back when it is gone (no name, no
+        open handle). For a tree an untrusted client may write (a writable in-memory mount);
+        not kept across :meth:`power_loss`."""
+        budget = _Budget(0)
+        seen: set[int] = set()
+        for path, node in self.tree_nodes():
+            if path:
+                budget.used += _name_bytes(path.rsplit("/", 1)[-1])
+            if node.ino not in seen:
+                seen.add(node.ino)
+                self._adopt(budget, node)
+        budget.bytes_max = budget.used + spare
+        self._budget = budget
+
+    @staticmethod
+    def _adopt(budget: _Budget, node: _Inode) -> None:
+        n = budget.inodes[node.ino] = _inode_bytes(node)
+        budget.used += n
+        weakref.finalize(node, budget.gone, node.ino)
+
+    def _charge(self, node: _Inode | None, n: int, path: str) -> None:
+        """Budgeted: ``n`` more bytes held (by ``node``'s inode, or a name), or ``ENOSPC``."""
+        budget = self._budget
+        if budget is not None:
+            budget.charge(n, path)
+            if node is not None and node.ino in budget.inodes:
+                budget.inodes[node.ino] += n
+
+    def _charge_new(self, name: str, target: str, path: str) -> None:
+        """Budgeted: a new inode (with ``target``) under the new ``name`` — or ``ENOSPC``."""
+        if self._budget is not None:
+            self._budget.charge(INODE_BYTES + len(target.encode("utf-8", "surrogateescape")) + _name_bytes(name), path)
+
+    def _new_node(self, node: _Inode, name: str) -> _Inode:
+        """``node`` was just made under ``name`` (both charged by :meth:`_charge_new`): its
+        bytes are given back when it is gone."""
+        budget = self._budget
+        if budget is not None:
+            budget.inodes[node.ino] = _inode_bytes(node)
+            weakref.finalize(node, budget.gone, node.ino)
+        return node
 
     def crash(self) -> None:
         """The process using this filesystem died: its locks and open handles are gone, data stays."""
@@ -418,9 +512,10 @@ class MemoryHostFS(HostFS):
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
+        self._charge_new(name, "", path)
         now = self.clock()
-        node = parent.entries[name] = _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid,
-                                             gid=self.gid)
+        node = parent.entries[name] = self._new_node(
+            _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid, gid=self.gid), name)
         self._note(node)
         self._entries_changed(parent, now)
 
@@ -683,8 +778,10 @@ class MemoryHostFS(HostFS):
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
+        self._charge_new(name, "", path)
         now = self.clock()
-        node = parent.entries[name] = _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid)
+        node = parent.entries[name] = self._new_node(
+            _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid), name)
         noted = self._meta_changed  # _note(node), inline
         if noted is not None:
             noted[node.ino] = node
@@ -702,6 +799,8 @@ class MemoryHostFS(HostFS):
         """The write itself (path or handle): ``limit`` from the fault hook tears it."""
         n = len(data) if limit is None else max(0, min(limit, len(data)))
         if n:  # a zero-byte write changes nothing: no zero-fill, no timestamps
+            if self._budget is not None and offset + n > len(node.data):
+                self._charge(node, offset + n - len(node.data), path)
             if offset > len(node.data):
                 node.data.extend(b"\0" * (offset - len(node.data)))
             node.data[offset : offset + n] = data[:n]
@@ -723,9 +822,10 @@ class MemoryHostFS(HostFS):
         node = self._file(path)
         if size < 0:
             raise _err(errno.EINVAL, path)
-        self._truncate_node(node, size)
+        self._truncate_node(node, size, path)
 
-    def _truncate_node(self, node: _Inode, size: int) -> None:
+    def _truncate_node(self, node: _Inode, size: int, path: str = "") -> None:
+        self._charge(node, size - len(node.data), path)
         if size < len(node.data):
             del node.data[size:]
         else:
@@ -745,6 +845,7 @@ class MemoryHostFS(HostFS):
         if node.kind == DIR:
             raise _err(errno.EISDIR, path)
         del parent.entries[name]
+        self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # not a directory: no path led through it
         now = self.clock()
         node.nlink -= 1
@@ -765,6 +866,7 @@ class MemoryHostFS(HostFS):
         if node.entries:
             raise _err(errno.ENOTEMPTY, path)
         del parent.entries[name]
+        self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
@@ -775,9 +877,10 @@ class MemoryHostFS(HostFS):
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
+        self._charge_new(name, "", path)
         now = self.clock()
-        node = parent.entries[name] = _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid,
-                                             gid=self.gid)
+        node = parent.entries[name] = self._new_node(
+            _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid, gid=self.gid), name)
         self._note(node)
         parent.nlink += 1
         self._entries_changed(parent, now)
@@ -805,6 +908,7 @@ class MemoryHostFS(HostFS):
                 raise _err(errno.EISDIR, dst)
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
+        self._charge(None, _name_bytes(dname) - _name_bytes(sname) - (_name_bytes(dname) if existing else 0), dst)
         now = self.clock()
         if node.kind == DIR:
             self._resolved.clear()  # every kept path through src now leads elsewhere or nowhere
@@ -874,9 +978,10 @@ class MemoryHostFS(HostFS):
         parent, name = self._parent(path)
         if self._child(parent, name, path) is not None:
             raise _err(errno.EEXIST, path)
+        self._charge_new(name, target, path)
         now = self.clock()
-        node = parent.entries[name] = _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid,
-                                             gid=self.gid)
+        node = parent.entries[name] = self._new_node(
+            _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid, gid=self.gid), name)
         self._note(node)
         self._entries_changed(parent, now)
 
@@ -898,6 +1003,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EEXIST, new)
         if node.kind == DIR:
             raise _err(errno.EPERM, existing)
+        self._charge(None, _name_bytes(dname), new)
         now = self.clock()
         dparent.entries[dname] = node
         node.nlink += 1
@@ -1002,6 +1108,8 @@ class MemoryHostFS(HostFS):
         self._xattr_checks(node, name, True, path)
         if len(value) > 65536:
             raise _err(errno.E2BIG, path)
+        old = node.xattrs.get(name)
+        self._charge(node, len(value) - (len(old) if old is not None else -len(name)), path)
         node.xattrs[name] = bytes(value)
         node.ctime_ns = self.clock()
         self._note(node)
@@ -1014,6 +1122,7 @@ class MemoryHostFS(HostFS):
         self._xattr_checks(node, name, True, path)
         if name not in node.xattrs:
             raise _err(errno.ENODATA, path)
+        self._charge(node, -len(name) - len(node.xattrs[name]), path)
         del node.xattrs[name]
         node.ctime_ns = self.clock()
         self._note(node)
@@ -1041,6 +1150,7 @@ class MemoryHostFS(HostFS):
             if offset < stop:
                 node.data[offset:stop] = b"\0" * (stop - offset)
         if not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
+            self._charge(node, end - len(node.data), path)
             node.data.extend(b"\0" * (end - len(node.data)))
         now = self.clock()
         node.mtime_ns = node.ctime_ns = now
@@ -1062,6 +1172,8 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EINVAL, path)  # overlapping ranges of one file
         if not chunk:
             return 0
+        if dst_offset + len(chunk) > len(d.data):
+            self._charge(d, dst_offset + len(chunk) - len(d.data), path)
         if dst_offset > len(d.data):
             d.data.extend(b"\0" * (dst_offset - len(d.data)))
         d.data[dst_offset : dst_offset + len(chunk)] = chunk

@@ -4,7 +4,8 @@ Built from a flat ``{relative_path: bytes | str}`` dict; intermediate directorie
 created. Served through a :class:`~sandbox.mounts.provider.Provider` like any other
 export, so the protocol servers need nothing special for them.
 
-Invariants: read-only unless ``writable=True``; never undo-tracked (writes to a writable
+Invariants: read-only unless ``writable=True``, and then bounded (what the guest adds is at
+most :data:`WRITABLE_TREE_SPARE_BYTES`, ``ENOSPC`` beyond); never undo-tracked (writes to a writable
 tree change only the in-memory copy, and are lost with it); the tree is a snapshot —
 later changes to the dict are not seen. Paths are validated exactly as guest paths are
 (no ``..``, not absolute, components ≤ 255 bytes); a path that is both a file and a
@@ -22,6 +23,10 @@ from .provider import Provider
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
+#: a writable tree holds at most this many bytes more than the files it was made from (file
+#: bytes, names, inodes, xattrs, symlink targets: :meth:`MemoryHostFS.limit_bytes`); beyond
+#: it a write, truncate, create or setxattr is ``ENOSPC`` — the guest writes into our memory
+WRITABLE_TREE_SPARE_BYTES = 64 << 20
 
 
 def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> MemoryHostFS:
@@ -53,5 +58,9 @@ def memory_hostfs(files: dict[str, bytes | str], name: str = "memory") -> Memory
 
 
 def memory_tree(files: dict[str, bytes | str], *, writable: bool = False, label: str = "memory") -> Provider:
-    """A provider over an in-memory snapshot of ``files`` (read-only by default)."""
-    return Provider(memory_hostfs(files, label), None, read_only=not writable, label=label)
+    """A provider over an in-memory snapshot of ``files`` (read-only by default; writable,
+    within :data:`WRITABLE_TREE_SPARE_BYTES` more)."""
+    host = memory_hostfs(files, label)
+    if writable:
+        host.limit_bytes(WRITABLE_TREE_SPARE_BYTES)
+    return Provider(host, None, read_only=not writable, label=label)

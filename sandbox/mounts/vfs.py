@@ -18,6 +18,9 @@ Invariants:
   nothing the object does takes the session down;
 * one open reads the whole file once (at most :data:`VFS_FILE_BYTES_MAX`, more is
   ``EFBIG``): a reader sees one consistent version of a file for as long as it holds it;
+  handles that read the same bytes object share it, a handle copies it at its first write,
+  and what a mount's open handles hold (each distinct object once) is at most
+  :data:`VFS_HANDLE_BYTES_MAX` (``ENOMEM`` at the open or write past it);
 * read-only unless the object has ``write`` and the mount is writable; a write replaces
   the whole file through ``write(path, data)`` (read-modify-write at the handle), and
   every other mutation (mkdir, unlink, rename, links, chmod, xattrs) is ``EPERM``;
@@ -39,12 +42,16 @@ from ..hostfs import DIR, NAME_LEN_MAX, REG, SYNTHETIC_STATFS, Attr, FileHandle,
 from .provider import Provider
 
 __all__ = ["VirtualFileSystem", "FileStat", "VfsHostFS", "vfs_tree", "is_vfs", "VFS_FILE_BYTES_MAX",
-           "VFS_LIST_ENTRIES_MAX"]
+           "VFS_HANDLE_BYTES_MAX", "VFS_LIST_ENTRIES_MAX"]
 
 log = logging.getLogger("sandbox.mounts.vfs")
 
 #: the largest file one open of a VFS file reads (more is EFBIG)
 VFS_FILE_BYTES_MAX = 64 << 20
+#: what the open handles of one VFS mount hold, each distinct content once (handles that
+#: read the same bytes object share it; a handle's private copy, made at its first write,
+#: counts apart); an open or a first write past it is ``ENOMEM``
+VFS_HANDLE_BYTES_MAX = 256 << 20
 #: the most names one directory listing of a VFS may return (more is EIO)
 VFS_LIST_ENTRIES_MAX = 100_000
 FILE_MODE, DIR_MODE = 0o644, 0o755
@@ -83,11 +90,27 @@ def _err(code: int, path: str, why: str = "") -> OSError:
 
 
 class _VfsHandle(FileHandle):
-    """One open file: its bytes read once at open; writes go back through ``write``."""
+    """One open file: its bytes read once at open (shared with every handle that read the
+    same object, held in the mount's :meth:`VfsHostFS._hold`), copied for this handle at its
+    first change; writes go back through ``write``."""
 
     def __init__(self, fs: "VfsHostFS", path: str, flags: int, data: bytes, attr: Attr):
         self.path, self.flags = path, flags
-        self._fs, self._data, self._attr, self._closed = fs, bytearray(data), attr, False
+        fs._hold(data, path)
+        self._fs, self._data, self._attr, self._closed = fs, data, attr, False
+
+    def _own(self, size: int) -> bytearray:
+        """This handle's private copy of its bytes, made now if need be, with room held for
+        ``size`` bytes (``ENOMEM`` past ``VFS_HANDLE_BYTES_MAX``)."""
+        data = self._data
+        if type(data) is not bytearray:
+            copy = bytearray(data)
+            self._fs._hold(copy, self.path, max(size, len(copy)))
+            self._fs._release(data)
+            self._data = data = copy
+        elif size > len(data):
+            self._fs._grow(data, size, self.path)
+        return data
 
     @property
     def closed(self) -> bool:
@@ -121,9 +144,10 @@ class _VfsHandle(FileHandle):
         end = offset + len(data)
         if end > VFS_FILE_BYTES_MAX:
             raise _err(errno.EFBIG, self.path)
-        if offset > len(self._data):
-            self._data.extend(b"\0" * (offset - len(self._data)))
-        self._data[offset:end] = data
+        buf = self._own(end)
+        if offset > len(buf):
+            buf.extend(b"\0" * (offset - len(buf)))
+        buf[offset:end] = data
         self._store()
         return len(data)
 
@@ -133,8 +157,9 @@ class _VfsHandle(FileHandle):
             raise _err(errno.EINVAL, self.path)
         if size > VFS_FILE_BYTES_MAX:
             raise _err(errno.EFBIG, self.path)
-        del self._data[size:]
-        self._data.extend(b"\0" * (size - len(self._data)))
+        buf = self._own(size)
+        del buf[size:]
+        buf.extend(b"\0" * (size - len(buf)))
         self._store()
 
     def fsync(self, datasync: bool = False) -> None:
@@ -173,7 +198,9 @@ class _VfsHandle(FileHandle):
         raise _err(errno.ENODATA, self.path)
 
     def close(self) -> None:
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self._fs._release(self._data)
 
 
 class VfsHostFS(HostFS):
@@ -184,6 +211,42 @@ class VfsHostFS(HostFS):
         self.name = name
         self.writable = bool(writable) and callable(getattr(vfs, "write", None))
         self.mounted_ns = time.time_ns()
+        #: id(bytes held by open handles) -> [the object, handles holding it, bytes counted]
+        self._held: dict[int, list] = {}
+        #: their total, at most VFS_HANDLE_BYTES_MAX
+        self.held_bytes = 0
+
+    # -- what open handles hold (VFS_HANDLE_BYTES_MAX)
+
+    def _hold(self, data, path: str, size: int | None = None) -> None:
+        """One more handle holds ``data`` (counted once however many do; ``size``: the room
+        counted for it, its length by default); ``ENOMEM`` if a new one does not fit."""
+        entry = self._held.get(id(data))
+        if entry is not None:
+            entry[1] += 1
+            return
+        n = len(data) if size is None else size
+        if self.held_bytes + n > VFS_HANDLE_BYTES_MAX:
+            raise _err(errno.ENOMEM, path, f"open files of this mount hold over {VFS_HANDLE_BYTES_MAX} bytes")
+        self._held[id(data)] = [data, 1, n]
+        self.held_bytes += n
+
+    def _grow(self, data, size: int, path: str) -> None:
+        """``data`` (held by one handle alone: its private copy) grows to ``size``."""
+        entry = self._held[id(data)]
+        if size > entry[2]:
+            if self.held_bytes + size - entry[2] > VFS_HANDLE_BYTES_MAX:
+                raise _err(errno.ENOMEM, path, f"open files of this mount hold over {VFS_HANDLE_BYTES_MAX} bytes")
+            self.held_bytes += size - entry[2]
+            entry[2] = size
+
+    def _release(self, data) -> None:
+        entry = self._held.get(id(data))
+        if entry is not None and entry[0] is data:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[id(data)]
+                self.held_bytes -= entry[2]
 
     # -- calling the user's object safely
 
