@@ -41,6 +41,18 @@ def H(op: abi.Opcode, nodeid: int = ROOT, uid: int = UID, gid: int = GID) -> m.I
     return m.InHeader(0, int(op), next(_unique), nodeid, uid, gid, 4242)
 
 
+def replies():
+    """``(sent, settled, send)``: ``send`` is a dispatcher's reply callback recording each
+    ``(reply, error)`` in ``sent`` by unique and setting the event ``settled``."""
+    sent: dict[int, tuple] = {}
+    settled = asyncio.Event()
+
+    def send(unique, reply, error):
+        sent[unique] = (reply, error)
+        settled.set()
+    return sent, settled, send
+
+
 class Mount:
     """A dispatcher on ``tmp_path/work``, initialised; ``call`` returns the reply (encoded
     once, to prove it encodes) or raises the handler's OSError."""
@@ -347,12 +359,7 @@ def test_a_held_delete_waits_while_other_requests_flow(tmp_path):
     before_step = snapshot_dir(mo.work)
 
     async def go():
-        sent: dict[int, tuple] = {}
-        settled = asyncio.Event()
-
-        def send(unique, reply, error):
-            sent[unique] = (reply, error)
-            settled.set()
+        sent, settled, send = replies()
 
         reqs = [m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()) for i in range(3)]
         deferred = [mo.d.submit(r, 64, send) for r in reqs]
@@ -398,12 +405,7 @@ def test_interrupt_answers_a_held_request_eintr_and_the_hold_stays_pending(tmp_p
         open(mo.host(f"f{i}"), "w").close()
 
     async def go():
-        sent: dict[int, tuple] = {}
-        settled = asyncio.Event()
-
-        def send(unique, reply, error):
-            sent[unique] = (reply, error)
-            settled.set()
+        sent, settled, send = replies()
 
         async def until(n):
             while len(sent) < n:
@@ -1138,12 +1140,7 @@ def test_a_deferred_write_keeps_no_view_of_the_transports_buffer(tmp_path):
     c = mo.create("w")
 
     async def go():
-        sent: dict[int, tuple] = {}
-        settled = asyncio.Event()
-
-        def send(unique, reply, error):
-            sent[unique] = (reply, error)
-            settled.set()
+        sent, settled, send = replies()
 
         assert [mo.d.submit(m.Unlink(H(abi.Opcode.UNLINK), f"f{i}".encode()), 64, send) for i in range(2)] == [
             False, True]  # the second delete is held: the gate is busy

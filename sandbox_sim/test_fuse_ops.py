@@ -17,7 +17,7 @@ from sandbox.fuse import abi
 from sandbox.fuse import messages as m
 from sandbox.mounts.provider import COPY_FILE_RANGE_BYTES_MAX
 from sandbox_sim.oracle import assert_same, snapshot_dir
-from sandbox_sim.test_fuse_dispatcher import ROOT, H, Mount
+from sandbox_sim.test_fuse_dispatcher import ROOT, H, Mount, replies
 
 pytestmark = pytest.mark.timeout(60)
 DATA = bytes(range(1, 256)) * 64  # no zeros
@@ -181,12 +181,7 @@ def test_the_new_mutations_pass_the_hold_gate(tmp_path):
     node, fh = _open(mo, "big")
 
     async def go():
-        sent: dict[int, tuple] = {}
-        settled = asyncio.Event()
-
-        def send(unique, reply, error):
-            sent[unique] = (reply, error)
-            settled.set()
+        sent, settled, send = replies()
 
         held = [m.Unlink(H(abi.Opcode.UNLINK), b"f0"),
                 m.Fallocate(H(abi.Opcode.FALLOCATE, node), fh, 0, 100_000, 0),

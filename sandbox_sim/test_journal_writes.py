@@ -17,8 +17,8 @@ import pytest
 
 from . import oracle
 from .faults import FaultInjector, SimulatedCrash
-from .test_crash import _store_error_sweep, seed_fixed
-from .world import World
+from .test_crash import _store_error_sweep
+from .test_power_loss import _prepare as _prepare_world
 
 JOURNAL = "wal/in_progress/journal.jsonl"
 
@@ -41,18 +41,7 @@ def _step(ws) -> None:
 
 
 def _prepare(durable: bool = False):
-    w = World("sim")
-    with w.paused():
-        seed_fixed(w.work)
-        w.work.sync_all()
-    initial = w.snapshot()
-    ws = w.open(durable=durable)
-    with ws.step("earlier"):
-        ws.fs.write_file("earlier.txt", b"from an earlier step")
-        ws.fs.chmod("d1/a", 0o600)
-    w.work.sync_all()  # the earlier step is long on the disk: only the workload is at risk
-    w.store.sync_all()
-    return w, ws, initial
+    return _prepare_world(durable, chmod="d1/a")
 
 
 def _traced(durable: bool = False) -> list[tuple[str, str, str]]:

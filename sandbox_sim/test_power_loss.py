@@ -17,7 +17,9 @@ from .test_crash import seed_fixed, workload
 from .world import World
 
 
-def _prepare(durable: bool):
+def _prepare(durable: bool, chmod: str = "top"):
+    """A simulated world with the fixed tree on the disk, open, and one earlier step (a
+    write and a chmod of ``chmod``) long synced: only what runs next is at risk."""
     w = World("sim")
     with w.paused():
         seed_fixed(w.work)
@@ -26,7 +28,7 @@ def _prepare(durable: bool):
     ws = w.open(durable=durable)
     with ws.step("earlier"):
         ws.fs.write_file("earlier.txt", b"from an earlier step")
-        ws.fs.chmod("top", 0o640)
+        ws.fs.chmod(chmod, 0o640)
     w.work.sync_all()  # the earlier step is long on the disk: only the workload is at risk
     w.store.sync_all()
     return w, ws, initial
