@@ -654,15 +654,23 @@ class FileService:
                 return self._remove_tree(p, loc.rel, [0])
 
     def _remove_tree(self, p, rel: str, count: list[int]) -> int:
-        for name in sorted(p.listdir(rel)):
-            child = join(rel, name)
+        """Remove the tree at ``rel`` depth first, without recursion: a tree may be nested
+        deeper than Python's stack (only :data:`REMOVE_ENTRIES_MAX` bounds it)."""
+        stack = [(rel, iter(sorted(p.listdir(rel))))]
+        while stack:
+            d, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                self._removed(count)
+                p.rmdir(d)
+                continue
+            child = join(d, name)
             if p.lookup(child).kind == DIR:
-                self._remove_tree(p, child, count)
+                stack.append((child, iter(sorted(p.listdir(child)))))
             else:
                 self._removed(count)
                 p.unlink(child)
-        self._removed(count)
-        p.rmdir(rel)
         return count[0]
 
     @staticmethod

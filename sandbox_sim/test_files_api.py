@@ -8,6 +8,7 @@ views, and bad input — every error a stable code carrying its errno, never
 from __future__ import annotations
 
 import base64
+import os
 
 import pytest
 
@@ -207,3 +208,26 @@ def test_an_api_write_that_trips_a_safeguard_is_denied_and_its_step_rolled_back(
     assert c.ok("session.status")["pending_safeguards"] == []
     c.ok("fs.write", {"path": "after.txt", "data": "ok"})  # the next API step is fine
     assert (project / "after.txt").read_text() == "ok"
+
+
+def test_a_recursive_remove_of_a_tree_deeper_than_python_s_stack_is_one_undoable_step(api, project):
+    """A tree nested 1,500 levels (made by a local process, or a guest's runaway script)
+    is removed without recursion: never ``protocol.internal``, and one undo brings it back."""
+    fd = os.open(project, os.O_RDONLY)
+    os.mkdir("deep", dir_fd=fd)
+    d = os.open("deep", os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=d)
+        n = os.open("d", os.O_RDONLY, dir_fd=d)
+        os.close(d)
+        d = n
+    with open(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d), "w") as f:
+        f.write("bottom\n")
+    os.close(d)
+    c = api()
+    start(c, project)
+    assert c.ok("fs.remove", {"path": "deep", "recursive": True})["removed"] == 1502
+    assert not (project / "deep").exists()
+    c.ok("undo.rollback", {})
+    assert (project / "deep" / "d" / "d").is_dir()
