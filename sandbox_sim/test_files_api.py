@@ -231,3 +231,4 @@ def test_a_recursive_remove_of_a_tree_deeper_than_python_s_stack_is_one_undoable
     assert not (project / "deep").exists()
     c.ok("undo.rollback", {})
     assert (project / "deep" / "d" / "d").is_dir()
+    c.ok("fs.remove", {"path": "deep", "recursive": True})  # pytest's own cleanup recurses

@@ -1115,3 +1115,45 @@ def test_boundary_values_of_every_request_field_are_answered_never_internal(api,
     for c in (a, b):
         assert c.ok("hello", {"protocol_version": 1})
         assert c.close() == 0
+
+
+def test_a_client_that_never_reads_its_replies_cannot_grow_the_agent_s_memory():
+    """A flood of lines from a client that reads nothing: at most ``max_output_bytes`` of
+    replies wait for stdout, then the agent stops reading stdin until the client reads —
+    and every line is still answered once it does."""
+    import threading
+
+    from sandbox.api import stdio
+
+    lines_max, room = 20_000, 4096
+    reading = threading.Event()
+
+    class Client:  # both ends: what the agent reads, and a stdout nobody reads until `reading`
+        def __init__(self):
+            self.sent, self.received = 0, []
+
+        def readline(self, _limit=-1) -> bytes:
+            if self.sent == lines_max:
+                return b""
+            self.sent += 1
+            return b"not json\n"
+
+        def write(self, data: bytes) -> None:
+            reading.wait()
+            self.received.append(data)
+
+        def flush(self) -> None:
+            pass
+
+    client = Client()
+    server = stdio.StdioServer(client, client, guest="scripted", max_output_bytes=room)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    assert server.output.wait_blocked(timeout=60)  # the reader waits for room: stdin is not read on
+    assert client.sent < room // 50 + 3  # each reply is longer than 50 bytes
+    assert server.output.queued_bytes <= room
+    reading.set()
+    serving.join(timeout=120)
+    assert not serving.is_alive()
+    msgs = [json.loads(x) for x in b"".join(client.received).splitlines()]
+    assert len(msgs) == lines_max and {m["error"]["code"] for m in msgs} == {"protocol.invalid_json"}
