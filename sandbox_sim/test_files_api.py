@@ -232,3 +232,24 @@ def test_a_recursive_remove_of_a_tree_deeper_than_python_s_stack_is_one_undoable
     c.ok("undo.rollback", {})
     assert (project / "deep" / "d" / "d").is_dir()
     c.ok("fs.remove", {"path": "deep", "recursive": True})  # pytest's own cleanup recurses
+
+
+def test_writing_over_a_symlink_or_a_special_file_says_what_is_there_and_never_follows(api, project, tmp_path):
+    """A write by path onto a symlink (here one leading out of the folder) or a FIFO fails
+    with the same code a read gets — ``fs.symlink``/``ELOOP``, ``fs.not_a_file``/``ENXIO`` —
+    and the target outside is untouched."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret\n")
+    os.symlink(outside, project / "out")
+    os.mkfifo(project / "pipe")
+    c = api()
+    start(c, project)
+    for t, p in [("fs.write", {"path": "out", "data": "x"}), ("fs.open", {"path": "out", "mode": "w"}),
+                 ("fs.open", {"path": "out", "mode": "r+"}), ("fs.read", {"path": "out"})]:
+        e = c.error(t, p)
+        assert (e["code"], e["data"]["errno"]) == ("fs.symlink", "ELOOP"), (t, p, e)
+    for t, p in [("fs.write", {"path": "pipe", "data": "x"}), ("fs.open", {"path": "pipe", "mode": "a"}),
+                 ("fs.read", {"path": "pipe"})]:
+        e = c.error(t, p)
+        assert (e["code"], e["data"]["errno"]) == ("fs.not_a_file", "ENXIO"), (t, p, e)
+    assert outside.read_text() == "secret\n" and os.readlink(project / "out") == str(outside)
