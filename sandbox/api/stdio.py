@@ -32,7 +32,7 @@ server that emits events — and a client that stops reading cannot grow the age
 When the outbox is full, a response or a command's output event waits for room (so the
 reader stops reading stdin, and a command's output is paced by the client, as a pipe
 paces it); any other event is dropped instead — counted, and reported by one
-``event.warning`` when room returns. One message larger than the whole limit waits until
+``event.warning`` just before the next message that gets through. One message larger than the whole limit waits until
 the outbox is empty, then goes alone. Messages of one operation are queued in order — its
 events before its response. Nothing but protocol messages is ever written to stdout; logs
 go to stderr (:mod:`sandbox.api.logs`).
@@ -144,8 +144,11 @@ class Outbox:
     counted); nothing waits once the writer is gone (:meth:`close`: the client closed stdout)
     or the agent is stopping (:meth:`stop_waiting`) — a line that does not fit is then dropped."""
 
-    def __init__(self, bytes_max: int = OUTPUT_BYTES_MAX):
+    def __init__(self, bytes_max: int = OUTPUT_BYTES_MAX, dropped_line=None):
+        """``dropped_line(n)``: the line that reports ``n`` dropped lines; it goes in just before
+        the next line that gets in, even past the bound (by that one short line)."""
         self.bytes_max = bytes_max
+        self._dropped_line = dropped_line
         self.queued_bytes = 0
         self.dropped = 0  # lines dropped since the last warning about it
         self._items: collections.deque = collections.deque()
@@ -170,6 +173,11 @@ class Outbox:
                     self._waiting -= 1
             if self._closed and n:
                 return False
+            if self.dropped and n and self._dropped_line is not None:
+                report = self._dropped_line(self.dropped)
+                self._items.append(report)
+                self.queued_bytes += len(report)
+                self.dropped = 0
             self._items.append(line)
             self.queued_bytes += n
             self._cond.notify_all()
@@ -183,11 +191,6 @@ class Outbox:
             self.queued_bytes -= len(line) if isinstance(line, bytes) else 0
             self._cond.notify_all()
             return line
-
-    def take_dropped(self) -> int:
-        with self._cond:
-            n, self.dropped = self.dropped, 0
-            return n
 
     def close(self) -> None:
         """The writer is gone: nothing is queued or waits any more."""
@@ -207,6 +210,11 @@ class Outbox:
         """Wait until some :meth:`put` waits for room (tests; True if one does)."""
         with self._cond:
             return self._cond.wait_for(lambda: self._waiting > 0, timeout)
+
+
+def _dropped_warning(bytes_max: int):
+    return lambda n: _encode({"type": "event.warning", "payload": {
+        "message": f"{n} events were dropped: the client did not read stdout (more than {bytes_max} bytes were waiting)"}})
 
 
 def _line_of(msg) -> bytes | None:
@@ -237,7 +245,7 @@ class StdioServer:
         self.max_line_bytes = max_line_bytes
         self.max_json_depth = max_json_depth
         self.max_in_flight = max_in_flight
-        self.output = Outbox(max_output_bytes)
+        self.output = Outbox(max_output_bytes, _dropped_warning(max_output_bytes))
         self._writer = threading.Thread(target=self._write_loop, name="stdio-writer", daemon=True)
         self._queue: queue.Queue = queue.Queue()  # requests in arrival order, for the dispatcher
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="stdio-dispatch", daemon=True)
@@ -257,15 +265,8 @@ class StdioServer:
         if line is None:
             return
         wait = isinstance(message, dict) and message.get("type") in _WAIT_FOR_ROOM
-        if not self.output.put(line, wait=wait):
-            if not wait:
-                log.warning("stdout is full: event %s dropped", message.get("type") if isinstance(message, dict) else "?")
-            return
-        dropped = self.output.take_dropped() if self.output.dropped else 0
-        if dropped:
-            self.output.put(_encode({"type": "event.warning", "payload": {
-                "message": f"{dropped} events were dropped: the client did not read stdout "
-                           f"(more than {self.output.bytes_max} bytes were waiting)"}}), wait=False)
+        if not self.output.put(line, wait=wait) and not wait and self.output.dropped == 1:  # the first of a run
+            log.warning("stdout is full: events are dropped until the client reads (first: %s)", message.get("type"))
 
     def _write_loop(self) -> None:
         while True:
