@@ -181,6 +181,11 @@ class FileService:
         (a folder index/label/path) or else to the view (or the first folder)."""
         if not isinstance(path, str) or "\0" in path:
             raise _err("fs.invalid_path", "path must be a string without NUL", errno.EINVAL)
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _err("fs.invalid_path", "path is not valid Unicode text (a lone surrogate): no file has that name",
+                       errno.EINVAL) from None
         if path.startswith("/"):
             return path
         v = self._view

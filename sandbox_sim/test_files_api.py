@@ -129,6 +129,8 @@ def test_bad_input_gets_stable_codes_with_errnos_never_internal(api, project):
         ("fs.close", {"handle": h}, "fs.invalid_handle", "EINVAL"),
         ("fs.open", {"path": "/etc/passwd"}, "fs.outside_mounts", "EACCES"),
         ("fs.open", {"path": "../secret"}, "fs.outside_mounts", "EACCES"),
+        ("fs.open", {"path": "a\ud800b"}, "fs.invalid_path", "EINVAL"),  # a lone surrogate: no file has that name
+        ("fs.write", {"path": "\udcff", "data": "x"}, "fs.invalid_path", "EINVAL"),
         ("fs.open", {"path": "missing"}, "fs.not_found", "ENOENT"),
         ("fs.open", {"path": "src"}, "fs.is_a_directory", "EISDIR"),
         ("fs.open", {"path": "README.md", "mode": "x"}, "fs.exists", "EEXIST"),
