@@ -181,6 +181,11 @@ class FileService:
         (a folder index/label/path) or else to the view (or the first folder)."""
         if not isinstance(path, str) or "\0" in path:
             raise _err("fs.invalid_path", "path must be a string without NUL", errno.EINVAL)
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _err("fs.invalid_path", "path is not valid Unicode text (a lone surrogate): no file has that name",
+                       errno.EINVAL) from None
         if path.startswith("/"):
             return path
         v = self._view
@@ -341,13 +346,23 @@ class FileService:
                 folder = self._folder(loc.mount)
                 with self._mutation(folder, f"open {loc.guest} {m}", h):
                     flags = acc | (os.O_EXCL if m[0] == "x" else 0) | (os.O_TRUNC if truncates else 0)
-                    h.fh, _made = p.create(loc.rel, 0o644, flags)
+                    h.fh = self._create(loc, flags)
             else:
                 self._regular(p, loc)
                 h.fh = p.open(loc.rel, acc)
             self._handles[hid] = h
             self._counts["opens"] += 1
             return hid
+
+    def _create(self, loc: _Loc, flags: int) -> FileHandle:
+        """Create (or open, without ``O_EXCL``) the regular file at ``loc``. Something else
+        already there — a symlink, a special file — is refused by the host (EPERM, never
+        opened, never followed); the error then says what is there, as a read's does."""
+        try:
+            return loc.provider.create(loc.rel, 0o644, flags)[0]
+        except PermissionError:
+            self._regular(loc.provider, loc)  # raises fs.symlink / fs.not_a_file / fs.is_a_directory
+            raise
 
     def _regular(self, p, loc: _Loc) -> Attr:
         """The attributes of the regular file at ``loc`` (clear errors for anything else)."""
@@ -540,7 +555,7 @@ class FileService:
                            limit_bytes=WRITE_CALL_BYTES_MAX)
             loc = self._locate(path, directory, write=True)
             with self._mutation(self._folder(loc.mount), f"write_file {loc.guest}"):
-                fh, _made = loc.provider.create(loc.rel, 0o644, os.O_WRONLY | os.O_TRUNC)
+                fh = self._create(loc, os.O_WRONLY | os.O_TRUNC)
                 try:
                     if data:
                         loc.provider.write(fh, loc.rel, 0, data)
@@ -654,15 +669,23 @@ class FileService:
                 return self._remove_tree(p, loc.rel, [0])
 
     def _remove_tree(self, p, rel: str, count: list[int]) -> int:
-        for name in sorted(p.listdir(rel)):
-            child = join(rel, name)
+        """Remove the tree at ``rel`` depth first, without recursion: a tree may be nested
+        deeper than Python's stack (only :data:`REMOVE_ENTRIES_MAX` bounds it)."""
+        stack = [(rel, iter(sorted(p.listdir(rel))))]
+        while stack:
+            d, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                self._removed(count)
+                p.rmdir(d)
+                continue
+            child = join(d, name)
             if p.lookup(child).kind == DIR:
-                self._remove_tree(p, child, count)
+                stack.append((child, iter(sorted(p.listdir(child)))))
             else:
                 self._removed(count)
                 p.unlink(child)
-        self._removed(count)
-        p.rmdir(rel)
         return count[0]
 
     @staticmethod

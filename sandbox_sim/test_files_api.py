@@ -8,6 +8,7 @@ views, and bad input — every error a stable code carrying its errno, never
 from __future__ import annotations
 
 import base64
+import os
 
 import pytest
 
@@ -128,6 +129,8 @@ def test_bad_input_gets_stable_codes_with_errnos_never_internal(api, project):
         ("fs.close", {"handle": h}, "fs.invalid_handle", "EINVAL"),
         ("fs.open", {"path": "/etc/passwd"}, "fs.outside_mounts", "EACCES"),
         ("fs.open", {"path": "../secret"}, "fs.outside_mounts", "EACCES"),
+        ("fs.open", {"path": "a\ud800b"}, "fs.invalid_path", "EINVAL"),  # a lone surrogate: no file has that name
+        ("fs.write", {"path": "\udcff", "data": "x"}, "fs.invalid_path", "EINVAL"),
         ("fs.open", {"path": "missing"}, "fs.not_found", "ENOENT"),
         ("fs.open", {"path": "src"}, "fs.is_a_directory", "EISDIR"),
         ("fs.open", {"path": "README.md", "mode": "x"}, "fs.exists", "EEXIST"),
@@ -207,3 +210,48 @@ def test_an_api_write_that_trips_a_safeguard_is_denied_and_its_step_rolled_back(
     assert c.ok("session.status")["pending_safeguards"] == []
     c.ok("fs.write", {"path": "after.txt", "data": "ok"})  # the next API step is fine
     assert (project / "after.txt").read_text() == "ok"
+
+
+def test_a_recursive_remove_of_a_tree_deeper_than_python_s_stack_is_one_undoable_step(api, project):
+    """A tree nested 1,500 levels (made by a local process, or a guest's runaway script)
+    is removed without recursion: never ``protocol.internal``, and one undo brings it back."""
+    fd = os.open(project, os.O_RDONLY)
+    os.mkdir("deep", dir_fd=fd)
+    d = os.open("deep", os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    for _ in range(1500):
+        os.mkdir("d", dir_fd=d)
+        n = os.open("d", os.O_RDONLY, dir_fd=d)
+        os.close(d)
+        d = n
+    with open(os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d), "w") as f:
+        f.write("bottom\n")
+    os.close(d)
+    c = api()
+    start(c, project)
+    assert c.ok("fs.remove", {"path": "deep", "recursive": True})["removed"] == 1502
+    assert not (project / "deep").exists()
+    c.ok("undo.rollback", {})
+    assert (project / "deep" / "d" / "d").is_dir()
+    c.ok("fs.remove", {"path": "deep", "recursive": True})  # pytest's own cleanup recurses
+
+
+def test_writing_over_a_symlink_or_a_special_file_says_what_is_there_and_never_follows(api, project, tmp_path):
+    """A write by path onto a symlink (here one leading out of the folder) or a FIFO fails
+    with the same code a read gets — ``fs.symlink``/``ELOOP``, ``fs.not_a_file``/``ENXIO`` —
+    and the target outside is untouched."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret\n")
+    os.symlink(outside, project / "out")
+    os.mkfifo(project / "pipe")
+    c = api()
+    start(c, project)
+    for t, p in [("fs.write", {"path": "out", "data": "x"}), ("fs.open", {"path": "out", "mode": "w"}),
+                 ("fs.open", {"path": "out", "mode": "r+"}), ("fs.read", {"path": "out"})]:
+        e = c.error(t, p)
+        assert (e["code"], e["data"]["errno"]) == ("fs.symlink", "ELOOP"), (t, p, e)
+    for t, p in [("fs.write", {"path": "pipe", "data": "x"}), ("fs.open", {"path": "pipe", "mode": "a"}),
+                 ("fs.read", {"path": "pipe"})]:
+        e = c.error(t, p)
+        assert (e["code"], e["data"]["errno"]) == ("fs.not_a_file", "ENXIO"), (t, p, e)
+    assert outside.read_text() == "secret\n" and os.readlink(project / "out") == str(outside)

@@ -10,6 +10,7 @@ against the ``outputSchema`` the server advertised; undo is checked with the tre
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -851,3 +852,30 @@ def test_sigterm_mid_command_stops_the_session_and_leaves_an_undoable_step(proje
                        text=True, timeout=WAIT_S)
     assert u.returncode == 0, u.stderr
     oracle.assert_same(before, oracle.snapshot_dir(str(project)), "after undoing the interrupted step")
+
+
+def test_sandbox_mcp_over_stdio_bounds_a_message_with_no_end(project, state, tmp_path):
+    """A line longer than MESSAGE_BYTES_MAX on stdin (here: with no newline at all) is never
+    held whole: the connection is closed, logged, and the server exits cleanly."""
+    from sandbox.api.mcp.lines import MESSAGE_BYTES_MAX
+
+    p = subprocess.Popen([SANDBOX, "mcp", "--workdir", str(project), "--state-dir", state, "--guest", "scripted"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr", "w"))
+
+    def flood() -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            chunk = b"x" * (1 << 20)
+            for _ in range(MESSAGE_BYTES_MAX // len(chunk) + 1):
+                p.stdin.write(chunk)
+            p.stdin.flush()  # and stdin stays open: only the bound can end this connection
+
+    writer = threading.Thread(target=flood, daemon=True)
+    writer.start()
+    try:
+        assert p.wait(WAIT_S) == 0
+    finally:
+        p.kill()
+        with contextlib.suppress(OSError):
+            p.stdin.close()
+    assert p.stdout.read() == b""
+    assert f"longer than {MESSAGE_BYTES_MAX} bytes" in (tmp_path / "stderr").read_text()

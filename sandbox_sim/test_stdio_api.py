@@ -10,6 +10,7 @@ arrives; every test ends by checking that nothing violated it.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import signal
@@ -1115,3 +1116,84 @@ def test_boundary_values_of_every_request_field_are_answered_never_internal(api,
     for c in (a, b):
         assert c.ok("hello", {"protocol_version": 1})
         assert c.close() == 0
+
+
+def test_a_client_that_never_reads_its_replies_cannot_grow_the_agent_s_memory():
+    """A flood of lines from a client that reads nothing: at most ``max_output_bytes`` of
+    replies wait for stdout, then the agent stops reading stdin until the client reads —
+    and every line is still answered once it does."""
+    import threading
+
+    from sandbox.api import stdio
+
+    lines_max, room = 20_000, 4096
+    reading = threading.Event()
+
+    class Client:  # both ends: what the agent reads, and a stdout nobody reads until `reading`
+        def __init__(self):
+            self.sent, self.received = 0, []
+
+        def readline(self, _limit=-1) -> bytes:
+            if self.sent == lines_max:
+                return b""
+            self.sent += 1
+            return b"not json\n"
+
+        def write(self, data: bytes) -> None:
+            reading.wait()
+            self.received.append(data)
+
+        def flush(self) -> None:
+            pass
+
+    client = Client()
+    server = stdio.StdioServer(client, client, guest="scripted", max_output_bytes=room)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    assert server.output.wait_blocked(timeout=60)  # the reader waits for room: stdin is not read on
+    assert client.sent < room // 50 + 3  # each reply is longer than 50 bytes
+    assert server.output.queued_bytes <= room
+    reading.set()
+    serving.join(timeout=120)
+    assert not serving.is_alive()
+    msgs = [json.loads(x) for x in b"".join(client.received).splitlines()]
+    assert len(msgs) == lines_max and {m["error"]["code"] for m in msgs} == {"protocol.invalid_json"}
+
+
+def test_events_past_the_output_bound_are_dropped_never_waited_for_and_then_reported():
+    """An event other than a command's output never waits for a client that does not read
+    (its sender may be the filesystem server): past ``max_output_bytes`` it is dropped, and
+    one ``event.warning`` says how many once a message gets through again."""
+    import threading
+
+    from sandbox.api import stdio
+
+    reading = threading.Event()
+
+    class Out:
+        def __init__(self):
+            self.received = []
+
+        def write(self, data: bytes) -> None:
+            reading.wait()
+            self.received.append(data)
+
+        def flush(self) -> None:
+            pass
+
+    out = Out()
+    server = stdio.StdioServer(io.BytesIO(), out, guest="scripted", max_output_bytes=4096)
+    server._writer.start()
+    for i in range(1000):  # returns at once each time: nothing here waits
+        server.send({"type": "event.step_completed", "payload": {"step_id": i, "note": "x" * 50}})
+    assert server.output.queued_bytes <= 4096
+    reading.set()
+    server.send({"type": "response", "request_id": "r", "status": "ok", "payload": {}})
+    server.send(stdio._STOP)
+    server._writer.join(timeout=60)
+    msgs = [json.loads(x) for x in b"".join(out.received).splitlines()]
+    kept = [m["payload"]["step_id"] for m in msgs if m["type"] == "event.step_completed"]
+    assert 0 < len(kept) < 1000 and kept == sorted(kept)  # in order, and most dropped
+    warned = [int(m["payload"]["message"].split()[0]) for m in msgs if m["type"] == "event.warning"]
+    assert sum(warned) == 1000 - len(kept) and msgs[-2]["type"] == "event.warning"  # every drop reported
+    assert msgs[-1]["request_id"] == "r"

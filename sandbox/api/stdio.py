@@ -26,10 +26,16 @@ send ``agent.cancel`` first to cut it short), and later requests start after the
 ``hello``, ``session.status``, ``safeguard.confirm`` and ``agent.cancel`` start at once,
 even while a barrier waits.
 
-Writing: one writer thread owns stdout, fed by a queue, so a slow reader never blocks
-the filesystem server that emits events. Messages of one operation are queued in order
-— its events before its response. Nothing but protocol messages is ever written to
-stdout; logs go to stderr (:mod:`sandbox.api.logs`).
+Writing: one writer thread owns stdout, fed by an :class:`Outbox` of at most
+``max_output_bytes`` of encoded messages, so a slow reader never blocks the filesystem
+server that emits events — and a client that stops reading cannot grow the agent's memory.
+When the outbox is full, a response or a command's output event waits for room (so the
+reader stops reading stdin, and a command's output is paced by the client, as a pipe
+paces it); any other event is dropped instead — counted, and reported by one
+``event.warning`` just before the next message that gets through. One message larger than the whole limit waits until
+the outbox is empty, then goes alone. Messages of one operation are queued in order — its
+events before its response. Nothing but protocol messages is ever written to stdout; logs
+go to stderr (:mod:`sandbox.api.logs`).
 
 Ending: at the end of stdin every request already received is carried out and answered,
 then the session is stopped and :meth:`StdioServer.serve` returns. SIGTERM or SIGINT
@@ -38,6 +44,7 @@ then the session is stopped and :meth:`StdioServer.serve` returns. SIGTERM or SI
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -54,6 +61,10 @@ from .logs import bind_context, bound
 log = logging.getLogger("sandbox.api")
 
 LINE_BYTES_MAX = 64 << 20  # in-memory mounts travel as base64 inside session.start
+#: encoded messages waiting for stdout (a 16 MiB fs.read is ~22 MiB of base64 in one response)
+OUTPUT_BYTES_MAX = 64 << 20
+#: messages that wait for room in a full outbox rather than being dropped
+_WAIT_FOR_ROOM = frozenset({"response", "event.terminal_output", "event.agent_output"})
 IN_FLIGHT_MAX = 32
 #: arrays/objects nested in one line, the request object counting 1 (a valid request nests at most 5)
 JSON_DEPTH_MAX = 64
@@ -126,10 +137,107 @@ def _encode(msg: dict) -> bytes:
         return json.dumps(msg, separators=(",", ":")).encode("ascii")
 
 
+class Outbox:
+    """The messages waiting for stdout: at most ``bytes_max`` encoded bytes (module docstring).
+
+    :meth:`put` of a line that does not fit waits for room if ``wait`` (else it is dropped and
+    counted); nothing waits once the writer is gone (:meth:`close`: the client closed stdout)
+    or the agent is stopping (:meth:`stop_waiting`) — a line that does not fit is then dropped."""
+
+    def __init__(self, bytes_max: int = OUTPUT_BYTES_MAX, dropped_line=None):
+        """``dropped_line(n)``: the line that reports ``n`` dropped lines; it goes in just before
+        the next line that gets in, even past the bound (by that one short line)."""
+        self.bytes_max = bytes_max
+        self._dropped_line = dropped_line
+        self.queued_bytes = 0
+        self.dropped = 0  # lines dropped since the last warning about it
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self._closed = False
+        self._no_wait = False
+
+    def put(self, line, *, wait: bool) -> bool:
+        """Queue ``line`` (bytes, or the writer's stop sentinel, which always goes in)."""
+        n = len(line) if isinstance(line, bytes) else 0
+        with self._cond:
+            while n and self.queued_bytes and self.queued_bytes + n > self.bytes_max:
+                if not wait or self._closed or self._no_wait:
+                    self.dropped += 1
+                    return False
+                self._waiting += 1
+                self._cond.notify_all()
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
+            if self._closed and n:
+                return False
+            if self.dropped and n and self._dropped_line is not None:
+                report = self._dropped_line(self.dropped)
+                self._items.append(report)
+                self.queued_bytes += len(report)
+                self.dropped = 0
+            self._items.append(line)
+            self.queued_bytes += n
+            self._cond.notify_all()
+            return True
+
+    def get(self):
+        with self._cond:
+            while not self._items:
+                self._cond.wait()
+            line = self._items.popleft()
+            self.queued_bytes -= len(line) if isinstance(line, bytes) else 0
+            self._cond.notify_all()
+            return line
+
+    def close(self) -> None:
+        """The writer is gone: nothing is queued or waits any more."""
+        with self._cond:
+            self._closed = True
+            self._items.clear()
+            self.queued_bytes = 0
+            self._cond.notify_all()
+
+    def stop_waiting(self) -> None:
+        """The agent is stopping at once (a signal): a line that does not fit is dropped."""
+        with self._cond:
+            self._no_wait = True
+            self._cond.notify_all()
+
+    def wait_blocked(self, timeout: float | None = None) -> bool:
+        """Wait until some :meth:`put` waits for room (tests; True if one does)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._waiting > 0, timeout)
+
+
+def _dropped_warning(bytes_max: int):
+    return lambda n: _encode({"type": "event.warning", "payload": {
+        "message": f"{n} events were dropped: the client did not read stdout (more than {bytes_max} bytes were waiting)"}})
+
+
+def _line_of(msg) -> bytes | None:
+    """``msg`` encoded; a message that cannot be (a bug, RecursionError too) never breaks the
+    stream: a response becomes ``protocol.internal`` for its request, an event is dropped (None)."""
+    try:
+        return _encode(msg)
+    except Exception as e:
+        log.exception("unserialisable message replaced by protocol.internal")
+        if not (isinstance(msg, dict) and msg.get("type") == "response"):
+            return None
+        rid = msg.get("request_id")  # the client still gets its one response
+        return _encode({"type": "response", "request_id": rid if protocol.valid_request_id(rid) else None,
+                        "status": "error", "error": ApiError("protocol.internal",
+                                                             "internal error: the response could not be encoded",
+                                                             exception=type(e).__name__).as_dict()})
+
+
 class StdioServer:
     def __init__(self, infile: BinaryIO, outfile: BinaryIO, *, guest: str = "vm",
                  max_line_bytes: int = LINE_BYTES_MAX, max_in_flight: int = IN_FLIGHT_MAX,
-                 max_json_depth: int = JSON_DEPTH_MAX, as_root: bool = False, agent_class: type[Agent] = Agent):
+                 max_json_depth: int = JSON_DEPTH_MAX, max_output_bytes: int = OUTPUT_BYTES_MAX,
+                 as_root: bool = False, agent_class: type[Agent] = Agent):
         """``agent_class``: the :class:`Agent` to build (``sandbox serve --mcp-socket`` passes one that
         also tells the MCP socket when its session starts and stops)."""
         self.infile = infile
@@ -137,7 +245,7 @@ class StdioServer:
         self.max_line_bytes = max_line_bytes
         self.max_json_depth = max_json_depth
         self.max_in_flight = max_in_flight
-        self._out: queue.Queue = queue.Queue()
+        self.output = Outbox(max_output_bytes, _dropped_warning(max_output_bytes))
         self._writer = threading.Thread(target=self._write_loop, name="stdio-writer", daemon=True)
         self._queue: queue.Queue = queue.Queue()  # requests in arrival order, for the dispatcher
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="stdio-dispatch", daemon=True)
@@ -149,29 +257,27 @@ class StdioServer:
     # ------------------------------------------------------------------ output
 
     def send(self, message: dict) -> None:
-        """Queue one message for stdout (any thread)."""
-        self._out.put(message)
+        """Queue one message for stdout (any thread); see :class:`Outbox` for a full one."""
+        if message is _STOP:
+            self.output.put(_STOP, wait=False)
+            return
+        line = _line_of(message)
+        if line is None:
+            return
+        wait = isinstance(message, dict) and message.get("type") in _WAIT_FOR_ROOM
+        if not self.output.put(line, wait=wait) and not wait and self.output.dropped == 1:  # the first of a run
+            log.warning("stdout is full: events are dropped until the client reads (first: %s)", message.get("type"))
 
     def _write_loop(self) -> None:
         while True:
-            msg = self._out.get()
-            if msg is _STOP:
+            line = self.output.get()
+            if line is _STOP:
                 return
-            try:
-                line = _encode(msg)
-            except Exception as e:  # a bug (RecursionError too): never let it break the stream
-                log.exception("unserialisable message replaced by protocol.internal")
-                if not (isinstance(msg, dict) and msg.get("type") == "response"):
-                    continue  # an event: dropped
-                rid = msg.get("request_id")  # the client still gets its one response
-                line = _encode({"type": "response", "request_id": rid if protocol.valid_request_id(rid) else None,
-                                "status": "error", "error": ApiError("protocol.internal",
-                                                                     "internal error: the response could not be encoded",
-                                                                     exception=type(e).__name__).as_dict()})
             try:
                 self.outfile.write(line + b"\n")
                 self.outfile.flush()
             except (BrokenPipeError, ValueError, OSError):
+                self.output.close()
                 return  # the client is gone; the reader sees EOF too
 
     def _respond(self, request_id, payload: dict | None = None, error: ApiError | None = None) -> None:
@@ -308,6 +414,7 @@ class StdioServer:
 
     def _shutdown(self, interrupted: bool) -> None:
         if interrupted:
+            self.output.stop_waiting()  # nothing waits for a client that may never read again
             self.agent.cancel_running()
         else:
             log.info("stdin closed: finishing the requests received, then stopping")
@@ -323,7 +430,7 @@ class StdioServer:
             self.agent.shutdown()
         except Exception:
             log.exception("stopping the session failed")
-        self._out.put(_STOP)
+        self.output.put(_STOP, wait=False)
         self._writer.join(timeout=10)
 
     def _join_requests(self) -> None:

@@ -23,8 +23,12 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 
+import anyio
+import anyio.abc
 import mcp_types as types
 from mcp.server import Server
 from mcp.server.context import ServerRequestContext
@@ -127,26 +131,61 @@ async def serve_streams(host: McpHost, read_stream, write_stream, *, view: Mount
 async def serve_stdio(host: McpHost) -> None:
     """``sandbox mcp``: one connection over stdin/stdout; the host is closed when it ends.
 
-    The protocol gets a private descriptor for stdout; fd 1 becomes stderr, so nothing
-    else — a stray print, a library, a child process (QEMU) — can write into the protocol."""
-    import io
-    import os
+    The protocol gets private descriptors for stdin and stdout; fd 0 becomes ``/dev/null``
+    and fd 1 stderr, so nothing else — a stray print, a library, a child process (QEMU) —
+    can read from or write into the protocol. Messages are framed by
+    :func:`~.lines.line_streams`, as on the socket: a line longer than
+    ``MESSAGE_BYTES_MAX`` ends the connection (the SDK's stdio transport would hold a line
+    of any length in memory)."""
     import sys
 
-    import anyio
-    from mcp.server.stdio import stdio_server
+    from .lines import line_streams
 
     sys.stdout.flush()
-    protocol_fd = os.dup(1)  # os.dup: not inherited by children
+    protocol_in = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)  # not inherited by children
+    protocol_out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    out = anyio.wrap_file(io.TextIOWrapper(os.fdopen(protocol_fd, "wb"), encoding="utf-8"))
     try:
-        async with stdio_server(stdout=out) as (read_stream, write_stream):
+        async with line_streams(_FdStream(protocol_in, protocol_out)) as (read_stream, write_stream):
             await serve_streams(host, read_stream, write_stream)
     finally:
         with anyio.CancelScope(shield=True):  # also when the caller cancels us (a signal)
             await host.close()
+
+
+class _FdStream(anyio.abc.ByteStream):
+    """A byte stream reading one descriptor and writing another (``sandbox mcp``'s stdio), in
+    worker threads. A read still blocked when the stream is cancelled is abandoned, and the
+    read descriptor is never closed under it (it could be reused while that thread reads)."""
+
+    def __init__(self, fd_in: int, fd_out: int):
+        self._in, self._out = fd_in, fd_out
+
+    async def receive(self, max_bytes: int = 65536) -> bytes:
+        data = await anyio.to_thread.run_sync(os.read, self._in, max_bytes, abandon_on_cancel=True)
+        if not data:
+            raise anyio.EndOfStream
+        return data
+
+    async def send(self, item: bytes) -> None:
+        await anyio.to_thread.run_sync(self._write_all, item)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._out, view):]
+
+    async def send_eof(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        if self._out >= 0:
+            os.close(self._out)
+            self._out = -1
 
 
 def route_sdk_logs(handler: logging.Handler, level: int) -> None:
