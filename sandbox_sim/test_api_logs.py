@@ -293,7 +293,10 @@ def test_trace_level_shows_trace():
     setup_logging("TRACE", stream)
     logging.getLogger("sandbox.core").log(TRACE, "t")
     assert [(o["level"], o["message"]) for o in parse(stream.getvalue())] == [("trace", "t")]
-    assert TRACE == 5 and logging.getLevelName(TRACE) == "trace"
+    # both names parse (setLevel("TRACE") and "trace"); the name 5 prints under is global and
+    # other libraries set it too (uvicorn, imported by the MCP and UI servers: "TRACE"), so
+    # the JSON lines never use it (their level names are their own)
+    assert TRACE == 5 and logging.getLevelName("trace") == TRACE and logging.getLevelName("TRACE") == TRACE
 
 
 @pytest.mark.parametrize("name, shown", [

@@ -78,7 +78,8 @@ T = TypeVar("T")
 #: below DEBUG; ``logger.log(TRACE, ...)``
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")  # so that setLevel("TRACE") works too …
-logging.addLevelName(TRACE, "trace")  # … while the level's name is "trace"
+logging.addLevelName(TRACE, "trace")  # … and "trace" (the name it prints under until another
+# library names it again — uvicorn says "TRACE" —; the JSON lines name levels themselves: _level_name)
 
 #: the ``--log-level`` choices, most to least severe
 LEVELS = ("error", "warn", "info", "debug", "trace")
