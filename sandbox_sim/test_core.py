@@ -322,6 +322,15 @@ def _rm_rf(fs, path):
         fs.unlink(path)
 
 
+def _fails(call, code):
+    try:
+        call()
+    except OSError as e:
+        assert e.errno == code, e
+    else:
+        raise AssertionError("the call did not fail")
+
+
 LINK_PROGRAMS = {
     "rm-all-names": lambda fs: [fs.unlink(p) for p in ("a", "d/b", "d/e/c", "s", "d/t")],
     "rm-rf-everything": lambda fs: [_rm_rf(fs, p) for p in ("a", "d", "s")],
@@ -337,6 +346,11 @@ LINK_PROGRAMS = {
     "exchange-then-rm": lambda fs: (fs.exchange("d/b", "s"), fs.unlink("s"), fs.unlink("a")),
     "survivors-renamed-first": lambda fs: (fs.write("d/b", 0, b"x"), fs.rename("a", "a2"), fs.rename("d/e", "e2"),
                                            fs.rename("d/t", "t2"), fs.unlink("d/b"), fs.unlink("s")),
+    # a rename the host refuses (no such parent) after the step's link index was built: the
+    # index must not follow it, or the survivors under the directory are not found as links
+    "failed-move-then-rm": lambda fs: (fs.write("s", 0, b"x"), _fails(lambda: fs.rename("d", "gone/d"), errno.ENOENT),
+                                       _fails(lambda: fs.rename("d/t", "gone/t"), errno.ENOENT),
+                                       fs.unlink("a"), fs.unlink("s")),
 }
 
 

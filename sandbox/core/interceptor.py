@@ -95,6 +95,7 @@ class UndoInterceptor:
         self._marks: dict[str, int] = {}
         self._linked: set[int] = set()  # inodes of this step captured with more than one name
         self._names: dict[int, set[str]] | None = None  # the step's link index (see _other_names)
+        self._names_changed = False  # the operation in hand changed the link index (op_failed drops it)
         self._mark_undo: list[tuple[str, int | None]] | None = None
         self._op_mark: tuple[int, int] | None = None  # (step seq, first record index) of the operation in hand
 
@@ -255,6 +256,7 @@ class UndoInterceptor:
         step = self.log.open_step
         self._op_mark = (step.seq, len(step.records)) if step is not None else None
         self._mark_undo = []
+        self._names_changed = False
 
     def _enter(self, kind: str | None = None, path: str = "") -> bool:
         """Common start of every pre-hook. Returns True if captures are to be made."""
@@ -285,8 +287,12 @@ class UndoInterceptor:
         return not step.unprotected
 
     def op_failed(self) -> None:
-        """The host call after the last pre-hook failed: void its intents, restore marks."""
+        """The host call after the last pre-hook failed: void its intents, restore marks;
+        a link index the operation changed (a rename or link that did not happen) is
+        dropped, to be built again from the tree when next needed."""
         with self.lock:
+            if self._names_changed:
+                self._names, self._names_changed = None, False
             step = self.log.open_step
             mark, self._op_mark = self._op_mark, None
             try:
@@ -412,6 +418,7 @@ class UndoInterceptor:
         one set for a file, every set for a directory or an exchange."""
         if self._names is None:
             return
+        self._names_changed = True
         if not exchange and moved.kind != DIR:
             names = self._names.get(moved.ino)
             if names is not None and src in names:
@@ -529,6 +536,7 @@ class UndoInterceptor:
                 t = self._lstat(target)
                 if t is not None and t.kind == REG:
                     self._names.setdefault(t.ino, set()).update((target, link_path))
+                    self._names_changed = True
 
     @_journalled
     def pre_rename(self, src: str, dst: str) -> None:
