@@ -3,10 +3,10 @@
 A snapshot maps each path to ``(kind, mode, mtime_ns, content, xattrs, fmt, uid, gid, links)``
 where content is the bytes of a regular file, the target of a symlink, or ``None`` for a
 directory or a special file, ``fmt`` the exact ``S_IFMT`` type (a fifo undone into a
-socket or a regular file differs), and ``links`` the link structure: for a regular file
-that shares its inode with other paths of the snapshot, all those paths (itself included,
-sorted) — a partition of the snapshot's files into link groups, independent of inode
-numbers — else ``()``. Two hard links undone into two separate files differ. Fields are
+socket or a regular file differs), and ``links`` the link structure: for anything but a
+directory (a regular file, symlink, fifo or socket) that shares its inode with other paths
+of the snapshot, all those paths (itself included, sorted) — a partition of the snapshot's
+non-directories into link groups, independent of inode numbers — else ``()``. Two hard links undone into two separate files differ. Fields are
 only ever appended (unpack with ``*_`` at the end). atime is deliberately absent (seed §11.3). The root is included (path
 ``""``), so the working root's own mode and mtime are checked too.
 """
@@ -44,7 +44,7 @@ def snapshot_nodes(fs: MemoryHostFS, path: str = "", skip: frozenset[str] = froz
         if p in skip and p != path:
             skipping = p
             continue
-        if node.kind == REG and node.nlink > 1:
+        if node.kind != DIR and node.nlink > 1:
             inodes.setdefault(node.ino, []).append(p)
         out[p] = _entry(node)
     _link_groups(out, inodes)
@@ -131,7 +131,7 @@ class KeptSnapshot:
         if not reuse:
             self._entries.clear()
         for p, node in walk:
-            if node.kind == REG and node.nlink > 1:
+            if node.kind != DIR and node.nlink > 1:
                 inodes.setdefault(node.ino, []).append(p)
             out[p] = self._entry_of(node)
         _link_groups(out, inodes)
@@ -162,7 +162,7 @@ def _link_groups(out: Snapshot, inodes: dict) -> None:
 
 def _walk(fs: HostFS, path: str, out: Snapshot, skip, inodes: dict) -> None:
     st = fs.lstat(path)
-    if st.kind == REG and st.nlink > 1:
+    if st.kind != DIR and st.nlink > 1:
         inodes.setdefault((st.ino, st.dev), []).append(path)
     if st.kind == REG:
         content = fs.read_all(path)

@@ -386,10 +386,12 @@ class UndoInterceptor:
             rec = {"op": op, "path": path, **meta_of(self.work, path, st, via if via is not None else look)}
             if op == "pre" and st.kind == REG:
                 rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))
-                if st.nlink > 1 or st.ino in self._linked:  # its names are made one inode again (preimage.LinkGroups)
-                    rec["ino"], rec["nlink"] = st.ino, st.nlink
-                    rec["links"] = self._other_names(path, st) if st.nlink > 1 else []
-                    self._linked.add(st.ino)
+            if op == "pre" and st.kind != DIR and (st.nlink > 1 or st.ino in self._linked):
+                # its names are made one inode again (preimage.LinkGroups): a regular file,
+                # and a symlink, fifo or socket too (one inode: one mode and mtime for all names)
+                rec["ino"], rec["nlink"] = st.ino, st.nlink
+                rec["links"] = self._other_names(path, st) if st.nlink > 1 else []
+                self._linked.add(st.ino)
         finally:
             if own is not None:
                 own.close()
@@ -407,7 +409,7 @@ class UndoInterceptor:
         out = []
         for q in sorted(self._names.get(st.ino, ())):
             o = self._lstat(q) if q != path else None
-            if o is not None and o.kind == REG and same_inode(o, st):
+            if o is not None and o.kind == st.kind and same_inode(o, st):
                 out.append(q)
                 if len(out) == LINKS_PER_RECORD_MAX:
                     break
@@ -534,7 +536,7 @@ class UndoInterceptor:
             self._capture_parent(link_path)
             if self._intent({"op": "created", "path": link_path}) and self._names is not None:
                 t = self._lstat(target)
-                if t is not None and t.kind == REG:
+                if t is not None and t.kind != DIR:
                     self._names.setdefault(t.ino, set()).update((target, link_path))
                     self._names_changed = True
 

@@ -300,10 +300,14 @@ def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, u
         if links is not None:
             links.restored(fs, rec, live)
         return
+    if kind == LNK and st is not None and fs.readlink(path) != rec["target"]:
+        fs.unlink(path)
+        st = None
+    live = links.live(fs, rec) if links is not None and kind != DIR else []
+    if st is None and live:
+        fs.link(live[0], path)  # a symlink, fifo or socket with other names: one of its links again
+        st = _lstat(fs, path)
     if kind == LNK:
-        if st is not None and fs.readlink(path) != rec["target"]:
-            fs.unlink(path)
-            st = None
         if st is None:
             fs.symlink(rec["target"], path)
     elif kind == DIR:
@@ -317,6 +321,8 @@ def _restore(fs: HostFS, rec: dict, open_content, force: bool, dir_meta: bool, u
     else:  # pragma: no cover - capture refuses other kinds
         raise OSError(errno.EPERM, f"cannot restore a {kind} file", path)
     _apply_meta(fs, path, rec, st=st)  # st: None if just made, else unchanged since the look
+    if links is not None and kind != DIR:
+        links.restored(fs, rec, live)
 
 
 #: capture looks through at most this many entries of the working folder, once per step
@@ -325,8 +331,8 @@ LINK_INDEX_ENTRIES_MAX = 200_000
 
 
 def link_index(fs: HostFS) -> dict[int, set[str]]:
-    """Inode number -> the names of every regular file with more than one link in the
-    folder (the first :data:`LINK_INDEX_ENTRIES_MAX` entries walked; never follows a symlink)."""
+    """Inode number -> the names of everything but a directory (a regular file, symlink,
+    fifo or socket) with more than one link in the folder (the first :data:`LINK_INDEX_ENTRIES_MAX` entries walked; never follows a symlink)."""
     index: dict[int, set[str]] = {}
     budget = [LINK_INDEX_ENTRIES_MAX]
 
@@ -343,7 +349,7 @@ def link_index(fs: HostFS) -> dict[int, set[str]]:
             st = _lstat(fs, p)
             if st is not None and st.kind == DIR:
                 walk(p)
-            elif st is not None and st.kind == REG and st.nlink > 1:
+            elif st is not None and st.nlink > 1:
                 index.setdefault(st.ino, set()).add(p)
 
     walk("")
@@ -383,13 +389,13 @@ class LinkGroups:
 
     def __init__(self, records: list[dict]):
         self.multi = {r["ino"] for r in records
-                      if r.get("op") == "pre" and r.get("kind") == REG and r.get("nlink", 1) > 1}
+                      if r.get("op") == "pre" and r.get("kind") != DIR and r.get("nlink", 1) > 1}
         self._members: dict[int, dict[str, int]] = {}  # recorded ino -> path -> ino now
         self.touched: list[str] = []  # names relinked outside the record's own path (to sync)
 
     def _of(self, rec: dict) -> int | None:
         ino = rec.get("ino")
-        return ino if rec.get("op") == "pre" and rec.get("kind") == REG and ino in self.multi else None
+        return ino if rec.get("op") == "pre" and rec.get("kind") != DIR and ino in self.multi else None
 
     def replay(self, fs: HostFS, done: list[dict]) -> None:
         """Note ``done`` (already undone by an earlier, interrupted run; newest first)."""
@@ -402,7 +408,7 @@ class LinkGroups:
         for members in self._members.values():
             for path in members:
                 st = _lstat(fs, path)
-                members[path] = st.ino if st is not None and st.kind == REG else -1  # -1: never matches
+                members[path] = st.ino if st is not None and st.kind != DIR else -1  # -1: never matches
 
     def live(self, fs: HostFS, rec: dict) -> list[str]:
         """The other names of ``rec``'s inode at hand now: restored ones, and survivors."""
@@ -412,11 +418,11 @@ class LinkGroups:
         path, out = rec["path"], []
         for p, cur in self._members.get(ino, {}).items():
             st = _lstat(fs, p) if p != path else None
-            if st is not None and st.kind == REG and st.ino == cur:
+            if st is not None and st.kind != DIR and st.ino == cur:
                 out.append(p)
         for p in rec.get("links", ()):
             st = _lstat(fs, p) if p != path and p not in out else None
-            if st is not None and st.kind == REG:
+            if st is not None and _same_object(fs, p, st, rec):
                 out.append(p)
         return out
 
@@ -446,7 +452,7 @@ class LinkGroups:
         elif op == "exchanged":
             a, b = rec["src"], rec["dst"]
             self._move(lambda p: b + p[len(a):] if is_within(p, a) else a + p[len(b):] if is_within(p, b) else p)
-        elif op == "created" or (op == "pre" and rec.get("kind") != REG):
+        elif op == "created" or (op == "pre" and rec.get("kind") != REG and self._of(rec) is None):
             for members in self._members.values():
                 for p in [p for p in members if (is_within(p, rec["path"]) if op == "created" else p == rec["path"])]:
                     del members[p]
@@ -454,6 +460,20 @@ class LinkGroups:
     def _move(self, where) -> None:
         for ino, members in self._members.items():
             self._members[ino] = {where(p): cur for p, cur in members.items()}
+
+
+def _same_object(fs: HostFS, path: str, st: Stat, rec: dict) -> bool:
+    """A survivor at ``path`` (``st``) can be ``rec``'s object: of its kind — a fifo or a
+    socket of its type, a symlink with its target (a regular file's bytes are written
+    through the link by the restore)."""
+    kind = rec["kind"]
+    if st.kind != kind:
+        return False
+    if kind == OTHER:
+        return st.file_type == rec.get("fmt")
+    if kind == LNK:
+        return fs.readlink(path) == rec.get("target")
+    return True
 
 
 def _relink(fs: HostFS, existing: str, name: str) -> None:

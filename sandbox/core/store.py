@@ -431,16 +431,17 @@ def check_record(r: dict) -> None:
             keys.add("target")
             t = r.get("target")
             _need(isinstance(t, str) and t != "" and "\0" not in t, "'target' is not a symlink target")
+        if op == "pre" and kind != DIR and ("ino" in r or "nlink" in r or "links" in r):
+            # a file, symlink, fifo or socket with hard links (preimage.LinkGroups)
+            keys |= {"ino", "nlink", "links"}
+            _need_int(r, "ino", 0)
+            _need_int(r, "nlink", 1)
+            ln = r.get("links")
+            _need(isinstance(ln, list) and len(ln) <= preimage.LINKS_PER_RECORD_MAX, "'links' is not a list of paths")
+            for v in ln:
+                _need_path({"links": v}, "links")
         if op == "pre" and kind == REG:
             keys |= {"enc", "size", "stored", "hash", "data" if "data" in r else "blob"}
-            if "ino" in r or "nlink" in r or "links" in r:  # a file with hard links (preimage.LinkGroups)
-                keys |= {"ino", "nlink", "links"}
-                _need_int(r, "ino", 0)
-                _need_int(r, "nlink", 1)
-                ln = r.get("links")
-                _need(isinstance(ln, list) and len(ln) <= preimage.LINKS_PER_RECORD_MAX, "'links' is not a list of paths")
-                for v in ln:
-                    _need_path({"links": v}, "links")
             _need(r.get("enc") in ("zstd", "raw"), "'enc' is not zstd or raw")
             if "data" in r:
                 _need(r["enc"] == "zstd", "inline data must be zstd")

@@ -483,7 +483,7 @@ class Workspace:
             return now
 
         # per age, (name, inode) of the other names of files a step changed (``links`` of its preimages)
-        linked = [{(q, r["ino"]) for r in records[s.seq] if r.get("op") == "pre" and r.get("kind") == "reg"
+        linked = [{(q, r["ino"]) for r in records[s.seq] if r.get("op") == "pre" and r.get("kind") != "dir"
                    for q in r.get("links", ())} for s in reversed(targets)]
         changed = [p for p, (fp, _) in expected.items() if current(p, fp) != fp]
         changed = [p for p in changed if not self._changed_through_link(p, expected, current, linked)]
@@ -504,12 +504,12 @@ class Workspace:
         except OSError:
             return False
         age = expected[path][1]
-        if st.kind == "reg" and any((path, st.ino) in linked[a] for a in range(age)):
+        if st.kind != "dir" and any((path, st.ino) in linked[a] for a in range(age)):
             return True
-        if st.kind != "reg" or st.nlink < 2:
+        if st.kind == "dir" or st.nlink < 2:
             return False
         for other, (fp, other_age) in expected.items():
-            if other_age < age and fp is not None and fp[0] == "reg":
+            if other_age < age and fp is not None and fp[0] != "dir":
                 try:
                     if self.work.lstat(other).ino == st.ino and current(other, fp) == fp:
                         return True
