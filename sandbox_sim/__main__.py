@@ -17,6 +17,7 @@ import time
 import traceback
 
 from .campaign import FAULTS, execute, parse_faults, plan, replay_command, shrink
+from .client import PROGRAM_SETS
 
 __all__ = ["FAULTS", "execute", "plan", "shrink", "main"]
 
@@ -36,9 +37,10 @@ def cmd_run(args) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    config, actions = plan(args.seed, args.steps, faults)
+    config, actions = plan(args.seed, args.steps, faults, args.programs)
     print(f"campaign seed={args.seed} steps={args.steps} faults={','.join(sorted(faults)) or 'none'} "
-          f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}"
+          + (f"programs={args.programs} " if args.programs != "undo" else "")
+          + f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}"
           + (f" PLANTED DEFECT: {args.plant}" if args.plant else ""), flush=True)
     t0 = time.perf_counter()
     every = max(1, args.steps // 10)
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "guest programs, rollbacks and injected faults on a simulated disk, with the undo "
                                 "invariant checked after every action.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    programs_help = ("the guest programs steps draw from: undo (default: the undo model's) or handles (also "
+                     "writes, truncates, chmods, fallocates and copy_file_range through open descriptors, after "
+                     "the file was renamed or lost a name)")
     plant_help = f"plant a defect first, to check the campaign catches it: {', '.join(DEFECTS)} (sandbox_sim/defects.py)"
     r = sub.add_parser("run", help="run a campaign (deterministic for a seed)")
     r.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--quiet", action="store_true", help="no progress lines")
     r.add_argument("-v", "--verbose", action="store_true", help="print the violation's traceback")
     r.add_argument("--plant", metavar="DEFECT", help=plant_help)
+    r.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="replay a trace printed by a failing run")
     rp.add_argument("--seed", type=int, default=0)
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--json", metavar="PATH", help="also write every seed's result as JSON lines here")
     f.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job (a cluster whose nodes lack them)")
     f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
+    f.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
     f.set_defaults(fn=cmd_fanout)
     n = sub.add_parser("nightly", help="shard pytest -m e2e over Ray nodes (kvm resource where the KVM probe finds it); "
                        "JUnit XML per shard and a summary in --out")

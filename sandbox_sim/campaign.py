@@ -20,6 +20,7 @@ import time
 
 from sandbox.core.store import Limits
 
+from .client import PROGRAM_SETS
 from .driver import Driver
 from .world import World
 
@@ -32,11 +33,17 @@ SHRINK_BUDGET_S = 300.0
 FAULTS = ("crash", "enospc", "eio", "torn", "power")
 
 
-def plan(seed: int, steps: int, faults: set[str]) -> tuple[dict, list[tuple]]:
-    """Everything a campaign does, drawn from the seed up front (so it can be replayed)."""
+def plan(seed: int, steps: int, faults: set[str], programs: str = "undo") -> tuple[dict, list[tuple]]:
+    """Everything a campaign does, drawn from the seed up front (so it can be replayed).
+    ``programs``: the guest programs' set (``client.PROGRAM_SETS``); kept in the config
+    when it is not the default ``undo``, so the plans of every earlier seed are unchanged."""
+    if programs not in PROGRAM_SETS:
+        raise ValueError(f"unknown program set {programs!r} (choose from {', '.join(PROGRAM_SETS)})")
     rng = random.Random(seed)
     tight = rng.random() < 0.3
     config = {"seed": rng.randrange(2**32), "max_step_count": rng.randint(2, 8), "tight": tight, "durable": "power" in faults}
+    if programs != "undo":
+        config["programs"] = programs
     actions: list[tuple] = []
     # k (the host call a fault hits) is drawn over about the calls a step of 1..6 programs
     # makes: the client's own look at the tree is not a host call of the run (it reads the
@@ -86,7 +93,8 @@ def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver |
     """Run actions; returns (driver, index of the failing action or -1, error)."""
     world = World("sim")
     try:
-        d = Driver(world, config["seed"], _limits(config), durable=config.get("durable", False))
+        d = Driver(world, config["seed"], _limits(config), durable=config.get("durable", False),
+                   programs=PROGRAM_SETS[config.get("programs", "undo")])
     except BaseException as e:  # noqa: BLE001 - a campaign reports every failure
         return None, 0, e
     for i, action in enumerate(actions):
@@ -198,12 +206,12 @@ def parse_faults(text: str) -> set[str]:
 
 
 def run_seed(seed: int, steps: int, faults: set[str], shrink_budget_s: float = SHRINK_BUDGET_S,
-             plant: str | None = None) -> dict:
+             plant: str | None = None, programs: str = "undo") -> dict:
     """One campaign, shrunk where it fails: ``{"seed", "ops", "faults", "recoveries",
     "cpu_s"}`` plus, on a violation, ``"violation"`` (the error), ``"config"``, ``"trace"``
     (the minimal failing trace), ``"minimal_error"`` (what the minimal trace fails with) and
     ``"replay"`` (the command). Plain data: what a fan-out task returns."""
-    config, actions = plan(seed, steps, faults)
+    config, actions = plan(seed, steps, faults, programs)
     c0 = time.process_time()
     d, fail_at, err = execute(config, actions)
     out = {"seed": seed, "steps": steps, "faults_kinds": sorted(faults), "ops": d.ops_done if d else 0,

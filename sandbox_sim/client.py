@@ -13,8 +13,10 @@ reported as failed and the tree must be exactly as the failed call left it.
 from __future__ import annotations
 
 import errno
+import os
 import random
 import stat
+from typing import Callable
 
 from sandbox.core.intercepted_fs import InterceptedFS
 from sandbox.hostfs import DIR, REG, join, parent_of
@@ -160,6 +162,13 @@ OPS_WITH_SPECIALS = OPS + ("mkfifo", "mksock")
 #: its driver's filesystem lacks the method and the op is then a plain ``mv``. And ``ln`` (twice
 #: as likely as another op): later programs write, rename over, replace and remove its names.
 OPS_UNDO_MODEL = OPS_WITH_SPECIALS + ("exchange", "hardlink", "hardlink")
+#: the undo model's programs plus what a program does through an open descriptor (what the
+#: 9P and FUSE servers call with a file's handle and where the file is now): writes after
+#: the file was renamed or lost a name, ftruncate/fchmod/futime/fsetxattr, fallocate, and
+#: copy_file_range between two descriptors. A campaign's ``--programs handles``.
+OPS_WITH_HANDLES = OPS_UNDO_MODEL + ("fd_write_after_mv", "fd_write_after_rm", "fd_meta", "fd_fallocate", "fd_copy_range")
+#: a campaign's program sets, by the name its config keeps (``programs``; absent: ``undo``)
+PROGRAM_SETS = {"undo": OPS_UNDO_MODEL, "handles": OPS_WITH_HANDLES}
 
 
 def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[str, ...] = OPS) -> tuple[str, bool]:
@@ -292,6 +301,9 @@ def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[s
             desc = f"rm -rf {p} && echo > {p}"
             client.rm_rf(p)
             client.echo_to(p, _data(rng))
+        elif op.startswith("fd_"):
+            desc, program = _descriptor_program(client, rng, op, files, clock_ns)
+            program()
         else:
             p = pick(dirs, "d1")
             desc = f"rmdir {p}"
@@ -301,6 +313,55 @@ def random_op(client: SimClient, rng: random.Random, clock_ns: int, ops: tuple[s
             raise
         return f"{desc} -> {errno.errorcode.get(e.errno, e.errno)}", False
     return desc, True
+
+
+def _descriptor_program(client: SimClient, rng: random.Random, op: str, files: tuple[str, ...],
+                        clock_ns: int) -> tuple[str, Callable[[], None]]:
+    """One of OPS_WITH_HANDLES' descriptor programs: its description and the program. Files are
+    opened without ``O_CREAT`` (a server creates through the create hook, never ``open``)."""
+    fs = client.fs
+    p = rng.choice(files) if files else "a"
+    off, data = rng.randint(0, 300), _data(rng) or b"z"
+    if op == "fd_copy_range":
+        d = rng.choice(files) if files else "b"  # sometimes the same file
+
+        def copy() -> None:
+            with fs.open(p, os.O_RDONLY) as src, fs.open(d, os.O_RDWR) as dst:
+                fs.fcopy_file_range(src, dst, d, rng.randint(0, 100), off, rng.randint(1, 5000))
+        return f"exec 3<{p} 4<>{d}; copy_file_range 3 4", copy
+    if op == "fd_write_after_mv":
+        q = join(parent_of(p), rng.choice(NAMES)) if rng.random() < 0.5 else _new_path(rng)
+
+        def write_after_mv() -> None:
+            with fs.open(p, os.O_RDWR) as h:
+                fs.rename(p, q)
+                fs.pwrite(h, q, off, data)
+        return f"exec 3<>{p}; mv {p} {q}; dd >&3", write_after_mv
+    if op == "fd_write_after_rm":
+        def write_after_rm() -> None:  # the bytes reach its other names, if any; else no name shows them
+            with fs.open(p, os.O_RDWR) as h:
+                ino = fs.lstat(p).ino
+                others = [q for q in files if q != p and fs.lstat(q).ino == ino]
+                fs.unlink(p)
+                fs.pwrite(h, others[0] if others else p, off, data)
+        return f"exec 3<>{p}; rm {p}; dd >&3", write_after_rm
+    if op == "fd_meta":
+        size, mode, mtime = rng.randint(0, 400), rng.choice(MODES), clock_ns - rng.randint(0, 10**12)
+        name, value = rng.choice(XATTR_NAMES[:2]), rng.randbytes(rng.randint(0, 30))
+
+        def meta() -> None:
+            with fs.open(p, os.O_RDWR) as h:
+                fs.ftruncate(h, p, size)
+                fs.fchmod(h, p, mode)
+                fs.futime(h, p, mtime)
+                fs.fsetxattr(h, p, name, value)
+        return f"exec 3<>{p}; truncate -s {size}, chmod {mode:o}, touch, setfattr -n {name} >&3", meta
+    length, mode = rng.randint(1, 5000), rng.choice((0, 1, 3))
+
+    def fallocate() -> None:
+        with fs.open(p, os.O_RDWR) as h:
+            fs.ffallocate(h, p, off, length, mode)
+    return f"exec 3<>{p}; fallocate -m {mode} >&3", fallocate
 
 
 def seed_tree(fs, rng: random.Random, files: int = 8) -> None:

@@ -26,10 +26,12 @@ NOW_NS = 1_700_000_000_000_000_000
 
 class Driver:
     def __init__(self, world: World, seed: int, limits: Limits, durable: bool = False,
-                 tree: Callable[[HostFS], None] | None = None):
+                 tree: Callable[[HostFS], None] | None = None, programs: tuple[str, ...] = OPS_UNDO_MODEL):
         """``durable``: power-loss mode; the power_loss_* actions need it (and a simulated disk).
-        ``tree``: makes the initial tree on the working folder (default: a random one from ``seed``)."""
+        ``tree``: makes the initial tree on the working folder (default: a random one from ``seed``).
+        ``programs``: the guest programs steps draw from (``client.PROGRAM_SETS``)."""
         self.world = world
+        self.programs = programs
         self.limits = limits
         self.durable = durable
         with world.paused():
@@ -63,7 +65,7 @@ class Driver:
         rng = random.Random(seed)
         done = []
         for _ in range(count):
-            desc, _ok = random_op(self.client, rng, NOW_NS, OPS_UNDO_MODEL)
+            desc, _ok = random_op(self.client, rng, NOW_NS, self.programs)
             self.ops_done += 1
             done.append(desc)
         return done

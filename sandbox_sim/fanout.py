@@ -69,7 +69,7 @@ def chunks(seeds: range, cpus: int, chunk: int | None = None) -> list[list[int]]
 
 
 def run_chunk(seeds: list[int], steps: int, faults: list[str], shrink_budget_s: float = SHRINK_BUDGET_S,
-              plant: str | None = None) -> list[dict]:
+              plant: str | None = None, programs: str = "undo") -> list[dict]:
     """One task: the campaigns of ``seeds`` (each shrunk where it fails), as plain data. With
     ``plant``, that defect is installed for this task only (workers are reused)."""
     remove = None
@@ -78,7 +78,7 @@ def run_chunk(seeds: list[int], steps: int, faults: list[str], shrink_budget_s: 
 
         remove = plant_defect(plant)
     try:
-        return [run_seed(seed, steps, set(faults), shrink_budget_s, plant) for seed in seeds]
+        return [run_seed(seed, steps, set(faults), shrink_budget_s, plant, programs) for seed in seeds]
     finally:
         if remove is not None:
             remove()
@@ -152,7 +152,8 @@ def _fan_out(ray, args, seeds: range, faults: list[str]) -> int:
     while pending or in_flight:
         while pending and len(in_flight) < FANOUT_IN_FLIGHT_MAX:
             chunk = pending.pop()
-            in_flight[remote.remote(chunk, args.steps, faults, args.shrink_budget, args.plant)] = chunk
+            in_flight[remote.remote(chunk, args.steps, faults, args.shrink_budget, args.plant,
+                                    getattr(args, "programs", "undo"))] = chunk
         ready, _ = ray.wait(list(in_flight), num_returns=1)
         for ref in ready:
             chunk = in_flight.pop(ref)

@@ -55,6 +55,46 @@ def test_campaigns_run_clean_and_replay_identically(faults):
         assert d.recoveries > 0, "a fault campaign that never recovered explores nothing"
 
 
+DESCRIPTOR_PROGRAMS = {"fd_write_after_mv": "mv", "fd_write_after_rm": "rm", "fd_meta": "truncate",
+                       "fd_fallocate": "fallocate", "fd_copy_range": "copy_file_range"}
+
+
+@pytest.mark.parametrize("faults", ["", ",".join(FAULTS)], ids=["none", "all"])
+def test_a_campaign_of_descriptor_programs_runs_clean_and_runs_each_of_them(faults, monkeypatch):
+    """``programs="handles"``: the undo model's programs plus writes, truncates, chmods,
+    fallocates and copies through open descriptors — after the file was renamed or lost a
+    name — as the 9P and FUSE servers make them. Each succeeds somewhere in the campaign (a
+    program set that only ever failed would check nothing), and the config names the set, so
+    a replay runs the same programs."""
+    from . import driver
+    from .client import OPS_WITH_HANDLES
+
+    assert set(DESCRIPTOR_PROGRAMS) <= set(OPS_WITH_HANDLES)
+    done: list[tuple[str, bool]] = []
+    real = driver.random_op
+
+    def noting(*args):
+        desc, ok = real(*args)
+        done.append((desc, ok))
+        return desc, ok
+
+    monkeypatch.setattr(driver, "random_op", noting)
+    wanted = {f for f in faults.split(",") if f}
+    config, actions = plan(11, scale(400, 2000), wanted, "handles")
+    assert config["programs"] == "handles"
+    d, fail_at, err = execute(config, actions)
+    assert err is None, f"action {fail_at}: {err!r}"
+    ran = {desc.split(";")[1].split()[0] for desc, ok in done if ok and desc.startswith("exec ")}
+    assert ran == set(DESCRIPTOR_PROGRAMS.values()), ran
+
+
+def test_the_default_program_set_leaves_every_earlier_plan_as_it_was():
+    config, actions = plan(5, 300, {"crash"})
+    assert (config, actions) == plan(5, 300, {"crash"}, "undo") and "programs" not in config
+    with pytest.raises(ValueError, match="unknown program set"):
+        plan(5, 300, set(), "nope")
+
+
 def test_the_inode_walk_and_the_hostfs_calls_give_the_same_snapshot_after_every_action():
     """Both disks, every action of an all-faults campaign (power losses, recoveries, hard
     links, special files, xattrs, symlinks): the fast oracle is the slow oracle, and the
@@ -146,6 +186,8 @@ def test_run_exits_0_on_a_clean_campaign(capsys):
     assert main(["run", "--seed", "2", "--steps", "60", "--faults", "crash,torn", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"ok: 60 actions, \d+ ops executed", out), out
+    assert main(["run", "--seed", "2", "--steps", "60", "--programs", "handles", "--quiet"]) == 0
+    assert "programs=handles" in capsys.readouterr().out
 
 
 def test_run_exits_1_with_a_replayable_minimal_trace_on_a_planted_defect(capsys):
