@@ -3477,3 +3477,36 @@ def test_stat_is_frozen_and_compared_hashed_copied_by_its_fields():
     assert dataclasses.replace(s, size=9).size == 9 and s.size == 5
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.size = 6
+
+
+@pytest.mark.parametrize("syscall", [True, False], ids=["listxattrat", "proc"])
+def test_an_entrys_xattr_names_beneath_a_directory_are_llistxattrs(tmp_path, monkeypatch, syscall):
+    """``_listxattr_at`` (a listed entry's and a removal's xattr names, beneath the directory's
+    descriptor) answers what ``llistxattr`` of the entry answers — with ``listxattrat`` where
+    the kernel has it and through ``/proc/self/fd`` where not: the names decoded alike (a
+    non-UTF-8 one too), a list longer than the first buffer, a symlink's own (never its
+    target's), a missing name ``ENOENT``."""
+    from sandbox.hostfs import real
+
+    if syscall and not real._LISTXATTRAT:
+        pytest.skip("this kernel has no listxattrat (Linux < 6.13)")
+    monkeypatch.setattr(real, "_LISTXATTRAT", syscall)
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    try:
+        for i in range(20):  # 20 names of 25 bytes: past the first 256-byte buffer
+            os.setxattr(f, f"user.{'n' * 16}{i:03d}", b"v")
+        os.setxattr(f, os.fsdecode(b"user.\xff"), b"v")
+    except OSError as e:
+        pytest.skip(f"no user xattrs here: {e}")
+    os.symlink("f", tmp_path / "l")
+    dfd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for name in ("f", "l"):
+            assert sorted(real._listxattr_at(dfd, name)) == sorted(os.listxattr(tmp_path / name, follow_symlinks=False))
+        assert len(real._listxattr_at(dfd, "f")) == 21 and real._listxattr_at(dfd, "l") == []
+        with pytest.raises(OSError) as e:
+            real._listxattr_at(dfd, "missing")
+        assert e.value.errno == errno.ENOENT
+    finally:
+        os.close(dfd)

@@ -1335,9 +1335,12 @@ class Dispatcher:
         n = self._dir(req.header.nodeid)
         held = None if self.no_open else self._listing_descriptor(n)
         try:
+            listing = held
             if held is None:
                 self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
-            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=held))
+                if self.no_open:  # the node's own descriptor, if it has one: its inode, no path resolved
+                    listing = n.ro if n.ro is not None and not n.ro.closed else None
+            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=listing))
             cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
             budget = self.limits.dir_listing_bytes_per_connection_max
             if self.listing_bytes + cost > budget:

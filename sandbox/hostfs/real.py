@@ -115,6 +115,43 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
     return fd
 
 
+#: listxattrat(2) (Linux >= 6.13; one number on every architecture since 5.x's unified table)
+_SYS_LISTXATTRAT = 465
+_AT_SYMLINK_NOFOLLOW = 0x100
+#: the list sizes :func:`_listxattr_at` tries, as ``os.listxattr`` does: a small buffer first
+#: (the kernel allocates what it is given), then the kernel's own bound, ``XATTR_LIST_MAX``
+_XATTR_LIST_SIZES = (256, 65536)
+
+
+def _listxattrat_works() -> bool:
+    """Whether this kernel serves ``listxattrat`` (older ones say ``ENOSYS``; a seccomp filter
+    that does not know it may say ``EPERM``): asked once, of ``/``, for the list's size."""
+    return _syscall(_SYS_LISTXATTRAT, -100, b"/", _AT_SYMLINK_NOFOLLOW, None, 0) >= 0  # AT_FDCWD
+
+
+_LISTXATTRAT = _listxattrat_works()
+
+
+def _listxattr_at(dirfd: int, name: str) -> list[str]:
+    """``llistxattr`` of the entry ``name`` (one checked component: the caller's) beneath
+    ``dirfd``, never following it: ``listxattrat(dirfd, name, AT_SYMLINK_NOFOLLOW)``, one
+    system call and one name lookup in ``dirfd``, where ``llistxattr`` of
+    ``/proc/self/fd/DIRFD/name`` (what a kernel without it gets) also walks ``/proc`` and the
+    magic link: 1.7 against 3.7 µs here. The same names, decoded as ``os.listxattr`` does."""
+    if not _LISTXATTRAT:
+        return os.listxattr(f"{_XATTR_PROC.format(dirfd)}/{name}", follow_symlinks=False)
+    raw = name.encode("utf-8", "surrogateescape")
+    for size in _XATTR_LIST_SIZES:
+        buf = ctypes.create_string_buffer(size)
+        n = _syscall(_SYS_LISTXATTRAT, dirfd, raw, _AT_SYMLINK_NOFOLLOW, buf, size)
+        if n >= 0:
+            return [os.fsdecode(x) for x in buf.raw[:n].split(b"\0")[:-1]]
+        e = ctypes.get_errno()
+        if e != errno.ERANGE:
+            break
+    raise OSError(e, os.strerror(e), name)
+
+
 def _openat2_long(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
     """:func:`_openat2` of a path longer than one call takes, in pieces (see the module doc).
 
@@ -330,7 +367,7 @@ class RealFileHandle(FileHandle):
 
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """:meth:`FileHandle.getattr_xattr_names_at`: ``fstatat(fd, name, AT_SYMLINK_NOFOLLOW)``
-        and ``llistxattr`` of ``/proc/self/fd/FD/name`` — two system calls where a path's
+        and ``listxattrat(fd, name, AT_SYMLINK_NOFOLLOW)`` (:func:`_listxattr_at`) — two system calls where a path's
         :meth:`RealHostFS.getattr_xattr_names` takes four (``openat2`` from the root, ``fstat``,
         ``listxattr``, ``close``). The magic link is this descriptor's own directory; ``name``
         is one checked component, not followed. The two calls look the name up twice: a
@@ -342,7 +379,7 @@ class RealFileHandle(FileHandle):
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             try:
-                names = os.listxattr(f"{_XATTR_PROC.format(fd)}/{name}", follow_symlinks=False)
+                names = _listxattr_at(fd, name)
             except OSError:  # no xattrs on this filesystem, gone meanwhile: none
                 names = []
             return Attr.from_os(st), names
@@ -515,15 +552,19 @@ class _RealEntry(Entry):
             raise
 
     def xattrs(self) -> dict[str, bytes]:
-        """:meth:`Entry.xattrs`: ``llistxattr`` and ``lgetxattr`` of ``/proc/self/fd/PFD/name``
-        — the parent's descriptor, one checked component, not followed — where the path call
-        takes three system calls more for the list alone (``openat2`` from the root, ``close``)."""
+        """:meth:`Entry.xattrs`: the list through :func:`_listxattr_at` and each value by
+        ``lgetxattr`` of ``/proc/self/fd/PFD/name`` — the parent's descriptor, one checked
+        component, not followed — where the path call takes three system calls more for the
+        list alone (``openat2`` from the root, ``close``)."""
         if not self.path:
             return self.fs.xattrs(self.path)
         pfd, name = self._dir()
         check_component(name, self.path)
+        names = _listxattr_at(pfd, name)
+        if not names:
+            return {}
         at = f"{_XATTR_PROC.format(pfd)}/{name}"
-        return {x: os.getxattr(at, x, follow_symlinks=False) for x in sorted(os.listxattr(at, follow_symlinks=False))}
+        return {x: os.getxattr(at, x, follow_symlinks=False) for x in sorted(names)}
 
     def reader(self, st: Stat) -> FileHandle | None:
         """:meth:`Entry.reader`: ``openat(PFD, name, O_PATH|O_NOFOLLOW)`` — one checked component
