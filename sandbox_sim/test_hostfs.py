@@ -3437,6 +3437,28 @@ def test_read_own_reads_a_write_only_handle_without_moving_its_atime(tmp_path):
         assert h.read_own(100, 0) == b"simulated"
 
 
+@pytest.mark.parametrize("flags", [os.O_RDWR, os.O_RDONLY, os.O_RDWR | os.O_APPEND])
+def test_read_own_through_a_readable_handle_moves_no_atime_and_leaves_its_flags(tmp_path, flags):
+    """``read_own`` through a handle open for reading reads its own descriptor with
+    ``O_NOATIME`` for that read alone: the atime a client set stays, and the handle is as it
+    was after — its own reads move the atime again (relatime), an ``O_APPEND`` handle still
+    appends."""
+    fs = RealHostFS(str(tmp_path))
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"the bytes")
+    old = 1_000_000_000 * 10**9
+    os.utime(tmp_path / "f", ns=(old, 2_000_000_000 * 10**9))  # atime older than mtime: relatime would move it
+    with fs.open("f", flags) as h:
+        assert h.read_own(100, 4) == b"bytes"
+        assert os.stat(tmp_path / "f").st_atime_ns == old
+        if flags & os.O_APPEND:
+            h.pwrite(b"!", 0)
+            assert fs.read_all("f") == b"the bytes!"
+        else:
+            assert h.pread(3, 0) == b"the"
+            assert os.stat(tmp_path / "f").st_atime_ns != old
+
+
 @pytest.mark.timeout(30)
 def test_lstat_head_is_lstat_then_read_in_one_resolution(tmp_path):
     """``RealHostFS.lstat_head`` (a fingerprint's look and first read) answers as the base
