@@ -121,6 +121,7 @@ _AT_SYMLINK_NOFOLLOW = 0x100
 #: the list sizes :func:`_listxattr_at` tries, as ``os.listxattr`` does: a small buffer first
 #: (the kernel allocates what it is given), then the kernel's own bound, ``XATTR_LIST_MAX``
 _XATTR_LIST_SIZES = (256, 65536)
+_XATTR_LIST_BUFFERS = tuple((size, ctypes.c_char * size) for size in _XATTR_LIST_SIZES)
 
 
 def _listxattrat_works() -> bool:
@@ -141,8 +142,8 @@ def _listxattr_at(dirfd: int, name: str) -> list[str]:
     if not _LISTXATTRAT:
         return os.listxattr(f"{_XATTR_PROC.format(dirfd)}/{name}", follow_symlinks=False)
     raw = name.encode("utf-8", "surrogateescape")
-    for size in _XATTR_LIST_SIZES:
-        buf = ctypes.create_string_buffer(size)
+    for size, buffer in _XATTR_LIST_BUFFERS:
+        buf = buffer()
         n = _syscall(_SYS_LISTXATTRAT, dirfd, raw, _AT_SYMLINK_NOFOLLOW, buf, size)
         if n >= 0:
             return [os.fsdecode(x) for x in buf.raw[:n].split(b"\0")[:-1]]
