@@ -279,9 +279,11 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
     return result
 
 
-def child(tree: str, files: int, profile: str | None = None) -> dict:
+def child(tree: str, files: int, where: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, os.path.abspath(__file__), "--files", str(files), "--json", "--repeat", "1"]
+    if where:
+        cmd += ["--dir", where]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise SystemExit(f"{tree}: {r.stderr}")
@@ -305,7 +307,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds (medians are printed)")
     ap.add_argument("--other", help="another checkout to run side by side (its PYTHONPATH)")
     ap.add_argument("--profile", choices=PHASES, help="cProfile this phase in this process, in the thread's CPU time; stderr, by own then cumulative time")
-    ap.add_argument("--dir", help="where to make the temporary folders")
+    ap.add_argument("--dir", help="where to make the temporary folders (also the --other runs'; a tmpfs such as "
+                                  "/dev/shm keeps the disk's own time out of the figures)")
     ap.add_argument("--marks", action="store_true",
                     help="in this process, look up /fuse-requests-phase-PHASE before each phase (splits strace output)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -331,7 +334,7 @@ def main() -> None:
         for i in range(args.repeat):
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
             for k in order:
-                runs[k].append(child(trees[k], args.files))
+                runs[k].append(child(trees[k], args.files, args.dir))
         sides = {k: medians(v) for k, v in runs.items()}
     this = sides["this"]
     other = sides.get("other")
