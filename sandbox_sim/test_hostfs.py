@@ -3074,10 +3074,17 @@ def test_exchange_errors(fs):
     assert fs.read_all("f") == b"f" and sorted(fs.listdir("")) == ["d", "f", "g", "l"]
 
 
-def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
-    """One resolution for both (the real fs: O_PATH|O_NOFOLLOW, fstat, listxattr through the
-    descriptor): the same answers as getattr and listxattr, a symlink has no names, and the
+@pytest.mark.parametrize("listxattrat", [True, False], ids=["listxattrat", "proc"])
+def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs, monkeypatch, listxattrat):
+    """One resolution for both (the real fs: the parent's descriptor, fstatat and listxattrat
+    beneath it; where the kernel lacks listxattrat, O_PATH|O_NOFOLLOW, fstat, listxattr through
+    the descriptor): the same answers as getattr and listxattr, a symlink has no names, and the
     errors are getattr's (missing, a symlink on the way)."""
+    from sandbox.hostfs import real
+
+    if listxattrat and not real._LISTXATTRAT:
+        pytest.skip("this kernel has no listxattrat (Linux < 6.13)")
+    monkeypatch.setattr(real, "_LISTXATTRAT", listxattrat)
     fs.mkdir("d", 0o755)
     mkfile(fs, "d/f", b"abc")
     fs.setxattr("d/f", "user.k", b"v")
