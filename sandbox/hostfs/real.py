@@ -1034,6 +1034,15 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def listxattr(self, path: str) -> list[str]:
+        """The entry's own names (a symlink's, never its target's): ``listxattrat`` of the final
+        name beneath its parent's descriptor where the kernel has it (no ``/proc`` walk), else
+        ``listxattr`` of its ``O_PATH|O_NOFOLLOW`` descriptor through ``/proc/self/fd``."""
+        if _LISTXATTRAT and path:
+            pfd, name = self._parent(path)
+            try:
+                return _listxattr_at(pfd, name)
+            finally:
+                os.close(pfd)
         fd = self._xattr_target(path)
         try:
             return os.listxattr(_XATTR_PROC.format(fd))
