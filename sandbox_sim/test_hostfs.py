@@ -3076,10 +3076,10 @@ def test_exchange_errors(fs):
 
 @pytest.mark.parametrize("listxattrat", [True, False], ids=["listxattrat", "proc"])
 def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs, monkeypatch, listxattrat):
-    """One resolution for both (the real fs: the parent's descriptor, fstatat and listxattrat
-    beneath it; where the kernel lacks listxattrat, O_PATH|O_NOFOLLOW, fstat, listxattr through
-    the descriptor): the same answers as getattr and listxattr, a symlink has no names, and the
-    errors are getattr's (missing, a symlink on the way)."""
+    """One resolution for both (the real fs: O_PATH|O_NOFOLLOW, fstat, listxattr through the
+    descriptor): the same answers as getattr and listxattr — by path, ``listxattrat`` beneath
+    the parent's descriptor, or through ``/proc`` where the kernel lacks it —, a symlink has no
+    names, and the errors of both are getattr's (missing, a symlink on the way)."""
     from sandbox.hostfs import real
 
     if listxattrat and not real._LISTXATTRAT:

@@ -1000,28 +1000,14 @@ class RealHostFS(HostFS):
         return self._open(path, os.O_PATH | os.O_NOFOLLOW)
 
     def getattr_xattr_names(self, path: str) -> tuple[Attr, list[str]]:
-        """One resolution of ``path`` for both its attributes and its xattr names: four system
-        calls where :meth:`getattr` then :meth:`listxattr` take seven. With ``listxattrat``
-        (:func:`_listxattr_at`), the parent's descriptor (confined as every open here), then
-        ``fstatat`` and ``listxattrat`` of the final name beneath it, not followed — no
-        ``/proc`` walk; the name is looked up twice in that directory, so a racer that swaps
-        the entry between them pairs one file's attributes with another's xattr names there,
-        as a listing's :meth:`RealFileHandle.getattr_xattr_names_at` may (the kept mappings'
-        values are read by path afterwards in any case). Without it, an ``O_PATH|O_NOFOLLOW``
-        descriptor of ``path`` for both."""
+        """One resolution of ``path`` (an ``O_PATH|O_NOFOLLOW`` descriptor, confined as every
+        open here) for both its attributes and its xattr names: four system calls where
+        :meth:`getattr` then :meth:`listxattr` take seven. (The parent's descriptor, then
+        ``fstatat`` and ``listxattrat`` of the name, measured 1 µs cheaper for a name that
+        exists but 1.4 µs dearer for a missing one — three calls where a failed ``openat2``
+        is one —, and lookups miss often: not taken.)"""
         if not path:
             return super().getattr_xattr_names(path)
-        if _LISTXATTRAT:
-            pfd, name = self._parent(path)
-            try:
-                st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-                try:
-                    names = _listxattr_at(pfd, name)
-                except OSError:
-                    names = []
-                return Attr.from_os(st), names
-            finally:
-                os.close(pfd)
         fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd)
