@@ -3266,6 +3266,36 @@ def test_an_entry_reads_the_file_it_looked_at_for_a_preimage(env, fs):
         assert e.reader(st) is None  # gone
 
 
+def test_an_entry_creates_exclusively_where_its_look_found_nothing(env, fs):
+    """``Entry.create_handle`` is ``HostFS.create_handle`` of the entry (the undo core's look
+    before a CREATE and the creation): a new file with the mode given, the handle on it;
+    ``EEXIST`` where anything is, a symlink included (never followed), so the look's "nothing
+    there" holds or the create fails. On the real disk through the parent the look resolved:
+    the directory looked in, even if it was renamed between the look and the create (the
+    simulated disk's generic entry creates by path)."""
+    fs.mkdir("d", 0o755)
+    fs.symlink("nowhere", "d/l")
+    mkfile(fs, "d/f", b"x")
+    with fs.entry("d/n") as e:
+        assert e.lstat_or_none() is None
+        with e.create_handle(0o640, os.O_RDWR) as h:
+            h.pwrite(b"new", 0)
+            assert h.fstat().ino == fs.lstat("d/n").ino
+    assert fs.read_all("d/n") == b"new" and fs.lstat("d/n").mode & 0o7777 == 0o640
+    for name in ("f", "l", "n"):
+        with fs.entry(f"d/{name}") as e:
+            check_errno(errno.EEXIST, e.create_handle, 0o644, os.O_WRONLY)
+    assert fs.readlink("d/l") == "nowhere" and not fs.exists("nowhere")
+    with fs.entry("d/m") as e:
+        assert e.lstat_or_none() is None
+        fs.rename("d", "moved")
+        if env.real:
+            e.create_handle(0o644, os.O_WRONLY).close()
+            assert fs.exists("moved/m")
+        else:  # the path call: no "d" any more
+            check_errno(errno.ENOENT, e.create_handle, 0o644, os.O_WRONLY)
+
+
 def test_a_directory_handle_lists_its_inode_wherever_it_moved(fs):
     """``FileHandle.listdir`` of an ``open_dir`` handle: ``listdir`` of the path while it
     names the directory, and still that directory's names after it is renamed and another
