@@ -28,9 +28,11 @@ benchmark's phases (docs/fuse.md "Benchmark"):
   rmdir   GETATTR (the root) + RMDIR + FORGET of each directory (µs per file, as readdir)
 
 Prints µs per request per opcode (the median of the phase's requests, in the thread's CPU time
-and in wall time) and, per phase, µs per file in process CPU time and wall time. With ``--other TREE`` (a checkout, e.g. a worktree of another commit)
-each round runs both trees in child processes (``PYTHONPATH=TREE``), alternating which goes
-first, and prints the medians side by side with their ratio. Nothing is asserted.
+and in wall time) and, per phase, µs per file in process CPU time and wall time. With
+``--other TREE`` (a checkout, e.g. a worktree of another commit) each round runs both trees in
+child processes (``PYTHONPATH=TREE``), alternating which goes first, and prints the medians side
+by side with their ratio. Nothing is asserted. ``--dir /dev/shm`` (a tmpfs) keeps the disk's own
+time out: on an ext4 the host's ``open(O_CREAT)`` alone swings by 10x between runs.
 
     .venv/bin/python bench/fuse_requests.py [--files 2000] [--repeat 5] [--other ../wt-base]
     .venv/bin/python bench/fuse_requests.py --profile create     # cProfile of one phase (CPU time)
