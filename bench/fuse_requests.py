@@ -27,10 +27,12 @@ benchmark's phases (docs/fuse.md "Benchmark"):
   rm      GETATTR (its directory) + UNLINK + FORGET
   rmdir   GETATTR (the root) + RMDIR + FORGET of each directory (µs per file, as readdir)
 
-Prints µs per request (wall, perf_counter) per opcode and, per phase, µs per file in process
-CPU time and wall time. With ``--other TREE`` (a checkout, e.g. a worktree of another commit)
-each round runs both trees in child processes (``PYTHONPATH=TREE``), alternating which goes
-first, and prints the medians side by side with their ratio. Nothing is asserted.
+Prints µs per request per opcode (the median of the phase's requests, in the thread's CPU time
+and in wall time) and, per phase, µs per file in process CPU time and wall time. With
+``--other TREE`` (a checkout, e.g. a worktree of another commit) each round runs both trees in
+child processes (``PYTHONPATH=TREE``), alternating which goes first, and prints the medians side
+by side with their ratio. Nothing is asserted. ``--dir /dev/shm`` (a tmpfs) keeps the disk's own
+time out: on an ext4 the host's ``open(O_CREAT)`` alone swings by 10x between runs.
 
     .venv/bin/python bench/fuse_requests.py [--files 2000] [--repeat 5] [--other ../wt-base]
     .venv/bin/python bench/fuse_requests.py --profile create     # cProfile of one phase (CPU time)
@@ -186,12 +188,14 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
     names = [(dirs[i % DIRS], f"f{i:05d}".encode()) for i in range(files)]
     nodes: list[int] = []
     ops: dict[str, list[int]] = collections.defaultdict(list)
-    result: dict = {"phases": {}, "ops": {}}
+    cpu_ops: dict[str, list[int]] = collections.defaultdict(list)
+    result: dict = {"phases": {}, "ops": {}, "cpu_ops": {}}
 
     def timed(op: str, raw: bytes, ok=(None,)):
-        t = time.perf_counter_ns()
+        c, t = time.thread_time_ns(), time.perf_counter_ns()
         err, out = call(raw)
         ops[op].append(time.perf_counter_ns() - t)
+        cpu_ops[op].append(time.thread_time_ns() - c)
         if err is not None and err.errno not in ok:
             raise SystemExit(f"{op}: {err!r}")
         return out
@@ -251,6 +255,7 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
         if marks:
             os.path.lexists(f"/fuse-requests-phase-{phase}")  # a marker line for strace  # each phase its own step, as an idle mount's ambient steps close between them
         ops.clear()
+        cpu_ops.clear()
         prof = None
         if profile == phase:
             import cProfile
@@ -269,15 +274,18 @@ def run_once(files: int, base: str, profile: str | None, marks: bool = False) ->
         result["phases"][phase] = {"cpu_us": c / files * 1e6, "wall_us": t / files * 1e6}
         for op, ns in ops.items():
             result["ops"][f"{phase}:{op}"] = statistics.median(ns) / 1000
+            result["cpu_ops"][f"{phase}:{op}"] = statistics.median(cpu_ops[op]) / 1000
     d.close()
     d.provider.close()
     ws.close()
     return result
 
 
-def child(tree: str, files: int, profile: str | None = None) -> dict:
+def child(tree: str, files: int, where: str | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, os.path.abspath(__file__), "--files", str(files), "--json", "--repeat", "1"]
+    if where:
+        cmd += ["--dir", where]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode:
         raise SystemExit(f"{tree}: {r.stderr}")
@@ -285,12 +293,13 @@ def child(tree: str, files: int, profile: str | None = None) -> dict:
 
 
 def medians(runs: list[dict]) -> dict:
-    out: dict = {"phases": {}, "ops": {}}
+    out: dict = {"phases": {}, "ops": {}, "cpu_ops": {}}
     for phase in runs[0]["phases"]:
         out["phases"][phase] = {k: statistics.median(r["phases"][phase][k] for r in runs)
                                 for k in ("cpu_us", "wall_us")}
-    for op in runs[0]["ops"]:
-        out["ops"][op] = statistics.median(r["ops"][op] for r in runs if op in r["ops"])
+    for key in ("ops", "cpu_ops"):
+        for op in runs[0][key]:
+            out[key][op] = statistics.median(r[key][op] for r in runs if op in r[key])
     return out
 
 
@@ -300,7 +309,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds (medians are printed)")
     ap.add_argument("--other", help="another checkout to run side by side (its PYTHONPATH)")
     ap.add_argument("--profile", choices=PHASES, help="cProfile this phase in this process, in the thread's CPU time; stderr, by own then cumulative time")
-    ap.add_argument("--dir", help="where to make the temporary folders")
+    ap.add_argument("--dir", help="where to make the temporary folders (also the --other runs'; a tmpfs such as "
+                                  "/dev/shm keeps the disk's own time out of the figures)")
     ap.add_argument("--marks", action="store_true",
                     help="in this process, look up /fuse-requests-phase-PHASE before each phase (splits strace output)")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -326,7 +336,7 @@ def main() -> None:
         for i in range(args.repeat):
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
             for k in order:
-                runs[k].append(child(trees[k], args.files))
+                runs[k].append(child(trees[k], args.files, args.dir))
         sides = {k: medians(v) for k, v in runs.items()}
     this = sides["this"]
     other = sides.get("other")
@@ -340,11 +350,14 @@ def main() -> None:
             o = other["phases"][phase]["cpu_us"]
             line += f" {o:10.1f} {v['cpu_us'] / o:6.2f}"
         print(line)
-    print(f"{'request':18} {'wall µs':>8}" + (f" {'other':>8} {'ratio':>6}" if other else ""))
+    print(f"{'request':20} {'CPU µs':>8} {'wall µs':>8}"
+          + (f" {'other CPU':>10} {'ratio':>6} {'other wall':>10} {'ratio':>6}" if other else ""))
     for op, us in this["ops"].items():
-        line = f"{op:18} {us:8.1f}"
+        cpu = this["cpu_ops"][op]
+        line = f"{op:20} {cpu:8.1f} {us:8.1f}"
         if other and op in other["ops"]:
-            line += f" {other['ops'][op]:8.1f} {us / other['ops'][op]:6.2f}"
+            line += (f" {other['cpu_ops'][op]:10.1f} {cpu / other['cpu_ops'][op]:6.2f}"
+                     f" {other['ops'][op]:10.1f} {us / other['ops'][op]:6.2f}")
         print(line)
 
 

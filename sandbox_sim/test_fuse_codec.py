@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 import errno
 import struct
-from dataclasses import fields, replace
+from dataclasses import astuple, fields, replace
 from pathlib import Path
 
 import pytest
@@ -647,6 +647,26 @@ def test_dirent_packer_against_the_reference(entries, size, plus, data):
         for (*_, got), (*_, want) in zip(parsed, added):
             assert got == tuple(_entry(want)) if want is not None else got[0] == 0
     assert stopped or len(added) == len(entries)
+
+
+@_SETTINGS
+@given(entries=st.lists(st.tuples(U64, U64, st.integers(0, 15), NAMES, ENTRIES), max_size=30),
+       size=st.integers(0, 9000))
+def test_dirent_packer_add_entry_packs_what_add_packs(entries, size):
+    """``add_entry`` (a READDIRPLUS entry's fuse_entry_out as its field values, what the
+    dispatcher packs per listed name) gives the bytes, counts and stops ``add`` gives."""
+    a, b = DirentPacker(size, True), DirentPacker(size, True)
+    for ino, off, typ, name, entry in entries:
+        values = (entry.nodeid, entry.generation, entry.entry_valid, entry.attr_valid, entry.entry_valid_nsec,
+                  entry.attr_valid_nsec, *astuple(entry.attr))
+        assert a.add(ino, off, typ, name, entry) == b.add_entry(ino, off, typ, name, values)
+    assert a.bytes() == b.bytes() and a.count == b.count
+    with pytest.raises(ValueError):
+        DirentPacker(4096, False).add_entry(1, 1, 8, b"f", values if entries else (0,) * 22)
+    with pytest.raises(ValueError):
+        DirentPacker(4096, True).add_entry(1, 1, 8, b"f", (0,) * 21)
+    with pytest.raises(ValueError):
+        DirentPacker(4096, True).add_entry(1, 1, 8, b"a/b", (0,) * 22)
 
 
 def test_dirent_sizes():

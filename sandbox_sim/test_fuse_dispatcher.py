@@ -995,6 +995,28 @@ def test_no_open_readdirplus_reads_each_entry_through_the_listed_directorys_desc
     _readdirplus_through_the_directorys_descriptor(nomnt)
 
 
+def test_no_open_opendir_lists_the_inode_its_node_holds_wherever_it_moved(nomnt):
+    """No-open: OPENDIR lists the names through the directory node's own descriptor — the
+    inode whose entries READDIRPLUS then reads beneath it — with no path resolved: after the
+    host moved the directory away and made another at its name, the listing is the moved
+    one's, each entry with its attributes (by path it was the newcomer's names, each then
+    missing beneath the node's descriptor and skipped)."""
+    os.makedirs(nomnt.host("d"))
+    for name in ("a", "b"):
+        open(nomnt.host("d", name), "w").close()
+    d = nomnt.lookup("d").nodeid
+    nomnt.getattr(d)  # the node's own descriptor, as the kernel's GETATTR before a listing takes it
+    os.rename(nomnt.host("d"), nomnt.host("d2"))
+    os.mkdir(nomnt.host("d"))
+    open(nomnt.host("d", "c"), "w").close()
+    o = nomnt.call(m.Opendir(H(abi.Opcode.OPENDIR, d), os.O_RDONLY, 0))
+    data = nomnt.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS, d), o.fh, 0, 4096, 0, 0, 0)).data
+    got = {name: ino for ino, _off, _typ, name, _e in ref_parse_dirents(bytes(data), True)}
+    assert set(got) == {b".", b"..", b"a", b"b"}
+    assert got[b"a"] == os.stat(nomnt.host("d2", "a")).st_ino
+    nomnt.call(m.Releasedir(H(abi.Opcode.RELEASEDIR, d), o.fh, 0, 0, 0))
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="trusted.* xattrs need CAP_SYS_ADMIN (the fallback: test_ownership.py)")
 def test_readdirplus_reads_each_entry_through_the_descriptor_its_opendir_took(mnt):
     """With OPEN handles (the virtio-fs device): OPENDIR takes one descriptor of the directory

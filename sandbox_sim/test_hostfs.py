@@ -3074,10 +3074,17 @@ def test_exchange_errors(fs):
     assert fs.read_all("f") == b"f" and sorted(fs.listdir("")) == ["d", "f", "g", "l"]
 
 
-def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
+@pytest.mark.parametrize("listxattrat", [True, False], ids=["listxattrat", "proc"])
+def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs, monkeypatch, listxattrat):
     """One resolution for both (the real fs: O_PATH|O_NOFOLLOW, fstat, listxattr through the
-    descriptor): the same answers as getattr and listxattr, a symlink has no names, and the
-    errors are getattr's (missing, a symlink on the way)."""
+    descriptor): the same answers as getattr and listxattr — by path, ``listxattrat`` beneath
+    the parent's descriptor, or through ``/proc`` where the kernel lacks it —, a symlink has no
+    names, and the errors of both are getattr's (missing, a symlink on the way)."""
+    from sandbox.hostfs import real
+
+    if listxattrat and not real._LISTXATTRAT:
+        pytest.skip("this kernel has no listxattrat (Linux < 6.13)")
+    monkeypatch.setattr(real, "_LISTXATTRAT", listxattrat)
     fs.mkdir("d", 0o755)
     mkfile(fs, "d/f", b"abc")
     fs.setxattr("d/f", "user.k", b"v")
@@ -3087,10 +3094,12 @@ def test_getattr_xattr_names_is_getattr_and_listxattr_of_one_entry(env, fs):
         assert a == fs.getattr(p), p
         assert sorted(names) == sorted(fs.listxattr(p)), p
     assert "user.k" in fs.getattr_xattr_names("d/f")[1]
-    check_errno(errno.ENOENT, fs.getattr_xattr_names, "d/missing")
+    assert fs.listxattr("d/l") == [] and "user.k" in fs.listxattr("d/f")
     fs.symlink("d", "dl")
-    check_errno(errno.ELOOP, fs.getattr_xattr_names, "dl/f")
-    check_errno(errno.ENOTDIR, fs.getattr_xattr_names, "d/f/x")
+    for call in (fs.getattr_xattr_names, fs.listxattr):
+        check_errno(errno.ENOENT, call, "d/missing")
+        check_errno(errno.ELOOP, call, "dl/f")
+        check_errno(errno.ENOTDIR, call, "d/f/x")
 
 
 def test_a_directory_handle_reads_its_entries_as_paths_are_read(env, fs):
@@ -3255,6 +3264,36 @@ def test_an_entry_reads_the_file_it_looked_at_for_a_preimage(env, fs):
         assert e.reader(st) is None  # a fifo is never opened (this would block)
         fs.unlink("d/f")
         assert e.reader(st) is None  # gone
+
+
+def test_an_entry_creates_exclusively_where_its_look_found_nothing(env, fs):
+    """``Entry.create_handle`` is ``HostFS.create_handle`` of the entry (the undo core's look
+    before a CREATE and the creation): a new file with the mode given, the handle on it;
+    ``EEXIST`` where anything is, a symlink included (never followed), so the look's "nothing
+    there" holds or the create fails. On the real disk through the parent the look resolved:
+    the directory looked in, even if it was renamed between the look and the create (the
+    simulated disk's generic entry creates by path)."""
+    fs.mkdir("d", 0o755)
+    fs.symlink("nowhere", "d/l")
+    mkfile(fs, "d/f", b"x")
+    with fs.entry("d/n") as e:
+        assert e.lstat_or_none() is None
+        with e.create_handle(0o640, os.O_RDWR) as h:
+            h.pwrite(b"new", 0)
+            assert h.fstat().ino == fs.lstat("d/n").ino
+    assert fs.read_all("d/n") == b"new" and fs.lstat("d/n").mode & 0o7777 == 0o640
+    for name in ("f", "l", "n"):
+        with fs.entry(f"d/{name}") as e:
+            check_errno(errno.EEXIST, e.create_handle, 0o644, os.O_WRONLY)
+    assert fs.readlink("d/l") == "nowhere" and not fs.exists("nowhere")
+    with fs.entry("d/m") as e:
+        assert e.lstat_or_none() is None
+        fs.rename("d", "moved")
+        if env.real:
+            e.create_handle(0o644, os.O_WRONLY).close()
+            assert fs.exists("moved/m")
+        else:  # the path call: no "d" any more
+            check_errno(errno.ENOENT, e.create_handle, 0o644, os.O_WRONLY)
 
 
 def test_a_directory_handle_lists_its_inode_wherever_it_moved(fs):
@@ -3437,6 +3476,28 @@ def test_read_own_reads_a_write_only_handle_without_moving_its_atime(tmp_path):
         assert h.read_own(100, 0) == b"simulated"
 
 
+@pytest.mark.parametrize("flags", [os.O_RDWR, os.O_RDONLY, os.O_RDWR | os.O_APPEND])
+def test_read_own_through_a_readable_handle_moves_no_atime_and_leaves_its_flags(tmp_path, flags):
+    """``read_own`` through a handle open for reading reads its own descriptor with
+    ``O_NOATIME`` for that read alone: the atime a client set stays, and the handle is as it
+    was after — its own reads move the atime again (relatime), an ``O_APPEND`` handle still
+    appends."""
+    fs = RealHostFS(str(tmp_path))
+    fs.create("f", 0o644)
+    fs.write_all("f", 0, b"the bytes")
+    old = 1_000_000_000 * 10**9
+    os.utime(tmp_path / "f", ns=(old, 2_000_000_000 * 10**9))  # atime older than mtime: relatime would move it
+    with fs.open("f", flags) as h:
+        assert h.read_own(100, 4) == b"bytes"
+        assert os.stat(tmp_path / "f").st_atime_ns == old
+        if flags & os.O_APPEND:
+            h.pwrite(b"!", 0)
+            assert fs.read_all("f") == b"the bytes!"
+        else:
+            assert h.pread(3, 0) == b"the"
+            assert os.stat(tmp_path / "f").st_atime_ns != old
+
+
 @pytest.mark.timeout(30)
 def test_lstat_head_is_lstat_then_read_in_one_resolution(tmp_path):
     """``RealHostFS.lstat_head`` (a fingerprint's look and first read) answers as the base
@@ -3477,3 +3538,36 @@ def test_stat_is_frozen_and_compared_hashed_copied_by_its_fields():
     assert dataclasses.replace(s, size=9).size == 9 and s.size == 5
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.size = 6
+
+
+@pytest.mark.parametrize("syscall", [True, False], ids=["listxattrat", "proc"])
+def test_an_entrys_xattr_names_beneath_a_directory_are_llistxattrs(tmp_path, monkeypatch, syscall):
+    """``_listxattr_at`` (a listed entry's and a removal's xattr names, beneath the directory's
+    descriptor) answers what ``llistxattr`` of the entry answers — with ``listxattrat`` where
+    the kernel has it and through ``/proc/self/fd`` where not: the names decoded alike (a
+    non-UTF-8 one too), a list longer than the first buffer, a symlink's own (never its
+    target's), a missing name ``ENOENT``."""
+    from sandbox.hostfs import real
+
+    if syscall and not real._LISTXATTRAT:
+        pytest.skip("this kernel has no listxattrat (Linux < 6.13)")
+    monkeypatch.setattr(real, "_LISTXATTRAT", syscall)
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    try:
+        for i in range(20):  # 20 names of 25 bytes: past the first 256-byte buffer
+            os.setxattr(f, f"user.{'n' * 16}{i:03d}", b"v")
+        os.setxattr(f, os.fsdecode(b"user.\xff"), b"v")
+    except OSError as e:
+        pytest.skip(f"no user xattrs here: {e}")
+    os.symlink("f", tmp_path / "l")
+    dfd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
+    try:
+        for name in ("f", "l"):
+            assert sorted(real._listxattr_at(dfd, name)) == sorted(os.listxattr(tmp_path / name, follow_symlinks=False))
+        assert len(real._listxattr_at(dfd, "f")) == 21 and real._listxattr_at(dfd, "l") == []
+        with pytest.raises(OSError) as e:
+            real._listxattr_at(dfd, "missing")
+        assert e.value.errno == errno.ENOENT
+    finally:
+        os.close(dfd)

@@ -124,6 +124,10 @@ class FaultyEntry:
         self._call("rmdir")
         self.inner.rmdir()
 
+    def create_handle(self, mode: int, flags: int = os.O_WRONLY):
+        self._call("create_handle")
+        return FaultyHandle(self._fs, self.inner.create_handle(mode, flags))
+
     def close(self) -> None:
         self.inner.close()
 

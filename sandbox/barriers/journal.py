@@ -533,6 +533,10 @@ class RecordingEntry(Entry):
     def rmdir(self) -> None:
         self.fs._rmdir_entry(self.inner)
 
+    def create_handle(self, mode: int, flags: int = os.O_WRONLY) -> FileHandle:
+        """Recorded as :meth:`RecordingHostFS.create_handle` records its path call."""
+        return self.fs._create_handle(self.path, lambda: self.inner.create_handle(mode, flags))
+
     def close(self) -> None:
         self.inner.close()
 
@@ -657,10 +661,14 @@ class RecordingHostFS(HostFS):
         to check for taint before it, and what it left is the new inode, ``fstat``-ed through
         the handle it returns (never whatever a racer has put at the name since). A failed
         create looks afterwards, with the taint check its begin skipped."""
+        return self._create_handle(path, lambda: self.inner.create_handle(path, mode, flags))
+
+    def _create_handle(self, path: str, create: Callable[[], FileHandle]) -> FileHandle:
+        """:meth:`create_handle`'s record around ``create()`` (the path call, or an entry's)."""
         with self.mutex:
             self.journal.begin([path], seen={path: None})
             try:
-                handle = self.inner.create_handle(path, mode, flags)
+                handle = create()
             except BaseException:
                 self.journal.end([path], check_taint=[path])
                 raise

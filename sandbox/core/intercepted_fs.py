@@ -157,7 +157,8 @@ class InterceptedFS(TreeOps):
         on the new inode itself — never on whatever the name may be swapped for after."""
         p = _entry(path, "create")
         i = self.interceptor
-        handle = self._run(lambda: i.pre_create(p), lambda: self.host.create_handle(p, mode, flags), sync=(p,))
+        with self.host.entry(p) as e:  # the look and the creation beneath one parent (HostFS.entry)
+            handle = self._run(lambda: i.pre_create(p, look=e), lambda: e.create_handle(mode, flags), sync=(p,))
         if i is not None:
             i.post_create(p)
         return handle

@@ -509,10 +509,11 @@ class UndoInterceptor:
             self._set_mark(path, None)  # a directory being removed is empty: no marks below it
 
     @_journalled
-    def pre_create(self, path: str) -> None:
-        """Something new (file, directory, symlink) is about to appear at ``path``."""
+    def pre_create(self, path: str, look: Entry | None = None) -> None:
+        """Something new (file, directory, symlink) is about to appear at ``path`` (``look``:
+        the entry the creation goes through, :meth:`HostFS.entry`, looked at instead of the path)."""
         with self.lock:
-            if not self._enter() or self._lstat(path) is not None:
+            if not self._enter() or (self._lstat(path) if look is None else look.lstat_or_none()) is not None:
                 return  # something is there: the host call fails with EEXIST; no intent to record
             self._capture_parent(path)
             if self._intent({"op": "created", "path": path}):

@@ -516,6 +516,7 @@ def dirent_size(namelen: int, plus: bool) -> int:
 _ENTRY_DIRENT = struct.Struct(_ENTRY.format + _DIRENT.format[1:])  # fuse_direntplus without its name (152)
 _ZEROS = bytes(8)
 _NO_ENTRY = m.EntryOut(0, 0, 0, 0, 0, 0, m.FuseAttr(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0))
+_ENTRY_FIELDS = len(_entry_values(_NO_ENTRY))  # 6 of fuse_entry_out's own, 16 of its fuse_attr
 
 
 class DirentPacker:
@@ -541,17 +542,29 @@ class DirentPacker:
 
     def add(self, ino: int, off: int, type: int, name: bytes | str, entry: m.EntryOut | None = None) -> bool:
         """Append one entry if it fits; ``type`` is the DT_* value (``mode >> 12 & 15``)."""
-        name = _name_bytes(name)
-        plus = self.plus
-        if entry is not None and not plus:
+        if entry is not None and not self.plus:
             raise ValueError("an entry_out only goes into READDIRPLUS")
-        size = dirent_size(len(name), plus)
+        return self._add(ino, off, type, _name_bytes(name),
+                         _entry_values(entry if entry is not None else _NO_ENTRY) if self.plus else None)
+
+    def add_entry(self, ino: int, off: int, type: int, name: bytes | str, entry_values: tuple) -> bool:
+        """:meth:`add` of a READDIRPLUS entry whose ``fuse_entry_out`` is given as its 22 field
+        values in the struct's order (an ``EntryOut``'s, then its ``FuseAttr``'s, ``flags``
+        last): the same bytes, with no message objects built per entry only to be taken
+        apart again (a directory's listing packs one per name)."""
+        if not self.plus:
+            raise ValueError("an entry_out only goes into READDIRPLUS")
+        if len(entry_values) != _ENTRY_FIELDS:
+            raise ValueError(f"an entry_out has {_ENTRY_FIELDS} fields, not {len(entry_values)}")
+        return self._add(ino, off, type, _name_bytes(name), entry_values)
+
+    def _add(self, ino: int, off: int, type: int, name: bytes, entry_values: tuple | None) -> bool:
+        size = dirent_size(len(name), self.plus)
         buf = self._buf
         if len(buf) + size > self._limit:
             return False
-        if plus:  # fuse_entry_out and fuse_dirent in one pack
-            head = _pack(_ENTRY_DIRENT, *_entry_values(entry if entry is not None else _NO_ENTRY), ino, off, len(name),
-                         type)
+        if entry_values is not None:  # fuse_entry_out and fuse_dirent in one pack
+            head = _pack(_ENTRY_DIRENT, *entry_values, ino, off, len(name), type)
         else:
             head = _pack(_DIRENT, ino, off, len(name), type)
         buf += head

@@ -219,12 +219,17 @@ def host_seconds(sec: int) -> int:
     return sec - (1 << 64) if sec >> 63 else sec
 
 
+def fuse_attr_values(a: Attr) -> tuple:
+    """The fields of :func:`fuse_attr` in ``struct fuse_attr``'s order, ``flags`` (0) last —
+    what a READDIRPLUS entry packs (``DirentPacker.add_entry``) with no ``FuseAttr`` built."""
+    return (a.ino & _U64, a.size, a.blocks, (a.atime_ns // 10**9) & _U64, (a.mtime_ns // 10**9) & _U64,
+            (a.ctime_ns // 10**9) & _U64, a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
+            a.fmt | a.mode, a.nlink & 0xFFFFFFFF, a.uid, a.gid, a.rdev & 0xFFFFFFFF, min(a.blksize, 0xFFFFFFFF), 0)
+
+
 def fuse_attr(a: Attr) -> m.FuseAttr:
     """A Provider :class:`Attr` as ``struct fuse_attr`` (times as :func:`wire_seconds`)."""
-    return m.FuseAttr(a.ino & _U64, a.size, a.blocks, wire_seconds(a.atime_ns // 10**9),
-                      wire_seconds(a.mtime_ns // 10**9), wire_seconds(a.ctime_ns // 10**9), a.atime_ns % 10**9, a.mtime_ns % 10**9, a.ctime_ns % 10**9,
-                      a.fmt | a.mode, a.nlink & 0xFFFFFFFF, a.uid, a.gid, a.rdev & 0xFFFFFFFF,
-                      min(a.blksize, 0xFFFFFFFF))
+    return m.FuseAttr(*fuse_attr_values(a))
 
 
 @dataclass(eq=False, slots=True)
@@ -1335,9 +1340,12 @@ class Dispatcher:
         n = self._dir(req.header.nodeid)
         held = None if self.no_open else self._listing_descriptor(n)
         try:
+            listing = held
             if held is None:
                 self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
-            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=held))
+                if self.no_open:  # the node's own descriptor, if it has one: its inode, no path resolved
+                    listing = n.ro if n.ro is not None and not n.ro.closed else None
+            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=listing))
             cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
             budget = self.limits.dir_listing_bytes_per_connection_max
             if self.listing_bytes + cost > budget:
@@ -1403,6 +1411,8 @@ class Dispatcher:
         except OSError:  # no descriptor left in the budget (ENFILE): by path
             held = None
         cred = self._cred(req)
+        # each entry's fuse_entry_out after its nodeid (what _entry_out builds, as values)
+        entry_head = (GENERATION, self.entry_valid_s, self.attr_valid_s, 0, 0)
         for i in range(req.offset, len(d.names)):
             name = d.names[i]
             raw = name.encode("utf-8", "surrogateescape")
@@ -1437,7 +1447,8 @@ class Dispatcher:
                 if not len(packer):
                     raise
                 break
-            if not packer.add(a.ino & (2**64 - 1), i + 1, _dtype(a), raw, self._entry_out(n, a)):
+            self._told(n, a)
+            if not packer.add_entry(a.ino & _U64, i + 1, _dtype(a), raw, (n.nodeid, *entry_head, *fuse_attr_values(a))):
                 if n.lookups == 0 and not n.files:
                     self._drop_node(n)
                 break

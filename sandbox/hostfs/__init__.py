@@ -501,8 +501,9 @@ class FileHandle(ABC):
 
 
 class Entry:
-    """:meth:`HostFS.entry`: a look at one path, then its removal, by one caller (not shared
-    between threads). This generic one calls ``fs.lstat``, ``fs.unlink``, ``fs.rmdir``."""
+    """:meth:`HostFS.entry`: a look at one path, then its removal (or its exclusive creation),
+    by one caller (not shared between threads). This generic one calls ``fs.lstat``,
+    ``fs.unlink``, ``fs.rmdir``, ``fs.create_handle``."""
 
     def __init__(self, fs: "HostFS", path: str):
         self.fs, self.path = fs, path
@@ -532,6 +533,13 @@ class Entry:
 
     def rmdir(self) -> None:
         self.fs.rmdir(self.path)
+
+    def create_handle(self, mode: int, flags: int = os.O_WRONLY) -> "FileHandle":
+        """:meth:`HostFS.create_handle` of the entry's path — an exclusive create, the handle on
+        the new inode — e.g. after :meth:`lstat_or_none` found nothing there (the undo core's
+        look before a create): an implementation that keeps the parent's resolution creates
+        through it. Here the path call."""
+        return self.fs.create_handle(self.path, mode, flags)
 
     def close(self) -> None:
         """Release what the entry holds (nothing here); idempotent."""

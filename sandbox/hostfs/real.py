@@ -115,6 +115,44 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
     return fd
 
 
+#: listxattrat(2) (Linux >= 6.13; one number on every architecture since 5.x's unified table)
+_SYS_LISTXATTRAT = 465
+_AT_SYMLINK_NOFOLLOW = 0x100
+#: the list sizes :func:`_listxattr_at` tries, as ``os.listxattr`` does: a small buffer first
+#: (the kernel allocates what it is given), then the kernel's own bound, ``XATTR_LIST_MAX``
+_XATTR_LIST_SIZES = (256, 65536)
+_XATTR_LIST_BUFFERS = tuple((size, ctypes.c_char * size) for size in _XATTR_LIST_SIZES)
+
+
+def _listxattrat_works() -> bool:
+    """Whether this kernel serves ``listxattrat`` (older ones say ``ENOSYS``; a seccomp filter
+    that does not know it may say ``EPERM``): asked once, of ``/``, for the list's size."""
+    return _syscall(_SYS_LISTXATTRAT, -100, b"/", _AT_SYMLINK_NOFOLLOW, None, 0) >= 0  # AT_FDCWD
+
+
+_LISTXATTRAT = _listxattrat_works()
+
+
+def _listxattr_at(dirfd: int, name: str) -> list[str]:
+    """``llistxattr`` of the entry ``name`` (one checked component: the caller's) beneath
+    ``dirfd``, never following it: ``listxattrat(dirfd, name, AT_SYMLINK_NOFOLLOW)``, one
+    system call and one name lookup in ``dirfd``, where ``llistxattr`` of
+    ``/proc/self/fd/DIRFD/name`` (what a kernel without it gets) also walks ``/proc`` and the
+    magic link: 1.7 against 3.7 µs here. The same names, decoded as ``os.listxattr`` does."""
+    if not _LISTXATTRAT:
+        return os.listxattr(f"{_XATTR_PROC.format(dirfd)}/{name}", follow_symlinks=False)
+    raw = name.encode("utf-8", "surrogateescape")
+    for size, buffer in _XATTR_LIST_BUFFERS:
+        buf = buffer()
+        n = _syscall(_SYS_LISTXATTRAT, dirfd, raw, _AT_SYMLINK_NOFOLLOW, buf, size)
+        if n >= 0:
+            return [os.fsdecode(x) for x in buf.raw[:n].split(b"\0")[:-1]]
+        e = ctypes.get_errno()
+        if e != errno.ERANGE:
+            break
+    raise OSError(e, os.strerror(e), name)
+
+
 def _openat2_long(dirfd: int, path: str, flags: int, mode: int = 0) -> int:
     """:func:`_openat2` of a path longer than one call takes, in pieces (see the module doc).
 
@@ -200,6 +238,37 @@ def _reopen_for_reading(fd: int) -> int:
         return os.open(proc, os.O_RDONLY | os.O_CLOEXEC)
 
 
+def _create_at(pfd: int, name: str, mode: int, flags: int) -> int:
+    """A new regular file ``name`` beneath the directory ``pfd``, as an fd open with ``flags``
+    (an access mode [| O_APPEND]). ``O_CREAT | O_EXCL | O_NOFOLLOW`` makes the inode and opens
+    it in one call, so the ``fchmod`` (and whatever the caller does with the fd) reaches the
+    file made here, whatever is at the name by then."""
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600, dir_fd=pfd)
+    try:
+        os.fchmod(fd, mode & 0o7777)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_noatime(fd: int, length: int, offset: int) -> bytes | None:
+    """``pread`` of ``fd`` (open for reading) with ``O_NOATIME`` on its file description for
+    this call only: the server's own read moves no atime. None where the process may not set
+    it (``EPERM``: neither the owner nor ``CAP_FOWNER``)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & os.O_NOATIME:
+        return os.pread(fd, length, offset)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NOATIME)
+    except PermissionError:
+        return None
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
 def _ebadf(path: str) -> OSError:
     return OSError(errno.EBADF, os.strerror(errno.EBADF), path)
 
@@ -244,13 +313,22 @@ class RealFileHandle(FileHandle):
             self._release()
 
     def read_own(self, length: int, offset: int) -> bytes:
-        """:meth:`FileHandle.read_own`: the inode reopened read-only through ``/proc/self/fd``
-        (no path resolution; ``O_NOATIME`` where the process may, as :meth:`RealHostFS.read`),
-        read and closed — three system calls where a read by path takes six."""
+        """:meth:`FileHandle.read_own`: a handle open for reading is read through its own
+        descriptor with ``O_NOATIME`` set for that ``pread`` alone (``F_SETFL``, then its flags
+        as they were: three cheap calls, no path walked; a read another thread makes through
+        this very handle meanwhile moves no atime either); a write-only one, or where the
+        process may not set ``O_NOATIME``, through the inode reopened read-only through
+        ``/proc/self/fd`` (no path resolution; ``O_NOATIME`` where the process may, as
+        :meth:`RealHostFS.read`), read and closed — three system calls where a read by path
+        takes six."""
         fd = self._acquire()
         try:
             if length < 0 or offset < 0:
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), self.path)
+            if self.flags & os.O_ACCMODE != os.O_WRONLY:
+                data = _pread_noatime(fd, length, offset)
+                if data is not None:
+                    return data
             rfd = _reopen_for_reading(fd)
         finally:
             self._release()
@@ -330,7 +408,7 @@ class RealFileHandle(FileHandle):
 
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         """:meth:`FileHandle.getattr_xattr_names_at`: ``fstatat(fd, name, AT_SYMLINK_NOFOLLOW)``
-        and ``llistxattr`` of ``/proc/self/fd/FD/name`` — two system calls where a path's
+        and ``listxattrat(fd, name, AT_SYMLINK_NOFOLLOW)`` (:func:`_listxattr_at`) — two system calls where a path's
         :meth:`RealHostFS.getattr_xattr_names` takes four (``openat2`` from the root, ``fstat``,
         ``listxattr``, ``close``). The magic link is this descriptor's own directory; ``name``
         is one checked component, not followed. The two calls look the name up twice: a
@@ -342,7 +420,7 @@ class RealFileHandle(FileHandle):
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             try:
-                names = os.listxattr(f"{_XATTR_PROC.format(fd)}/{name}", follow_symlinks=False)
+                names = _listxattr_at(fd, name)
             except OSError:  # no xattrs on this filesystem, gone meanwhile: none
                 names = []
             return Attr.from_os(st), names
@@ -487,7 +565,8 @@ class _RealEntry(Entry):
     symlink followed), at the first call that needs it, and every call made on the final name
     beneath that descriptor (``fstatat``, ``unlinkat``): an UNLINK's two looks (the undo
     core's, the own-write journal's) and the removal take five system calls where three path
-    calls take nine, and all three are of one directory's entry.
+    calls take nine, and all three are of one directory's entry; a CREATE's look and exclusive
+    create (:meth:`create_handle`) take four where two path calls take six.
     A parent that could not be resolved is tried again by the next call, as a path call would."""
 
     def __init__(self, fs: "RealHostFS", path: str):
@@ -515,15 +594,19 @@ class _RealEntry(Entry):
             raise
 
     def xattrs(self) -> dict[str, bytes]:
-        """:meth:`Entry.xattrs`: ``llistxattr`` and ``lgetxattr`` of ``/proc/self/fd/PFD/name``
-        — the parent's descriptor, one checked component, not followed — where the path call
-        takes three system calls more for the list alone (``openat2`` from the root, ``close``)."""
+        """:meth:`Entry.xattrs`: the list through :func:`_listxattr_at` and each value by
+        ``lgetxattr`` of ``/proc/self/fd/PFD/name`` — the parent's descriptor, one checked
+        component, not followed — where the path call takes three system calls more for the
+        list alone (``openat2`` from the root, ``close``)."""
         if not self.path:
             return self.fs.xattrs(self.path)
         pfd, name = self._dir()
         check_component(name, self.path)
+        names = _listxattr_at(pfd, name)
+        if not names:
+            return {}
         at = f"{_XATTR_PROC.format(pfd)}/{name}"
-        return {x: os.getxattr(at, x, follow_symlinks=False) for x in sorted(os.listxattr(at, follow_symlinks=False))}
+        return {x: os.getxattr(at, x, follow_symlinks=False) for x in sorted(names)}
 
     def reader(self, st: Stat) -> FileHandle | None:
         """:meth:`Entry.reader`: ``openat(PFD, name, O_PATH|O_NOFOLLOW)`` — one checked component
@@ -559,6 +642,13 @@ class _RealEntry(Entry):
     def rmdir(self) -> None:
         pfd, name = self._dir()
         os.rmdir(name, dir_fd=pfd)
+
+    def create_handle(self, mode: int, flags: int = os.O_WRONLY) -> RealFileHandle:
+        """:meth:`Entry.create_handle` beneath the parent the look resolved (:func:`_create_at`):
+        a CREATE's look and the creation take four system calls where two path calls take six."""
+        check_open_flags(flags, self.path)
+        pfd, name = self._dir()
+        return RealFileHandle(_create_at(pfd, name, mode, flags), self.path, flags)
 
     def close(self) -> None:
         if self._pfd >= 0:
@@ -723,23 +813,13 @@ class RealHostFS(HostFS):
     # -- mutations --
 
     def _create_fd(self, path: str, mode: int, flags: int) -> int:
-        """A new regular file, as an fd open with ``flags`` (an access mode [| O_APPEND]).
-
-        ``O_CREAT | O_EXCL | O_NOFOLLOW`` makes the inode and opens it in one call, so the
-        ``fchmod`` (and whatever the caller does with the fd) reaches the file made here,
-        whatever is at the name by then.
-        """
+        """A new regular file, as an fd open with ``flags`` (an access mode [| O_APPEND]):
+        :func:`_create_at` beneath the parent, resolved for this call."""
         pfd, name = self._parent(path)
         try:
-            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | flags, 0o600, dir_fd=pfd)
+            return _create_at(pfd, name, mode, flags)
         finally:
             os.close(pfd)
-        try:
-            os.fchmod(fd, mode & 0o7777)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
 
     def create(self, path: str, mode: int) -> None:
         os.close(self._create_fd(path, mode, os.O_WRONLY))
@@ -934,7 +1014,10 @@ class RealHostFS(HostFS):
     def getattr_xattr_names(self, path: str) -> tuple[Attr, list[str]]:
         """One resolution of ``path`` (an ``O_PATH|O_NOFOLLOW`` descriptor, confined as every
         open here) for both its attributes and its xattr names: four system calls where
-        :meth:`getattr` then :meth:`listxattr` take seven."""
+        :meth:`getattr` then :meth:`listxattr` take seven. (The parent's descriptor, then
+        ``fstatat`` and ``listxattrat`` of the name, measured 1 µs cheaper for a name that
+        exists but 1.4 µs dearer for a missing one — three calls where a failed ``openat2``
+        is one —, and lookups miss often: not taken.)"""
         if not path:
             return super().getattr_xattr_names(path)
         fd = self._open(path, os.O_PATH | os.O_NOFOLLOW)
@@ -949,6 +1032,15 @@ class RealHostFS(HostFS):
             os.close(fd)
 
     def listxattr(self, path: str) -> list[str]:
+        """The entry's own names (a symlink's, never its target's): ``listxattrat`` of the final
+        name beneath its parent's descriptor where the kernel has it (no ``/proc`` walk), else
+        ``listxattr`` of its ``O_PATH|O_NOFOLLOW`` descriptor through ``/proc/self/fd``."""
+        if _LISTXATTRAT and path:
+            pfd, name = self._parent(path)
+            try:
+                return _listxattr_at(pfd, name)
+            finally:
+                os.close(pfd)
         fd = self._xattr_target(path)
         try:
             return os.listxattr(_XATTR_PROC.format(fd))
