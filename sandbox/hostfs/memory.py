@@ -1071,7 +1071,11 @@ class MemoryHostFS(HostFS):
         size = len(name.encode("utf-8", "surrogateescape"))
         if size == 0 or size > _XATTR_NAME_MAX:
             raise _err(errno.ERANGE, path)
-        prefix = next((p for p in _XATTR_PREFIXES if name.startswith(p)), None)
+        prefix = None
+        for p in _XATTR_PREFIXES:
+            if name.startswith(p):
+                prefix = p
+                break
         if prefix == "user." and node.kind not in (REG, DIR):
             raise _err(errno.EPERM if write else errno.ENODATA, path)
         if prefix == "trusted." and not self.trusted_xattrs:  # CAP_SYS_ADMIN only, on any kind
