@@ -685,13 +685,13 @@ class MemoryHostFS(HostFS):
             tally = self.tally
             if tally is not None:
                 tally.calls += 1
+        node = self._resolved.get(path)
+        if node is not None:  # resolved before: the whole path and every component passed every check
+            return node.stat()
         if not path:
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
-        node = self._resolved.get(path)
-        if node is not None:  # resolved before: every component passed every check
-            return node.stat()
         i = path.rfind("/")
         node = self._resolved.get(path[:i]) if i > 0 else None
         if node is not None:  # the parent resolved before
