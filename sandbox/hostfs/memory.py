@@ -845,7 +845,8 @@ class MemoryHostFS(HostFS):
         if node.kind == DIR:
             raise _err(errno.EISDIR, path)
         del parent.entries[name]
-        self._charge(None, -_name_bytes(name), path)
+        if self._budget is not None:
+            self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # not a directory: no path led through it
         now = self.clock()
         node.nlink -= 1
@@ -866,7 +867,8 @@ class MemoryHostFS(HostFS):
         if node.entries:
             raise _err(errno.ENOTEMPTY, path)
         del parent.entries[name]
-        self._charge(None, -_name_bytes(name), path)
+        if self._budget is not None:
+            self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
@@ -908,7 +910,8 @@ class MemoryHostFS(HostFS):
                 raise _err(errno.EISDIR, dst)
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
-        self._charge(None, _name_bytes(dname) - _name_bytes(sname) - (_name_bytes(dname) if existing else 0), dst)
+        if self._budget is not None:
+            self._charge(None, _name_bytes(dname) - _name_bytes(sname) - (_name_bytes(dname) if existing else 0), dst)
         now = self.clock()
         if node.kind == DIR:
             self._resolved.clear()  # every kept path through src now leads elsewhere or nowhere
@@ -1003,7 +1006,8 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EEXIST, new)
         if node.kind == DIR:
             raise _err(errno.EPERM, existing)
-        self._charge(None, _name_bytes(dname), new)
+        if self._budget is not None:
+            self._charge(None, _name_bytes(dname), new)
         now = self.clock()
         dparent.entries[dname] = node
         node.nlink += 1
