@@ -416,8 +416,10 @@ class MemoryHostFS(HostFS):
         self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
         self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
         self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
-        # path -> the inode a successful _walk of it found; every kept path leads to its inode
-        # now. Adding a name cannot change where an existing path leads, and an inode's kind
+        # path -> the inode a successful _walk of it found, or that a call just named by it
+        # (create, mkdir, symlink, mknod, link, rename: its parent was resolved as a walk
+        # resolves it, the last name checked, so a walk would find that inode now); every kept
+        # path leads to its inode now. Adding a name cannot change where an existing path leads, and an inode's kind
         # never changes; a name removed or replaced drops its own path (unlink, rmdir of an
         # empty directory, rename or exchange of non-directories: no kept path leads through
         # them, since a path is one string per entry and no walk passes a non-directory), and a
@@ -518,6 +520,7 @@ class MemoryHostFS(HostFS):
             _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid, gid=self.gid), name)
         self._note(node)
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
 
     def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
         """Every entry at and under ``path`` with its inode, depth first in sorted name order
@@ -786,6 +789,7 @@ class MemoryHostFS(HostFS):
         if noted is not None:
             noted[node.ino] = node
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
         return node
 
     def write(self, path: str, offset: int, data: bytes) -> int:
@@ -886,6 +890,7 @@ class MemoryHostFS(HostFS):
         self._note(node)
         parent.nlink += 1
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
 
     def rename(self, src: str, dst: str) -> None:
         self._fault("rename", src)
@@ -939,6 +944,7 @@ class MemoryHostFS(HostFS):
             noted[node.ino] = node
         self._entries_changed(sparent, now)
         self._entries_changed(dparent, now)
+        self._keep_resolved(dst, node)
 
     def exchange(self, a: str, b: str) -> None:
         self._fault("exchange", a)
@@ -987,6 +993,7 @@ class MemoryHostFS(HostFS):
             _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid, gid=self.gid), name)
         self._note(node)
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
 
     def mknod(self, path: str, mode: int, fmt: int) -> None:
         """A fifo or a unix-socket node (:data:`~sandbox.hostfs.MKNOD_FMTS`), mode exact."""
@@ -1014,6 +1021,7 @@ class MemoryHostFS(HostFS):
         node.ctime_ns = now
         self._note(node)
         self._entries_changed(dparent, now)
+        self._keep_resolved(new, node)
 
     def chmod(self, path: str, mode: int) -> None:
         self._fault("chmod", path)
