@@ -3419,6 +3419,23 @@ def test_sim_a_name_just_made_is_remembered_and_every_remembered_path_leads_wher
     assert made > 300, made
 
 
+def test_sim_clock_ticks_are_one_sequence_whoever_calls_it():
+    """A disk's own ticks (``SimClock.tick``) and calls of the clock draw from one strictly
+    increasing sequence, 1 ms + 1 ns apart, from the start given; another clock is called."""
+    from sandbox.hostfs.memory import SimClock
+
+    clock = SimClock(1000)
+    fs = MemoryHostFS(clock=clock)  # its root's times: the first tick
+    assert fs.lstat("").mtime_ns == 1000 + 1_000_001
+    assert clock() == 1000 + 2 * 1_000_001
+    fs.create("f", 0o644)
+    assert fs.lstat("f").ctime_ns == 1000 + 3 * 1_000_001
+    assert clock() == 1000 + 4 * 1_000_001
+    fs.clock = lambda: 7
+    fs.create("g", 0o644)
+    assert fs.lstat("g").mtime_ns == 7 and fs.clock() == 7
+
+
 def test_sim_remembered_paths_are_bounded():
     from sandbox.hostfs.memory import RESOLVED_PATHS_KEPT_MAX
 

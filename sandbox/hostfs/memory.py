@@ -98,11 +98,12 @@ class SimClock:
     """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
 
     def __init__(self, start_ns: int = 1_700_000_000_000_000_000):
-        self._now = start_ns
+        #: the next tick, as calling the clock gives it (one sequence: they share it) — a C
+        #: call, without the Python frame of ``__call__``: what ``MemoryHostFS`` calls
+        self.tick: Callable[[], int] = itertools.count(start_ns + 1_000_001, 1_000_001).__next__
 
     def __call__(self) -> int:
-        self._now += 1_000_001
-        return self._now
+        return self.tick()
 
 
 _USUAL_FMT = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}  # a new inode's S_IFMT by kind (else a fifo)
@@ -387,7 +388,7 @@ class MemoryHostFS(HostFS):
         #: the server has CAP_SYS_ADMIN (root): ``trusted.*`` xattrs are kept, on every kind
         #: of entry; without it they are refused (EPERM) and never listed, as Linux does
         self.trusted_xattrs = trusted_xattrs
-        self.clock = clock or SimClock()
+        self.clock = clock or SimClock()  # (sets _tick)
         self.fault_hook = fault_hook
         #: an object counting this disk's host calls while no ``fault_hook`` is set: each call
         #: adds 1 to its ``calls`` and, if its op is in ``tally_mutations``, 1 to its
@@ -397,7 +398,7 @@ class MemoryHostFS(HostFS):
         self.tally_mutations: frozenset[str] = frozenset()
         self.pid = pid
         self._inos = itertools.count(2)
-        now = self.clock()
+        now = self._tick()
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         #: inodes whose metadata may have changed since the last journal commit, by number
         #: (every change of an inode's metadata — entries, mode, times, xattrs, owner, link
@@ -440,6 +441,17 @@ class MemoryHostFS(HostFS):
         self._budget: _Budget | None = None
 
     # -- simulation controls (not part of HostFS) --
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        """Where timestamps come from (ns); every tick goes through ``_tick``: a
+        :class:`SimClock`'s ``tick``, else the clock itself."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], int]) -> None:
+        self._clock = clock
+        self._tick = clock.tick if type(clock) is SimClock else clock
 
     @property
     def bytes_max(self) -> int | None:
@@ -515,7 +527,7 @@ class MemoryHostFS(HostFS):
         if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, "", path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid, gid=self.gid), name)
         self._note(node)
@@ -804,7 +816,7 @@ class MemoryHostFS(HostFS):
         if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, "", path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid), name)
         noted = self._meta_changed  # _note(node), inline
@@ -830,7 +842,7 @@ class MemoryHostFS(HostFS):
             if offset > len(node.data):
                 node.data.extend(b"\0" * (offset - len(node.data)))
             node.data[offset : offset + n] = data[:n]
-            now = self.clock()
+            now = self._tick()
             node.mtime_ns = node.ctime_ns = now
             noted = self._meta_changed  # _note(node), inline: the most frequent change
             if noted is not None:
@@ -856,7 +868,7 @@ class MemoryHostFS(HostFS):
             del node.data[size:]
         else:
             node.data.extend(b"\0" * (size - len(node.data)))
-        now = self.clock()
+        now = self._tick()
         node.mtime_ns = node.ctime_ns = now
         self._note(node)
         if self.record_losses:
@@ -873,7 +885,7 @@ class MemoryHostFS(HostFS):
         if self._budget is not None:
             self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # not a directory: no path led through it
-        now = self.clock()
+        now = self._tick()
         node.nlink -= 1
         node.ctime_ns = now
         noted = self._meta_changed  # _note(node), inline
@@ -896,7 +908,7 @@ class MemoryHostFS(HostFS):
         self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
-        self._entries_changed(parent, self.clock())
+        self._entries_changed(parent, self._tick())
 
     def mkdir(self, path: str, mode: int) -> None:
         self._fault("mkdir", path)
@@ -904,7 +916,7 @@ class MemoryHostFS(HostFS):
         if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, "", path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid, gid=self.gid), name)
         self._note(node)
@@ -937,7 +949,7 @@ class MemoryHostFS(HostFS):
                 raise _err(errno.ENOTEMPTY, dst)
         if self._budget is not None:
             self._charge(None, _name_bytes(dname) - _name_bytes(sname) - (_name_bytes(dname) if existing else 0), dst)
-        now = self.clock()
+        now = self._tick()
         if node.kind == DIR:
             self._resolved.clear()  # every kept path through src now leads elsewhere or nowhere
         else:
@@ -978,7 +990,7 @@ class MemoryHostFS(HostFS):
             return  # one inode (or one path): nothing happens, as renameat2 does
         if is_within(b, a) or is_within(a, b):
             raise _err(errno.EINVAL, b)  # one inside the other
-        now = self.clock()
+        now = self._tick()
         if x.kind == DIR or y.kind == DIR:
             self._resolved.clear()
         else:
@@ -1008,7 +1020,7 @@ class MemoryHostFS(HostFS):
         if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, target, path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid, gid=self.gid), name)
         self._note(node)
@@ -1035,7 +1047,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EPERM, existing)
         if self._budget is not None:
             self._charge(None, _name_bytes(dname), new)
-        now = self.clock()
+        now = self._tick()
         dparent.entries[dname] = node
         node.nlink += 1
         node.ctime_ns = now
@@ -1052,7 +1064,7 @@ class MemoryHostFS(HostFS):
 
     def _chmod_node(self, node: _Inode, mode: int) -> None:
         node.mode = mode & 0o7777
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
@@ -1063,7 +1075,7 @@ class MemoryHostFS(HostFS):
         node.mtime_ns = mtime_ns
         if atime_ns is not None:
             node.atime_ns = atime_ns
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def lchown(self, path: str, uid: int, gid: int) -> None:
@@ -1082,7 +1094,7 @@ class MemoryHostFS(HostFS):
             node.mode &= ~_stat.S_ISUID
             if node.mode & _stat.S_IXGRP:
                 node.mode &= ~_stat.S_ISGID
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
@@ -1147,7 +1159,7 @@ class MemoryHostFS(HostFS):
         old = node.xattrs.get(name)
         self._charge(node, len(value) - (len(old) if old is not None else -len(name)), path)
         node.xattrs[name] = bytes(value)
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def removexattr(self, path: str, name: str) -> None:
@@ -1160,7 +1172,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.ENODATA, path)
         self._charge(node, -len(name) - len(node.xattrs[name]), path)
         del node.xattrs[name]
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
@@ -1188,7 +1200,7 @@ class MemoryHostFS(HostFS):
         if not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
             self._charge(node, end - len(node.data), path)
             node.data.extend(b"\0" * (end - len(node.data)))
-        now = self.clock()
+        now = self._tick()
         node.mtime_ns = node.ctime_ns = now
         self._note(node)
         if self.record_losses:
@@ -1213,7 +1225,7 @@ class MemoryHostFS(HostFS):
         if dst_offset > len(d.data):
             d.data.extend(b"\0" * (dst_offset - len(d.data)))
         d.data[dst_offset : dst_offset + len(chunk)] = chunk
-        now = self.clock()
+        now = self._tick()
         d.mtime_ns = d.ctime_ns = now
         self._note(d)
         if self.record_losses:
@@ -1397,7 +1409,7 @@ class MemoryHostFS(HostFS):
         lock = _SimLock(self, path)
         self._locks[path] = (self.pid, lock)
         node.data[:] = f"{self.pid}\n".encode()
-        node.mtime_ns = node.ctime_ns = self.clock()
+        node.mtime_ns = node.ctime_ns = self._tick()
         self._note(node)
         if self.record_losses:
             self._record_version(node)
