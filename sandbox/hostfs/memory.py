@@ -145,7 +145,7 @@ def _name_bytes(name: str) -> int:
     return NAME_BYTES + len(name.encode("utf-8", "surrogateescape"))
 
 
-@dataclass(slots=True, weakref_slot=True)
+@dataclass(slots=True, weakref_slot=True, init=False)
 class _Inode:
     ino: int
     kind: str
@@ -167,11 +167,30 @@ class _Inode:
     # out again while those fields are equal (a Stat is frozen, so sharing it is safe)
     kept_stat: tuple | None = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.atime_ns is None:
-            self.atime_ns = self.mtime_ns
-        if not self.fmt:
-            self.fmt = _USUAL_FMT.get(self.kind, _stat.S_IFIFO)
+    def __init__(self, ino: int, kind: str, mode: int, mtime_ns: int, ctime_ns: int, data: bytearray | None = None,
+                 target: str = "", entries: dict[str, "_Inode"] | None = None, xattrs: dict[str, bytes] | None = None,
+                 nlink: int = 1, durable_meta: tuple | None = None, durable_data: bytes | None = None,
+                 atime_ns: int | None = None, fmt: int = 0, uid: int = 0, gid: int = 0, kept_stat: tuple | None = None):
+        """The fields above, in their order and with their defaults (a new bytearray and
+        dicts where none is given); written out rather than generated: a disk makes one per
+        name it creates, and the generated one ran a ``__post_init__`` for the last two rules."""
+        self.ino = ino
+        self.kind = kind
+        self.mode = mode
+        self.mtime_ns = mtime_ns
+        self.ctime_ns = ctime_ns
+        self.data = bytearray() if data is None else data
+        self.target = target
+        self.entries = {} if entries is None else entries
+        self.xattrs = {} if xattrs is None else xattrs
+        self.nlink = nlink
+        self.durable_meta = durable_meta
+        self.durable_data = durable_data
+        self.atime_ns = mtime_ns if atime_ns is None else atime_ns
+        self.fmt = fmt or _USUAL_FMT.get(kind, _stat.S_IFIFO)
+        self.uid = uid
+        self.gid = gid
+        self.kept_stat = kept_stat
 
     def meta(self) -> tuple:
         return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
