@@ -3395,6 +3395,86 @@ def test_sim_remembered_paths_answer_as_a_fresh_walk_after_random_names_go_and_c
                     assert fs.read(path, 0, 8) == data, (seed, path)
 
 
+def test_sim_a_name_just_made_is_remembered_and_every_remembered_path_leads_where_a_walk_does():
+    """A path a call just made (create, mkdir, symlink, mknod, link, rename to it) is
+    remembered at once — the next call on it does not walk — and after every call of a
+    random sequence that also removes, replaces, moves and exchanges names, every path the
+    disk remembers leads to the inode a walk with nothing remembered finds (read straight
+    from the memory: no look in between refills it)."""
+    import random
+
+    names = ["a", "b", "d", "d/a", "d/b", "d/e", "d/e/a", "e", "e/a", "l/a"]
+    made_ops = {"file", "mkdir", "symlink", "mknod", "link", "rename"}
+
+    def walked(fs, path):
+        kept, fs._resolved = fs._resolved, {}
+        try:
+            return fs._walk(path)
+        except OSError:
+            return None
+        finally:
+            fs._resolved = kept
+
+    made = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        fs = MemoryHostFS()
+        for _ in range(120):
+            p, q = rng.choice(names), rng.choice(names)
+            op = rng.choice(["file", "file", "mkdir", "symlink", "mknod", "unlink", "rmdir", "rename", "rename",
+                             "exchange", "link", "look"])
+            target = q if op in ("rename", "link") else p
+            # a rename onto the same inode (or name) does nothing: nothing is made
+            noop = op == "rename" and walked(fs, p) is walked(fs, q)
+            try:
+                if op == "file":
+                    fs.create(p, 0o644)
+                elif op == "mkdir":
+                    fs.mkdir(p, 0o755)
+                elif op == "symlink":
+                    fs.symlink("d", p)
+                elif op == "mknod":
+                    fs.mknod(p, 0o644, stat.S_IFIFO)
+                elif op == "unlink":
+                    fs.unlink(p)
+                elif op == "rmdir":
+                    fs.rmdir(p)
+                elif op == "rename":
+                    fs.rename(p, q)
+                elif op == "exchange":
+                    fs.exchange(p, q)
+                elif op == "link":
+                    fs.link(p, q)
+                else:
+                    fs.lstat_or_none(p)
+            except OSError:
+                pass
+            else:
+                if op in made_ops and not noop:
+                    assert fs._resolved.get(target) is walked(fs, target) is not None, (seed, op, p, q)
+                    made += 1
+            for path, node in list(fs._resolved.items()):
+                assert walked(fs, path) is node, (seed, op, p, q, path)
+    assert made > 300, made
+
+
+def test_sim_clock_ticks_are_one_sequence_whoever_calls_it():
+    """A disk's own ticks (``SimClock.tick``) and calls of the clock draw from one strictly
+    increasing sequence, 1 ms + 1 ns apart, from the start given; another clock is called."""
+    from sandbox.hostfs.memory import SimClock
+
+    clock = SimClock(1000)
+    fs = MemoryHostFS(clock=clock)  # its root's times: the first tick
+    assert fs.lstat("").mtime_ns == 1000 + 1_000_001
+    assert clock() == 1000 + 2 * 1_000_001
+    fs.create("f", 0o644)
+    assert fs.lstat("f").ctime_ns == 1000 + 3 * 1_000_001
+    assert clock() == 1000 + 4 * 1_000_001
+    fs.clock = lambda: 7
+    fs.create("g", 0o644)
+    assert fs.lstat("g").mtime_ns == 7 and fs.clock() == 7
+
+
 def test_sim_remembered_paths_are_bounded():
     from sandbox.hostfs.memory import RESOLVED_PATHS_KEPT_MAX
 

@@ -930,7 +930,7 @@ def test_records_of_hands_out_records_no_later_call_shares():
     expected = [dict(r) for r in first]
     for r in first:
         r["path"] = "changed"
-    second = log.records_of(info)  # from the kept parse
+    second = log.records_of(info)  # from the same kept objects, copied and checked again
     assert second == expected
     second[0]["path"] = "changed again"
     assert log.records_of(info) == expected

@@ -1277,11 +1277,14 @@ class UndoLog:
         objects), its lines are not unsealed again: each line is ``seal(obj)`` of a kept
         object, so unsealing it gives that object back (JSON of the strings, integers, lists
         and string-keyed maps every schema check demands) — and every schema and void check
-        runs on those objects as on parsed ones. Bytes that differ by one bit are parsed."""
+        runs on those objects as on parsed ones, at every read of those bytes (the kept objects
+        stay kept, and only a parse of bytes from the disk is kept as its marshalled result:
+        a rollback reads a journal this process wrote once, so marshalling its parse for a
+        second read cost more than it saved). Bytes that differ by one bit are parsed."""
         kept = self._parsed.get(data)
         if kept is not None:
             return marshal.loads(kept)
-        objs = self._written.pop(data, None)
+        objs = self._written.get(data)
         if objs is not None:
             try:
                 objs = marshal.loads(marshal.dumps(objs))  # copies, of exactly the types JSON gives
@@ -1291,7 +1294,7 @@ class UndoLog:
             parsed = _check_journal(objs, where, True) if objs is not None else parse_journal(data, where)
         except CorruptStep as e:
             raise self.corrupt(info, e.data.get("reason", e.message)) from None
-        if len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
+        if objs is None and len(data) <= PARSED_JOURNAL_KEPT_BYTES_MAX:
             self._keep_bounded(self._parsed, data, marshal.dumps(parsed))
         return parsed  # its own objects: a copy of the kept parse is what the next call gets
 

@@ -396,7 +396,8 @@ class FileHandle(ABC):
     def removexattr(self, name: str) -> None: ...
 
     def xattrs(self) -> dict[str, bytes]:
-        return {name: self.getxattr(name) for name in sorted(self.listxattr())}
+        names = self.listxattr()  # most files have none: no sort, no comprehension then
+        return {name: self.getxattr(name) for name in sorted(names)} if names else {}
 
     def fstat_xattr_names(self) -> tuple[Attr, list[str]]:
         """:meth:`fstat` and :meth:`listxattr` of this handle's inode in one call (a GETATTR
@@ -836,4 +837,5 @@ class HostFS(ABC):
             done += n
 
     def xattrs(self, path: str) -> dict[str, bytes]:
-        return {name: self.getxattr(path, name) for name in sorted(self.listxattr(path))}
+        names = self.listxattr(path)  # most files have none: no sort, no comprehension then
+        return {name: self.getxattr(path, name) for name in sorted(names)} if names else {}

@@ -98,11 +98,12 @@ class SimClock:
     """Deterministic nanosecond clock: strictly increasing, 1 ms + 1 ns per tick."""
 
     def __init__(self, start_ns: int = 1_700_000_000_000_000_000):
-        self._now = start_ns
+        #: the next tick, as calling the clock gives it (one sequence: they share it) — a C
+        #: call, without the Python frame of ``__call__``: what ``MemoryHostFS`` calls
+        self.tick: Callable[[], int] = itertools.count(start_ns + 1_000_001, 1_000_001).__next__
 
     def __call__(self) -> int:
-        self._now += 1_000_001
-        return self._now
+        return self.tick()
 
 
 _USUAL_FMT = {REG: _stat.S_IFREG, DIR: _stat.S_IFDIR, LNK: _stat.S_IFLNK}  # a new inode's S_IFMT by kind (else a fifo)
@@ -144,7 +145,7 @@ def _name_bytes(name: str) -> int:
     return NAME_BYTES + len(name.encode("utf-8", "surrogateescape"))
 
 
-@dataclass(slots=True, weakref_slot=True)
+@dataclass(slots=True, weakref_slot=True, init=False)
 class _Inode:
     ino: int
     kind: str
@@ -166,11 +167,30 @@ class _Inode:
     # out again while those fields are equal (a Stat is frozen, so sharing it is safe)
     kept_stat: tuple | None = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        if self.atime_ns is None:
-            self.atime_ns = self.mtime_ns
-        if not self.fmt:
-            self.fmt = _USUAL_FMT.get(self.kind, _stat.S_IFIFO)
+    def __init__(self, ino: int, kind: str, mode: int, mtime_ns: int, ctime_ns: int, data: bytearray | None = None,
+                 target: str = "", entries: dict[str, "_Inode"] | None = None, xattrs: dict[str, bytes] | None = None,
+                 nlink: int = 1, durable_meta: tuple | None = None, durable_data: bytes | None = None,
+                 atime_ns: int | None = None, fmt: int = 0, uid: int = 0, gid: int = 0, kept_stat: tuple | None = None):
+        """The fields above, in their order and with their defaults (a new bytearray and
+        dicts where none is given); written out rather than generated: a disk makes one per
+        name it creates, and the generated one ran a ``__post_init__`` for the last two rules."""
+        self.ino = ino
+        self.kind = kind
+        self.mode = mode
+        self.mtime_ns = mtime_ns
+        self.ctime_ns = ctime_ns
+        self.data = bytearray() if data is None else data
+        self.target = target
+        self.entries = {} if entries is None else entries
+        self.xattrs = {} if xattrs is None else xattrs
+        self.nlink = nlink
+        self.durable_meta = durable_meta
+        self.durable_data = durable_data
+        self.atime_ns = mtime_ns if atime_ns is None else atime_ns
+        self.fmt = fmt or _USUAL_FMT.get(kind, _stat.S_IFIFO)
+        self.uid = uid
+        self.gid = gid
+        self.kept_stat = kept_stat
 
     def meta(self) -> tuple:
         return (self.mode, self.mtime_ns, self.ctime_ns, self.target, dict(self.entries), dict(self.xattrs), self.nlink,
@@ -387,7 +407,7 @@ class MemoryHostFS(HostFS):
         #: the server has CAP_SYS_ADMIN (root): ``trusted.*`` xattrs are kept, on every kind
         #: of entry; without it they are refused (EPERM) and never listed, as Linux does
         self.trusted_xattrs = trusted_xattrs
-        self.clock = clock or SimClock()
+        self.clock = clock or SimClock()  # (sets _tick)
         self.fault_hook = fault_hook
         #: an object counting this disk's host calls while no ``fault_hook`` is set: each call
         #: adds 1 to its ``calls`` and, if its op is in ``tally_mutations``, 1 to its
@@ -397,7 +417,7 @@ class MemoryHostFS(HostFS):
         self.tally_mutations: frozenset[str] = frozenset()
         self.pid = pid
         self._inos = itertools.count(2)
-        now = self.clock()
+        now = self._tick()
         self._root = _Inode(1, DIR, 0o755, now, now, nlink=2)
         #: inodes whose metadata may have changed since the last journal commit, by number
         #: (every change of an inode's metadata — entries, mode, times, xattrs, owner, link
@@ -416,8 +436,10 @@ class MemoryHostFS(HostFS):
         self.record_losses = False  # record un-fsynced data versions for power_loss(keep=...)
         self._unsynced: dict[int, tuple[_Inode, list[bytes]]] = {}  # ino -> (inode, versions since its last fsync)
         self.unsynced_versions_dropped = 0  # versions replaced beyond UNSYNCED_VERSIONS_MAX
-        # path -> the inode a successful _walk of it found; every kept path leads to its inode
-        # now. Adding a name cannot change where an existing path leads, and an inode's kind
+        # path -> the inode a successful _walk of it found, or that a call just named by it
+        # (create, mkdir, symlink, mknod, link, rename: its parent was resolved as a walk
+        # resolves it, the last name checked, so a walk would find that inode now); every kept
+        # path leads to its inode now. Adding a name cannot change where an existing path leads, and an inode's kind
         # never changes; a name removed or replaced drops its own path (unlink, rmdir of an
         # empty directory, rename or exchange of non-directories: no kept path leads through
         # them, since a path is one string per entry and no walk passes a non-directory), and a
@@ -438,6 +460,17 @@ class MemoryHostFS(HostFS):
         self._budget: _Budget | None = None
 
     # -- simulation controls (not part of HostFS) --
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        """Where timestamps come from (ns); every tick goes through ``_tick``: a
+        :class:`SimClock`'s ``tick``, else the clock itself."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], int]) -> None:
+        self._clock = clock
+        self._tick = clock.tick if type(clock) is SimClock else clock
 
     @property
     def bytes_max(self) -> int | None:
@@ -509,15 +542,16 @@ class MemoryHostFS(HostFS):
         self._mknod_node(path, mode, fmt)
 
     def _mknod_node(self, path: str, mode: int, fmt: int) -> None:
-        parent, name = self._parent(path)
-        if self._child(parent, name, path) is not None:
+        parent, name, there = self._parent_child(path)
+        if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, "", path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), OTHER, mode & 0o7777, now, now, fmt=fmt, uid=self.uid, gid=self.gid), name)
         self._note(node)
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
 
     def tree_nodes(self, path: str = "") -> list[tuple[str, _Inode]]:
         """Every entry at and under ``path`` with its inode, depth first in sorted name order
@@ -620,8 +654,7 @@ class MemoryHostFS(HostFS):
         node = self._resolved.get(path)
         if node is not None:  # resolved before: the same walk, the same checks passed
             return node
-        parent, name = self._parent(path)
-        node = self._child(parent, name, path)
+        parent, name, node = self._parent_child(path)
         if node is None:
             raise _err(errno.ENOENT, path)
         return node
@@ -641,8 +674,31 @@ class MemoryHostFS(HostFS):
             raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
         return parent, path[i + 1:]
 
+    def _parent_child(self, path: str) -> tuple[_Inode, str, Optional[_Inode]]:
+        """:meth:`_parent`, then :meth:`_child` of its last name: ``(parent, name, what
+        is there or None)``, the same checks in the same order (one call: the most frequent
+        resolution of a call that makes or removes a name)."""
+        if not path:
+            raise _err(errno.EBUSY, path)
+        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
+            raise _err(errno.ENAMETOOLONG, path)
+        i = path.rfind("/")
+        if i >= 0:
+            head = path[:i]
+            parent = self._resolved.get(head) or self._walk(head)
+        else:
+            parent = self._root
+        if parent.kind != DIR:
+            raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
+        name = path[i + 1:]
+        if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
+            raise _err(errno.ENAMETOOLONG, path)
+        return parent, name, parent.entries.get(name)
+
     def _file(self, path: str) -> _Inode:
         node = self._resolved.get(path) or self._walk(path)
+        if node.kind == REG:  # the usual answer first
+            return node
         if node.kind == LNK:
             raise _err(errno.ELOOP, path)
         if node.kind == DIR:
@@ -685,13 +741,13 @@ class MemoryHostFS(HostFS):
             tally = self.tally
             if tally is not None:
                 tally.calls += 1
+        node = self._resolved.get(path)
+        if node is not None:  # resolved before: the whole path and every component passed every check
+            return node.stat()
         if not path:
             return self._root.stat()
         if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:
             raise _err(errno.ENAMETOOLONG, path)
-        node = self._resolved.get(path)
-        if node is not None:  # resolved before: every component passed every check
-            return node.stat()
         i = path.rfind("/")
         node = self._resolved.get(path[:i]) if i > 0 else None
         if node is not None:  # the parent resolved before
@@ -775,17 +831,18 @@ class MemoryHostFS(HostFS):
         return MemoryFileHandle(self, self._create_node(path, mode), path, flags)
 
     def _create_node(self, path: str, mode: int) -> _Inode:
-        parent, name = self._parent(path)
-        if self._child(parent, name, path) is not None:
+        parent, name, there = self._parent_child(path)
+        if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, "", path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), REG, mode & 0o7777, now, now, uid=self.uid, gid=self.gid), name)
         noted = self._meta_changed  # _note(node), inline
         if noted is not None:
             noted[node.ino] = node
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
         return node
 
     def write(self, path: str, offset: int, data: bytes) -> int:
@@ -804,7 +861,7 @@ class MemoryHostFS(HostFS):
             if offset > len(node.data):
                 node.data.extend(b"\0" * (offset - len(node.data)))
             node.data[offset : offset + n] = data[:n]
-            now = self.clock()
+            now = self._tick()
             node.mtime_ns = node.ctime_ns = now
             noted = self._meta_changed  # _note(node), inline: the most frequent change
             if noted is not None:
@@ -830,7 +887,7 @@ class MemoryHostFS(HostFS):
             del node.data[size:]
         else:
             node.data.extend(b"\0" * (size - len(node.data)))
-        now = self.clock()
+        now = self._tick()
         node.mtime_ns = node.ctime_ns = now
         self._note(node)
         if self.record_losses:
@@ -838,16 +895,16 @@ class MemoryHostFS(HostFS):
 
     def unlink(self, path: str) -> None:
         self._fault("unlink", path)
-        parent, name = self._parent(path)
-        node = self._child(parent, name, path)
+        parent, name, node = self._parent_child(path)
         if node is None:
             raise _err(errno.ENOENT, path)
         if node.kind == DIR:
             raise _err(errno.EISDIR, path)
         del parent.entries[name]
-        self._charge(None, -_name_bytes(name), path)
+        if self._budget is not None:
+            self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # not a directory: no path led through it
-        now = self.clock()
+        now = self._tick()
         node.nlink -= 1
         node.ctime_ns = now
         noted = self._meta_changed  # _note(node), inline
@@ -857,8 +914,7 @@ class MemoryHostFS(HostFS):
 
     def rmdir(self, path: str) -> None:
         self._fault("rmdir", path)
-        parent, name = self._parent(path)
-        node = self._child(parent, name, path)
+        parent, name, node = self._parent_child(path)
         if node is None:
             raise _err(errno.ENOENT, path)
         if node.kind != DIR:
@@ -866,24 +922,26 @@ class MemoryHostFS(HostFS):
         if node.entries:
             raise _err(errno.ENOTEMPTY, path)
         del parent.entries[name]
-        self._charge(None, -_name_bytes(name), path)
+        if self._budget is not None:
+            self._charge(None, -_name_bytes(name), path)
         self._resolved.pop(path, None)  # empty: no kept path leads through it
         node.nlink = 0
         parent.nlink -= 1
-        self._entries_changed(parent, self.clock())
+        self._entries_changed(parent, self._tick())
 
     def mkdir(self, path: str, mode: int) -> None:
         self._fault("mkdir", path)
-        parent, name = self._parent(path)
-        if self._child(parent, name, path) is not None:
+        parent, name, there = self._parent_child(path)
+        if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, "", path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), DIR, mode & 0o7777, now, now, nlink=2, uid=self.uid, gid=self.gid), name)
         self._note(node)
         parent.nlink += 1
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
 
     def rename(self, src: str, dst: str) -> None:
         self._fault("rename", src)
@@ -908,8 +966,9 @@ class MemoryHostFS(HostFS):
                 raise _err(errno.EISDIR, dst)
             if existing.kind == DIR and existing.entries:
                 raise _err(errno.ENOTEMPTY, dst)
-        self._charge(None, _name_bytes(dname) - _name_bytes(sname) - (_name_bytes(dname) if existing else 0), dst)
-        now = self.clock()
+        if self._budget is not None:
+            self._charge(None, _name_bytes(dname) - _name_bytes(sname) - (_name_bytes(dname) if existing else 0), dst)
+        now = self._tick()
         if node.kind == DIR:
             self._resolved.clear()  # every kept path through src now leads elsewhere or nowhere
         else:
@@ -936,6 +995,7 @@ class MemoryHostFS(HostFS):
             noted[node.ino] = node
         self._entries_changed(sparent, now)
         self._entries_changed(dparent, now)
+        self._keep_resolved(dst, node)
 
     def exchange(self, a: str, b: str) -> None:
         self._fault("exchange", a)
@@ -949,7 +1009,7 @@ class MemoryHostFS(HostFS):
             return  # one inode (or one path): nothing happens, as renameat2 does
         if is_within(b, a) or is_within(a, b):
             raise _err(errno.EINVAL, b)  # one inside the other
-        now = self.clock()
+        now = self._tick()
         if x.kind == DIR or y.kind == DIR:
             self._resolved.clear()
         else:
@@ -975,15 +1035,16 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EINVAL, path)
         if len(target.encode("utf-8", "surrogateescape")) > _SYMLINK_MAX:
             raise _err(errno.ENAMETOOLONG, path)
-        parent, name = self._parent(path)
-        if self._child(parent, name, path) is not None:
+        parent, name, there = self._parent_child(path)
+        if there is not None:
             raise _err(errno.EEXIST, path)
         self._charge_new(name, target, path)
-        now = self.clock()
+        now = self._tick()
         node = parent.entries[name] = self._new_node(
             _Inode(next(self._inos), LNK, 0o777, now, now, target=target, uid=self.uid, gid=self.gid), name)
         self._note(node)
         self._entries_changed(parent, now)
+        self._keep_resolved(path, node)
 
     def mknod(self, path: str, mode: int, fmt: int) -> None:
         """A fifo or a unix-socket node (:data:`~sandbox.hostfs.MKNOD_FMTS`), mode exact."""
@@ -998,18 +1059,20 @@ class MemoryHostFS(HostFS):
         node = self._child(sparent, sname, existing)
         if node is None:
             raise _err(errno.ENOENT, existing)
-        dparent, dname = self._parent(new)
-        if self._child(dparent, dname, new) is not None:
+        dparent, dname, there = self._parent_child(new)
+        if there is not None:
             raise _err(errno.EEXIST, new)
         if node.kind == DIR:
             raise _err(errno.EPERM, existing)
-        self._charge(None, _name_bytes(dname), new)
-        now = self.clock()
+        if self._budget is not None:
+            self._charge(None, _name_bytes(dname), new)
+        now = self._tick()
         dparent.entries[dname] = node
         node.nlink += 1
         node.ctime_ns = now
         self._note(node)
         self._entries_changed(dparent, now)
+        self._keep_resolved(new, node)
 
     def chmod(self, path: str, mode: int) -> None:
         self._fault("chmod", path)
@@ -1020,7 +1083,7 @@ class MemoryHostFS(HostFS):
 
     def _chmod_node(self, node: _Inode, mode: int) -> None:
         node.mode = mode & 0o7777
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
@@ -1031,7 +1094,7 @@ class MemoryHostFS(HostFS):
         node.mtime_ns = mtime_ns
         if atime_ns is not None:
             node.atime_ns = atime_ns
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def lchown(self, path: str, uid: int, gid: int) -> None:
@@ -1050,7 +1113,7 @@ class MemoryHostFS(HostFS):
             node.mode &= ~_stat.S_ISUID
             if node.mode & _stat.S_IXGRP:
                 node.mode &= ~_stat.S_ISGID
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def _xattr_node(self, path: str, name: str, write: bool) -> _Inode:
@@ -1071,7 +1134,11 @@ class MemoryHostFS(HostFS):
         size = len(name.encode("utf-8", "surrogateescape"))
         if size == 0 or size > _XATTR_NAME_MAX:
             raise _err(errno.ERANGE, path)
-        prefix = next((p for p in _XATTR_PREFIXES if name.startswith(p)), None)
+        prefix = None
+        for p in _XATTR_PREFIXES:
+            if name.startswith(p):
+                prefix = p
+                break
         if prefix == "user." and node.kind not in (REG, DIR):
             raise _err(errno.EPERM if write else errno.ENODATA, path)
         if prefix == "trusted." and not self.trusted_xattrs:  # CAP_SYS_ADMIN only, on any kind
@@ -1111,7 +1178,7 @@ class MemoryHostFS(HostFS):
         old = node.xattrs.get(name)
         self._charge(node, len(value) - (len(old) if old is not None else -len(name)), path)
         node.xattrs[name] = bytes(value)
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def removexattr(self, path: str, name: str) -> None:
@@ -1124,7 +1191,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.ENODATA, path)
         self._charge(node, -len(name) - len(node.xattrs[name]), path)
         del node.xattrs[name]
-        node.ctime_ns = self.clock()
+        node.ctime_ns = self._tick()
         self._note(node)
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
@@ -1152,7 +1219,7 @@ class MemoryHostFS(HostFS):
         if not mode & _FALLOC_FL_KEEP_SIZE and end > len(node.data):
             self._charge(node, end - len(node.data), path)
             node.data.extend(b"\0" * (end - len(node.data)))
-        now = self.clock()
+        now = self._tick()
         node.mtime_ns = node.ctime_ns = now
         self._note(node)
         if self.record_losses:
@@ -1177,7 +1244,7 @@ class MemoryHostFS(HostFS):
         if dst_offset > len(d.data):
             d.data.extend(b"\0" * (dst_offset - len(d.data)))
         d.data[dst_offset : dst_offset + len(chunk)] = chunk
-        now = self.clock()
+        now = self._tick()
         d.mtime_ns = d.ctime_ns = now
         self._note(d)
         if self.record_losses:
@@ -1361,7 +1428,7 @@ class MemoryHostFS(HostFS):
         lock = _SimLock(self, path)
         self._locks[path] = (self.pid, lock)
         node.data[:] = f"{self.pid}\n".encode()
-        node.mtime_ns = node.ctime_ns = self.clock()
+        node.mtime_ns = node.ctime_ns = self._tick()
         self._note(node)
         if self.record_losses:
             self._record_version(node)
