@@ -10,6 +10,7 @@ against the ``outputSchema`` the server advertised; undo is checked with the tre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -30,7 +31,7 @@ from mcp.shared.memory import create_client_server_memory_streams
 
 from sandbox import __version__
 from sandbox.api.mcp import models
-from sandbox.api.mcp.client import BoundedText
+from sandbox.api.mcp.client import BoundedText, _ProgressPump
 from sandbox.api.mcp.host import OwnSessionHost
 from sandbox.api.mcp.server import serve_streams
 from sandbox.api.mcp.tools import TOOLS
@@ -204,6 +205,33 @@ def test_initialize_and_tools_list_answer_while_the_session_boots_and_the_first_
                 await output.wait()
                 assert result["r"]["stdout"] == "booted\n" and messages[-1] == "booted\n"
                 assert values == sorted(set(values))  # one token: progress only increases, boot news then output
+    run(go)
+
+
+def test_output_whose_progress_send_was_cancelled_goes_out_with_the_final_flush():
+    """A command's output is sent as progress by a task the call cancels when the command
+    ends; a send cancelled half-way (the chunks taken, the first not yet written) must leave
+    them for the final flush before the result — else the tail of the output is missing from
+    the progress notifications (seen under load: the "booted" of the test above never came)."""
+    async def go():
+        pump = _ProgressPump(asyncio.get_running_loop())
+        sent, stuck = [], anyio.Event()
+
+        async def blocked(chunk: str) -> None:
+            stuck.set()
+            await anyio.sleep_forever()
+
+        async def send(chunk: str) -> None:
+            sent.append(chunk)
+
+        pump.put("one\n")
+        pump.put("two\n")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pump.drain, blocked)
+            await stuck.wait()
+            tg.cancel_scope.cancel()
+        await pump.drain(send)
+        assert sent == ["one\n", "two\n"]
     run(go)
 
 

@@ -43,7 +43,7 @@ import os
 import threading
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 import anyio.to_thread
@@ -121,7 +121,9 @@ class BoundedText:
 
 class _ProgressPump:
     """Command output → progress notifications, from the session's I/O thread to the loop.
-    At most :data:`PROGRESS_PENDING_MAX` chunks wait; older ones are dropped (counted)."""
+    At most :data:`PROGRESS_PENDING_MAX` chunks wait; older ones are dropped (counted).
+    A chunk leaves the pump only once its send returned: a send cancelled half-way (the call
+    cancels its sender when the command ends) leaves it, and the rest, for the next drain."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -149,6 +151,24 @@ class _ProgressPump:
                 out.insert(0, f"[… {self.dropped} characters of output not sent as progress …]\n")
                 self.dropped = 0
             return out
+
+    def _give_back(self, chunks: list[str]) -> None:
+        """Chunks taken but not sent go back in front, oldest first (within the bound)."""
+        with self.lock:
+            self.pending.extendleft(reversed(chunks))
+            while len(self.pending) > PROGRESS_PENDING_MAX:
+                self.dropped += len(self.pending.popleft())
+
+    async def drain(self, send: Callable[[str], Awaitable[None]]) -> None:
+        """Send every waiting chunk, in order (loop thread). Whatever ``send`` raises —
+        cancellation above all — the chunk it was sending and those after it stay."""
+        chunks = self.take()
+        for i, chunk in enumerate(chunks):
+            try:
+                await send(chunk)
+            except BaseException:
+                self._give_back(chunks[i:])
+                raise
 
 
 class _Progress:
@@ -320,15 +340,11 @@ class McpClient:
             await anyio.to_thread.run_sync(deny_held)
             log.info("command timed out after %g s: cancelled", a.timeout_s, extra={"component": "mcp"})
 
-        async def flush() -> None:
-            for chunk in pump.take():
-                await prog(chunk)
-
         async def send_progress() -> None:
             while True:
                 await pump.wake.wait()
                 pump.wake.clear()
-                await flush()
+                await pump.drain(prog)
 
         release = self.host.claim_command(a.command, cancel)  # agent.busy while another client's runs
         self._commands += 1
@@ -350,7 +366,7 @@ class McpClient:
                     log.info("command cancelled: the call was cancelled", extra={"component": "mcp"})
                     raise
                 tg.cancel_scope.cancel()
-            await flush()  # the output's tail goes out before the result
+            await pump.drain(prog)  # the output's tail (and any a cancelled send left) goes out before the result
         finally:
             self._commands -= 1
             release()
