@@ -16,7 +16,7 @@ import sys
 import time
 import traceback
 
-from .campaign import FAULTS, execute, parse_faults, plan, replay_command, shrink
+from .campaign import DRIVER_NAMES, FAULTS, execute, parse_faults, plan, replay_command, shrink
 from .client import PROGRAM_SETS
 
 __all__ = ["FAULTS", "execute", "plan", "shrink", "main"]
@@ -37,9 +37,14 @@ def cmd_run(args) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    config, actions = plan(args.seed, args.steps, faults, args.programs)
+    try:
+        config, actions = plan(args.seed, args.steps, faults, args.programs, args.driver)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     print(f"campaign seed={args.seed} steps={args.steps} faults={','.join(sorted(faults)) or 'none'} "
           + (f"programs={args.programs} " if args.programs != "undo" else "")
+          + (f"driver={args.driver} " if args.driver != "sim" else "")
           + f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}"
           + (f" PLANTED DEFECT: {args.plant}" if args.plant else ""), flush=True)
     t0 = time.perf_counter()
@@ -107,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     programs_help = ("the guest programs steps draw from: undo (default: the undo model's) or handles (also "
                      "writes, truncates, chmods, fallocates and copy_file_range through open descriptors, after "
                      "the file was renamed or lost a name)")
+    driver_help = ("where the programs run: sim (default: the simulated disk, in process), wire (over 9P2000.L "
+                   "to our server on a unix socket), fuse or fuse-noopen (real system calls on a real FUSE mount "
+                   "of a temporary folder; root and /dev/fuse). The servers' drivers take the fault kinds "
+                   "enospc,eio only")
     plant_help = f"plant a defect first, to check the campaign catches it: {', '.join(DEFECTS)} (sandbox_sim/defects.py)"
     r = sub.add_parser("run", help="run a campaign (deterministic for a seed)")
     r.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
@@ -116,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("-v", "--verbose", action="store_true", help="print the violation's traceback")
     r.add_argument("--plant", metavar="DEFECT", help=plant_help)
     r.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
+    r.add_argument("--driver", choices=DRIVER_NAMES, default="sim", help=driver_help)
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="replay a trace printed by a failing run")
     rp.add_argument("--seed", type=int, default=0)
@@ -135,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--ship-code", action="store_true", help="upload sandbox and sandbox_sim with the job (a cluster whose nodes lack them)")
     f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
     f.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
+    f.add_argument("--driver", choices=DRIVER_NAMES, default="sim", help=driver_help)
     f.set_defaults(fn=cmd_fanout)
     n = sub.add_parser("nightly", help="shard pytest -m e2e over Ray nodes (kvm resource where the KVM probe finds it); "
                        "JUnit XML per shard and a summary in --out")

@@ -13,9 +13,12 @@ through the HostFS calls, so the fast oracle cannot drift from the slow one unno
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import random
 import shlex
+import shutil
+import tempfile
 import time
 
 from sandbox.core.store import Limits
@@ -31,19 +34,36 @@ CROSS_CHECK_EVERY = 100
 SHRINK_BUDGET_S = 300.0
 
 FAULTS = ("crash", "enospc", "eio", "torn", "power")
+#: where a campaign's programs can run (``server_drivers.DRIVERS`` has the classes)
+DRIVER_NAMES = ("sim", "wire", "fuse", "fuse-noopen")
 
 
-def plan(seed: int, steps: int, faults: set[str], programs: str = "undo") -> tuple[dict, list[tuple]]:
+def plan(seed: int, steps: int, faults: set[str], programs: str = "undo", driver: str = "sim") -> tuple[dict, list[tuple]]:
     """Everything a campaign does, drawn from the seed up front (so it can be replayed).
-    ``programs``: the guest programs' set (``client.PROGRAM_SETS``); kept in the config
-    when it is not the default ``undo``, so the plans of every earlier seed are unchanged."""
+    ``programs``: the guest programs' set (``client.PROGRAM_SETS``); ``driver``: where the
+    programs run (``server_drivers.DRIVERS``: the simulated disk, or through a 9P server or
+    a real FUSE mount). Each is kept in the config when it is not the default, so the plans
+    of every earlier seed are unchanged."""
     if programs not in PROGRAM_SETS:
         raise ValueError(f"unknown program set {programs!r} (choose from {', '.join(PROGRAM_SETS)})")
+    if driver not in DRIVER_NAMES:
+        raise ValueError(f"unknown driver {driver!r} (choose from {', '.join(DRIVER_NAMES)})")
+    if driver != "sim" and programs != "undo":
+        raise ValueError(f"the {programs} programs call the undo core's descriptor API: on the simulated disk only "
+                         "(over a server, its own calls are the ones to test)")
+    if driver != "sim":
+        from .server_drivers import DRIVER_FAULTS
+
+        if faults - DRIVER_FAULTS[driver]:
+            raise ValueError(f"the {driver} driver takes only the fault kinds {','.join(sorted(DRIVER_FAULTS[driver]))} "
+                             "(a crash there would be the server thread's, not the process's)")
     rng = random.Random(seed)
     tight = rng.random() < 0.3
     config = {"seed": rng.randrange(2**32), "max_step_count": rng.randint(2, 8), "tight": tight, "durable": "power" in faults}
     if programs != "undo":
         config["programs"] = programs
+    if driver != "sim":
+        config["driver"] = driver
     actions: list[tuple] = []
     # k (the host call a fault hits) is drawn over about the calls a step of 1..6 programs
     # makes: the client's own look at the tree is not a host call of the run (it reads the
@@ -90,11 +110,30 @@ def _limits(config: dict) -> Limits:
 
 
 def execute(config: dict, actions: list[tuple], progress=None) -> tuple[Driver | None, int, BaseException | None]:
-    """Run actions; returns (driver, index of the failing action or -1, error)."""
-    world = World("sim")
+    """Run actions; returns (driver, index of the failing action or -1, error). A driver
+    through a server (``config["driver"]``) is closed (its mount unmounted, its temporary
+    folder removed) whatever happens; the simulated one is left open after a violation."""
+    kind = config.get("driver", "sim")
+    if kind == "sim":
+        return _execute(World("sim"), Driver, config, actions, progress)
+    from .server_drivers import DRIVER_WORLDS, DRIVERS
+
+    tmp = tempfile.mkdtemp(prefix="sandbox-campaign-") if DRIVER_WORLDS[kind] == "real" else None
     try:
-        d = Driver(world, config["seed"], _limits(config), durable=config.get("durable", False),
-                   programs=PROGRAM_SETS[config.get("programs", "undo")])
+        d, fail_at, err = _execute(World(DRIVER_WORLDS[kind], tmp), DRIVERS[kind], config, actions, progress)
+        if d is not None and err is not None:
+            with contextlib.suppress(BaseException):
+                d.close()
+        return d, fail_at, err
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _execute(world: World, driver_class, config: dict, actions: list[tuple], progress) -> tuple[Driver | None, int, BaseException | None]:
+    try:
+        d = driver_class(world, config["seed"], _limits(config), durable=config.get("durable", False),
+                         programs=PROGRAM_SETS[config.get("programs", "undo")])
     except BaseException as e:  # noqa: BLE001 - a campaign reports every failure
         return None, 0, e
     for i, action in enumerate(actions):
@@ -206,12 +245,12 @@ def parse_faults(text: str) -> set[str]:
 
 
 def run_seed(seed: int, steps: int, faults: set[str], shrink_budget_s: float = SHRINK_BUDGET_S,
-             plant: str | None = None, programs: str = "undo") -> dict:
+             plant: str | None = None, programs: str = "undo", driver: str = "sim") -> dict:
     """One campaign, shrunk where it fails: ``{"seed", "ops", "faults", "recoveries",
     "cpu_s"}`` plus, on a violation, ``"violation"`` (the error), ``"config"``, ``"trace"``
     (the minimal failing trace), ``"minimal_error"`` (what the minimal trace fails with) and
     ``"replay"`` (the command). Plain data: what a fan-out task returns."""
-    config, actions = plan(seed, steps, faults, programs)
+    config, actions = plan(seed, steps, faults, programs, driver)
     c0 = time.process_time()
     d, fail_at, err = execute(config, actions)
     out = {"seed": seed, "steps": steps, "faults_kinds": sorted(faults), "ops": d.ops_done if d else 0,

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 
-from .campaign import SHRINK_BUDGET_S, parse_faults, run_seed
+from .campaign import SHRINK_BUDGET_S, parse_faults, plan, run_seed
 
 #: seeds one command may fan out (its results are kept in memory until printed)
 FANOUT_SEEDS_MAX = 1_000_000
@@ -69,7 +69,7 @@ def chunks(seeds: range, cpus: int, chunk: int | None = None) -> list[list[int]]
 
 
 def run_chunk(seeds: list[int], steps: int, faults: list[str], shrink_budget_s: float = SHRINK_BUDGET_S,
-              plant: str | None = None, programs: str = "undo") -> list[dict]:
+              plant: str | None = None, programs: str = "undo", driver: str = "sim") -> list[dict]:
     """One task: the campaigns of ``seeds`` (each shrunk where it fails), as plain data. With
     ``plant``, that defect is installed for this task only (workers are reused)."""
     remove = None
@@ -78,7 +78,7 @@ def run_chunk(seeds: list[int], steps: int, faults: list[str], shrink_budget_s: 
 
         remove = plant_defect(plant)
     try:
-        return [run_seed(seed, steps, set(faults), shrink_budget_s, plant, programs) for seed in seeds]
+        return [run_seed(seed, steps, set(faults), shrink_budget_s, plant, programs, driver) for seed in seeds]
     finally:
         if remove is not None:
             remove()
@@ -96,6 +96,7 @@ def cmd_fanout(args) -> int:
     try:
         seeds = parse_seeds(args.seeds)
         faults = sorted(parse_faults(args.faults))
+        plan(0, 0, set(faults), getattr(args, "programs", "undo"), getattr(args, "driver", "sim"))  # the combination is valid
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
@@ -153,7 +154,7 @@ def _fan_out(ray, args, seeds: range, faults: list[str]) -> int:
         while pending and len(in_flight) < FANOUT_IN_FLIGHT_MAX:
             chunk = pending.pop()
             in_flight[remote.remote(chunk, args.steps, faults, args.shrink_budget, args.plant,
-                                    getattr(args, "programs", "undo"))] = chunk
+                                    getattr(args, "programs", "undo"), getattr(args, "driver", "sim"))] = chunk
         ready, _ = ray.wait(list(in_flight), num_returns=1)
         for ref in ready:
             chunk = in_flight.pop(ref)

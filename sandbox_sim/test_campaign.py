@@ -19,6 +19,7 @@ import copy
 import os
 import re
 import shlex
+import tempfile
 from unittest import mock
 
 import pytest
@@ -32,7 +33,7 @@ from sandbox.hostfs.memory import MemoryHostFS, SimClock
 from . import defects, oracle
 from .__main__ import main
 from .budget import scale
-from .campaign import FAULT_POSITION, FAULTS, UNREACHED, at_position, execute, fault_positions, plan, shrink, sweep
+from .campaign import DRIVER_NAMES, FAULT_POSITION, FAULTS, UNREACHED, at_position, execute, fault_positions, plan, shrink, sweep
 from .client import SimClient
 from .client import _tree as client_tree
 from .world import World
@@ -86,6 +87,38 @@ def test_a_campaign_of_descriptor_programs_runs_clean_and_runs_each_of_them(faul
     assert err is None, f"action {fail_at}: {err!r}"
     ran = {desc.split(";")[1].split()[0] for desc, ok in done if ok and desc.startswith("exec ")}
     assert ran == set(DESCRIPTOR_PROGRAMS.values()), ran
+
+
+@pytest.mark.parametrize("driver", ["wire", "fuse", "fuse-noopen"])
+def test_a_campaign_runs_its_programs_through_a_real_server_and_cleans_up(driver):
+    """``driver``: the same plan's programs over 9P to our server, or as system calls on a
+    real FUSE mount of a temporary folder, with store errors; the mount and the folder are
+    gone afterwards, and the programs really went through the server."""
+    from .fuse_mount import fuse_unavailable
+    from .server_drivers import DRIVERS
+
+    assert tuple(DRIVERS) == DRIVER_NAMES
+    if driver.startswith("fuse") and fuse_unavailable() is not None:
+        pytest.skip(str(fuse_unavailable()))
+    config, actions = plan(4, scale(80, 400), {"enospc", "eio"}, driver=driver)
+    assert config["driver"] == driver
+    before = set(os.listdir(tempfile.gettempdir()))
+    d, fail_at, err = execute(config, actions)
+    assert err is None, f"action {fail_at}: {err!r}"
+    assert d.ops_done > 0 and d.faults_injected > 0
+    if driver == "wire":
+        from sandbox.ninep.wirefs import WireFS
+
+        assert isinstance(d.client.fs, WireFS)  # the programs' only way to the folder
+    else:
+        assert d.requests_served > d.ops_done and d.mounted is None
+        assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("sandbox-campaign-")]
+    with pytest.raises(ValueError, match="takes only the fault kinds"):
+        plan(4, 10, {"crash"}, driver=driver)
+    with pytest.raises(ValueError, match="unknown driver"):
+        plan(4, 10, set(), driver="nfs")
+    with pytest.raises(ValueError, match="simulated disk"):
+        plan(4, 10, set(), "handles", driver)
 
 
 def test_the_default_program_set_leaves_every_earlier_plan_as_it_was():

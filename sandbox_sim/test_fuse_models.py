@@ -20,107 +20,26 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import pytest
 
-from sandbox.mounts import Provider
-
+from . import server_drivers
 from .budget import model_case
-from .client import SimClient
-from .driver import Driver
-from .fuse_mount import MountFS, ServedMount, Unlocked, fuse_unavailable
+from .fuse_mount import MountFS, fuse_unavailable
 from .test_models import UndoRules
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(fuse_unavailable() is not None, reason=str(fuse_unavailable()))]
 
 
-class FuseDriver(Driver):
-    """The Driver with its client on a FUSE mount of the working folder.
-
-    Invariant: between actions the test thread holds ``self.lock`` (the server waits);
-    it is released only inside the client's calls (``Unlocked``) and while unmounting."""
-
-    #: serve the mount coherent (no-open): :class:`FuseNoOpenDriver`
-    no_open = False
-
-    def _open(self) -> None:
-        if not hasattr(self, "lock"):
-            self.lock = threading.Lock()
-            self.lock.acquire()
-            self.point = os.path.join(os.path.dirname(self.world.work.root), "mnt")
-            os.makedirs(self.point, exist_ok=True)
-        self.ws = self.world.open(limits=self.limits, durable=self.durable)
-        self.mounted = None
-        self._mount()
+class FuseDriver(server_drivers.FuseDriver):
+    """:class:`server_drivers.FuseDriver`, skipping (with the reason) where no mount can be made."""
 
     def _mount(self) -> None:
-        self.mounted = ServedMount(Provider.intercepted(self.ws), self.point, lock=self.lock, coherent=self.no_open)
         try:
-            self.mounted.start()
-        except OSError as e:
-            self.mounted = None
-            pytest.skip(f"mounting a FUSE filesystem failed here: {e}")
-        self.lock.release()  # opening the mount point's root is served by the server (INIT, LOOKUP)
-        try:
-            fs = MountFS(self.point, name="mount")
-        finally:
-            self.lock.acquire()
-        fs.host = self.world.work  # SimClient lists the tree on the host (it picks names from it)
-        self.client = SimClient(Unlocked(fs, self.lock))
-
-    def _unmount(self) -> None:
-        if self.mounted is None:
-            return
-        self.client.fs._target.close()
-        self.lock.release()
-        try:
-            self.mounted.stop()
-        finally:
-            self.lock.acquire()
-            self.requests_served = getattr(self, "requests_served", 0) + self.mounted.server.requests
-            self.mounted = None
-
-    def _set_decide(self, decide) -> None:
-        """The mount's hold broker puts holds to ``decide`` (None: nobody answers)."""
-        unask = getattr(self, "_unask", None)
-        if unask is not None:
-            unask()
-        self._unask = self.mounted.holds.ask(decide) if decide is not None else None
-
-    def _remounted(self, action, *args) -> None:
-        self._unmount()
-        try:
-            action(*args)
-        finally:
-            if self.mounted is None and not self.ws._closed:
-                self._mount()
-
-    def rollback(self, n: int) -> None:
-        self._remounted(super().rollback, n)
-
-    def rollback_too_far(self) -> None:
-        self._remounted(super().rollback_too_far)
-
-    def store_error_in_rollback(self, n: int, j: int, code: int) -> None:
-        self._remounted(super().store_error_in_rollback, n, j, code)
-
-    def _guarded_setup(self, files: int) -> None:
-        """The victim tree is made beside the mount (an external edit): the kernel may hold
-        entries and attributes of what was there for up to a second (docs/fuse.md, Caching;
-        no invalidation notifications yet), so the folder is mounted afresh after it."""
-        self._remounted(super()._guarded_setup, files)
-
-    def reopen(self) -> None:
-        self._unmount()
-        super().reopen()  # closes the workspace, opens it again and mounts (_open)
-
-    def close(self) -> None:
-        try:
-            self._unmount()
-        finally:
-            super().close()
+            super()._mount()
+        except server_drivers.MountFailed as e:
+            pytest.skip(str(e))
 
 
 class FuseUndoModel(UndoRules):
@@ -138,8 +57,7 @@ TestFuseModel = model_case(FuseUndoModel, 20, 15, 25)
 
 
 class FuseNoOpenDriver(FuseDriver):
-    """The mount served coherent, as with the watcher running: long caches and no-open
-    (no OPEN/RELEASE; READ/WRITE through the nodes' own descriptors; O_TRUNC as SETATTR)."""
+    """The mount served coherent (:class:`server_drivers.FuseNoOpenDriver`)."""
 
     no_open = True
 

@@ -11,39 +11,9 @@ process dying; here it would only be the server thread).
 
 from __future__ import annotations
 
-import contextlib
-
-
 from .budget import model_case
-from .client import SimClient
-from .driver import Driver
+from .server_drivers import WireDriver
 from .test_models import UndoRules
-from sandbox.ninep.wirefs import serve_workspace
-
-
-class WireDriver(Driver):
-    """The Driver with its client on the far side of a 9P server."""
-
-    def _open(self) -> None:
-        self.ws = self.world.open(limits=self.limits, durable=self.durable)
-        self._serving = contextlib.ExitStack()
-        self.wire = self._serving.enter_context(serve_workspace(self.ws))
-        self.client = SimClient(self.wire)
-
-    def _set_decide(self, decide) -> None:
-        """The server's hold broker puts holds to ``decide`` (None: nobody answers)."""
-        unask = getattr(self, "_unask", None)
-        if unask is not None:
-            unask()
-        self._unask = self.wire.server.server.holds.ask(decide) if decide is not None else None
-
-    def reopen(self) -> None:
-        self._serving.close()
-        super().reopen()
-
-    def close(self) -> None:
-        self._serving.close()
-        super().close()
 
 
 class WireUndoModel(UndoRules):
