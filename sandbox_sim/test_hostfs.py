@@ -3351,6 +3351,26 @@ def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss()
         check_errno(errno.ENOENT, fs.read, gone, 0, 1)
 
 
+def _name_call(fs, op: str, p: str, q: str, rng) -> None:
+    """One call of the remembered-path tests' random sequences (an ``OSError`` as the disk raises it)."""
+    if op == "file":
+        mkfile(fs, p, rng.choice([b"1", b"22", b"333"]))
+    elif op == "create":
+        fs.create(p, 0o644)
+    elif op == "mkdir":
+        fs.mkdir(p, 0o755)
+    elif op == "symlink":
+        fs.symlink("d", p)
+    elif op == "mknod":
+        fs.mknod(p, 0o644, stat.S_IFIFO)
+    elif op in ("unlink", "rmdir"):
+        getattr(fs, op)(p)
+    elif op in ("rename", "exchange", "link"):
+        getattr(fs, op)(p, q)
+    else:
+        fs.lstat_or_none(p)
+
+
 def test_sim_remembered_paths_answer_as_a_fresh_walk_after_random_names_go_and_come():
     """A removed or replaced file or empty directory drops only its own remembered path
     (a directory moved drops them all): after every call of a random sequence of creates,
@@ -3366,20 +3386,7 @@ def test_sim_remembered_paths_answer_as_a_fresh_walk_after_random_names_go_and_c
             p, q = rng.choice(names), rng.choice(names)
             op = rng.choice(["file", "file", "mkdir", "unlink", "rmdir", "rename", "rename", "exchange", "link"])
             try:
-                if op == "file":
-                    mkfile(fs, p, rng.choice([b"1", b"22", b"333"]))
-                elif op == "mkdir":
-                    fs.mkdir(p, 0o755)
-                elif op == "unlink":
-                    fs.unlink(p)
-                elif op == "rmdir":
-                    fs.rmdir(p)
-                elif op == "rename":
-                    fs.rename(p, q)
-                elif op == "exchange":
-                    fs.exchange(p, q)
-                else:
-                    fs.link(p, q)
+                _name_call(fs, op, p, q, rng)
             except OSError:
                 pass
             for path in names:
@@ -3404,7 +3411,7 @@ def test_sim_a_name_just_made_is_remembered_and_every_remembered_path_leads_wher
     import random
 
     names = ["a", "b", "d", "d/a", "d/b", "d/e", "d/e/a", "e", "e/a", "l/a"]
-    made_ops = {"file", "mkdir", "symlink", "mknod", "link", "rename"}
+    made_ops = {"create", "mkdir", "symlink", "mknod", "link", "rename"}
 
     def walked(fs, path):
         kept, fs._resolved = fs._resolved, {}
@@ -3421,32 +3428,13 @@ def test_sim_a_name_just_made_is_remembered_and_every_remembered_path_leads_wher
         fs = MemoryHostFS()
         for _ in range(120):
             p, q = rng.choice(names), rng.choice(names)
-            op = rng.choice(["file", "file", "mkdir", "symlink", "mknod", "unlink", "rmdir", "rename", "rename",
+            op = rng.choice(["create", "create", "mkdir", "symlink", "mknod", "unlink", "rmdir", "rename", "rename",
                              "exchange", "link", "look"])
             target = q if op in ("rename", "link") else p
             # a rename onto the same inode (or name) does nothing: nothing is made
             noop = op == "rename" and walked(fs, p) is walked(fs, q)
             try:
-                if op == "file":
-                    fs.create(p, 0o644)
-                elif op == "mkdir":
-                    fs.mkdir(p, 0o755)
-                elif op == "symlink":
-                    fs.symlink("d", p)
-                elif op == "mknod":
-                    fs.mknod(p, 0o644, stat.S_IFIFO)
-                elif op == "unlink":
-                    fs.unlink(p)
-                elif op == "rmdir":
-                    fs.rmdir(p)
-                elif op == "rename":
-                    fs.rename(p, q)
-                elif op == "exchange":
-                    fs.exchange(p, q)
-                elif op == "link":
-                    fs.link(p, q)
-                else:
-                    fs.lstat_or_none(p)
+                _name_call(fs, op, p, q, rng)
             except OSError:
                 pass
             else:

@@ -678,19 +678,7 @@ class MemoryHostFS(HostFS):
         """:meth:`_parent`, then :meth:`_child` of its last name: ``(parent, name, what
         is there or None)``, the same checks in the same order (one call: the most frequent
         resolution of a call that makes or removes a name)."""
-        if not path:
-            raise _err(errno.EBUSY, path)
-        if len(path) > _SHORT_PATH and len(path.encode("utf-8", "surrogateescape")) > _PATH_MAX:  # the whole path, as RealHostFS
-            raise _err(errno.ENAMETOOLONG, path)
-        i = path.rfind("/")
-        if i >= 0:
-            head = path[:i]
-            parent = self._resolved.get(head) or self._walk(head)
-        else:
-            parent = self._root
-        if parent.kind != DIR:
-            raise _err(errno.ELOOP if parent.kind == LNK else errno.ENOTDIR, path)
-        name = path[i + 1:]
+        parent, name = self._parent(path)
         if len(name) > _SHORT_NAME and len(name.encode("utf-8", "surrogateescape")) > _NAME_MAX:
             raise _err(errno.ENAMETOOLONG, path)
         return parent, name, parent.entries.get(name)
