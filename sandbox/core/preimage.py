@@ -45,7 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, Entry, FileHandle, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
 #: records written before a host call that may then fail (its ``op_failed`` voids them)
@@ -60,7 +60,7 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
-def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | None = None) -> dict:
+def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | Entry | None = None) -> dict:
     """The metadata part of a preimage record. With ``handle`` (open on the inode ``st``
     describes, or a removal's :class:`~sandbox.hostfs.Entry` that just looked at it: anything
     with ``xattrs()``) the xattrs are read through it: that inode's, and no path resolution
