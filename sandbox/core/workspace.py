@@ -86,6 +86,7 @@ class Workspace:
         self.fs = InterceptedFS(work, self._interceptor, decide)
         self._closed = False
         self.unrecorded_step_id: int | None = None  # see close()
+        self._real_fs: tuple[HostFS, ...] = ()  # open(): the real folders under any wrap_work, closed by close()
 
     # ------------------------------------------------------------------ opening
 
@@ -152,7 +153,7 @@ class Workspace:
         finally:
             self._closed = True
             self._log.close()
-            for fs in (self.work, self.store, *getattr(self, "_real_fs", ())):
+            for fs in (self.work, self.store, *self._real_fs):
                 if isinstance(fs, RealHostFS):
                     fs.close()
 
