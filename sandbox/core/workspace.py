@@ -522,16 +522,14 @@ class Workspace:
 
     def configure_limits(self, **limits) -> None:
         with self._interceptor.lock:
-            current = self._log.limits.__dict__.copy()
-            current.update(limits)
-            self._log.limits = Limits(**current)
+            # replace(): a new Limits from the current fields and these (the fields as a dict
+            # would need the instance's __dict__, which a compiled one has not: compiled.py)
+            self._log.limits = dataclasses.replace(self._log.limits, **limits)
             self._log.enforce_limits()
 
     def configure_safeguard(self, **config) -> None:
         with self._interceptor.lock:
-            current = self._interceptor.safeguard.config.__dict__.copy()
-            current.update(config)
-            self._interceptor.safeguard.config = SafeguardConfig(**current)
+            self._interceptor.safeguard.config = dataclasses.replace(self._interceptor.safeguard.config, **config)
 
     def discard(self) -> None:
         """Delete all undo history (the way out of a version mismatch)."""
