@@ -360,14 +360,14 @@ class Workspace:
             return out
 
     def barriers(self) -> list[dict]:
-        return [b.__dict__.copy() for b in self._log.barriers()]
+        return [b.as_dict() for b in self._log.barriers()]
 
     def record_external_modification(self, paths: list[str], reason: str = "external modification") -> dict:
         """A change to the folder that did not come through us: place a barrier after the newest step."""
         with self._interceptor.lock:
             b = self._log.add_barrier(list(paths), reason)
             self._emit({"type": "event.external_modification", "paths": b.paths, "barrier_id": b.id})
-            return b.__dict__.copy()
+            return b.as_dict()
 
     # ------------------------------------------------------------------ rollback
 
