@@ -119,7 +119,7 @@ class Limits:
                 raise ValueError(f"{name} must be a positive integer")
 
 
-@dataclass
+@dataclass(init=False)
 class StepInfo:
     """One step of history, as the store knows it."""
 
@@ -141,6 +141,31 @@ class StepInfo:
     journal_bytes: int = 0
     journal_hash: str = ""
     records: int = 0
+
+    def __init__(self, seq: int, id: int, type: str, command: str, started_ns: int, ended_ns: int | None = None,
+                 exit_code: int | None = None, outcome: str = "completed", unprotected: bool = False, size_bytes: int = 0,
+                 paths: list[str] | None = None, fingerprints: dict | None = None, corrupt: str | None = None,
+                 journal_lines: int = 0, journal_bytes: int = 0, journal_hash: str = "", records: int = 0):
+        """The fields above, in their order and with their defaults (a new list and dict where
+        none is given); written out rather than generated: a campaign's build compiles this
+        one (``sandbox_sim/compiled.py``), not a generated one, and a reopen makes one a step."""
+        self.seq = seq
+        self.id = id
+        self.type = type
+        self.command = command
+        self.started_ns = started_ns
+        self.ended_ns = ended_ns
+        self.exit_code = exit_code
+        self.outcome = outcome
+        self.unprotected = unprotected
+        self.size_bytes = size_bytes
+        self.paths = [] if paths is None else paths
+        self.fingerprints = {} if fingerprints is None else fingerprints
+        self.corrupt = corrupt
+        self.journal_lines = journal_lines
+        self.journal_bytes = journal_bytes
+        self.journal_hash = journal_hash
+        self.records = records
 
     @property
     def dirname(self) -> str:

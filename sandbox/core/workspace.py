@@ -56,12 +56,19 @@ def default_state_dir(workdir: str) -> str:
     return os.path.join(base, "sandbox", "undo", f"{name}-{digest}")
 
 
-@dataclass
+@dataclass(init=False)
 class StepHandle:
     id: int
     type: str
     command: str
     exit_code: int | None = None
+
+    def __init__(self, id: int, type: str, command: str, exit_code: int | None = None):
+        """Written out rather than generated, so that a campaign's build compiles it."""
+        self.id = id
+        self.type = type
+        self.command = command
+        self.exit_code = exit_code
 
 
 class Workspace:
