@@ -127,7 +127,7 @@ class InterceptedFS(TreeOps):
         p = _entry(path, "truncate")
         self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0), sync=(p,))  # type: ignore[union-attr]
 
-    def write(self, path: str, offset: int, data: bytes) -> int:
+    def write(self, path: str, offset: int, data: bytes | bytearray | memoryview) -> int:
         p = _entry(path, "write")
         if offset < 0:
             raise OSError(errno.EINVAL, "negative offset", path)
@@ -199,7 +199,7 @@ class InterceptedFS(TreeOps):
         p = normalize(path)
         self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns, atime_ns), sync=(p,))  # type: ignore[union-attr]
 
-    def setxattr(self, path: str, name: str, value: bytes) -> None:
+    def setxattr(self, path: str, name: str, value: bytes | bytearray | memoryview) -> None:
         p = normalize(path)
         if not name or "\0" in name or len(name) > NAME_LEN_MAX:
             raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)
@@ -228,7 +228,7 @@ class InterceptedFS(TreeOps):
             self.open_trunc(p)
         return self.host.open(p, flags & ~os.O_TRUNC)
 
-    def pwrite(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
+    def pwrite(self, handle: FileHandle, path: str, offset: int, data: bytes | bytearray | memoryview) -> int:
         """Write all of ``data`` through ``handle``; ``path`` is where the file is now."""
         p = _entry(path, "write")
         if offset < 0:
@@ -263,7 +263,7 @@ class InterceptedFS(TreeOps):
         self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.utime(mtime_ns, atime_ns),  # type: ignore[union-attr]
                   sync=(p,))
 
-    def fsetxattr(self, handle: FileHandle, path: str, name: str, value: bytes) -> None:
+    def fsetxattr(self, handle: FileHandle, path: str, name: str, value: bytes | bytearray | memoryview) -> None:
         p = normalize(path)
         if not name or "\0" in name or len(name) > NAME_LEN_MAX:
             raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)

@@ -275,7 +275,7 @@ class MemoryFileHandle(FileHandle):
             raise _err(errno.EINVAL, self.path)
         return bytes(self._node.data[offset : offset + length])
 
-    def pwrite(self, data: bytes, offset: int) -> int:
+    def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> int:
         limit = self._call("write", len(data))
         if offset < 0:  # checked before O_APPEND moves the offset, as pwrite(2) does
             raise _err(errno.EINVAL, self.path)
@@ -840,7 +840,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EINVAL, path)
         return self._write_node(node, offset, data, limit, path)
 
-    def _write_node(self, node: _Inode, offset: int, data: bytes, limit: Optional[int], path: str) -> int:
+    def _write_node(self, node: _Inode, offset: int, data: bytes | bytearray | memoryview, limit: Optional[int], path: str) -> int:
         """The write itself (path or handle): ``limit`` from the fault hook tears it."""
         n = len(data) if limit is None else max(0, min(limit, len(data)))
         if n:  # a zero-byte write changes nothing: no zero-fill, no timestamps
