@@ -41,9 +41,9 @@ import json
 import marshal
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_ascii as _encode_ascii
+from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_ascii as _encode_ascii  # type: ignore[attr-defined]
 
 import zstandard
 
@@ -176,7 +176,7 @@ class OpenStep:
     #: intents whose host call failed but whose void line could not be written yet (the
     #: store failed too): written before any other line and before the step finishes
     pending_void: list[int] = field(default_factory=list)
-    journal_hash: object = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
+    journal_hash: Any = field(default_factory=lambda: _new_journal_hash())  # of the bytes written; None: not known
     #: every line written, as sealed and as the object sealed (the header included), while the
     #: journal is at most PARSED_JOURNAL_KEPT_BYTES_MAX; None past it or when not known (recovery)
     lines: list[bytes] | None = field(default_factory=list)
@@ -418,7 +418,7 @@ def check_record(r: dict) -> None:
             _need_int(r, "gid", 0, 0xFFFFFFFE)
         if kind in (REG, DIR) or "xattrs" in r:  # a symlink's, fifo's or socket's: records since trusted owners
             keys.add("xattrs")
-            x = r.get("xattrs")
+            x: Any = r.get("xattrs")
             _need(isinstance(x, dict) and all(isinstance(k, str) and k for k in x), "'xattrs' is not a map of names")
             for v in x.values():
                 _need_b64(v, "xattrs")
@@ -436,7 +436,7 @@ def check_record(r: dict) -> None:
             keys |= {"ino", "nlink", "links"}
             _need_int(r, "ino", 0)
             _need_int(r, "nlink", 1)
-            ln = r.get("links")
+            ln: Any = r.get("links")
             _need(isinstance(ln, list) and len(ln) <= preimage.LINKS_PER_RECORD_MAX, "'links' is not a list of paths")
             for v in ln:
                 _need_path({"links": v}, "links")
@@ -517,7 +517,7 @@ def _check_journal(objs: Iterable[dict | ValueError], where: str, strict: bool) 
     for i, obj in enumerate(objs):
         try:
             if type(obj) is not dict:
-                raise obj
+                raise obj  # type: ignore[misc]
             if i == 0:
                 check_header(obj)
             else:
@@ -560,7 +560,7 @@ class UndoLog:
         self.limits = limits or Limits()
         self.clock_ns = clock_ns or time.time_ns
         self._emit = emit or (lambda event: None)
-        self._lock = None
+        self._lock: Any = None
         self.available = True
         self.version_problem: str | None = None
         self.open_step: OpenStep | None = None
@@ -936,7 +936,7 @@ class UndoLog:
         if step.lines is not None:
             if step.journal_offset <= PARSED_JOURNAL_KEPT_BYTES_MAX:
                 step.lines.append(line)
-                step.line_objs.append(obj)
+                step.line_objs.append(obj)  # type: ignore[union-attr]
             else:
                 step.lines = step.line_objs = None
         if step.journal_hash is not None:
@@ -1167,10 +1167,11 @@ class UndoLog:
         instead of being overwritten under every name."""
         out: dict[str, bool] = {}
         later: list[tuple[str, str, str]] = []  # moves after the record in hand, chronological
-        for r in reversed(records):
+        for r in records[::-1]:
             op = r.get("op")
-            for p in ((r["src"], r["dst"]) if op in _TWO_PATHS else
-                      (r["path"], *r.get("links", ())) if "path" in r else ()):
+            paths: tuple = ((r["src"], r["dst"]) if op in _TWO_PATHS else
+                            (r["path"], *r.get("links", ())) if "path" in r else ())
+            for p in paths:
                 p = moved_forward(p, later)
                 out[p] = out.get(p, False) or op == "created"
             if op in _TWO_PATHS:
@@ -1372,11 +1373,11 @@ class UndoLog:
         dctx = None
         try:
             if "data" in rec:
-                src = io.BytesIO(unb64(rec["data"]))
+                src: Any = io.BytesIO(unb64(rec["data"]))
             else:
                 src = _StoreFile(self.fs, join(where, rec["blob"]))
             if rec["enc"] == "raw":
-                reader = src
+                reader: Any = src
             else:
                 try:
                     dctx = self._dctxs.pop()  # this reader's own (atomic: no other reader gets it)
@@ -1495,7 +1496,7 @@ class UndoLog:
                 note = None
                 if rec["op"] == "exchanged" and progress is not None:
                     note = preimage.ExchangeNote(before=noted[1] if noted is not None and noted[0] == i else None,
-                                                 keep=lambda now, i=i: self._keep_exchange_note(where, i, now))
+                                                 keep=lambda now, i=i: self._keep_exchange_note(where, i, now))  # type: ignore[misc]
                 trust = trust_intents or not (last_may_be_stale and i == len(records) - 1)
                 preimage.restore(work, rec, open_content, force=True, dir_meta=False, user_forced=user_forced,
                                  trust_intent=trust, links=links, exchange_note=note)

@@ -134,7 +134,7 @@ class StoreBusy(OSError):
         super().__init__(errno.EWOULDBLOCK, f"undo store {path} is in use by {holder}")
 
     def __str__(self) -> str:
-        return self.strerror
+        return str(self.strerror)
 
 
 #: paths :func:`normalize` remembers (it is a pure function of the string); all forgotten

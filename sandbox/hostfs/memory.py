@@ -39,7 +39,7 @@ import os
 import stat as _stat
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from . import (
     DIR,
@@ -159,7 +159,7 @@ class _Inode:
     nlink: int = 1
     durable_meta: tuple | None = None  # metadata as of the last journal commit (see power_loss)
     durable_data: bytes | None = None  # bytes as of this inode's last fsync
-    atime_ns: int | None = None  # None: the mtime given at creation
+    atime_ns: int = 0  # the mtime given at creation unless one is given
     fmt: int = 0  # S_IFMT bits; 0: the usual one for ``kind`` (an OTHER is a fifo)
     uid: int = 0  # the owner (a new inode gets its filesystem's ``uid``/``gid``)
     gid: int = 0
@@ -413,7 +413,7 @@ class MemoryHostFS(HostFS):
         #: adds 1 to its ``calls`` and, if its op is in ``tally_mutations``, 1 to its
         #: ``store_mutations`` — a quiet fault injector counting without a Python call per
         #: host call (``sandbox_sim/faults.py``, ``FaultInjector.attach``)
-        self.tally: object | None = None
+        self.tally: Any = None
         self.tally_mutations: frozenset[str] = frozenset()
         self.pid = pid
         self._inos = itertools.count(2)
