@@ -11,12 +11,24 @@
   where it is missing (never silently passed).
 * ``$SANDBOX_HYPOTHESIS_DB`` (+ ``$SANDBOX_HYPOTHESIS_DB_MODE``): a shared Hypothesis example
   database (``sandbox_sim.budget.example_database``).
+* ``SANDBOX_TEST_COMPILED=1``: the tests run on the campaign's compiled build of the hot
+  modules (``sandbox_sim/compiled.py``) — for the core's own suites, which must pass on it too
+  (``sandbox_sim/test_compiled.py`` runs them so); without a build matching the sources the
+  session stops at once with the reason. Tests that replace a function of a compiled module
+  do not hold there (compiled callers do not see the replacement).
 """
 
 from __future__ import annotations
 
+import os
 
 import pytest
+
+if os.environ.get("SANDBOX_TEST_COMPILED") == "1":  # first: before anything imports the modules
+    from sandbox_sim import compiled as _compiled
+
+    if not _compiled.activate()[0]:
+        raise pytest.UsageError(f"SANDBOX_TEST_COMPILED=1 but {_compiled.state[1]}")
 
 from sandbox_sim import oracle
 from sandbox_sim.budget import FULL, example_database
@@ -40,7 +52,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return f"sandbox test budget: {'FULL' if FULL else 'default (fast tier + smoke)'}"
+    from sandbox_sim import compiled
+
+    code = compiled.state[1] if compiled.state is not None else "interpreted"
+    return f"sandbox test budget: {'FULL' if FULL else 'default (fast tier + smoke)'}; code: {code}"
 
 
 @pytest.fixture(params=["sim", "real"])

@@ -4,6 +4,10 @@
     .venv/bin/python bench/campaign_speed.py --baseline 4c29a21   # the same campaigns on that commit, interleaved
     .venv/bin/python bench/campaign_speed.py --quick              # fewer, shorter campaigns
 
+With a compiled build of this tree (``python -m sandbox_sim compile``, sandbox_sim/compiled.py)
+this tree is measured as campaigns run it, on that build: without ``--baseline`` the table then
+sets it beside the same tree interpreted (``--interpreted``: interpreted only).
+
 What is measured: for each fault mix — ``none``; each of ``crash``, ``enospc``, ``eio``,
 ``torn``, ``power`` alone; ``all`` of them — fixed-seed campaigns exactly as
 ``python -m sandbox_sim run --seed S --steps N --faults MIX`` runs them (the same
@@ -52,6 +56,11 @@ VALGRIND_SLOWDOWN = 100  # under --instructions a campaign may take this many ti
 # sandbox_sim/__main__.py and Driver.ops_done, which every version has.
 _WORKER = r"""
 import json, sys, time
+if sys.argv[4] == "1":  # this tree's compiled build (sandbox_sim/compiled.py), before anything imports the modules
+    from sandbox_sim import compiled
+    ok, why = compiled.activate()
+    if not ok:
+        raise SystemExit("the compiled build was not used: " + why)
 from sandbox_sim.__main__ import plan, execute
 seed, steps, faults = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 config, actions = plan(seed, steps, {f for f in faults.split(",") if f})
@@ -64,11 +73,13 @@ print(json.dumps({"ops": d.ops_done if d is not None else 0, "cpu": cpu, "wall":
 """
 
 
-def run_one(tree: str, seed: int, steps: int, faults: str, instructions: bool = False) -> dict:
-    """One campaign in a fresh process; with ``instructions`` under callgrind, the result
-    then also has ``instr``: the instructions the whole process executed."""
+def run_one(side: tuple[str, bool], seed: int, steps: int, faults: str, instructions: bool = False) -> dict:
+    """One campaign in a fresh process on ``side`` (a tree, and whether on its compiled build);
+    with ``instructions`` under callgrind, the result then also has ``instr``: the instructions
+    the whole process executed."""
+    tree, use_compiled = side
     env = dict(os.environ, PYTHONPATH=tree, PYTHONHASHSEED="0")
-    cmd = [sys.executable, "-c", _WORKER, str(seed), str(steps), faults]
+    cmd = [sys.executable, "-c", _WORKER, str(seed), str(steps), faults, "1" if use_compiled else "0"]
     if instructions:
         cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"] + cmd
     out = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True,
@@ -104,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 seeds of 500 actions")
     p.add_argument("--instructions", action="store_true",
                    help="count CPU instructions per op under valgrind instead of timing (immune to other jobs; ~50x slower)")
+    p.add_argument("--interpreted", action="store_true",
+                   help="this tree interpreted only, even where its compiled build exists (python -m sandbox_sim compile)")
     args = p.parse_args(argv)
     if args.instructions and shutil.which("valgrind") is None:
         p.error("--instructions needs valgrind on PATH")
@@ -113,15 +126,34 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in mixes if m not in MIXES]
     if unknown:
         p.error(f"unknown mix(es) {unknown}; choose from {list(MIXES)}")
+    sys.path.insert(0, HERE)
+    from sandbox_sim import compiled
+
+    built = not args.interpreted and _has_build(compiled)
+    if not built and not args.interpreted:
+        print("(no compiled build of this tree: python -m sandbox_sim compile; measuring it interpreted)", flush=True)
     with tempfile.TemporaryDirectory(prefix="campaign-speed-") as tmp:
-        trees = {"this": HERE}
+        # side name -> (tree, on its compiled build); the last side is this tree as campaigns run it
         if args.baseline:
-            trees = {"base": make_baseline(args.baseline, tmp), "this": HERE}
+            trees = {"base": (make_baseline(args.baseline, tmp), False), "this": (HERE, built)}
+        elif built:
+            trees = {"interp": (HERE, False), "compiled": (HERE, True)}
+        else:
+            trees = {"this": (HERE, False)}
         try:
             return (report_instructions if args.instructions else report)(trees, mixes, args)
         finally:
             if "base" in trees:
-                drop_baseline(trees["base"])
+                drop_baseline(trees["base"][0])
+
+
+def _has_build(compiled) -> bool:
+    path = compiled.build_path()
+    return os.path.isdir(path) and all(m in compiled.extensions(path) for m in compiled.module_names())
+
+
+def _sides(trees: dict) -> str:
+    return "; ".join(f"{name} = {'compiled build' if c else 'interpreted'}" for name, (_, c) in trees.items())
 
 
 def _this_tree() -> str:
@@ -133,9 +165,11 @@ def _this_tree() -> str:
 def report(trees: dict[str, str], mixes: list[str], args) -> int:
     print(f"campaign speed: {args.seeds} seed(s) x {args.steps} actions x {args.repeat} repeat(s) per mix; "
           f"{_this_tree()}"
-          + (f"; baseline = {args.baseline}, runs interleaved" if "base" in trees else ""), flush=True)
+          + (f"; baseline = {args.baseline}" if "base" in trees else "") + f"; {_sides(trees)}"
+          + ("; runs interleaved" if len(trees) == 2 else ""), flush=True)
     print("unit: guest programs applied (the runner's 'ops executed') per CPU second of the campaign process = ops/s per core")
     cols = list(trees)
+    first, last = cols[0], cols[-1]
     print(f"{'mix':8} " + " ".join(f"{c + ' ops/s':>14}" for c in cols) + ("   speed-up" if len(cols) == 2 else "") + "   ops  faults")
     failed = False
     for mix in mixes:
@@ -150,12 +184,12 @@ def report(trees: dict[str, str], mixes: list[str], args) -> int:
                         errors.append(f"{c} seed {seed}: {r['error']}")
                         continue
                     rates[c].append(r["ops"] / r["cpu"])
-                    if c == "this":
+                    if c == last:
                         ops, faults = ops + r["ops"], faults + r["faults"]
         med = {c: statistics.median(v) if v else float("nan") for c, v in rates.items()}
         line = f"{mix:8} " + " ".join(f"{med[c]:14,.0f}" for c in cols)
         if len(cols) == 2:
-            line += f"   {med['this'] / med['base']:8.2f}x"
+            line += f"   {med[last] / med[first]:8.2f}x"
         print(line + f"   {ops:>5}  {faults:>6}", flush=True)
         for e in errors:
             failed = True
@@ -166,12 +200,13 @@ def report(trees: dict[str, str], mixes: list[str], args) -> int:
 def report_instructions(trees: dict[str, str], mixes: list[str], args) -> int:
     print(f"campaign work: {args.seeds} seed(s) x {args.steps} actions per mix, under callgrind; "
           f"{_this_tree()}"
-          + (f"; baseline = {args.baseline}" if "base" in trees else ""), flush=True)
+          + (f"; baseline = {args.baseline}" if "base" in trees else "") + f"; {_sides(trees)}", flush=True)
     print("unit: CPU instructions per guest program applied (thousands), a campaign of 0 actions subtracted")
     cols = list(trees)
+    first, last = cols[0], cols[-1]
     setup = {c: run_one(trees[c], 1, 0, "", instructions=True)["instr"] for c in cols}
     print(f"{'mix':8} " + " ".join(f"{c + ' kinstr/op':>16}" for c in cols)
-          + ("   base/this  same work" if len(cols) == 2 else "") + "   ops  faults")
+          + (f"   {first}/{last}  same work" if len(cols) == 2 else "") + "   ops  faults")
     failed = False
     for mix in mixes:
         instr = {c: 0 for c in cols}
@@ -188,8 +223,8 @@ def report_instructions(trees: dict[str, str], mixes: list[str], args) -> int:
         per = {c: instr[c] / max(1, sum(o for o, _ in work[c])) / 1000 for c in cols}
         line = f"{mix:8} " + " ".join(f"{per[c]:16,.0f}" for c in cols)
         if len(cols) == 2:
-            line += f"   {per['base'] / per['this']:8.2f}x  {'yes' if work['base'] == work['this'] else 'NO':>9}"
-        ops, faults = sum(o for o, _ in work["this"]), sum(f for _, f in work["this"])
+            line += f"   {per[first] / per[last]:8.2f}x  {'yes' if work[first] == work[last] else 'NO':>9}"
+        ops, faults = sum(o for o, _ in work[last]), sum(f for _, f in work[last])
         print(line + f"   {ops:>5}  {faults:>6}", flush=True)
         for e in errors:
             failed = True

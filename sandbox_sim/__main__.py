@@ -12,9 +12,15 @@ one at a time), prints the seed and the minimal trace as replayable tuples, and 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 import traceback
+
+if __name__ == "__main__":  # first, before the campaign's modules are imported (sandbox_sim/compiled.py)
+    from sandbox_sim import compiled as _compiled
+
+    _compiled.activate_for(sys.argv[1:])
 
 from .campaign import DRIVER_NAMES, FAULTS, execute, parse_faults, plan, replay_command, shrink
 from .client import PROGRAM_SETS
@@ -47,6 +53,7 @@ def cmd_run(args) -> int:
           + (f"driver={args.driver} " if args.driver != "sim" else "")
           + f"limits: max_step_count={config['max_step_count']} tight={config['tight']} durable={config['durable']}"
           + (f" PLANTED DEFECT: {args.plant}" if args.plant else ""), flush=True)
+    print(code_line(), flush=True)
     t0 = time.perf_counter()
     every = max(1, args.steps // 10)
 
@@ -89,6 +96,26 @@ def cmd_replay(args) -> int:
     return 1
 
 
+def cmd_compile(args) -> int:
+    from . import compiled
+
+    try:
+        compiled.build()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        print(f"compile: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def code_line() -> str:
+    """Which code this process's campaigns run: compiled, or interpreted and why."""
+    from . import compiled
+
+    if compiled.state is None:
+        return "code: interpreted"
+    return f"code: {compiled.state[1]}"
+
+
 def cmd_fanout(args) -> int:
     from . import fanout
 
@@ -126,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plant", metavar="DEFECT", help=plant_help)
     r.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
     r.add_argument("--driver", choices=DRIVER_NAMES, default="sim", help=driver_help)
+    r.add_argument("--interpreted", action="store_true", help="run the interpreted modules even where a compiled build "
+                   "of this tree exists (python -m sandbox_sim compile; --plant implies it)")
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="replay a trace printed by a failing run")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--config", required=True)
     rp.add_argument("--trace", required=True)
     rp.add_argument("--plant", metavar="DEFECT", help=plant_help)
+    rp.add_argument("--interpreted", action="store_true", help="run the interpreted modules even where a compiled build "
+                    "of this tree exists (python -m sandbox_sim compile; --plant implies it)")
     rp.set_defaults(fn=cmd_replay)
     f = sub.add_parser("fanout", help="run many seeds as Ray tasks (the sandbox[cluster] extra); shrink failures where they happen")
     f.add_argument("--seeds", required=True, metavar="A:B", help="seeds A to B-1 (Python range)")
@@ -146,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
     f.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
     f.add_argument("--driver", choices=DRIVER_NAMES, default="sim", help=driver_help)
+    f.add_argument("--interpreted", action="store_true", help="run the interpreted modules even where a compiled build "
+                    "of this tree exists (python -m sandbox_sim compile; --plant implies it)")
     f.set_defaults(fn=cmd_fanout)
+    c = sub.add_parser("compile", help="compile the campaign's hot modules with mypyc (needs mypy and a C compiler; "
+                       "./dev setup does it); run, replay and fanout then use that build while the sources match it")
+    c.set_defaults(fn=cmd_compile)
     n = sub.add_parser("nightly", help="shard pytest -m e2e over Ray nodes (kvm resource where the KVM probe finds it); "
                        "JUnit XML per shard and a summary in --out")
     n.add_argument("paths", nargs="*", help="test paths to collect from (default: e2e)")

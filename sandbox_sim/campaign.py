@@ -23,6 +23,7 @@ import time
 
 from sandbox.core.store import Limits
 
+from . import compiled
 from .client import PROGRAM_SETS
 from .driver import Driver
 from .world import World
@@ -254,7 +255,8 @@ def run_seed(seed: int, steps: int, faults: set[str], shrink_budget_s: float = S
     c0 = time.process_time()
     d, fail_at, err = execute(config, actions)
     out = {"seed": seed, "steps": steps, "faults_kinds": sorted(faults), "ops": d.ops_done if d else 0,
-           "faults": d.faults_injected if d else 0, "recoveries": d.recoveries if d else 0}
+           "faults": d.faults_injected if d else 0, "recoveries": d.recoveries if d else 0,
+           "compiled": compiled.state is not None and compiled.state[0]}
     if err is not None:
         minimal = shrink(config, actions, fail_at, shrink_budget_s)
         _, _, err2 = execute(config, minimal)

@@ -28,7 +28,11 @@ import os
 import sys
 import time
 
-from .campaign import SHRINK_BUDGET_S, parse_faults, plan, run_seed
+from . import compiled
+
+# the campaign's modules (sandbox.core, the simulated disk) are imported in the functions: a
+# worker that unpickles run_chunk imports this module only, so run_chunk can still choose the
+# compiled build of those modules (sandbox_sim/compiled.py) before they are imported
 
 #: seeds one command may fan out (its results are kept in memory until printed)
 FANOUT_SEEDS_MAX = 1_000_000
@@ -68,10 +72,18 @@ def chunks(seeds: range, cpus: int, chunk: int | None = None) -> list[list[int]]
     return [list(seeds[i:i + chunk]) for i in range(0, len(seeds), chunk)]
 
 
-def run_chunk(seeds: list[int], steps: int, faults: list[str], shrink_budget_s: float = SHRINK_BUDGET_S,
-              plant: str | None = None, programs: str = "undo", driver: str = "sim") -> list[dict]:
+def run_chunk(seeds: list[int], steps: int, faults: list[str], shrink_budget_s: float | None = None,
+              plant: str | None = None, programs: str = "undo", driver: str = "sim", use_compiled: bool = True) -> list[dict]:
     """One task: the campaigns of ``seeds`` (each shrunk where it fails), as plain data. With
-    ``plant``, that defect is installed for this task only (workers are reused)."""
+    ``plant``, that defect is installed for this task only (workers are reused). The worker's
+    first task chooses its code: the compiled build where ``use_compiled`` (and not ``plant``)
+    and one matches its sources, else the interpreted modules (each result says which)."""
+    if use_compiled and not plant:
+        compiled.activate()
+    from .campaign import SHRINK_BUDGET_S, run_seed
+
+    if shrink_budget_s is None:
+        shrink_budget_s = SHRINK_BUDGET_S
     remove = None
     if plant:
         from .defects import plant as plant_defect
@@ -93,6 +105,8 @@ def _import_ray():
 
 
 def cmd_fanout(args) -> int:
+    from .campaign import parse_faults, plan
+
     try:
         seeds = parse_seeds(args.seeds)
         faults = sorted(parse_faults(args.faults))
@@ -154,7 +168,8 @@ def _fan_out(ray, args, seeds: range, faults: list[str]) -> int:
         while pending and len(in_flight) < FANOUT_IN_FLIGHT_MAX:
             chunk = pending.pop()
             in_flight[remote.remote(chunk, args.steps, faults, args.shrink_budget, args.plant,
-                                    getattr(args, "programs", "undo"), getattr(args, "driver", "sim"))] = chunk
+                                    getattr(args, "programs", "undo"), getattr(args, "driver", "sim"),
+                                    not getattr(args, "interpreted", False))] = chunk
         ready, _ = ray.wait(list(in_flight), num_returns=1)
         for ref in ready:
             chunk = in_flight.pop(ref)
@@ -182,6 +197,11 @@ def report(results: list[dict], failed: list[tuple[list[int], str]], wall_s: flo
     print(f"fanout done: {len(results)} seed(s), {ops} ops, {sum(r['faults'] for r in results)} faults injected, "
           f"{sum(r['recoveries'] for r in results)} recoveries verified, {len(violations)} violation(s); "
           f"{wall_s:.1f} s wall, {cpu:.1f} CPU s in campaigns ({ops / cpu if cpu else 0:.0f} ops/s per core)")
+    if results:
+        n = sum(1 for r in results if r.get("compiled"))
+        print(f"code: {n} of {len(results)} seed(s) ran the compiled build"
+              + ("" if n == len(results) else " (the rest interpreted: --interpreted, --plant, or no build of "
+                 "these sources where they ran: python -m sandbox_sim compile)"))
     for r in violations:
         print(f"VIOLATION seed {r['seed']}: {r['violation'].splitlines()[0]}", file=sys.stderr)
         print(f"  config: {r['config']}", file=sys.stderr)

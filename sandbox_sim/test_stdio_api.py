@@ -1197,3 +1197,23 @@ def test_events_past_the_output_bound_are_dropped_never_waited_for_and_then_repo
     warned = [int(m["payload"]["message"].split()[0]) for m in msgs if m["type"] == "event.warning"]
     assert sum(warned) == 1000 - len(kept) and msgs[-2]["type"] == "event.warning"  # every drop reported
     assert msgs[-1]["request_id"] == "r"
+
+
+def test_the_dropped_lines_report_never_takes_the_outbox_past_its_bound():
+    """The report of dropped lines counts against ``bytes_max`` like any line: when the
+    writer frees room for one line but not for the report too, that line is dropped as well
+    (and counted), not queued past the bound; the report and a line go in once both fit."""
+    from sandbox.api import stdio
+
+    box = stdio.Outbox(1000, lambda n: b"R" * 90 + b"%03d" % n)
+    line = b"x" * 100
+    assert all(box.put(line, wait=False) for _ in range(10))  # exactly full
+    assert not box.put(line, wait=False) and box.dropped == 1
+    assert box.get() == line  # room for one line, not for the line and the 93-byte report
+    assert not box.put(line, wait=False)
+    assert box.dropped == 2 and box.queued_bytes == 900
+    box.get()
+    assert box.put(line, wait=False)  # 800 + 93 + 100 fits
+    assert box.queued_bytes == 993 <= 1000 and box.dropped == 0
+    got = [box.get() for _ in range(len(box._items))]
+    assert got[-2:] == [b"R" * 90 + b"002", line]

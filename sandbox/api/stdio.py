@@ -146,7 +146,9 @@ class Outbox:
 
     def __init__(self, bytes_max: int = OUTPUT_BYTES_MAX, dropped_line=None):
         """``dropped_line(n)``: the line that reports ``n`` dropped lines; it goes in just before
-        the next line that gets in, even past the bound (by that one short line)."""
+        the next line that gets in, and counts against the bound with it: a line for which
+        there is room, but not for the report too, waits or is dropped like any line that
+        does not fit."""
         self.bytes_max = bytes_max
         self._dropped_line = dropped_line
         self.queued_bytes = 0
@@ -161,7 +163,10 @@ class Outbox:
         """Queue ``line`` (bytes, or the writer's stop sentinel, which always goes in)."""
         n = len(line) if isinstance(line, bytes) else 0
         with self._cond:
-            while n and self.queued_bytes and self.queued_bytes + n > self.bytes_max:
+            while True:
+                report = self._dropped_line(self.dropped) if self.dropped and n and self._dropped_line is not None else None
+                if not (n and self.queued_bytes and self.queued_bytes + n + (len(report) if report else 0) > self.bytes_max):
+                    break
                 if not wait or self._closed or self._no_wait:
                     self.dropped += 1
                     return False
@@ -173,8 +178,7 @@ class Outbox:
                     self._waiting -= 1
             if self._closed and n:
                 return False
-            if self.dropped and n and self._dropped_line is not None:
-                report = self._dropped_line(self.dropped)
+            if report is not None:
                 self._items.append(report)
                 self.queued_bytes += len(report)
                 self.dropped = 0
