@@ -14,8 +14,9 @@
 * ``SANDBOX_TEST_COMPILED=1``: the tests run on the campaign's compiled build of the hot
   modules (``sandbox_sim/compiled.py``) — for the core's own suites, which must pass on it too
   (``sandbox_sim/test_compiled.py`` runs them so); without a build matching the sources the
-  session stops at once with the reason. Tests that replace a function of a compiled module
-  do not hold there (compiled callers do not see the replacement).
+  session stops at once with the reason. Tests marked ``interpreted_only`` (they replace,
+  deep-copy or subclass a compiled module's internals, which compiled code does not see or
+  allow) are skipped there, with that reason.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ if _shared_examples is not None:  # $SANDBOX_HYPOTHESIS_DB: docs/testing.md "Sha
 
 
 def pytest_collection_modifyitems(config, items):
+    from sandbox_sim import compiled
+
+    if compiled.state is not None and compiled.state[0]:
+        interp = pytest.mark.skip(reason="interpreted_only: it replaces, copies or subclasses a compiled module's internals")
+        for item in items:
+            if "interpreted_only" in item.keywords:
+                item.add_marker(interp)
     if FULL:
         return
     skip = pytest.mark.skip(reason="slow: part of the full run (./dev test --full or SANDBOX_TEST_FULL=1)")

@@ -1421,3 +1421,16 @@ class MemoryHostFS(HostFS):
         if self.record_losses:
             self._record_version(node)
         return lock
+
+
+class ReflinkMemoryHostFS(MemoryHostFS):
+    """A simulated disk that can clone files to another one (what FICLONE does on XFS or
+    btrfs): the clone holds the same bytes, so the undo store keeps large preimages raw."""
+
+    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
+        if not isinstance(dst_fs, ReflinkMemoryHostFS):
+            raise OSError(errno.EOPNOTSUPP, "reflink needs two simulated reflink disks")
+        self._fault("clone_to", path)
+        data = self.read_all(path)
+        dst_fs.create(dst_path, 0o600)
+        dst_fs.write_all(dst_path, 0, data)
