@@ -182,7 +182,8 @@ class FaultInjector:
         self.calls += 1
         if self.trace is not None:
             self.trace.append((fs.name, op, path))
-        if self.crash_at == k or (self.crash_if is not None and self.crash_if(fs.name, op, path)):
+        crash_if = self._crash_if  # called from a local: a compiled build calls self.crash_if(...) as a method
+        if self.crash_at == k or (crash_if is not None and crash_if(fs.name, op, path)):
             self.crashed = True
             self.injected.append(f"crash before call {k} ({fs.name}.{op} {path!r})")
             raise SimulatedCrash(f"crash at call {k}: {fs.name}.{op} {path!r}")
