@@ -90,6 +90,12 @@ def test_a_planted_defect_runs_interpreted_and_is_caught_even_with_a_build():
     assert "VIOLATION" in proc.stderr
 
 
+def test_a_defect_is_never_planted_in_a_process_running_the_compiled_build():
+    out = _py("from sandbox_sim import compiled, defects\ncompiled.state = (True, 'compiled')\n"
+              "try:\n    defects.plant('forget_mode')\nexcept RuntimeError as e:\n    print('refused:', e)")
+    assert out.startswith("refused: cannot plant forget_mode: this process runs the compiled build"), out
+
+
 def _has_build() -> bool:
     path = compiled.build_path()
     return os.path.isdir(path) and all(m in compiled.extensions(path) for m in compiled.module_names())
