@@ -50,6 +50,7 @@ MODULES = (
     "sandbox/core/workspace.py",
     "sandbox/core/steps.py",
     "sandbox_sim/oracle.py",
+    "sandbox_sim/client.py",
     "sandbox_sim/faults.py",
 )
 #: mypy's options for the build: only the compiled modules' own code is type-checked (the rest
