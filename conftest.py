@@ -11,12 +11,25 @@
   where it is missing (never silently passed).
 * ``$SANDBOX_HYPOTHESIS_DB`` (+ ``$SANDBOX_HYPOTHESIS_DB_MODE``): a shared Hypothesis example
   database (``sandbox_sim.budget.example_database``).
+* ``SANDBOX_TEST_COMPILED=1``: the tests run on the campaign's compiled build of the hot
+  modules (``sandbox_sim/compiled.py``) — for the core's own suites, which must pass on it too
+  (``sandbox_sim/test_compiled.py`` runs them so); without a build matching the sources the
+  session stops at once with the reason. Tests marked ``interpreted_only`` (they replace,
+  deep-copy or subclass a compiled module's internals, which compiled code does not see or
+  allow) are skipped there, with that reason.
 """
 
 from __future__ import annotations
 
+import os
 
 import pytest
+
+if os.environ.get("SANDBOX_TEST_COMPILED") == "1":  # first: before anything imports the modules
+    from sandbox_sim import compiled as _compiled
+
+    if not _compiled.activate()[0]:
+        raise pytest.UsageError(f"SANDBOX_TEST_COMPILED=1 but {_compiled.state[1]}")
 
 from sandbox_sim import oracle
 from sandbox_sim.budget import FULL, example_database
@@ -31,6 +44,13 @@ if _shared_examples is not None:  # $SANDBOX_HYPOTHESIS_DB: docs/testing.md "Sha
 
 
 def pytest_collection_modifyitems(config, items):
+    from sandbox_sim import compiled
+
+    if compiled.state is not None and compiled.state[0]:
+        interp = pytest.mark.skip(reason="interpreted_only: it replaces, copies or subclasses a compiled module's internals")
+        for item in items:
+            if "interpreted_only" in item.keywords:
+                item.add_marker(interp)
     if FULL:
         return
     skip = pytest.mark.skip(reason="slow: part of the full run (./dev test --full or SANDBOX_TEST_FULL=1)")
@@ -40,7 +60,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_report_header(config):
-    return f"sandbox test budget: {'FULL' if FULL else 'default (fast tier + smoke)'}"
+    from sandbox_sim import compiled
+
+    code = compiled.state[1] if compiled.state is not None else "interpreted"
+    return f"sandbox test budget: {'FULL' if FULL else 'default (fast tier + smoke)'}; code: {code}"
 
 
 @pytest.fixture(params=["sim", "real"])

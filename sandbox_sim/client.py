@@ -16,7 +16,7 @@ import errno
 import os
 import random
 import stat
-from typing import Callable
+from typing import Any, Callable
 
 from sandbox.core.intercepted_fs import InterceptedFS
 from sandbox.hostfs import DIR, REG, join, parent_of
@@ -31,7 +31,9 @@ XATTR_NAMES = ("user.one", "user.two", "trusted.three")
 
 
 class SimClient:
-    def __init__(self, fs: InterceptedFS):
+    def __init__(self, fs: InterceptedFS | Any):
+        # an InterceptedFS, or a server driver's client: the 9P one (``WireFS``), a FUSE mount
+        # (``MountFS``) — the same calls, no common class (Any: a compiled build checks no type)
         self.fs = fs
         self._kept_tree: tuple[int, tuple] | None = None  # (the simulated disk's ``names``, :meth:`tree`)
 
@@ -94,7 +96,7 @@ class SimClient:
         self.fs.utime(path, mtime_ns)
 
 
-def _tree(fs: InterceptedFS) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def _tree(fs: InterceptedFS | Any) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """The client's view of the tree (what ``ls -R`` would show it), sorted: files,
     directories, other entries. On the simulated disk it is read from the inodes (no host
     calls: the client looking around is not part of the run under test, and fault

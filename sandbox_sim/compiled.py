@@ -44,6 +44,14 @@ import time
 MODULES = (
     "sandbox/hostfs/memory.py",
     "sandbox/core/store.py",
+    "sandbox/core/preimage.py",
+    "sandbox/core/interceptor.py",
+    "sandbox/core/intercepted_fs.py",
+    "sandbox/core/workspace.py",
+    "sandbox/core/steps.py",
+    "sandbox_sim/oracle.py",
+    "sandbox_sim/client.py",
+    "sandbox_sim/faults.py",
 )
 #: mypy's options for the build: only the compiled modules' own code is type-checked (the rest
 #: of the tree is not annotated for mypy, and runs interpreted)

@@ -47,9 +47,16 @@ DEFECTS = {
 
 
 def plant(name: str) -> Callable[[], None]:
-    """Install defect ``name`` (``ValueError`` if unknown); returns its removal."""
+    """Install defect ``name`` (``ValueError`` if unknown); returns its removal.
+    ``RuntimeError`` in a process running the compiled build (``sandbox_sim/compiled.py``):
+    its callers would never see the replaced function, and the defect would go unnoticed."""
     if name not in DEFECTS:
         raise ValueError(f"unknown defect {name!r}; choose from {', '.join(DEFECTS)}")
+    from . import compiled
+
+    if compiled.state is not None and compiled.state[0]:
+        raise RuntimeError(f"cannot plant {name}: this process runs the compiled build, whose callers would not see "
+                           "the planted function (--plant runs a campaign interpreted in a process of its own)")
     original, planted = _forget(DEFECTS[name][0])
     preimage._apply_meta = planted
 

@@ -158,6 +158,10 @@ def _fan_out(ray, args, seeds: range, faults: list[str]) -> int:
           f"faults={','.join(faults) or 'none'}, {len(tasks)} task(s) of <= {len(tasks[0])} seed(s) on {where}"
           + (f", PLANTED DEFECT: {args.plant}" if args.plant else ""), flush=True)
     remote = ray.remote(num_cpus=1, max_retries=FANOUT_TASK_RETRIES)(run_chunk)
+    if getattr(args, "interpreted", False) or args.plant:
+        # workers of their own (Ray keeps one pool per runtime_env), which never load the compiled
+        # build: a worker that ran a compiled task before cannot take a planted one
+        remote = remote.options(runtime_env={"env_vars": {compiled.ENV_DISABLE: "0"}})
     t0 = time.perf_counter()
     pending = list(reversed(tasks))
     in_flight: dict = {}

@@ -39,26 +39,6 @@ class SimulatedCrash(BaseException):
     """The process died at this host call."""
 
 
-def _plan_field(name: str) -> property:
-    """An attribute that decides whether a call may be faulted: setting it re-derives
-    ``FaultInjector._quiet`` (nothing planned, no trace, not dead)."""
-    private = "_" + name
-
-    def get(self):
-        return getattr(self, private)
-
-    def set(self, value) -> None:
-        setattr(self, private, value)
-        quiet = (self._crash_at is None and self._crash_if is None and self._torn_at is None and self._error_at is None
-                 and self._error_if is None and self._trace is None and not self._crashed)
-        if quiet != self._quiet:
-            self._quiet = quiet
-            for fs in self._disks:
-                self._point(fs)
-
-    return property(get, set)
-
-
 class FaultInjector:
     """Counts host calls (``calls``, and ``store_mutations``: mutating calls on the store)
     and injects the faults planned. With nothing planned, no trace and the process alive
@@ -71,14 +51,6 @@ class FaultInjector:
     without a Python call per host call); the moment anything is planned, traced or the
     process dies, every attached disk calls the injector again, from its next call on. A
     subclass that defines its own ``__call__`` is always called."""
-
-    crash_at = _plan_field("crash_at")
-    crash_if = _plan_field("crash_if")
-    torn_at = _plan_field("torn_at")
-    error_at = _plan_field("error_at")
-    error_if = _plan_field("error_if")
-    trace = _plan_field("trace")
-    crashed = _plan_field("crashed")
 
     def __init__(self, crash_at: int | None = None, torn_at: int | None = None,
                  error_at: tuple[int, int] | None = None, seed: int = 0,
@@ -95,6 +67,82 @@ class FaultInjector:
         self.store_mutations = 0
         self.crashed = False  # derives _quiet
         self.injected: list[str] = []
+
+    # The fields that decide whether a call may be faulted: setting one re-derives ``_quiet``
+    # (nothing planned, no trace, not dead). Written out, not made by a property factory: a
+    # campaign's build compiles this class (sandbox_sim/compiled.py), and a compiled class
+    # reads a property only if the class body defines it.
+
+    @property
+    def crash_at(self) -> int | None:
+        return self._crash_at
+
+    @crash_at.setter
+    def crash_at(self, value: int | None) -> None:
+        self._crash_at = value
+        self._requiet()
+
+    @property
+    def crash_if(self) -> Callable[[str, str, str], bool] | None:
+        return self._crash_if
+
+    @crash_if.setter
+    def crash_if(self, value: Callable[[str, str, str], bool] | None) -> None:
+        self._crash_if = value
+        self._requiet()
+
+    @property
+    def torn_at(self) -> int | None:
+        return self._torn_at
+
+    @torn_at.setter
+    def torn_at(self, value: int | None) -> None:
+        self._torn_at = value
+        self._requiet()
+
+    @property
+    def error_at(self) -> tuple[int, int] | None:
+        return self._error_at
+
+    @error_at.setter
+    def error_at(self, value: tuple[int, int] | None) -> None:
+        self._error_at = value
+        self._requiet()
+
+    @property
+    def error_if(self) -> tuple[Callable[[str, str, str], bool], int] | None:
+        return self._error_if
+
+    @error_if.setter
+    def error_if(self, value: tuple[Callable[[str, str, str], bool], int] | None) -> None:
+        self._error_if = value
+        self._requiet()
+
+    @property
+    def trace(self) -> list[tuple[str, str, str]] | None:
+        return self._trace
+
+    @trace.setter
+    def trace(self, value: list[tuple[str, str, str]] | None) -> None:
+        self._trace = value
+        self._requiet()
+
+    @property
+    def crashed(self) -> bool:
+        return self._crashed
+
+    @crashed.setter
+    def crashed(self, value: bool) -> None:
+        self._crashed = value
+        self._requiet()
+
+    def _requiet(self) -> None:
+        quiet = (self._crash_at is None and self._crash_if is None and self._torn_at is None and self._error_at is None
+                 and self._error_if is None and self._trace is None and not self._crashed)
+        if quiet != self._quiet:
+            self._quiet = quiet
+            for fs in self._disks:
+                self._point(fs)
 
     def attach(self, fs) -> None:
         """Count (and fault) the calls of the simulated disk ``fs`` (a ``MemoryHostFS``): it
@@ -134,7 +182,8 @@ class FaultInjector:
         self.calls += 1
         if self.trace is not None:
             self.trace.append((fs.name, op, path))
-        if self.crash_at == k or (self.crash_if is not None and self.crash_if(fs.name, op, path)):
+        crash_if = self._crash_if  # called from a local: a compiled build calls self.crash_if(...) as a method
+        if self.crash_at == k or (crash_if is not None and crash_if(fs.name, op, path)):
             self.crashed = True
             self.injected.append(f"crash before call {k} ({fs.name}.{op} {path!r})")
             raise SimulatedCrash(f"crash at call {k}: {fs.name}.{op} {path!r}")

@@ -31,7 +31,7 @@ import os
 import stat
 import threading
 
-from sandbox.core.intercepted_fs import TreeOps
+from sandbox.core.tree_ops import TreeOps
 from sandbox.fuse.dispatcher import Dispatcher
 from sandbox.fuse.transport import FuseServer, mount, unmount
 from sandbox.hostfs import DIR

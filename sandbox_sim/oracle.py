@@ -164,6 +164,7 @@ def _walk(fs: HostFS, path: str, out: Snapshot, skip, inodes: dict) -> None:
     st = fs.lstat(path)
     if st.kind != DIR and st.nlink > 1:
         inodes.setdefault((st.ino, st.dev), []).append(path)
+    content: bytes | str | None
     if st.kind == REG:
         content = fs.read_all(path)
     elif st.kind == LNK:
@@ -188,7 +189,7 @@ def diff(expected: Snapshot, actual: Snapshot, limit: int = 20) -> list[str]:
             continue
         name = path or "<root>"
         if e is None:
-            lines.append(f"+ {name}: unexpected {a[0]}")
+            lines.append(f"+ {name}: unexpected {a[0]}")  # type: ignore[index]
         elif a is None:
             lines.append(f"- {name}: missing {e[0]}")
         else:

@@ -182,6 +182,7 @@ def planted():
         remove()
 
 
+@pytest.mark.interpreted_only
 @pytest.mark.parametrize("defect", list(defects.DEFECTS))
 def test_a_campaign_catches_an_undo_that_forgets_one_files_metadata_and_shrinks_it(defect, planted):
     field = defects.DEFECTS[defect][0]
@@ -223,6 +224,7 @@ def test_run_exits_0_on_a_clean_campaign(capsys):
     assert "programs=handles" in capsys.readouterr().out
 
 
+@pytest.mark.interpreted_only
 def test_run_exits_1_with_a_replayable_minimal_trace_on_a_planted_defect(capsys):
     """``--plant`` installs the defect for the run; the printed replay command carries it,
     and the same trace without the defect replays clean."""
@@ -350,6 +352,7 @@ def test_fixed_violations_stay_fixed_with_the_fault_at_every_position_of_its_act
     assert not failures, "\n".join(f"{trace[i][0]} at {k}: action {at}: {err}" for k, at, err in failures[:3])
 
 
+@pytest.mark.interpreted_only
 def test_a_sweep_finds_a_violation_the_pinned_position_misses(planted):
     """A fault placed past its action's end hits nothing: an undo that forgets a file's mtime
     goes unseen. Swept over every host call of the step, the crashes and recoveries find it;
@@ -509,6 +512,7 @@ def _state(fs) -> list:
     return [(p, snap[p], node.stat()) for p, node in fs.tree_nodes()]
 
 
+@pytest.mark.interpreted_only
 @given(st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES), st.sampled_from(_NAMES),
                           st.integers(0, 255), st.booleans()), min_size=20, max_size=80))
 @settings(max_examples=scale(200, 2000), deadline=None)
@@ -533,6 +537,7 @@ _CALLS = st.lists(st.tuples(st.sampled_from(_DISK_OPS), st.sampled_from(_NAMES),
                             st.integers(0, 255), st.booleans()), min_size=20, max_size=80)
 
 
+@pytest.mark.interpreted_only
 @given(_CALLS)
 @settings(max_examples=scale(50, 500), deadline=None)
 def test_a_commit_after_the_notes_of_changed_inodes_overflowed_copies_them_all(calls):

@@ -375,6 +375,7 @@ def _linked_world() -> tuple[World, object, dict]:
     return w, ws, initial
 
 
+@pytest.mark.interpreted_only
 def test_crash_at_every_host_call_of_a_rollback_that_relinks(monkeypatch):
     from sandbox.core import preimage
 

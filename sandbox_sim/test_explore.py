@@ -57,6 +57,7 @@ def test_power_loss_at_every_point_in_durable_mode_and_the_negative_control():
     assert control.violations, "power loss without the core's fsyncs must lose the undo somewhere"
 
 
+@pytest.mark.interpreted_only
 def test_a_planted_defect_is_found_with_the_crash_point_that_replays_it():
     remove = defects.plant("forget_mtime")
     try:
@@ -128,6 +129,7 @@ def _work_synced_with_the_next_store_sync():
         UndoLog.sync_work, UndoLog._sync = sync_work, sync
 
 
+@pytest.mark.interpreted_only
 def test_a_store_relying_on_unsynced_order_is_found_only_between_the_extremes():
     with _work_synced_with_the_next_store_sync():
         extremes = explore_crashes(_big_tree, UNDONE, power_loss=True)

@@ -88,6 +88,19 @@ def test_a_planted_defect_is_found_and_shrunk_by_the_fan_out(cluster, tmp_path, 
     assert main([a for a in argv if a not in ("--plant", "forget_mode")]) == 0
 
 
+def test_a_planted_defect_is_found_on_a_cluster_whose_workers_ran_the_compiled_build(cluster, tmp_path):
+    """Ray reuses a job's workers across tasks: a worker that loaded the compiled build
+    (sandbox_sim/compiled.py) would not see a planted function. ``--plant`` tasks get workers
+    of their own that never load it, so the defect is found (and ``plant`` itself refuses a
+    compiled process rather than miss it)."""
+    out = tmp_path / "compiled.jsonl"
+    assert main(["fanout", "--seeds", "0:4", "--steps", "20", "--chunk", "1", "--json", str(out)]) == 0
+    if not any(json.loads(line)["compiled"] for line in out.read_text().splitlines()):
+        pytest.skip("no compiled build of this tree (python -m sandbox_sim compile): no worker loaded one")
+    assert main(["fanout", "--seeds", "4:8", "--steps", "300", "--plant", "forget_mode", "--chunk", "1",
+                 "--shrink-budget", "30"]) == 1
+
+
 def test_bad_arguments_and_the_bounds_need_no_ray(capsys):
     assert main(["fanout", "--seeds", "5:2"]) == 2
     assert main(["fanout", "--seeds", "x"]) == 2

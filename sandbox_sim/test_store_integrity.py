@@ -730,6 +730,7 @@ class _JournalWriteFailsPartWay(FaultInjector):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
+@pytest.mark.interpreted_only
 def test_bytes_a_failed_append_left_past_the_journal_do_not_make_the_step_corrupt():
     world = World("sim")
     ws = world.open()
@@ -834,6 +835,7 @@ def test_preimage_readers_each_own_their_decompressor(monkeypatch):
 # ---------------------------------------------------------------------------- journals this process wrote
 
 
+@pytest.mark.interpreted_only
 def test_a_journal_this_process_wrote_parses_exactly_as_its_bytes_do(monkeypatch):
     """A finished step's journal is checked from the objects its lines sealed (not unsealed
     again) only when the bytes read back are exactly the ones written; across campaigns with
@@ -939,6 +941,7 @@ def test_records_of_hands_out_records_no_later_call_shares():
     ws.close()
 
 
+@pytest.mark.interpreted_only
 def test_inline_preimages_verified_before_a_rollback_restore_each_their_own_bytes(monkeypatch):
     """The rollback's check keeps the inline preimages it verified for the restore that
     follows: every step's own bytes come back — the same path, the same size, other bytes

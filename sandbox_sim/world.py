@@ -2,7 +2,7 @@
 
 ``World("sim")`` keeps both in memory (MemoryHostFS, deterministic clock, fault hook
 built in); ``World("sim-reflink")`` is the same on a simulated disk that can share
-extents (:class:`ReflinkMemoryHostFS`), so large preimages are stored raw as on XFS. ``World("real", tmp)`` uses two real temp directories; faults are injected
+extents (:class:`sandbox.hostfs.memory.ReflinkMemoryHostFS`), so large preimages are stored raw as on XFS. ``World("real", tmp)`` uses two real temp directories; faults are injected
 by :class:`FaultyHostFS`, a wrapper calling the same injector before each call. The
 same model tests run on both, so the simulation never drifts from a real filesystem.
 
@@ -14,13 +14,12 @@ would drop a dead process's ``flock``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 
 from sandbox.core.workspace import Workspace
 from sandbox.hostfs import FileHandle, HostFS
 from sandbox.hostfs.real import RealHostFS
-from sandbox.hostfs.memory import SimClock, MemoryHostFS
+from sandbox.hostfs.memory import MemoryHostFS, ReflinkMemoryHostFS, SimClock
 
 from . import oracle
 from .faults import FaultInjector, SimulatedCrash
@@ -182,19 +181,6 @@ class FaultyHostFS(HostFS):
 for _name in list(HostFS.__abstractmethods__) + ["clone_to"]:
     setattr(FaultyHostFS, _name, property(lambda self, _n=_name: FaultyHostFS.__getattr__(self, _n)))
 FaultyHostFS.__abstractmethods__ = frozenset()
-
-
-class ReflinkMemoryHostFS(MemoryHostFS):
-    """A simulated disk that can clone files to another one (what FICLONE does on XFS or
-    btrfs): the clone holds the same bytes, so the undo store keeps large preimages raw."""
-
-    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
-        if not isinstance(dst_fs, ReflinkMemoryHostFS):
-            raise OSError(errno.EOPNOTSUPP, "reflink needs two simulated reflink disks")
-        self._fault("clone_to", path)
-        data = self.read_all(path)
-        dst_fs.create(dst_path, 0o600)
-        dst_fs.write_all(dst_path, 0, data)
 
 
 class World:

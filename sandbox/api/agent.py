@@ -28,7 +28,7 @@ import logging
 import os
 import shlex
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass  # asdict, not __dict__: a compiled dataclass has none
 
 from .. import __version__
 from ..core.safeguard import SafeguardConfig
@@ -47,6 +47,7 @@ log = logging.getLogger("sandbox.api")
 READ_BYTES_MAX = READ_FILE_BYTES_MAX  # per fs.read by path (a handle's read: sandbox.files.READ_CALL_BYTES_MAX)
 MEMORY_BYTES_MAX = 256 << 20  # all in-memory mounts together, decoded
 FORWARDED_EVENTS = set(protocol.EVENT_NAMES)
+
 
 
 @dataclass
@@ -316,7 +317,7 @@ class Agent:
                         "access": "read_only" if f.read_only else "read_write",
                         "undo_available": bool(ws is not None and ws.undo_available)})
             if store and ws is not None and ws.undo_available:
-                out[-1]["undo_store"] = {"size_bytes": ws.store_size_bytes, **dict(ws.limits.__dict__)}
+                out[-1]["undo_store"] = {"size_bytes": ws.store_size_bytes, **asdict(ws.limits)}
         return out
 
     def op_session_stop(self, p: dict, rid) -> dict:
@@ -452,7 +453,7 @@ class Agent:
             ws.configure_limits(**limits)
         except (TypeError, ValueError) as e:
             raise ApiError("undo.invalid_limits", str(e)) from None
-        return {"directory": i, "limits": dict(ws.limits.__dict__)}
+        return {"directory": i, "limits": asdict(ws.limits)}
 
     @staticmethod
     def _limits(p: dict) -> dict:
@@ -621,7 +622,7 @@ class Agent:
         config = None
         for _i, ws in targets:
             config = self._safeguard_config(ws.safeguard_config, keys)
-            ws.configure_safeguard(**config.__dict__)
+            ws.configure_safeguard(**asdict(config))
         if config is None:
             config = self._safeguard_config(SafeguardConfig(), keys)
         s.safeguard = config
@@ -629,7 +630,7 @@ class Agent:
 
     @staticmethod
     def _safeguard_config(base: SafeguardConfig, p: dict) -> SafeguardConfig:
-        values = dict(base.__dict__)
+        values = asdict(base)
         for k, v in p.items():
             values["timeout_s" if k == "timeout_seconds" else k] = v
         try:

@@ -35,53 +35,13 @@ from typing import Callable
 
 import os
 
-from ..hostfs import DIR, NAME_LEN_MAX, PATH_LEN_MAX, FileHandle, HostFS, PathError, Stat, join, normalize
+from ..hostfs import DIR, NAME_LEN_MAX, PATH_LEN_MAX, FileHandle, HostFS, PathError, Stat, normalize
 from .errors import HoldRequired, SafeguardDenied
 from .interceptor import UndoInterceptor
 from .safeguard import Hold
+from .tree_ops import TreeOps, entry_path as _entry
 
 Decide = Callable[[Hold], str]
-
-
-def _entry(path: str, what: str) -> str:
-    p = normalize(path)
-    if p == "":
-        raise PathError(errno.EBUSY, f"cannot {what} the working root itself")
-    return p
-
-
-class TreeOps:
-    """``rm -rf`` and ``mkdir -p`` as a client sends them, over any object with the
-    primitives ``lstat``, ``listdir``, ``unlink``, ``rmdir`` and ``mkdir`` (InterceptedFS,
-    and the simulation's 9P client ``sandbox.ninep.wirefs.WireFS``)."""
-
-    def remove_tree(self, path: str) -> None:
-        """What ``rm -rf`` does: one unlink or rmdir per entry, children first."""
-        p = _entry(path, "remove")
-        try:
-            st = self.lstat(p)
-        except FileNotFoundError:
-            return
-        if st.kind == DIR:
-            for name in sorted(self.listdir(p)):
-                self.remove_tree(join(p, name))
-            self.rmdir(p)
-        else:
-            self.unlink(p)
-
-    def makedirs(self, path: str, mode: int = 0o755) -> None:
-        """What ``mkdir -p`` does."""
-        p = normalize(path)
-        parts = p.split("/") if p else []
-        for k in range(1, len(parts) + 1):
-            sub = "/".join(parts[:k])
-            try:
-                st = self.lstat(sub)
-            except FileNotFoundError:
-                self.mkdir(sub, mode)
-            else:
-                if st.kind != DIR:
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", sub)
 
 
 class InterceptedFS(TreeOps):
@@ -148,7 +108,7 @@ class InterceptedFS(TreeOps):
     def create(self, path: str, mode: int = 0o644) -> None:
         p = _entry(path, "create")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.create(p, mode), sync=(p,))
+        self._run(lambda: i.pre_create(p), lambda: self.host.create(p, mode), sync=(p,))  # type: ignore[union-attr]
         if i is not None:
             i.post_create(p)
 
@@ -158,63 +118,63 @@ class InterceptedFS(TreeOps):
         p = _entry(path, "create")
         i = self.interceptor
         with self.host.entry(p) as e:  # the look and the creation beneath one parent (HostFS.entry)
-            handle = self._run(lambda: i.pre_create(p, look=e), lambda: e.create_handle(mode, flags), sync=(p,))
+            handle = self._run(lambda: i.pre_create(p, look=e), lambda: e.create_handle(mode, flags), sync=(p,))  # type: ignore[union-attr]
         if i is not None:
             i.post_create(p)
         return handle
 
     def open_trunc(self, path: str) -> None:
         p = _entry(path, "truncate")
-        self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0), sync=(p,))
+        self._run(lambda: self.interceptor.pre_open_trunc(p), lambda: self.host.truncate(p, 0), sync=(p,))  # type: ignore[union-attr]
 
-    def write(self, path: str, offset: int, data: bytes) -> int:
+    def write(self, path: str, offset: int, data: bytes | bytearray | memoryview) -> int:
         p = _entry(path, "write")
         if offset < 0:
             raise OSError(errno.EINVAL, "negative offset", path)
-        self._run(lambda: self.interceptor.pre_write(p), lambda: self.host.write_all(p, offset, bytes(data)), sync=(p,))
+        self._run(lambda: self.interceptor.pre_write(p), lambda: self.host.write_all(p, offset, bytes(data)), sync=(p,))  # type: ignore[union-attr]
         return len(data)
 
     def truncate(self, path: str, size: int) -> None:
         p = _entry(path, "truncate")
         if size < 0:
             raise OSError(errno.EINVAL, "negative size", path)
-        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: self.host.truncate(p, size), sync=(p,))
+        self._run(lambda: self.interceptor.pre_setattr(p, size=size), lambda: self.host.truncate(p, size), sync=(p,))  # type: ignore[union-attr]
 
     def unlink(self, path: str, reader: FileHandle | None = None) -> None:
         """Remove the name ``path``. ``reader``: a descriptor the caller holds that may be on
         the file there (a FUSE node's): its preimage is read through it when it is."""
         p = _entry(path, "unlink")
         with self.host.entry(p) as e:  # the preimage's look and the removal through one entry (HostFS.entry)
-            self._run(lambda: self.interceptor.pre_unlink(p, False, reader, look=e), e.unlink, sync=(p,))
+            self._run(lambda: self.interceptor.pre_unlink(p, False, reader, look=e), e.unlink, sync=(p,))  # type: ignore[union-attr]
 
     def rmdir(self, path: str) -> None:
         p = _entry(path, "remove")
         with self.host.entry(p) as e:
-            self._run(lambda: self.interceptor.pre_unlink(p, True, look=e), e.rmdir, sync=(p,))
+            self._run(lambda: self.interceptor.pre_unlink(p, True, look=e), e.rmdir, sync=(p,))  # type: ignore[union-attr]
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         p = _entry(path, "create")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.mkdir(p, mode), sync=(p,))
+        self._run(lambda: i.pre_create(p), lambda: self.host.mkdir(p, mode), sync=(p,))  # type: ignore[union-attr]
         if i is not None:
             i.post_mkdir(p)
 
     def rename(self, src: str, dst: str) -> None:
         s, d = _entry(src, "rename"), _entry(dst, "replace")
-        self._run(lambda: self.interceptor.pre_rename(s, d), lambda: self.host.rename(s, d), sync=(s, d))
+        self._run(lambda: self.interceptor.pre_rename(s, d), lambda: self.host.rename(s, d), sync=(s, d))  # type: ignore[union-attr]
 
     def exchange(self, a: str, b: str) -> None:
         """``renameat2(RENAME_EXCHANGE)``: the objects at ``a`` and ``b`` swap names
         (:meth:`HostFS.exchange`); undone by exchanging them back."""
         x, y = _entry(a, "exchange"), _entry(b, "exchange")
-        self._run(lambda: self.interceptor.pre_exchange(x, y), lambda: self.host.exchange(x, y), sync=(x, y))
+        self._run(lambda: self.interceptor.pre_exchange(x, y), lambda: self.host.exchange(x, y), sync=(x, y))  # type: ignore[union-attr]
 
     def symlink(self, target: str, path: str) -> None:
         p = _entry(path, "create")
         if not isinstance(target, str) or not target or "\0" in target or len(target.encode("utf-8", "surrogateescape")) > PATH_LEN_MAX:
             raise PathError(errno.EINVAL, f"invalid symlink target {target!r}")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.symlink(target, p), sync=(p,))
+        self._run(lambda: i.pre_create(p), lambda: self.host.symlink(target, p), sync=(p,))  # type: ignore[union-attr]
         if i is not None:
             i.post_symlink(target, p)
 
@@ -223,39 +183,39 @@ class InterceptedFS(TreeOps):
         journalled like any creation (``pre_create``: its undo removes it)."""
         p = _entry(path, "create")
         i = self.interceptor
-        self._run(lambda: i.pre_create(p), lambda: self.host.mknod(p, mode, fmt), sync=(p,))
+        self._run(lambda: i.pre_create(p), lambda: self.host.mknod(p, mode, fmt), sync=(p,))  # type: ignore[union-attr]
         if i is not None:
             i.post_create(p)
 
     def link(self, existing: str, new: str) -> None:
         e, n = _entry(existing, "link"), _entry(new, "create")
-        self._run(lambda: self.interceptor.pre_link(e, n), lambda: self.host.link(e, n), sync=(e, n))
+        self._run(lambda: self.interceptor.pre_link(e, n), lambda: self.host.link(e, n), sync=(e, n))  # type: ignore[union-attr]
 
     def chmod(self, path: str, mode: int) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.chmod(p, mode), sync=(p,))
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.chmod(p, mode), sync=(p,))  # type: ignore[union-attr]
 
     def utime(self, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns, atime_ns), sync=(p,))
+        self._run(lambda: self.interceptor.pre_setattr(p), lambda: self.host.utime(p, mtime_ns, atime_ns), sync=(p,))  # type: ignore[union-attr]
 
-    def setxattr(self, path: str, name: str, value: bytes) -> None:
+    def setxattr(self, path: str, name: str, value: bytes | bytearray | memoryview) -> None:
         p = normalize(path)
         if not name or "\0" in name or len(name) > NAME_LEN_MAX:
             raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)
-        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.setxattr(p, name, bytes(value)), sync=(p,))
+        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.setxattr(p, name, bytes(value)), sync=(p,))  # type: ignore[union-attr]
 
     def removexattr(self, path: str, name: str) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.removexattr(p, name), sync=(p,))
+        self._run(lambda: self.interceptor.pre_xattr(p), lambda: self.host.removexattr(p, name), sync=(p,))  # type: ignore[union-attr]
 
     def fallocate(self, path: str, offset: int, length: int, mode: int = 0) -> None:
         p = _entry(path, "fallocate")
-        self._run(lambda: self.interceptor.pre_fallocate(p), lambda: self.host.fallocate(p, offset, length, mode), sync=(p,))
+        self._run(lambda: self.interceptor.pre_fallocate(p), lambda: self.host.fallocate(p, offset, length, mode), sync=(p,))  # type: ignore[union-attr]
 
     def copy_file_range(self, src: str, dst: str, src_offset: int, dst_offset: int, length: int) -> int:
         s, d = normalize(src), _entry(dst, "write")
-        return self._run(lambda: self.interceptor.pre_copy_file_range(d),
+        return self._run(lambda: self.interceptor.pre_copy_file_range(d),  # type: ignore[union-attr]
                          lambda: self.host.copy_file_range(s, d, src_offset, dst_offset, length), sync=(d,))
 
     # ------------------------------------------------------------------ open handles
@@ -268,7 +228,7 @@ class InterceptedFS(TreeOps):
             self.open_trunc(p)
         return self.host.open(p, flags & ~os.O_TRUNC)
 
-    def pwrite(self, handle: FileHandle, path: str, offset: int, data: bytes) -> int:
+    def pwrite(self, handle: FileHandle, path: str, offset: int, data: bytes | bytearray | memoryview) -> int:
         """Write all of ``data`` through ``handle``; ``path`` is where the file is now."""
         p = _entry(path, "write")
         if offset < 0:
@@ -285,40 +245,40 @@ class InterceptedFS(TreeOps):
                 done += n
             return done
 
-        return self._run(lambda: self.interceptor.pre_write(p, handle), call, sync=(p,))
+        return self._run(lambda: self.interceptor.pre_write(p, handle), call, sync=(p,))  # type: ignore[union-attr]
 
     def ftruncate(self, handle: FileHandle, path: str, size: int) -> None:
         p = _entry(path, "truncate")
         if size < 0:
             raise OSError(errno.EINVAL, "negative size", path)
-        self._run(lambda: self.interceptor.pre_setattr(p, size=size, handle=handle), lambda: handle.truncate(size),
+        self._run(lambda: self.interceptor.pre_setattr(p, size=size, handle=handle), lambda: handle.truncate(size),  # type: ignore[union-attr]
                   sync=(p,))
 
     def fchmod(self, handle: FileHandle, path: str, mode: int) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.chmod(mode), sync=(p,))
+        self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.chmod(mode), sync=(p,))  # type: ignore[union-attr]
 
     def futime(self, handle: FileHandle, path: str, mtime_ns: int, atime_ns: int | None = None) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.utime(mtime_ns, atime_ns),
+        self._run(lambda: self.interceptor.pre_setattr(p, handle=handle), lambda: handle.utime(mtime_ns, atime_ns),  # type: ignore[union-attr]
                   sync=(p,))
 
-    def fsetxattr(self, handle: FileHandle, path: str, name: str, value: bytes) -> None:
+    def fsetxattr(self, handle: FileHandle, path: str, name: str, value: bytes | bytearray | memoryview) -> None:
         p = normalize(path)
         if not name or "\0" in name or len(name) > NAME_LEN_MAX:
             raise OSError(errno.EINVAL, f"invalid xattr name {name!r}", path)
-        self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.setxattr(name, bytes(value)),
+        self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.setxattr(name, bytes(value)),  # type: ignore[union-attr]
                   sync=(p,))
 
     def fremovexattr(self, handle: FileHandle, path: str, name: str) -> None:
         p = normalize(path)
-        self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.removexattr(name), sync=(p,))
+        self._run(lambda: self.interceptor.pre_xattr(p, handle=handle), lambda: handle.removexattr(name), sync=(p,))  # type: ignore[union-attr]
 
     def ffallocate(self, handle: FileHandle, path: str, offset: int, length: int, mode: int = 0) -> None:
         """``fallocate(2)`` through ``handle`` (:meth:`FileHandle.fallocate`); ``path`` is where
         the file is now. Every mode may change bytes or the size: a full preimage first."""
         p = _entry(path, "fallocate")
-        self._run(lambda: self.interceptor.pre_fallocate(p, handle), lambda: handle.fallocate(offset, length, mode),
+        self._run(lambda: self.interceptor.pre_fallocate(p, handle), lambda: handle.fallocate(offset, length, mode),  # type: ignore[union-attr]
                   sync=(p,))
 
     def fcopy_file_range(self, src: FileHandle, dst: FileHandle, dst_path: str, src_offset: int, dst_offset: int,
@@ -326,7 +286,7 @@ class InterceptedFS(TreeOps):
         """``copy_file_range(2)`` from ``src`` to ``dst`` (:meth:`FileHandle.copy_range_to`);
         ``dst_path`` is where the destination is now (its preimage is taken there)."""
         d = _entry(dst_path, "write")
-        return self._run(lambda: self.interceptor.pre_copy_file_range(d, dst),
+        return self._run(lambda: self.interceptor.pre_copy_file_range(d, dst),  # type: ignore[union-attr]
                          lambda: src.copy_range_to(dst, src_offset, dst_offset, length), sync=(d,))
 
     # ------------------------------------------------------------------ conveniences

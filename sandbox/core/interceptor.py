@@ -178,14 +178,14 @@ class UndoInterceptor:
         if self._held():  # ended before anyone answered (the next step began, or closed now): no answer is a deny
             hold = self.safeguard.pending
             self._emit({"type": "event.warning",
-                        "message": f"safeguard {hold.id}: step {a.id} ended before it was answered: denied"})
-            self.resolve_hold(hold.id, "deny")
-        denied = a.denied
+                        "message": f"safeguard {hold.id}: step {a.id} ended before it was answered: denied"})  # type: ignore[union-attr]
+            self.resolve_hold(hold.id, "deny")  # type: ignore[union-attr]
+        denied = a.denied  # type: ignore[union-attr]
         self.tracker.end()
-        self.safeguard.step_ended(a.id)
+        self.safeguard.step_ended(a.id)  # type: ignore[union-attr]
         self._marks = {}
         if self.log.open_step is not None:
-            self.log.open_step.closing = (a.exit_code, denied)
+            self.log.open_step.closing = (a.exit_code, denied)  # type: ignore[union-attr]
             self._promote()
         else:
             self.tracker.recorded(denied)  # no store (undo unavailable): nothing to record it in
@@ -269,10 +269,10 @@ class UndoInterceptor:
                 raise OSError(errno.EIO, e.message, path or None) from e
             self._mark_op()
         a = self.tracker.active
-        if a.denied:
-            raise SafeguardDenied(f"step {a.id} was denied by a safeguard and rolled back; further writes fail")
+        if a.denied:  # type: ignore[union-attr]
+            raise SafeguardDenied(f"step {a.id} was denied by a safeguard and rolled back; further writes fail")  # type: ignore[union-attr]
         if kind is not None:
-            hold = self.safeguard.check(a.id, kind, path)
+            hold = self.safeguard.check(a.id, kind, path)  # type: ignore[union-attr]
             if hold is not None:
                 self._emit({"type": "event.safeguard_triggered", **hold.as_dict()})
                 raise HoldRequired(hold)
@@ -340,10 +340,10 @@ class UndoInterceptor:
         step = self.log.open_step
         cost = rec.get("stored", 0) + 256
         limit = min(self.log.limits.max_single_step_size_bytes, self.log.limits.max_log_size_bytes)
-        if step.size_bytes + cost > limit:
+        if step.size_bytes + cost > limit:  # type: ignore[union-attr]
             self.log.mark_unprotected()
             return False
-        step.size_bytes += cost
+        step.size_bytes += cost  # type: ignore[union-attr]
         if self.log.total_size_bytes() > self.log.limits.max_log_size_bytes:
             self.log.enforce_limits()
         return True
@@ -364,7 +364,7 @@ class UndoInterceptor:
         ``reader`` — a descriptor that may be on the file at ``path`` (an unlink's) — when it is
         that file's inode; otherwise by path."""
         step = self.log.open_step
-        if step.unprotected or (not always and self._marks.get(path, 0) >= level):
+        if step.unprotected or (not always and self._marks.get(path, 0) >= level):  # type: ignore[union-attr]
             return
         st = self._named(path, handle, look)
         if st is None:
@@ -385,7 +385,7 @@ class UndoInterceptor:
             # without a handle, a removal's other kinds' xattrs through its entry (Entry.xattrs)
             rec = {"op": op, "path": path, **meta_of(self.work, path, st, via if via is not None else look)}
             if op == "pre" and st.kind == REG:
-                rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))
+                rec.update(self.log.capture_content(self.work, path, st, len(step.records), via))  # type: ignore[union-attr]
             if op == "pre" and st.kind != DIR and (st.nlink > 1 or st.ino in self._linked):
                 # its names are made one inode again (preimage.LinkGroups): a regular file,
                 # and a symlink, fifo or socket too (one inode: one mode and mtime for all names)
@@ -428,10 +428,10 @@ class UndoInterceptor:
                 names.add(dst)
             return
         for names in self._names.values():
-            moved = {p for p in names if is_within(p, src) or (exchange and is_within(p, dst))}
-            if moved:
-                names -= moved
-                names |= {dst + p[len(src):] if is_within(p, src) else src + p[len(dst):] for p in moved}
+            gone = {p for p in names if is_within(p, src) or (exchange and is_within(p, dst))}
+            if gone:
+                names -= gone
+                names |= {dst + p[len(src):] if is_within(p, src) else src + p[len(dst):] for p in gone}
 
     def _capture_parent(self, path: str) -> None:
         self._capture(parent_of(path), FULL)
@@ -565,9 +565,9 @@ class UndoInterceptor:
                 for p, m in self._drop_subtree(src):
                     self._set_mark(dst + p[len(src):], m)
             else:
-                m = self._marks.get(src)
+                mark = self._marks.get(src)
                 self._set_mark(src, None)
-                self._set_mark(dst, m)
+                self._set_mark(dst, mark)
 
     @_journalled
     def pre_exchange(self, a: str, b: str) -> None:

@@ -45,7 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, FileHandle, HostFS, Stat, is_within, join, parent_of
+from ..hostfs import DIR, LNK, MKNOD_FMTS, OTHER, REG, Entry, FileHandle, HostFS, Stat, is_within, join, parent_of
 
 CHUNK_BYTES = 1 << 20
 #: records written before a host call that may then fail (its ``op_failed`` voids them)
@@ -60,7 +60,7 @@ def unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
-def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | None = None) -> dict:
+def meta_of(fs: HostFS, path: str, st: Stat, handle: FileHandle | Entry | None = None) -> dict:
     """The metadata part of a preimage record. With ``handle`` (open on the inode ``st``
     describes, or a removal's :class:`~sandbox.hostfs.Entry` that just looked at it: anything
     with ``xattrs()``) the xattrs are read through it: that inode's, and no path resolution
@@ -436,13 +436,13 @@ class LinkGroups:
         st = _lstat(fs, path)
         for q in live:
             cur = _lstat(fs, q)
-            if cur is not None and cur.ino != st.ino:
+            if cur is not None and cur.ino != st.ino:  # type: ignore[union-attr]
                 _relink(fs, path, q)
                 self.touched.append(q)
         members = self._members.setdefault(ino, {})
         for q in live:
-            members[q] = st.ino
-        members[path] = st.ino
+            members[q] = st.ino  # type: ignore[union-attr]
+        members[path] = st.ino  # type: ignore[union-attr]
 
     def undone(self, rec: dict) -> None:
         """Follow the names through the undo of ``rec`` (a move back, a removal)."""
@@ -558,7 +558,7 @@ class _Origins:
     """Which object is at a path, as the journal goes: the one that was at some path
     before the step (its *origin*), or one the step created (``None``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._moves: dict[str, str | None] = {}  # path prefix now -> origin prefix (None: new)
 
     def of(self, path: str) -> str | None:

@@ -74,7 +74,7 @@ ACTIVE_STATES = frozenset({S.OPEN, S.COMPLETING, S.DENIED})
 FINAL_STATES = frozenset(s for s, out in EDGES.items() if not out)
 
 
-@dataclass
+@dataclass(init=False)
 class Step:
     """One step from its beginning to its record in history (or its discard)."""
 
@@ -87,6 +87,19 @@ class Step:
     exit_code: int | None = None
     #: the states it has been in, in order (bounded: the graph has no cycle, so at most 5)
     trail: tuple[StepState, ...] = (S.OPEN,)
+
+    def __init__(self, id: int, type: str, command: str, last_write_s: float, state: StepState = S.OPEN,
+                 drain_deadline_s: float = 0.0, exit_code: int | None = None, trail: tuple[StepState, ...] = (S.OPEN,)):
+        """The fields above, in their order and with their defaults; written out rather than
+        generated, so that a campaign's build compiles it (``sandbox_sim/compiled.py``)."""
+        self.id = id
+        self.type = type
+        self.command = command
+        self.last_write_s = last_write_s
+        self.state = state
+        self.drain_deadline_s = drain_deadline_s
+        self.exit_code = exit_code
+        self.trail = trail
 
     def _transition(self, to: StepState) -> None:
         """The only place ``state`` changes; an edge outside :data:`EDGES` is a bug."""

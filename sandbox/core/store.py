@@ -40,7 +40,7 @@ import io
 import json
 import marshal
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Iterator
 
 from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_ascii as _encode_ascii  # type: ignore[attr-defined]
@@ -119,7 +119,7 @@ class Limits:
                 raise ValueError(f"{name} must be a positive integer")
 
 
-@dataclass
+@dataclass(init=False)
 class StepInfo:
     """One step of history, as the store knows it."""
 
@@ -142,19 +142,41 @@ class StepInfo:
     journal_hash: str = ""
     records: int = 0
 
+    def __init__(self, seq: int, id: int, type: str, command: str, started_ns: int, ended_ns: int | None = None,
+                 exit_code: int | None = None, outcome: str = "completed", unprotected: bool = False, size_bytes: int = 0,
+                 paths: list[str] | None = None, fingerprints: dict | None = None, corrupt: str | None = None,
+                 journal_lines: int = 0, journal_bytes: int = 0, journal_hash: str = "", records: int = 0):
+        """The fields above, in their order and with their defaults (a new list and dict where
+        none is given); written out rather than generated: a campaign's build compiles this
+        one (``sandbox_sim/compiled.py``), not a generated one, and a reopen makes one a step."""
+        self.seq = seq
+        self.id = id
+        self.type = type
+        self.command = command
+        self.started_ns = started_ns
+        self.ended_ns = ended_ns
+        self.exit_code = exit_code
+        self.outcome = outcome
+        self.unprotected = unprotected
+        self.size_bytes = size_bytes
+        self.paths = [] if paths is None else paths
+        self.fingerprints = {} if fingerprints is None else fingerprints
+        self.corrupt = corrupt
+        self.journal_lines = journal_lines
+        self.journal_bytes = journal_bytes
+        self.journal_hash = journal_hash
+        self.records = records
+
     @property
     def dirname(self) -> str:
         return f"steps/{self.seq:010d}"
 
     def copy(self) -> "StepInfo":
         """An equal StepInfo whose ``paths`` and ``fingerprints`` are its own (what the
-        Workspace hands out: changing it changes nothing in the store). Field by field, as
-        ``dataclasses.replace`` would, without re-running ``__init__``."""
-        c = object.__new__(StepInfo)
-        c.__dict__.update(self.__dict__)
-        c.paths = list(self.paths)
-        c.fingerprints = dict(self.fingerprints)
-        return c
+        Workspace hands out: changing it changes nothing in the store). By
+        ``dataclasses.replace``: a compiled StepInfo (``sandbox_sim/compiled.py``) has no
+        ``__dict__`` to copy, nor an ``object.__new__``."""
+        return replace(self, paths=list(self.paths), fingerprints=dict(self.fingerprints))
 
 
 @dataclass
@@ -218,6 +240,11 @@ class Barrier:
     paths: list[str]
     created_ns: int
     reason: str = "external modification"
+
+    def as_dict(self) -> dict:
+        """Its fields by name (the values themselves, not copies); a compiled Barrier
+        (``sandbox_sim/compiled.py``) has no ``__dict__``."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _errno_name(code: int | None) -> str | None:
@@ -1230,7 +1257,7 @@ class UndoLog:
         b = Barrier(id=self._counters["next_barrier"], after_seq=after, paths=sorted(paths)[:1000], created_ns=self.clock_ns(), reason=reason)
         self._counters["next_barrier"] += 1
         self._save_counters(lease=True)  # (bounds ahead, as a step's begin writes them: not lowered)
-        self._write_file(f"barriers/{b.id:010d}.json", seal(b.__dict__))
+        self._write_file(f"barriers/{b.id:010d}.json", seal(b.as_dict()))
         self._barriers.append(b)
         return b
 

@@ -56,12 +56,19 @@ def default_state_dir(workdir: str) -> str:
     return os.path.join(base, "sandbox", "undo", f"{name}-{digest}")
 
 
-@dataclass
+@dataclass(init=False)
 class StepHandle:
     id: int
     type: str
     command: str
     exit_code: int | None = None
+
+    def __init__(self, id: int, type: str, command: str, exit_code: int | None = None):
+        """Written out rather than generated, so that a campaign's build compiles it."""
+        self.id = id
+        self.type = type
+        self.command = command
+        self.exit_code = exit_code
 
 
 class Workspace:
@@ -86,6 +93,7 @@ class Workspace:
         self.fs = InterceptedFS(work, self._interceptor, decide)
         self._closed = False
         self.unrecorded_step_id: int | None = None  # see close()
+        self._real_fs: tuple[HostFS, ...] = ()  # open(): the real folders under any wrap_work, closed by close()
 
     # ------------------------------------------------------------------ opening
 
@@ -152,7 +160,7 @@ class Workspace:
         finally:
             self._closed = True
             self._log.close()
-            for fs in (self.work, self.store, *getattr(self, "_real_fs", ())):
+            for fs in (self.work, self.store, *self._real_fs):
                 if isinstance(fs, RealHostFS):
                     fs.close()
 
@@ -359,14 +367,14 @@ class Workspace:
             return out
 
     def barriers(self) -> list[dict]:
-        return [b.__dict__.copy() for b in self._log.barriers()]
+        return [b.as_dict() for b in self._log.barriers()]
 
     def record_external_modification(self, paths: list[str], reason: str = "external modification") -> dict:
         """A change to the folder that did not come through us: place a barrier after the newest step."""
         with self._interceptor.lock:
             b = self._log.add_barrier(list(paths), reason)
             self._emit({"type": "event.external_modification", "paths": b.paths, "barrier_id": b.id})
-            return b.__dict__.copy()
+            return b.as_dict()
 
     # ------------------------------------------------------------------ rollback
 
@@ -521,16 +529,14 @@ class Workspace:
 
     def configure_limits(self, **limits) -> None:
         with self._interceptor.lock:
-            current = self._log.limits.__dict__.copy()
-            current.update(limits)
-            self._log.limits = Limits(**current)
+            # replace(): a new Limits from the current fields and these (the fields as a dict
+            # would need the instance's __dict__, which a compiled one has not: compiled.py)
+            self._log.limits = dataclasses.replace(self._log.limits, **limits)
             self._log.enforce_limits()
 
     def configure_safeguard(self, **config) -> None:
         with self._interceptor.lock:
-            current = self._interceptor.safeguard.config.__dict__.copy()
-            current.update(config)
-            self._interceptor.safeguard.config = SafeguardConfig(**current)
+            self._interceptor.safeguard.config = dataclasses.replace(self._interceptor.safeguard.config, **config)
 
     def discard(self) -> None:
         """Delete all undo history (the way out of a version mismatch)."""

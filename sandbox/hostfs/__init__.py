@@ -358,8 +358,9 @@ class FileHandle(ABC):
         """Up to ``length`` bytes at ``offset`` (fewer at EOF, ``b""`` past it)."""
 
     @abstractmethod
-    def pwrite(self, data: bytes, offset: int) -> int:
-        """Write at ``offset`` (at EOF with ``O_APPEND``); may write fewer bytes (callers loop)."""
+    def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> int:
+        """Write at ``offset`` (at EOF with ``O_APPEND``); may write fewer bytes (callers loop).
+        ``data`` may be a view (:meth:`InterceptedFS.pwrite` passes a FUSE write's as it is)."""
 
     @abstractmethod
     def truncate(self, size: int) -> None: ...

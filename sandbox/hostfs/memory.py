@@ -275,7 +275,7 @@ class MemoryFileHandle(FileHandle):
             raise _err(errno.EINVAL, self.path)
         return bytes(self._node.data[offset : offset + length])
 
-    def pwrite(self, data: bytes, offset: int) -> int:
+    def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> int:
         limit = self._call("write", len(data))
         if offset < 0:  # checked before O_APPEND moves the offset, as pwrite(2) does
             raise _err(errno.EINVAL, self.path)
@@ -840,7 +840,7 @@ class MemoryHostFS(HostFS):
             raise _err(errno.EINVAL, path)
         return self._write_node(node, offset, data, limit, path)
 
-    def _write_node(self, node: _Inode, offset: int, data: bytes, limit: Optional[int], path: str) -> int:
+    def _write_node(self, node: _Inode, offset: int, data: bytes | bytearray | memoryview, limit: Optional[int], path: str) -> int:
         """The write itself (path or handle): ``limit`` from the fault hook tears it."""
         n = len(data) if limit is None else max(0, min(limit, len(data)))
         if n:  # a zero-byte write changes nothing: no zero-fill, no timestamps
@@ -1421,3 +1421,16 @@ class MemoryHostFS(HostFS):
         if self.record_losses:
             self._record_version(node)
         return lock
+
+
+class ReflinkMemoryHostFS(MemoryHostFS):
+    """A simulated disk that can clone files to another one (what FICLONE does on XFS or
+    btrfs): the clone holds the same bytes, so the undo store keeps large preimages raw."""
+
+    def clone_to(self, path: str, dst_fs: HostFS, dst_path: str) -> None:
+        if not isinstance(dst_fs, ReflinkMemoryHostFS):
+            raise OSError(errno.EOPNOTSUPP, "reflink needs two simulated reflink disks")
+        self._fault("clone_to", path)
+        data = self.read_all(path)
+        dst_fs.create(dst_path, 0o600)
+        dst_fs.write_all(dst_path, 0, data)

@@ -337,7 +337,7 @@ class RealFileHandle(FileHandle):
         finally:
             os.close(rfd)
 
-    def pwrite(self, data: bytes, offset: int) -> int:
+    def pwrite(self, data: bytes | bytearray | memoryview, offset: int) -> int:
         fd = self._acquire()
         try:
             if offset < 0:

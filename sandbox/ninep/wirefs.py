@@ -20,7 +20,7 @@ import stat as _stat
 import tempfile
 from typing import Iterator
 
-from ..core.intercepted_fs import TreeOps
+from ..core.tree_ops import TreeOps
 from ..hostfs import absent_as_none, DIR, LNK, OTHER, REG, Stat, normalize, parent_of
 from ..mounts import Provider
 from . import messages as m

@@ -59,7 +59,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..core.safeguard import SafeguardConfig
@@ -751,8 +751,8 @@ class Session:
         owners = guest_owner_map(self.folders[0].path, as_root) if self.guest_kind == "vm" else None
         base = {
             "run_dir": s.run_dir,
-            "safeguard": self.safeguard.__dict__ if self.safeguard is not None else None,
-            "limits": self.limits.__dict__ if self.limits is not None else None,
+            "safeguard": asdict(self.safeguard) if self.safeguard is not None else None,
+            "limits": asdict(self.limits) if self.limits is not None else None,
             "owners": None if owners is None else {"host_uids": sorted(owners.host_uids), "host_gids": sorted(owners.host_gids),
                                                    "guest_uid": owners.guest_uid, "guest_gid": owners.guest_gid},
             "external_policy": self.external_policy,
