@@ -139,14 +139,14 @@ def test_docs_quote_the_other_research_limits():
     from sandbox import hostfs
     from sandbox.hostfs import memory
 
-    from . import campaign, explore
+    from . import campaign, compiled, explore
 
     text = open(os.path.join(ROOT, "docs", "simulation.md"), encoding="utf-8").read()
     where = {"CROSS_CHECK_EVERY": campaign, "EXPLORE_STATES_MAX": explore, "NORMALIZED_KEPT_MAX": hostfs,
              "PARSED_JOURNALS_KEPT_MAX": store, "PARSED_JOURNAL_KEPT_BYTES_MAX": store,
              "EXPLORE_LOSS_STATES_MAX": explore, "UNSYNCED_VERSIONS_MAX": memory,
              "RESOLVED_PATHS_KEPT_MAX": memory, "DECOMPRESSORS_KEPT_MAX": store, "INLINE_CHECKED_KEPT_MAX": store,
-             "INLINE_CHECKED_BYTES_MAX": store}
+             "INLINE_CHECKED_BYTES_MAX": store, "BUILD_TIMEOUT_S": compiled}
     for name, module in where.items():
         m = re.search(rf"`{name}`\s*=\s*([\d,]+)( MiB)?", text)
         assert m, f"docs/simulation.md does not quote {name}"
