@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, HERE)
     from sandbox_sim import compiled
 
-    built = not args.interpreted and _has_build(compiled)
+    built = not args.interpreted and compiled.built() is not None
     if not built and not args.interpreted:
         print("(no compiled build of this tree: python -m sandbox_sim compile; measuring it interpreted)", flush=True)
     with tempfile.TemporaryDirectory(prefix="campaign-speed-") as tmp:
@@ -145,11 +145,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if "base" in trees:
                 drop_baseline(trees["base"][0])
-
-
-def _has_build(compiled) -> bool:
-    path = compiled.build_path()
-    return os.path.isdir(path) and all(m in compiled.extensions(path) for m in compiled.module_names())
 
 
 def _sides(trees: dict) -> str:

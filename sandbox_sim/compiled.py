@@ -126,6 +126,14 @@ def extensions(path: str) -> dict[str, str]:
     return out
 
 
+def built(root: str = ROOT) -> dict[str, str] | None:
+    """The extension modules (:func:`extensions`) of the build of ``root``'s current sources if
+    there is one holding every module of :data:`MODULES`; else None."""
+    path = build_path(root)
+    table = extensions(path) if os.path.isdir(path) else {}
+    return table if all(m in table for m in module_names()) else None
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds the build's extension modules (the compiled modules and mypyc's shared runtime
     module of the group) by their dotted names; every other name is left to the usual finders."""
@@ -157,10 +165,10 @@ def _activate(root: str) -> tuple[bool, str]:
     loaded = [m for m in module_names() if m in sys.modules]
     if loaded:
         return False, f"interpreted: {', '.join(loaded)} already imported before the compiled build could be used"
-    path = build_path(root)
-    table = extensions(path) if os.path.isdir(path) else {}
-    if not all(m in table for m in module_names()):
-        older = os.path.isdir(os.path.join(root, BUILD_DIR)) and os.listdir(os.path.join(root, BUILD_DIR))
+    table = built(root)
+    if table is None:
+        parent = os.path.join(root, BUILD_DIR)
+        older = os.path.isdir(parent) and any(not name.startswith(".") for name in os.listdir(parent))
         why = "the compiled build is older than the sources" if older else "no compiled build"
         return False, f"interpreted: {why} (python -m sandbox_sim compile)"
     sys.meta_path.insert(0, _Finder(table))
@@ -202,7 +210,7 @@ def build(root: str = ROOT, log=print) -> str:
         raise RuntimeError("mypy is not installed: pip install -e '.[compiled]' (./dev setup does)")
     key = source_key(root)
     final = build_path(root, key)
-    if os.path.isdir(final) and all(m in extensions(final) for m in module_names()):
+    if built(root) is not None:
         log(f"compiled build {key} is up to date")
         return final
     parent = os.path.join(root, BUILD_DIR)

@@ -96,12 +96,7 @@ def test_a_defect_is_never_planted_in_a_process_running_the_compiled_build():
     assert out.startswith("refused: cannot plant forget_mode: this process runs the compiled build"), out
 
 
-def _has_build() -> bool:
-    path = compiled.build_path()
-    return os.path.isdir(path) and all(m in compiled.extensions(path) for m in compiled.module_names())
-
-
-needs_build = pytest.mark.skipif(not _has_build(), reason="no compiled build of this tree (python -m sandbox_sim compile; "
+needs_build = pytest.mark.skipif(compiled.built() is None, reason="no compiled build of this tree (python -m sandbox_sim compile; "
                                  "./dev setup builds it with mypy and gcc): campaigns run interpreted")
 
 _OK = re.compile(r"ok: (\d+) actions, (\d+) ops executed, (\d+) faults injected, (\d+) recoveries verified")
