@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                    "to our server on a unix socket), fuse or fuse-noopen (real system calls on a real FUSE mount "
                    "of a temporary folder; root and /dev/fuse). The servers' drivers take the fault kinds "
                    "enospc,eio only")
+    interpreted_help = ("run the interpreted modules even where a compiled build of this tree exists (python -m "
+                        "sandbox_sim compile; --plant implies it)")
     plant_help = f"plant a defect first, to check the campaign catches it: {', '.join(DEFECTS)} (sandbox_sim/defects.py)"
     r = sub.add_parser("run", help="run a campaign (deterministic for a seed)")
     r.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
@@ -153,16 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--plant", metavar="DEFECT", help=plant_help)
     r.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
     r.add_argument("--driver", choices=DRIVER_NAMES, default="sim", help=driver_help)
-    r.add_argument("--interpreted", action="store_true", help="run the interpreted modules even where a compiled build "
-                   "of this tree exists (python -m sandbox_sim compile; --plant implies it)")
+    r.add_argument("--interpreted", action="store_true", help=interpreted_help)
     r.set_defaults(fn=cmd_run)
     rp = sub.add_parser("replay", help="replay a trace printed by a failing run")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--config", required=True)
     rp.add_argument("--trace", required=True)
     rp.add_argument("--plant", metavar="DEFECT", help=plant_help)
-    rp.add_argument("--interpreted", action="store_true", help="run the interpreted modules even where a compiled build "
-                    "of this tree exists (python -m sandbox_sim compile; --plant implies it)")
+    rp.add_argument("--interpreted", action="store_true", help=interpreted_help)
     rp.set_defaults(fn=cmd_replay)
     f = sub.add_parser("fanout", help="run many seeds as Ray tasks (the sandbox[cluster] extra); shrink failures where they happen")
     f.add_argument("--seeds", required=True, metavar="A:B", help="seeds A to B-1 (Python range)")
@@ -177,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--plant", metavar="DEFECT", help=plant_help + "; planted in every worker")
     f.add_argument("--programs", choices=sorted(PROGRAM_SETS), default="undo", help=programs_help)
     f.add_argument("--driver", choices=DRIVER_NAMES, default="sim", help=driver_help)
-    f.add_argument("--interpreted", action="store_true", help="run the interpreted modules even where a compiled build "
-                    "of this tree exists (python -m sandbox_sim compile; --plant implies it)")
+    f.add_argument("--interpreted", action="store_true", help=interpreted_help)
     f.set_defaults(fn=cmd_fanout)
     c = sub.add_parser("compile", help="compile the campaign's hot modules with mypyc (needs mypy and a C compiler; "
                        "./dev setup does it); run, replay and fanout then use that build while the sources match it")
