@@ -127,7 +127,7 @@ def test_probe_accel_on_this_machine(tmp_path, monkeypatch):
     if choice.accel == "kvm":  # a machine where KVM works: the probe guest booted with it
         assert choice.boot_s is not None and choice.boot_s < timeout_s and choice.cpu in qemu.KVM_CPU_MODELS
     else:
-        assert choice.reason.startswith("KVM: ") and choice.boot_s is None and choice.cpu == "max"
+        assert choice.reason.startswith("KVM: ") and choice.boot_s is None and choice.cpu == qemu.TCG_CPU
         if qemu._kvm_unusable() is None:  # /dev/kvm opened, so every CPU model was tried and failed
             assert "-cpu host" in choice.reason and "-cpu max" in choice.reason
     if qemu._kvm_unusable() is None:

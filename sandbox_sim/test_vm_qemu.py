@@ -78,7 +78,8 @@ def test_tcg_defaults(boot_files):
     cmd = qemu.build_command(cfg(boot_files))
     assert cmd[0] == "qemu-system-x86_64"
     assert values(cmd, "-machine") == ["q35,accel=tcg"]
-    assert values(cmd, "-cpu") == ["max"]
+    # QEMU's max model, but without the "fast rep movsb" TCG runs a byte a loop (qemu.TCG_CPU)
+    assert values(cmd, "-cpu") == ["max,erms=off,fsrm=off"] == [qemu.TCG_CPU]
     assert values(cmd, "-m") == ["1024"] and values(cmd, "-smp") == ["2"]
     for flag in ("-nodefaults", "-no-reboot"):
         assert flag in cmd
@@ -259,6 +260,9 @@ def test_a_full_session_config(boot_files, tmp_path):
     (dict(memory_mb=16), "memory_mb"),
     (dict(cpus=0), "cpus"),
     (dict(cpu="host,+vmx"), "cpu model"),
+    (dict(cpu="max,erms=off,"), "cpu model"),
+    (dict(cpu="max,erms=maybe"), "cpu model"),
+    (dict(cpu="max,erms=off -S"), "cpu model"),
     (dict(append="a\nb"), "one line"),
     (dict(guestfwds=[(564, "/tmp/a.sock"), (564, "/tmp/b.sock")]), "given twice"),
     (dict(guestfwds=[(0, "/tmp/a.sock")]), "port must be"),
@@ -348,6 +352,11 @@ def fake_qemu(tmp_path, max_behaviour: str) -> str:
     return script(d / "qemu-system-x86_64", FAKE_QEMU + max_behaviour)
 
 
+@pytest.mark.parametrize("cpu", ["max", "host", "Skylake-Client-v4", "max,erms=off,fsrm=off", "qemu64,avx2=on"])
+def test_a_cpu_model_with_features_on_or_off_is_taken_verbatim(boot_files, cpu):
+    assert values(qemu.build_command(cfg(boot_files, cpu=cpu)), "-cpu") == [cpu]
+
+
 def runs(fake: str) -> list[str]:
     path = os.path.join(os.path.dirname(fake), "runs")
     return open(path).read().splitlines() if os.path.exists(path) else []
@@ -357,7 +366,7 @@ def test_probe_without_dev_kvm_is_tcg(image, tmp_path, monkeypatch):
     monkeypatch.setattr(qemu, "KVM_DEVICE", str(tmp_path / "no-kvm"))
     fake = fake_qemu(tmp_path, MAX_BOOTS)
     choice = qemu.probe_accel(image, cache_dir=str(tmp_path / "cache"), qemu=fake)
-    assert (choice.accel, choice.cpu, choice.boot_s) == ("tcg", "max", None)
+    assert (choice.accel, choice.cpu, choice.boot_s) == ("tcg", qemu.TCG_CPU, None)
     assert choice.reason == f"KVM: {tmp_path}/no-kvm does not exist"
     assert runs(fake) == []  # nothing was booted
 
@@ -371,7 +380,7 @@ def test_probe_with_unopenable_dev_kvm_is_tcg(image, tmp_path, monkeypatch):
     assert choice.reason.startswith(f"KVM: cannot open {not_a_device} read/write:")
 
 
-@pytest.mark.parametrize("value, accel, cpu", [("tcg", "tcg", "max"), ("kvm", "kvm", "host")])
+@pytest.mark.parametrize("value, accel, cpu", [("tcg", "tcg", qemu.TCG_CPU), ("kvm", "kvm", "host")])
 def test_env_override_skips_probing(image, tmp_path, kvm_device, monkeypatch, value, accel, cpu):
     monkeypatch.setenv("SANDBOX_ACCEL", value)
     fake = fake_qemu(tmp_path, MAX_BOOTS)
@@ -425,6 +434,26 @@ def test_probe_result_is_cached_per_qemu_binary(image, tmp_path, kvm_device):
     assert not qemu.probe_accel(image, timeout_s=5, cache_dir=str(cache), qemu=fake).cached
     assert len(runs(fake)) == 6
     assert len(json.loads((cache / qemu.PROBE_CACHE_FILE).read_text())["entries"]) == 3
+
+
+def test_a_cached_tcg_choice_runs_todays_tcg_cpu(image, tmp_path, kvm_device):
+    """A TCG fallback cached before TCG_CPU changed (it said "max") boots today's model; a
+    cached KVM choice keeps the model its probe booted."""
+    fake = fake_qemu(tmp_path, MAX_HANGS)
+    cache = tmp_path / "cache"
+    first = qemu.probe_accel(image, timeout_s=0.5, cache_dir=str(cache), qemu=fake)
+    assert (first.accel, first.cpu, first.cached) == ("tcg", qemu.TCG_CPU, False)
+    path = cache / qemu.PROBE_CACHE_FILE
+    data = json.loads(path.read_text())
+    (key, entry), = data["entries"].items()
+    assert entry["cpu"] == qemu.TCG_CPU
+    entry["cpu"] = "max"  # as the cache was written before
+    data["entries"]["kvm-key"] = {**entry, "accel": "kvm", "cpu": "Skylake-Client"}
+    path.write_text(json.dumps(data))
+    again = qemu.probe_accel(image, timeout_s=0.5, cache_dir=str(cache), qemu=fake)
+    assert again.cached and (again.accel, again.cpu) == ("tcg", qemu.TCG_CPU)
+    assert qemu._from_cache(data["entries"]["kvm-key"]).cpu == "Skylake-Client"
+    assert len(runs(fake)) == 2  # probed once (host, max), not again
 
 
 def test_a_damaged_cache_means_probing_again(image, tmp_path, kvm_device):
