@@ -39,10 +39,16 @@ directories: open, write, close), stat, read (open, read, close), rm -rf. git an
 sequential phases need a real disk behind the floor: not run here (bench/fuse_local.py has them).
 After the times: the requests each phase made on the two FUSE sides (last round), and each
 server's CPU per phase (/proc/PID/task/*/schedstat).
+
+--pin: where the scheduler may run them. none (default): anywhere; same: this script (the
+workload and its `rm`) and every thread of the server on CPU 0; split: the workload on CPU 0,
+the server on CPU 1. A round trip that wakes a server sleeping on the other CPU of a VM costs
+a cross-CPU wakeup (an IPI to an idle virtual CPU): --pin shows what that costs here.
 """
 
 SIDES = ("floor", "intercepted", "plain")
 PHASES = ("create", "stat", "read", "rm -rf")
+PINS = {"none": None, "same": ({0}, {0}), "split": ({0}, {1})}  # (workload CPUs, server CPUs)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fuse_floor.c")
 
 
@@ -71,6 +77,15 @@ class Floor:
         subprocess.run(["umount", self.point], check=False, capture_output=True)
         self.proc.wait(MOUNT_TIMEOUT_S)
         self.proc.stdout.close()
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (threads it starts later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
 
 def workload(root: str, files: int, mounted=None) -> tuple[dict, dict, dict]:
@@ -123,9 +138,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--pin", choices=PINS, default="none", help="CPU placement (above)")
     ap.add_argument("--dir", help="where the folders go (a real disk, not tmpfs; default: the system temp dir)")
     args = ap.parse_args(argv)
-    why = unavailable()
+    why = unavailable() or (args.pin != "none" and os.cpu_count() < 2 and "--pin needs 2 CPUs")
     if why:
         print(f"skipped: {why}", file=sys.stderr)
         return 0
@@ -134,7 +150,10 @@ def main(argv=None) -> int:
     subprocess.run(["gcc", "-O2", "-Wall", "-o", binary, SOURCE], check=True)
     results = {s: [] for s in SIDES}
     ops, cpu = {}, {s: [] for s in SIDES if s != "plain"}
-    print(f"{args.files} files, {args.repeat} rounds, in {base}", flush=True)
+    placement = PINS[args.pin]
+    if placement:
+        pin(os.getpid(), placement[0])
+    print(f"{args.files} files, {args.repeat} rounds, --pin {args.pin}, in {base}", flush=True)
     try:
         for r in range(args.repeat):
             for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
@@ -144,6 +163,8 @@ def main(argv=None) -> int:
                     os.makedirs(x)
                 mounted = (None if side == "plain" else Floor(binary, point) if side == "floor"
                            else Mounted(work, point, state, False, os.path.join(d, "counts.jsonl")))
+                if mounted and placement:
+                    pin(mounted.proc.pid, placement[1])
                 try:
                     times, ops[side], used = workload(work if side == "plain" else point, args.files, mounted)
                 finally:
