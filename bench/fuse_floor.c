@@ -246,7 +246,9 @@ static void serve(int fd, struct fuse_in_header *h, char *arg) {
     }
     case FUSE_WRITE: {
         struct fuse_write_in *in = (void *)arg;
-        if (in->offset + in->size > FILE_BYTES_MAX) return reply(fd, h->unique, EFBIG, NULL, 0);
+        if (in->offset > FILE_BYTES_MAX || in->size > FILE_BYTES_MAX - in->offset) /* no wrap-around */
+            return reply(fd, h->unique, EFBIG, NULL, 0);
+        if (sizeof *h + sizeof *in + in->size > h->len) return reply(fd, h->unique, EINVAL, NULL, 0);
         if (!n->data) n->data = calloc(1, FILE_BYTES_MAX);
         memcpy(n->data + in->offset, in + 1, in->size);
         if (in->offset + in->size > n->size) n->size = in->offset + in->size;
