@@ -65,6 +65,16 @@ from .notify import Notifier
 
 log = logging.getLogger("sandbox.fuse")
 
+
+def _opcode_name(opcode: int | None) -> str:
+    """What :attr:`FuseServer.op_counts` calls a request it could not decode."""
+    if opcode is None:
+        return "undecodable"
+    try:
+        return abi.Opcode(opcode).name
+    except ValueError:
+        return f"opcode {opcode}"
+
 #: requests read per wake-up of the event loop before it runs other callbacks (held tasks, timers)
 REQUESTS_PER_WAKEUP_MAX = 64
 #: seconds between runs of the undo core's time-driven transitions (ambient step close, hold expiry)
@@ -189,7 +199,8 @@ class FuseServer:
         self.poll_interval_s = poll_interval_s
         self.reading = False
         self.requests = 0  # handled (for tests and logs)
-        #: requests read, by opcode name (cheap; ``sandbox mount --op-counts`` prints them for benchmarks)
+        #: requests read, by opcode name (cheap; ``sandbox mount --op-counts`` prints them for
+        #: benchmarks): every one, also those answered without being decoded (an IOCTL: ENOSYS)
         self.op_counts: collections.Counter[str] = collections.Counter()
         self.notifier = Notifier(fd, self._invalidations)  # its thread runs while serving
         self._buf = memoryview(bytearray(abi.READ_BUFFER_BYTES))  # reused; each request is copied out
@@ -337,6 +348,7 @@ class FuseServer:
         try:
             req = decode_request(buf)
         except m.ProtocolError as e:
+            self.op_counts[_opcode_name(e.opcode)] += 1
             if e.unique is None:
                 log.warning("fuse: undecodable request dropped: %s", e)
             else:
