@@ -139,8 +139,9 @@ def artifacts_dir(*parts: str) -> str:
 
 
 #: browser launches tried before the failure is the test's: Debian's chromium now and then dies
-#: at start-up on a loaded machine (SIGTRAP before its first page), which says nothing of our page
-CHROMIUM_LAUNCH_ATTEMPTS = 2
+#: at start-up (SIGTRAP before its first page; twice in a row once, on a quiet machine), which says
+#: nothing of our page
+CHROMIUM_LAUNCH_ATTEMPTS = 3
 
 
 def launch_chromium(playwright):
