@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fuse_local import MOUNT_TIMEOUT_S, Mounted, _timed  # noqa: E402  (bench/fuse_local.py, beside this)
+from fuse_local import MOUNT_TIMEOUT_S, Mounted, _timed, small_file_phases  # noqa: E402  (bench/fuse_local.py, beside this)
 
 DESCRIPTION = """\
 What do the metadata-heavy phases of bench/fuse_local.py cost through FUSE on this machine when
@@ -90,30 +90,11 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 def workload(root: str, files: int, mounted=None) -> tuple[dict, dict, dict]:
     """Each phase's seconds, requests (by opcode) and server CPU seconds (the last two: FUSE sides)."""
-    names = [os.path.join(root, f"d{i % 20}", f"f{i}.txt") for i in range(files)]
-    data = b"x" * 1024
-
-    def create():
-        for i in range(20):
-            os.mkdir(os.path.join(root, f"d{i}"))
-        for n in names:
-            with open(n, "wb") as f:
-                f.write(data)
-
-    def stat():
-        for n in names:
-            os.stat(n)
-
-    def read():
-        for n in names:
-            with open(n, "rb") as f:
-                f.read()
-
-    def rm_rf():
-        subprocess.run(["rm", "-rf", "--", *(os.path.join(root, n) for n in os.listdir(root))], check=True)
+    phases = small_file_phases(root, files)
 
     times, ops, cpu = {}, {}, {}
-    for name, fn in zip(PHASES, (create, stat, read, rm_rf)):
+    for name in PHASES:
+        fn = phases[name]
         if mounted:
             before, cpu0 = mounted.op_counts(), mounted.cpu_s()
         times[name] = _timed(fn)

@@ -158,13 +158,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def workload(root: str, files: int, mb: int, env: dict, counted=None, after_read_seq=None) -> dict[str, float]:
-    """Each phase's seconds; ``counted(phase, before)``: called before (True) and after
-    (False) each phase (``--counts``); ``after_read_seq(path)``: called with the big file's
-    path once the ``read-seq`` phase is timed (``--folios``)."""
+def small_file_phases(root: str, files: int) -> dict:
+    """The small-file phases, by name, as functions of no argument (``bench/fuse_floor.py`` runs
+    the same ones): ``create`` makes ``files`` files of 1 KiB in 20 directories under ``root``,
+    ``stat`` and ``read`` (Python's ``open``, so an ``isatty`` each) visit them, ``rm -rf``
+    removes everything under ``root``."""
     names = [os.path.join(root, f"d{i % 20}", f"f{i}.txt") for i in range(files)]
     data = b"x" * 1024
-    out = {}
 
     def create():
         for i in range(20):
@@ -181,6 +181,20 @@ def workload(root: str, files: int, mb: int, env: dict, counted=None, after_read
         for n in names:
             with open(n, "rb") as f:
                 f.read()
+
+    def rm_rf():
+        entries = [os.path.join(root, n) for n in os.listdir(root)]
+        subprocess.run(["rm", "-rf", "--", *entries], check=True)
+
+    return {"create": create, "stat": stat, "read": read, "rm -rf": rm_rf}
+
+
+def workload(root: str, files: int, mb: int, env: dict, counted=None, after_read_seq=None) -> dict[str, float]:
+    """Each phase's seconds; ``counted(phase, before)``: called before (True) and after
+    (False) each phase (``--counts``); ``after_read_seq(path)``: called with the big file's
+    path once the ``read-seq`` phase is timed (``--folios``)."""
+    out = {}
+    small = small_file_phases(root, files)
 
     def git():
         for argv in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "bench"]):
@@ -206,12 +220,8 @@ def workload(root: str, files: int, mb: int, env: dict, counted=None, after_read
         finally:
             os.close(fd)
 
-    def rm_rf():
-        entries = [os.path.join(root, n) for n in os.listdir(root)]
-        subprocess.run(["rm", "-rf", "--", *entries], check=True)
-
-    for name, fn in (("create", create), ("stat", stat), ("read", read), ("git", git), ("write", write),
-                     ("read-seq", read_seq), ("rm -rf", rm_rf)):
+    for name, fn in (("create", small["create"]), ("stat", small["stat"]), ("read", small["read"]), ("git", git),
+                     ("write", write), ("read-seq", read_seq), ("rm -rf", small["rm -rf"])):
         if counted:
             counted(name, True)
         out[name] = _timed(fn)
