@@ -110,6 +110,27 @@ def test_rm_rf_then_diff_then_undo_by_click_restores_the_tree(page_of, work):
     shot(page, "after-undo")
 
 
+def test_keyboard_focus_in_the_timeline_survives_its_refresh(page_of, work):
+    """The timeline is rebuilt on every history refresh (each step's events, an undo, another
+    client's command): the element a keyboard user is on — a step's toggle, its Undo button —
+    is focused again in the rebuilt list, not lost to the page."""
+    server, page = page_of
+    run_from_box(page, "echo one > one.txt")
+    expect(page.locator("#terminal")).to_contain_text("[step 1 recorded")
+    step = page.locator('#timeline > li[data-step-id="1"]')
+    toggle = step.get_by_role("button", name="Step 1: echo one > one.txt. Show details")
+    toggle.focus()
+    expect(toggle).to_be_focused()
+    page.evaluate("refreshHistory()")  # what a step event or another client's command does
+    expect(toggle).to_be_focused()
+    page.keyboard.press("Enter")  # still the keyboard's: it opens the step
+    expect(toggle).to_have_attribute("aria-expanded", "true")
+    undo = step.get_by_role("button", name="Undo step 1")
+    undo.focus()
+    page.evaluate("refreshHistory()")
+    expect(undo).to_be_focused()
+
+
 def test_a_safeguard_dialog_deny_rolls_the_step_back(page_of, work):
     server, page = page_of
     before = tree(work)

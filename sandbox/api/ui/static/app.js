@@ -179,11 +179,22 @@ async function refreshHistory() {
   renderTimeline();
 }
 
+// The list is rebuilt on every refresh; the element the keyboard was on (a step's toggle, its
+// Undo button, a diff) is focused again in the new list, found by its step and its classes.
 function renderTimeline(problem) {
-  const ol = $("timeline"); ol.textContent = "";
+  const ol = $("timeline");
+  const was = ol.contains(document.activeElement) ? document.activeElement : null;
+  const wasStep = was && was.closest("li[data-step-id]");
+  const selector = was && [was.tagName.toLowerCase(), ...was.classList].map((c, i) => i ? "." + CSS.escape(c) : c).join("");
+  ol.textContent = "";
   $("timeline-empty").hidden = steps.length > 0;
   if (problem) $("timeline-empty").textContent = problem;
   steps.forEach((st, index) => ol.append(stepItem(st, index)));
+  if (wasStep) {
+    const li = ol.querySelector(`li[data-step-id="${CSS.escape(wasStep.dataset.stepId)}"]`);
+    const again = li && (li.querySelector(selector) || li.querySelector(".step-toggle"));
+    if (again) again.focus();
+  }
 }
 
 function mark(text, bad) { const s = document.createElement("span"); s.className = "mark" + (bad ? " bad" : ""); s.textContent = text; return s; }
