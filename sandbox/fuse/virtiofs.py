@@ -88,6 +88,11 @@ PROTOCOL_FEATURES = v.ProtocolFeature.MQ | v.ProtocolFeature.REPLY_ACK
 MESSAGE_LOG_MAX = 1000
 #: connections whose logs the server keeps (the oldest is dropped)
 CONNECTION_LOGS_MAX = 16
+#: :class:`VirtioFsServer`'s ``direct_io`` modes — which opens skip the guest's page cache
+#: (``FOPEN_DIRECT_IO``): "write-only" (the default; write-only opens of a file open nowhere
+#: else and every open beside them: shared maps work) or "all" (every open, as virtiofsd
+#: ``cache=none``: large reads skip the guest's copy, but 6.1 guests refuse shared maps, ENODEV)
+DIRECT_IO_MODES = ("write-only", "all")
 HIPRIO = 0
 _FUSE_IN_HEADER_BYTES = 40
 _ONE = (1).to_bytes(8, "little")  # an eventfd increment
@@ -346,11 +351,16 @@ class VirtioFsServer:
     """Serve FUSE over vhost-user on a unix socket (module docstring); one front-end at a time.
 
     ``make_dispatcher()`` makes a fresh :class:`Dispatcher` (per connection, and after a
-    DESTROY); the export behind it is shared."""
+    DESTROY); the export behind it is shared. ``direct_io``: one of :data:`DIRECT_IO_MODES`
+    (``ValueError`` otherwise), applied to every dispatcher made."""
 
     def __init__(self, make_dispatcher: Callable[[], Dispatcher], limits: ServerLimits = ServerLimits(),
-                 poll_interval_s: float | None = POLL_INTERVAL_S, capture: bool = False):
+                 poll_interval_s: float | None = POLL_INTERVAL_S, capture: bool = False,
+                 direct_io: str = "write-only"):
+        if direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO_MODES)}, not {direct_io!r}")
         self.make_dispatcher = make_dispatcher
+        self.direct_io = direct_io
         #: with ``capture``: every message's raw bytes and descriptor count, per connection (fixtures)
         self.captures: list[list[tuple[bytes, int]]] | None = [] if capture else None  # unbounded: tests only
         self._raw = bytearray()
@@ -448,6 +458,7 @@ class VirtioFsServer:
         # its pages are dropped at each open and never meanwhile: write-only opens of a file
         # open nowhere else skip them (direct I/O), and so does every open beside one
         self.dispatcher.direct_io_write_only = True
+        self.dispatcher.direct_io_all = self.direct_io == "all"
 
     # -- the vhost-user socket
 
@@ -728,12 +739,15 @@ class VirtioFsThread:
         self._thread.join(self.WAIT_S)
 
 
-async def serve_export(export, path: str, limits: ServerLimits, owners=None) -> tuple[VirtioFsServer, asyncio.Task]:
+async def serve_export(export, path: str, limits: ServerLimits, owners=None,
+                       direct_io: str = "write-only") -> tuple[VirtioFsServer, asyncio.Task]:
     """-- session wiring (issue 17): serve ``export`` (a 9P server's :class:`Export`: the same
     provider, hold gate and undo core) as a virtio-fs device on ``path``, on the running loop —
     the loop that serves the export over 9P, which polls its undo core already. Returns once
-    the socket listens (or raises why it cannot); cancel the task to stop it."""
-    server = VirtioFsServer(lambda: Dispatcher(export, limits, owners=owners), limits, poll_interval_s=None)
+    the socket listens (or raises why it cannot); cancel the task to stop it. ``direct_io``:
+    :data:`DIRECT_IO_MODES`."""
+    server = VirtioFsServer(lambda: Dispatcher(export, limits, owners=owners), limits, poll_interval_s=None,
+                            direct_io=direct_io)
     listening = asyncio.Event()
     task = asyncio.get_running_loop().create_task(server.serve(path, listening.set))
     waiter = asyncio.get_running_loop().create_task(listening.wait())
