@@ -97,6 +97,52 @@ def test_read_only_refuses_writes(tmp_path, env):
     assert os.listdir(work) == [] and not os.path.exists(tmp_path / "xdg")
 
 
+def open_flags_over_virtiofs(sock: str, name: bytes, flags: int) -> int:
+    """The ``open_flags`` the device answers an OPEN of ``name`` (in the root) with ``flags``."""
+    guest = Guest()
+    fe = FrontEnd(sock, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        head, at = guest.submit(1, ref_request(m.Lookup(H(abi.Opcode.LOOKUP), name)), 16 + 128)
+        assert fe.kick_and_wait(1) == [(head, 144)]
+        err, _, body = fuse_reply(guest, at, 144)
+        assert err == 0
+        node = int.from_bytes(body[:8], "little")
+        head, at = guest.submit(1, ref_request(m.Open(H(abi.Opcode.OPEN, node), flags, 0)), 16 + 16)
+        assert fe.kick_and_wait(1) == [(head, 32)]
+        err, _, body = fuse_reply(guest, at, 32)
+        assert err == 0
+        return int.from_bytes(body[8:12], "little")
+    finally:
+        fe.close()
+        os.close(guest.fd)
+
+
+@pytest.mark.parametrize("mode", [None, "write-only", "all"])
+def test_direct_io_all_opens_every_file_direct(tmp_path, env, mode):
+    """``--direct-io all``: a reading open is ``FOPEN_DIRECT_IO`` (virtiofsd ``cache=none``'s
+    trade); the default (``write-only``) keeps it cached; the mode is in the ready line."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data").write_bytes(b"x" * 100)
+    sock = str(tmp_path / "vfs.sock")
+    p = subprocess.Popen([sys.executable, "-m", "sandbox", "serve-virtiofs", "--root", str(work), "--socket", sock,
+                          *(["--direct-io", mode] if mode else [])],
+                         stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+    try:
+        line = p.stderr.readline()
+        assert f"direct I/O: {mode or 'write-only'}" in line, line + p.stderr.read()
+        direct = open_flags_over_virtiofs(sock, b"data", os.O_RDONLY) & abi.FOPEN_DIRECT_IO
+        assert bool(direct) == (mode == "all")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    assert p.returncode == 0
+    r = sandbox_cmd("serve-virtiofs", "--root", str(work), "--socket", sock, "--direct-io", "reads", env=env)
+    assert r.returncode == 2 and "--direct-io" in r.stderr, r
+
+
 def test_bad_usage_and_a_file_at_the_socket_path(tmp_path, env):
     r = sandbox_cmd("serve-virtiofs", "--root", "/nonexistent-dir", "--socket", str(tmp_path / "s"), env=env)
     assert r.returncode == 2 and "not a directory" in r.stderr, r

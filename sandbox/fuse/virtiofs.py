@@ -59,7 +59,7 @@ from typing import Callable
 
 from ..limits import ServerLimits
 from ..serving.sockets import private_socket_path
-from . import abi
+from . import DIRECT_IO_MODES, abi
 from . import messages as m
 from . import vhost as v
 from .codec import decode_request, encode_error, encode_reply_parts
@@ -88,11 +88,6 @@ PROTOCOL_FEATURES = v.ProtocolFeature.MQ | v.ProtocolFeature.REPLY_ACK
 MESSAGE_LOG_MAX = 1000
 #: connections whose logs the server keeps (the oldest is dropped)
 CONNECTION_LOGS_MAX = 16
-#: :class:`VirtioFsServer`'s ``direct_io`` modes — which opens skip the guest's page cache
-#: (``FOPEN_DIRECT_IO``): "write-only" (the default; write-only opens of a file open nowhere
-#: else and every open beside them: shared maps work) or "all" (every open, as virtiofsd
-#: ``cache=none``: large reads skip the guest's copy, but 6.1 guests refuse shared maps, ENODEV)
-DIRECT_IO_MODES = ("write-only", "all")
 HIPRIO = 0
 _FUSE_IN_HEADER_BYTES = 40
 _ONE = (1).to_bytes(8, "little")  # an eventfd increment
