@@ -306,6 +306,8 @@ def _session(args, *, ask: bool = True, progress=None, **session_kw):
             raise CliError("--share virtiofs is for a VM guest (--local serves the folders over FUSE on the host)",
                            EXIT_USAGE)
         session_kw["share"] = args.share
+    if getattr(args, "virtiofs_direct_io", None) is not None:  # -- virtio-fs (issue 17)
+        session_kw["virtiofs_direct_io"] = args.virtiofs_direct_io
     for f in folders:
         if not os.path.isdir(f.path):
             raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
@@ -598,6 +600,8 @@ def _ui_start_payload(args) -> dict:
         p["network_allowlist"] = allow.split(",")
     if args.share is not None:
         p["share"] = args.share
+    if args.virtiofs_direct_io is not None:
+        p["virtiofs_direct_io"] = args.virtiofs_direct_io
     if _guest_packages(args):
         p["guest_packages"] = _guest_packages(args)
     if args.delete_threshold:
@@ -1201,6 +1205,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how a VM guest reaches the working folders: virtiofs (default where QEMU has "
                              "vhost-user-fs-pci: a device per folder, served by the folder's share server) or 9p "
                              "(through QEMU's guestfwd; the fallback, logged, elsewhere)")
+        from .fuse import DIRECT_IO_MODES
+
+        sp.add_argument("--virtiofs-direct-io", choices=DIRECT_IO_MODES, default=None,
+                        help="with virtio-fs, which opens skip the guest's page cache: write-only (default; shared "
+                             "mmap works) or all (every open, as C virtiofsd cache=none: large reads are faster "
+                             "under TCG, but a shared mmap of any file on the folders fails with ENODEV)")
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",

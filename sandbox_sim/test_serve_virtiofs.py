@@ -20,7 +20,7 @@ from sandbox.fuse import messages as m
 from sandbox_sim import oracle
 from sandbox_sim.test_fuse_codec import ref_request
 from sandbox_sim.test_fuse_dispatcher import H
-from sandbox_sim.test_virtiofs_device import FrontEnd, Guest, fuse_reply, init
+from sandbox_sim.test_virtiofs_device import FrontEnd, Guest, fuse_reply, init, open_flags
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,16 +104,7 @@ def open_flags_over_virtiofs(sock: str, name: bytes, flags: int) -> int:
     try:
         fe.handshake()
         init(fe, guest)
-        head, at = guest.submit(1, ref_request(m.Lookup(H(abi.Opcode.LOOKUP), name)), 16 + 128)
-        assert fe.kick_and_wait(1) == [(head, 144)]
-        err, _, body = fuse_reply(guest, at, 144)
-        assert err == 0
-        node = int.from_bytes(body[:8], "little")
-        head, at = guest.submit(1, ref_request(m.Open(H(abi.Opcode.OPEN, node), flags, 0)), 16 + 16)
-        assert fe.kick_and_wait(1) == [(head, 32)]
-        err, _, body = fuse_reply(guest, at, 32)
-        assert err == 0
-        return int.from_bytes(body[8:12], "little")
+        return open_flags(fe, guest, name, flags)
     finally:
         fe.close()
         os.close(guest.fd)
