@@ -60,6 +60,10 @@ project, mounted two ways (cache=none, msize 512 KiB both):
   vfs-cached  vfs with every open cached (Dispatcher.direct_io_write_only pinned off): how vfs
         opened files before write-only opens got direct I/O — vfs/vfs-cached is that change
         (not run unless named in BENCH_SIDES)
+  vfs-direct  vfs with every open direct I/O (serve-virtiofs --direct-io all, a session's
+        virtiofs_direct_io="all"): virtiofsd cache=none's caching, shared mmap refused (ENODEV)
+        in the 6.1 guest — vfs-direct/virtiofsd is the server with the caching held equal
+        (not run unless named in BENCH_SIDES)
   virtiofsd  QEMU's C virtiofsd (/usr/lib/qemu/virtiofsd, cache=none, sandbox=chroot),
         no interception — the virtio-fs reference (skipped if not installed); cache=none
         opens every file FOPEN_DIRECT_IO (no guest page cache) with 0 s timeouts
@@ -138,13 +142,13 @@ echo BENCH-DONE
 
 
 VIRTIOFSD = "/usr/lib/qemu/virtiofsd"
-VIRTIOFS_SIDES = ("vfs", "vfs-cached", "virtiofsd", "virtiofsd-auto")
+VIRTIOFS_SIDES = ("vfs", "vfs-cached", "vfs-direct", "virtiofsd", "virtiofsd-auto")
 MEMORY_MB = 1024
 PHASES = ("create", "read", "git", "write32M", "read32M", "rm")
 #: the ratio columns printed when both sides ran
 RATIOS = [("ours", "plain"), ("plain", "qemu"), ("ours", "qemu"), ("watched", "ours"), ("plain", "diod"),
           ("ours", "diod"), ("vfs", "virtiofsd"), ("vfs", "virtiofsd-auto"), ("vfs", "qemu"), ("vfs", "ours"),
-          ("vfs", "vfs-cached"), ("vfs-cached", "virtiofsd")]
+          ("vfs", "vfs-cached"), ("vfs-cached", "virtiofsd"), ("vfs-direct", "virtiofsd")]
 
 
 class PhaseCounts:
@@ -195,7 +199,7 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
     cfg = VmConfig(kernel=image.vmlinuz, initrd=image.initrd, memory_mb=MEMORY_MB, host_root=True,
                    accel=accel.accel, cpu=accel.cpu,
                    append=f"sbx_work={kind}" + (f" sbx_aname={work}" if side == "diod" else "")
-                   + (f" sandbox.vfs_ra_kb={VIRTIOFS_READ_AHEAD_KB}" if side in ("vfs", "vfs-cached") else ""),
+                   + (f" sandbox.vfs_ra_kb={VIRTIOFS_READ_AHEAD_KB}" if side in ("vfs", "vfs-cached", "vfs-direct") else ""),
                    guestfwds=[(564, sock)] if kind == "ours" else [], extra=extra,
                    virtiofs=[("work", sock)] if virtio_fs else [])
     cmd = build_command(cfg)
@@ -206,15 +210,16 @@ def run(side: str, image, base: str, sample: str, accel, phases: PhaseCounts | N
             cache = "cache=none" if side == "virtiofsd" else "cache=auto"
             p, cpu = _beside_daemon([VIRTIOFSD, f"--socket-path={sock}", "-o", f"source={work}", "-o", cache,
                                      "-o", "sandbox=chroot", "-o", "log_level=err"], sock, cmd)
-        elif side in ("vfs", "vfs-cached"):
+        elif side in ("vfs", "vfs-cached", "vfs-direct"):
             ws, _own = open_workspace(work, watched=False, state_dir=work + ".state")
             provider = Provider.intercepted(ws)
             limits = ServerLimits()
             export = Export(provider, HoldBroker(), limits)
-            dispatcher_class = Dispatcher if side == "vfs" else CachedDispatcher
+            dispatcher_class = CachedDispatcher if side == "vfs-cached" else Dispatcher
             make = _counting(export, limits, phases) if phases is not None else lambda: dispatcher_class(export, limits)
             t0 = _self_cpu_s()
-            with VirtioFsThread(VirtioFsServer(make, limits), sock) as th:
+            direct_io = "all" if side == "vfs-direct" else "write-only"
+            with VirtioFsThread(VirtioFsServer(make, limits, direct_io=direct_io), sock) as th:
                 if profile is not None:
                     th.call(profile.enable)  # on the server's thread
                 p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)

@@ -123,3 +123,33 @@ def test_shared_mmap_beside_write_only_opens_over_virtiofs(sample_project):
         assert (sample_project / "m.bin").read_bytes() == b"Hello" and (sample_project / "w.bin").read_bytes() == b"Abc"
         s.undo(2)
     oracle.assert_same(before, oracle.snapshot_dir(str(sample_project)), "undo of dd and mmap over virtio-fs")
+
+
+MMAP_PRIVATE = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+mm = mmap.mmap(fd, 0, mmap.MAP_PRIVATE, mmap.PROT_READ)
+print("private", mm[:5].decode())
+"""
+
+
+def test_direct_io_all_reads_through_and_refuses_shared_maps_as_documented(sample_project):
+    """``virtiofs_direct_io="all"`` (C virtiofsd ``cache=none``'s trade, docs/virtiofs.md): a
+    program reads and writes files whose every open is direct I/O (no guest page cache), a
+    private map still works, a shared map fails
+    with ``ENODEV`` (Linux 6.1), ``fallocate`` works; everything is undone exactly."""
+    (sample_project / ".mm.py").write_text(MMAP_SHARED)
+    (sample_project / ".mp.py").write_text(MMAP_PRIVATE)
+    before = oracle.snapshot_dir(str(sample_project))
+    with Session([Folder(str(sample_project))], share="virtiofs", virtiofs_direct_io="all") as s:
+        assert s.status()["virtiofs_direct_io"] == "all"
+        code, out = run(s, "head -c 3000000 /dev/urandom > r.bin && md5sum < r.bin && "
+                           "dd if=r.bin bs=1M 2>/dev/null | md5sum && printf hello > m.bin && "
+                           "python3 .mm.py m.bin && python3 .mp.py m.bin && fallocate -l 1M f.bin && wc -c < f.bin")
+        assert code == 0, out
+        lines = out.split("\n")
+        assert lines[0] == lines[1] and lines[2:6] == ["mmap No such device", "private hello", str(1 << 20), ""], out
+        assert (sample_project / "m.bin").read_bytes() == b"hello"
+        assert os.path.getsize(sample_project / "r.bin") == 3000000
+        s.undo(1)
+    oracle.assert_same(before, oracle.snapshot_dir(str(sample_project)), "undo over direct-I/O virtio-fs")

@@ -306,6 +306,8 @@ def _session(args, *, ask: bool = True, progress=None, **session_kw):
             raise CliError("--share virtiofs is for a VM guest (--local serves the folders over FUSE on the host)",
                            EXIT_USAGE)
         session_kw["share"] = args.share
+    if getattr(args, "virtiofs_direct_io", None) is not None:  # -- virtio-fs (issue 17)
+        session_kw["virtiofs_direct_io"] = args.virtiofs_direct_io
     for f in folders:
         if not os.path.isdir(f.path):
             raise CliError(f"working folder {f.path!r} does not exist or is not a directory", EXIT_USAGE)
@@ -598,6 +600,8 @@ def _ui_start_payload(args) -> dict:
         p["network_allowlist"] = allow.split(",")
     if args.share is not None:
         p["share"] = args.share
+    if args.virtiofs_direct_io is not None:
+        p["virtiofs_direct_io"] = args.virtiofs_direct_io
     if _guest_packages(args):
         p["guest_packages"] = _guest_packages(args)
     if args.delete_threshold:
@@ -861,14 +865,15 @@ def cmd_serve_virtiofs(args) -> int:
     _confine_server(args, provider, ws, socket_dirs=[os.path.dirname(os.path.abspath(args.socket))], tcp_bind_ports=[])
 
     async def serve() -> None:
-        server = VirtioFsServer(lambda: Dispatcher(export, limits), limits)
+        server = VirtioFsServer(lambda: Dispatcher(export, limits), limits, direct_io=args.direct_io)
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
 
         def ready() -> None:
-            print(f"sandbox: serving {os.path.realpath(args.root)} as virtio-fs ({what}) on vhost-user socket "
+            print(f"sandbox: serving {os.path.realpath(args.root)} as virtio-fs ({what}; direct I/O: "
+                  f"{args.direct_io}) on vhost-user socket "
                   f"{args.socket}. QEMU: -object memory-backend-memfd,id=mem,size=RAM,share=on -numa node,memdev=mem "
                   f"-chardev socket,id=vfs,path={args.socket} -device vhost-user-fs-pci,chardev=vfs,tag=TAG,queue-size=1024. "
                   "SIGTERM or Ctrl-C stops.", file=sys.stderr, flush=True)
@@ -900,7 +905,11 @@ def _serve_virtiofs_parser(command, log_levels, mismatch) -> None:
         "disconnects the next one is served. Every mutation the guest makes is intercepted: it lands\n"
         "in ambient steps (closed after 5 s without writes) that `sandbox history --workdir DIR` lists\n"
         "and `sandbox undo --workdir DIR` undoes once the server has stopped. --read-only refuses\n"
-        "every mutation (EROFS). See docs/virtiofs.md.",
+        "every mutation (EROFS). --direct-io all opens every file FOPEN_DIRECT_IO, as C virtiofsd's\n"
+        "cache=none: large reads skip the guest's page-cache copy (under TCG a 32 MiB read takes\n"
+        "half the time), but a Linux 6.1 guest then refuses shared mmap of any file (ENODEV) and each\n"
+        "small read(2) is a request; the default, write-only, keeps shared maps working.\n"
+        "See docs/virtiofs.md.",
         [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken), or the last step could "
                                      "not be saved"),
          (2, "bad usage (--root is not a directory)"), mismatch,
@@ -910,6 +919,12 @@ def _serve_virtiofs_parser(command, log_levels, mismatch) -> None:
     sv.add_argument("--read-only", action="store_true", help="refuse every mutation; no interception, no undo store")
     sv.add_argument("--state-dir", metavar="DIR", help="where the undo store lives (default: under "
                     "$XDG_STATE_HOME/sandbox/undo/, keyed by the folder's real path)")
+    from .fuse import DIRECT_IO_MODES
+
+    sv.add_argument("--direct-io", choices=DIRECT_IO_MODES, default="write-only",
+                    help="which opens skip the guest's page cache: write-only (default: write-only opens of a "
+                         "file open nowhere else, and every open beside them) or all (every open; shared mmap "
+                         "then fails with ENODEV in 6.1 guests)")
     sv.add_argument("--log-level", default="warn", type=str.lower, choices=log_levels)
     sv.set_defaults(fn=cmd_serve_virtiofs)
 # -- end virtio-fs
@@ -1190,6 +1205,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how a VM guest reaches the working folders: virtiofs (default where QEMU has "
                              "vhost-user-fs-pci: a device per folder, served by the folder's share server) or 9p "
                              "(through QEMU's guestfwd; the fallback, logged, elsewhere)")
+        from .fuse import DIRECT_IO_MODES
+
+        sp.add_argument("--virtiofs-direct-io", choices=DIRECT_IO_MODES, default=None,
+                        help="with virtio-fs, which opens skip the guest's page cache: write-only (default; shared "
+                             "mmap works) or all (every open, as C virtiofsd cache=none: large reads are faster "
+                             "under TCG, but a shared mmap of any file on the folders fails with ENODEV)")
         sp.add_argument("--state-dir", metavar="DIR", help="the first working folder's undo store (default: under "
                         "$XDG_STATE_HOME/sandbox/undo/; pass the same to history/undo)")
         sp.add_argument("--delete-threshold", type=int, metavar="N",

@@ -170,7 +170,7 @@ class Sandbox:
                  guest_root: str = "host-usr", guest_packages: list[str] | None = None,
                  on_event: Callable[[dict], Any] | None = None,
                  on_safeguard: Callable[[dict], Any] | None = None, progress: Callable[[str], None] | None = None,
-                 as_root: bool = False):
+                 as_root: bool = False, virtiofs_direct_io: str = "write-only"):
         if share is not None:
             check_share(share)
         if external_modification_policy not in (None, *EXTERNAL_POLICIES):
@@ -193,7 +193,7 @@ class Sandbox:
                                 on_event=self._on_core_event, progress=progress, mounts=mems,
                                 python_path=python_path, external_policy=external_modification_policy,
                                 guest=guest, share=share, as_root=as_root, guest_root=guest_root,
-                                guest_packages=guest_packages)
+                                guest_packages=guest_packages, virtiofs_direct_io=virtiofs_direct_io)
         self._on_event = on_event
         #: the view (seed 004) the guest and ``files`` get: a guest path and read-only flag,
         #: None/False = everything; applied at start, narrowed further by :meth:`restrict`

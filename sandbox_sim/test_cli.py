@@ -648,3 +648,14 @@ def test_demo(tmp_path, monkeypatch):
     assert "undone: step(s) 1;" in r.stdout
     assert "rm -rf * && echo 'oops' > README.md" in r.stdout
     assert list(scratch.iterdir()) == []  # its temporary copy is cleaned up
+
+
+def test_virtiofs_direct_io_needs_a_virtiofs_share(tmp_path):
+    """``--virtiofs-direct-io all`` with ``--share 9p`` (or ``--local``) is bad usage, said
+    before anything boots; an unknown mode is refused by the parser."""
+    for extra in (["--share", "9p"], ["--local"]):
+        r = run("run", "--workdir", str(tmp_path), *extra, "--virtiofs-direct-io", "all", "--", "true",
+                cwd=str(tmp_path))
+        assert r.returncode == 2 and "virtiofs_direct_io='all' needs share='virtiofs'" in r.stderr, (extra, r.stderr)
+    r = run("run", "--workdir", str(tmp_path), "--virtiofs-direct-io", "reads", "--", "true", cwd=str(tmp_path))
+    assert r.returncode == 2 and "--virtiofs-direct-io" in r.stderr, r.stderr

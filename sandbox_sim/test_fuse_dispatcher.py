@@ -648,6 +648,26 @@ def test_write_only_opens_of_a_file_open_nowhere_else_are_direct_and_so_is_every
     assert not _direct(o) and o.open_flags & abi.FOPEN_KEEP_CACHE
 
 
+def test_direct_io_all_makes_every_open_direct_whatever_its_mode_and_the_handles_beside_it(mnt):
+    """``direct_io_all`` (the virtio-fs device's ``direct_io="all"``, virtiofsd ``cache=none``'s
+    trade): every OPEN and CREATE is answered ``FOPEN_DIRECT_IO`` — reading ones too, beside a
+    cached handle or not, coherent or not — so no open fills the guest's page cache."""
+    for name in ("r", "rw"):
+        with open(mnt.host(name), "w") as f:
+            f.write("x")
+    r, rw = (mnt.lookup(n).nodeid for n in ("r", "rw"))
+    mnt.d.direct_io_write_only = True
+    cached = mnt.call(m.Open(H(abi.Opcode.OPEN, r), os.O_RDONLY, 0))
+    assert not _direct(cached)
+    mnt.d.direct_io_all = True
+    for node, flags in ((r, os.O_RDONLY), (rw, os.O_RDWR), (rw, os.O_WRONLY), (r, os.O_WRONLY)):
+        o = mnt.call(m.Open(H(abi.Opcode.OPEN, node), flags, 0))
+        assert _direct(o) and o.open_flags & abi.FOPEN_NOFLUSH, (node, flags)
+    assert _direct(mnt.create("new-rw", flags=os.O_RDWR).open)
+    mnt.d.coherent = True
+    assert _direct(mnt.call(m.Open(H(abi.Opcode.OPEN, rw), os.O_RDONLY, 0)))
+
+
 def test_entries_made_in_a_setgid_directory_take_its_group_and_directories_its_setgid_bit(mnt):
     """What a local filesystem does (the kernel leaves it to a FUSE server): in a set-gid
     directory a new file, directory or node gets the directory's group, and a new directory

@@ -20,7 +20,7 @@ from sandbox.fuse import messages as m
 from sandbox_sim import oracle
 from sandbox_sim.test_fuse_codec import ref_request
 from sandbox_sim.test_fuse_dispatcher import H
-from sandbox_sim.test_virtiofs_device import FrontEnd, Guest, fuse_reply, init
+from sandbox_sim.test_virtiofs_device import FrontEnd, Guest, fuse_reply, init, open_flags
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,6 +95,43 @@ def test_read_only_refuses_writes(tmp_path, env):
         p.communicate(timeout=60)
     assert p.returncode == 0
     assert os.listdir(work) == [] and not os.path.exists(tmp_path / "xdg")
+
+
+def open_flags_over_virtiofs(sock: str, name: bytes, flags: int) -> int:
+    """The ``open_flags`` the device answers an OPEN of ``name`` (in the root) with ``flags``."""
+    guest = Guest()
+    fe = FrontEnd(sock, guest)
+    try:
+        fe.handshake()
+        init(fe, guest)
+        return open_flags(fe, guest, name, flags)
+    finally:
+        fe.close()
+        os.close(guest.fd)
+
+
+@pytest.mark.parametrize("mode", [None, "write-only", "all"])
+def test_direct_io_all_opens_every_file_direct(tmp_path, env, mode):
+    """``--direct-io all``: a reading open is ``FOPEN_DIRECT_IO`` (virtiofsd ``cache=none``'s
+    trade); the default (``write-only``) keeps it cached; the mode is in the ready line."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data").write_bytes(b"x" * 100)
+    sock = str(tmp_path / "vfs.sock")
+    p = subprocess.Popen([sys.executable, "-m", "sandbox", "serve-virtiofs", "--root", str(work), "--socket", sock,
+                          *(["--direct-io", mode] if mode else [])],
+                         stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+    try:
+        line = p.stderr.readline()
+        assert f"direct I/O: {mode or 'write-only'}" in line, line + p.stderr.read()
+        direct = open_flags_over_virtiofs(sock, b"data", os.O_RDONLY) & abi.FOPEN_DIRECT_IO
+        assert bool(direct) == (mode == "all")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    assert p.returncode == 0
+    r = sandbox_cmd("serve-virtiofs", "--root", str(work), "--socket", sock, "--direct-io", "reads", env=env)
+    assert r.returncode == 2 and "--direct-io" in r.stderr, r
 
 
 def test_bad_usage_and_a_file_at_the_socket_path(tmp_path, env):

@@ -30,7 +30,7 @@ from sandbox.vm.guest import NINEP_PORT, GuestMount, mount_table_text, share_dev
 from sandbox_sim.oracle import assert_same, snapshot_dir
 from sandbox_sim.test_fuse_codec import ref_request
 from sandbox_sim.test_fuse_dispatcher import H
-from sandbox_sim.test_virtiofs_device import FrontEnd, Guest, fuse_reply, init
+from sandbox_sim.test_virtiofs_device import FrontEnd, Guest, fuse_reply, init, open_flags
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -233,6 +233,36 @@ def test_a_session_serves_its_folders_as_virtiofs_devices_undone_exactly(tmp_pat
         s.undo(1)
         assert_same(before, snapshot_dir(str(work)), "undo of a step written over the session's virtio-fs device")
     assert not any(os.path.exists(mt.virtiofs_socket) for mt in guest.mounts if mt.virtiofs_socket)  # the device servers are gone with the session
+
+
+@pytest.mark.parametrize("share_servers", ["thread", "process"])
+def test_virtiofs_direct_io_all_reaches_every_device_of_the_session(tmp_path, share_servers):
+    """``virtiofs_direct_io="all"``: the folders' devices (served by the confined children or
+    here) and the in-memory trees' (served here) answer a reading open ``FOPEN_DIRECT_IO``;
+    the default keeps it cached; ``status()`` says which. Checked before anything starts: an
+    unknown mode, or one for a session that does not share over virtio-fs."""
+    with pytest.raises(ValueError, match="virtiofs_direct_io must be one of"):
+        Session([Folder(str(tmp_path))], share="virtiofs", virtiofs_direct_io="reads")
+    with pytest.raises(ValueError, match="needs share='virtiofs'"):
+        Session([Folder(str(tmp_path))], share="9p", virtiofs_direct_io="all")
+    for mode in ("write-only", "all"):
+        work = tmp_path / mode
+        work.mkdir()
+        (work / "data").write_bytes(b"d")
+        seen = {}
+
+        def read_opens(drivers, seen=seen) -> int:
+            for target, name in (("/mnt/working/0", b"data"), ("/mnt/mem", b"a")):
+                seen[target] = bool(open_flags(*drivers[target], name, os.O_RDONLY) & abi.FOPEN_DIRECT_IO)
+            return 0
+
+        guest = DriverGuest({"read": read_opens})
+        with Session([Folder(str(work), state_dir=str(tmp_path / f"{mode}.state"))], share="virtiofs",
+                     guest=lambda run_dir, guest=guest: guest, mounts=[MemoryMount("/mnt/mem", {"a": b"a"})],
+                     share_servers=share_servers, virtiofs_direct_io=mode) as s:
+            assert s.status()["virtiofs_direct_io"] == mode
+            assert s.run("read").exit_code == 0
+        assert seen == {"/mnt/working/0": mode == "all", "/mnt/mem": mode == "all"}, (mode, seen)
 
 
 @pytest.mark.parametrize("share_servers", ["thread", "process"])

@@ -234,7 +234,7 @@ def fuse_reply(guest: Guest, at: int, n: int) -> tuple[int, int, bytes]:
 class Served:
     """The server on an intercepted workspace, in a thread."""
 
-    def __init__(self, tmp_path, safeguard=None):
+    def __init__(self, tmp_path, safeguard=None, **server_kw):
         self.work = str(tmp_path / "work")
         os.makedirs(self.work)
         self.before = snapshot_dir(self.work)
@@ -246,7 +246,8 @@ class Served:
         limits = ServerLimits()
         self.export = Export(self.provider, self.holds, limits)
         self.path = str(tmp_path / "vfs.sock")
-        self.server = VirtioFsServer(lambda: Dispatcher(self.export, limits), limits, poll_interval_s=0.05)
+        self.server = VirtioFsServer(lambda: Dispatcher(self.export, limits), limits, poll_interval_s=0.05,
+                                     **server_kw)
         self.thread = VirtioFsThread(self.server, self.path).__enter__()
 
     def in_loop(self, fn):
@@ -378,6 +379,35 @@ def test_a_write_only_create_is_direct_io_through_the_device_and_a_reading_open_
         err, _, body = fuse_reply(guest, at, 32)
         flags = struct.unpack_from("<I", body, 8)[0]
         assert err == 0 and flags & abi.FOPEN_NOFLUSH and not flags & abi.FOPEN_DIRECT_IO
+
+
+def open_flags(fe: FrontEnd, guest: Guest, name: bytes, flags: int) -> int:
+    """The ``open_flags`` the device answers a LOOKUP of ``name`` (in the root) then an OPEN of
+    it with ``flags`` (the handle is left open)."""
+    head, at = guest.submit(1, ref_request(m.Lookup(H(abi.Opcode.LOOKUP), name)), 16 + 128)
+    assert fe.kick_and_wait(1) == [(head, 144)]
+    err, _, body = fuse_reply(guest, at, 144)
+    assert err == 0, err
+    node = struct.unpack_from("<Q", body)[0]
+    head, at = guest.submit(1, ref_request(m.Open(H(abi.Opcode.OPEN, node), flags, 0)), 16 + 16)
+    assert fe.kick_and_wait(1) == [(head, 32)]
+    err, _, body = fuse_reply(guest, at, 32)
+    assert err == 0, err
+    return struct.unpack_from("<I", body, 8)[0]
+
+
+def test_direct_io_all_makes_a_reading_open_direct_through_the_device(tmp_path):
+    """``VirtioFsServer(direct_io="all")`` (``serve-virtiofs --direct-io all``): an open that may
+    read is answered ``FOPEN_DIRECT_IO`` too (virtiofsd ``cache=none``'s trade), on every
+    connection's dispatcher; an unknown mode is refused before anything is served."""
+    with pytest.raises(ValueError, match="direct_io"):
+        VirtioFsServer(lambda: None, direct_io="reads")
+    srv = Served(tmp_path, direct_io="all")
+    with open(os.path.join(srv.work, "old"), "w") as f:
+        f.write("x")
+    with device_session(srv) as (guest, fe):
+        for flags in (os.O_RDONLY, os.O_RDWR):
+            assert open_flags(fe, guest, b"old", flags) & abi.FOPEN_DIRECT_IO, flags
 
 
 def avail_event(guest: Guest, q: int) -> int:

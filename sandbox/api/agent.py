@@ -292,7 +292,7 @@ class Agent:
                 python_path=p.get("python_path"), external_policy=p.get("external_modification_policy", "barrier"),
                 guest=p.get("guest", self.guest), as_root=p.get("as_root", self.as_root),
                 guest_root=p.get("guest_root", "host-usr"), guest_packages=p.get("guest_packages"),
-                share=p.get("share"))
+                share=p.get("share"), virtiofs_direct_io=p.get("virtiofs_direct_io") or "write-only")
         except ApiError:
             raise
         except Exception as e:  # the mount table's own codes stand; anything else is the payload's fault

@@ -57,6 +57,7 @@ Invariants:
   with :attr:`Dispatcher.direct_io_write_only` (the virtio-fs device) and not coherent, a node's
   open handles are all direct I/O or all cached: a write-only open of a node open nowhere else
   is ``FOPEN_DIRECT_IO``, and so is every open beside a direct one (:meth:`Dispatcher._direct`);
+  with :attr:`Dispatcher.direct_io_all` every open is;
 * **INTERRUPT** cancels a request waiting behind a hold and answers it ``EINTR``; the hold
   stays pending (as after a 9P ``Tflush``).
 * nothing from the kernel is trusted except as data: unknown node ids and handles are
@@ -367,6 +368,10 @@ class Dispatcher:
         #: the guest's page cache), and so does every open beside a direct one
         #: (:meth:`_direct`). False: no open is direct
         self.direct_io_write_only = False
+        #: every open gets FOPEN_DIRECT_IO, whatever its mode (the virtio-fs device's
+        #: ``direct_io="all"``, virtiofsd ``cache=none``'s trade): no open fills the guest's
+        #: page cache, and a 6.1 guest refuses shared maps of every file (``ENODEV``)
+        self.direct_io_all = False
         #: no-open: nodes holding descriptors, least recently used first (never pinned ones)
         self._lru: OrderedDict[int, Node] = OrderedDict()
         #: the mount is going away: gated requests fail with EIO at once instead of waiting
@@ -1054,7 +1059,10 @@ class Dispatcher:
         none), or if the open is write-only and ``n`` has no other handle (write-only: it can
         never be mapped, so refusing shared mmap costs nothing; no other handle: no cached
         reader or map that would cache pages between its writes — the pages cached before
-        are dropped by this very open). Invariant: ``n``'s handles are all direct or all cached."""
+        are dropped by this very open). Invariant: ``n``'s handles are all direct or all cached.
+        With :attr:`direct_io_all`: every open, whatever else holds."""
+        if self.direct_io_all:
+            return True
         if not self.direct_io_write_only or self.coherent:
             return False
         if n.files:

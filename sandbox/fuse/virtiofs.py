@@ -59,7 +59,7 @@ from typing import Callable
 
 from ..limits import ServerLimits
 from ..serving.sockets import private_socket_path
-from . import abi
+from . import DIRECT_IO_MODES, abi
 from . import messages as m
 from . import vhost as v
 from .codec import decode_request, encode_error, encode_reply_parts
@@ -346,11 +346,16 @@ class VirtioFsServer:
     """Serve FUSE over vhost-user on a unix socket (module docstring); one front-end at a time.
 
     ``make_dispatcher()`` makes a fresh :class:`Dispatcher` (per connection, and after a
-    DESTROY); the export behind it is shared."""
+    DESTROY); the export behind it is shared. ``direct_io``: one of :data:`DIRECT_IO_MODES`
+    (``ValueError`` otherwise), applied to every dispatcher made."""
 
     def __init__(self, make_dispatcher: Callable[[], Dispatcher], limits: ServerLimits = ServerLimits(),
-                 poll_interval_s: float | None = POLL_INTERVAL_S, capture: bool = False):
+                 poll_interval_s: float | None = POLL_INTERVAL_S, capture: bool = False,
+                 direct_io: str = "write-only"):
+        if direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO_MODES)}, not {direct_io!r}")
         self.make_dispatcher = make_dispatcher
+        self.direct_io = direct_io
         #: with ``capture``: every message's raw bytes and descriptor count, per connection (fixtures)
         self.captures: list[list[tuple[bytes, int]]] | None = [] if capture else None  # unbounded: tests only
         self._raw = bytearray()
@@ -448,6 +453,7 @@ class VirtioFsServer:
         # its pages are dropped at each open and never meanwhile: write-only opens of a file
         # open nowhere else skip them (direct I/O), and so does every open beside one
         self.dispatcher.direct_io_write_only = True
+        self.dispatcher.direct_io_all = self.direct_io == "all"
 
     # -- the vhost-user socket
 
@@ -728,12 +734,15 @@ class VirtioFsThread:
         self._thread.join(self.WAIT_S)
 
 
-async def serve_export(export, path: str, limits: ServerLimits, owners=None) -> tuple[VirtioFsServer, asyncio.Task]:
+async def serve_export(export, path: str, limits: ServerLimits, owners=None,
+                       direct_io: str = "write-only") -> tuple[VirtioFsServer, asyncio.Task]:
     """-- session wiring (issue 17): serve ``export`` (a 9P server's :class:`Export`: the same
     provider, hold gate and undo core) as a virtio-fs device on ``path``, on the running loop —
     the loop that serves the export over 9P, which polls its undo core already. Returns once
-    the socket listens (or raises why it cannot); cancel the task to stop it."""
-    server = VirtioFsServer(lambda: Dispatcher(export, limits, owners=owners), limits, poll_interval_s=None)
+    the socket listens (or raises why it cannot); cancel the task to stop it. ``direct_io``:
+    :data:`DIRECT_IO_MODES`."""
+    server = VirtioFsServer(lambda: Dispatcher(export, limits, owners=owners), limits, poll_interval_s=None,
+                            direct_io=direct_io)
     listening = asyncio.Event()
     task = asyncio.get_running_loop().create_task(server.serve(path, listening.set))
     waiter = asyncio.get_running_loop().create_task(listening.wait())

@@ -202,7 +202,9 @@ class ShareServer:
         server = NinePServer(dict(self.providers), ServerConfig(limits, owners=owners), holds=self.holds)
         self.server = ServerThread(server, unix_path=c["socket"]).__enter__()
         for name, path in (c.get("virtiofs") or {}).items():  # -- virtio-fs (issue 17): a device per folder
-            self.virtiofs.append(self.server.run(serve_export(server.exports[name], path, limits, owners), timeout_s=30)[1])
+            self.virtiofs.append(self.server.run(serve_export(server.exports[name], path, limits, owners,
+                                                              c.get("virtiofs_direct_io", "write-only")),
+                                                 timeout_s=30)[1])
         self.holds.subscribe(self._hold_changed)
         if c.get("external_policy") is not None:
             for i, ws in self.workspaces.items():

@@ -66,6 +66,7 @@ from ..core.safeguard import SafeguardConfig
 from ..guest.control import LIVE_MOUNTS_MAX  # the guest's spare share ports bound the live mounts
 from ..core.store import Limits
 from ..core.workspace import Workspace, default_state_dir
+from ..fuse import DIRECT_IO_MODES
 from ..fuse.dispatcher import ATTR_VALID_S, ENTRY_VALID_S
 from ..limits import ServerLimits
 from ..mounts import Provider, memory_tree
@@ -321,7 +322,7 @@ class Session:
                  mounts: list[MemoryMount] | None = None, python_path: list[str] | None = None,
                  external_policy: str | None = None, guest: str | Callable = "vm", share: str | None = None,
                  as_root: bool = False, guest_root: str = "host-usr", guest_packages: list[str] | None = None,
-                 share_servers: str | None = None):
+                 share_servers: str | None = None, virtiofs_direct_io: str = "write-only"):
         """``guest``: ``"vm"`` (QEMU), ``"scripted"`` (:mod:`sandbox.scripted`, no VM), or a
         factory ``(run_dir) -> guest`` (:class:`~sandbox.session.guest.Guest`).
         ``external_policy``: None (no watcher) or one of ``barrier``/``warn``/``lock``.
@@ -347,7 +348,11 @@ class Session:
         confined child process (:mod:`sandbox.serving.shareserver`) owns their workspaces and
         9P server; ``"thread"``: the agent's own server thread. Default: the environment
         variable ``SANDBOX_SHARE_SERVERS`` if set, else ``"process"`` for ``guest="vm"`` and
-        ``"thread"`` for the scripted guest and factories."""
+        ``"thread"`` for the scripted guest and factories.
+        ``virtiofs_direct_io``: with ``share="virtiofs"``, which opens skip the guest's page cache
+        (:data:`~sandbox.fuse.DIRECT_IO_MODES`) — ``"write-only"`` (default; shared maps work) or
+        ``"all"`` (every open, as C virtiofsd ``cache=none``: large reads skip the guest's copy, but
+        a 6.1 guest refuses a shared map of any file on the share with ``ENODEV``)."""
         # -- local guest (issue 16): FUSE mounts of the shares, commands on the host
         if guest == "local" or share == "local":
             if guest != "local":
@@ -387,6 +392,13 @@ class Session:
             raise ValueError("guest_packages needs guest_root='image' (host-usr has the host's software)")
         self.guest_packages = list(imageroot.validate_packages(guest_packages)) if guest_root == "image" else None
         self.share = "local" if guest == "local" else check_share(share)
+        if virtiofs_direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"virtiofs_direct_io must be one of {', '.join(DIRECT_IO_MODES)}, "
+                             f"not {virtiofs_direct_io!r}")
+        if virtiofs_direct_io != "write-only" and self.share != "virtiofs":
+            raise ValueError(f"virtiofs_direct_io={virtiofs_direct_io!r} needs share='virtiofs' (this session's "
+                             f"share is {self.share!r})")
+        self.virtiofs_direct_io = virtiofs_direct_io
         if not (callable(guest) or guest in GUESTS):
             raise ValueError(f"guest must be 'vm', 'scripted', 'local' or a factory, not {guest!r}")
         if not folders:
@@ -721,8 +733,8 @@ class Session:
             if m.kind == "folder" and s.share is not None:
                 continue  # its confined child serves it
             export = s.server.server.exports[m.name]
-            s.virtiofs.append(s.server.run(serve_export(export, self._virtiofs_socket(s, m.name), limits, owners),
-                                           timeout_s=30))
+            s.virtiofs.append(s.server.run(serve_export(export, self._virtiofs_socket(s, m.name), limits, owners,
+                                                        self.virtiofs_direct_io), timeout_s=30))
 
     @staticmethod
     def _stop_virtiofs(s: _Started) -> None:
@@ -770,7 +782,7 @@ class Session:
                       "label": self.table.folders[i].label or os.path.basename(f.path)}
             vfs = {name: self._virtiofs_socket(s, name)} if self.share == "virtiofs" else {}  # -- virtio-fs (issue 17)
             s.shares[i] = ShareProcess({**base, "folders": [folder], "socket": os.path.join(s.run_dir, f"shares-{i}.sock"),
-                                        "virtiofs": vfs},
+                                        "virtiofs": vfs, "virtiofs_direct_io": self.virtiofs_direct_io},
                                        on_event=lambda msg: self._share_event(s, msg),
                                        on_died=lambda reason: self._share_died(s, reason), dead_error=SessionError)
         s.share = s.shares[0]
@@ -1088,6 +1100,7 @@ class Session:
             "share_server_pid": s.share.pid if s is not None and s.share is not None else None,
             "share_server_pids": [sh.pid for sh in s.shares.values()] if s is not None else [],
             "share": self.share,
+            "virtiofs_direct_io": self.virtiofs_direct_io if self.share == "virtiofs" else None,
             "folders": [{"path": os.path.realpath(f.path), "guest_path": self.guest_path(i), "read_only": f.read_only,
                          "label": self.table.folders[i].label} for i, f in enumerate(self.folders)],
             "mounts": [{"guest_path": m.target, "read_only": not m.writable, "label": m.label,
@@ -1172,8 +1185,8 @@ class Session:
         from ..fuse.virtiofs import serve_export
 
         path = self._virtiofs_socket(s, name)
-        s.live_virtiofs[name] = s.server.run(serve_export(s.server.server.exports[name], path, self._limits, self._owners),
-                                             timeout_s=30)
+        s.live_virtiofs[name] = s.server.run(serve_export(s.server.server.exports[name], path, self._limits, self._owners,
+                                                          self.virtiofs_direct_io), timeout_s=30)
         return path
 
     def _drop_export(self, s: _Started, name: str) -> None:

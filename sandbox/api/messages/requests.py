@@ -129,6 +129,11 @@ class SessionStart(Closed):
         "QEMU has vhost-user-fs-pci and memfd): a vhost-user-fs device per share, served from its export; 9p: the "
         "9P server through QEMU's guestfwd (the fallback, logged, where virtio-fs is unavailable). Both intercept "
         "every write alike; not with guest local or scripted (they use their own transport)."))
+    virtiofs_direct_io: Literal["write-only", "all"] = Field(None, description=(
+        "With share virtiofs, which opens skip the guest's page cache. write-only (default): write-only opens of a "
+        "file open nowhere else, and every open beside them; shared mmap works. all: every open, as C virtiofsd "
+        "cache=none: large reads skip the guest's copy, but a Linux 6.1 guest refuses a shared mmap of any file on "
+        "the shares (ENODEV) and each small read is a request."))
     safeguard: SafeguardConfig = None
     undo_limits: UndoLimits = None
     agent: AgentConfig = None
