@@ -161,6 +161,8 @@ async def test_create_context_manager_and_start_stop(proj, tmp_path):
     ({"guest": "local", "volumes": ["."], "network": "allowlist", "allow": ["example.org"]}, ValueError,
      "cannot enforce a network allowlist"),
     ({"share": "nfs"}, ValueError, "share must be one of"),
+    ({"virtiofs_direct_io": "all"}, ValueError, "needs share='virtiofs'"),
+    ({"share": "9p", "virtiofs_direct_io": "reads"}, ValueError, "virtiofs_direct_io must be one of"),
     ({"network": "wide"}, ValueError, "network must be one of"),
     ({"guest": "qemu"}, ValueError, "guest must be"),
     ({"volumes": []}, ValueError, "at least one volume"),

@@ -244,6 +244,8 @@ def test_session_reset_starts_the_same_session_fresh(api, project, cmds):
     ({"working_directories": [{"path": "/tmp"}], "share": "virtiofs"}, "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}], "share": "virtiofs", "guest": "local"}, "session.invalid_config"),
     ({"working_directories": [{"path": "/tmp"}], "share": "nfs"}, "protocol.invalid_request"),
+    ({"working_directories": [{"path": "/tmp"}], "share": "9p", "virtiofs_direct_io": "all"}, "session.invalid_config"),
+    ({"working_directories": [{"path": "/tmp"}], "virtiofs_direct_io": "reads"}, "protocol.invalid_request"),
 ])
 def test_bad_session_configs_are_clear_errors_and_leave_nothing_running(api, payload, code):
     c = api()
