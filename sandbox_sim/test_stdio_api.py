@@ -171,6 +171,7 @@ def test_session_start_status_stop_and_directories(api, project, tmp_path):
     assert c.error("session.start", {"working_directories": [{"path": str(project)}]})["code"] == "session.already_started"
     st = c.ok("session.status")
     assert st["state"] == "idle" and st["filesystem_backend"] == "9p" and len(st["folders"]) == 2
+    assert st["virtiofs_direct_io"] is None  # only a virtio-fs share has a direct-I/O mode
     assert c.ok("fs.read", {"path": "shared.txt", "directory": "lib"})["data"] == "shared\n"
     assert c.ok("fs.read", {"path": "/mnt/working/1/shared.txt"})["data"] == "shared\n"
     assert c.error("undo.history", {"directory": "lib"})["code"] == "session.read_only_directory"

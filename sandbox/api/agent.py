@@ -377,6 +377,7 @@ class Agent:
                 "running": None if r is None else r.as_dict(),
                 "pending_safeguards": s.holds.pending(),
                 "view": self.view.view, "read_only": self.view.read_only, "filesystem_backend": s.share,
+                "virtiofs_direct_io": st["virtiofs_direct_io"],
                 "external_modification_policy": st["external_modification_policy"],
                 "files": self.files.counters() if self.files is not None else None}
 
