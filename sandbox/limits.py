@@ -99,6 +99,13 @@ DESCRIPTORS_RESERVED = 256
 DIR_ENTRY_OVERHEAD_BYTES = 64
 
 
+def listing_cost(names) -> int:
+    """What a directory listing of ``names`` costs: ``len(name) + DIR_ENTRY_OVERHEAD_BYTES``
+    each — the one count every listing bound uses (a server's kept listings, a bounded
+    ``HostFS.listdir``'s ``limit_bytes``)."""
+    return sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """The limits of one protocol server (table in the module docstring)."""
