@@ -65,6 +65,7 @@ __all__ = [
     "StoreBusy",
     "ListingTooLarge",
     "bounded_names",
+    "has_entries",
     "normalize",
     "join",
     "parent_of",
@@ -167,6 +168,16 @@ def bounded_names(names: Iterable[str], limit_bytes: int | None, path: str) -> l
             raise ListingTooLarge(path, limit_bytes, out)
         out.append(name)
     return out
+
+
+def has_entries(fs: "HostFS", path: str) -> bool:
+    """Does the directory ``path`` hold any entry? One name read answers, however many it
+    holds (a :meth:`HostFS.listdir` bounded at 0 bytes: its first name passes the bound)."""
+    try:
+        fs.listdir(path, limit_bytes=0)
+    except ListingTooLarge:
+        return True
+    return False
 
 
 #: paths :func:`normalize` remembers (it is a pure function of the string); all forgotten
