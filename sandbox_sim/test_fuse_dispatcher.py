@@ -1249,3 +1249,27 @@ def test_opendir_reads_a_directory_only_up_to_the_listing_budget_left():
     fh, _node = opendir("small")
     assert fh is not None and d.listing_bytes == 2 * listing_cost([".", ".."] + small)
     d.close()
+
+
+def test_opendir_of_a_real_directory_over_the_listing_budget_is_enomem_and_holds_nothing(tmp_path):
+    """The same on a real folder (its listing read through the directory's descriptor, bounded):
+    ``ENOMEM``, nothing held afterwards — no listing bytes, no descriptor — and a directory that
+    fits still opens and lists whole."""
+    limits = ServerLimits(dir_listing_bytes_per_connection_max=4096)
+    mo = Mount(tmp_path, limits)
+    try:
+        os.mkdir(mo.host("big"))
+        for i in range(2000):
+            open(mo.host("big", f"f{i:04d}"), "w").close()
+        os.mkdir(mo.host("small"))
+        open(mo.host("small", "x"), "w").close()
+        big = mo.lookup("big").nodeid
+        assert mo.err(m.Opendir(H(abi.Opcode.OPENDIR, big), os.O_RDONLY, 0)) == errno.ENOMEM
+        assert mo.d.listing_bytes == 0 and mo.d._listing_descriptors == 0
+        small = mo.lookup("small").nodeid
+        o = mo.call(m.Opendir(H(abi.Opcode.OPENDIR, small), os.O_RDONLY, 0))
+        assert mo.d.listing_bytes == listing_cost([".", "..", "x"])
+        entries = ref_parse_dirents(bytes(mo.call(m.Readdir(H(abi.Opcode.READDIR, small), o.fh, 0, 4096, 0, 0, 0)).data), False)
+        assert [e[3] for e in entries] == [b".", b"..", b"x"]
+    finally:
+        mo.close()
