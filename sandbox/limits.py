@@ -34,8 +34,10 @@ limit (``ServerLimits`` field)                    default     when exceeded
                                                               fids: ``ENOMEM``
 ``dir_listing_bytes_per_connection_max``          16 MiB      readdir listings kept between Treaddirs: the
                                                               least recently used is dropped (re-read on
-                                                              demand, offsets stay valid); a listing
-                                                              larger than the whole budget is never kept
+                                                              demand, offsets stay valid); a directory is
+                                                              read only up to the whole budget
+                                                              (``HostFS.listdir(limit_bytes=)``), one
+                                                              over it is ``ENOMEM``
 ``held_requests_per_export_max``                  10,000      ``ENOSPC`` (:mod:`sandbox.serving.holds`)
 ``locks_per_export_max``                          100,000     ``ENOLCK`` (:mod:`sandbox.serving.locks`)
 ``xattr_value_bytes_max`` (the kernel's)          64 KiB      ``E2BIG``
