@@ -66,7 +66,8 @@ from collections.abc import Iterator
 
 from .api.errors import ApiError, to_api_error
 from .core.errors import HoldRequired
-from .hostfs import DIR, LNK, REG, Attr, FileHandle, join
+from .hostfs import DIR, LNK, NAME_LEN_MAX, REG, Attr, FileHandle, ListingTooLarge, join
+from .limits import DIR_ENTRY_OVERHEAD_BYTES
 from .mounts.table import MountTable, PathDenied, guest_path
 
 log = logging.getLogger("sandbox.files")
@@ -586,9 +587,9 @@ class FileService:
             p = loc.provider
             if p.getattr(loc.rel).kind != DIR:
                 raise _err("fs.not_a_directory", f"{loc.guest} is not a directory", errno.ENOTDIR)
-            names = sorted(p.listdir(loc.rel))
+            names, truncated = _first_names(p, loc.rel, LIST_ENTRIES_MAX)
             entries = []
-            for name in names[:LIST_ENTRIES_MAX]:
+            for name in names:
                 child = join(loc.rel, name)
                 try:
                     a = p.getattr(child)
@@ -602,7 +603,7 @@ class FileService:
                     except OSError:
                         pass
                 entries.append(e)
-            return {"path": loc.guest, "entries": entries, "truncated": len(names) > LIST_ENTRIES_MAX}
+            return {"path": loc.guest, "entries": entries, "truncated": truncated}
 
     def _above_mounts(self, guest: str) -> set[str] | None:
         """For a directory no mount contains but some mount (inside the view) lies below:
@@ -671,7 +672,7 @@ class FileService:
     def _remove_tree(self, p, rel: str, count: list[int]) -> int:
         """Remove the tree at ``rel`` depth first, without recursion: a tree may be nested
         deeper than Python's stack (only :data:`REMOVE_ENTRIES_MAX` bounds it)."""
-        stack = [(rel, iter(sorted(p.listdir(rel))))]
+        stack = [(rel, iter(_first_names(p, rel, REMOVE_ENTRIES_MAX)[0]))]
         while stack:
             d, names = stack[-1]
             name = next(names, None)
@@ -682,7 +683,8 @@ class FileService:
                 continue
             child = join(d, name)
             if p.lookup(child).kind == DIR:
-                stack.append((child, iter(sorted(p.listdir(child)))))
+                # a directory cut short holds more than can be removed: the count stops it before its rmdir
+                stack.append((child, iter(_first_names(p, child, REMOVE_ENTRIES_MAX)[0])))
             else:
                 self._removed(count)
                 p.unlink(child)
@@ -717,13 +719,14 @@ class FileService:
         with self._op("status"):
             loc = self._locate("", directory)
             p = loc.provider
-            warnings, seen, stack = [], 0, [loc.rel]
+            warnings, seen, stack, cut = [], 0, [loc.rel], False
             while stack and seen < STATUS_ENTRIES_MAX:
                 d = stack.pop()
                 try:
-                    names = sorted(p.listdir(d))
+                    names, more = _first_names(p, d, STATUS_ENTRIES_MAX - seen)
                 except OSError:
                     continue
+                cut = cut or more
                 lower: dict[str, str] = {}
                 for name in names:
                     seen += 1
@@ -749,10 +752,27 @@ class FileService:
                         warnings.append({"kind": "special_file", "path": child,
                                          "message": f"{child} is a {_stat.filemode(a.st_mode)[0]!r}-type special "
                                                     "file: listed but never opened"})
-            return {"warnings": warnings, "truncated": bool(stack)}
+            return {"warnings": warnings, "truncated": bool(stack) or cut}
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+#: the most one name can cost a bounded listing (:func:`~sandbox.limits.listing_cost`)
+_NAME_COST_MAX = NAME_LEN_MAX + DIR_ENTRY_OVERHEAD_BYTES
+
+
+def _first_names(p, rel: str, entries_max: int) -> tuple[list[str], bool]:
+    """The first ``entries_max`` names of directory ``rel`` in code-point order, and whether
+    it holds more. The host reads it only up to what ``entries_max + 1`` of the longest names
+    cost (a bounded ``listdir``): all of a directory within that, so the answer is exact;
+    of a larger one the part read, so its first names are those of that part."""
+    try:
+        names = p.listdir(rel, limit_bytes=(entries_max + 1) * _NAME_COST_MAX)
+    except ListingTooLarge as e:
+        names = e.names  # more than entries_max of them: each cost at most _NAME_COST_MAX
+    names.sort()
+    return names[:entries_max], len(names) > entries_max
 
 
 def _stat_dict(guest: str, a: Attr) -> dict:

@@ -34,8 +34,10 @@ limit (``ServerLimits`` field)                    default     when exceeded
                                                               fids: ``ENOMEM``
 ``dir_listing_bytes_per_connection_max``          16 MiB      readdir listings kept between Treaddirs: the
                                                               least recently used is dropped (re-read on
-                                                              demand, offsets stay valid); a listing
-                                                              larger than the whole budget is never kept
+                                                              demand, offsets stay valid); a directory is
+                                                              read only up to the whole budget
+                                                              (``HostFS.listdir(limit_bytes=)``), one
+                                                              over it is ``ENOMEM``
 ``held_requests_per_export_max``                  10,000      ``ENOSPC`` (:mod:`sandbox.serving.holds`)
 ``locks_per_export_max``                          100,000     ``ENOLCK`` (:mod:`sandbox.serving.locks`)
 ``xattr_value_bytes_max`` (the kernel's)          64 KiB      ``E2BIG``
@@ -97,6 +99,13 @@ SHARE_SERVER_START_TIMEOUT_S = 120.0
 DESCRIPTORS_RESERVED = 256
 #: what one cached directory entry costs beyond its name's bytes (a str object and a list slot)
 DIR_ENTRY_OVERHEAD_BYTES = 64
+
+
+def listing_cost(names) -> int:
+    """What a directory listing of ``names`` costs: ``len(name) + DIR_ENTRY_OVERHEAD_BYTES``
+    each — the one count every listing bound uses (a server's kept listings, a bounded
+    ``HostFS.listdir``'s ``limit_bytes``)."""
+    return sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
 
 
 @dataclass(frozen=True, slots=True)

@@ -946,6 +946,29 @@ def test_renames_and_links_that_must_fail_record_no_intent(world):
     assert world.snapshot() == before
 
 
+def test_a_rename_over_a_full_directory_reads_one_of_its_entries():
+    """The interceptor's ENOTEMPTY check (a rename over a directory, refused before any intent
+    is journalled) asks whether the directory holds an entry: one read answers, however many
+    it holds (the in-memory host counts the names it read)."""
+    from sandbox.hostfs.memory import MemoryHostFS
+
+    work = MemoryHostFS()
+    ws = Workspace.open_on(work, MemoryHostFS("store"))
+    try:
+        ws.fs.makedirs("empty")
+        ws.fs.makedirs("full")
+        for i in range(500):
+            ws.fs.create(f"full/f{i:03d}")
+        before = work.entries_read
+        with ws.step("over a full directory"):
+            with pytest.raises(OSError) as e:
+                ws.fs.rename("empty", "full")
+        assert e.value.errno == errno.ENOTEMPTY
+        assert work.entries_read - before == 1
+    finally:
+        ws.close()
+
+
 def test_unreadable_barrier_file_blocks_every_rollback(world):
     ws = _open(world)
     _seed(ws)

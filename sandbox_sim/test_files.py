@@ -22,8 +22,11 @@ from hypothesis.stateful import (
 
 from sandbox.api.errors import ApiError
 from sandbox.core.workspace import Workspace
+from sandbox import files as files_module
 from sandbox.files import HANDLES_MAX, READ_CALL_BYTES_MAX, FileService
+from sandbox.hostfs import NAME_LEN_MAX
 from sandbox.hostfs.memory import MemoryHostFS
+from sandbox.limits import DIR_ENTRY_OVERHEAD_BYTES
 from sandbox.mounts import Provider
 from sandbox.mounts.table import Mount, MountTable
 from sandbox_sim import oracle
@@ -335,5 +338,48 @@ def test_views_are_per_client_and_narrowing_makes_a_new_provider():
         n = base.narrowed("src", read_only=True)
         assert n is not base and n.view == "src" and n.read_only
         assert base.narrowed("src").narrowed("").view == "src"  # never widens
+    finally:
+        s.ws.close()
+
+
+def test_list_status_and_remove_read_a_directory_only_up_to_their_entry_limits(monkeypatch):
+    """``list`` answers the first ``LIST_ENTRIES_MAX`` names in code-point order and
+    ``truncated``, ``status`` scans at most ``STATUS_ENTRIES_MAX`` entries, a recursive
+    ``remove`` takes at most ``REMOVE_ENTRIES_MAX``: each now has the host read a directory
+    only up to what its limit needs (``len(name) + DIR_ENTRY_OVERHEAD_BYTES`` a name, at most
+    ``NAME_LEN_MAX`` bytes long — a bounded ``listdir``), never the whole of a huge one (the
+    in-memory host counts the names it read). Within the bound, the answers are as before."""
+    limit = 50
+    for name in ("LIST_ENTRIES_MAX", "STATUS_ENTRIES_MAX", "REMOVE_ENTRIES_MAX"):
+        monkeypatch.setattr(files_module, name, limit)
+    read_max = (limit + 1) * (NAME_LEN_MAX + DIR_ENTRY_OVERHEAD_BYTES) // (5 + DIR_ENTRY_OVERHEAD_BYTES) + 1
+    s = DiskSession()
+    try:
+        s.work.mkdir("big", 0o755)
+        big = [f"f{i:04d}" for i in range(3000)]
+        for n in big:
+            s.work.create(f"big/{n}", 0o644)
+        assert read_max < len(big)
+        for n_entries, truncated in ((limit, False), (limit + 1, True)):  # small: read whole, as before
+            s.work.mkdir(f"d{n_entries}", 0o755)
+            names = [f"g{i:03d}" for i in range(n_entries)]
+            for n in reversed(names):
+                s.work.create(f"d{n_entries}/{n}", 0o644)
+            out = FileService(s).list(f"{TARGET}/d{n_entries}")
+            assert [e["name"] for e in out["entries"]] == names[:limit] and out["truncated"] is truncated
+        files = FileService(s)
+        before = s.work.entries_read
+        out = files.list(f"{TARGET}/big")
+        assert s.work.entries_read - before <= read_max
+        got = [e["name"] for e in out["entries"]]
+        assert out["truncated"] and len(got) == limit and got == sorted(got) and set(got) <= set(big)
+        before = s.work.entries_read
+        assert files.status()["truncated"]
+        assert s.work.entries_read - before <= 5 + read_max  # the root's names, then big's
+        before = s.work.entries_read
+        with pytest.raises(ApiError) as e:
+            files.remove(f"{TARGET}/big", recursive=True)
+        assert e.value.code == "fs.too_large"
+        assert s.work.entries_read - before <= read_max
     finally:
         s.ws.close()

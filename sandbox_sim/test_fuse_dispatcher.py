@@ -25,8 +25,8 @@ from sandbox.fuse.codec import encode_error, encode_notify, encode_reply
 from sandbox.fuse import dispatcher as dispatcher_module
 from sandbox.fuse.dispatcher import (ATTR_VALID_S, COHERENT_ATTR_VALID_S, COHERENT_ENTRY_VALID_S, ENTRY_VALID_S,
                                      NEGATIVE_ENTRIES_MAX, WANTED_INIT_FLAGS, Dispatcher, errno_of)
-from sandbox.limits import DescriptorBudget, ServerLimits
-from sandbox.mounts import Provider
+from sandbox.limits import DIR_ENTRY_OVERHEAD_BYTES, DescriptorBudget, ServerLimits, listing_cost
+from sandbox.mounts import Provider, memory_tree
 from sandbox.serving import Export, HoldBroker
 from sandbox_sim.oracle import assert_same, snapshot_dir
 from sandbox_sim.test_fuse_codec import ref_parse_dirents
@@ -1229,5 +1229,67 @@ def test_readdirplus_at_the_node_limit_answers_the_entries_it_could_and_counts_o
         got = ref_parse_dirents(bytes(mo.call(m.Readdirplus(H(abi.Opcode.READDIRPLUS), fh, got[-1][1], 65536, 0, 0,
                                                             0)).data), True)
         assert [name for _ino, _off, _typ, name, _e in got] == [b"d", b"e", b"f"]
+    finally:
+        mo.close()
+
+
+def test_opendir_reads_a_directory_only_up_to_the_listing_budget_left():
+    """A directory whose listing would pass what is left of ``dir_listing_bytes_per_connection_max``
+    is ``ENOMEM`` at OPENDIR, as before — and the host stopped reading it at that bound (the
+    in-memory host counts the names it read: one past the bound, never the rest). What is
+    left is the budget less the listings held: a listing that fits alone is refused while
+    two others are held, and opens once one is released."""
+    big = [f"f{i:04d}" for i in range(2000)]
+    small = [f"f{i:02d}" for i in range(20)]
+    tree = memory_tree({f"big/{n}": b"" for n in big} | {f"small/{n}": b"" for n in small})
+    limits = ServerLimits(dir_listing_bytes_per_connection_max=4096)
+    d = Dispatcher(Export(tree, HoldBroker(), limits), limits)
+    d.handle(m.Init(H(abi.Opcode.INIT), 7, 38, 1 << 17, 0xFFFFFFFF & ~abi.FUSE_INIT_RESERVED, 0xFFFFFFFF))
+    dots = listing_cost([".", ".."])
+
+    def opendir(name: str):
+        node = d.handle(m.Lookup(H(abi.Opcode.LOOKUP), name.encode())).nodeid
+        before = tree.host.entries_read
+        try:
+            return d.handle(m.Opendir(H(abi.Opcode.OPENDIR, node), os.O_RDONLY, 0)).fh, node
+        except OSError as e:
+            assert e.errno == errno.ENOMEM
+            return None, tree.host.entries_read - before
+
+    fh, read = opendir("big")
+    assert fh is None and read == (4096 - dots) // (5 + DIR_ENTRY_OVERHEAD_BYTES) + 1 < len(big)
+    assert d.listing_bytes == 0
+    held = [opendir("small") for _ in range(2)]
+    assert all(fh is not None for fh, _ in held)
+    assert d.listing_bytes == 2 * listing_cost([".", ".."] + small) > 4096 - listing_cost([".", ".."] + small)
+    fh, read = opendir("small")
+    assert fh is None and read == (4096 - d.listing_bytes - dots) // (3 + DIR_ENTRY_OVERHEAD_BYTES) + 1 < len(small)
+    fh, node = held.pop()
+    d.handle(m.Releasedir(H(abi.Opcode.RELEASEDIR, node), fh, 0, 0, 0))
+    fh, _node = opendir("small")
+    assert fh is not None and d.listing_bytes == 2 * listing_cost([".", ".."] + small)
+    d.close()
+
+
+def test_opendir_of_a_real_directory_over_the_listing_budget_is_enomem_and_holds_nothing(tmp_path):
+    """The same on a real folder (its listing read through the directory's descriptor, bounded):
+    ``ENOMEM``, nothing held afterwards — no listing bytes, no descriptor — and a directory that
+    fits still opens and lists whole."""
+    limits = ServerLimits(dir_listing_bytes_per_connection_max=4096)
+    mo = Mount(tmp_path, limits)
+    try:
+        os.mkdir(mo.host("big"))
+        for i in range(2000):
+            open(mo.host("big", f"f{i:04d}"), "w").close()
+        os.mkdir(mo.host("small"))
+        open(mo.host("small", "x"), "w").close()
+        big = mo.lookup("big").nodeid
+        assert mo.err(m.Opendir(H(abi.Opcode.OPENDIR, big), os.O_RDONLY, 0)) == errno.ENOMEM
+        assert mo.d.listing_bytes == 0 and mo.d._listing_descriptors == 0
+        small = mo.lookup("small").nodeid
+        o = mo.call(m.Opendir(H(abi.Opcode.OPENDIR, small), os.O_RDONLY, 0))
+        assert mo.d.listing_bytes == listing_cost([".", "..", "x"])
+        entries = ref_parse_dirents(bytes(mo.call(m.Readdir(H(abi.Opcode.READDIR, small), o.fh, 0, 4096, 0, 0, 0)).data), False)
+        assert [e[3] for e in entries] == [b".", b"..", b"x"]
     finally:
         mo.close()

@@ -134,6 +134,54 @@ def test_mkdir_swapped_for_someone_elses_directory_leaves_it_alone(tmp_path, out
     fs.close()
 
 
+def test_mkdir_asks_a_directory_swapped_in_for_one_entry_not_its_listing(tmp_path, monkeypatch):
+    """Whether the directory found after mkdir is the new one is answered by its first entry:
+    a racer's directory of thousands of names costs one name read (entries drawn from the
+    directory reads, counted at ``os``: no ``os.listdir``, one ``os.scandir`` entry)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for i in range(2000):
+        (theirs / f"f{i:04d}").touch()
+    fs = RealHostFS(str(root))
+    drawn, listed = [], []
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    class Counted:
+        def __init__(self, it):
+            self.it = it
+
+        def __enter__(self):
+            self.it.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.it.__exit__(*exc)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            e = next(self.it)
+            drawn.append(e.name)
+            return e
+
+    def swap(dir_fd):
+        os.rmdir("d", dir_fd=dir_fd)
+        os.rename(str(theirs), "d", dst_dir_fd=dir_fd)
+        monkeypatch.setattr(os, "scandir", lambda *a: Counted(real_scandir(*a)))
+        monkeypatch.setattr(os, "listdir", lambda *a: listed.append(a) or real_listdir(*a))
+
+    swap_after(monkeypatch, "mkdir", "d", swap)
+    with pytest.raises(FileExistsError):
+        fs.mkdir("d", 0o777)
+    monkeypatch.undo()
+    assert len(drawn) == 1 and not listed
+    assert len(os.listdir(root / "d")) == 2000
+    fs.close()
+
+
 def test_mkdir_without_a_racer_sets_the_mode_through_the_new_directory(tmp_path):
     fs = RealHostFS(str(tmp_path))
     fs.mkdir("d", 0o7751 if os.geteuid() == 0 else 0o751)

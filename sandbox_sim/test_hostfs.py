@@ -40,6 +40,7 @@ from sandbox.hostfs import (
     Attr,
     FileHandle,
     HostFS,
+    ListingTooLarge,
     PathError,
     Stat,
     StatFS,
@@ -52,6 +53,7 @@ from sandbox.hostfs import (
 )
 from sandbox.hostfs.real import RealHostFS
 from sandbox.hostfs.memory import MemoryHostFS
+from sandbox.limits import DIR_ENTRY_OVERHEAD_BYTES, listing_cost
 from sandbox_sim.faults import FaultInjector, SimulatedCrash
 
 IS_ROOT = os.geteuid() == 0
@@ -3318,6 +3320,38 @@ def test_a_directory_handle_lists_its_inode_wherever_it_moved(fs):
         check_errno(errno.ENOTDIR, f.listdir)
     finally:
         f.close()
+
+
+def test_a_bounded_listing_reads_only_up_to_its_bound(env, fs):
+    """``listdir(path, limit_bytes=N)`` (and a directory handle's): every name read costs
+    ``len(name) + DIR_ENTRY_OVERHEAD_BYTES`` (:func:`~sandbox.limits.listing_cost`); the read
+    stops at the first name that would pass ``N`` — ``ListingTooLarge`` (``ENOMEM``) holding
+    only the names read before it — so a huge directory never costs more than the bound. A
+    listing within the bound is the whole one; the handle lists whole again afterwards."""
+    fs.mkdir("d", 0o755)
+    names = [f"n{i:05d}" for i in range(300)]
+    for n in names:
+        mkfile(fs, f"d/{n}")
+    whole = listing_cost(names)
+    each = len(names[0]) + DIR_ENTRY_OVERHEAD_BYTES
+    assert whole == each * len(names)
+    h = fs.open_dir("d")
+    try:
+        for listdir in (lambda **kw: fs.listdir("d", **kw), lambda **kw: h.listdir(**kw)):
+            assert sorted(listdir(limit_bytes=whole)) == names  # exactly at the bound: whole
+            for bound in (whole - 1, 5 * each, 5 * each + each - 1, 0):
+                before = None if env.real else fs.entries_read
+                e = check_errno(errno.ENOMEM, listdir, limit_bytes=bound)
+                assert isinstance(e, ListingTooLarge) and e.limit_bytes == bound
+                assert len(e.names) == bound // each and set(e.names) <= set(names)
+                if not env.real:  # the host read stopped at the name that passed the bound
+                    assert fs.entries_read - before == len(e.names) + 1
+            assert sorted(listdir()) == names  # unbounded, and the handle was rewound
+        fs.mkdir("empty", 0o755)
+        assert fs.listdir("empty", limit_bytes=0) == []
+        check_errno(errno.ENOTDIR, fs.listdir, "d/n00000", limit_bytes=0)
+    finally:
+        h.close()
 
 
 def test_sim_remembered_paths_never_outlive_a_rename_a_removal_or_a_power_loss():

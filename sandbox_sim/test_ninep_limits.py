@@ -31,9 +31,9 @@ import pytest
 
 from sandbox.core.safeguard import SafeguardConfig
 from sandbox.core.workspace import Workspace
-from sandbox.limits import (DESCRIPTORS_RESERVED, PROCESS_DESCRIPTORS, DescriptorBudget, MiB, ServerLimits,
-                            raise_nofile_soft_limit)
-from sandbox.mounts import Provider
+from sandbox.limits import (DESCRIPTORS_RESERVED, DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget,
+                            MiB, ServerLimits, listing_cost, raise_nofile_soft_limit)
+from sandbox.mounts import Provider, memory_tree
 from sandbox.mounts.memory import memory_hostfs
 from sandbox.ninep import messages as m
 from sandbox.ninep.client import Client, NinePError
@@ -309,6 +309,37 @@ def test_readdir_listings_per_connection_are_bounded(tmp_path):
         sp.stop()
     listing = 50_000 * (40 + 64)
     assert grown < LIMITS.dir_listing_bytes_per_connection_max + 3 * listing, f"listings cost {grown / MiB:.1f} MiB"
+
+
+def test_a_directory_over_the_listing_budget_is_read_only_up_to_it_and_refused():
+    """A listing is never larger than ``dir_listing_bytes_per_connection_max`` (kept listings
+    of other fids are dropped to make room, as before): the host reads a directory only up to
+    that bound — the in-memory host counts one name past it, never the rest — and a
+    directory over it is ``ENOMEM`` at Treaddir, as an OPENDIR over the FUSE server's budget.
+    Directories within it are still listed whole, however many fids keep theirs."""
+    big = [f"f{i:04d}" for i in range(2000)]
+    small = [f"f{i:02d}" for i in range(20)]
+    tree = memory_tree({f"big/{n}": b"" for n in big} | {f"small/{n}": b"" for n in small})
+    budget = 4096
+    with serve(tree, ServerConfig(limits=ServerLimits(dir_listing_bytes_per_connection_max=budget))) as (_st, path), \
+            Client.connect_unix(path) as c:
+        root, _ = c.attach()
+        fid, _ = c.walk(root, ["big"])
+        c.lopen(fid, m.DOTL_RDONLY)
+        before = tree.host.entries_read
+        with pytest.raises(NinePError) as e:
+            c.readdir(fid, 0, 8192)
+        assert e.value.errno == errno.ENOMEM
+        room = budget - listing_cost([".", ".."])
+        assert tree.host.entries_read - before == room // (5 + DIR_ENTRY_OVERHEAD_BYTES) + 1 < len(big)
+        fids = []
+        for _ in range(4):  # each listing fits alone; together they do not: the oldest are dropped
+            f, _ = c.walk(root, ["small"])
+            c.lopen(f, m.DOTL_RDONLY)
+            got, _offset = read_some(c, f, 0, 8192)
+            assert got == [".", ".."] + small
+            fids.append(f)
+        assert 4 * listing_cost([".", ".."] + small) > budget
 
 
 def read_some(c: Client, fid: int, offset: int, count: int = 2048) -> tuple[list[str], int]:

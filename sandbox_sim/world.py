@@ -151,7 +151,7 @@ class FaultyHostFS(HostFS):
     def __getattr__(self, op):
         fn = getattr(self.inner, op)
 
-        def call(*args):
+        def call(*args, **kwargs):
             nbytes = len(args[-1]) if op in ("write", "setxattr") else 0
             path = args[0] if args and isinstance(args[0], str) else ""
             limit = self.injector(self, op, path, nbytes)
@@ -159,7 +159,7 @@ class FaultyHostFS(HostFS):
                 path, offset, data = args
                 self.inner.write(path, offset, data[:limit])
                 self.injector.after_torn_write(self, path, limit)
-            result = fn(*args)
+            result = fn(*args, **kwargs)
             return FaultyHandle(self, result) if op in ("open", "create_handle") else result
 
         return call

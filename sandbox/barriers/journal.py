@@ -471,8 +471,8 @@ class RecordingFileHandle(FileHandle):
     def getattr_xattr_names_at(self, name: str) -> tuple[Attr, list[str]]:
         return self.inner.getattr_xattr_names_at(name)
 
-    def listdir(self) -> list[str]:
-        return self.inner.listdir()
+    def listdir(self, *, limit_bytes: int | None = None) -> list[str]:
+        return self.inner.listdir(limit_bytes=limit_bytes)
 
     def getxattr_at(self, name: str, xattr: str) -> bytes:
         return self.inner.getxattr_at(name, xattr)
@@ -591,8 +591,8 @@ class RecordingHostFS(HostFS):
     def statfs(self) -> StatFS:
         return self.inner.statfs()
 
-    def listdir(self, path: str) -> list[str]:
-        return self.inner.listdir(path)
+    def listdir(self, path: str, *, limit_bytes: int | None = None) -> list[str]:
+        return self.inner.listdir(path, limit_bytes=limit_bytes)
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         return self.inner.read(path, offset, length)

@@ -48,7 +48,7 @@ import functools
 import threading
 from typing import Callable
 
-from ..hostfs import DIR, OTHER, REG, Entry, FileHandle, HostFS, Stat, is_within, parent_of, same_inode
+from ..hostfs import DIR, OTHER, REG, Entry, FileHandle, HostFS, Stat, has_entries, is_within, parent_of, same_inode
 from .errors import HoldRequired, RollbackIncomplete, SafeguardDenied
 from .preimage import INTENT_OPS, LINKS_PER_RECORD_MAX, is_restorable_special, link_index, meta_of
 from .safeguard import Hold, Safeguard
@@ -604,4 +604,4 @@ class UndoInterceptor:
             return False
         if (s.kind == DIR) != (d.kind == DIR):
             return True  # ENOTDIR / EISDIR
-        return d.kind == DIR and bool(self.work.listdir(dst))  # ENOTEMPTY
+        return d.kind == DIR and has_entries(self.work, dst)  # ENOTEMPTY: one entry read answers

@@ -45,7 +45,8 @@ Invariants:
   (:attr:`Dispatcher.on_node_pressure`) the kernel is asked to forget the oldest names from
   :data:`NODE_RELIEF_AT` of it, so only names in use can fill it, open files ≤ ``open_files_per_connection_max`` and the process's
   :class:`~sandbox.limits.DescriptorBudget` (``EMFILE``/``ENFILE``), directory
-  snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR),
+  snapshots ≤ ``dir_listing_bytes_per_connection_max`` in total (``ENOMEM`` at OPENDIR; the
+  host reads a directory only up to what is left of it, so a huge one costs no more),
   reads and readdirs ≤ :data:`~.abi.MAX_WRITE_BYTES`, xattr values ≤ 64 KiB (``E2BIG``).
 * **caching**: entry/attribute timeouts and the page-cache mode follow :attr:`Dispatcher.coherent`
   (True while the watcher's invalidations run: long timeouts, ``FOPEN_KEEP_CACHE``);
@@ -77,8 +78,8 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from ..core.errors import HoldRequired
-from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
-from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
+from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, ListingTooLarge, parent_of
+from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, listing_cost
 from ..mounts import child
 from ..mounts.identity import Cred, OwnerMap
 from ..mounts.provider import XATTR_SIZE_MAX
@@ -133,6 +134,9 @@ NODE_DESCRIPTORS_MAX = 4096
 #: its entries up by path, as without one — so a guest that opens many directories and never
 #: releases them cannot take the descriptors its file OPENs need
 LISTING_DESCRIPTORS_MAX = 64
+#: what a listing's "." and ".." cost (:func:`~sandbox.limits.listing_cost`): the rest of the
+#: room left in ``dir_listing_bytes_per_connection_max`` is what OPENDIR lets the host read
+_DOTS_COST = listing_cost([".", ".."])
 #: a transport that can make the kernel forget names (/dev/fuse: :attr:`Dispatcher.on_node_pressure`)
 #: asks it to, once the node table holds this share of ``fids_per_connection_max``: the names
 #: of the oldest nodes not open, NODE_RELIEF_SHARE of the table at a time (the kernel drops
@@ -1353,11 +1357,16 @@ class Dispatcher:
                 self._attr(n)  # still there (ESTALE/ENOENT otherwise); with ``held``: its inode, checked
                 if self.no_open:  # the node's own descriptor, if it has one: its inode, no path resolved
                     listing = n.ro if n.ro is not None and not n.ro.closed else None
-            names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=listing))
-            cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
             budget = self.limits.dir_listing_bytes_per_connection_max
-            if self.listing_bytes + cost > budget:
-                raise OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+            over = OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
+            room = budget - self.listing_bytes - _DOTS_COST  # the host reads the directory only up to it
+            try:
+                names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=listing, limit_bytes=max(room, 0)))
+            except ListingTooLarge:
+                raise over from None
+            cost = listing_cost(names)
+            if self.listing_bytes + cost > budget:  # room < 0: not even "." and ".." fit
+                raise over
         except BaseException:
             if held is not None:
                 held.close()

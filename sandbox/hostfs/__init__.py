@@ -49,9 +49,10 @@ import os
 import stat as _stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from ..frozen import fast_init
+from ..limits import DIR_ENTRY_OVERHEAD_BYTES
 
 __all__ = [
     "HostFS",
@@ -62,6 +63,9 @@ __all__ = [
     "Lock",
     "PathError",
     "StoreBusy",
+    "ListingTooLarge",
+    "bounded_names",
+    "has_entries",
     "normalize",
     "join",
     "parent_of",
@@ -135,6 +139,45 @@ class StoreBusy(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class ListingTooLarge(OSError):
+    """A bounded :meth:`HostFS.listdir` (``limit_bytes``) met a name that would pass its bound
+    (errno ``ENOMEM``): the read stopped there. ``names`` are those read before it, in the
+    directory's order (their :func:`~sandbox.limits.listing_cost` is within the bound) — a
+    caller that can answer with a part of the directory (the API's ``list``) uses them."""
+
+    def __init__(self, path: str, limit_bytes: int, names: list[str]):
+        super().__init__(errno.ENOMEM, f"directory listing over {limit_bytes} bytes", path)
+        self.limit_bytes = limit_bytes
+        self.names = names
+
+
+def bounded_names(names: Iterable[str], limit_bytes: int | None, path: str) -> list[str]:
+    """The names ``names`` yields, read one at a time and counted as
+    :func:`~sandbox.limits.listing_cost` counts them; the first that would pass
+    ``limit_bytes`` stops the read (:class:`ListingTooLarge`): what is held never exceeds the
+    bound, however large the directory. ``limit_bytes`` None: all of them."""
+    if limit_bytes is None:
+        return list(names)
+    out: list[str] = []
+    cost = 0
+    for name in names:
+        cost += len(name) + DIR_ENTRY_OVERHEAD_BYTES
+        if cost > limit_bytes:
+            raise ListingTooLarge(path, limit_bytes, out)
+        out.append(name)
+    return out
+
+
+def has_entries(fs: "HostFS", path: str) -> bool:
+    """Does the directory ``path`` hold any entry? One name read answers, however many it
+    holds (a :meth:`HostFS.listdir` bounded at 0 bytes: its first name passes the bound)."""
+    try:
+        fs.listdir(path, limit_bytes=0)
+    except ListingTooLarge:
+        return True
+    return False
 
 
 #: paths :func:`normalize` remembers (it is a pure function of the string); all forgotten
@@ -425,9 +468,10 @@ class FileHandle(ABC):
         here (a handle kind that cannot): ``EOPNOTSUPP``."""
         raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
 
-    def listdir(self) -> list[str]:
+    def listdir(self, *, limit_bytes: int | None = None) -> list[str]:
         """For a directory's handle: :meth:`HostFS.listdir` of its inode, wherever its path now
-        is (one caller at a time: the listing rewinds the descriptor). Here: ``EOPNOTSUPP``."""
+        is (one caller at a time: the listing rewinds the descriptor), read only up to
+        ``limit_bytes`` as there. Here: ``EOPNOTSUPP``."""
         raise OSError(errno.EOPNOTSUPP, "no entries read through this handle", self.path)
 
     def getxattr_at(self, name: str, xattr: str) -> bytes:
@@ -653,7 +697,12 @@ class HostFS(ABC):
         return SYNTHETIC_STATFS
 
     @abstractmethod
-    def listdir(self, path: str) -> list[str]: ...
+    def listdir(self, path: str, *, limit_bytes: int | None = None) -> list[str]:
+        """The names in directory ``path`` (no ``.``/``..``; a final symlink is not followed:
+        ``ENOTDIR``), in the directory's order. ``limit_bytes``: the directory is read only
+        until a name would pass it, counted as :func:`~sandbox.limits.listing_cost` counts
+        (:func:`bounded_names`), then :class:`ListingTooLarge` (``ENOMEM``) — a guest's
+        million-name directory costs a bounded caller its bound, never the whole listing."""
 
     @abstractmethod
     def open(self, path: str, flags: int) -> FileHandle:

@@ -39,7 +39,7 @@ import os
 import stat as _stat
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from . import (
     DIR,
@@ -54,6 +54,7 @@ from . import (
     Stat,
     StatFS,
     StoreBusy,
+    bounded_names,
     check_component,
     check_open_flags,
     is_within,
@@ -306,13 +307,13 @@ class MemoryFileHandle(FileHandle):
         self._call("fstat")
         return self._node.attr()
 
-    def listdir(self) -> list[str]:
+    def listdir(self, *, limit_bytes: int | None = None) -> list[str]:
         """The entries of the directory inode held (:meth:`MemoryHostFS.open_dir`), as
-        :meth:`MemoryHostFS.listdir` of a path (the same fault hook)."""
+        :meth:`MemoryHostFS.listdir` of a path (the same fault hook, the same bound)."""
         self._call("listdir")
         if self._node.kind != DIR:
             raise _err(errno.ENOTDIR, self.path)
-        return list(self._node.entries)
+        return self._fs._read_names(self._node, limit_bytes, self.path)
 
     def getattr_at(self, name: str) -> Attr:
         """The entry ``name`` of the directory inode held, as :meth:`MemoryHostFS.getattr`
@@ -455,6 +456,9 @@ class MemoryHostFS(HostFS):
         self.names = 0
         #: power losses so far (each sets older ctimes, bytes and entries back)
         self.power_losses = 0
+        #: directory entries ``listdir`` (a path's or a handle's) has read so far: a bounded
+        #: listing reads one name past what it returns, never the rest of the directory
+        self.entries_read = 0
         self._kept_walk: tuple[int, tuple[tuple[str, _Inode], ...]] | None = None  # (names, tree_nodes())
         #: None (the simulated disk): unbounded; else :meth:`limit_bytes`
         self._budget: _Budget | None = None
@@ -769,14 +773,28 @@ class MemoryHostFS(HostFS):
         self._look("statfs", "")
         return super().statfs()
 
-    def listdir(self, path: str) -> list[str]:
+    def listdir(self, path: str, *, limit_bytes: int | None = None) -> list[str]:
         self._look("listdir", path)
         node = self._walk(path)
         # a final symlink is not followed, and is not a directory: the kernel checks
         # O_DIRECTORY before it would refuse to open a symlink (ELOOP)
         if node.kind != DIR:
             raise _err(errno.ENOTDIR, path)
-        return list(node.entries)
+        return self._read_names(node, limit_bytes, path)
+
+    def _read_names(self, node: _Inode, limit_bytes: int | None, path: str) -> list[str]:
+        """A directory's names, read one at a time up to ``limit_bytes`` (:func:`bounded_names`),
+        each counted in :attr:`entries_read`."""
+        if limit_bytes is None:
+            names = list(node.entries)
+            self.entries_read += len(names)
+            return names
+        return bounded_names(self._counted(node.entries), limit_bytes, path)
+
+    def _counted(self, names: Iterable[str]) -> Iterator[str]:
+        for name in names:
+            self.entries_read += 1
+            yield name
 
     def read(self, path: str, offset: int, length: int) -> bytes:
         self._look("read", path)

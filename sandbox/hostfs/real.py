@@ -53,6 +53,7 @@ from . import (
     PATH_LEN_MAX,
     TREE_PATH_BYTES_MAX,
     StoreBusy,
+    bounded_names,
     check_component,
     check_open_flags,
     parent_of,
@@ -269,6 +270,24 @@ def _pread_noatime(fd: int, length: int, offset: int) -> bytes | None:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
+def _listdir_fd(fd: int, limit_bytes: int | None, path: str) -> list[str]:
+    """The names of the directory open on ``fd``. Unbounded: ``os.listdir`` (it reads a
+    duplicate of ``fd`` to the end, then rewinds it). Bounded: ``os.scandir`` of ``fd`` —
+    also a duplicate, closed and ``fd`` rewound when the ``with`` ends, however it ends —
+    read one ``getdents`` batch at a time and stopped by :func:`bounded_names` at the first
+    name past ``limit_bytes``: the rest of the directory is never read."""
+    if limit_bytes is None:
+        return os.listdir(fd)
+    with os.scandir(fd) as it:
+        return bounded_names((e.name for e in it), limit_bytes, path)
+
+
+def _has_entries(fd: int) -> bool:
+    """Does the directory open on ``fd`` hold any entry? One entry read answers (rewound after)."""
+    with os.scandir(fd) as it:
+        return next(it, None) is not None
+
+
 def _ebadf(path: str) -> OSError:
     return OSError(errno.EBADF, os.strerror(errno.EBADF), path)
 
@@ -427,13 +446,13 @@ class RealFileHandle(FileHandle):
         finally:
             self._release()
 
-    def listdir(self) -> list[str]:
-        """:meth:`FileHandle.listdir`: ``os.listdir`` of the descriptor (a duplicate read to the
-        end, then rewound) — no path resolved, where :meth:`RealHostFS.listdir` opens the
-        directory by path again (``openat2`` and ``close`` more)."""
+    def listdir(self, *, limit_bytes: int | None = None) -> list[str]:
+        """:meth:`FileHandle.listdir`: the names of the descriptor's directory (read through a
+        duplicate, then rewound: :func:`_listdir_fd`) — no path resolved, where
+        :meth:`RealHostFS.listdir` opens the directory by path again (``openat2`` and ``close`` more)."""
         fd = self._acquire()
         try:
-            return os.listdir(fd)
+            return _listdir_fd(fd, limit_bytes, self.path)
         finally:
             self._release()
 
@@ -781,10 +800,10 @@ class RealHostFS(HostFS):
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
         return RealFileHandle(self._open(path, flags), path, flags)
 
-    def listdir(self, path: str) -> list[str]:
+    def listdir(self, path: str, *, limit_bytes: int | None = None) -> list[str]:
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            return os.listdir(fd)
+            return _listdir_fd(fd, limit_bytes, path)
         finally:
             os.close(fd)
 
@@ -878,7 +897,7 @@ class RealHostFS(HostFS):
         finally:
             os.close(pfd)
         try:
-            if os.listdir(fd):
+            if _has_entries(fd):
                 raise OSError(errno.EEXIST, "the new directory was replaced by another one", path)
             os.fchmod(fd, mode & 0o7777)
         finally:

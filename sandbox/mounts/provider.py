@@ -214,11 +214,16 @@ class Provider:
         self._see(path)
         return self.host.open_dir(path)
 
-    def listdir(self, path: str, *, handle: FileHandle | None = None) -> list[str]:
+    def listdir(self, path: str, *, handle: FileHandle | None = None, limit_bytes: int | None = None) -> list[str]:
         """The names in directory ``path`` — read through ``handle`` (from :meth:`open_dir`,
-        on that directory's inode: no path resolved) if given."""
+        on that directory's inode: no path resolved) if given; read only up to ``limit_bytes``
+        (``HostFS.listdir``: ``ListingTooLarge``, ``ENOMEM``, past it — the bound is on what
+        the host read, before a view narrows it)."""
         self._see(path)
-        names = handle.listdir() if handle is not None else self.host.listdir(path)
+        if handle is not None:
+            names = handle.listdir(limit_bytes=limit_bytes)
+        else:
+            names = self.host.listdir(path, limit_bytes=limit_bytes)
         v = self.view
         if v and not is_within(path, v):  # above the view: only the way down
             names = [n for n in names if is_within(v, join(path, n))]

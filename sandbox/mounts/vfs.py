@@ -38,7 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, runtime_checkable
 
-from ..hostfs import DIR, NAME_LEN_MAX, REG, SYNTHETIC_STATFS, Attr, FileHandle, HostFS, Stat, StatFS, check_open_flags
+from ..hostfs import (DIR, NAME_LEN_MAX, REG, SYNTHETIC_STATFS, Attr, FileHandle, HostFS, Stat, StatFS, bounded_names,
+                      check_open_flags)
 from .provider import Provider
 
 __all__ = ["VirtualFileSystem", "FileStat", "VfsHostFS", "vfs_tree", "is_vfs", "VFS_FILE_BYTES_MAX",
@@ -304,7 +305,10 @@ class VfsHostFS(HostFS):
     def statfs(self) -> StatFS:
         return SYNTHETIC_STATFS
 
-    def listdir(self, path: str) -> list[str]:
+    def listdir(self, path: str, *, limit_bytes: int | None = None) -> list[str]:
+        """The mounted object's names (at most :data:`VFS_LIST_ENTRIES_MAX`, ``EIO`` beyond:
+        what it returned is already in memory), sorted, within ``limit_bytes`` as
+        :meth:`HostFS.listdir` (:func:`~sandbox.hostfs.bounded_names`)."""
         if self._attr(path).kind != DIR:
             raise _err(errno.ENOTDIR, path)
         names = self._ask("list", path)
@@ -316,7 +320,7 @@ class VfsHostFS(HostFS):
                     or len(n.encode("utf-8", "surrogateescape")) > NAME_LEN_MAX):
                 raise _err(errno.EIO, path, f"the mounted object listed an invalid name {n!r}")
             out.append(n)
-        return sorted(set(out))
+        return bounded_names(sorted(set(out)), limit_bytes, path)
 
     def _content(self, path: str) -> bytes:
         data = self._ask("read", path)

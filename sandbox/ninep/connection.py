@@ -40,8 +40,8 @@ from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, parent_of
-from ..limits import DIR_ENTRY_OVERHEAD_BYTES, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits
+from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, ListingTooLarge, parent_of
+from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, listing_cost
 from ..mounts import child
 from ..mounts.identity import Cred, OwnerMap, attach_cred
 from ..mounts.provider import XATTR_SIZE_MAX
@@ -73,6 +73,7 @@ _DT = {REG: m.DT_REG, DIR: m.DT_DIR, LNK: m.DT_LNK}
 
 
 OFFSET_MAX = (1 << 63) - 1  # loff_t
+_DOTS_COST = listing_cost([".", ".."])  # of every listing: the rest of the budget is what the host may read
 
 
 def _offset(x: int) -> int:
@@ -561,10 +562,11 @@ class Connection:
 
         Offsets are positions in the sorted listing (``.``, ``..``, then names in code
         point order) taken when the scan began, so a fid reads a stable listing while it
-        is kept. Kept listings cost ``len(name) + DIR_ENTRY_OVERHEAD_BYTES`` each entry;
-        one connection keeps at most ``dir_listing_bytes_per_connection_max`` of them,
-        dropping the least recently read first, and never keeps a listing larger than
-        that. A fid whose listing was dropped lists the directory again: if it continues
+        is kept. Kept listings cost ``len(name) + DIR_ENTRY_OVERHEAD_BYTES`` each entry
+        (:func:`~sandbox.limits.listing_cost`); one connection keeps at most
+        ``dir_listing_bytes_per_connection_max`` of them, dropping the least recently read
+        first. No listing is larger: the host reads a directory only up to that bound, and
+        one over it is ``ENOMEM`` (the FUSE server's OPENDIR says the same). A fid whose listing was dropped lists the directory again: if it continues
         where it stopped (``offset`` is the one after the last entry it returned), it
         resumes after that *name* — every entry that stayed is returned exactly once,
         whatever was added or removed meanwhile; any other offset indexes the new
@@ -573,7 +575,12 @@ class Connection:
             self._listings.move_to_end(f)
             return f.dir_names, f.dir_base
         self._forget_listing(f)
-        names = [".", ".."] + sorted(f.export.provider.listdir(f.path, handle=f.dir_handle))
+        budget = self.limits.dir_listing_bytes_per_connection_max
+        try:
+            names = [".", ".."] + sorted(f.export.provider.listdir(f.path, handle=f.dir_handle,
+                                                                   limit_bytes=max(budget - _DOTS_COST, 0)))
+        except ListingTooLarge:
+            raise OSError(errno.ENOMEM, f"a directory listing over {budget} bytes held on this connection") from None
         base, last = 0, f.dir_last
         if offset != 0 and last is not None and last[0] == offset:
             after = {".": 1, "..": 2}.get(last[1])
@@ -582,8 +589,7 @@ class Connection:
             names, base = names[after:], offset
         if offset == 0:
             f.dir_last = None
-        cost = sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
-        budget = self.limits.dir_listing_bytes_per_connection_max
+        cost = listing_cost(names)
         if cost <= budget:
             while self.listing_bytes + cost > budget:
                 old, old_cost = self._listings.popitem(last=False)
