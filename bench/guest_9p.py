@@ -356,12 +356,13 @@ def main() -> int:
     med = {side: {k: statistics.median(v) for k, v in res[side].items()} for side in sides}
     ratios = [(a, b) for a, b in RATIOS if a in sides and b in sides]
     cols = list(sides) + [f"{a}/{b}" for a, b in ratios]
-    print(f"{'phase':14}" + "".join(f"{c:>15}" for c in cols))
+    width = max(15, *(len(c) + 2 for c in cols))  # every heading apart from its neighbours
+    print(f"{'phase':14}" + "".join(f"{c:>{width}}" for c in cols))
     for k in med[sides[0]]:
         row = [med[side].get(k, float("nan")) for side in sides]
         row += [med[a].get(k, float("nan")) / med[b].get(k, float("nan")) if med[b].get(k) else float("nan")
                 for a, b in ratios]
-        print(f"{k:14}" + "".join(f"{v:15.2f}" for v in row))
+        print(f"{k:14}" + "".join(f"{v:{width}.2f}" for v in row))
     report_floor(res, sides)
     if phases:
         report_phases(phases)
