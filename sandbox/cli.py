@@ -906,8 +906,8 @@ def _serve_virtiofs_parser(command, log_levels, mismatch) -> None:
         "in ambient steps (closed after 5 s without writes) that `sandbox history --workdir DIR` lists\n"
         "and `sandbox undo --workdir DIR` undoes once the server has stopped. --read-only refuses\n"
         "every mutation (EROFS). --direct-io all opens every file FOPEN_DIRECT_IO, as C virtiofsd's\n"
-        "cache=none: large reads skip the guest's page-cache copy (under TCG a 32 MiB read takes\n"
-        "half the time), but a Linux 6.1 guest then refuses shared mmap of any file (ENODEV) and each\n"
+        "cache=none: large reads skip the guest's page-cache copy (under TCG a 32 MiB read took\n"
+        "0.09 s instead of 0.14), but a Linux 6.1 guest then refuses shared mmap of any file (ENODEV) and each\n"
         "small read(2) is a request; the default, write-only, keeps shared maps working.\n"
         "See docs/virtiofs.md.",
         [(0, "stopped cleanly"), (1, "failed to start (e.g. the socket path is taken), or the last step could "
