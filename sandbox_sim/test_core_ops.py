@@ -503,3 +503,33 @@ def test_an_undo_sets_a_mode_only_where_a_current_look_shows_it_differs():
     assert sorted(path for fs, op, path in trace if op == "chmod") == ["chmodded", "xattred"]
     oracle.assert_same(before, world.snapshot(), "undo")
     ws.close()
+
+
+def test_a_listing_above_a_narrowed_view_looks_up_one_name_and_reads_no_directory():
+    """Above a restricted view only the way down is listed: the view's next component, if it
+    is there. It is looked up, not found by reading the directory — so a huge directory above
+    the view is neither read nor refused by a listing bound (``ENOMEM``) it has no part in."""
+    from sandbox.hostfs.memory import MemoryHostFS
+
+    fs = MemoryHostFS()
+    for d in ("a", "a/b", "a/b/c"):
+        fs.mkdir(d, 0o755)
+    for i in range(500):
+        fs.mkdir(f"a/n{i:03d}", 0o755)
+    p = Provider(fs, None, read_only=False)
+    view = p.narrowed("a/b/c")
+    before = fs.entries_read
+    assert view.listdir("", limit_bytes=0) == ["a"]
+    assert view.listdir("a", limit_bytes=0) == ["b"]
+    h = fs.open_dir("a")
+    try:
+        assert view.listdir("a", handle=h, limit_bytes=0) == ["b"]
+    finally:
+        h.close()
+    assert fs.entries_read == before  # no directory was read
+    assert sorted(view.listdir("a/b/c")) == []  # inside the view: the directory itself
+    fs.rmdir("a/b/c")
+    assert view.listdir("a/b") == []  # the way down is gone: nothing to show
+    with pytest.raises(OSError) as e:
+        view.listdir("a/n000")  # beside the view
+    assert e.value.errno == errno.EACCES

@@ -217,17 +217,17 @@ class Provider:
     def listdir(self, path: str, *, handle: FileHandle | None = None, limit_bytes: int | None = None) -> list[str]:
         """The names in directory ``path`` — read through ``handle`` (from :meth:`open_dir`,
         on that directory's inode: no path resolved) if given; read only up to ``limit_bytes``
-        (``HostFS.listdir``: ``ListingTooLarge``, ``ENOMEM``, past it — the bound is on what
-        the host read, before a view narrows it)."""
+        (``HostFS.listdir``: ``ListingTooLarge``, ``ENOMEM``, past it). Above the view only
+        the way down is shown — the view's next component, if it is there: looked up, no
+        directory read, no bound applies."""
         self._see(path)
-        if handle is not None:
-            names = handle.listdir(limit_bytes=limit_bytes)
-        else:
-            names = self.host.listdir(path, limit_bytes=limit_bytes)
         v = self.view
-        if v and not is_within(path, v):  # above the view: only the way down
-            names = [n for n in names if is_within(v, join(path, n))]
-        return names
+        if v and not is_within(path, v):  # above the view
+            down = (v[len(path) + 1:] if path else v).split("/", 1)[0]
+            return [down] if self.host.exists(join(path, down)) else []
+        if handle is not None:
+            return handle.listdir(limit_bytes=limit_bytes)
+        return self.host.listdir(path, limit_bytes=limit_bytes)
 
     def readlink(self, path: str) -> str:
         self._see(path, above_ok=False)
