@@ -108,6 +108,11 @@ def listing_cost(names) -> int:
     return sum(map(len, names)) + DIR_ENTRY_OVERHEAD_BYTES * len(names)
 
 
+#: what every server listing's "." and ".." cost (:func:`listing_cost`): the rest of the room
+#: left in ``dir_listing_bytes_per_connection_max`` is what the host may read of a directory
+LISTING_DOTS_COST = listing_cost([".", ".."])
+
+
 @dataclass(frozen=True, slots=True)
 class ServerLimits:
     """The limits of one protocol server (table in the module docstring)."""

@@ -79,7 +79,7 @@ from typing import Callable, NamedTuple
 
 from ..core.errors import HoldRequired
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, ListingTooLarge, parent_of
-from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, listing_cost
+from ..limits import LISTING_DOTS_COST, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, listing_cost
 from ..mounts import child
 from ..mounts.identity import Cred, OwnerMap
 from ..mounts.provider import XATTR_SIZE_MAX
@@ -134,9 +134,6 @@ NODE_DESCRIPTORS_MAX = 4096
 #: its entries up by path, as without one — so a guest that opens many directories and never
 #: releases them cannot take the descriptors its file OPENs need
 LISTING_DESCRIPTORS_MAX = 64
-#: what a listing's "." and ".." cost (:func:`~sandbox.limits.listing_cost`): the rest of the
-#: room left in ``dir_listing_bytes_per_connection_max`` is what OPENDIR lets the host read
-_DOTS_COST = listing_cost([".", ".."])
 #: a transport that can make the kernel forget names (/dev/fuse: :attr:`Dispatcher.on_node_pressure`)
 #: asks it to, once the node table holds this share of ``fids_per_connection_max``: the names
 #: of the oldest nodes not open, NODE_RELIEF_SHARE of the table at a time (the kernel drops
@@ -1359,7 +1356,7 @@ class Dispatcher:
                     listing = n.ro if n.ro is not None and not n.ro.closed else None
             budget = self.limits.dir_listing_bytes_per_connection_max
             over = OSError(errno.ENOMEM, f"directory listings over {budget} bytes held on this mount")
-            room = budget - self.listing_bytes - _DOTS_COST  # the host reads the directory only up to it
+            room = budget - self.listing_bytes - LISTING_DOTS_COST  # the host reads the directory only up to it
             try:
                 names = [".", ".."] + sorted(self.provider.listdir(n.path, handle=listing, limit_bytes=max(room, 0)))
             except ListingTooLarge:

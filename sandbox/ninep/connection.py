@@ -41,7 +41,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..hostfs import DIR, LNK, OTHER, REG, Attr, FileHandle, ListingTooLarge, parent_of
-from ..limits import PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, listing_cost
+from ..limits import LISTING_DOTS_COST, PROCESS_DESCRIPTORS, DescriptorBudget, ServerLimits, listing_cost
 from ..mounts import child
 from ..mounts.identity import Cred, OwnerMap, attach_cred
 from ..mounts.provider import XATTR_SIZE_MAX
@@ -73,7 +73,6 @@ _DT = {REG: m.DT_REG, DIR: m.DT_DIR, LNK: m.DT_LNK}
 
 
 OFFSET_MAX = (1 << 63) - 1  # loff_t
-_DOTS_COST = listing_cost([".", ".."])  # of every listing: the rest of the budget is what the host may read
 
 
 def _offset(x: int) -> int:
@@ -578,7 +577,7 @@ class Connection:
         budget = self.limits.dir_listing_bytes_per_connection_max
         try:
             names = [".", ".."] + sorted(f.export.provider.listdir(f.path, handle=f.dir_handle,
-                                                                   limit_bytes=max(budget - _DOTS_COST, 0)))
+                                                                   limit_bytes=max(budget - LISTING_DOTS_COST, 0)))
         except ListingTooLarge:
             raise OSError(errno.ENOMEM, f"a directory listing over {budget} bytes held on this connection") from None
         base, last = 0, f.dir_last
